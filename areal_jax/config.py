@@ -1,0 +1,244 @@
+"""The one place that knows every config key, its default, and what makes a config valid.
+
+`base_config()` is the full schema with defaults; config files (configs/*.py) start from it and
+override. `validate(config)` turns mistakes into `ConfigError`s that say what was wrong and how to fix
+it, and runs before anything is compiled or loaded.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or inconsistent with another."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key the system reads, with its default. Config files override a subset."""
+    c = ml_collections.ConfigDict()
+    c.run_dir = "runs/default"
+    c.seed = 0
+    c.total_steps = 100  # trainer updates (policy versions) to run
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""  # HF directory: config.json + *.safetensors (+ tokenizer files)
+    c.model.tokenizer_path = ""  # defaults to model.path
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"
+
+    c.data = ml_collections.ConfigDict()
+    c.data.train_path = ""
+    c.data.test_path = ""
+    c.data.question_field = "question"
+    c.data.answer_field = "answer"
+    c.data.prompt_template = "Question: {question}\nAnswer:"
+    c.data.use_chat_template = False
+    c.data.system_prompt = ""
+    c.data.max_prompt_len = 256
+    c.data.on_bad_row = "error"  # error | skip
+    c.data.shuffle = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.train_devices = ml_collections.config_dict.placeholder(int)
+    c.mesh.rollout_devices = ml_collections.config_dict.placeholder(int)
+    c.mesh.train_fraction = ml_collections.config_dict.placeholder(float)
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+    c.mesh.rollout_tensor = -1
+    c.mesh.colocated = False  # train and rollout share every local device
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8  # samples per prompt (GRPO group)
+    c.rollout.max_new_tokens = 64
+    c.rollout.max_len = 320  # prompt + completion, per sampler slot
+    c.rollout.num_slots = 64
+    c.rollout.temperature = 1.0
+    c.rollout.top_k = ml_collections.config_dict.placeholder(int)
+    c.rollout.top_p = ml_collections.config_dict.placeholder(float)
+    c.rollout.on_update = "recompute"  # recompute | continue
+    c.rollout.max_staleness = ml_collections.FieldReference(4, field_type=int)  # eta; None = unbounded
+    c.rollout.max_concurrent = ml_collections.config_dict.placeholder(int)  # groups in flight
+    c.rollout.filter_uniform_groups = False  # DAPO dynamic sampling
+    c.rollout.advantage_mode = "grpo"  # grpo | dr_grpo | rloo
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_groups = 16  # B: groups (prompts) per update
+    c.train.lr = 1e-5
+    c.train.warmup_steps = 0
+    c.train.schedule = "constant"  # constant | cosine
+    c.train.weight_decay = 0.0
+    c.train.max_grad_norm = 1.0
+    c.train.loss = "decoupled"  # decoupled | ppo
+    c.train.eps_clip = 0.2
+    c.train.eps_clip_high = ml_collections.config_dict.placeholder(float)
+    c.train.behav_weight_cap = ml_collections.config_dict.placeholder(float)
+    c.train.behav_weight_mode = "mask"  # mask | clamp
+    c.train.dual_clip = ml_collections.config_dict.placeholder(float)
+    c.train.loss_agg = "token-mean"
+    c.train.prox_mode = "recompute"  # recompute | loglinear | behav
+    c.train.ppo_minibatches = 1
+    c.train.micro_batch_tokens = 4096
+    c.train.kl_coef = 0.0
+    c.train.kl_estimator = "k3"
+    c.train.entropy_coef = 0.0
+    c.train.min_lr_ratio = 0.0
+    c.train.logits_chunk = 512
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fn = "math"  # math | exact | module:function
+    c.reward.num_workers = 2
+    c.reward.timeout_s = 5.0
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.n_test = 500  # problems of data.test_path; 0 disables evaluation
+    c.eval.at_start = True
+    c.eval.at_end = True
+    c.eval.every_steps = 0
+    c.eval.max_new_tokens = 64
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 10
+    c.checkpoint.keep = 2
+    c.checkpoint.resume = True
+
+    c.log = ml_collections.ConfigDict()
+    c.log.every_steps = 1
+    c.log.tensorboard = True
+    c.log.timeline = True
+    c.log.console = True
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.enabled = False  # also turned on by a coordinator address or SLURM / TPU env
+    c.distributed.coordinator_address = ""
+    c.distributed.num_processes = ml_collections.config_dict.placeholder(int)
+    c.distributed.process_id = ml_collections.config_dict.placeholder(int)
+    c.distributed.heartbeat_timeout_s = 60.0
+    return c
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "data.on_bad_row": ("error", "skip"),
+    "rollout.on_update": ("recompute", "continue"),
+    "rollout.advantage_mode": ("grpo", "dr_grpo", "rloo"),
+    "train.schedule": ("constant", "cosine"),
+    "train.loss": ("decoupled", "ppo"),
+    "train.behav_weight_mode": ("mask", "clamp"),
+    "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "train.prox_mode": ("recompute", "loglinear", "behav"),
+    "train.kl_estimator": ("k1", "k2", "k3"),
+}
+
+
+def _flatten(c: Any, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in c.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _check_keys(config: ml_collections.ConfigDict) -> None:
+    known = _flatten(base_config())
+    for key in _flatten(config):
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, list(known), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown config key '{key}'.{hint} Known keys are listed in areal_jax/config.py.")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> ml_collections.ConfigDict:
+    """Raise ConfigError on the first problem found; return the config unchanged when valid.
+
+    Checks that need only the config run here (keys, types, ranges, relations between values);
+    device-count checks run in system.mesh once devices are known, still before any compile.
+    """
+    _check_keys(config)
+    flat = _flatten(config)
+    for key, choices in _CHOICES.items():
+        _require(flat[key] in choices, f"{key}={flat[key]!r} is not one of {', '.join(choices)}.")
+
+    r, t = config.rollout, config.train
+    _require(config.total_steps >= 1, f"total_steps={config.total_steps} must be at least 1.")
+    _require(r.group_size >= 1, f"rollout.group_size={r.group_size} must be at least 1.")
+    _require(t.batch_groups >= 1, f"train.batch_groups={t.batch_groups} must be at least 1.")
+    _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be at least 1.")
+    _require(
+        config.data.max_prompt_len + r.max_new_tokens <= r.max_len,
+        f"data.max_prompt_len ({config.data.max_prompt_len}) + rollout.max_new_tokens "
+        f"({r.max_new_tokens}) exceeds rollout.max_len ({r.max_len}); raise rollout.max_len or lower one of them.",
+    )
+    _require(
+        r.num_slots >= r.group_size,
+        f"rollout.num_slots={r.num_slots} is smaller than rollout.group_size={r.group_size}: a whole "
+        "group must fit in the sampler's slots. Raise num_slots or lower group_size.",
+    )
+    _require(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy).")
+    if r.top_p is not None:
+        _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must lie in (0, 1].")
+    if r.top_k is not None:
+        _require(r.top_k >= 1, f"rollout.top_k={r.top_k} must be at least 1.")
+    if r.max_staleness is not None:
+        _require(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous).")
+    _require(
+        r.max_staleness is not None or r.max_concurrent is not None,
+        "rollout.max_staleness and rollout.max_concurrent are both unset, so rollout admission would be "
+        "unbounded. Set max_staleness (eta) or max_concurrent.",
+    )
+    if r.max_concurrent is not None:
+        _require(r.max_concurrent >= 1, f"rollout.max_concurrent={r.max_concurrent} must be at least 1.")
+    _require(t.lr > 0, f"train.lr={t.lr} must be positive.")
+    _require(t.eps_clip > 0, f"train.eps_clip={t.eps_clip} must be positive.")
+    if t.dual_clip is not None:
+        _require(t.dual_clip > 1, f"train.dual_clip={t.dual_clip} must be greater than 1.")
+    if t.behav_weight_cap is not None:
+        _require(t.behav_weight_cap > 0, f"train.behav_weight_cap={t.behav_weight_cap} must be positive.")
+    _require(t.ppo_minibatches >= 1, f"train.ppo_minibatches={t.ppo_minibatches} must be at least 1.")
+    _require(
+        t.batch_groups % t.ppo_minibatches == 0,
+        f"train.batch_groups={t.batch_groups} is not divisible by train.ppo_minibatches={t.ppo_minibatches}.",
+    )
+    _require(
+        t.micro_batch_tokens >= r.max_len,
+        f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than rollout.max_len={r.max_len}: the "
+        "longest sequence must fit one micro-batch.",
+    )
+    _require(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s} must be positive.")
+    _require(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1.")
+    _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end).")
+    m = config.mesh
+    if m.train_fraction is not None:
+        _require(0 < m.train_fraction < 1, f"mesh.train_fraction={m.train_fraction} must lie in (0, 1).")
+        _require(
+            m.train_devices is None and m.rollout_devices is None,
+            "Set either mesh.train_fraction or mesh.train_devices / mesh.rollout_devices, not both.",
+        )
+    if check_paths:
+        _require(bool(config.model.path), "model.path is empty: point it at an HF checkpoint directory.")
+        _require(
+            os.path.isdir(config.model.path),
+            f"model.path={config.model.path!r} is not a directory. Point it at an HF checkpoint directory "
+            "(config.json + model.safetensors).",
+        )
+        _require(bool(config.data.train_path), "data.train_path is empty: point it at a JSONL or Parquet file.")
+        for key in ("data.train_path", "data.test_path"):
+            path = flat[key]
+            if path:
+                _require(os.path.exists(path), f"{key}={path!r} does not exist.")
+        if config.eval.n_test > 0 and (config.eval.at_start or config.eval.at_end or config.eval.every_steps):
+            _require(bool(config.data.test_path), "eval is on but data.test_path is empty; set it or eval.n_test=0.")
+    return config

@@ -1,0 +1,121 @@
+"""Greedy pass@1 and sampled pass@k of a policy on a JSONL / Parquet split.
+
+    python -m areal_jax.evaluate --model=assets/math_reasoner --data=assets/data/test.jsonl --n=500 --k=8
+
+`--model` is an HF directory (config.json + safetensors + tokenizer files); a run's checkpoint can be
+exported to one with `python -m areal_jax.export`. Rewards are scored in worker processes with a
+timeout, like training rewards, so a pathological completion cannot hang the evaluation.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: str, timeout_s: float = 5.0,
+                      num_workers: int = 2) -> np.ndarray:
+    """Rewards of texts against answers, scored in a RewardPool; [len(texts)] float32."""
+    from areal_jax.rewards.pool import RewardPool
+
+    with RewardPool(reward_fn, num_workers=num_workers, timeout_s=timeout_s) as pool:
+        results = pool.score_batch(list(zip(range(len(texts)), texts, answers)))
+    by_key = {r.key: r.reward for r in results}
+    return np.asarray([by_key[i] for i in range(len(texts))], np.float32)
+
+
+def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tokens: int, k: int = 8,
+                      temperature: float = 1.0, num_slots: int = 64, max_len: int | None = None,
+                      seed: int = 0, reward_fn: str = "areal_jax.rewards.math:math_reward") -> dict:
+    """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
+
+    model: an areal_jax Transformer; examples: data.PromptExample list. k = 0 skips sampling.
+    """
+    from areal_jax.sampler import generate_batch
+
+    prompts = [list(e.prompt_tokens) for e in examples]
+    answers = [e.answer for e in examples]
+    stop = tuple(tokenizer.eos_token_ids)
+    greedy = generate_batch(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=stop, num_slots=num_slots, seed=seed, max_len=max_len)
+    texts = [tokenizer.decode(list(c.tokens)) for c in greedy]
+    g_rewards = score_completions(texts, answers, reward_fn)
+    out = {"n": len(examples), "greedy_pass@1": float(np.mean(g_rewards >= 1.0)),
+           "greedy_len": float(np.mean([len(c.tokens) for c in greedy]))}
+    if k > 0:
+        rep = [p for p in prompts for _ in range(k)]
+        sampled = generate_batch(model, rep, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 stop_token_ids=stop, num_slots=num_slots, seed=seed + 1, max_len=max_len)
+        s_texts = [tokenizer.decode(list(c.tokens)) for c in sampled]
+        s_rewards = score_completions(s_texts, [a for a in answers for _ in range(k)], reward_fn)
+        correct = (s_rewards.reshape(len(examples), k) >= 1.0).sum(axis=1)
+        out["sampled_pass@1"] = float(np.mean(correct / k))
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct]))
+    out["sample_greedy"] = texts[0] if texts else ""
+    return out
+
+
+def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int, max_new_tokens: int,
+                    data_config: Any, num_slots: int = 64, max_len: int | None = None, mesh: Any = None,
+                    seed: int = 0, k: int = 8) -> dict:
+    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training."""
+    from flax import nnx
+
+    from areal_jax.data import load_eval_split
+
+    examples = load_eval_split(
+        path, tokenizer, question_field=data_config.question_field, answer_field=data_config.answer_field,
+        prompt_template=data_config.prompt_template, use_chat_template=data_config.use_chat_template,
+        system_prompt=data_config.system_prompt, max_prompt_len=data_config.max_prompt_len,
+    )[:n]
+    model = nnx.merge(graphdef, params)
+    return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
+                             num_slots=num_slots, max_len=max_len, seed=seed)
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags
+
+    from areal_jax.data import load_eval_split
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.tokenizer import Tokenizer
+
+    f = flags.FLAGS
+    tokenizer = Tokenizer.from_pretrained(f.tokenizer or f.model)
+    model = load_hf_checkpoint(f.model)
+    examples = load_eval_split(f.data, tokenizer, prompt_template=f.prompt_template,
+                               use_chat_template=f.chat_template, max_prompt_len=f.max_prompt_len)[: f.n]
+    res = evaluate_examples(model, tokenizer, examples, max_new_tokens=f.max_new_tokens, k=f.k,
+                            num_slots=f.num_slots, seed=f.seed, reward_fn=f.reward_fn)
+    print(f"{f.model} on {f.data} ({res['n']} problems): greedy pass@1 {res['greedy_pass@1']:.3f}"
+          + (f", sampled pass@1 {res['sampled_pass@1']:.3f}, pass@{f.k} {res[f'pass@{f.k}']:.3f}" if f.k else ""))
+    print(json.dumps({k: v for k, v in res.items() if k != "sample_greedy"}))
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("model", None, "HF checkpoint directory.", required=True)
+    flags.DEFINE_string("tokenizer", None, "Tokenizer directory (default: --model).")
+    flags.DEFINE_string("data", None, "JSONL or Parquet split (GSM8K layout).", required=True)
+    flags.DEFINE_integer("n", 500, "Problems to evaluate (the first n).")
+    flags.DEFINE_integer("k", 8, "Samples per problem for sampled pass@1 / pass@k (0: greedy only).")
+    flags.DEFINE_integer("max_new_tokens", 64, "Completion budget.")
+    flags.DEFINE_integer("max_prompt_len", 256, "Longer prompts are skipped.")
+    flags.DEFINE_integer("num_slots", 64, "Sampler slots.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_string("prompt_template", "Question: {question}\nAnswer:", "Prompt template.")
+    flags.DEFINE_bool("chat_template", False, "Use the tokenizer's chat template.")
+    flags.DEFINE_string("reward_fn", "areal_jax.rewards.math:math_reward", "module:function reward.")
+    app.run(main)
+    sys.exit(0)

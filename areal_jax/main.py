@@ -1,0 +1,89 @@
+"""Entry point: `python -m areal_jax.main --config=configs/math.py [--config.train.lr=3e-5 ...]`.
+
+The config is validated before JAX initialises a device or compiles anything; a mistake ends the run
+with one sentence saying what to change (exit code 2).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Path to a config file (ml_collections).")
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run table: accuracy before / after, reward curve, throughput, staleness."""
+    ev = summary.get("evaluations", {})
+    rows = []
+
+    def acc(tag, key):
+        v = ev.get(tag, {}).get(key)
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    rows.append(("test greedy pass@1", acc("start", "greedy_pass@1"), acc("end", "greedy_pass@1")))
+    rows.append(("test sampled pass@1", acc("start", "sampled_pass@1"), acc("end", "sampled_pass@1")))
+
+    def num(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows.append(("train reward (first / last quarter)", num(summary.get("reward_first_quarter")),
+                 num(summary.get("reward_last_quarter"))))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{width}}  {'before':>10}  {'after':>10}"]
+    lines += [f"{name:<{width}}  {a:>10}  {b:>10}" for name, a, b in rows]
+    lines.append(f"steps {summary['steps']}, wall {summary['wall_s']:.0f} s, generated tokens/s "
+                 f"{num(summary.get('tokens_per_s'), '{:.0f}')}, trained tokens/s "
+                 f"{num(summary.get('trained_tokens_per_s'), '{:.0f}')}, sampler occupancy "
+                 f"{num(summary.get('sampler_occupancy'), '{:.2f}')}, staleness mean "
+                 f"{num(summary.get('staleness_mean'), '{:.2f}')} / max {num(summary.get('staleness_max'), '{:.0f}')}")
+    return "\n".join(lines)
+
+
+def run(config) -> dict:
+    """Validate, initialise the runtime, run the job; returns its summary."""
+    from areal_jax import config as config_lib
+
+    config_lib.validate(config)
+    from areal_jax.system import distributed
+
+    info = distributed.initialize(config)
+    import jax
+
+    from areal_jax.system.job import RLJob
+
+    watchdog = None
+    if jax.process_count() > 1:
+        watchdog = distributed.PeerWatchdog(
+            os.path.join(config.run_dir, "heartbeats"), jax.process_index(), jax.process_count(),
+            timeout_s=config.distributed.heartbeat_timeout_s,
+        ).start()
+    job = RLJob(config)
+    try:
+        summary = job.run()
+    finally:
+        job.close()
+        if watchdog is not None:
+            watchdog.finish()
+    if jax.process_index() == 0:
+        print(format_summary(summary), flush=True)
+    del info
+    return summary
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    from areal_jax.config import ConfigError
+
+    try:
+        run(_CONFIG.value)
+    except ConfigError as e:
+        print(f"Config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

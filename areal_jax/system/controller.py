@@ -1,0 +1,254 @@
+"""RolloutController: admission under the staleness bound, rewards, and group assembly.
+
+A thread that keeps the sampler busy without ever letting a trained token be more than eta versions old:
+  1. admit: while rl.staleness.rollout_capacity allows, draw a prompt and submit one sampler Request of
+     n = group_size samples (a GRPO group, prefilled once);
+  2. score: send each finished completion's text to the RewardPool (worker processes, timeouts);
+  3. assemble: when a group has all its rewards, compute its advantages, optionally filter it (DAPO:
+     all rewards equal), and hand it to the TrajectoryBuffer, which serves the trainer in admission order.
+Counting is in groups: accepted (cumulative, complete and not filtered) + running (admitted, not
+complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sampler's params version.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from areal_jax.rl.advantages import group_advantages
+from areal_jax.rl.staleness import rollout_capacity
+from areal_jax.sampler import Request
+from areal_jax.system.buffer import Group, TrajectoryBuffer
+
+
+@dataclasses.dataclass
+class RolloutSettings:
+    group_size: int
+    batch_groups: int
+    max_new_tokens: int
+    max_staleness: int | None = 4
+    max_concurrent: int | None = None
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    filter_uniform_groups: bool = False
+    advantage_mode: str = "grpo"
+
+
+class RolloutController:
+    """Drives the SamplerLoop and RewardPool from a thread and fills a TrajectoryBuffer.
+
+    Args:
+      sampler: a running SamplerLoop (submit, get_completion, current_version).
+      reward_pool: RewardPool (submit(key, text, answer), results(timeout)).
+      prompts: iterator of data.PromptExample.
+      decode: token ids -> completion text (for the reward).
+      buffer: where complete groups go.
+      resubmit: examples admitted before a checkpoint but not trained; admitted first, in order.
+      accepted: accepted groups so far (restored from a checkpoint: trained groups).
+      first_gid: admission number of the next group.
+    """
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        sampler: Any,
+        reward_pool: Any,
+        prompts: Iterator[Any],
+        decode: Callable[[list[int]], str],
+        buffer: TrajectoryBuffer,
+        *,
+        resubmit: list | None = None,
+        accepted: int = 0,
+        first_gid: int = 0,
+        timeline: Any = None,
+    ):
+        self.s = settings
+        self.sampler = sampler
+        self.rewards = reward_pool
+        self.prompts = prompts
+        self.decode = decode
+        self.buffer = buffer
+        self.timeline = timeline
+        self._resubmit = collections.deque(resubmit or [])
+        self._lock = threading.RLock()
+        self._groups: dict[int, dict] = {}  # gid -> in-progress record
+        self._next_gid = first_gid
+        self.accepted = accepted
+        self.running = 0
+        self.counters = collections.Counter()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._exhausted = False
+
+    # ---- thread control -------------------------------------------------------------------------
+    def start(self) -> "RolloutController":
+        self._thread = threading.Thread(target=self._run, name="rollout-controller", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def pause_admission(self) -> None:
+        self._paused.set()
+
+    def resume_admission(self) -> None:
+        self._paused.clear()
+
+    def check(self) -> None:
+        """Re-raise an error from the controller thread in the caller."""
+        if self.error is not None:
+            raise RuntimeError("the rollout controller stopped with an error") from self.error
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                admitted = 0 if self._paused.is_set() else self._admit()
+                got = self._drain_sampler()
+                scored = self._drain_rewards()
+                if not (admitted or got or scored):
+                    time.sleep(0.002)
+        except BaseException as e:  # surfaced through check() and the buffer
+            self.error = e
+            self.buffer.fail(e)
+
+    # ---- 1. admission -----------------------------------------------------------------------------
+    def capacity(self) -> int:
+        return rollout_capacity(
+            version=self.sampler.current_version,
+            batch_size=self.s.batch_groups,
+            max_staleness=self.s.max_staleness,
+            accepted=self.accepted,
+            running=self.running,
+            max_concurrent=self.s.max_concurrent,
+        )
+
+    def _next_example(self) -> Any | None:
+        if self._resubmit:
+            return self._resubmit.popleft()
+        if self._exhausted:
+            return None
+        try:
+            return next(self.prompts)
+        except StopIteration:
+            self._exhausted = True
+            return None
+
+    def _admit(self) -> int:
+        n = 0
+        with self._lock:
+            version = self.sampler.current_version
+            cap = self.capacity()
+            while n < cap:
+                example = self._next_example()
+                if example is None:
+                    break
+                gid = self._next_gid
+                self._next_gid += 1
+                self._groups[gid] = {
+                    "example": example,
+                    "version": version,
+                    "completions": [None] * self.s.group_size,
+                    "rewards": [None] * self.s.group_size,
+                    "status": [None] * self.s.group_size,
+                }
+                self.buffer.admitted(gid)
+                self.sampler.submit(
+                    Request(
+                        id=gid,
+                        prompt=list(example.prompt_tokens),
+                        max_new_tokens=self.s.max_new_tokens,
+                        n=self.s.group_size,
+                        temperature=self.s.temperature,
+                        top_k=self.s.top_k,
+                        top_p=self.s.top_p,
+                        stop_token_ids=tuple(self.s.stop_token_ids),
+                    )
+                )
+                self.running += 1
+                n += 1
+        self.counters["admitted_groups"] += n
+        return n
+
+    # ---- 2. rewards -------------------------------------------------------------------------------
+    def _drain_sampler(self) -> int:
+        n = 0
+        while True:
+            c = self.sampler.get_completion(timeout=0.0 if n else 0.005)
+            if c is None:
+                return n
+            n += 1
+            rec = self._groups[c.request_id]
+            rec["completions"][c.sample_index] = c
+            self.counters["completions"] += 1
+            self.counters[f"finish_{c.finish_reason}"] += 1
+            if c.finish_reason == "error":
+                self._record_reward(c.request_id, c.sample_index, 0.0, "sampler_error")
+            else:
+                text = self.decode(list(np.asarray(c.tokens)))
+                self.rewards.submit((c.request_id, c.sample_index), text, rec["example"].answer)
+
+    def _drain_rewards(self) -> int:
+        results = self.rewards.results(timeout=0.0)
+        for r in results:
+            gid, idx = r.key
+            self._record_reward(gid, idx, float(r.reward), r.status)
+        return len(results)
+
+    # ---- 3. assembly ------------------------------------------------------------------------------
+    def _record_reward(self, gid: int, idx: int, reward: float, status: str) -> None:
+        rec = self._groups[gid]
+        rec["rewards"][idx] = reward
+        rec["status"][idx] = status
+        self.counters[f"reward_{status}"] += 1
+        if any(r is None for r in rec["rewards"]) or any(c is None for c in rec["completions"]):
+            return
+        del self._groups[gid]
+        rewards = np.asarray(rec["rewards"], np.float32)
+        adv = np.asarray(group_advantages(rewards, self.s.group_size, mode=self.s.advantage_mode), np.float32)
+        group = Group(
+            gid=gid, example=rec["example"], admit_version=rec["version"], completions=rec["completions"],
+            rewards=rewards, reward_status=rec["status"], advantages=adv,
+        )
+        if any(c.finish_reason == "error" for c in rec["completions"]):
+            group.filtered, group.filter_reason = True, "sampler_error"
+        elif self.s.filter_uniform_groups and np.all(rewards == rewards[0]):
+            group.filtered, group.filter_reason = True, "uniform_rewards"
+        with self._lock:
+            self.running -= 1
+            if group.filtered:
+                self.counters[f"filtered_{group.filter_reason}"] += 1
+            else:
+                self.accepted += 1
+        self.buffer.complete(group)
+
+    # ---- checkpoint support -----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """What a checkpoint needs, taken atomically with admission (call between updates).
+
+        pending: examples admitted (or queued for re-admission) but not yet handed to the trainer, in
+        admission order, so a resumed run regenerates exactly those before drawing new prompts;
+        prompts_state: the prompt iterator's state just after the last drawn example.
+        """
+        with self._lock:
+            pending = []
+            for gid in self.buffer.pending_gids():
+                if gid in self._groups:
+                    pending.append(self._groups[gid]["example"])
+                else:
+                    group = self.buffer.peek(gid)
+                    if group is not None and not group.filtered:
+                        pending.append(group.example)
+            pending.extend(self._resubmit)
+            state = self.prompts.get_state() if hasattr(self.prompts, "get_state") else None
+            return {"pending": pending, "prompts_state": state, "counters": dict(self.counters)}

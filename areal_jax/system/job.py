@@ -1,0 +1,248 @@
+"""RLJob: builds every part of a run from a validated config, runs the loop, and cleans up.
+
+    job = RLJob(config)          # meshes, model, trainer, sampler, rewards, data, resume
+    summary = job.run()          # async (or eta = 0 synchronous) RL until total_steps
+    job.close()
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax import config as config_lib
+from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
+from areal_jax.system import build, runner
+from areal_jax.system.buffer import TrajectoryBuffer
+from areal_jax.system.controller import RolloutController
+
+
+class RLJob:
+    """One RL run: construct with a config, call run(), then close()."""
+
+    def __init__(self, config: Any, *, log_fn=print):
+        from areal_jax import metrics
+        from areal_jax.data import make_prompt_iterator
+        from areal_jax.models import load_hf_checkpoint
+        from areal_jax.rewards.pool import RewardPool
+        from areal_jax.sampler import Engine, SamplerLoop
+        from areal_jax.system.distributed import is_primary
+        from areal_jax.system.mesh import build_meshes
+        from areal_jax.system.params import ParamChannel
+        from areal_jax.tokenizer import Tokenizer
+        from areal_jax.trainer import Trainer
+
+        config_lib.validate(config)
+        self.config = c = config
+        self.log = log_fn if is_primary() else (lambda *a, **k: None)
+        self.primary = is_primary()
+        os.makedirs(c.run_dir, exist_ok=True)
+        if self.primary:
+            with open(os.path.join(c.run_dir, "config.json"), "w") as f:
+                f.write(c.to_json_best_effort(indent=1))
+
+        self.meshes = build_meshes(build.mesh_config(c))
+        self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        dtype, param_dtype = build.DTYPES[c.model.dtype], build.DTYPES[c.model.param_dtype]
+        self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
+        model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype, dtype=dtype)
+        self.model_config = model.cfg
+        self.trainer = Trainer(model, build.trainer_config(c), self.meshes.train_mesh)
+        self.graphdef = nnx.graphdef(model)
+
+        self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
+        self.sample_log = runner.SampleLog(c.run_dir, enabled=self.primary)
+        meta = self._maybe_resume()
+
+        self.channel = ParamChannel.for_model(
+            self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh
+        )
+        rollout_params = self.channel.reshard(self.trainer.params)
+        self.engine = Engine(
+            model, num_slots=c.rollout.num_slots, max_len=c.rollout.max_len, mesh=self.meshes.rollout_mesh
+        )
+        self.sampler = SamplerLoop(
+            self.engine, rollout_params, version=self.trainer.version, on_update=c.rollout.on_update,
+            seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
+        )
+        self.channel.deliver = self.sampler.update_params
+        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
+        self.timeline = metrics.Timeline(os.path.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline)
+        self.reward_pool = RewardPool(
+            build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s
+        )
+        self.prompts = make_prompt_iterator(
+            c.data.train_path, self.tokenizer, question_field=c.data.question_field,
+            answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
+            use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
+            max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
+            seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+        )
+        resubmit, accepted, first_gid = [], 0, 0
+        if meta is not None:
+            from areal_jax.data import PromptExample
+
+            if meta.get("prompts_state") is not None:
+                self.prompts.set_state(meta["prompts_state"])
+            resubmit = [PromptExample(**d) for d in meta["pending"]]
+            accepted = self.trainer.version * c.train.batch_groups
+            first_gid = int(meta["next_gid"])
+        self.buffer = TrajectoryBuffer(first_gid=first_gid)
+        stop_ids = tuple(self.tokenizer.eos_token_ids)
+        self.controller = RolloutController(
+            build.rollout_settings(c, stop_ids), self.sampler, self.reward_pool, self.prompts,
+            self.tokenizer.decode, self.buffer, resubmit=resubmit, accepted=accepted, first_gid=first_gid,
+            timeline=self.timeline,
+        )
+        self.stop = runner.StopFlag()
+        self.evaluations: dict[str, dict] = {}
+
+    # ---- resume -----------------------------------------------------------------------------------
+    def _maybe_resume(self) -> dict | None:
+        if not self.config.checkpoint.resume:
+            return None
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return None
+        state, meta = self.checkpointer.restore(step, self.trainer.state)
+        self.trainer.state = state
+        self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version}).")
+        self.sample_log.truncate_from(self.trainer.version)
+        return meta
+
+    def save_checkpoint(self) -> None:
+        snap = self.controller.snapshot()
+        meta = {
+            "version": self.trainer.version,
+            "next_gid": self.buffer.next_gid,
+            "pending": [example_to_json(e) for e in snap["pending"]],
+            "prompts_state": snap["prompts_state"],
+            "counters": snap["counters"],
+            "seed": self.config.seed,
+            "saved_at": time.time(),
+        }
+        with self.timeline.span("checkpoint", lane="trainer"):
+            self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    def evaluate(self, tag: str) -> dict | None:
+        c = self.config
+        if c.eval.n_test <= 0 or not c.data.test_path:
+            return None
+        from areal_jax.evaluate import evaluate_params
+
+        params = self.channel.reshard(self.trainer.params)
+        with self.timeline.span(f"eval_{tag}", lane="trainer"):
+            res = evaluate_params(
+                self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
+                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, num_slots=c.rollout.num_slots,
+                max_len=c.rollout.max_len, mesh=self.meshes.rollout_mesh, seed=c.seed,
+            )
+        self.evaluations[tag] = res
+        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems")
+        self.metrics.log(self.trainer.version, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)})
+        return res
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.config
+        self.stop.install()
+        if c.eval.at_start and self.trainer.version == 0:
+            self.evaluate("start")
+        self.sampler.start()
+        self.controller.start()
+        t_start = time.perf_counter()
+        trained_tokens, last_gen = 0, 0
+        history = []
+        while self.trainer.version < c.total_steps:
+            t0 = time.perf_counter()
+            with self.timeline.span("wait_batch", lane="trainer"):
+                groups = runner.wait_for_batch(
+                    self.buffer, c.train.batch_groups, self.controller, self.sampler, self.stop, timeout_s=1800
+                )
+            if groups is None:
+                break
+            t_wait = time.perf_counter() - t0
+            version = self.trainer.version
+            summary = runner.batch_summary(groups, version)
+            trajectories = runner.groups_to_trajectories(groups)
+            with self.timeline.span("train_step", lane="trainer", version=version):
+                tm = self.trainer.update(trajectories)
+            with self.timeline.span("publish", lane="trainer"):
+                self.channel.publish(self.trainer.version, self.trainer.params)
+            self.sample_log.write(groups, version)
+            trained_tokens += int(sum(len(t.tokens) for t in trajectories))
+            elapsed = time.perf_counter() - t_start
+            stats = self.sampler.stats()
+            gen = int(stats.get("generated_tokens", 0))
+            m = {**summary, **{f"train/{k}": float(v) for k, v in tm.items()},
+                 "time/wait_batch_s": t_wait, "time/step_s": time.perf_counter() - t0,
+                 "time/elapsed_s": elapsed, "tokens_per_s": gen / max(elapsed, 1e-9),
+                 "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
+                 "sampler/occupancy": float(stats.get("mean_occupancy", 0.0)),
+                 "sampler/step_tokens": gen - last_gen,
+                 **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
+                 **self.buffer.sizes()}
+            last_gen = gen
+            history.append(m)
+            step = self.trainer.version
+            if c.log.every_steps and step % c.log.every_steps == 0:
+                self.metrics.log(step, m)
+                if c.log.console:
+                    self.log(self.metrics.progress_line(step, m))
+            if c.eval.every_steps and step % c.eval.every_steps == 0 and step < c.total_steps:
+                self.evaluate(f"step{step}")
+            if c.checkpoint.every_steps and step % c.checkpoint.every_steps == 0:
+                self.save_checkpoint()
+        interrupted = self.stop.requested.is_set()
+        self.controller.stop()
+        self.sampler.stop(graceful=False)
+        wall = time.perf_counter() - t_start
+        self.save_checkpoint()
+        if not interrupted and c.eval.at_end:
+            self.evaluate("end")
+        return self._summary(history, wall, interrupted)
+
+    def _summary(self, history: list[dict], wall: float, interrupted: bool) -> dict:
+        def pick(key):
+            return [h[key] for h in history if key in h]
+
+        rewards = pick("reward")
+        q = max(1, len(rewards) // 4)
+        out = {
+            "steps": self.trainer.version, "wall_s": wall, "interrupted": interrupted,
+            "reward_first_quarter": float(np.mean(rewards[:q])) if rewards else None,
+            "reward_last_quarter": float(np.mean(rewards[-q:])) if rewards else None,
+            "tokens_per_s": history[-1]["tokens_per_s"] if history else None,
+            "trained_tokens_per_s": history[-1]["trained_tokens_per_s"] if history else None,
+            "staleness_mean": float(np.mean(pick("staleness"))) if history else None,
+            "staleness_max": float(np.max(pick("staleness_max"))) if history else None,
+            "sampler_occupancy": float(np.mean(pick("sampler/occupancy"))) if history else None,
+            "evaluations": self.evaluations,
+        }
+        if self.primary:
+            write_json(os.path.join(self.config.run_dir, "summary.json"), out)
+        return out
+
+    def close(self) -> None:
+        for part in ("controller", "sampler"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                try:
+                    obj.stop() if part == "controller" else obj.stop(graceful=False)
+                except Exception:
+                    pass
+        if getattr(self, "reward_pool", None) is not None:
+            self.reward_pool.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        if getattr(self, "timeline", None) is not None:
+            self.timeline.save()
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()

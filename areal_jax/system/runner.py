@@ -1,0 +1,141 @@
+"""The asynchronous RL loop: the sampler generates all the time, the trainer consumes batches.
+
+Threads (one process): the SamplerLoop thread decodes; the RolloutController thread admits prompts
+under the staleness bound, scores completions in the RewardPool's worker processes and fills the
+TrajectoryBuffer; the main thread (here) takes B groups in admission order, runs the PPO update on the
+train slice, and publishes the new version through the ParamChannel. Synchronous RL is this same code
+with rollout.max_staleness = 0: the controller then admits only the batch the trainer will take next.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from areal_jax.system.buffer import Group
+
+
+def groups_to_trajectories(groups: list[Group]) -> list:
+    """Flatten complete groups into trainer Trajectories (prompt + completion, behaviour data)."""
+    from areal_jax.trainer.batch import Trajectory
+
+    out = []
+    for g in groups:
+        prompt = np.asarray(g.example.prompt_tokens, np.int32)
+        for c, reward, adv in zip(g.completions, g.rewards, g.advantages):
+            tokens = np.concatenate([prompt, np.asarray(c.tokens, np.int32)])
+            out.append(
+                Trajectory(
+                    tokens=tokens,
+                    prompt_len=len(prompt),
+                    behav_logp=np.asarray(c.logprobs, np.float32),
+                    versions=np.asarray(c.versions, np.int32),
+                    advantage=float(adv),
+                    reward=float(reward),
+                )
+            )
+    return out
+
+
+def batch_summary(groups: list[Group], trainer_version: int) -> dict[str, float]:
+    """Reward, accuracy, lengths and staleness of the groups about to be trained at trainer_version."""
+    rewards = np.concatenate([g.rewards for g in groups])
+    lengths = np.array([len(c.tokens) for g in groups for c in g.completions])
+    min_versions = np.array([int(np.min(c.versions)) if len(c.versions) else trainer_version
+                             for g in groups for c in g.completions])
+    stale = trainer_version - min_versions
+    finished_eos = np.mean([c.finish_reason == "stop" for g in groups for c in g.completions])
+    return {
+        "reward": float(rewards.mean()),
+        "accuracy": float(np.mean(rewards >= 1.0)),
+        "completion_len": float(lengths.mean()),
+        "completion_len_max": float(lengths.max()),
+        "stop_fraction": float(finished_eos),
+        "staleness": float(stale.mean()),
+        "staleness_max": float(stale.max()),
+        "group_reward_std": float(np.mean([g.rewards.std() for g in groups])),
+        "completion_tokens": float(lengths.sum()),
+    }
+
+
+class SampleLog:
+    """samples.jsonl: one line per trained group (uid, admission and token versions, trained version).
+
+    It is what lets a test (or a user) check from the record that no trained sample was staler than eta
+    and that every completion was trained exactly once. On resume, lines from steps after the restored
+    checkpoint are dropped, since those steps are run again.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.path = os.path.join(run_dir, "samples.jsonl")
+        self.enabled = enabled
+
+    def truncate_from(self, version: int) -> None:
+        if not (self.enabled and os.path.exists(self.path)):
+            return
+        with open(self.path) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln)["trained_version"] < version]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, groups: list[Group], trained_version: int) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            for g in groups:
+                versions = [int(np.min(c.versions)) if len(c.versions) else -1 for c in g.completions]
+                f.write(json.dumps({
+                    "uid": g.example.uid, "gid": g.gid, "admit_version": g.admit_version,
+                    "min_token_version": min(versions),
+                    "max_token_version": max(int(np.max(c.versions)) if len(c.versions) else -1
+                                             for c in g.completions),
+                    "trained_version": trained_version, "n": len(g.completions),
+                    "rewards": [float(r) for r in g.rewards],
+                }) + "\n")
+
+
+class StopFlag:
+    """First Ctrl-C (or SIGTERM) asks the loop to checkpoint and exit; a second one aborts at once."""
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            if self.requested.is_set():
+                raise KeyboardInterrupt
+            print(f"\nSignal {signum}: saving a checkpoint and stopping (press Ctrl-C again to abort).",
+                  flush=True)
+            self.requested.set()
+
+        signal.signal(signal.SIGINT, handler)
+        self._installed = True
+
+
+def wait_for_batch(buffer: Any, n: int, controller: Any, sampler: Any, stop: StopFlag,
+                   timeout_s: float) -> list[Group] | None:
+    """Block for the next batch, re-raising errors from the rollout threads; None if asked to stop."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.requested.is_set():
+        groups = buffer.get_batch(n, timeout=0.5)
+        if groups is not None:
+            return groups
+        controller.check()
+        if hasattr(sampler, "check"):
+            sampler.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"No batch of {n} groups became ready in {timeout_s:.0f} s: the sampler or the reward pool "
+                f"is stuck (controller counters: {dict(controller.counters)})."
+            )
+    return None
