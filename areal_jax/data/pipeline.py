@@ -1,0 +1,219 @@
+"""The prompt stream: a grain MapDataset over tokenized prompts, sharded, shuffled per epoch, repeated.
+
+    source = load_prompt_source("train.jsonl", tokenizer, max_prompt_len=512)
+    prompts = PromptIterator(source, seed=0)            # shard = (jax.process_index(), process_count())
+    example = next(prompts)                             # PromptExample(uid, prompt_tokens, answer, question)
+    state = prompts.get_state()                         # JSON-serialisable; set_state(state) resumes exactly
+
+Order of operations: the loaded rows are sharded by process (row i goes to process i % process_count),
+then each shard is shuffled with a per-epoch seed and repeated. Data lives in memory, so grain reads it
+in the calling thread (no worker processes or threads).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+import grain
+
+from areal_jax.data.prompts import DEFAULT_PROMPT_TEMPLATE, PromptExample, PromptFormat, tokenize_records
+from areal_jax.data.readers import read_records
+from areal_jax.tokenizer import Tokenizer
+
+__all__ = ["PromptSource", "PromptIterator", "load_prompt_source", "make_prompt_iterator", "load_eval_split"]
+
+_STATE_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    key: str  # "<file name>:<row>"
+    prompt_tokens: tuple[int, ...]
+    answer: str
+    question: str
+
+
+@dataclasses.dataclass
+class PromptSource:
+    """Loaded, validated and tokenized prompts: a random-access source for grain (len / getitem)."""
+    items: list[_Item]
+    num_bad_rows_skipped: int = 0
+    num_too_long_skipped: int = 0
+    bad_row_messages: list[str] = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> _Item:
+        return self.items[index]
+
+
+def load_prompt_source(paths: str | Sequence[str], tokenizer: Tokenizer, *, question_field: str = "question",
+                       answer_field: str = "answer", answer_format: str = "auto", on_bad_row: str = "error",
+                       prompt_template: str = DEFAULT_PROMPT_TEMPLATE, use_chat_template: bool = False,
+                       system_prompt: str | None = None, max_prompt_len: int | None = None,
+                       on_too_long: str = "skip", add_special_tokens: bool = True) -> PromptSource:
+    """Reads .jsonl / .parquet files, formats and tokenizes every prompt, drops the unusable ones.
+
+    See readers.read_records for the row checks and prompts.PromptFormat for the formatting options.
+    Raises ValueError when nothing usable is left.
+    """
+    records, stats = read_records(paths, question_field=question_field, answer_field=answer_field,
+                                  answer_format=answer_format, on_bad_row=on_bad_row)
+    prompt_format = PromptFormat(template=prompt_template, use_chat_template=use_chat_template,
+                                 system_prompt=system_prompt, add_special_tokens=add_special_tokens)
+    kept, too_long = tokenize_records(records, tokenizer, prompt_format, max_prompt_len, on_too_long)
+    if not kept:
+        raise ValueError(f"Every prompt of {paths} is longer than max_prompt_len={max_prompt_len} tokens "
+                         f"({too_long} skipped); raise max_prompt_len.")
+    items = [_Item(key=f"{os.path.basename(r.source)}:{r.row}", prompt_tokens=tuple(tokens),
+                   answer=r.answer, question=r.question) for r, tokens in kept]
+    return PromptSource(items=items, num_bad_rows_skipped=stats.bad_rows_skipped,
+                        num_too_long_skipped=too_long, bad_row_messages=list(stats.bad_row_messages))
+
+
+def _default_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"Need 0 <= process_index < process_count, got {process_index} and {process_count}.")
+    return process_index, process_count
+
+
+def _mix_seed(seed: int) -> int:
+    """A 32-bit shuffle seed from the user's seed, so that seed s+1 is not seed s one epoch later."""
+    return int.from_bytes(hashlib.sha256(f"prompt-shuffle/{int(seed)}".encode()).digest()[:4], "big")
+
+
+def _shard_items(source: PromptSource, process_index: int, process_count: int) -> list[_Item]:
+    shard = source.items[process_index::process_count]
+    if not shard:
+        raise ValueError(f"Process {process_index} of {process_count} gets no prompts: the dataset has only "
+                         f"{len(source)} usable rows. Use a larger dataset or fewer processes.")
+    return shard
+
+
+class PromptIterator:
+    """An endless (or ``num_epochs``-long) stream of PromptExample for this process's shard.
+
+    Within an epoch every prompt of the shard appears once, in an order fixed by (seed, epoch); uids
+    are "<file name>:<row>:<epoch>". ``get_state`` / ``set_state`` checkpoint the position.
+    """
+
+    def __init__(self, source: PromptSource, *, seed: int = 0, shuffle: bool = True,
+                 num_epochs: int | None = None, process_index: int | None = None,
+                 process_count: int | None = None) -> None:
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"num_epochs must be a positive count or None (endless), got {num_epochs}.")
+        self.source = source
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.process_index, self.process_count = _default_process(process_index, process_count)
+        shard = _shard_items(source, self.process_index, self.process_count)
+        self.shard_size = len(shard)
+        dataset = grain.MapDataset.source(shard)
+        if shuffle:
+            dataset = dataset.shuffle(seed=_mix_seed(self.seed))
+        dataset = dataset.repeat(num_epochs).map_with_index(self._to_example)
+        self._dataset = dataset
+        self._iterator = dataset.to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).__iter__()
+        digest = hashlib.sha256()
+        for item in shard:
+            digest.update(json.dumps([item.key, item.prompt_tokens, item.answer]).encode())
+        self._fingerprint = {"seed": self.seed, "shuffle": shuffle, "num_epochs": num_epochs,
+                             "process_index": self.process_index, "process_count": self.process_count,
+                             "shard_size": self.shard_size, "content_sha256": digest.hexdigest()[:16]}
+
+    def _to_example(self, index: int, item: _Item) -> PromptExample:
+        epoch = index // self.shard_size
+        return PromptExample(uid=f"{item.key}:{epoch}", prompt_tokens=list(item.prompt_tokens),
+                             answer=item.answer, question=item.question)
+
+    def __iter__(self) -> "PromptIterator":
+        return self
+
+    def __next__(self) -> PromptExample:
+        return next(self._iterator)
+
+    def take(self, n: int) -> list[PromptExample]:
+        """The next ``n`` examples (fewer if a finite stream ends)."""
+        out = []
+        for _ in range(n):
+            try:
+                out.append(next(self))
+            except StopIteration:
+                break
+        return out
+
+    @property
+    def next_index(self) -> int:
+        """How many examples this iterator has yielded since the start of epoch 0."""
+        return int(self._iterator.get_state()["next_index"])
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next example."""
+        return self.next_index // self.shard_size
+
+    @property
+    def num_bad_rows_skipped(self) -> int:
+        return self.source.num_bad_rows_skipped
+
+    @property
+    def num_too_long_skipped(self) -> int:
+        return self.source.num_too_long_skipped
+
+    def get_state(self) -> dict[str, Any]:
+        """The position plus a fingerprint of the configuration; JSON-serialisable."""
+        return {"format": _STATE_FORMAT, "grain": self._iterator.get_state(), **self._fingerprint}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resumes from ``get_state()`` output; the next example is the one that would have come next.
+
+        Raises ValueError when the state was taken from a differently configured stream (other data,
+        seed, shuffle, epochs or process shard), since resuming it would silently change the order.
+        """
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or "grain" not in state:
+            raise ValueError(f"Not a prompt iterator state (expected the dict from get_state()): {state!r:.200}")
+        differs = {k: (state.get(k), v) for k, v in self._fingerprint.items() if state.get(k) != v}
+        if differs:
+            details = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differs.items())
+            raise ValueError(f"The saved prompt-iterator state belongs to a different data stream ({details}). "
+                             f"Resume with the same data files, prompt options, seed and process layout.")
+        self._iterator.set_state(state["grain"])
+
+
+def make_prompt_iterator(paths: str | Sequence[str], tokenizer: Tokenizer, *, seed: int = 0, shuffle: bool = True,
+                         num_epochs: int | None = None, process_index: int | None = None,
+                         process_count: int | None = None, **load_options: Any) -> PromptIterator:
+    """load_prompt_source(paths, tokenizer, **load_options) wrapped in a PromptIterator."""
+    source = load_prompt_source(paths, tokenizer, **load_options)
+    return PromptIterator(source, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
+                          process_index=process_index, process_count=process_count)
+
+
+def load_eval_split(paths: str | Sequence[str], tokenizer: Tokenizer, *, limit: int | None = None,
+                    process_index: int = 0, process_count: int = 1, **load_options: Any) -> list[PromptExample]:
+    """Every usable prompt of an evaluation file in file order (no shuffle, no repeat), epoch 0.
+
+    limit keeps the first ``limit`` prompts (before sharding); process_index / process_count take
+    every process_count-th prompt, for evaluation split across processes. ``load_options`` are those
+    of load_prompt_source (field names, prompt template, max_prompt_len, on_bad_row, ...).
+    """
+    source = load_prompt_source(paths, tokenizer, **load_options)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be a positive number of prompts or None, got {limit}.")
+        source = dataclasses.replace(source, items=source.items[:limit])
+    process_index, process_count = _default_process(process_index, process_count)
+    shard = _shard_items(source, process_index, process_count)
+    return [PromptExample(uid=f"{item.key}:0", prompt_tokens=list(item.prompt_tokens), answer=item.answer,
+                          question=item.question) for item in shard]

@@ -1,0 +1,189 @@
+"""Reading question/answer rows from JSONL and Parquet files, with row-numbered errors.
+
+Every row becomes a :class:`Record` (question text plus the reference answer). A malformed row (bad
+JSON, a missing field, a value of the wrong type, a GSM8K answer without its "####" marker) raises a
+ValueError naming the file, the 1-based line (JSONL) or 0-based row index (Parquet) and what was wrong;
+with ``on_bad_row="skip"`` it is skipped instead and counted in :class:`ReadStats`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Iterator, Sequence
+
+__all__ = ["Record", "ReadStats", "extract_reference_answer", "read_jsonl", "read_parquet",
+           "read_records", "ANSWER_FORMATS"]
+
+ANSWER_FORMATS = ("auto", "gsm8k", "raw")
+_THOUSANDS_SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_MAX_KEPT_MESSAGES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One usable row: ``row`` is the 1-based line (JSONL) or 0-based row index (Parquet)."""
+    source: str
+    row: int
+    question: str
+    answer: str
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What reading saw: rows kept, malformed rows skipped and (the first few) reasons."""
+    rows_kept: int = 0
+    bad_rows_skipped: int = 0
+    bad_row_messages: list[str] = dataclasses.field(default_factory=list)
+
+    def add_bad(self, message: str) -> None:
+        self.bad_rows_skipped += 1
+        if len(self.bad_row_messages) < _MAX_KEPT_MESSAGES:
+            self.bad_row_messages.append(message)
+
+
+class _BadRow(Exception):
+    """A row-level problem; turned into a ValueError with the location, or skipped."""
+
+
+def extract_reference_answer(answer: str, answer_format: str = "auto") -> str:
+    """The reference answer inside a dataset's answer field.
+
+    answer_format:
+      "gsm8k": the text after the last "####", stripped, with thousands separators removed
+        ("#### 1,250" -> "1250"); a missing marker or nothing after it is a ValueError.
+      "raw": the whole field, stripped.
+      "auto": "gsm8k" when the field contains "####", else "raw".
+    """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}.")
+    if answer_format == "raw" or (answer_format == "auto" and "####" not in answer):
+        return answer.strip()
+    if "####" not in answer:
+        raise ValueError("the answer has no '####' marker before the final answer (GSM8K layout); use "
+                         "answer_format='raw' or 'auto' for datasets whose answer field is the answer itself")
+    final = _THOUSANDS_SEPARATOR.sub("", answer.rsplit("####", 1)[1].strip())
+    if not final:
+        raise ValueError("nothing follows the '####' marker in the answer")
+    return final
+
+
+def _text_field(row: dict[str, Any], field: str, *, numbers_ok: bool) -> str:
+    if field not in row or row[field] is None:
+        present = ", ".join(repr(k) for k in list(row)[:10])
+        raise _BadRow(f"field {field!r} is missing (fields present: {present or 'none'}); pass "
+                      f"question_field/answer_field to name the right ones")
+    value = row[field]
+    if isinstance(value, str):
+        if not value.strip():
+            raise _BadRow(f"field {field!r} is empty")
+        return value
+    if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    kind = "a string or a number" if numbers_ok else "a string"
+    raise _BadRow(f"field {field!r} must be {kind}, got {type(value).__name__} {value!r:.60}")
+
+
+def _make_record(path: str, row_number: int, row: Any, question_field: str, answer_field: str,
+                 answer_format: str) -> Record:
+    if not isinstance(row, dict):
+        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+    question = _text_field(row, question_field, numbers_ok=False)
+    raw_answer = _text_field(row, answer_field, numbers_ok=True)
+    try:
+        answer = extract_reference_answer(raw_answer, answer_format)
+    except ValueError as err:
+        raise _BadRow(str(err)) from err
+    return Record(source=path, row=row_number, question=question, answer=answer)
+
+
+def _check_on_bad_row(on_bad_row: str) -> None:
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}.")
+
+
+def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_field: str,
+             answer_field: str, answer_format: str, on_bad_row: str,
+             stats: ReadStats) -> list[Record]:
+    records = []
+    for number, row in rows:
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            records.append(_make_record(path, number, row, question_field, answer_field, answer_format))
+        except _BadRow as err:
+            message = f"{path}, {where} {number}: {err}."
+            if on_bad_row == "error":
+                raise ValueError(message + " Fix the row, or pass on_bad_row='skip' to skip such rows.") from None
+            stats.add_bad(message)
+    stats.rows_kept += len(records)
+    return records
+
+
+def read_jsonl(path: str, *, question_field: str = "question", answer_field: str = "answer",
+               answer_format: str = "auto", on_bad_row: str = "error",
+               stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
+    """Reads a JSONL file (one JSON object per line; blank lines are ignored)."""
+    _check_on_bad_row(on_bad_row)
+    stats = ReadStats() if stats is None else stats
+
+    def rows() -> Iterator[tuple[int, Any]]:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield line_number, json.loads(line)
+                except json.JSONDecodeError as err:
+                    yield line_number, _BadRow(f"invalid JSON ({err.msg} at column {err.colno})")
+
+    records = _collect(rows(), path, "line", question_field, answer_field, answer_format, on_bad_row, stats)
+    return records, stats
+
+
+def read_parquet(path: str, *, question_field: str = "question", answer_field: str = "answer",
+                 answer_format: str = "auto", on_bad_row: str = "error",
+                 stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
+    """Reads a Parquet file; rows are numbered by their 0-based index in the file."""
+    import pyarrow.parquet as pq
+
+    _check_on_bad_row(on_bad_row)
+    stats = ReadStats() if stats is None else stats
+    table = pq.read_table(path)
+    missing = [f for f in (question_field, answer_field) if f not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: column(s) {missing} missing from the Parquet file (columns: "
+                         f"{table.column_names}); pass question_field/answer_field to name the right ones.")
+    questions = table.column(question_field).to_pylist()
+    answers = table.column(answer_field).to_pylist()
+    rows = ((i, {question_field: q, answer_field: a}) for i, (q, a) in enumerate(zip(questions, answers)))
+    records = _collect(rows, path, "row index", question_field, answer_field, answer_format, on_bad_row, stats)
+    return records, stats
+
+
+def read_records(paths: str | Sequence[str], *, question_field: str = "question",
+                 answer_field: str = "answer", answer_format: str = "auto",
+                 on_bad_row: str = "error") -> tuple[list[Record], ReadStats]:
+    """Reads one or more .jsonl / .parquet files in order; an empty result is a ValueError."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise ValueError("No data files given; pass a .jsonl or .parquet path.")
+    stats = ReadStats()
+    records: list[Record] = []
+    for path in map(str, paths):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Data file {path!r} does not exist.")
+        if path.endswith(".parquet"):
+            reader = read_parquet
+        elif path.endswith(".jsonl"):
+            reader = read_jsonl
+        else:
+            raise ValueError(f"Cannot tell the format of {path!r}: name it *.jsonl or *.parquet.")
+        records += reader(path, question_field=question_field, answer_field=answer_field,
+                          answer_format=answer_format, on_bad_row=on_bad_row, stats=stats)[0]
+    if not records:
+        skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
+        raise ValueError(f"The dataset {paths} has no usable rows{skipped}; check the files and the "
+                         f"field names ({question_field!r}, {answer_field!r}).")
+    return records, stats
