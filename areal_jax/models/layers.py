@@ -1,0 +1,176 @@
+"""Building blocks: RMSNorm, rotary embeddings (HF convention), grouped-query attention, SwiGLU MLP.
+
+Every parameter is an `nnx.Param` annotated with logical axis names (see sharding.py) through its
+`sharding_names` metadata. Parameters are stored in `cfg.param_dtype` and cast to `cfg.dtype` on use.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+
+MASK_VALUE = -1e30  # large negative logit for masked attention entries (scores are float32)
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: jnp.dtype,
+               init: str = "normal", std: float = 0.02) -> nnx.Param:
+    """Creates a parameter with logical axis names. init: "normal" (N(0, std)), "zeros" or "ones"."""
+    if len(names) != len(shape):
+        raise ValueError(f"Axis names {names} do not match shape {shape}.")
+    if init == "normal":
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    elif init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        raise ValueError(f"Unknown initializer {init!r}.")
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x: [..., D] any float dtype; scale: [D]. Normalises in float32 and returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis with a learned scale (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype):
+        self.eps = eps
+        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "llama3" scaling when configured."""
+    dim = cfg.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.get("rope_type") == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+    smooth = ((np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions: [B, T] int32 -> (cos, sin): [B, T, head_dim] float32 (frequencies repeated twice, HF layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, N, head_dim]; cos/sin: [B, T, head_dim] float32. x*cos + rotate_half(x)*sin, in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with a float32 softmax.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (H a multiple of K); mask: [B, T, S] bool (True = may attend).
+    Returns [B, T, H, Dh] in q's dtype.
+    """
+    b, t, h, dh = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * np.float32(1.0 / math.sqrt(dh))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped key/value heads, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, hd, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
+        self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.v_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.o_proj = make_param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pdt)
+        if cfg.attention_bias:
+            self.q_bias = make_param(rngs, (h, hd), ("heads", "head_dim"), pdt, init="zeros")
+            self.k_bias = make_param(rngs, (k, hd), ("kv_heads", "head_dim"), pdt, init="zeros")
+            self.v_bias = make_param(rngs, (k, hd), ("kv_heads", "head_dim"), pdt, init="zeros")
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x: jax.Array, w: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh] in the compute dtype, RoPE applied to q, k."""
+        q = self._project(x, self.q_proj, self.q_bias)
+        k = self._project(x, self.k_proj, self.k_bias)
+        v = self._project(x, self.v_proj, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, attn: jax.Array) -> jax.Array:
+        """attn: [B, T, H, Dh] -> [B, T, D]."""
+        return jnp.einsum("bthk,hkd->btd", attn, self.o_proj[...].astype(self.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
+        self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
+        self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [B, T, D] -> [B, T, D] in the compute dtype."""
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). The attention step is driven by Transformer
+    so that the KV cache can be written in place."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs=rngs)

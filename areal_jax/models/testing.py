@@ -1,0 +1,91 @@
+"""Helpers for tests across the project: tiny configs, randomly initialised models and HF checkpoints."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Transformer
+
+
+def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
+    """A 2-layer float32 model with odd sizes: hidden 64, 4 heads, 2 kv heads, head_dim 16, vocab 97.
+
+    Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 has q/k norm, llama uses llama3 RoPE scaling.
+    Any ModelConfig field can be overridden.
+    """
+    fields: dict[str, Any] = dict(
+        architecture=architecture,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        attention_bias=architecture == "qwen2",
+        qk_norm=architecture == "qwen3",
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    )
+    if architecture == "llama":
+        fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        fields["rope_theta"] = 500000.0
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def randomize_params(model: Transformer, seed: int = 0) -> Transformer:
+    """Re-draws every parameter in place so that activations are O(1) and outputs are far from uniform.
+
+    Projections: N(0, 1/fan_in); embedding: N(0, 1); norm scales: 1 + N(0, 0.1); biases: N(0, 0.1).
+    """
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = []
+    for key, (path, leaf) in zip(keys, leaves):
+        names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        name = next(n for n in reversed(names) if isinstance(n, str) and n != "value")
+        noise = jax.random.normal(key, leaf.shape, jnp.float32)
+        if name == "scale":
+            value = 1.0 + 0.1 * noise
+        elif name.endswith("_bias"):
+            value = 0.1 * noise
+        elif name == "embedding":
+            value = noise
+        elif name == "o_proj":
+            value = noise / jnp.sqrt(leaf.shape[0] * leaf.shape[1])
+        else:
+            value = noise / jnp.sqrt(leaf.shape[0])
+        new.append(value.astype(leaf.dtype))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+    return model
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A Transformer for `cfg` with O(1)-scale random parameters (see `randomize_params`)."""
+    return randomize_params(Transformer(cfg, rngs=nnx.Rngs(seed)), seed)
+
+
+def write_random_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, seed: int = 0,
+                               max_shard_size: int | None = None) -> Transformer:
+    """Builds `random_model(cfg, seed)`, saves it as an HF checkpoint directory at `path`, returns the model.
+
+    No torch needed. max_shard_size (bytes) splits the weights into model-*.safetensors with an index file.
+    """
+    from areal_jax.models.hf_io import save_hf_checkpoint
+
+    model = random_model(cfg, seed)
+    save_hf_checkpoint(model, path, max_shard_size=max_shard_size)
+    return model

@@ -1,0 +1,148 @@
+"""The decoder-only Transformer (Qwen2 / Qwen3 / Llama) with packed-sequence masks and a KV-cache path."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.layers import DecoderLayer, RMSNorm, dot_attention, make_param, rope_cos_sin, rope_inv_freq
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer. k, v: [num_layers, B, S, num_kv_heads, head_dim] in the compute dtype.
+
+    Row b's entry at index s holds the token written at position s (see `Transformer.__call__`)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+    """A zero KV cache for `batch_size` rows of `max_len` positions; dtype defaults to cfg.dtype."""
+    if batch_size <= 0 or max_len <= 0:
+        raise ValueError(f"init_cache needs positive batch_size and max_len, got {batch_size} and {max_len}.")
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = cfg.dtype if dtype is None else dtype
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def packed_mask(segment_ids: jax.Array) -> jax.Array:
+    """segment_ids: [B, T] int32 -> [B, T, T] bool: i attends j iff j <= i and both share a segment id."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+def cache_mask(positions: jax.Array, max_len: int) -> jax.Array:
+    """positions: [B, T] -> [B, T, S] bool: a query at position p attends cache indices 0..p."""
+    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model.
+
+    Parameters (logical axes in brackets): embedder.embedding [vocab, embed]; per layer (in `layers`, an
+    nnx.List) attention q/k/v/o projections, optional q/k/v bias and q/k norm, SwiGLU MLP and two RMSNorms;
+    final_norm [norm]; lm_head [embed, vocab] unless the embeddings are tied.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Logits [B, T, vocab] float32; with a cache, returns (logits, new_cache).
+
+        tokens: [B, T] int32. positions: [B, T] int32 (RoPE positions; default 0..T-1 per row).
+        Without a cache: token i attends to j iff j <= i and segment_ids[b, i] == segment_ids[b, j]
+        (segment_ids default all ones; id 0 marks padding).
+        With a cache: each token's key/value is written at index positions[b, t] of row b (indices outside
+        [0, S) are dropped), then a query at position p attends to cache indices 0..p of its row.
+        """
+        out = self.hidden(tokens, positions, segment_ids, cache)
+        if cache is None:
+            return self.unembed(out)
+        h, new_cache = out
+        return self.unembed(h), new_cache
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given)."""
+        cfg = self.cfg
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}.")
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        positions = jnp.asarray(positions, jnp.int32)
+        if positions.shape != (b, t):
+            raise ValueError(f"positions has shape {positions.shape}, expected {(b, t)} like tokens.")
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache: in cache mode a query at position p "
+                                 "attends cache indices 0..p of its row. Pass one sequence per row instead.")
+            expected = (cfg.num_layers, b, cache.k.shape[2], cfg.num_kv_heads, cfg.head_dim)
+            if cache.k.shape != expected or cache.v.shape != expected:
+                raise ValueError(f"KV cache has shape {cache.k.shape}, expected {expected}; build it with "
+                                 f"init_cache(cfg, batch_size={b}, max_len=...).")
+            mask = cache_mask(positions, cache.k.shape[2])
+        else:
+            if segment_ids is None:
+                segment_ids = jnp.ones((b, t), jnp.int32)
+            segment_ids = jnp.asarray(segment_ids, jnp.int32)
+            if segment_ids.shape != (b, t):
+                raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected {(b, t)} like tokens.")
+            mask = packed_mask(segment_ids)
+
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
+        if cache is not None:
+            s = cache.k.shape[2]
+            rows = jnp.arange(b)[:, None]
+            write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
+            k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
+            if cache is None:
+                attn = dot_attention(q, k, v, mask)
+            else:
+                k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
+                v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
+                attn = dot_attention(q, k_all[i].astype(cfg.dtype), v_all[i].astype(cfg.dtype), mask)
+            x = x + layer.attn.out(attn)
+            x = x + layer.mlp(layer.post_attn_norm(x))
+        h = self.final_norm(x)
+        if cache is None:
+            return h
+        return h, KVCache(k=k_all, v=v_all)
+
+    def unembed_matrix(self) -> jax.Array:
+        """[hidden_size, vocab] in the param dtype: the tied embedding transposed, or lm_head."""
+        if self.lm_head is None:
+            return self.embedding[...].T
+        return self.lm_head[...]
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """h: [..., hidden_size] -> logits [..., vocab] float32."""
+        w = self.unembed_matrix().astype(self.cfg.dtype)
+        return jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
