@@ -1,0 +1,147 @@
+"""Bootstrap that runs inside the sandbox process (see ``sandbox.py``); never imported by the library.
+
+Started as ``python -I -B _sandbox_child.py '<json config>'`` with the working directory already set to
+the sandbox's fresh temporary directory. It applies the resource limits to itself, installs an audit
+hook that denies network, process creation and file access outside the allowed roots, then executes
+``main.py`` from the working directory as ``__main__``. Only the standard library is used here so the
+bootstrap costs a bare interpreter start.
+
+Config keys: workdir (str), cpu_time_s (int), memory_bytes (int), file_bytes (int), max_processes
+(int), audit_hook (bool), allow_subprocess (bool).
+"""
+
+import json
+import os
+import resource
+import signal
+import sys
+import sysconfig
+import types
+
+_PROCESS_EVENTS = frozenset({
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+    "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "os.startfile",
+})
+_PATH_EVENTS_WRITE = frozenset({
+    "os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.link",
+    "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile",
+    "os.chdir", "os.chroot", "os.chflags", "os.lchflags", "os.setxattr", "os.removexattr",
+})
+_PATH_EVENTS_READ = frozenset({"os.listdir", "os.scandir", "glob.glob", "os.getxattr", "os.listxattr"})
+_ALWAYS_BLOCKED = frozenset({"resource.setrlimit", "resource.prlimit", "ctypes.dlopen",
+                             "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function"})
+_BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend"})
+_READABLE_FILES = frozenset({"/dev/null", "/dev/urandom", "/dev/random", "/dev/zero"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _set_limit(which: int, soft: int, hard: int) -> None:
+    try:
+        resource.setrlimit(which, (soft, hard))
+    except (ValueError, OSError):
+        pass  # not supported here (e.g. RLIMIT_NPROC ignored for root): the other layers still hold
+
+
+def _apply_limits(cfg: dict) -> None:
+    cpu = int(cfg["cpu_time_s"])
+    _set_limit(resource.RLIMIT_CPU, cpu, cpu + 1)
+    _set_limit(resource.RLIMIT_AS, int(cfg["memory_bytes"]), int(cfg["memory_bytes"]))
+    _set_limit(resource.RLIMIT_FSIZE, int(cfg["file_bytes"]), int(cfg["file_bytes"]))
+    _set_limit(resource.RLIMIT_NPROC, int(cfg["max_processes"]), int(cfg["max_processes"]))
+    _set_limit(resource.RLIMIT_CORE, 0, 0)
+
+    def on_cpu_limit(signum, frame):  # PID 1 of a PID namespace ignores default-action SIGXCPU
+        os.write(2, b"\nsandbox: CPU time limit exceeded\n")
+        os._exit(128 + signal.SIGXCPU)
+
+    signal.signal(signal.SIGXCPU, on_cpu_limit)
+
+
+def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
+    write_root = os.path.realpath(workdir)
+    read_roots = {write_root}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path and os.path.isdir(path):
+            read_roots.add(os.path.realpath(path))
+    for entry in sys.path:
+        if entry and os.path.isabs(entry) and os.path.isdir(entry):
+            read_roots.add(os.path.realpath(entry))
+    read_roots_t = tuple(sorted(read_roots))
+    busy = [False]
+
+    def under(path: str, roots) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+    def allowed(path, write: bool) -> bool:
+        if path is None or isinstance(path, int):
+            return True  # operations on an already-open descriptor
+        p = os.path.realpath(os.fsdecode(path))
+        if under(p, (write_root,)):
+            return True
+        if write:
+            return False
+        return p in _READABLE_FILES or under(p, read_roots_t)
+
+    def deny(event: str, detail: object = "") -> None:
+        raise PermissionError(f"sandbox: {event} {detail!s} is not allowed".replace("  ", " "))
+
+    def hook(event: str, args: tuple) -> None:
+        if busy[0]:
+            return
+        busy[0] = True
+        try:
+            if event == "open":
+                path, mode, flags = (tuple(args) + (None, None, None))[:3]
+                write = bool(mode and any(c in str(mode) for c in "wax+")) or bool(
+                    isinstance(flags, int) and flags & _WRITE_FLAGS)
+                if not allowed(path, write):
+                    deny("opening", path)
+            elif event.startswith("socket."):
+                deny("network access", f"({event})")
+            elif event in _ALWAYS_BLOCKED:
+                deny(event)
+            elif event == "import" and args and args[0] in _BLOCKED_IMPORTS:
+                deny("importing", args[0])
+            elif not allow_subprocess and (
+                event in _PROCESS_EVENTS
+                or (event == "import" and args and args[0] == "_posixsubprocess")
+            ):
+                what = args[0] if event == "import" else event
+                deny("starting or signalling processes", f"({what})")
+            elif event in _PATH_EVENTS_WRITE:
+                for path in args[:2] if event in ("os.rename", "os.link", "shutil.move",
+                                                  "shutil.copyfile") else args[:1]:
+                    if isinstance(path, (str, bytes, os.PathLike)) and not allowed(path, True):
+                        deny(event, path)
+            elif event in _PATH_EVENTS_READ:
+                path = args[0] if args else None
+                if isinstance(path, (str, bytes, os.PathLike)) and not allowed(path, False):
+                    deny(event, path)
+        finally:
+            busy[0] = False
+
+    sys.addaudithook(hook)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    workdir = cfg["workdir"]
+    os.chdir(workdir)
+    with open(os.path.join(workdir, "main.py"), encoding="utf-8") as f:
+        source = f.read()
+    code = compile(source, "main.py", "exec")
+    _apply_limits(cfg)
+    sys.argv = ["main.py"]
+    sys.path.insert(0, workdir)
+    if cfg["audit_hook"]:
+        _install_audit_hook(workdir, bool(cfg["allow_subprocess"]))
+    module = types.ModuleType("__main__")
+    module.__file__ = os.path.join(workdir, "main.py")
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
+
+
+if __name__ == "__main__":
+    main()

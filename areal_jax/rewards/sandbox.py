@@ -1,0 +1,255 @@
+"""Run untrusted Python from completions in a contained process, and a code-execution reward on top.
+
+Layers of containment, each a backstop for the others:
+  * a separate interpreter (``python -I -B``) in its own session / process group, started by a plain
+    fork+exec (no Python code runs between the two, so this is safe from a parent running JAX threads);
+  * resource limits the child sets on itself before any untrusted code runs: RLIMIT_CPU (CPU seconds),
+    RLIMIT_AS (address space), RLIMIT_FSIZE (bytes per written file), RLIMIT_NPROC (processes; the
+    kernel ignores it for root) and no core files;
+  * a fresh temporary working directory, deleted afterwards;
+  * a ``sys.addaudithook`` hook in the child that denies sockets, process creation and signalling,
+    ``ctypes``, raising the resource limits, and file access outside the working directory (reads of
+    the Python installation stay allowed so ``import`` works; ``/etc/passwd`` does not);
+  * ``unshare`` into new network and PID namespaces when the host allows it (probed once): no network
+    interface but a down loopback, and killing the namespace's first process kills every process the
+    code started, even ones that left the process group;
+  * a wall-clock timeout and an output cap (stdout + stderr), both enforced by SIGKILL to the whole
+    process group.
+
+An audit hook is defence in depth, not a security boundary on its own (C extensions can bypass it); the
+namespaces, limits and kills are what hold when it is bypassed. Run this on machines you own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["SandboxResult", "run_python_sandboxed", "extract_python_code", "code_reward",
+           "namespace_isolation"]
+
+_CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
+_UNSHARE_CANDIDATES: tuple[tuple[str, ...], ...] = (
+    ("unshare", "--net", "--pid", "--fork", "--kill-child"),
+    ("unshare", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"),
+    ("unshare", "--net"),
+    ("unshare", "--map-root-user", "--net"),
+)
+_CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run.
+
+    status: "ok" (exit code 0), "error" (non-zero exit), "timeout" (wall clock exceeded, killed) or
+    "output_limit" (stdout + stderr exceeded max_output_bytes, killed). exit_code is the process's
+    return code (negative: killed by that signal), None if it could not be started.
+    stdout / stderr: decoded as UTF-8 with replacement, at most max_output_bytes together.
+    """
+
+    status: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+    output_truncated: bool
+    isolation: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@functools.lru_cache(maxsize=None)
+def namespace_isolation() -> tuple[str, ...]:
+    """The ``unshare`` command prefix that works on this host (network + PID namespaces preferred),
+    or () when none does. Probed once per process by running ``true`` under each candidate."""
+    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+        return ()
+    for prefix in _UNSHARE_CANDIDATES:
+        try:
+            done = subprocess.run([*prefix, "true"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return prefix
+    return ()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (its session leader's pid is the group id)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+
+
+def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: int
+                     ) -> tuple[bytes, bytes, bool, bool]:
+    """Drain stdout/stderr until both close, the deadline passes or the output cap is hit.
+
+    Returns (stdout, stderr, timed_out, truncated); kills the process group on timeout or overflow.
+    """
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    total = 0
+    with selectors.DefaultSelector() as sel:
+        for stream in bufs:
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream, selectors.EVENT_READ)
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _kill_group(proc)
+                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), True, False
+            for key, _ in sel.select(timeout=min(remaining, 0.5)):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                room = max_output_bytes - total
+                bufs[key.fileobj] += chunk[:room]
+                total += len(chunk)
+                if total > max_output_bytes:
+                    _kill_group(proc)
+                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, True
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False
+
+
+def run_python_sandboxed(
+    code: str,
+    *,
+    stdin: str = "",
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    cpu_time_s: float | None = None,
+    max_output_bytes: int = 1 << 20,
+    max_file_bytes: int = 16 << 20,
+    max_processes: int = 64,
+    isolate_network: bool = True,
+    audit_hook: bool = True,
+    allow_subprocess: bool = False,
+    python: str | None = None,
+) -> SandboxResult:
+    """Run ``code`` as ``__main__`` in a contained child interpreter and collect its output.
+
+    Args:
+      code: Python source text.
+      stdin: text fed to the program's standard input.
+      timeout_s: wall-clock limit; past it the process group is SIGKILLed and status is "timeout".
+      memory_mb: RLIMIT_AS of the child in MiB (allocations beyond it raise MemoryError).
+      cpu_time_s: RLIMIT_CPU in seconds; default ceil(timeout_s) + 1.
+      max_output_bytes: cap on stdout + stderr together; beyond it the child is killed.
+      max_file_bytes: RLIMIT_FSIZE, the largest file the child may write.
+      max_processes: RLIMIT_NPROC (ignored by the kernel for root; namespaces and the audit hook cover).
+      isolate_network: run under ``unshare`` network (and PID) namespaces when available.
+      audit_hook: install the deny-list audit hook (turn off only to test the other layers).
+      allow_subprocess: let the audit hook permit fork/exec/kill (still bounded by the other layers).
+      python: interpreter to run; default the current one.
+    """
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
+        raise ValueError(
+            f"run_python_sandboxed needs positive limits, got timeout_s={timeout_s}, "
+            f"memory_mb={memory_mb}, max_output_bytes={max_output_bytes}; pass values above zero.")
+    workdir = tempfile.mkdtemp(prefix="areal_sandbox_")
+    config = {
+        "workdir": workdir,
+        "cpu_time_s": int(cpu_time_s if cpu_time_s is not None else math.ceil(timeout_s) + 1),
+        "memory_bytes": int(memory_mb) << 20,
+        "file_bytes": int(max_file_bytes),
+        "max_processes": int(max_processes),
+        "audit_hook": bool(audit_hook),
+        "allow_subprocess": bool(allow_subprocess),
+    }
+    prefix = namespace_isolation() if isolate_network else ()
+    cmd = [*prefix, python or sys.executable, "-I", "-B", _CHILD_SCRIPT, json.dumps(config)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    start = time.monotonic()
+    proc = None
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode("utf-8"))
+            stdin_file.seek(0)
+            proc = subprocess.Popen(cmd, stdin=stdin_file, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=workdir, env=env,
+                                    start_new_session=True, close_fds=True)
+        out, err, timed_out, truncated = _read_until_done(
+            proc, start + timeout_s, max_output_bytes)
+        try:
+            proc.wait(timeout=max(0.0, start + timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(proc)  # leftovers that closed their pipes but kept running
+        proc.wait()
+        if timed_out:
+            status = "timeout"
+        elif truncated:
+            status = "output_limit"
+        else:
+            status = "ok" if proc.returncode == 0 else "error"
+        return SandboxResult(status, proc.returncode, out.decode("utf-8", "replace"),
+                             err.decode("utf-8", "replace"), time.monotonic() - start,
+                             timed_out, truncated, tuple(prefix))
+    except OSError as e:
+        return SandboxResult("error", None, "", f"sandbox could not start the program: {e}",
+                             time.monotonic() - start, False, False, tuple(prefix))
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+            if proc.returncode is None:
+                proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def extract_python_code(completion: str) -> str | None:
+    """Body of the last fenced code block tagged python/py/python3, else of the last fenced block
+    of any tag, else None."""
+    blocks = _CODE_BLOCK.findall(completion)
+    if not blocks:
+        return None
+    tagged = [body for tag, body in blocks if tag.lower() in ("python", "py", "python3")]
+    return (tagged or [body for _, body in blocks])[-1]
+
+
+def code_reward(completion: str, tests: str | Sequence[str], *, timeout_s: float = 10.0,
+                memory_mb: int = 512) -> float:
+    """1.0 iff the completion's last Python block, followed by ``tests`` (assert statements; a list
+    is joined by newlines), exits with code 0 inside the sandbox within the limits; else 0.0.
+    Never raises."""
+    try:
+        code = extract_python_code(completion)
+        if code is None:
+            return 0.0
+        test_src = tests if isinstance(tests, str) else "\n".join(tests)
+        result = run_python_sandboxed(f"{code}\n\n{test_src}\n", timeout_s=timeout_s,
+                                      memory_mb=memory_mb)
+        return 1.0 if result.ok else 0.0
+    except Exception:  # noqa: BLE001 - a reward must never take the run down
+        return 0.0
