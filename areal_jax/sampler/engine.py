@@ -1,0 +1,445 @@
+"""The decode engine: JetStream's engine API shape (prefill / insert / generate), pure and jitted.
+
+A fixed number of *slots* decode together. Each slot owns one row of a KV cache
+``[L, num_slots, max_len, kv_heads, head_dim]`` plus its next-token logits and sampling settings.
+One call of :meth:`Engine.generate` advances every slot by one token with a single compiled program:
+
+1. sample a token per slot from the slot's stored logits (its behaviour logprob comes with it);
+2. run the model on those tokens (writing their keys / values into the cache) to get the logits of
+   the following token.
+
+Storing the logits in the state means a prefilled prompt only has to be *inserted*; several slots
+holding the same prefix (a GRPO group, :meth:`Engine.bulk_insert`) then draw different first tokens.
+All functions take ``params`` = the ``nnx.State`` of ``nnx.split(model)``; the decode state is
+donated so a step rewrites the cache in place. Prompts are padded to power-of-two buckets so a run
+compiles a handful of programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
+from areal_jax.sampler.sampling import SamplingParams, sample_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything the decode step reads and writes, one row per slot (S = num_slots).
+
+    Attributes:
+      cache: KVCache with k, v [L, S, max_len, kv_heads, head_dim] (compute dtype).
+      logits: [S, V] float32 logits of the next token each slot will sample.
+      lengths: [S] int32 tokens already in the cache (prompt + generated); the next token is
+        written at this index.
+      last_tokens: [S] int32 the last token of each slot's sequence.
+      done: [S] bool; True for free slots and for slots whose request finished.
+      generated: [S] int32 tokens generated since the slot was (re)inserted.
+      max_new: [S] int32 budget of new tokens since the slot was (re)inserted.
+      temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
+      stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    lengths: jax.Array
+    last_tokens: jax.Array
+    done: jax.Array
+    generated: jax.Array
+    max_new: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt, ready to be inserted into one or more slots.
+
+    Attributes:
+      cache: KVCache with k, v [L, 1, P, kv_heads, head_dim], P = the prompt's bucket; rows at
+        index >= true_length hold padding junk that decoding overwrites before reading.
+      logits: [V] float32 logits of the first token to generate.
+      logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
+      true_length: [] int32 number of real prompt tokens.
+      last_token: [] int32 the last prompt token.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    logprobs: jax.Array
+    true_length: jax.Array
+    last_token: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepResult:
+    """What one decode step hands to the host (fetched once per step; S = num_slots).
+
+    Attributes:
+      tokens: [S] int32 token sampled for each slot (meaningless where ``valid`` is False).
+      logprobs: [S] float32 behaviour log-probability of each token.
+      done: [S] bool; True where the slot is free or its request has finished (after this step).
+      valid: [S] bool; True where the slot was generating when the step began, i.e. the token is real.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    done: jax.Array
+    valid: jax.Array
+
+    def to_host(self) -> "StepResult":
+        """The same result as numpy arrays, in one device-to-host transfer."""
+        return StepResult(*jax.device_get((self.tokens, self.logprobs, self.done, self.valid)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotSettings:
+    """Per-request settings as device scalars (one compiled insert serves every request)."""
+
+    temperature: jax.Array  # [] float32
+    top_k: jax.Array  # [] int32
+    top_p: jax.Array  # [] float32
+    max_new: jax.Array  # [] int32
+    stop_ids: jax.Array  # [max_stop_tokens] int32, -1 padded
+
+
+def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len`` itself."""
+    buckets, b = [], min(min_bucket, max_len)
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_len)
+    return tuple(buckets)
+
+
+def _model_config(model: nnx.Module) -> ModelConfig:
+    for name in ("config", "cfg"):
+        cfg = getattr(model, name, None)
+        if isinstance(cfg, ModelConfig):
+            return cfg
+    raise TypeError(
+        "Engine could not find the ModelConfig on the model (expected a `config` or `cfg` "
+        "attribute); pass a Transformer or a graphdef together with config=..."
+    )
+
+
+class Engine:
+    """Pure, jitted prefill / insert / generate over a fixed set of decode slots."""
+
+    def __init__(
+        self,
+        model_graphdef_or_model: nnx.Module | nnx.GraphDef,
+        *,
+        num_slots: int,
+        max_len: int,
+        mesh: Mesh | None = None,
+        prefill_buckets: Sequence[int] | None = None,
+        config: ModelConfig | None = None,
+        max_stop_tokens: int = 8,
+        min_bucket: int = 16,
+    ) -> None:
+        """Build the engine.
+
+        Args:
+          model_graphdef_or_model: a Transformer (its graphdef and config are taken) or the
+            graphdef of ``nnx.split(model)`` (then ``config`` is required).
+          num_slots: sequences decoded together by one step.
+          max_len: longest sequence (prompt + generated tokens) a slot can hold.
+          mesh: optional rollout mesh with axes ("fsdp", "tensor"); params are sharded with the
+            model's logical rules and the cache over kv_heads on "tensor" when divisible.
+          prefill_buckets: padded prompt lengths (increasing, each <= max_len); default powers of
+            two from ``min_bucket`` plus max_len.
+          config: the ModelConfig, needed when a graphdef is given.
+          max_stop_tokens: the most stop token ids one request may carry.
+        """
+        if isinstance(model_graphdef_or_model, nnx.Module):
+            self.config = config or _model_config(model_graphdef_or_model)
+            self.graphdef, abstract = nnx.split(model_graphdef_or_model)
+        else:
+            if config is None:
+                raise ValueError("Engine was given a graphdef without config=: pass the ModelConfig too.")
+            self.config, self.graphdef, abstract = config, model_graphdef_or_model, None
+        if num_slots < 1 or max_len < 2:
+            raise ValueError(f"Engine needs num_slots >= 1 and max_len >= 2, got {num_slots} and {max_len}.")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit and max_len > limit:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's max_position_embeddings={limit}; lower max_len."
+            )
+        self.num_slots, self.max_len, self.mesh = int(num_slots), int(max_len), mesh
+        self.max_stop_tokens = int(max_stop_tokens)
+        buckets = tuple(int(b) for b in (prefill_buckets or default_buckets(max_len, min_bucket)))
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > max_len:
+            raise ValueError(
+                f"prefill_buckets must be strictly increasing lengths in [1, max_len={max_len}], got {buckets}."
+            )
+        self.prefill_buckets = buckets
+        self._param_sharding = None
+        self._state_sharding = None
+        self._prefix_sharding = None
+        if mesh is not None:
+            self._setup_shardings(abstract)
+        self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
+        self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
+        self._jit_bulk_insert = jax.jit(
+            self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
+        )
+        self._jit_generate = jax.jit(
+            self._generate_fn, donate_argnums=(1,), out_shardings=(self._state_sharding, None)
+        )
+        self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
+        self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
+
+    # ----------------------------------------------------------------------------- sharding
+    def _cache_spec(self) -> PartitionSpec:
+        tensor = self.mesh.shape.get("tensor", 1)
+        if tensor > 1 and self.config.num_kv_heads % tensor == 0:
+            return PartitionSpec(None, None, None, "tensor", None)
+        return PartitionSpec()
+
+    def _setup_shardings(self, state: nnx.State | None) -> None:
+        if state is not None:
+            self._param_sharding = logical_to_mesh_sharding(state, self.mesh)
+        cache = NamedSharding(self.mesh, self._cache_spec())
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def pick(x: Any) -> NamedSharding:
+            return cache if getattr(x, "ndim", 0) == 5 else replicated
+
+        self._state_sharding = jax.tree.map(pick, jax.eval_shape(self._init_fn))
+        prefix_shape = jax.eval_shape(
+            self._prefill_fn_abstract, jax.ShapeDtypeStruct((1, self.prefill_buckets[0]), jnp.int32)
+        )
+        self._prefix_sharding = jax.tree.map(pick, prefix_shape)
+
+    def _prefill_fn_abstract(self, tokens: jax.Array) -> Prefix:
+        cfg = self.config
+        p = tokens.shape[1]
+        cache = init_cache(cfg, 1, p)
+        return Prefix(cache, jnp.zeros((cfg.vocab_size,)), jnp.zeros((cfg.vocab_size,)),
+                      jnp.int32(0), jnp.int32(0))
+
+    def place_params(self, params: nnx.State) -> nnx.State:
+        """Put ``params`` on the engine's mesh with the model's sharding (identity without a mesh)."""
+        if self.mesh is None:
+            return params
+        if self._param_sharding is None:
+            self._param_sharding = logical_to_mesh_sharding(params, self.mesh)
+        return jax.device_put(params, self._param_sharding)
+
+    # ----------------------------------------------------------------------------- pure functions
+    def _init_fn(self) -> DecodeState:
+        cfg, s = self.config, self.num_slots
+        return DecodeState(
+            cache=init_cache(cfg, s, self.max_len),
+            logits=jnp.zeros((s, cfg.vocab_size), jnp.float32),
+            lengths=jnp.zeros((s,), jnp.int32),
+            last_tokens=jnp.zeros((s,), jnp.int32),
+            done=jnp.ones((s,), bool),
+            generated=jnp.zeros((s,), jnp.int32),
+            max_new=jnp.zeros((s,), jnp.int32),
+            temperature=jnp.ones((s,), jnp.float32),
+            top_k=jnp.zeros((s,), jnp.int32),
+            top_p=jnp.ones((s,), jnp.float32),
+            stop_ids=jnp.full((s, self.max_stop_tokens), -1, jnp.int32),
+        )
+
+    def _prefill_fn(self, params: nnx.State, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+        model = nnx.merge(self.graphdef, params)
+        p = tokens.shape[1]
+        positions = jnp.arange(p, dtype=jnp.int32)[None, :]
+        h, cache = model.hidden(tokens, positions, cache=init_cache(self.config, 1, p))
+        last = jax.lax.dynamic_slice_in_dim(h, true_length - 1, 1, axis=1)  # [1, 1, D]
+        logits = model.unembed(last)[0, 0].astype(jnp.float32)
+        return Prefix(
+            cache=cache,
+            logits=logits,
+            logprobs=jax.nn.log_softmax(logits),
+            true_length=true_length.astype(jnp.int32),
+            last_token=tokens[0, true_length - 1],
+        )
+
+    def _set_slot_fields(self, state: DecodeState, prefix: Prefix, idx: jax.Array,
+                         settings: SlotSettings, mode: str | None) -> DecodeState:
+        def put(arr: jax.Array, value: jax.Array) -> jax.Array:
+            return arr.at[idx].set(value, mode=mode)
+
+        return dataclasses.replace(
+            state,
+            logits=put(state.logits, prefix.logits),
+            lengths=put(state.lengths, prefix.true_length),
+            last_tokens=put(state.last_tokens, prefix.last_token),
+            done=put(state.done, False),
+            generated=put(state.generated, 0),
+            max_new=put(state.max_new, settings.max_new),
+            temperature=put(state.temperature, settings.temperature),
+            top_k=put(state.top_k, settings.top_k),
+            top_p=put(state.top_p, settings.top_p),
+            stop_ids=put(state.stop_ids, settings.stop_ids),
+        )
+
+    def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array,
+                   settings: SlotSettings) -> DecodeState:
+        def write(dst: jax.Array, src: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (0, slot, 0, 0, 0))
+
+        cache = jax.tree.map(write, state.cache, prefix.cache)
+        state = dataclasses.replace(state, cache=cache)
+        return self._set_slot_fields(state, prefix, slot, settings, mode=None)
+
+    def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
+                        settings: SlotSettings) -> DecodeState:
+        n = slots.shape[0]
+
+        def write(dst: jax.Array, src: jax.Array) -> jax.Array:
+            p = src.shape[2]
+            rows = jnp.broadcast_to(src.astype(dst.dtype), (src.shape[0], n) + src.shape[2:])
+            return dst.at[:, slots, :p].set(rows, mode="drop")
+
+        cache = jax.tree.map(write, state.cache, prefix.cache)
+        state = dataclasses.replace(state, cache=cache)
+        return self._set_slot_fields(state, prefix, slots, settings, mode="drop")
+
+    def _generate_fn(self, params: nnx.State, state: DecodeState,
+                     rng: jax.Array) -> tuple[DecodeState, StepResult]:
+        model = nnx.merge(self.graphdef, params)
+        if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)  # raw uint32 key data from the host
+        tokens, logprobs = sample_tokens(state.logits, rng, state.temperature, state.top_k, state.top_p)
+        valid = ~state.done
+        step = valid.astype(jnp.int32)
+        positions = state.lengths
+        lengths = state.lengths + step
+        generated = state.generated + step
+        is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
+        finished = valid & (is_stop | (generated >= state.max_new) | (lengths >= self.max_len))
+        logits, cache = model(tokens[:, None], positions[:, None], cache=state.cache)
+        new_state = dataclasses.replace(
+            state,
+            cache=cache,
+            logits=logits[:, 0].astype(jnp.float32),
+            lengths=lengths,
+            last_tokens=jnp.where(valid, tokens, state.last_tokens),
+            done=state.done | finished,
+            generated=generated,
+        )
+        return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid)
+
+    def _release_fn(self, state: DecodeState, free: jax.Array) -> DecodeState:
+        return dataclasses.replace(state, done=state.done | free)
+
+    # ----------------------------------------------------------------------------- public API
+    def settings(self, sampling: SamplingParams) -> SlotSettings:
+        """Device-ready settings of one request (numpy scalars; no compile per value)."""
+        stops = sampling.stop_token_ids
+        if len(stops) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stops)} stop token ids given but the engine holds at most {self.max_stop_tokens}; "
+                "build the Engine with a larger max_stop_tokens."
+            )
+        stop_ids = np.full((self.max_stop_tokens,), -1, np.int32)
+        stop_ids[: len(stops)] = stops
+        return SlotSettings(
+            temperature=np.float32(sampling.temperature),
+            top_k=np.int32(sampling.top_k_value),
+            top_p=np.float32(sampling.top_p_value),
+            max_new=np.int32(sampling.max_new_tokens),
+            stop_ids=stop_ids,
+        )
+
+    def bucket_for(self, length: int) -> int:
+        """Smallest prefill bucket holding ``length`` tokens; ValueError when none does."""
+        for b in self.prefill_buckets:
+            if b >= length:
+                return b
+        raise ValueError(
+            f"A sequence of {length} tokens does not fit the largest prefill bucket "
+            f"({self.prefill_buckets[-1]}); shorten the prompt or raise max_len / prefill_buckets."
+        )
+
+    def init_decode_state(self) -> DecodeState:
+        """A fresh state: zero cache, every slot free (done)."""
+        return self._jit_init()
+
+    def prefill(self, params: nnx.State, tokens: Sequence[int] | np.ndarray,
+                true_length: int | None = None) -> Prefix:
+        """Run the prompt through the model once.
+
+        Args:
+          params: model state (from ``nnx.split``).
+          tokens: [T] int prompt ids (entries past ``true_length`` are ignored); padded here to
+            the smallest bucket >= true_length.
+          true_length: number of real tokens (default ``len(tokens)``), >= 1.
+        """
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n = int(tokens.shape[0] if true_length is None else true_length)
+        if n < 1 or n > tokens.shape[0]:
+            raise ValueError(f"prefill needs 1 <= true_length <= len(tokens), got {n} for {tokens.shape[0]} tokens.")
+        padded = np.zeros((1, self.bucket_for(n)), np.int32)
+        padded[0, :n] = tokens[:n]
+        return self._jit_prefill(params, padded, np.int32(n))
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= int(slot) < self.num_slots:
+            raise ValueError(f"slot {slot} is out of range for an engine with {self.num_slots} slots.")
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+               sampling: SamplingParams | None = None) -> DecodeState:
+        """Copy ``prefix`` into ``slot`` and arm it with ``sampling`` (donates ``decode_state``)."""
+        self._check_slot(slot)
+        settings = self.settings(sampling or SamplingParams())
+        return self._jit_insert(prefix, decode_state, np.int32(slot), settings)
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int],
+                    sampling: SamplingParams | None = None) -> DecodeState:
+        """Copy one prefix into several slots (the samples of a group); donates ``decode_state``.
+
+        ``slots`` is padded to a power of two with an out-of-range index (writes dropped), so
+        group sizes up to n compile about log2(n) programs.
+        """
+        slots = [int(s) for s in slots]
+        if not slots or len(set(slots)) != len(slots):
+            raise ValueError(f"bulk_insert needs distinct slots, got {slots}.")
+        for s in slots:
+            self._check_slot(s)
+        padded = np.full((1 << math.ceil(math.log2(len(slots))),), self.num_slots, np.int32)
+        padded[: len(slots)] = slots
+        settings = self.settings(sampling or SamplingParams())
+        return self._jit_bulk_insert(prefix, decode_state, padded, settings)
+
+    def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Mark ``slots`` free (done) so later steps leave them alone; donates ``decode_state``."""
+        mask = np.zeros((self.num_slots,), bool)
+        for s in slots:
+            self._check_slot(s)
+            mask[int(s)] = True
+        return self._jit_release(decode_state, mask)
+
+    def generate(self, params: nnx.State, decode_state: DecodeState,
+                 rng: jax.Array) -> tuple[DecodeState, StepResult]:
+        """One decode step for every slot (donates ``decode_state``); see the module docstring.
+
+        ``rng`` is a PRNG key or its raw uint32 key data ([2] for the default implementation).
+        """
+        return self._jit_generate(params, decode_state, rng)
+
+    @property
+    def compile_count(self) -> int:
+        """Programs compiled so far by this engine's jitted functions."""
+        fns = (self._jit_prefill, self._jit_insert, self._jit_bulk_insert, self._jit_generate, self._jit_init,
+               self._jit_release)
+        return int(sum(f._cache_size() for f in fns))

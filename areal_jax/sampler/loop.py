@@ -1,0 +1,408 @@
+"""The continuous-batching sampler loop: a thin thread around the pure :class:`Engine`.
+
+The thread keeps every decode slot busy: between two decode steps it applies a pending weight
+update, handles aborts, and admits queued requests into free slots (a request's n samples share
+one prefill); after each step it fetches the small :class:`StepResult` once and hands finished
+sequences back as :class:`Completion` objects. Every generated token carries the version of the
+params whose logits it was sampled from.
+
+On ``update_params`` with ``on_update="recompute"`` each in-flight sequence (prompt + tokens so
+far) is prefilled again under the new params before decoding continues: AReaL's interruptible
+generation. With ``"continue"`` the stale KV cache is kept.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Hashable, Literal, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.sampler.engine import Engine, Prefix
+from areal_jax.sampler.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "interrupted", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """n samples of one prompt. ``top_k`` / ``top_p`` None means off; temperature 0 means greedy."""
+
+    id: Hashable
+    prompt: Sequence[int]
+    max_new_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sample.
+
+    Attributes:
+      tokens: [N] int32 generated ids (a stop token, when hit, is the last one).
+      logprobs: [N] float32 behaviour log-probabilities of ``tokens``.
+      versions: [N] int32 params version that produced each token.
+      finish_reason: "stop" | "length" | "interrupted" | "error"; ``error`` says what went wrong.
+    """
+
+    request_id: Hashable
+    sample_index: int
+    prompt: list[int]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    error: str | None = None
+
+
+class SamplerLoopError(RuntimeError):
+    """The sampler thread failed; the original exception is the ``__cause__``."""
+
+
+@dataclasses.dataclass
+class _Queued:
+    request: Request
+    sampling: SamplingParams
+    next_index: int = 0
+    prefix: Prefix | None = None
+    prefix_version: int = -1
+
+
+@dataclasses.dataclass
+class _Running:
+    request: Request
+    sample_index: int
+    sampling: SamplingParams
+    logits_version: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def _completion(request: Request, index: int, tokens: Sequence[int] = (), logprobs: Sequence[float] = (),
+                versions: Sequence[int] = (), reason: FinishReason = "interrupted",
+                error: str | None = None) -> Completion:
+    return Completion(request.id, index, list(request.prompt), np.asarray(tokens, np.int32),
+                      np.asarray(logprobs, np.float32), np.asarray(versions, np.int32), reason, error)
+
+
+def _check_same_layout(current: nnx.State, new: nnx.State) -> None:
+    want, got = jax.tree.structure(current), jax.tree.structure(new)
+    if want != got:
+        raise ValueError("update_params got params with a different tree structure than the sampler's "
+                         "model; publish the nnx.State of the same architecture (nnx.split(model)[1]).")
+    for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(current)[0],
+                               jax.tree.leaves(current), jax.tree.leaves(new)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            name = jax.tree_util.keystr(path_leaf[0])
+            raise ValueError(f"update_params: {name} has shape {b.shape} {b.dtype}, the sampler's model has "
+                             f"{a.shape} {a.dtype}; publish params of the same model configuration.")
+
+
+class SamplerLoop:
+    """Daemon thread that serves :class:`Request` objects with continuous batching."""
+
+    def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0,
+                 on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0) -> None:
+        if on_update not in ("recompute", "continue"):
+            raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
+        self.engine, self.on_update = engine, on_update
+        self._params, self._version = engine.place_params(params), int(version)
+        # Longest prompt + generation a slot may hold; recompute must re-prefill up to one less.
+        top = engine.prefill_buckets[-1]
+        self._max_total = min(engine.max_len, top + 1) if on_update == "recompute" else engine.max_len
+        self._max_prompt = min(top, self._max_total - 1)
+        self._base_key, self._key_chunk, self._keys = jax.random.key(seed), -1, np.zeros((0, 2), np.uint32)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._out: collections.deque[Completion] = collections.deque()
+        self._running: dict[int, _Running] = {}
+        self._free = list(range(engine.num_slots))[::-1]
+        self._pending_update: tuple[nnx.State, int] | None = None
+        self._aborts: set[Hashable] = set()
+        self._paused = self._idle = False
+        self._stop_mode: str | None = None
+        self._error: BaseException | None = None
+        self._pending = 0
+        self._stats = collections.Counter()
+        self._state = engine.init_decode_state()
+        self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller-side API
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise SamplerLoopError(f"the sampler loop thread failed: {self._error!r}") from self._error
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; a prompt that cannot fit comes back as "error" completions."""
+        self._raise_if_failed()
+        if int(request.n) < 1:
+            raise ValueError(f"Request {request.id!r}: n must be >= 1, got {request.n}.")
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p,
+                                  request.max_new_tokens, request.stop_token_ids)
+        self.engine.settings(sampling)  # validates the number of stop ids
+        length, error = len(request.prompt), None
+        if length == 0:
+            error = f"Request {request.id!r} has an empty prompt; give at least one token."
+        elif length > self._max_prompt:
+            error = (f"Request {request.id!r}: the prompt has {length} tokens but this sampler holds at most "
+                     f"{self._max_prompt} prompt tokens (max_len={self.engine.max_len}); shorten the prompt "
+                     "or build the Engine with a larger max_len.")
+        elif length + sampling.max_new_tokens > self._max_total:
+            sampling = dataclasses.replace(sampling, max_new_tokens=self._max_total - length)
+        with self._cond:
+            if self._stop_mode is not None:
+                raise RuntimeError("submit() called after stop(); create a new SamplerLoop.")
+            self._pending += request.n
+            if error is not None:
+                for i in range(request.n):
+                    self._emit_locked(_completion(request, i, reason="error", error=error))
+            else:
+                self._queue.append(_Queued(request, sampling))
+            self._cond.notify_all()
+
+    def get_completion(self, timeout: float | None = None) -> Completion | None:
+        """Next finished sample, or None after ``timeout`` seconds (or when stopped and drained)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_failed()
+                if self._out:
+                    return self._out.popleft()
+                if not self._thread.is_alive():
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def update_params(self, params: nnx.State, version: int) -> None:
+        """Swap in new params at the next step boundary (non-blocking; the latest call wins).
+
+        Raises ValueError at once when ``params`` does not have the structure, shapes and dtypes
+        of the params the loop was built with."""
+        self._raise_if_failed()
+        _check_same_layout(self._params, params)
+        with self._cond:
+            self._pending_update = (params, int(version))
+            self._cond.notify_all()
+
+    @property
+    def current_version(self) -> int:
+        """Version of the params the loop decodes with now."""
+        return self._version
+
+    def pause(self) -> None:
+        """Stop stepping; returns once the loop is idle between two steps."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while not self._idle and self._thread.is_alive():
+                self._cond.wait(0.1)
+            self._raise_if_failed()
+
+    def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+        with self._cond:
+            self._paused = self._idle = False
+            self._cond.notify_all()
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a request: its queued and running samples come back as "interrupted"."""
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify_all()
+
+    def stop(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """End the thread. graceful: finish everything submitted first; else in-flight and queued
+        samples come back as "interrupted". Re-raises a failure of the thread."""
+        with self._cond:
+            if self._stop_mode != "now":
+                self._stop_mode = "graceful" if graceful else "now"
+            self._paused = False
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        self._raise_if_failed()
+
+    def num_pending(self) -> int:
+        """Samples submitted and not yet handed back as completions (queued + running + unread)."""
+        with self._cond:
+            return self._pending - len(self._out)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: steps, generated_tokens, mean_slot_occupancy, queue_depth, running, recomputes,
+        updates, compile_count, version."""
+        with self._cond:
+            s = dict(self._stats)
+            queued = sum(q.request.n - q.next_index for q in self._queue)
+            steps = s.get("steps", 0)
+            return {
+                "steps": steps,
+                "generated_tokens": s.get("generated_tokens", 0),
+                "mean_slot_occupancy": s.get("busy_slot_steps", 0) / max(1, steps * self.engine.num_slots),
+                "queue_depth": queued,
+                "running": len(self._running),
+                "recomputes": s.get("recomputes", 0),
+                "updates": s.get("updates", 0),
+                "compile_count": self.engine.compile_count,
+                "version": self._version,
+            }
+
+    def __enter__(self) -> "SamplerLoop":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop(graceful=False)
+
+    # ------------------------------------------------------------------ loop thread
+    def _emit_locked(self, completion: Completion) -> None:
+        self._out.append(completion)
+        self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._between_steps()
+                if self._running:
+                    self._step()
+            self._interrupt_all()
+        except BaseException as exc:  # surfaced to the caller by _raise_if_failed
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do; False when the thread should exit."""
+        with self._cond:
+            while True:
+                if self._stop_mode == "now":
+                    return False
+                if self._paused:
+                    self._idle = True
+                    self._cond.notify_all()
+                    self._cond.wait()
+                    continue
+                if self._running or self._queue or self._pending_update or self._aborts:
+                    return True
+                if self._stop_mode == "graceful":
+                    return False
+                self._cond.wait()
+
+    def _between_steps(self) -> None:
+        with self._cond:
+            update, self._pending_update = self._pending_update, None
+            aborts, self._aborts = self._aborts, set()
+        if update is not None:
+            self._apply_update(*update)
+        if aborts:
+            self._apply_aborts(aborts)
+        self._admit()
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        run = self._running.pop(slot)
+        self._free.append(slot)
+        with self._cond:
+            self._pending -= 1
+            self._emit_locked(_completion(run.request, run.sample_index, run.tokens, run.logprobs,
+                                          run.versions, reason))
+
+    def _release(self, slots: list[int]) -> None:
+        if slots:
+            self._state = self.engine.release(self._state, slots)
+
+    def _apply_update(self, params: nnx.State, version: int) -> None:
+        self._params, self._version = self.engine.place_params(params), version
+        self._stats["updates"] += 1
+        if self.on_update != "recompute":
+            return
+        for slot, run in self._running.items():
+            seq = list(run.request.prompt) + run.tokens
+            prefix = self.engine.prefill(self._params, seq)
+            remaining = run.sampling.max_new_tokens - len(run.tokens)
+            sampling = dataclasses.replace(run.sampling, max_new_tokens=remaining)
+            self._state = self.engine.insert(prefix, self._state, slot, sampling)
+            run.logits_version = version
+            self._stats["recomputes"] += 1
+
+    def _apply_aborts(self, ids: set[Hashable]) -> None:
+        with self._cond:
+            kept: collections.deque[_Queued] = collections.deque()
+            for q in self._queue:
+                if q.request.id in ids:
+                    for i in range(q.next_index, q.request.n):
+                        self._pending -= 1
+                        self._emit_locked(_completion(q.request, i, reason="interrupted"))
+                else:
+                    kept.append(q)
+            self._queue = kept
+        slots = [s for s, run in self._running.items() if run.request.id in ids]
+        for s in slots:
+            self._finish(s, "interrupted")
+        self._release(slots)
+
+    def _admit(self) -> None:
+        while self._free:
+            with self._cond:
+                if not self._queue or self._stop_mode == "now":
+                    return
+                q = self._queue[0]
+            if q.prefix is None or q.prefix_version != self._version:
+                q.prefix, q.prefix_version = self.engine.prefill(self._params, q.request.prompt), self._version
+            k = min(len(self._free), q.request.n - q.next_index)
+            slots = [self._free.pop() for _ in range(k)]
+            if k == 1:
+                self._state = self.engine.insert(q.prefix, self._state, slots[0], q.sampling)
+            else:
+                self._state = self.engine.bulk_insert(q.prefix, self._state, slots, q.sampling)
+            for i, slot in enumerate(slots):
+                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
+            with self._cond:
+                q.next_index += k
+                if q.next_index == q.request.n:
+                    self._queue.popleft()
+                    q.prefix = None
+
+    def _step_key(self, chunk_size: int = 4096) -> np.ndarray:
+        """Raw key data for this step: keys are split on the host in chunks, one transfer each."""
+        chunk, index = divmod(self._stats["steps"], chunk_size)
+        if chunk != self._key_chunk:
+            keys = jax.random.split(jax.random.fold_in(self._base_key, chunk), chunk_size)
+            self._keys, self._key_chunk = np.asarray(jax.random.key_data(keys)), chunk
+        return self._keys[index]
+
+    def _step(self) -> None:
+        self._state, result = self.engine.generate(self._params, self._state, self._step_key())
+        r = result.to_host()
+        with self._cond:
+            self._stats["steps"] += 1
+            self._stats["busy_slot_steps"] += len(self._running)
+            self._stats["generated_tokens"] += len(self._running)
+        for slot in list(self._running):
+            run = self._running[slot]
+            token = int(r.tokens[slot])
+            run.tokens.append(token)
+            run.logprobs.append(float(r.logprobs[slot]))
+            run.versions.append(run.logits_version)
+            run.logits_version = self._version
+            if r.done[slot]:
+                self._finish(slot, "stop" if token in run.sampling.stop_token_ids else "length")
+
+    def _interrupt_all(self) -> None:
+        """On a hard stop, hand back everything still queued or running as "interrupted"."""
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+            for q in queued:
+                for i in range(q.next_index, q.request.n):
+                    self._pending -= 1
+                    self._emit_locked(_completion(q.request, i, reason="interrupted"))
+        for slot in list(self._running):
+            self._finish(slot, "interrupted")

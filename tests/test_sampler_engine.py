@@ -1,0 +1,190 @@
+"""Engine + continuous batching against greedy decoding by repeated full forward passes (no cache)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models import testing
+from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams, generate_batch
+
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return testing.random_model(testing.tiny_config("qwen2"), seed=0)
+
+
+def full_forward_logp(model, pad_to: int = MAX_LEN):
+    """A jitted reference: log-softmax of a plain forward pass (no cache) at every position.
+
+    Returns f(seq: list[int]) -> [len(seq), V] float64; the sequence is tail-padded to ``pad_to``,
+    which causal attention makes invisible to the real positions."""
+    graphdef, params = nnx.split(model)
+    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
+
+    def logp(seq):
+        padded = np.zeros((1, pad_to), np.int32)
+        padded[0, : len(seq)] = seq
+        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
+
+    return logp
+
+
+def greedy_reference(logp, prompt, max_new, stop=()):
+    """Greedy decoding by repeated full forward passes. Returns (tokens, logprobs, logp tables)."""
+    seq, toks, lps, tables = list(prompt), [], [], []
+    for _ in range(max_new):
+        row = logp(seq)[-1]
+        tok = int(np.argmax(row))
+        toks.append(tok), lps.append(row[tok]), tables.append(row)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return toks, lps, tables
+
+
+def assert_greedy_matches(got_tokens, got_logprobs, want_tokens, want_logprobs, tables, tie_tol=1e-4):
+    """Tokens must agree; a divergence is allowed only at a near-tie of the reference logits."""
+    for i, (g, w) in enumerate(zip(got_tokens, want_tokens)):
+        if g != w:
+            gap = abs(tables[i][w] - tables[i][g])
+            assert gap < tie_tol, f"token {i}: got {g}, reference {w}, logit gap {gap:.2e} is no tie"
+            return
+        assert abs(got_logprobs[i] - want_logprobs[i]) < 1e-4, f"logprob {i}"
+    assert len(got_tokens) == len(want_tokens)
+
+
+def test_insert_and_generate_equal_full_forward(model):
+    engine = Engine(model, num_slots=3, max_len=MAX_LEN)
+    _, params = nnx.split(model)
+    logp = full_forward_logp(model)
+    prompts = {0: [5, 6, 7], 2: list(range(20, 37))}
+    state = engine.init_decode_state()
+    for slot, prompt in prompts.items():
+        prefix = engine.prefill(params, prompt)
+        np.testing.assert_allclose(np.asarray(prefix.logprobs), logp(prompt)[-1], atol=1e-4)
+        state = engine.insert(prefix, state, slot, SamplingParams(temperature=0.0, max_new_tokens=6))
+    seqs = {s: list(p) for s, p in prompts.items()}
+    for step in range(6):
+        state, result = engine.generate(params, state, jax.random.key(step))
+        r = result.to_host()
+        assert not r.valid[1], "slot 1 was never filled and must stay free"
+        for slot, seq in seqs.items():
+            want = logp(seq)[-1]
+            assert r.tokens[slot] == int(np.argmax(want))
+            assert abs(r.logprobs[slot] - want[r.tokens[slot]]) < 1e-4
+            seq.append(int(r.tokens[slot]))
+        assert bool(r.done[0]) == bool(r.done[2]) == (step == 5)
+    assert engine.compile_count <= 6
+
+
+def test_bulk_insert_copies_one_prefix_into_a_group(model):
+    engine = Engine(model, num_slots=4, max_len=MAX_LEN)
+    _, params = nnx.split(model)
+    logp = full_forward_logp(model)
+    prompt = [9, 8, 7, 6, 5]
+    state = engine.bulk_insert(engine.prefill(params, prompt), engine.init_decode_state(), [3, 0, 1],
+                               SamplingParams(temperature=1.0, max_new_tokens=3))
+    seqs = {s: list(prompt) for s in (0, 1, 3)}
+    for step in range(3):
+        state, result = engine.generate(params, state, jax.random.key(10 + step))
+        r = result.to_host()
+        assert list(r.valid) == [True, True, False, True]
+        for slot, seq in seqs.items():
+            assert abs(r.logprobs[slot] - logp(seq)[-1][r.tokens[slot]]) < 1e-4
+            seq.append(int(r.tokens[slot]))
+    assert len({tuple(s) for s in seqs.values()}) > 1, "group samples should differ at temperature 1"
+
+
+def test_continuous_batching_with_random_arrivals_equals_solo_greedy(model):
+    rng = random.Random(0)
+    logp = full_forward_logp(model)
+    stop = (3, 11)
+    requests = [
+        Request(id=i, prompt=[rng.randrange(4, 97) for _ in range(rng.randint(1, 20))],
+                max_new_tokens=rng.randint(1, 14), temperature=0.0,
+                stop_token_ids=stop if i % 2 else ())
+        for i in range(9)
+    ]
+    engine = Engine(model, num_slots=3, max_len=MAX_LEN)
+    _, params = nnx.split(model)
+    loop = SamplerLoop(engine, params, seed=1)
+
+    def producer():
+        for r in requests:
+            time.sleep(rng.uniform(0.0, 0.03))
+            loop.submit(r)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    got = {}
+    while len(got) < len(requests):
+        c = loop.get_completion(timeout=60)
+        assert c is not None, "timed out waiting for a completion"
+        got[c.request_id] = c
+    t.join()
+    stats = loop.stats()
+    loop.stop()
+    for r in requests:
+        c = got[r.id]
+        toks, lps, tables = greedy_reference(logp, r.prompt, r.max_new_tokens, r.stop_token_ids)
+        assert_greedy_matches(list(c.tokens), list(c.logprobs), toks, lps, tables)
+        assert c.finish_reason == ("stop" if toks[-1] in r.stop_token_ids else "length")
+        assert (c.versions == 0).all() and c.prompt == list(r.prompt)
+    assert stats["generated_tokens"] == sum(len(c.tokens) for c in got.values())
+    assert 0 < stats["mean_slot_occupancy"] <= 1 and stats["compile_count"] <= 12
+
+
+def test_generate_batch_reuses_slots_and_keeps_prompt_order(model):
+    logp = full_forward_logp(model)
+    prompts = [[4, 5], list(range(30, 45)), [60], [7, 8, 9, 10]]
+    out = generate_batch(model, prompts, max_new_tokens=5, temperature=0.0, num_slots=2, max_len=MAX_LEN)
+    for prompt, c in zip(prompts, out):
+        toks, lps, tables = greedy_reference(logp, prompt, 5)
+        assert c.prompt == prompt
+        assert_greedy_matches(list(c.tokens), list(c.logprobs), toks, lps, tables)
+
+
+def test_sharded_engine_on_a_mesh_matches_unsharded(model):
+    from jax.sharding import Mesh
+
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = Mesh(devices, ("fsdp", "tensor"))
+    engine = Engine(model, num_slots=2, max_len=MAX_LEN, mesh=mesh)
+    _, params = nnx.split(model)
+    params = engine.place_params(params)
+    state = engine.init_decode_state()
+    assert state.cache.k.sharding.spec[3] == "tensor", "kv_heads=2 divides tensor=2: cache must shard"
+    logp = full_forward_logp(model)
+    prompt = [12, 13, 14, 15, 16]
+    state = engine.insert(engine.prefill(params, prompt), state, 1, SamplingParams(0.0, max_new_tokens=4))
+    toks = []
+    for step in range(4):
+        state, result = engine.generate(params, state, jax.random.key(step))
+        toks.append(int(result.to_host().tokens[1]))
+    want, _, _ = greedy_reference(logp, prompt, 4)
+    assert toks == want
+    assert state.cache.k.sharding.spec[3] == "tensor", "the step must keep the cache sharding"
+
+
+def test_engine_rejects_bad_arguments_with_clear_messages(model):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(model, num_slots=2, max_len=10_000)
+    with pytest.raises(ValueError, match="prefill_buckets"):
+        Engine(model, num_slots=2, max_len=32, prefill_buckets=[16, 8])
+    engine = Engine(model, num_slots=2, max_len=32, prefill_buckets=[8, 16])
+    _, params = nnx.split(model)
+    with pytest.raises(ValueError, match="largest prefill bucket"):
+        engine.prefill(params, list(range(20)))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.insert(engine.prefill(params, [1, 2]), engine.init_decode_state(), 5)
+    with pytest.raises(ValueError, match="stop token ids"):
+        engine.settings(SamplingParams(stop_token_ids=tuple(range(20))))
