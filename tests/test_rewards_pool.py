@@ -2,12 +2,12 @@
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 
 from areal_jax.rewards.pool import RewardPool, RewardResult, classify_reward
@@ -31,10 +31,13 @@ def misbehaving_reward(completion: str, answer: str):
 
 
 def _alive(pid: int) -> bool:
+    """Whether pid is a live (not zombie) process, from /proc/<pid>/stat."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+    return state not in ("Z", "X")
 
 
 def test_classify_reward_by_hand():
@@ -152,7 +155,7 @@ def test_workers_exit_when_parent_is_killed(tmp_path, context):
         time.sleep(0.1)
     leftover = [p for p in pids if _alive(p)]
     for p in leftover:
-        psutil.Process(p).kill()
+        os.kill(p, signal.SIGKILL)
     assert not leftover, "reward workers outlived their parent"
 
 

@@ -1,0 +1,346 @@
+"""Run metrics: TensorBoard + JSONL writers, a one-line console progress report, a timeline tracer.
+
+* ``MetricsLogger(run_dir)``: ``log(step, {...})`` appends one JSON object per call to
+  ``run_dir/metrics.jsonl`` and writes every numeric value as a TensorBoard scalar (tensorboardX event
+  file in ``run_dir``); ``progress_line(step, metrics)`` formats step/total, elapsed, ETA and the
+  headline numbers. Only process 0 writes by default.
+* ``Timeline(path)``: ``with timeline.span("decode_step", lane="sampler", batch=8): ...`` records
+  Chrome trace events (open ``timeline.json`` in https://ui.perfetto.dev or chrome://tracing).
+  Thread-safe, memory-bounded (see the class docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterator, Mapping
+
+__all__ = ["MetricsLogger", "Timeline", "format_duration", "format_progress", "PROGRESS_KEYS"]
+
+# Headline numbers of the progress line: label -> metric names tried in order (first present wins).
+PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "reward/mean", "rollout/reward_mean", "train/reward"),
+    "acc": ("accuracy", "eval/accuracy", "accuracy/mean", "eval/greedy_pass@1"),
+    "tok/s": ("tokens_per_s", "throughput/tokens_per_s", "perf/tokens_per_s", "tokens/s"),
+    "staleness": ("staleness", "staleness/mean", "rollout/staleness_mean"),
+}
+
+
+def _to_scalar(value: Any) -> Any:
+    """Python scalar for numbers (numpy / jax scalars and size-1 arrays included), the value itself
+    for strings, a list for small arrays, None for anything unsupported."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+        return value.item()
+    if hasattr(value, "tolist") and getattr(value, "size", 0) <= 1024:
+        return value.tolist()
+    return None
+
+
+def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, prefix=f"{name}/"))
+        else:
+            out[name] = _to_scalar(value)
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN / Infinity
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``2m30s``, ``1h02m``: compact, for the progress line."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def format_progress(step: int, total_steps: int | None, elapsed_s: float,
+                    metrics: Mapping[str, Any], *, start_step: int = 0) -> str:
+    """One console line: ``step 25/100 | elapsed 50s | ETA 2m30s | reward 0.512 | ...``.
+
+    ETA = elapsed / (step - start_step) * (total_steps - step): the mean time per step since this
+    process started (start_step is where a resumed run began), times the steps left. Omitted when the
+    total is unknown or no step has finished. Headline metrics come from PROGRESS_KEYS; missing ones
+    are left out.
+    """
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}",
+             f"elapsed {format_duration(elapsed_s)}"]
+    done = step - start_step
+    if total_steps and done > 0:
+        parts.append(f"ETA {format_duration(elapsed_s / done * max(0, total_steps - step))}")
+    flat = _flatten(metrics)
+    for label, names in PROGRESS_KEYS.items():
+        value = next((flat[n] for n in names if isinstance(flat.get(n), (int, float))), None)
+        if value is None:
+            continue
+        parts.append(f"{value:,.0f} {label}" if label == "tok/s" else f"{label} {value:.3f}")
+    return " | ".join(parts)
+
+
+def _import_summary_writer():
+    """tensorboardX's writer imports torch whenever it is installed (1-2 s and an extra thread pool
+    in a JAX process); when torch is not already loaded, hide it while tensorboardX imports."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail fast
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
+def _default_enabled() -> bool:
+    if "jax" not in sys.modules:
+        return True
+    import jax
+
+    return jax.process_index() == 0
+
+
+class MetricsLogger:
+    """Writes metrics to ``run_dir/metrics.jsonl`` and TensorBoard event files in ``run_dir``.
+
+    Args:
+      run_dir: directory for the files (created).
+      enabled: write files; default True on process 0 and False on the others (jax.process_index).
+        progress_line works either way.
+      total_steps: for step/total and the ETA.
+      start_step: step this process starts at (non-zero when resuming), for the ETA rate.
+      tensorboard: also write TensorBoard scalars.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool | None = None,
+                 total_steps: int | None = None, start_step: int = 0,
+                 tensorboard: bool = True) -> None:
+        self.run_dir = os.fspath(run_dir)
+        self.enabled = _default_enabled() if enabled is None else bool(enabled)
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._jsonl = None
+        self._tb = None
+        if self.enabled:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            if tensorboard:
+                self._tb = _import_summary_writer()(logdir=self.run_dir, flush_secs=10)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._t0
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Record one set of metrics at ``step``; nested dicts become "outer/inner" names.
+
+        Returns the flattened record written to metrics.jsonl: ``step``, ``time`` (Unix seconds),
+        ``elapsed_s`` and the metrics (non-finite floats become null in JSON; TensorBoard keeps them).
+        Numbers go to TensorBoard; strings and small arrays only to the JSONL file.
+        """
+        flat = _flatten(metrics)
+        record = {"step": int(step), "time": time.time(), "elapsed_s": self.elapsed_s, **flat}
+        if not self.enabled:
+            return record
+        with self._lock:
+            if self._jsonl is None:
+                raise RuntimeError("MetricsLogger.log() after close(); create a new logger.")
+            line = json.dumps({k: _json_safe(v) for k, v in record.items()}, default=str)
+            self._jsonl.write(line + "\n")
+            self._jsonl.flush()
+            if self._tb is not None:
+                for name, value in flat.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(name, float(value), global_step=int(step),
+                                            walltime=record["time"])
+        return record
+
+    def progress_line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """See ``format_progress``; elapsed time counts from this logger's creation."""
+        return format_progress(step, self.total_steps, self.elapsed_s, metrics,
+                               start_step=self.start_step)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._jsonl is not None:
+                self._jsonl.flush()
+            if self._tb is not None:
+                self._tb.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._jsonl is not None:
+                self._jsonl.close()
+                self._jsonl = None
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Timeline:
+    """Chrome trace recorder: spans on named lanes, saved as ``{"traceEvents": [...]}`` JSON.
+
+    Each lane is one row ("thread") in the viewer; give a lane to one thread at a time (the default
+    lane is the current thread's name) so its spans nest. Spans are complete events ("ph": "X") with
+    integer microsecond timestamps from a monotonic clock, floor-rounded so a span that encloses
+    another in time also does so in the file.
+
+    Memory bound: at most ``max_buffered`` events are held in memory. With a ``path`` they are then
+    appended to a spool file (``path + ".spool"``) and ``save()`` streams spool + buffer into
+    ``path``; without a path the oldest events are dropped. At most ``max_events`` events are kept in
+    total; later ones are dropped and counted (``dropped``, and ``otherData`` in the file).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, enabled: bool = True,
+                 max_buffered: int = 10_000, max_events: int = 1_000_000,
+                 process_name: str = "areal_jax") -> None:
+        if max_buffered < 1 or max_events < 1:
+            raise ValueError("Timeline needs max_buffered >= 1 and max_events >= 1.")
+        self.path = os.fspath(path) if path is not None else None
+        self.enabled = enabled
+        self.max_buffered = max_buffered
+        self.max_events = max_events
+        self.process_name = process_name
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._buffer: list[dict] = []
+        self._recorded = 0  # events kept (buffer + spool)
+        self._closed = False
+        self._lanes: dict[str, int] = {}
+        self._pid = os.getpid()
+        self._t0_ns = time.perf_counter_ns()
+        self._spool_path = self.path + ".spool" if self.path else None
+        if self._spool_path and os.path.exists(self._spool_path):
+            os.remove(self._spool_path)
+
+    def _now_us(self) -> int:
+        return (time.perf_counter_ns() - self._t0_ns) // 1000
+
+    def _lane_id(self, lane: str | None) -> int:
+        name = lane if lane is not None else threading.current_thread().name
+        tid = self._lanes.get(name)
+        if tid is None:
+            tid = self._lanes[name] = len(self._lanes) + 1
+        return tid
+
+    def _record(self, event: dict) -> None:
+        with self._lock:
+            event["tid"] = self._lane_id(event.pop("lane"))
+            if self.path is None and len(self._buffer) >= self.max_buffered:
+                self._buffer.pop(0)
+                self._recorded -= 1
+                self.dropped += 1
+            if self._recorded >= self.max_events:
+                self.dropped += 1
+                return
+            self._buffer.append(event)
+            self._recorded += 1
+            if self.path is not None and len(self._buffer) >= self.max_buffered:
+                self._spool_locked()
+
+    def _spool_locked(self) -> None:
+        with open(self._spool_path, "a", encoding="utf-8") as f:
+            for event in self._buffer:
+                f.write(json.dumps(event, default=str) + "\n")
+        self._buffer.clear()
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str | None = None, **args: Any) -> Iterator[None]:
+        """Time the ``with`` body as one span named ``name`` on ``lane``; ``args`` are shown in the
+        viewer (JSON-able values; others are written as str). Recorded even if the body raises."""
+        if not self.enabled:
+            yield
+            return
+        start = self._now_us()
+        try:
+            yield
+        finally:
+            end = self._now_us()
+            self._record({"name": name, "ph": "X", "ts": start, "dur": end - start,
+                          "pid": self._pid, "lane": lane, "args": args})
+
+    def instant(self, name: str, lane: str | None = None, **args: Any) -> None:
+        """A point event (e.g. "weights_updated") on ``lane``."""
+        if self.enabled:
+            self._record({"name": name, "ph": "i", "s": "t", "ts": self._now_us(),
+                          "pid": self._pid, "lane": lane, "args": args})
+
+    def events(self) -> list[dict]:
+        """Events still in memory (all of them when there is no path)."""
+        with self._lock:
+            return list(self._buffer)
+
+    def _metadata_locked(self) -> list[dict]:
+        meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "tid": 0,
+                 "args": {"name": self.process_name}}]
+        for lane, tid in self._lanes.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
+                         "args": {"name": lane}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": self._pid, "tid": tid,
+                         "args": {"sort_index": tid}})
+        return meta
+
+    def save(self, path: str | os.PathLike | None = None) -> str:
+        """Write the trace so far (valid Chrome trace JSON) to ``path`` (default: the constructor's)
+        atomically; may be called repeatedly. Returns the path written."""
+        target = os.fspath(path) if path is not None else self.path
+        if target is None:
+            raise ValueError("Timeline.save() needs a path: pass one here or to Timeline(path).")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"this Timeline is closed; its trace was saved to {self.path}.")
+            if self._spool_path is not None and self._buffer:
+                self._spool_locked()
+            tmp = f"{target}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as out:
+                out.write('{"traceEvents": [\n')
+                lines = [json.dumps(e) for e in self._metadata_locked()]
+                out.write(",\n".join(lines))
+                if self._spool_path is not None and os.path.exists(self._spool_path):
+                    with open(self._spool_path, encoding="utf-8") as spool:
+                        for line in spool:  # streamed: memory stays bounded
+                            out.write(",\n" + line.rstrip("\n"))
+                for event in self._buffer:  # only when there is no spool (no path)
+                    out.write(",\n" + json.dumps(event, default=str))
+                other = {"dropped_events": self.dropped, "clock": "monotonic, us since start"}
+                out.write(f'\n], "displayTimeUnit": "ms", "otherData": {json.dumps(other)}}}\n')
+            os.replace(tmp, target)
+        return target
+
+    def close(self) -> None:
+        """Save (when there is a path), remove the spool file and stop recording."""
+        if self.path is not None:
+            self.save()
+        with self._lock:
+            self.enabled = False
+            self._closed = True
+            if self._spool_path and os.path.exists(self._spool_path):
+                os.remove(self._spool_path)
