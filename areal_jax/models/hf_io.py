@@ -1,0 +1,256 @@
+"""HF checkpoints in and out: config.json + model.safetensors, or sharded model-*.safetensors with an index.
+
+Weight layout: HF stores linear weights as [out, in]; here projections are [in, ...out] (q_proj [D, H, Dh],
+o_proj [H, Dh, D], gate/up [D, F], down [F, D], lm_head [D, V]). Conversions are exact transposes and
+reshapes, so HF -> here -> HF reproduces every tensor byte for byte (at the same dtype).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import logical_to_mesh_sharding
+from areal_jax.models.transformer import Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parameter: our state path, its HF tensor name and the layout conversion.
+
+    kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
+    "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)].
+    """
+
+    path: tuple[str | int, ...]
+    hf_name: str
+    kind: str
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.kind == "same":
+            return shape
+        if self.kind == "flat":
+            return (int(np.prod(shape)),)
+        if self.kind == "in_first":
+            return (int(np.prod(shape[1:])), shape[0])
+        return (shape[-1], int(np.prod(shape[:-1])))
+
+    def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.kind in ("same", "flat"):
+            return hf.reshape(shape)
+        return hf.T.reshape(shape)
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.kind == "same":
+            return ours
+        if self.kind == "flat":
+            return ours.reshape(-1)
+        if self.kind == "in_first":
+            return ours.reshape(ours.shape[0], -1).T
+        return ours.reshape(-1, ours.shape[-1]).T
+
+
+def weight_entries(cfg: ModelConfig) -> list[_Entry]:
+    """The parameter <-> HF tensor table for `cfg`, in HF order."""
+    entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
+    for i in range(cfg.num_layers):
+        p, hf = ("layers", i), f"model.layers.{i}"
+        entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
+        for name in ("q", "k", "v"):
+            entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
+            if cfg.attention_bias:
+                entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
+        entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
+        if cfg.qk_norm:
+            entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
+            entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
+        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
+        entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
+        entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
+        entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
+    entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
+    if not cfg.tie_word_embeddings:
+        entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
+    return entries
+
+
+def _state_path(keypath: tuple[Any, ...]) -> tuple[str | int, ...]:
+    return tuple(k.key for k in keypath if isinstance(k, jax.tree_util.DictKey))
+
+
+class _Reader:
+    """Finds which safetensors file holds each tensor of a checkpoint directory and reads them."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.isfile(index):
+            with open(index) as fh:
+                weight_map = json.load(fh).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index!r} has no 'weight_map' dictionary; it is not a safetensors index.")
+            for file in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(path, file)):
+                    raise FileNotFoundError(f"{os.path.join(path, file)!r} is listed in {index!r} but missing; "
+                                            "copy the complete checkpoint.")
+            self.weight_map = dict(weight_map)
+        else:
+            files = [os.path.join(path, SINGLE_FILE)] if os.path.isfile(os.path.join(path, SINGLE_FILE)) else sorted(
+                glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"No {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file in {path!r}; "
+                                        "only safetensors checkpoints are supported (convert *.bin files first).")
+            self.weight_map = {}
+            for file in files:
+                with safe_open(file, framework="numpy") as fh:
+                    for key in fh.keys():
+                        self.weight_map[key] = os.path.basename(file)
+        self._handles: dict[str, Any] = {}
+
+    def file_of(self, name: str) -> str:
+        return os.path.join(self.path, self.weight_map[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str) -> Any:
+        file = self.file_of(name)
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="numpy")
+        return self._handles[file]
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
+                       dtype: Any = None) -> Transformer:
+    """Loads an HF Qwen2 / Qwen3 / Llama checkpoint directory into a Transformer.
+
+    param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
+    (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
+    (`logical_to_mesh_sharding`), one tensor at a time, never whole on one device.
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_pretrained(path, dtype=param_dtype if dtype is None else dtype, param_dtype=param_dtype)
+    reader = _Reader(path)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = logical_to_mesh_sharding(abs_state, mesh) if mesh is not None else None
+    by_path = {e.path: e for e in weight_entries(cfg)}
+    sharding_leaves = {}
+    if shardings is not None:
+        for keypath, s in jax.tree_util.tree_flatten_with_path(shardings)[0]:
+            sharding_leaves[_state_path(keypath)] = s
+
+    def load(keypath: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        spath = _state_path(keypath)
+        entry = by_path.get(spath)
+        if entry is None:
+            raise RuntimeError(f"Parameter {'/'.join(map(str, spath))} has no HF tensor mapping.")
+        if entry.hf_name not in reader.weight_map:
+            raise KeyError(f"Tensor {entry.hf_name!r} is missing from the checkpoint in {path!r}; config.json "
+                           f"describes a {cfg.architecture} model that needs it.")
+        got, want = reader.shape(entry.hf_name), entry.hf_shape(tuple(leaf.shape))
+        if got != want:
+            raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, but "
+                             f"config.json implies {want}; the weights do not match the config.")
+        host = entry.to_ours(reader.read(entry.hf_name), tuple(leaf.shape)).astype(cfg.param_dtype)
+        if shardings is None:
+            return jnp.asarray(host)
+        sharding = sharding_leaves[spath]
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.ascontiguousarray(host[idx]))
+
+    state = jax.tree_util.tree_map_with_path(load, abs_state)
+    return nnx.merge(graphdef, state)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _plan_shards(sizes: list[int], max_shard_size: int | None) -> list[list[int]]:
+    """Groups tensor indices, in order, into shards of at most max_shard_size bytes (a larger tensor alone)."""
+    if max_shard_size is None or sum(sizes) <= max_shard_size:
+        return [list(range(len(sizes)))]
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
+
+
+def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard_size: int | None = None,
+                       dtype: Any = None) -> None:
+    """Writes `model` as an HF checkpoint directory that transformers' from_pretrained loads.
+
+    Files: config.json and model.safetensors, or, when the weights exceed max_shard_size bytes,
+    model-0000i-of-0000n.safetensors plus model.safetensors.index.json. dtype: tensor dtype on disk
+    (default: the model's param_dtype). Sharded and multi-host arrays are gathered one tensor at a time;
+    only process 0 writes.
+    """
+    path = os.fspath(path)
+    cfg: ModelConfig = model.cfg
+    save_dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
+    hf_config = cfg.to_hf_dict()
+    hf_config["dtype"] = save_dtype.name
+    entries = weight_entries(cfg)
+    flat = {_state_path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+    missing = [e.path for e in entries if e.path not in flat]
+    if missing:
+        raise ValueError(f"Model state lacks parameters {missing}; it does not match its config.")
+    sizes = [int(np.prod(flat[e.path].shape)) * save_dtype.itemsize for e in entries]
+    plan = _plan_shards(sizes, max_shard_size)
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for stale in [INDEX_FILE, SINGLE_FILE] + [f for f in os.listdir(path) if _SHARD_PATTERN.fullmatch(f)]:
+            if os.path.isfile(os.path.join(path, stale)):
+                os.remove(os.path.join(path, stale))
+        with open(os.path.join(path, "config.json"), "w") as fh:
+            json.dump(hf_config, fh, indent=2, sort_keys=True)
+    weight_map: dict[str, str] = {}
+    for n, group in enumerate(plan):
+        file = SINGLE_FILE if len(plan) == 1 else f"model-{n + 1:05d}-of-{len(plan):05d}.safetensors"
+        tensors = {}
+        for i in group:
+            e = entries[i]
+            tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype)))
+            weight_map[e.hf_name] = file
+        if writer:
+            save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    if writer and len(plan) > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as fh:
+            json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, fh, indent=2,
+                      sort_keys=True)
+
+
+def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory (single file or sharded) as host arrays, by HF name."""
+    reader = _Reader(os.fspath(path))
+    return {name: reader.read(name) for name in sorted(reader.weight_map)}
+

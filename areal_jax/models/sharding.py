@@ -1,0 +1,98 @@
+"""Logical axis names -> mesh shardings for model parameters.
+
+Every parameter carries logical axis names in its `out_sharding` metadata ("embed", "vocab", "heads",
+"kv_heads", "head_dim", "mlp", "norm" or None). `LOGICAL_AXIS_RULES` maps each name to a mesh axis (or a
+tuple of mesh axes, or None for replicated). A dimension whose size is not divisible by the product of its
+mesh axes' sizes, or whose mesh axis is absent from the mesh or already used by another dimension, is
+replicated instead, so even tiny models shard on any mesh.
+
+The model's einsums rely on XLA's sharding propagation, so parameters are placed on a mesh whose axes are
+all `AxisType.Auto` (a mesh with Explicit axes, the default of `jax.make_mesh`, is converted; see
+`auto_mesh`). Build meshes with `axis_types=(AxisType.Auto,) * n` to share them with other arrays.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis of type Auto (returns `mesh` itself when it is)."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names of a parameter, or None when it has none."""
+    meta = variable.get_metadata()
+    names = meta.get("out_sharding", meta.get("sharding_names", meta.get("sharding")))
+    return None if names is None else tuple(names)
+
+
+def logical_to_spec(names: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
+                    rules: LogicalRules = LOGICAL_AXIS_RULES) -> PartitionSpec:
+    """Maps logical names of an array of `shape` to a PartitionSpec on `mesh` (replicating what cannot shard)."""
+    if names is None:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"Logical axis names {tuple(names)} do not match an array of shape {tuple(shape)}.")
+    table: Mapping[str, Any] = dict(rules)
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, size in zip(names, shape):
+        target = table.get(name) if name is not None else None
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = tuple(a for a in axes if a in mesh.shape and a not in used)
+        count = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if not axes or count == 1 or size % count:
+            spec.append(None)
+            continue
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def logical_to_mesh_sharding(state_or_model: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Any:
+    """A pytree of NamedSharding with the structure of `nnx.state(model)` (or of the given state).
+
+    Accepts a model, or a state from `nnx.state` / `nnx.split` (concrete or abstract values)."""
+    state = nnx.state(state_or_model) if isinstance(state_or_model, nnx.Module) else state_or_model
+    mesh = auto_mesh(mesh)
+
+    def to_sharding(x: Any) -> Any:
+        if _is_variable(x):
+            value = x.get_value()
+            spec = logical_to_spec(logical_names(x), np.shape(value), mesh, rules)
+            return x.replace(NamedSharding(mesh, spec))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(to_sharding, state, is_leaf=_is_variable)
+
+
+def shard_params(model: nnx.Module, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> nnx.Module:
+    """Places the model's state on `mesh` following `rules`, in place; returns the model."""
+    state = nnx.state(model)
+    shardings = logical_to_mesh_sharding(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
