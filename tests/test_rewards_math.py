@@ -29,6 +29,8 @@ from areal_jax.rewards.math import parse_plain_number, reference_answer
     # last number
     ("I have 3 apples and -12 pears, total 1,000 things.", "1,000"),
     ("x = 3/4 of the cake", "3/4"),
+    ("a list 1,2345 then", "2345"),
+    ("costs 0.75 or .5", ".5"),
     ("step2 has nothing", None),
     ("no digits here", None),
     ("", None),

@@ -31,7 +31,8 @@ __all__ = [
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
+_NUMBER = re.compile(
+    r"(?<![\w.])-?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 
