@@ -1,12 +1,11 @@
 """Building blocks: RMSNorm, rotary embeddings (HF convention), grouped-query attention, SwiGLU MLP.
 
 Every parameter is an `nnx.Param` annotated with logical axis names (see sharding.py) through its
-`sharding_names` metadata. Parameters are stored in `cfg.param_dtype` and cast to `cfg.dtype` on use.
+`out_sharding` metadata. Parameters are stored in `cfg.param_dtype` and cast to `cfg.dtype` on use.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,6 @@ from flax import nnx
 from areal_jax.models.config import ModelConfig
 
 MASK_VALUE = -1e30  # large negative logit for masked attention entries (scores are float32)
-
-Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
 def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: jnp.dtype,
