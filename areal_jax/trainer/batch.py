@@ -1,0 +1,272 @@
+"""Trajectories in, padding-free packed micro-steps out (host-side numpy).
+
+Layout. A trajectory of L tokens enters the model as its first L - 1 tokens (the last token predicts
+nothing we train on); position p of the segment is trained to predict token p + 1, so completion token
+j (0-based within the completion, absolute index prompt_len + j) is scored at position
+prompt_len + j - 1. Several trajectories share one row of a micro-batch (segment ids 1, 2, ...;
+positions restart at 0; padding has segment id 0). `rl.packing.balanced_microbatches` splits a PPO
+minibatch into token-budget micro-batches, a multiple of the data-parallel size F of them, sorted by
+decreasing size; each run of F consecutive micro-batches is one micro-step of F rows (one row per fsdp
+device). All micro-steps of a minibatch are padded to one length from a small fixed set (multiples of
+micro_batch_tokens / 8), so the update compiles at most eight programs however batches are composed.
+
+Aggregation weights. The loss of a minibatch is sum_t weight_t * loss_t over its valid tokens, with
+weight_t = 1 / N (token-mean over N valid tokens), 1 / (S * n_s) (seq-mean-token-mean: S sequences
+with a valid token, n_s valid tokens in token t's sequence) or 1 / S (seq-mean-token-sum). This is
+exactly the aggregation of `rl.losses` over the whole minibatch, however its tokens are packed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from areal_jax.rl.packing import balanced_microbatches
+from areal_jax.rl.staleness import sample_staleness, staleness_mask
+
+STEP_FIELDS = (
+    "tokens", "positions", "segment_ids", "targets", "mask", "behav_logp", "versions", "advantages",
+    "weights", "seq_index", "comp_index",
+)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One finished sample (host-side numpy).
+
+    Attributes:
+      tokens: int32 [L], prompt then completion.
+      prompt_len: number of prompt tokens (>= 1).
+      behav_logp: float32 [L - prompt_len], the sampler's log-prob of each completion token.
+      versions: int32 [L - prompt_len], the policy version that produced each completion token.
+      advantage: sequence-level advantage, broadcast to every completion token.
+      token_advantages: float32 [L - prompt_len] per-token advantages (overrides `advantage`).
+      reward: the scalar reward (reported, not used by the loss).
+      loss_mask: [L - prompt_len] bool/float, completion tokens that enter the loss (None: all).
+    """
+
+    tokens: np.ndarray
+    prompt_len: int
+    behav_logp: np.ndarray
+    versions: np.ndarray
+    advantage: float = 0.0
+    token_advantages: np.ndarray | None = None
+    reward: float = 0.0
+    loss_mask: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = np.asarray(self.tokens, np.int32).reshape(-1)
+        self.prompt_len = int(self.prompt_len)
+        n = self.tokens.size - self.prompt_len
+        if self.prompt_len < 1 or n < 1:
+            raise ValueError(
+                f"A trajectory needs at least one prompt token and one completion token; got "
+                f"{self.tokens.size} tokens with prompt_len={self.prompt_len}."
+            )
+        self.behav_logp = np.asarray(self.behav_logp, np.float32).reshape(-1)
+        self.versions = np.asarray(self.versions, np.int32).reshape(-1)
+        named = {"behav_logp": self.behav_logp, "versions": self.versions}
+        if self.token_advantages is not None:
+            self.token_advantages = np.asarray(self.token_advantages, np.float32).reshape(-1)
+            named["token_advantages"] = self.token_advantages
+        if self.loss_mask is not None:
+            self.loss_mask = np.asarray(self.loss_mask, np.float32).reshape(-1)
+            named["loss_mask"] = self.loss_mask
+        for name, arr in named.items():
+            if arr.size != n:
+                raise ValueError(
+                    f"Trajectory.{name} has {arr.size} entries but the completion has {n} tokens "
+                    f"(len(tokens)={self.tokens.size} - prompt_len={self.prompt_len}); give one per "
+                    "completion token."
+                )
+
+    @property
+    def completion_len(self) -> int:
+        return self.tokens.size - self.prompt_len
+
+    @property
+    def packed_len(self) -> int:
+        """Tokens this trajectory occupies in a packed row (L - 1)."""
+        return self.tokens.size - 1
+
+    def completion_advantages(self) -> np.ndarray:
+        """float32 [L - prompt_len]."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return np.full(self.completion_len, self.advantage, np.float32)
+
+    def completion_mask(self) -> np.ndarray:
+        """float32 [L - prompt_len]: the loss mask before staleness filtering."""
+        if self.loss_mask is not None:
+            return (self.loss_mask != 0).astype(np.float32)
+        return np.ones(self.completion_len, np.float32)
+
+
+def _padded(arrays: Sequence[np.ndarray], fill, dtype) -> np.ndarray:
+    width = max(a.size for a in arrays)
+    out = np.full((len(arrays), width), fill, dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.size] = a
+    return out
+
+
+def effective_masks(
+    trajs: Sequence[Trajectory], trainer_version: int, max_staleness: int | None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Loss masks after staleness filtering, and each sample's staleness.
+
+    Returns:
+      masks: one float32 [L_i - prompt_len_i] per trajectory (rl.staleness.staleness_mask applied).
+      staleness: int32 [N], trainer_version minus the oldest version among the sample's loss tokens
+        (before filtering).
+    """
+    versions = _padded([t.versions for t in trajs], trainer_version, np.int32)
+    mask = _padded([t.completion_mask() for t in trajs], 0.0, np.float32)
+    filtered = np.asarray(staleness_mask(versions, trainer_version, max_staleness, mask))
+    stale = np.asarray(sample_staleness(trainer_version, versions, mask)).astype(np.int32)
+    return [filtered[i, : t.completion_len] for i, t in enumerate(trajs)], stale
+
+
+def aggregation_weights(masks: Sequence[np.ndarray], agg: str) -> list[np.ndarray]:
+    """Per-token loss weights of one minibatch (see the module docstring); float32, 0 where masked."""
+    counts = np.array([float(m.sum()) for m in masks])
+    n_total = counts.sum()
+    n_seqs = float((counts > 0).sum())
+    out = []
+    for m, n in zip(masks, counts):
+        if n == 0:
+            out.append(np.zeros_like(m))
+        elif agg == "token-mean":
+            out.append(m / n_total)
+        elif agg == "seq-mean-token-mean":
+            out.append(m / (n_seqs * n))
+        elif agg == "seq-mean-token-sum":
+            out.append(m / n_seqs)
+        else:
+            raise ValueError(f"loss_agg={agg!r} is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum.")
+    return [w.astype(np.float32) for w in out]
+
+
+def bucket_length(n: int, budget: int) -> int:
+    """Row length for a micro-step whose longest row holds n <= budget tokens: n rounded up to a
+    multiple of ceil(budget / 8) (itself rounded up to a multiple of 8), at most the budget rounded up
+    to a multiple of 8, so at most eight or nine distinct lengths occur."""
+    granule = _round_up(_ceil_div(budget, 8), 8)
+    return min(max(granule, _round_up(n, granule)), _round_up(budget, 8))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def split_minibatches(trajs: Sequence[Trajectory], n_minibatches: int) -> list[list[int]]:
+    """Split trajectory indices into n_minibatches groups of about equal packed token count."""
+    if len(trajs) < n_minibatches:
+        raise ValueError(
+            f"ppo_minibatches={n_minibatches} needs at least that many trajectories per update; got "
+            f"{len(trajs)}. Lower ppo_minibatches or train on larger batches."
+        )
+    if n_minibatches == 1:
+        return [list(range(len(trajs)))]
+    lengths = [t.packed_len for t in trajs]
+    # One budget that holds everything: exactly n_minibatches groups, balanced by token count.
+    groups = balanced_microbatches(lengths, sum(lengths), n_minibatches)
+    if not all(groups):  # cannot happen with >= n_minibatches positive lengths; keep every group non-empty
+        groups = [list(range(i, len(trajs), n_minibatches)) for i in range(n_minibatches)]
+    return groups
+
+
+def pack_steps(
+    trajs: Sequence[Trajectory],
+    indices: Sequence[int],
+    masks: Sequence[np.ndarray],
+    weights: Sequence[np.ndarray] | None,
+    *,
+    n_rows: int,
+    micro_batch_tokens: int,
+    trainer_version: int,
+) -> list[dict[str, np.ndarray]]:
+    """Pack the trajectories `indices` into micro-steps of n_rows packed rows each.
+
+    Args:
+      trajs: all trajectories of the batch.
+      indices: the ones to pack (a minibatch).
+      masks: per trajectory (indexed like trajs) float32 [L - prompt_len], the effective loss mask.
+      weights: per trajectory aggregation weights like masks (None: zeros, for log-prob passes).
+      n_rows: rows per micro-step (the train mesh's fsdp size).
+      micro_batch_tokens: the token budget of one row.
+      trainer_version: fills `versions` at non-completion positions.
+    Returns:
+      micro-steps: dicts of numpy [n_rows, T] arrays named in STEP_FIELDS (int32: tokens,
+      positions, segment_ids, targets, versions, seq_index (-1 for padding/prompt), comp_index;
+      float32: mask, behav_logp, advantages, weights).
+    """
+    lengths = [trajs[i].packed_len for i in indices]
+    too_long = [(i, n) for i, n in zip(indices, lengths) if n > micro_batch_tokens]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(
+            f"Trajectory {i} needs {n} packed tokens, more than micro_batch_tokens={micro_batch_tokens}; "
+            "raise micro_batch_tokens to at least the longest prompt + completion."
+        )
+    groups = balanced_microbatches(lengths, micro_batch_tokens, n_rows)
+    # One row length for the whole minibatch: the balanced micro-batches are nearly equal in size, so
+    # this wastes little and keeps each update on a single compiled program.
+    longest = max(sum(trajs[indices[j]].packed_len for j in g) for g in groups)
+    t_len = bucket_length(max(longest, 1), micro_batch_tokens)
+    steps = []
+    for s in range(0, len(groups), n_rows):
+        rows = [[indices[j] for j in g] for g in groups[s : s + n_rows]]
+        steps.append(_build_step(trajs, rows, masks, weights, t_len, trainer_version))
+    return steps
+
+
+def _build_step(trajs, rows, masks, weights, t_len: int, trainer_version: int) -> dict[str, np.ndarray]:
+    n_rows = len(rows)
+    ints = {k: np.zeros((n_rows, t_len), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
+    ints["versions"] = np.full((n_rows, t_len), trainer_version, np.int32)
+    ints["seq_index"] = np.full((n_rows, t_len), -1, np.int32)
+    ints["comp_index"] = np.zeros((n_rows, t_len), np.int32)
+    floats = {k: np.zeros((n_rows, t_len), np.float32) for k in ("mask", "behav_logp", "advantages", "weights")}
+    for r, row in enumerate(rows):
+        start = 0
+        for seg, i in enumerate(row, start=1):
+            t = trajs[i]
+            n = t.packed_len
+            span = slice(start, start + n)
+            ints["tokens"][r, span] = t.tokens[:-1]
+            ints["targets"][r, span] = t.tokens[1:]
+            ints["positions"][r, span] = np.arange(n)
+            ints["segment_ids"][r, span] = seg
+            comp = slice(start + t.prompt_len - 1, start + n)  # positions scoring completion tokens
+            ints["versions"][r, comp] = t.versions
+            ints["seq_index"][r, comp] = i
+            ints["comp_index"][r, comp] = np.arange(t.completion_len)
+            m = masks[i]
+            floats["mask"][r, comp] = m
+            # Masked positions carry zeros, so non-finite values there cannot leak into the loss.
+            floats["behav_logp"][r, comp] = np.where(m > 0, t.behav_logp, 0.0)
+            floats["advantages"][r, comp] = np.where(m > 0, t.completion_advantages(), 0.0)
+            if weights is not None:
+                floats["weights"][r, comp] = weights[i]
+            start += n
+    return {**ints, **floats}
+
+
+def staleness_stats(staleness: np.ndarray) -> dict[str, float]:
+    """staleness_mean / staleness_max over samples (0 for an empty batch)."""
+    if staleness.size == 0:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
+
+
+def count_valid(masks: Sequence[np.ndarray], indices: Sequence[int]) -> tuple[int, int]:
+    """(valid tokens, sequences with a valid token) among `indices`."""
+    counts = [float(masks[i].sum()) for i in indices]
+    return int(math.fsum(counts)), sum(c > 0 for c in counts)

@@ -1,0 +1,79 @@
+"""Per-token log-probs and entropies without a full [tokens, vocab] logits array.
+
+The vocabulary projection runs over chunks of the token axis (`lax.map`); each chunk is wrapped in
+`jax.checkpoint`, so the backward pass recomputes that chunk's logits instead of storing them. At any
+time only one [B, chunk, vocab] float32 block of logits is alive, forward or backward.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.rl.losses import token_entropy, token_logprobs
+
+
+def chunked_logprobs(
+    h: jax.Array, unembed: jax.Array, targets: jax.Array, chunk: int, *, with_entropy: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each target token and the entropy of each next-token distribution.
+
+    Args:
+      h: [B, T, D] hidden states after the final norm (compute dtype).
+      unembed: [D, V] the unembedding matrix (cast to h's dtype; logits accumulate in float32).
+      targets: [B, T] int32, the token whose log-prob is wanted at each position.
+      chunk: tokens per chunk of the T axis (T is padded up to a multiple internally).
+      with_entropy: False skips the entropy (returns zeros), saving one pass over the chunk's logits.
+    Returns:
+      logp: [B, T] float32, log softmax(h @ unembed)[targets].
+      entropy: [B, T] float32.
+    """
+    b, t, d = h.shape
+    c = max(1, min(chunk, t))
+    n = -(-t // c)
+    pad = n * c - t
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    w = unembed.astype(h.dtype)
+    # Chunk axis first, batch axis kept whole so its data-parallel sharding is untouched.
+    h_chunks = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
+    t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2)
+
+    @jax.checkpoint
+    def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h_c, t_c = args
+        logits = jnp.einsum("bcd,dv->bcv", h_c, w, preferred_element_type=jnp.float32)
+        logp = token_logprobs(logits, t_c)
+        if with_entropy:
+            ent = token_entropy(logits, jnp.ones(t_c.shape, bool))
+        else:
+            ent = jnp.zeros(t_c.shape, jnp.float32)
+        return logp.astype(jnp.float32), ent.astype(jnp.float32)
+
+    logp, ent = jax.lax.map(one_chunk, (h_chunks, t_chunks))
+    logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+    ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+    return logp, ent
+
+
+def model_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    other: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    targets: jax.Array,
+    chunk: int,
+    *,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Run the model on packed rows and return (logp, entropy), both [B, T] float32.
+
+    tokens, positions, segment_ids, targets: [B, T] int32 in the packed layout (segment id 0 is padding;
+    values at padding positions are meaningless and must be masked by the caller).
+    """
+    model = nnx.merge(graphdef, params, other)
+    h = model.hidden(tokens, positions, segment_ids)
+    return chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy)

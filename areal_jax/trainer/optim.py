@@ -1,0 +1,52 @@
+"""Optimizer: global-norm clipping then AdamW, with linear warm-up then a constant or cosine rate."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from areal_jax.trainer.config import TrainerConfig
+
+
+def make_schedule(cfg: TrainerConfig) -> optax.Schedule:
+    """Learning rate as a function of the optimizer step (0-based).
+
+    Warm-up rises linearly from lr / (warmup_steps + 1) at step 0 to lr at step warmup_steps (so
+    the very first step already moves the params); then "constant" stays at lr and "cosine" decays
+    to lr * min_lr_ratio at step total_steps and stays there.
+    """
+    peak = cfg.lr
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    else:
+        after = optax.cosine_decay_schedule(
+            init_value=peak, decay_steps=cfg.total_steps - cfg.warmup_steps, alpha=cfg.min_lr_ratio
+        )
+    if cfg.warmup_steps == 0:
+        return after
+    warm = optax.linear_schedule(
+        init_value=peak / (cfg.warmup_steps + 1), end_value=peak, transition_steps=cfg.warmup_steps
+    )
+    return optax.join_schedules([warm, after], boundaries=[cfg.warmup_steps])
+
+
+def decay_mask(params):
+    """True for leaves that get weight decay: matrices and embeddings, not norm scales or biases."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, eps, weight_decay on matrices)."""
+    parts = []
+    if cfg.max_grad_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    parts.append(
+        optax.adamw(
+            learning_rate=make_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    )
+    return optax.chain(*parts)

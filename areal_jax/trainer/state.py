@@ -1,0 +1,109 @@
+"""TrainState: the trainer's params, optimizer state and counters, sharded on the train mesh."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.models import logical_to_mesh_sharding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything one PPO update reads and replaces (donated to the update).
+
+    Attributes:
+      params: nnx.State of the model's nnx.Param variables (sharded by the model's logical axes).
+      opt_state: optax state of `make_optimizer(cfg)`; per-param moments share the params' shardings.
+      step: int32 [] optimizer steps applied (skipped steps excluded; drives the lr schedule).
+      version: int32 [] policy version = number of `Trainer.update` calls made.
+      skipped_updates: int32 [] optimizer steps skipped because the gradients were not finite.
+    """
+
+    params: nnx.State
+    opt_state: Any
+    step: jax.Array
+    version: jax.Array
+    skipped_updates: jax.Array
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put_global(tree: Any, shardings: Any) -> Any:
+    """Place a pytree of host arrays (numpy or scalars, identical on every process) onto shardings.
+
+    With one process this is `jax.device_put`. With several, every process holds the same values
+    and provides the shards its own devices own (`jax.make_array_from_callback`).
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def place(x, sharding):
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree, shardings)
+
+
+def copy_to(tree: Any, shardings: Any) -> Any:
+    """Fresh copies of a pytree of arrays on the given shardings, never aliasing the inputs.
+
+    The trainer donates its state, so its buffers must not be shared with the caller's model
+    (`jax.device_put` may reuse the source buffer for one shard, and donating that shard would
+    delete the caller's array).
+    """
+    if jax.process_count() == 1:
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+    return put_global(tree, shardings)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedSharding per param from the model's logical axis rules (same pytree as params)."""
+    return logical_to_mesh_sharding(params, mesh)
+
+
+def train_state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """A TrainState-shaped pytree of NamedSharding: moments follow their params, scalars replicate."""
+    p_shard = param_shardings(params, mesh)
+    opt_shape = jax.eval_shape(tx.init, params)
+    rep = replicated(mesh)
+    o_shard = optax.tree_map_params(
+        tx, lambda _, s: s, opt_shape, p_shard, transform_non_params=lambda _: rep
+    )
+    return TrainState(params=p_shard, opt_state=o_shard, step=rep, version=rep, skipped_updates=rep)
+
+
+def create_train_state(
+    params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh, *, version: int = 0
+) -> tuple[TrainState, TrainState]:
+    """Initialise the optimizer and place everything on the train mesh.
+
+    Args:
+      params: the model's nnx.Param state (any placement; values identical on every process).
+      tx: the optimizer.
+      mesh: the train mesh (axes "fsdp", "tensor").
+      version: starting policy version.
+    Returns:
+      (state, shardings): the placed TrainState and the matching pytree of NamedSharding.
+    """
+    shardings = train_state_shardings(params, tx, mesh)
+    placed_params = copy_to(params, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(placed_params)
+    counters = put_global(
+        (jnp.zeros((), jnp.int32), jnp.asarray(version, jnp.int32), jnp.zeros((), jnp.int32)),
+        (shardings.step, shardings.version, shardings.skipped_updates),
+    )
+    state = TrainState(
+        params=placed_params, opt_state=opt_state, step=counters[0], version=counters[1],
+        skipped_updates=counters[2],
+    )
+    return state, shardings

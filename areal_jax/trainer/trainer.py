@@ -1,0 +1,225 @@
+"""Trainer: the sharded PPO update on the train mesh (imperative shell around trainer.update)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax.trainer import batch as batching
+from areal_jax.trainer.batch import Trajectory
+from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.optim import make_optimizer, make_schedule
+from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
+from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns
+
+
+class Trainer:
+    """Runs PPO updates of `model` on `mesh` (axes "fsdp", "tensor").
+
+    Args:
+      model: the policy (an nnx.Module following the areal_jax.models contract); its params are
+        copied onto the mesh, the module itself is not modified afterwards.
+      cfg: TrainerConfig.
+      mesh: the train mesh; each micro-step feeds one packed row to every "fsdp" position.
+      ref_model: reference policy for the KL penalty (required when cfg.kl_coef > 0); its params
+        live on the train mesh with the same shardings as the policy's.
+
+    With several processes every process calls `update` with the same trajectories (one SPMD
+    program over the global train mesh).
+    """
+
+    def __init__(self, model: nnx.Module, cfg: TrainerConfig, mesh: Mesh, *, ref_model: nnx.Module | None = None):
+        if tuple(mesh.axis_names) != ("fsdp", "tensor"):
+            raise ValueError(
+                f"The train mesh must have axes ('fsdp', 'tensor'), got {tuple(mesh.axis_names)}; build it "
+                "with areal_jax.system.mesh.build_meshes."
+            )
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model: pass ref_model=..., or set kl_coef=0.")
+        self.cfg = cfg
+        self.mesh = mesh
+        self.n_rows = int(mesh.shape["fsdp"])
+        self._graphdef, params, other = nnx.split(model, nnx.Param, ...)
+        self._has_other = bool(jax.tree.leaves(other))
+        self._tx = make_optimizer(cfg)
+        self._schedule = make_schedule(cfg)
+        self.state, self._shardings = create_train_state(params, self._tx, mesh)
+        self._other_sharding = jax.tree.map(lambda _: replicated(mesh), other)
+        self._other = copy_to(other, self._other_sharding)
+        self._fns = build_update_fns(
+            self._graphdef, cfg, self._tx, self._schedule, self._shardings, self._other_sharding, mesh
+        )
+        self._ref = None
+        if ref_model is not None:
+            ref_graphdef, ref_params, ref_other = nnx.split(ref_model, nnx.Param, ...)
+            if jax.tree.structure(ref_params) != jax.tree.structure(params):
+                raise ValueError("ref_model must have the same architecture (parameter tree) as the policy model.")
+            ref_params = copy_to(ref_params, self._shardings.params)
+            ref_other = copy_to(ref_other, self._other_sharding)
+            self._ref = (ref_params, ref_other)
+            if ref_graphdef != self._graphdef:
+                raise ValueError("ref_model must have the same architecture (module graph) as the policy model.")
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def params(self) -> nnx.State:
+        """Current params on the train mesh (pytree structure of `nnx.split(model)[1]`)."""
+        if self._has_other:
+            return nnx.merge_state(self.state.params, self._other)
+        return self.state.params
+
+    @property
+    def version(self) -> int:
+        return int(jax.device_get(self.state.version))
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        return self._graphdef
+
+    # ------------------------------------------------------------------ helpers
+    def _place(self, step: dict[str, np.ndarray], fields: Sequence[str]) -> dict[str, jax.Array]:
+        return put_global({k: step[k] for k in fields}, self._fns.batch_sharding)
+
+    def _steps(self, trajs, indices, masks, weights, version):
+        return batching.pack_steps(
+            trajs, indices, masks, weights, n_rows=self.n_rows,
+            micro_batch_tokens=self.cfg.micro_batch_tokens, trainer_version=version,
+        )
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
+        """Log-probs of each trajectory's completion tokens under the current params.
+
+        Returns one float32 [L - prompt_len] array per trajectory.
+        """
+        trajs = list(trajectories)
+        masks = [np.ones(t.completion_len, np.float32) for t in trajs]
+        out = [np.zeros(t.completion_len, np.float32) for t in trajs]
+        for step in self._steps(trajs, range(len(trajs)), masks, None, 0):
+            logp = np.asarray(jax.device_get(
+                self._fns.forward(self.state.params, self._other, self._place(step, MODEL_FIELDS))
+            ))
+            _scatter(out, logp, step)
+        return out
+
+    # ------------------------------------------------------------------ the update
+    def _prepare(self, trajs: list[Trajectory], version: int):
+        """Staleness filter, minibatch split, packing and placement, plus the proximal / reference
+        log-probs computed with the params as they are before any optimizer step of this update.
+
+        Returns (minibatches: list of (placed micro-steps, n_valid tokens), masks, staleness).
+        """
+        cfg, fns = self.cfg, self._fns
+        if not trajs:
+            raise ValueError("Trainer.update got no trajectories; pass at least one.")
+        masks, staleness = batching.effective_masks(trajs, version, cfg.max_staleness)
+        need_prox = cfg.loss == "decoupled" and cfg.prox_mode == "recompute"
+        minibatches = []
+        for indices in batching.split_minibatches(trajs, cfg.ppo_minibatches):
+            weights = [None] * len(trajs)
+            for i, w in zip(indices, batching.aggregation_weights([masks[i] for i in indices], cfg.loss_agg)):
+                weights[i] = w
+            n_valid, _ = batching.count_valid(masks, indices)
+            placed = []
+            for step in self._steps(trajs, indices, masks, weights, version) if n_valid else []:
+                batch = self._place(step, MODEL_FIELDS + LOSS_FIELDS)
+                model_inputs = {k: batch[k] for k in MODEL_FIELDS}
+                if need_prox:
+                    batch["prox_logp"] = fns.forward(self.state.params, self._other, model_inputs)
+                if self._ref is not None and cfg.kl_coef > 0:
+                    batch["ref_logp"] = fns.forward(self._ref[0], self._ref[1], model_inputs)
+                placed.append(batch)
+            minibatches.append((placed, n_valid))
+        return minibatches, masks, staleness
+
+    def _accumulate(self, placed, version_arr):
+        grads = self._fns.zero_grads(self.state.params)
+        sums = self._fns.zero_metrics()
+        for batch in placed:
+            grads, sums = self._fns.accumulate(self.state.params, self._other, grads, sums, batch, version_arr)
+        return grads, sums
+
+    def loss_and_grads(self, trajectories: Sequence[Trajectory]) -> tuple[float, nnx.State]:
+        """The objective of the batch taken as ONE minibatch and its gradient w.r.t. the params, by the
+        same packed micro-step accumulation the update uses (nothing is applied). For tests and
+        diagnostics. Returns (loss, grads) with grads shaped like `Trainer.state.params`."""
+        version = self.version
+        minibatches, _, _ = self._prepare(list(trajectories), version)
+        if len(minibatches) != 1:
+            raise ValueError("loss_and_grads treats the batch as one minibatch; use ppo_minibatches=1.")
+        version_arr = put_global(jnp.asarray(version, jnp.int32), replicated(self.mesh))
+        grads, sums = self._accumulate(minibatches[0][0], version_arr)
+        return float(jax.device_get(sums["loss"])), grads
+
+    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One PPO update on a batch of trajectories; the policy version goes up by one.
+
+        Steps: staleness filter -> split into cfg.ppo_minibatches minibatches -> pack each into
+        micro-steps -> proximal (and reference) log-probs with the params at the start of the update
+        -> per minibatch: accumulate gradients over its micro-steps, then one optimizer step, skipped
+        (and counted in skipped_updates) when the gradients or loss are not finite.
+
+        Returns metrics (python floats): loss, pg_loss, kl, clip_fraction, behav_weight_mean,
+        behav_weight_max, masked_fraction, approx_kl, entropy, grad_norm, n_tokens, n_seqs,
+        staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version.
+        """
+        trajs = list(trajectories)
+        version = self.version
+        minibatches, masks, staleness = self._prepare(trajs, version)
+        rep = replicated(self.mesh)
+        version_arr = put_global(jnp.asarray(version, jnp.int32), rep)
+        sums_total, infos = None, []
+        for k, (placed, n_valid) in enumerate(minibatches):
+            grads, sums = self._accumulate(placed, version_arr)
+            last = int(k == len(minibatches) - 1)
+            scalars = put_global(
+                (jnp.asarray(n_valid, jnp.float32), jnp.asarray(last, jnp.int32)), (rep, rep)
+            )
+            self.state, info = self._fns.apply(self.state, grads, sums["loss"], *scalars)
+            infos.append(info)
+            sums_total = sums if sums_total is None else _merge_sums(sums_total, sums)
+        return _metrics(
+            jax.device_get(sums_total), jax.device_get(infos), masks, trajs, staleness, len(minibatches), self.state
+        )
+
+
+def _merge_sums(a, b):
+    out = {k: a[k] + b[k] for k in a}
+    out["behav_weight_max"] = jnp.maximum(a["behav_weight_max"], b["behav_weight_max"])
+    return out
+
+
+def _scatter(out: list[np.ndarray], values: np.ndarray, step: dict[str, np.ndarray]) -> None:
+    """Write packed per-position values back to per-trajectory completion arrays."""
+    sel = step["seq_index"] >= 0
+    for i, j, v in zip(step["seq_index"][sel], step["comp_index"][sel], values[sel]):
+        out[i][j] = v
+
+
+def _metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: TrainState) -> dict[str, float]:
+    n_valid = float(sums["n_valid"])
+    per_tok = lambda key: float(sums[key]) / n_valid if n_valid > 0 else 0.0  # noqa: E731
+    total_mask = sum(float(t.completion_mask().sum()) for t in trajs)
+    metrics = {
+        "loss": float(sums["loss"]) / n_minibatches,
+        "pg_loss": float(sums["pg_loss"]) / n_minibatches,
+        "kl": float(sums["kl"]) / n_minibatches,
+        "clip_fraction": per_tok("clip"),
+        "behav_weight_mean": per_tok("behav_weight"),
+        "behav_weight_max": float(sums["behav_weight_max"]),
+        "masked_fraction": per_tok("masked"),
+        "approx_kl": per_tok("approx_kl"),
+        "entropy": per_tok("entropy"),
+        "grad_norm": float(np.mean([float(i["grad_norm"]) for i in infos])),
+        "n_tokens": n_valid,
+        "n_seqs": float(sum(float(m.sum()) > 0 for m in masks)),
+        "stale_dropped_fraction": 1.0 - n_valid / total_mask if total_mask > 0 else 0.0,
+        "skipped_updates": float(jax.device_get(state.skipped_updates)),
+        "lr": float(infos[-1]["lr"]),
+        "version": float(jax.device_get(state.version)),
+    }
+    metrics.update(batching.staleness_stats(staleness))
+    return metrics

@@ -1,0 +1,222 @@
+"""The jitted pieces of one PPO update: log-prob forward, micro-step gradient accumulation, apply.
+
+Why a Python loop over micro-steps with a jitted accumulate step rather than one `lax.scan`: the number
+of micro-steps changes from batch to batch (it follows the packed token count), so a scan would either
+recompile for every new count or burn compute on padded micro-steps. The accumulate step compiles once
+per row-length bucket (at most eight), each call costs one dispatch, negligible next to a micro-step's
+forward and backward, and the gradient accumulator is donated so it is updated in place.
+
+The loss of a micro-step is sum_t weight_t * loss_t (weights from trainer.batch, so the sum over the
+micro-steps of a minibatch equals rl.losses' aggregation over the whole minibatch). Per-token losses
+come from `rl.losses` itself, vmapped over single tokens, so every loss option (clip, dual clip,
+behaviour-weight cap) keeps its exact rl.losses meaning.
+
+Proximal log-probs (`prox_mode`):
+  * "recompute": one forward pass of the params at the start of the update (before any optimizer step
+    of this update), passed in as `prox_logp`.
+  * "loglinear" (AReaL's approximation, no extra forward): with v the trainer version at the start of
+    the update (the params' version: the proximal policy), v + 1 the version being produced (the policy
+    theta), and v_b the version that sampled the token,
+        alpha = clip((v - v_b) / (v + 1 - v_b), 0, 1),
+        prox_logp = behav_logp + alpha * (stop_gradient(logp_theta) - behav_logp),
+    i.e. the log-prob interpolated linearly in version between the behaviour policy (at v_b) and the
+    current policy (at v + 1), evaluated at the proximal version v. Fresh tokens (v_b = v) get
+    prox = behav; very stale ones approach the current log-prob.
+  * "behav": prox_logp = behav_logp (no importance weight).
+With loss="ppo" the standard clipped objective against behav_logp is used and prox_mode is ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.rl.losses import decoupled_ppo_loss, kl_penalty, ppo_loss
+from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.logprobs import model_logprobs
+from areal_jax.trainer.state import TrainState
+
+MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
+LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
+SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "behav_weight", "masked", "approx_kl", "n_valid")
+
+
+def per_token(fn: Callable[..., tuple], *arrays: jax.Array) -> Any:
+    """Apply a [B, T] -> (scalar, stats) function to each token alone: returns [B, T]-shaped outputs.
+
+    fn is called (vmapped) on [1, 1] slices; for a mask of 1 the scalar is that token's loss, for a mask
+    of 0 it is whatever fn returns for an all-masked batch (0 for rl.losses).
+    """
+    shape = arrays[0].shape
+    flat = [a.reshape(-1, 1, 1) for a in arrays]
+    out = jax.vmap(fn)(*flat)
+    return jax.tree.map(lambda x: x.reshape(shape), out)
+
+
+def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
+    """AReaL's log-linear proximal log-prob (see the module docstring). All [B, T]; version: [] int32."""
+    v = version.astype(jnp.float32)
+    vb = versions.astype(jnp.float32)
+    span = v + 1.0 - vb
+    alpha = jnp.where(span > 0, jnp.clip((v - vb) / jnp.where(span > 0, span, 1.0), 0.0, 1.0), 0.0)
+    return behav_logp + alpha * (jax.lax.stop_gradient(logp) - behav_logp)
+
+
+def micro_step_objective(
+    params: nnx.State, other: nnx.State, graphdef: nnx.GraphDef, batch: dict[str, jax.Array],
+    version: jax.Array, cfg: TrainerConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weighted loss of one micro-step and its metric sums.
+
+    batch: [F, T] arrays named in MODEL_FIELDS + LOSS_FIELDS, plus "prox_logp" (prox_mode recompute)
+    and "ref_logp" (kl_coef > 0). Returns (objective [], metric sums dict of []).
+    """
+    logp, ent = model_logprobs(
+        graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), cfg.logits_chunk,
+        with_entropy=True,
+    )
+    mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
+    valid = mask > 0
+    if cfg.loss == "ppo":
+        def token_loss(lp, b, a, m):
+            return ppo_loss(lp, b, a, m, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                            dual_clip=cfg.dual_clip)
+        losses, stats = per_token(token_loss, logp, behav, adv, mask)
+    else:
+        if cfg.prox_mode == "recompute":
+            prox = batch["prox_logp"]
+        elif cfg.prox_mode == "loglinear":
+            prox = loglinear_prox(logp, behav, batch["versions"], version)
+        else:
+            prox = behav
+
+        def token_loss(lp, p, b, a, m):
+            return decoupled_ppo_loss(
+                lp, p, b, a, m, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                behav_weight_cap=cfg.behav_weight_cap, behav_weight_mode=cfg.behav_weight_mode,
+                dual_clip=cfg.dual_clip,
+            )
+        losses, stats = per_token(token_loss, logp, prox, behav, adv, mask)
+
+    pg = jnp.sum(weights * losses)
+    objective = pg
+    if cfg.entropy_coef > 0:
+        objective = objective - cfg.entropy_coef * jnp.sum(weights * ent)
+    kl_sum = jnp.zeros((), jnp.float32)
+    if cfg.kl_coef > 0:
+        kl_tok = per_token(
+            lambda lp, r, m: kl_penalty(lp, r, m, estimator=cfg.kl_estimator), logp, batch["ref_logp"], mask
+        )
+        kl_sum = jnp.sum(weights * kl_tok)
+        objective = objective + cfg.kl_coef * kl_sum
+
+    sg = jax.lax.stop_gradient
+    on = lambda x: jnp.sum(jnp.where(valid, sg(x), 0.0))  # noqa: E731
+    metrics = {
+        "loss": sg(objective),
+        "pg_loss": sg(pg),
+        "kl": sg(kl_sum),
+        "entropy": on(ent),
+        "clip": on(stats["clip_fraction"]),
+        "behav_weight": on(stats["behav_weight_mean"]),
+        "behav_weight_max": jnp.max(jnp.where(valid, sg(stats["behav_weight_mean"]), 0.0)),
+        "masked": on(stats["masked_fraction"]),
+        "approx_kl": on(stats["approx_kl"]),
+        "n_valid": jnp.sum(valid.astype(jnp.float32)),
+    }
+    return objective, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateFns:
+    """Compiled pieces of the update, bound to one model graph, config, optimizer and mesh.
+
+    forward(params, other, batch) -> logp [F, T] float32.
+    zero_grads(params) -> grads (zeros, param shardings); zero_metrics() -> metric sums.
+    accumulate(params, other, grads, metrics, batch, version) -> (grads, metrics) (grads, metrics
+      donated).
+    apply(state, grads, loss_sum, n_valid, version_inc) -> (state, info) (state donated; info:
+      grad_norm, skipped, lr).
+    """
+
+    forward: Callable
+    zero_grads: Callable
+    zero_metrics: Callable
+    accumulate: Callable
+    apply: Callable
+    batch_sharding: NamedSharding
+
+
+def zero_metric_sums() -> dict[str, jax.Array]:
+    out = {k: jnp.zeros((), jnp.float32) for k in SUM_METRICS}
+    out["behav_weight_max"] = jnp.zeros((), jnp.float32)
+    return out
+
+
+def build_update_fns(
+    graphdef: nnx.GraphDef, cfg: TrainerConfig, tx: optax.GradientTransformation,
+    schedule: optax.Schedule, shardings: TrainState, other_sharding: Any, mesh: Mesh,
+) -> UpdateFns:
+    """jit every piece with explicit NamedSharding in and out."""
+    rows = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    rep = NamedSharding(mesh, PartitionSpec())
+    p_shard = shardings.params
+
+    def forward(params, other, batch):
+        logp, _ = model_logprobs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS),
+                                 cfg.logits_chunk, with_entropy=False)
+        return logp
+
+    def zero_grads(params):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+
+    def accumulate(params, other, grads, sums, batch, version):
+        grad_fn = jax.grad(micro_step_objective, has_aux=True)
+        g, m = grad_fn(params, other, graphdef, batch, version, cfg)
+        grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
+        new = {k: sums[k] + m[k] for k in SUM_METRICS}
+        new["behav_weight_max"] = jnp.maximum(sums["behav_weight_max"], m["behav_weight_max"])
+        return grads, new
+
+    def apply(state: TrainState, grads, loss_sum, n_valid, version_inc):
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
+        do_apply = finite & (n_valid > 0)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jnp.where(do_apply, new, old)  # noqa: E731
+        new_state = TrainState(
+            params=jax.tree.map(keep, params, state.params),
+            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+            step=state.step + do_apply.astype(jnp.int32),
+            version=state.version + version_inc,
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+        )
+        info = {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32),
+                "lr": jnp.asarray(schedule(state.step), jnp.float32)}
+        return new_state, info
+
+    return UpdateFns(
+        forward=jax.jit(forward, in_shardings=(p_shard, other_sharding, rows), out_shardings=rows),
+        zero_grads=jax.jit(zero_grads, in_shardings=(p_shard,), out_shardings=p_shard),
+        zero_metrics=jax.jit(zero_metric_sums, out_shardings=rep),
+        accumulate=jax.jit(
+            accumulate,
+            in_shardings=(p_shard, other_sharding, p_shard, rep, rows, rep),
+            out_shardings=(p_shard, rep),
+            donate_argnums=(2, 3),
+        ),
+        apply=jax.jit(
+            apply,
+            in_shardings=(shardings, p_shard, rep, rep, rep),
+            out_shardings=(shardings, rep),
+            donate_argnums=(0,),
+        ),
+        batch_sharding=rows,
+    )

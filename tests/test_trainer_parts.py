@@ -1,0 +1,169 @@
+"""Pieces of the trainer against hand-worked numbers and direct references: packing layout, aggregation
+weights, schedule, loglinear proximal log-probs, chunked log-probs, staleness filtering, config errors."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models.testing import random_model, tiny_config
+from areal_jax.trainer import Trainer, TrainerConfig, Trajectory, make_schedule
+from areal_jax.trainer.batch import aggregation_weights, bucket_length, effective_masks, pack_steps, split_minibatches
+from areal_jax.trainer.logprobs import chunked_logprobs
+from areal_jax.trainer.update import loglinear_prox
+
+
+def traj(tokens, prompt_len, version=0, **kw):
+    c = len(tokens) - prompt_len
+    kw.setdefault("behav_logp", -np.arange(1, c + 1, dtype=np.float32))
+    kw.setdefault("versions", np.full(c, version))
+    return Trajectory(tokens=np.array(tokens), prompt_len=prompt_len, **kw)
+
+
+def test_pack_layout_shifts_targets_per_segment():
+    a = traj([10, 11, 12, 13], 2, advantage=0.5)  # completion 12, 13
+    b = traj([20, 21, 22], 1, advantage=-1.0, loss_mask=[1, 0])  # completion 21, 22 (22 masked)
+    trajs = [a, b]
+    masks = [a.completion_mask(), b.completion_mask()]
+    weights = aggregation_weights(masks, "token-mean")
+    (step,) = pack_steps(trajs, [0, 1], masks, weights, n_rows=1, micro_batch_tokens=16, trainer_version=3)
+    n = a.packed_len + b.packed_len  # 3 + 2
+    assert step["tokens"].shape == (1, 8)  # 5 tokens, granule 16 / 8
+    row = {k: v[0, :n].tolist() for k, v in step.items()}
+    # Both orders are valid packings; find where a starts.
+    first_is_a = row["tokens"][0] == 10
+    ra, rb = (slice(0, 3), slice(3, 5)) if first_is_a else (slice(2, 5), slice(0, 2))
+    get = lambda key, sl: row[key][sl]  # noqa: E731
+    assert get("tokens", ra) == [10, 11, 12] and get("targets", ra) == [11, 12, 13]
+    assert get("tokens", rb) == [20, 21] and get("targets", rb) == [21, 22]
+    assert get("positions", ra) == [0, 1, 2] and get("positions", rb) == [0, 1]
+    assert len(set(get("segment_ids", ra))) == 1 and len(set(get("segment_ids", rb))) == 1
+    assert get("segment_ids", ra)[0] != get("segment_ids", rb)[0]
+    # Completion token j is scored at position prompt_len + j - 1.
+    assert get("mask", ra) == [0, 1, 1] and get("mask", rb) == [1, 0]
+    assert get("behav_logp", ra) == [0, -1, -2] and get("behav_logp", rb) == [-1, 0]
+    assert get("advantages", ra) == [0, 0.5, 0.5] and get("advantages", rb) == [-1, 0]
+    np.testing.assert_allclose(get("weights", ra), [0, 1 / 3, 1 / 3], rtol=1e-6)
+    assert get("versions", ra)[0] == 3 and get("seq_index", rb) == [1, 1] and get("seq_index", ra) == [-1, 0, 0]
+    assert step["segment_ids"][0, n:].tolist() == [0] * (8 - n)
+    assert step["mask"][0, n:].sum() == 0
+
+
+def test_aggregation_weights_hand_numbers():
+    masks = [np.array([1, 1, 0, 1], np.float32), np.array([0, 0], np.float32), np.array([1], np.float32)]
+    tm = aggregation_weights(masks, "token-mean")
+    np.testing.assert_allclose(np.concatenate(tm), [0.25, 0.25, 0, 0.25, 0, 0, 0.25])
+    sm = aggregation_weights(masks, "seq-mean-token-mean")  # 2 sequences with valid tokens
+    np.testing.assert_allclose(np.concatenate(sm), [1 / 6, 1 / 6, 0, 1 / 6, 0, 0, 0.5])
+    ss = aggregation_weights(masks, "seq-mean-token-sum")
+    np.testing.assert_allclose(np.concatenate(ss), [0.5, 0.5, 0, 0.5, 0, 0, 0.5])
+
+
+def test_microsteps_are_balanced_and_lengths_bucketed():
+    rng = np.random.default_rng(0)
+    trajs = [traj(rng.integers(0, 50, int(n)), 1) for n in rng.integers(3, 30, 23)]
+    masks = [t.completion_mask() for t in trajs]
+    steps = pack_steps(trajs, range(23), masks, None, n_rows=2, micro_batch_tokens=64, trainer_version=0)
+    seen = sorted(int(i) for s in steps for i in np.unique(s["seq_index"]) if i >= 0)
+    assert seen == list(range(23))  # every trajectory exactly once
+    assert len({s["tokens"].shape for s in steps}) == 1
+    t_len = steps[0]["tokens"].shape[1]
+    assert t_len % 8 == 0 and t_len <= 64
+    assert all(((s["segment_ids"] > 0).sum(axis=1) <= t_len).all() for s in steps)
+    assert bucket_length(1, 4096) == 512 and bucket_length(513, 4096) == 1024 and bucket_length(100, 100) == 104
+    with pytest.raises(ValueError, match="micro_batch_tokens=8"):
+        pack_steps(trajs, range(23), masks, None, n_rows=1, micro_batch_tokens=8, trainer_version=0)
+    groups = split_minibatches(trajs, 3)
+    assert sorted(i for g in groups for i in g) == list(range(23)) and len(groups) == 3
+    with pytest.raises(ValueError, match="ppo_minibatches=30"):
+        split_minibatches(trajs, 30)
+
+
+def test_schedule_hand_numbers():
+    const = make_schedule(TrainerConfig(lr=1.0, warmup_steps=3))
+    assert [float(const(s)) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    cos = make_schedule(TrainerConfig(lr=2.0, warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1))
+    # After warm-up: lr * (alpha + (1 - alpha) * 0.5 * (1 + cos(pi * k / 4))), k = step - 2.
+    expect = [2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4))) for k in range(5)]
+    assert [float(cos(s)) for s in range(2, 7)] == pytest.approx(expect, rel=1e-6)
+    assert float(cos(100)) == pytest.approx(0.2)
+
+
+def test_loglinear_prox_hand_numbers():
+    logp = jnp.array([[-1.0, -1.0, -1.0, -1.0]])
+    behav = jnp.array([[-2.0, -2.0, -2.0, -3.0]])
+    versions = jnp.array([[5, 4, 2, 1]])
+    prox = loglinear_prox(logp, behav, versions, jnp.asarray(5))
+    # alpha = (5 - vb) / (6 - vb): 0, 1/2, 3/4, 4/5.
+    np.testing.assert_allclose(prox, [[-2.0, -1.5, -1.25, -3.0 + 0.8 * 2.0]], rtol=1e-6)
+
+
+def test_chunked_logprobs_match_full_logits_and_gradients():
+    key = jax.random.key(0)
+    h = jax.random.normal(key, (2, 13, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 31))
+    targets = jax.random.randint(jax.random.key(2), (2, 13), 0, 31)
+
+    def full(h, w):
+        logits = h @ w
+        logp = jax.nn.log_softmax(logits)
+        picked = jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+        ent = -(jnp.exp(logp) * logp).sum(-1)
+        return picked, ent
+
+    lp, ent = chunked_logprobs(h, w, targets, chunk=4)  # 13 is not a multiple of 4
+    lp_ref, ent_ref = full(h, w)
+    np.testing.assert_allclose(lp, lp_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ent, ent_ref, rtol=1e-5, atol=1e-6)
+    f = lambda fn: lambda h, w: (fn(h, w)[0].sum() + 0.3 * fn(h, w)[1].sum())  # noqa: E731
+    g = jax.grad(f(lambda h, w: chunked_logprobs(h, w, targets, chunk=4)), argnums=(0, 1))(h, w)
+    g_ref = jax.grad(f(full), argnums=(0, 1))(h, w)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_staleness_filter_and_metrics():
+    fresh = traj([1, 2, 3, 4], 1, version=4)
+    mixed = traj([1, 2, 3, 4, 5], 2, versions=np.array([1, 3, 4]))
+    masks, stale = effective_masks([fresh, mixed], trainer_version=4, max_staleness=1)
+    assert masks[0].tolist() == [1, 1, 1] and masks[1].tolist() == [0, 1, 1]
+    assert stale.tolist() == [0, 3]
+    masks, _ = effective_masks([fresh, mixed], trainer_version=4, max_staleness=None)
+    assert masks[1].tolist() == [1, 1, 1]
+
+
+def test_compute_logprobs_match_model_and_staleness_in_update():
+    from tests.test_trainer import mesh_4  # noqa: PLC0415
+
+    model = random_model(tiny_config(), seed=2)
+    cfg = TrainerConfig(micro_batch_tokens=32, max_staleness=0, logits_chunk=8)
+    trainer = Trainer(model, cfg, mesh_4())
+    rng = np.random.default_rng(1)
+    trajs = [traj(rng.integers(3, 97, n), 2, version=v) for n, v in [(9, 0), (14, 0), (7, 0), (20, 0)]]
+    got = trainer.compute_logprobs(trajs)
+    for t, lp in zip(trajs, got):
+        logits = model(jnp.asarray(t.tokens)[None])[0]
+        ref = jax.nn.log_softmax(logits)[np.arange(t.prompt_len - 1, len(t.tokens) - 1), t.tokens[t.prompt_len:]]
+        np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
+    m = trainer.update(trajs)
+    assert m["n_tokens"] == sum(t.completion_len for t in trajs) and m["staleness_max"] == 0
+    # Version is now 1: with max_staleness=0 the version-0 tokens are all dropped.
+    trajs[0].versions[:] = 1
+    m = trainer.update(trajs)
+    assert m["n_tokens"] == trajs[0].completion_len and m["staleness_max"] == 1
+    assert m["stale_dropped_fraction"] == pytest.approx(1 - trajs[0].completion_len / sum(t.completion_len for t in trajs))
+    assert trainer.version == 2
+
+
+def test_config_and_input_errors():
+    with pytest.raises(ValueError, match="prox_mode='exact' is not one of"):
+        TrainerConfig(prox_mode="exact")
+    with pytest.raises(ValueError, match="dual_clip=0.5 must be greater than 1"):
+        TrainerConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="exceed warmup_steps"):
+        TrainerConfig(schedule="cosine", warmup_steps=10, total_steps=10)
+    with pytest.raises(ValueError, match="behav_logp has 2 entries but the completion has 3 tokens"):
+        Trajectory(tokens=np.arange(5), prompt_len=2, behav_logp=np.zeros(2), versions=np.zeros(3))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        Trajectory(tokens=np.arange(3), prompt_len=3, behav_logp=np.zeros(0), versions=np.zeros(0))
