@@ -188,3 +188,28 @@ def test_engine_rejects_bad_arguments_with_clear_messages(model):
         engine.insert(engine.prefill(params, [1, 2]), engine.init_decode_state(), 5)
     with pytest.raises(ValueError, match="stop token ids"):
         engine.settings(SamplingParams(stop_token_ids=tuple(range(20))))
+
+
+def test_first_tokens_of_a_group_follow_the_model_softmax(model):
+    """Chi-square of many first tokens drawn through bulk_insert + generate (fixed seeds)."""
+    slots, rounds = 64, 40
+    engine = Engine(model, num_slots=slots, max_len=16)
+    _, params = nnx.split(model)
+    prefix = engine.prefill(params, [7, 3, 9])
+    probs = np.exp(np.asarray(prefix.logprobs, np.float64))
+    counts = np.zeros_like(probs)
+    state = engine.init_decode_state()
+    for i in range(rounds):
+        state = engine.bulk_insert(prefix, state, range(slots), SamplingParams(temperature=1.0, max_new_tokens=1))
+        state, result = engine.generate(params, state, jax.random.key(100 + i))
+        counts += np.bincount(result.to_host().tokens, minlength=probs.size)
+    n = slots * rounds
+    order = np.argsort(-probs)  # pool the tail so every bin expects >= 5 draws
+    big = order[probs[order] * n >= 5]
+    rest = np.setdiff1d(order, big)
+    obs = np.append(counts[big], counts[rest].sum())
+    exp = np.append(probs[big], probs[rest].sum()) * n
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    crit = df * (1 - 2 / (9 * df) + 3.719 * np.sqrt(2 / (9 * df))) ** 3  # upper 1e-4 point
+    assert stat < crit, f"chi-square {stat:.1f} over {df} dof"

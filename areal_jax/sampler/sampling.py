@@ -16,7 +16,7 @@ i.e. the temperature-1 unfiltered distribution, which is what evaluation and par
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +68,41 @@ class SamplingParams:
         return 1.0 if self.top_p is None else float(self.top_p)
 
 
+def _sortable_keys(x: jax.Array) -> jax.Array:
+    """Map float32 values to uint32 keys with the same order (-inf smallest, +inf largest)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Per row, the largest key c with ``holds(keys >= c)`` true, by bisection over uint32 keys.
+
+    ``holds`` maps a [S, V] bool selection to [S] bool and must be monotone (true for the
+    whole row, false for the empty selection). 32 rounds of one masked reduction each find the
+    exact key, so no sort of the vocabulary is needed.
+    """
+    lo = keys.min(axis=-1)  # the whole row: holds
+    hi = keys.max(axis=-1).astype(jnp.uint32) + jnp.uint32(1)  # nothing selected: fails
+
+    def body(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(keys >= mid[:, None]) & (hi - lo > 1)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (hi - lo <= 1), hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
 def filtered_logits(
     logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
     """Apply temperature, top-k and top-p to a batch of logits.
+
+    Top-k keeps the tokens whose logit is at least the k-th largest; top-p then keeps the
+    smallest set of most likely tokens whose (top-k renormalised) probability reaches top_p.
+    Both thresholds are found by bisection (no vocabulary sort); a tie at a threshold keeps every
+    tied token. Each restriction is skipped at run time when no row uses it.
 
     Args:
       logits: [S, V] float32 raw model logits.
@@ -92,21 +123,26 @@ def filtered_logits(
     k = jnp.where(greedy | (top_k <= 0), vocab, jnp.minimum(top_k, vocab)).astype(jnp.int32)
     p = jnp.where(greedy, 1.0, top_p).astype(jnp.float32)
 
-    def restrict(x: jax.Array) -> jax.Array:
-        order = jnp.argsort(-x, axis=-1, stable=True)  # [S, V] descending, ties by lower id
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        ranks = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-        keep = ranks < k[:, None]
-        after_k = jnp.where(keep, sorted_x, NEG_INF)
-        probs = jax.nn.softmax(after_k, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = keep & ((mass_before < p[:, None]) | (ranks == 0))
-        sorted_kept = jnp.where(keep, sorted_x, NEG_INF)
-        rows = jnp.arange(x.shape[0])[:, None]
-        return jnp.full_like(x, NEG_INF).at[rows, order].set(sorted_kept)
+    def restrict_k(x: jax.Array) -> jax.Array:
+        keys = _sortable_keys(x)
+        c = _largest_threshold(keys, lambda sel: jnp.sum(sel, axis=-1, dtype=jnp.int32) >= k)
+        return jnp.where((keys >= c[:, None]) | (k[:, None] >= vocab), x, NEG_INF)
 
-    needs_sort = jnp.any(k < vocab) | jnp.any(p < 1.0)
-    return jax.lax.cond(needs_sort, restrict, lambda x: x, scaled)
+    def restrict_p(x: jax.Array) -> jax.Array:
+        keys = _sortable_keys(x)
+        probs = jax.nn.softmax(x, axis=-1)
+        c = _largest_threshold(keys, lambda sel: jnp.sum(jnp.where(sel, probs, 0.0), axis=-1) >= p)
+        return jnp.where((keys >= c[:, None]) | (p[:, None] >= 1.0), x, NEG_INF)
+
+    identity = lambda x: x  # noqa: E731
+    scaled = jax.lax.cond(jnp.any(k < vocab), restrict_k, identity, scaled)
+    return jax.lax.cond(jnp.any(p < 1.0), restrict_p, identity, scaled)
+
+
+def _first_argmax(x: jax.Array) -> jax.Array:
+    """[S, V] -> [S] int32 index of the first maximum (two plain reductions, cheap on CPU)."""
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == x.max(axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
 
 
 def sample_tokens(
@@ -117,6 +153,9 @@ def sample_tokens(
     top_p: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row and return it with its behaviour log-probability.
+
+    Sampling is exact Gumbel-max over the filtered logits; the noise is skipped when every row
+    is greedy.
 
     Args:
       logits: [S, V] float32 raw model logits for the next token of each slot.
@@ -129,9 +168,14 @@ def sample_tokens(
         from (after temperature / top-k / top-p); greedy rows give the raw log-softmax.
     """
     filtered = filtered_logits(logits, temperature, top_k, top_p)
-    sampled = jax.random.categorical(rng, filtered, axis=-1)
-    greedy_tokens = jnp.argmax(filtered, axis=-1)
-    tokens = jnp.where(temperature <= 0.0, greedy_tokens, sampled).astype(jnp.int32)
+    greedy = temperature <= 0.0
+
+    def perturb(x: jax.Array) -> jax.Array:
+        noise = jax.random.gumbel(rng, x.shape, jnp.float32)
+        return x + jnp.where(greedy[:, None], 0.0, noise)
+
+    scores = jax.lax.cond(jnp.all(greedy), lambda x: x, perturb, filtered)
+    tokens = _first_argmax(scores)
     chosen = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(filtered, axis=-1)
     return tokens, logprobs.astype(jnp.float32)
