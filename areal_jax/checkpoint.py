@@ -3,10 +3,12 @@
 A checkpoint at step k holds:
 - `state`: the trainer's TrainState (params, optimizer state, step, version), saved sharded (on many
   hosts every process writes its own shards; orbax coordinates);
-- `meta` (JSON): version, the controller's pending prompts (admitted but not yet trained, in admission
-  order), the prompt iterator's state, counters, the RNG seed and the config it ran with.
-orbax writes each step into a temporary directory and renames it only when complete, so a checkpoint
-cut short by a crash is never listed, let alone loaded: `latest_step()` only sees finished ones.
+- `meta` (JSON, one file per process, since each process has its own prompt shard and rollouts):
+  version, the controller's pending prompts (admitted but not yet trained, in admission order), the
+  prompt iterator's state, counters and the RNG seed.
+The meta files are written (atomically, by rename) before the state, and orbax writes each step into a
+temporary directory that it renames only when complete. So a checkpoint cut short by a crash is never
+listed, let alone loaded: `latest_step()` only sees finished ones, and those always have their meta.
 """
 from __future__ import annotations
 
@@ -46,24 +48,26 @@ class Checkpointer:
         self._mngr.reload()
         return list(self._mngr.all_steps())
 
+    def _meta_path(self, step: int) -> str:
+        return os.path.join(os.path.dirname(self.directory), "checkpoint_meta", str(step),
+                            f"process_{jax.process_index()}.json")
+
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write checkpoint `step` (blocking; the rename at the end makes it visible atomically)."""
-        self._mngr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        path = self._meta_path(step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, meta)
+        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
         self._mngr.wait_until_finished()
 
     def restore(self, step: int, like_state: Any) -> tuple[Any, dict]:
         """Load checkpoint `step` into the structure, shapes and shardings of `like_state`."""
         restored = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(like_state)), meta=ocp.args.JsonRestore()
-            ),
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
         )
-        return restored["state"], restored["meta"]
+        with open(self._meta_path(step)) as f:
+            meta = json.load(f)
+        return restored["state"], meta
 
     def close(self) -> None:
         self._mngr.close()

@@ -13,9 +13,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.out_dir = "assets/math_reasoner"
     c.seed = 0
-    c.batch_size = 64
-    c.seq_len = 96
-    c.max_new_tokens = 48
+    c.batch_size = 32
+    c.seq_len = 72
+    c.max_new_tokens = 40
     c.eval_n = 300
     c.eval_slots = 64
 
@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.max_position_embeddings = 256
 
     worked = ml_collections.ConfigDict(dict(
-        name="worked", mix={"worked": 1.0}, lr=1e-3, warmup_steps=100, max_steps=3000, max_minutes=14.0,
+        name="worked", mix={"worked": 1.0}, lr=1e-3, warmup_steps=100, max_steps=6000, max_minutes=30.0,
         eval_every=100, stop_above=0.75, stop_below=None))
     mix = ml_collections.ConfigDict(dict(
         name="mix", mix={"answer_only": 0.5, "worked": 0.35, "slip": 0.15}, lr=3e-4, warmup_steps=20,

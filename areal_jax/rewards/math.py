@@ -17,8 +17,13 @@ a stuck worker process.
 
 from __future__ import annotations
 
+import logging
 import re
 from fractions import Fraction
+
+# math_verify warns once per process that its signal-based timeouts are off; the RewardPool's per-sample
+# timeout replaces them, so the warning is noise in every worker's output.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 __all__ = [
     "extract_final_answer",

@@ -1,0 +1,85 @@
+"""Write a run's policy as an HF directory (model + tokenizer) that transformers loads.
+
+    python -m areal_jax.export --run_dir=runs/math --out=runs/math/export [--step=N]
+
+Reads the run's config.json, restores the latest (or the given) checkpoint onto this host's devices and
+saves config.json, model.safetensors and the tokenizer files into --out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ml_collections
+
+
+def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
+    """The config a run was started with (RUN_DIR/config.json), on top of today's defaults."""
+    from areal_jax.config import base_config
+
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory of areal_jax.main?")
+    with open(path) as f:
+        saved = json.load(f)
+    config = base_config()
+    config.unlock()
+    config.update_from_flattened_dict(_flatten(saved))
+    return config
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def export_policy(run_dir: str, out_dir: str, step: int | None = None) -> str:
+    """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from areal_jax.checkpoint import Checkpointer
+    from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
+    from areal_jax.system import build
+    from areal_jax.tokenizer import Tokenizer
+    from areal_jax.trainer import Trainer
+
+    config = load_run_config(run_dir)
+    ckpt = Checkpointer(run_dir, keep=config.checkpoint.keep)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{run_dir} holds no complete checkpoint to export.")
+    mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+    model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=build.DTYPES[config.model.param_dtype],
+                               dtype=build.DTYPES[config.model.dtype])
+    trainer = Trainer(model, build.trainer_config(config), mesh)
+    state, _ = ckpt.restore(step, trainer.state)
+    trainer.state = state
+    nnx.update(model, trainer.params)
+    save_hf_checkpoint(model, out_dir)
+    Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
+    ckpt.close()
+    return out_dir
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Export a run's policy as an HF directory.")
+    parser.add_argument("--run_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--step", type=int, default=None)
+    args = parser.parse_args(argv)
+    print(export_policy(args.run_dir, args.out, args.step))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,127 @@
+"""Plots of a run: `python -m areal_jax.report RUN_DIR` writes PNGs into RUN_DIR/plots.
+
+- curves.png: training reward and accuracy against steps and against wall time (plus eval points);
+- timeline.png: when the sampler and the trainer were busy (from timeline.json), with each lane's
+  busy fraction, which is where asynchronous RL's gain shows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """Rows of RUN_DIR/metrics.jsonl (each has "step" and the logged values)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory of areal_jax.main?")
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def read_spans(run_dir: str) -> dict[str, list[tuple[float, float, str]]]:
+    """Complete spans of timeline.json grouped by lane: {lane: [(start_s, duration_s, name)]}."""
+    path = os.path.join(run_dir, "timeline.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[(e.get("pid"), e.get("tid"))] = e["args"]["name"]
+    lanes = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            lane = names.get((e.get("pid"), e.get("tid")), str(e.get("tid")))
+            lanes[lane].append((e["ts"] / 1e6, e.get("dur", 0) / 1e6, e["name"]))
+    return dict(lanes)
+
+
+def _series(rows: list[dict], key: str, x: str) -> tuple[list, list]:
+    pts = [(r[x], r[key]) for r in rows if key in r and x in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(rows: list[dict], out: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, x, label in ((axes[0], "step", "step"), (axes[1], "time/elapsed_s", "wall time (s)")):
+        for key, style in (("reward", "-"), ("accuracy", "--")):
+            xs, ys = _series(rows, key, x)
+            if xs:
+                ax.plot(xs, ys, style, label=f"train {key}")
+        xs, ys = _series(rows, "eval/greedy_pass@1", x if x == "step" else "step")
+        if xs and x == "step":
+            ax.plot(xs, ys, "o", label="test greedy pass@1")
+        ax.set_xlabel(label)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def busy_fractions(spans: dict[str, list[tuple[float, float, str]]]) -> dict[str, float]:
+    """Share of the traced wall time each lane spent inside spans (waits excluded)."""
+    if not spans:
+        return {}
+    t0 = min(s for v in spans.values() for s, _, _ in v)
+    t1 = max(s + d for v in spans.values() for s, d, _ in v)
+    total = max(t1 - t0, 1e-9)
+    return {lane: sum(d for _, d, n in v if not n.startswith("wait")) / total for lane, v in spans.items()}
+
+
+def plot_timeline(spans: dict, out: str) -> None:
+    fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * max(1, len(spans))))
+    if spans:
+        t0 = min(s for v in spans.values() for s, _, _ in v)
+        colors = {}
+        frac = busy_fractions(spans)
+        for i, (lane, v) in enumerate(sorted(spans.items())):
+            for s, d, name in v:
+                c = colors.setdefault(name, f"C{len(colors) % 10}")
+                ax.broken_barh([(s - t0, max(d, 1e-4))], (i - 0.4, 0.8), color=c, alpha=0.3 if name.startswith("wait") else 1)
+            ax.text(0, i + 0.42, f"{lane}: busy {100 * frac[lane]:.0f}%", fontsize=8)
+        ax.set_yticks(range(len(spans)), sorted(spans))
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+        ax.legend(handles, list(colors), fontsize=7, ncol=min(6, len(colors)), loc="upper right")
+    ax.set_xlabel("wall time (s)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def make_report(run_dir: str) -> list[str]:
+    """Write the PNGs; returns their paths."""
+    out_dir = os.path.join(run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    rows = read_metrics(run_dir)
+    paths = [os.path.join(out_dir, "curves.png"), os.path.join(out_dir, "timeline.png")]
+    plot_curves(rows, paths[0])
+    plot_timeline(read_spans(run_dir), paths[1])
+    return paths
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        print("usage: python -m areal_jax.report RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    for p in make_report(argv[1]):
+        print(p)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
