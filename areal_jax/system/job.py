@@ -117,6 +117,8 @@ class RLJob:
         return meta
 
     def save_checkpoint(self) -> None:
+        if self.checkpointer.latest_step() == self.trainer.version:
+            return  # this version is already saved (e.g. the periodic save of the last step)
         snap = self.controller.snapshot()
         meta = {
             "version": self.trainer.version,
@@ -155,7 +157,6 @@ class RLJob:
         self.stop.install()
         if c.eval.at_start and self.trainer.version == 0:
             self.evaluate("start")
-        self.sampler.start()
         self.controller.start()
         t_start = time.perf_counter()
         trained_tokens, last_gen = 0, 0
@@ -185,7 +186,7 @@ class RLJob:
                  "time/wait_batch_s": t_wait, "time/step_s": time.perf_counter() - t0,
                  "time/elapsed_s": elapsed, "tokens_per_s": gen / max(elapsed, 1e-9),
                  "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
-                 "sampler/occupancy": float(stats.get("mean_occupancy", 0.0)),
+                 "sampler/occupancy": float(stats.get("mean_slot_occupancy", 0.0)),
                  "sampler/step_tokens": gen - last_gen,
                  **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
                  **self.buffer.sizes()}
