@@ -42,6 +42,21 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def enable_compilation_cache(path: str | None = None) -> None:
+    """Persist compiled XLA programs across runs (a resumed or repeated run skips most compiles).
+
+    Location: `path`, else $AREAL_JAX_COMPILE_CACHE, else ~/.cache/areal_jax/xla; "off" disables it.
+    """
+    import jax
+
+    path = path or os.environ.get("AREAL_JAX_COMPILE_CACHE") or os.path.expanduser("~/.cache/areal_jax/xla")
+    if path == "off":
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def run(config) -> dict:
     """Validate, initialise the runtime, run the job; returns its summary."""
     from areal_jax import config as config_lib
@@ -51,6 +66,8 @@ def run(config) -> dict:
 
     info = distributed.initialize(config)
     import jax
+
+    enable_compilation_cache()
 
     from areal_jax.system.job import RLJob
 
