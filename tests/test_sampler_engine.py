@@ -213,3 +213,21 @@ def test_first_tokens_of_a_group_follow_the_model_softmax(model):
     df = len(obs) - 1
     crit = df * (1 - 2 / (9 * df) + 3.719 * np.sqrt(2 / (9 * df))) ** 3  # upper 1e-4 point
     assert stat < crit, f"chi-square {stat:.1f} over {df} dof"
+
+
+def test_insert_sequences_prefills_in_batches(model):
+    engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=2)
+    _, params = nnx.split(model)
+    logp = full_forward_logp(model)
+    seqs = {3: list(range(4, 30)), 0: [44], 2: [7, 8, 9, 10, 11]}  # 2 calls, one with a padding row
+    state = engine.insert_sequences(params, engine.init_decode_state(), list(seqs), list(seqs.values()),
+                                    [SamplingParams(temperature=0.0, max_new_tokens=2)] * 3)
+    for step in range(2):
+        state, result = engine.generate(params, state, jax.random.key(step))
+        r = result.to_host()
+        assert list(r.valid) == [True, False, True, True]
+        for slot, seq in seqs.items():
+            want = logp(seq)[-1]
+            assert r.tokens[slot] == int(np.argmax(want)) and abs(r.logprobs[slot] - want.max()) < 1e-4
+            seq.append(int(r.tokens[slot]))
+    assert r.done[[0, 2, 3]].all()

@@ -12,13 +12,16 @@ Storing the logits in the state means a prefilled prompt only has to be *inserte
 holding the same prefix (a GRPO group, :meth:`Engine.bulk_insert`) then draw different first tokens.
 All functions take ``params`` = the ``nnx.State`` of ``nnx.split(model)``; the decode state is
 donated so a step rewrites the cache in place. Prompts are padded to power-of-two buckets so a run
-compiles a handful of programs.
+compiles a handful of programs. :meth:`Engine.insert_sequences` prefills many sequences in batched
+calls (admission of single-sample requests, and the re-prefill of in-flight sequences after a
+weight update).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,102 +31,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
+from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings, StepResult, default_buckets
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """Everything the decode step reads and writes, one row per slot (S = num_slots).
-
-    Attributes:
-      cache: KVCache with k, v [L, S, max_len, kv_heads, head_dim] (compute dtype).
-      logits: [S, V] float32 logits of the next token each slot will sample.
-      lengths: [S] int32 tokens already in the cache (prompt + generated); the next token is
-        written at this index.
-      last_tokens: [S] int32 the last token of each slot's sequence.
-      done: [S] bool; True for free slots and for slots whose request finished.
-      generated: [S] int32 tokens generated since the slot was (re)inserted.
-      max_new: [S] int32 budget of new tokens since the slot was (re)inserted.
-      temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
-      stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
-    """
-
-    cache: KVCache
-    logits: jax.Array
-    lengths: jax.Array
-    last_tokens: jax.Array
-    done: jax.Array
-    generated: jax.Array
-    max_new: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    stop_ids: jax.Array
+_CALLER = threading.local()  # the engine whose jitted function runs on this thread
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Prefix:
-    """A prefilled prompt, ready to be inserted into one or more slots.
-
-    Attributes:
-      cache: KVCache with k, v [L, 1, P, kv_heads, head_dim], P = the prompt's bucket; rows at
-        index >= true_length hold padding junk that decoding overwrites before reading.
-      logits: [V] float32 logits of the first token to generate.
-      logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
-      true_length: [] int32 number of real prompt tokens.
-      last_token: [] int32 the last prompt token.
-    """
-
-    cache: KVCache
-    logits: jax.Array
-    logprobs: jax.Array
-    true_length: jax.Array
-    last_token: jax.Array
+def _count_compile(event: str, duration: float, **kwargs: Any) -> None:
+    engine = getattr(_CALLER, "engine", None)
+    if engine is not None and event == "/jax/core/compile/backend_compile_duration":
+        engine._compiles += 1
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepResult:
-    """What one decode step hands to the host (fetched once per step; S = num_slots).
-
-    Attributes:
-      tokens: [S] int32 token sampled for each slot (meaningless where ``valid`` is False).
-      logprobs: [S] float32 behaviour log-probability of each token.
-      done: [S] bool; True where the slot is free or its request has finished (after this step).
-      valid: [S] bool; True where the slot was generating when the step began, i.e. the token is real.
-    """
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    done: jax.Array
-    valid: jax.Array
-
-    def to_host(self) -> "StepResult":
-        """The same result as numpy arrays, in one device-to-host transfer."""
-        return StepResult(*jax.device_get((self.tokens, self.logprobs, self.done, self.valid)))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotSettings:
-    """Per-request settings as device scalars (one compiled insert serves every request)."""
-
-    temperature: jax.Array  # [] float32
-    top_k: jax.Array  # [] int32
-    top_p: jax.Array  # [] float32
-    max_new: jax.Array  # [] int32
-    stop_ids: jax.Array  # [max_stop_tokens] int32, -1 padded
-
-
-def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len`` itself."""
-    buckets, b = [], min(min_bucket, max_len)
-    while b < max_len:
-        buckets.append(b)
-        b *= 2
-    buckets.append(max_len)
-    return tuple(buckets)
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def _model_config(model: nnx.Module) -> ModelConfig:
@@ -151,6 +71,7 @@ class Engine:
         config: ModelConfig | None = None,
         max_stop_tokens: int = 8,
         min_bucket: int = 16,
+        prefill_batch: int = 8,
     ) -> None:
         """Build the engine.
 
@@ -165,6 +86,7 @@ class Engine:
             two from ``min_bucket`` plus max_len.
           config: the ModelConfig, needed when a graphdef is given.
           max_stop_tokens: the most stop token ids one request may carry.
+          prefill_batch: rows per batched prefill call of :meth:`insert_sequences`.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or _model_config(model_graphdef_or_model)
@@ -182,12 +104,14 @@ class Engine:
             )
         self.num_slots, self.max_len, self.mesh = int(num_slots), int(max_len), mesh
         self.max_stop_tokens = int(max_stop_tokens)
+        self.prefill_batch = max(1, min(int(prefill_batch), self.num_slots))
         buckets = tuple(int(b) for b in (prefill_buckets or default_buckets(max_len, min_bucket)))
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > max_len:
             raise ValueError(
                 f"prefill_buckets must be strictly increasing lengths in [1, max_len={max_len}], got {buckets}."
             )
         self.prefill_buckets = buckets
+        self._compiles = 0
         self._param_sharding = None
         self._state_sharding = None
         self._prefix_sharding = None
@@ -203,6 +127,9 @@ class Engine:
         )
         self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
         self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
+        self._jit_prefill_insert = jax.jit(
+            self._prefill_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
+        )
 
     # ----------------------------------------------------------------------------- sharding
     def _cache_spec(self) -> PartitionSpec:
@@ -221,17 +148,7 @@ class Engine:
             return cache if getattr(x, "ndim", 0) == 5 else replicated
 
         self._state_sharding = jax.tree.map(pick, jax.eval_shape(self._init_fn))
-        prefix_shape = jax.eval_shape(
-            self._prefill_fn_abstract, jax.ShapeDtypeStruct((1, self.prefill_buckets[0]), jnp.int32)
-        )
-        self._prefix_sharding = jax.tree.map(pick, prefix_shape)
-
-    def _prefill_fn_abstract(self, tokens: jax.Array) -> Prefix:
-        cfg = self.config
-        p = tokens.shape[1]
-        cache = init_cache(cfg, 1, p)
-        return Prefix(cache, jnp.zeros((cfg.vocab_size,)), jnp.zeros((cfg.vocab_size,)),
-                      jnp.int32(0), jnp.int32(0))
+        self._prefix_sharding = Prefix(KVCache(k=cache, v=cache), replicated, replicated, replicated, replicated)
 
     def place_params(self, params: nnx.State) -> nnx.State:
         """Put ``params`` on the engine's mesh with the model's sharding (identity without a mesh)."""
@@ -258,31 +175,37 @@ class Engine:
             stop_ids=jnp.full((s, self.max_stop_tokens), -1, jnp.int32),
         )
 
-    def _prefill_fn(self, params: nnx.State, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+    def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
+                      lengths: jax.Array) -> tuple[KVCache, jax.Array]:
+        """tokens [R, P] int32 (tail padded), lengths [R] -> (cache [L, R, P, ...], logits [R, V] f32)."""
         model = nnx.merge(self.graphdef, params)
-        p = tokens.shape[1]
-        positions = jnp.arange(p, dtype=jnp.int32)[None, :]
-        h, cache = model.hidden(tokens, positions, cache=init_cache(self.config, 1, p))
-        last = jax.lax.dynamic_slice_in_dim(h, true_length - 1, 1, axis=1)  # [1, 1, D]
-        logits = model.unembed(last)[0, 0].astype(jnp.float32)
+        r, p = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
+        h, cache = model.hidden(tokens, positions, cache=init_cache(self.config, r, p))
+        last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [R, 1, D]
+        return cache, model.unembed(last)[:, 0].astype(jnp.float32)
+
+    def _prefill_fn(self, params: nnx.State, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+        cache, logits = self._prefill_rows(params, tokens, true_length[None])
         return Prefix(
             cache=cache,
-            logits=logits,
-            logprobs=jax.nn.log_softmax(logits),
+            logits=logits[0],
+            logprobs=jax.nn.log_softmax(logits[0]),
             true_length=true_length.astype(jnp.int32),
             last_token=tokens[0, true_length - 1],
         )
 
-    def _set_slot_fields(self, state: DecodeState, prefix: Prefix, idx: jax.Array,
-                         settings: SlotSettings, mode: str | None) -> DecodeState:
+    def _set_slot_fields(self, state: DecodeState, logits: jax.Array, lengths: jax.Array,
+                         last_tokens: jax.Array, idx: jax.Array, settings: SlotSettings,
+                         mode: str | None) -> DecodeState:
         def put(arr: jax.Array, value: jax.Array) -> jax.Array:
             return arr.at[idx].set(value, mode=mode)
 
         return dataclasses.replace(
             state,
-            logits=put(state.logits, prefix.logits),
-            lengths=put(state.lengths, prefix.true_length),
-            last_tokens=put(state.last_tokens, prefix.last_token),
+            logits=put(state.logits, logits),
+            lengths=put(state.lengths, lengths),
+            last_tokens=put(state.last_tokens, last_tokens),
             done=put(state.done, False),
             generated=put(state.generated, 0),
             max_new=put(state.max_new, settings.max_new),
@@ -299,7 +222,8 @@ class Engine:
 
         cache = jax.tree.map(write, state.cache, prefix.cache)
         state = dataclasses.replace(state, cache=cache)
-        return self._set_slot_fields(state, prefix, slot, settings, mode=None)
+        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slot,
+                                     settings, mode=None)
 
     def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
                         settings: SlotSettings) -> DecodeState:
@@ -312,7 +236,20 @@ class Engine:
 
         cache = jax.tree.map(write, state.cache, prefix.cache)
         state = dataclasses.replace(state, cache=cache)
-        return self._set_slot_fields(state, prefix, slots, settings, mode="drop")
+        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slots,
+                                     settings, mode="drop")
+
+    def _prefill_insert_fn(self, params: nnx.State, state: DecodeState, tokens: jax.Array,
+                           lengths: jax.Array, slots: jax.Array, settings: SlotSettings) -> DecodeState:
+        cache, logits = self._prefill_rows(params, tokens, lengths)
+        p = tokens.shape[1]
+
+        def write(dst: jax.Array, src: jax.Array) -> jax.Array:
+            return dst.at[:, slots, :p].set(src.astype(dst.dtype), mode="drop")
+
+        state = dataclasses.replace(state, cache=jax.tree.map(write, state.cache, cache))
+        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return self._set_slot_fields(state, logits, lengths, last, slots, settings, mode="drop")
 
     def _generate_fn(self, params: nnx.State, state: DecodeState,
                      rng: jax.Array) -> tuple[DecodeState, StepResult]:
@@ -373,7 +310,7 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         """A fresh state: zero cache, every slot free (done)."""
-        return self._jit_init()
+        return self._call(self._jit_init)
 
     def prefill(self, params: nnx.State, tokens: Sequence[int] | np.ndarray,
                 true_length: int | None = None) -> Prefix:
@@ -391,7 +328,7 @@ class Engine:
             raise ValueError(f"prefill needs 1 <= true_length <= len(tokens), got {n} for {tokens.shape[0]} tokens.")
         padded = np.zeros((1, self.bucket_for(n)), np.int32)
         padded[0, :n] = tokens[:n]
-        return self._jit_prefill(params, padded, np.int32(n))
+        return self._call(self._jit_prefill, params, padded, np.int32(n))
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:
@@ -402,7 +339,7 @@ class Engine:
         """Copy ``prefix`` into ``slot`` and arm it with ``sampling`` (donates ``decode_state``)."""
         self._check_slot(slot)
         settings = self.settings(sampling or SamplingParams())
-        return self._jit_insert(prefix, decode_state, np.int32(slot), settings)
+        return self._call(self._jit_insert, prefix, decode_state, np.int32(slot), settings)
 
     def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int],
                     sampling: SamplingParams | None = None) -> DecodeState:
@@ -419,7 +356,42 @@ class Engine:
         padded = np.full((1 << math.ceil(math.log2(len(slots))),), self.num_slots, np.int32)
         padded[: len(slots)] = slots
         settings = self.settings(sampling or SamplingParams())
-        return self._jit_bulk_insert(prefix, decode_state, padded, settings)
+        return self._call(self._jit_bulk_insert, prefix, decode_state, padded, settings)
+
+    def insert_sequences(self, params: nnx.State, decode_state: DecodeState, slots: Sequence[int],
+                         sequences: Sequence[Sequence[int]],
+                         samplings: Sequence[SamplingParams]) -> DecodeState:
+        """Prefill ``sequences[i]`` and arm ``slots[i]`` with it and ``samplings[i]``, for all i.
+
+        Sequences are sorted by length and prefilled ``prefill_batch`` rows per call (each call
+        padded to the bucket of its longest row; one compiled program per bucket), fused with
+        the insertion. Donates ``decode_state``.
+        """
+        if not (len(slots) == len(sequences) == len(samplings)):
+            raise ValueError("insert_sequences needs one slot and one SamplingParams per sequence.")
+        if len(set(int(s) for s in slots)) != len(slots):
+            raise ValueError(f"insert_sequences needs distinct slots, got {list(slots)}.")
+        for s, seq in zip(slots, sequences):
+            self._check_slot(s)
+            if len(seq) < 1:
+                raise ValueError(f"insert_sequences got an empty sequence for slot {s}.")
+        order = sorted(range(len(slots)), key=lambda i: len(sequences[i]))
+        rows = self.prefill_batch
+        for start in range(0, len(order), rows):
+            chunk = order[start : start + rows]
+            width = self.bucket_for(max(len(sequences[i]) for i in chunk))
+            tokens = np.zeros((rows, width), np.int32)
+            lengths = np.ones((rows,), np.int32)
+            slot_ids = np.full((rows,), self.num_slots, np.int32)  # padding rows: writes dropped
+            per_row = [self.settings(samplings[chunk[0]])] * rows
+            for r, i in enumerate(chunk):
+                tokens[r, : len(sequences[i])] = sequences[i]
+                lengths[r], slot_ids[r] = len(sequences[i]), int(slots[i])
+                per_row[r] = self.settings(samplings[i])
+            settings = jax.tree.map(lambda *xs: np.stack(xs), *per_row)
+            decode_state = self._call(self._jit_prefill_insert, params, decode_state, tokens, lengths, slot_ids,
+                                      settings)
+        return decode_state
 
     def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Mark ``slots`` free (done) so later steps leave them alone; donates ``decode_state``."""
@@ -427,7 +399,7 @@ class Engine:
         for s in slots:
             self._check_slot(s)
             mask[int(s)] = True
-        return self._jit_release(decode_state, mask)
+        return self._call(self._jit_release, decode_state, mask)
 
     def generate(self, params: nnx.State, decode_state: DecodeState,
                  rng: jax.Array) -> tuple[DecodeState, StepResult]:
@@ -435,11 +407,19 @@ class Engine:
 
         ``rng`` is a PRNG key or its raw uint32 key data ([2] for the default implementation).
         """
-        return self._jit_generate(params, decode_state, rng)
+        if jax.dtypes.issubdtype(getattr(rng, "dtype", np.uint32), jax.dtypes.prng_key):
+            rng = jax.random.key_data(rng)  # one compiled program for typed keys and raw key data
+        return self._call(self._jit_generate, params, decode_state, rng)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a jitted function, attributing any compilation it triggers to this engine."""
+        _CALLER.engine = self
+        try:
+            return fn(*args)
+        finally:
+            _CALLER.engine = None
 
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far by this engine's jitted functions."""
-        fns = (self._jit_prefill, self._jit_insert, self._jit_bulk_insert, self._jit_generate, self._jit_init,
-               self._jit_release)
-        return int(sum(f._cache_size() for f in fns))
+        """XLA programs compiled so far by this engine's jitted functions."""
+        return self._compiles

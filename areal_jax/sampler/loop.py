@@ -12,60 +12,23 @@ generation. With ``"continue"`` the stale KV cache is kept.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Hashable, Literal, Sequence
+import weakref
+from typing import Any, Hashable, Literal
 
 import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.sampler.engine import Engine, Prefix
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import (Completion, FinishReason, Request, SamplerLoopError, check_same_layout,
+                                        make_completion)
 from areal_jax.sampler.sampling import SamplingParams
-
-FinishReason = Literal["stop", "length", "interrupted", "error"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """n samples of one prompt. ``top_k`` / ``top_p`` None means off; temperature 0 means greedy."""
-
-    id: Hashable
-    prompt: Sequence[int]
-    max_new_tokens: int
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    stop_token_ids: Sequence[int] = ()
-
-
-@dataclasses.dataclass
-class Completion:
-    """One finished sample.
-
-    Attributes:
-      tokens: [N] int32 generated ids (a stop token, when hit, is the last one).
-      logprobs: [N] float32 behaviour log-probabilities of ``tokens``.
-      versions: [N] int32 params version that produced each token.
-      finish_reason: "stop" | "length" | "interrupted" | "error"; ``error`` says what went wrong.
-    """
-
-    request_id: Hashable
-    sample_index: int
-    prompt: list[int]
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: FinishReason
-    error: str | None = None
-
-
-class SamplerLoopError(RuntimeError):
-    """The sampler thread failed; the original exception is the ``__cause__``."""
-
+from areal_jax.sampler.state import Prefix
 
 @dataclasses.dataclass
 class _Queued:
@@ -87,24 +50,17 @@ class _Running:
     versions: list[int] = dataclasses.field(default_factory=list)
 
 
-def _completion(request: Request, index: int, tokens: Sequence[int] = (), logprobs: Sequence[float] = (),
-                versions: Sequence[int] = (), reason: FinishReason = "interrupted",
-                error: str | None = None) -> Completion:
-    return Completion(request.id, index, list(request.prompt), np.asarray(tokens, np.int32),
-                      np.asarray(logprobs, np.float32), np.asarray(versions, np.int32), reason, error)
+_LIVE_LOOPS: "weakref.WeakSet[SamplerLoop]" = weakref.WeakSet()
 
 
-def _check_same_layout(current: nnx.State, new: nnx.State) -> None:
-    want, got = jax.tree.structure(current), jax.tree.structure(new)
-    if want != got:
-        raise ValueError("update_params got params with a different tree structure than the sampler's "
-                         "model; publish the nnx.State of the same architecture (nnx.split(model)[1]).")
-    for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(current)[0],
-                               jax.tree.leaves(current), jax.tree.leaves(new)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            name = jax.tree_util.keystr(path_leaf[0])
-            raise ValueError(f"update_params: {name} has shape {b.shape} {b.dtype}, the sampler's model has "
-                             f"{a.shape} {a.dtype}; publish params of the same model configuration.")
+@atexit.register
+def _stop_live_loops() -> None:
+    """Stop loops still running at interpreter exit, so no thread is inside XLA during teardown."""
+    for loop in list(_LIVE_LOOPS):
+        with loop._cond:
+            loop._stop_mode = "now"
+            loop._cond.notify_all()
+        loop._thread.join(timeout=10)
 
 
 class SamplerLoop:
@@ -136,6 +92,7 @@ class SamplerLoop:
         self._state = engine.init_decode_state()
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
         self._thread.start()
+        _LIVE_LOOPS.add(self)
 
     # ------------------------------------------------------------------ caller-side API
     def _raise_if_failed(self) -> None:
@@ -165,7 +122,7 @@ class SamplerLoop:
             self._pending += request.n
             if error is not None:
                 for i in range(request.n):
-                    self._emit_locked(_completion(request, i, reason="error", error=error))
+                    self._emit_locked(make_completion(request, i, reason="error", error=error))
             else:
                 self._queue.append(_Queued(request, sampling))
             self._cond.notify_all()
@@ -191,7 +148,7 @@ class SamplerLoop:
         Raises ValueError at once when ``params`` does not have the structure, shapes and dtypes
         of the params the loop was built with."""
         self._raise_if_failed()
-        _check_same_layout(self._params, params)
+        check_same_layout(self._params, params)
         with self._cond:
             self._pending_update = (params, int(version))
             self._cond.notify_all()
@@ -312,7 +269,7 @@ class SamplerLoop:
         self._free.append(slot)
         with self._cond:
             self._pending -= 1
-            self._emit_locked(_completion(run.request, run.sample_index, run.tokens, run.logprobs,
+            self._emit_locked(make_completion(run.request, run.sample_index, run.tokens, run.logprobs,
                                           run.versions, reason))
 
     def _release(self, slots: list[int]) -> None:
@@ -324,14 +281,19 @@ class SamplerLoop:
         self._stats["updates"] += 1
         if self.on_update != "recompute":
             return
-        for slot, run in self._running.items():
-            seq = list(run.request.prompt) + run.tokens
-            prefix = self.engine.prefill(self._params, seq)
-            remaining = run.sampling.max_new_tokens - len(run.tokens)
-            sampling = dataclasses.replace(run.sampling, max_new_tokens=remaining)
-            self._state = self.engine.insert(prefix, self._state, slot, sampling)
+        if not self._running:
+            return
+        slots = list(self._running)
+        runs = [self._running[s] for s in slots]
+        self._state = self.engine.insert_sequences(
+            self._params, self._state, slots,
+            [list(run.request.prompt) + run.tokens for run in runs],
+            [dataclasses.replace(run.sampling, max_new_tokens=run.sampling.max_new_tokens - len(run.tokens))
+             for run in runs])
+        for run in runs:
             run.logits_version = version
-            self._stats["recomputes"] += 1
+        with self._cond:
+            self._stats["recomputes"] += len(runs)
 
     def _apply_aborts(self, ids: set[Hashable]) -> None:
         with self._cond:
@@ -340,7 +302,7 @@ class SamplerLoop:
                 if q.request.id in ids:
                     for i in range(q.next_index, q.request.n):
                         self._pending -= 1
-                        self._emit_locked(_completion(q.request, i, reason="interrupted"))
+                        self._emit_locked(make_completion(q.request, i, reason="interrupted"))
                 else:
                     kept.append(q)
             self._queue = kept
@@ -350,11 +312,18 @@ class SamplerLoop:
         self._release(slots)
 
     def _admit(self) -> None:
+        """Fill free slots from the queue: single samples in batched prefills, groups (n > 1)
+        with one prefill copied into their slots."""
+        singles: list[tuple[int, _Queued]] = []
         while self._free:
             with self._cond:
                 if not self._queue or self._stop_mode == "now":
-                    return
+                    break
                 q = self._queue[0]
+            if q.request.n == 1:
+                singles.append((self._free.pop(), q))
+                self._advance(q, 1)
+                continue
             if q.prefix is None or q.prefix_version != self._version:
                 q.prefix, q.prefix_version = self.engine.prefill(self._params, q.request.prompt), self._version
             k = min(len(self._free), q.request.n - q.next_index)
@@ -365,11 +334,21 @@ class SamplerLoop:
                 self._state = self.engine.bulk_insert(q.prefix, self._state, slots, q.sampling)
             for i, slot in enumerate(slots):
                 self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
-            with self._cond:
-                q.next_index += k
-                if q.next_index == q.request.n:
-                    self._queue.popleft()
-                    q.prefix = None
+            self._advance(q, k)
+        if singles:
+            self._state = self.engine.insert_sequences(
+                self._params, self._state, [slot for slot, _ in singles],
+                [q.request.prompt for _, q in singles], [q.sampling for _, q in singles])
+            for slot, q in singles:
+                self._running[slot] = _Running(q.request, 0, q.sampling, self._version)
+
+    def _advance(self, q: _Queued, k: int) -> None:
+        """Mark k more samples of the queue head as admitted; pop it once all are."""
+        with self._cond:
+            q.next_index += k
+            if q.next_index == q.request.n:
+                self._queue.popleft()
+                q.prefix = None
 
     def _step_key(self, chunk_size: int = 4096) -> np.ndarray:
         """Raw key data for this step: keys are split on the host in chunks, one transfer each."""
@@ -403,6 +382,6 @@ class SamplerLoop:
             for q in queued:
                 for i in range(q.next_index, q.request.n):
                     self._pending -= 1
-                    self._emit_locked(_completion(q.request, i, reason="interrupted"))
+                    self._emit_locked(make_completion(q.request, i, reason="interrupted"))
         for slot in list(self._running):
             self._finish(slot, "interrupted")

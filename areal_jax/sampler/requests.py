@@ -1,0 +1,70 @@
+"""What callers hand to the sampler loop and what it hands back."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Literal, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+FinishReason = Literal["stop", "length", "interrupted", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """n samples of one prompt. ``top_k`` / ``top_p`` None means off; temperature 0 means greedy."""
+
+    id: Hashable
+    prompt: Sequence[int]
+    max_new_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sample.
+
+    Attributes:
+      tokens: [N] int32 generated ids (a stop token, when hit, is the last one).
+      logprobs: [N] float32 behaviour log-probabilities of ``tokens``.
+      versions: [N] int32 params version that produced each token.
+      finish_reason: "stop" | "length" | "interrupted" | "error"; ``error`` says what went wrong.
+    """
+
+    request_id: Hashable
+    sample_index: int
+    prompt: list[int]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    error: str | None = None
+
+
+class SamplerLoopError(RuntimeError):
+    """The sampler thread failed; the original exception is the ``__cause__``."""
+
+
+def make_completion(request: Request, index: int, tokens: Sequence[int] = (), logprobs: Sequence[float] = (),
+                versions: Sequence[int] = (), reason: FinishReason = "interrupted",
+                error: str | None = None) -> Completion:
+    return Completion(request.id, index, list(request.prompt), np.asarray(tokens, np.int32),
+                      np.asarray(logprobs, np.float32), np.asarray(versions, np.int32), reason, error)
+
+
+def check_same_layout(current: nnx.State, new: nnx.State) -> None:
+    want, got = jax.tree.structure(current), jax.tree.structure(new)
+    if want != got:
+        raise ValueError("update_params got params with a different tree structure than the sampler's "
+                         "model; publish the nnx.State of the same architecture (nnx.split(model)[1]).")
+    for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(current)[0],
+                               jax.tree.leaves(current), jax.tree.leaves(new)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            name = jax.tree_util.keystr(path_leaf[0])
+            raise ValueError(f"update_params: {name} has shape {b.shape} {b.dtype}, the sampler's model has "
+                             f"{a.shape} {a.dtype}; publish params of the same model configuration.")

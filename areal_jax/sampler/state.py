@@ -1,0 +1,108 @@
+"""The pytrees the engine passes around: decode state, prefilled prompts, step results."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from areal_jax.models import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything the decode step reads and writes, one row per slot (S = num_slots).
+
+    Attributes:
+      cache: KVCache with k, v [L, S, max_len, kv_heads, head_dim] (compute dtype).
+      logits: [S, V] float32 logits of the next token each slot will sample.
+      lengths: [S] int32 tokens already in the cache (prompt + generated); the next token is
+        written at this index.
+      last_tokens: [S] int32 the last token of each slot's sequence.
+      done: [S] bool; True for free slots and for slots whose request finished.
+      generated: [S] int32 tokens generated since the slot was (re)inserted.
+      max_new: [S] int32 budget of new tokens since the slot was (re)inserted.
+      temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
+      stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    lengths: jax.Array
+    last_tokens: jax.Array
+    done: jax.Array
+    generated: jax.Array
+    max_new: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt, ready to be inserted into one or more slots.
+
+    Attributes:
+      cache: KVCache with k, v [L, 1, P, kv_heads, head_dim], P = the prompt's bucket; rows at
+        index >= true_length hold padding junk that decoding overwrites before reading.
+      logits: [V] float32 logits of the first token to generate.
+      logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
+      true_length: [] int32 number of real prompt tokens.
+      last_token: [] int32 the last prompt token.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    logprobs: jax.Array
+    true_length: jax.Array
+    last_token: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepResult:
+    """What one decode step hands to the host (fetched once per step; S = num_slots).
+
+    Attributes:
+      tokens: [S] int32 token sampled for each slot (meaningless where ``valid`` is False).
+      logprobs: [S] float32 behaviour log-probability of each token.
+      done: [S] bool; True where the slot is free or its request has finished (after this step).
+      valid: [S] bool; True where the slot was generating when the step began, i.e. the token is real.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    done: jax.Array
+    valid: jax.Array
+
+    def to_host(self) -> "StepResult":
+        """The same result as numpy arrays, in one device-to-host transfer."""
+        return StepResult(*jax.device_get((self.tokens, self.logprobs, self.done, self.valid)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotSettings:
+    """Per-request settings as device arrays, so one compiled insert serves every request.
+
+    Shapes are [] (one request) or [R] (one per inserted row); stop_ids adds a trailing
+    [max_stop_tokens] axis padded with -1.
+    """
+
+    temperature: jax.Array  # float32, 0 = greedy
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    max_new: jax.Array  # int32
+    stop_ids: jax.Array  # int32
+
+
+def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len`` itself."""
+    buckets, b = [], min(min_bucket, max_len)
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_len)
+    return tuple(buckets)
