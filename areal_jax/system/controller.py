@@ -213,7 +213,6 @@ class RolloutController:
         self.counters[f"reward_{status}"] += 1
         if any(r is None for r in rec["rewards"]) or any(c is None for c in rec["completions"]):
             return
-        del self._groups[gid]
         rewards = np.asarray(rec["rewards"], np.float32)
         adv = np.asarray(group_advantages(rewards, self.s.group_size, mode=self.s.advantage_mode), np.float32)
         group = Group(
@@ -224,13 +223,16 @@ class RolloutController:
             group.filtered, group.filter_reason = True, "sampler_error"
         elif self.s.filter_uniform_groups and np.all(rewards == rewards[0]):
             group.filtered, group.filter_reason = True, "uniform_rewards"
+        # One step under the lock: a snapshot() never sees the group in neither place (gone from
+        # _groups but not yet in the buffer), which would drop its prompt from a checkpoint.
         with self._lock:
+            del self._groups[gid]
             self.running -= 1
             if group.filtered:
                 self.counters[f"filtered_{group.filter_reason}"] += 1
             else:
                 self.accepted += 1
-        self.buffer.complete(group)
+            self.buffer.complete(group)
 
     # ---- checkpoint support -----------------------------------------------------------------------
     def snapshot(self) -> dict:
