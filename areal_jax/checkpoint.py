@@ -59,14 +59,38 @@ class Checkpointer:
         write_json(path, meta)
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
         self._mngr.wait_until_finished()
+        self._prune_meta()
+
+    def _prune_meta(self) -> None:
+        """Remove this process's meta files of steps orbax no longer keeps (bounded disk use)."""
+        root = os.path.join(os.path.dirname(self.directory), "checkpoint_meta")
+        kept = {str(s) for s in self.all_steps()}
+        for name in os.listdir(root):
+            if name in kept or not name.isdigit():
+                continue
+            path = os.path.join(root, name, f"process_{jax.process_index()}.json")
+            for own in (path, path + ".tmp"):
+                if os.path.exists(own):
+                    os.remove(own)
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass  # other processes' files are still there
 
     def restore(self, step: int, like_state: Any) -> tuple[Any, dict]:
         """Load checkpoint `step` into the structure, shapes and shardings of `like_state`."""
+        path = self._meta_path(step)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"Checkpoint step {step} in {self.directory} has no metadata file {path}; it was not written "
+                "by this code or the file was removed. Restore the file, or move that step away to resume "
+                "from an earlier one."
+            )
+        with open(path) as f:
+            meta = json.load(f)
         restored = self._mngr.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
         )
-        with open(self._meta_path(step)) as f:
-            meta = json.load(f)
         return restored["state"], meta
 
     def close(self) -> None:
