@@ -47,13 +47,31 @@ class RLJob:
             with open(os.path.join(c.run_dir, "config.json"), "w") as f:
                 f.write(c.to_json_best_effort(indent=1))
 
-        self.meshes = build_meshes(build.mesh_config(c))
+        try:  # device counts and trainer settings: still before anything is loaded or compiled
+            self.meshes = build_meshes(build.mesh_config(c))
+            trainer_config = build.trainer_config(c)
+        except ValueError as e:
+            raise config_lib.ConfigError(str(e)) from e
         self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        # The data next, so a bad dataset fails before the model is loaded and anything compiles.
+        self.prompts = make_prompt_iterator(
+            c.data.train_path, self.tokenizer, question_field=c.data.question_field,
+            answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
+            use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
+            max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
+            seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+        )
+        self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
+                             "too_long": self.prompts.num_too_long_skipped}
+        if any(self.skipped_rows.values()):
+            self.log(f"Data: skipped {self.skipped_rows['malformed']} malformed rows and "
+                     f"{self.skipped_rows['too_long']} prompts longer than data.max_prompt_len="
+                     f"{c.data.max_prompt_len} tokens.")
         dtype, param_dtype = build.DTYPES[c.model.dtype], build.DTYPES[c.model.param_dtype]
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype, dtype=dtype)
         self.model_config = model.cfg
-        self.trainer = Trainer(model, build.trainer_config(c), self.meshes.train_mesh)
+        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh)
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
@@ -77,13 +95,6 @@ class RLJob:
         self.reward_pool = RewardPool(
             build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s
         )
-        self.prompts = make_prompt_iterator(
-            c.data.train_path, self.tokenizer, question_field=c.data.question_field,
-            answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
-            use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
-            max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
-            seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-        )
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
             from areal_jax.data import PromptExample
@@ -105,10 +116,11 @@ class RLJob:
 
     # ---- resume -----------------------------------------------------------------------------------
     def _maybe_resume(self) -> dict | None:
-        if not self.config.checkpoint.resume:
-            return None
-        step = self.checkpointer.latest_step()
+        step = self.checkpointer.latest_step() if self.config.checkpoint.resume else None
         if step is None:
+            # A fresh start: lines left by an earlier attempt that died before its first checkpoint
+            # would otherwise be trained (and logged) twice.
+            self.sample_log.truncate_from(0)
             return None
         state, meta = self.checkpointer.restore(step, self.trainer.state)
         self.trainer.state = state
@@ -226,6 +238,7 @@ class RLJob:
             "staleness_max": float(np.max(pick("staleness_max"))) if history else None,
             "sampler_occupancy": float(np.mean(pick("sampler/occupancy"))) if history else None,
             "evaluations": self.evaluations,
+            "skipped_rows": self.skipped_rows,
         }
         if self.primary:
             write_json(os.path.join(self.config.run_dir, "summary.json"), out)

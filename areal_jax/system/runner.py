@@ -76,10 +76,18 @@ class SampleLog:
         self.enabled = enabled
 
     def truncate_from(self, version: int) -> None:
+        """Keep only the lines of steps before `version`; a line cut short by a crash is dropped too."""
         if not (self.enabled and os.path.exists(self.path)):
             return
+        keep = []
         with open(self.path) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln)["trained_version"] < version]
+            for ln in f:
+                try:
+                    row = json.loads(ln) if ln.endswith("\n") else None
+                except json.JSONDecodeError:
+                    row = None  # torn by a kill in the middle of write()
+                if row is not None and row["trained_version"] < version:
+                    keep.append(ln)
         with open(self.path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(self.path + ".tmp", self.path)
@@ -87,17 +95,19 @@ class SampleLog:
     def write(self, groups: list[Group], trained_version: int) -> None:
         if not self.enabled:
             return
+        lines = []
+        for g in groups:
+            versions = [int(np.min(c.versions)) if len(c.versions) else -1 for c in g.completions]
+            lines.append(json.dumps({
+                "uid": g.example.uid, "gid": g.gid, "admit_version": g.admit_version,
+                "min_token_version": min(versions),
+                "max_token_version": max(int(np.max(c.versions)) if len(c.versions) else -1
+                                         for c in g.completions),
+                "trained_version": trained_version, "n": len(g.completions),
+                "rewards": [float(r) for r in g.rewards],
+            }) + "\n")
         with open(self.path, "a") as f:
-            for g in groups:
-                versions = [int(np.min(c.versions)) if len(c.versions) else -1 for c in g.completions]
-                f.write(json.dumps({
-                    "uid": g.example.uid, "gid": g.gid, "admit_version": g.admit_version,
-                    "min_token_version": min(versions),
-                    "max_token_version": max(int(np.max(c.versions)) if len(c.versions) else -1
-                                             for c in g.completions),
-                    "trained_version": trained_version, "n": len(g.completions),
-                    "rewards": [float(r) for r in g.rewards],
-                }) + "\n")
+            f.write("".join(lines))  # one write per step: a kill leaves at most one torn line
 
 
 class StopFlag:
