@@ -47,6 +47,7 @@ def tree_rel_err(a, b):
     )
 
 
+@pytest.mark.slow
 def test_update_on_4_devices_matches_one_device():
     cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=48, logits_chunk=16, weight_decay=0.01)
     trajs = make_trajs(10, seed=1)
@@ -157,7 +158,7 @@ def test_non_finite_batch_is_skipped(poison):
     assert metrics["skipped_updates"] == 1.0 and int(after.skipped_updates) == 1
     assert int(after.step) == 0 and trainer.version == 1
     # A clean batch afterwards is applied again.
-    trainer.update(make_trajs(6, seed=4, version=1))
+    trainer.update(make_trajs(6, seed=3, version=1))  # same shapes: no new compile
     assert int(jax.device_get(trainer.state.step)) == 1
     assert int(jax.device_get(trainer.state.skipped_updates)) == 1
 
@@ -175,6 +176,7 @@ def test_non_finite_values_on_masked_tokens_do_not_skip():
     assert metrics["skipped_updates"] == 0.0 and int(jax.device_get(trainer.state.step)) == 1
 
 
+@pytest.mark.slow
 def test_eta_zero_decoupled_equals_plain_ppo():
     """Behaviour = proximal (fresh data): decoupled PPO (recompute and loglinear) equals PPO."""
     model = random_model(tiny_config(), seed=11)

@@ -4,11 +4,12 @@ Layout. A trajectory of L tokens enters the model as its first L - 1 tokens (the
 nothing we train on); position p of the segment is trained to predict token p + 1, so completion token
 j (0-based within the completion, absolute index prompt_len + j) is scored at position
 prompt_len + j - 1. Several trajectories share one row of a micro-batch (segment ids 1, 2, ...;
-positions restart at 0; padding has segment id 0). `rl.packing.balanced_microbatches` splits a PPO
-minibatch into token-budget micro-batches, a multiple of the data-parallel size F of them, sorted by
-decreasing size; each run of F consecutive micro-batches is one micro-step of F rows (one row per fsdp
-device). All micro-steps of a minibatch are padded to one length from a small fixed set (multiples of
-micro_batch_tokens / 8), so the update compiles at most eight programs however batches are composed.
+positions restart at 0; padding has segment id 0). Rows are short (the longest trajectory rounded up
+to 2^k or 3 * 2^(k-1)) because attention within a row costs row_length^2.
+`rl.packing.balanced_microbatches` fills them, a multiple of F * R of them (F data-parallel devices, R
+rows per device), balanced in tokens. A micro-step hands R rows to each fsdp device, with
+R * row_length <= micro_batch_tokens. Shapes come from a small set, so a run compiles a handful of
+programs however batches are composed.
 
 Aggregation weights. The loss of a minibatch is sum_t weight_t * loss_t over its valid tokens, with
 weight_t = 1 / N (token-mean over N valid tokens), 1 / (S * n_s) (seq-mean-token-mean: S sequences
@@ -149,12 +150,23 @@ def aggregation_weights(masks: Sequence[np.ndarray], agg: str) -> list[np.ndarra
     return [w.astype(np.float32) for w in out]
 
 
-def bucket_length(n: int, budget: int) -> int:
-    """Row length for a micro-step whose longest row holds n <= budget tokens: n rounded up to a
-    multiple of ceil(budget / 8) (itself rounded up to a multiple of 8), at most the budget rounded up
-    to a multiple of 8, so at most eight or nine distinct lengths occur."""
-    granule = _round_up(_ceil_div(budget, 8), 8)
-    return min(max(granule, _round_up(n, granule)), _round_up(budget, 8))
+def row_length(longest: int, budget: int) -> int:
+    """Length of the packed rows of a minibatch whose longest trajectory has `longest` packed tokens:
+    the smallest size of the form 2^k or 3 * 2^(k-1) (16, 24, 32, 48, 64, 96, ...) that holds it,
+    capped at the budget rounded up to a multiple of 8. Rows are kept short because attention inside
+    a row costs row_length^2; the sizes waste at most a third of a row and stay few."""
+    size = 16
+    while size < longest:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return min(size, _round_up(budget, 8))
+
+
+def rows_per_device(total_tokens: int, row_len: int, n_devices: int, budget: int) -> int:
+    """Rows each device takes per micro-step: as many as fit the token budget, but no more than the
+    minibatch needs (rounded up to a power of two, so few distinct shapes occur)."""
+    most = max(1, budget // row_len)
+    needed = _ceil_div(_ceil_div(max(total_tokens, 1), row_len), n_devices)
+    return min(most, 1 << max(needed - 1, 0).bit_length())
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -188,24 +200,25 @@ def pack_steps(
     masks: Sequence[np.ndarray],
     weights: Sequence[np.ndarray] | None,
     *,
-    n_rows: int,
+    n_devices: int,
     micro_batch_tokens: int,
     trainer_version: int,
 ) -> list[dict[str, np.ndarray]]:
-    """Pack the trajectories `indices` into micro-steps of n_rows packed rows each.
+    """Pack the trajectories `indices` into micro-steps.
 
     Args:
       trajs: all trajectories of the batch.
       indices: the ones to pack (a minibatch).
       masks: per trajectory (indexed like trajs) float32 [L - prompt_len], the effective loss mask.
       weights: per trajectory aggregation weights like masks (None: zeros, for log-prob passes).
-      n_rows: rows per micro-step (the train mesh's fsdp size).
-      micro_batch_tokens: the token budget of one row.
+      n_devices: data-parallel devices (the train mesh's fsdp size).
+      micro_batch_tokens: token budget of one device's share of a micro-step.
       trainer_version: fills `versions` at non-completion positions.
     Returns:
-      micro-steps: dicts of numpy [n_rows, T] arrays named in STEP_FIELDS (int32: tokens,
-      positions, segment_ids, targets, versions, seq_index (-1 for padding/prompt), comp_index;
-      float32: mask, behav_logp, advantages, weights).
+      micro-steps: dicts of numpy [n_devices * R, T] arrays named in STEP_FIELDS (R rows per device;
+      device d holds rows d*R .. d*R + R - 1) (int32: tokens, positions, segment_ids, targets,
+      versions, seq_index (-1 off the completion), comp_index; float32: mask, behav_logp, advantages,
+      weights). Every micro-step of a minibatch has the same shape.
     """
     lengths = [trajs[i].packed_len for i in indices]
     too_long = [(i, n) for i, n in zip(indices, lengths) if n > micro_batch_tokens]
@@ -215,15 +228,17 @@ def pack_steps(
             f"Trajectory {i} needs {n} packed tokens, more than micro_batch_tokens={micro_batch_tokens}; "
             "raise micro_batch_tokens to at least the longest prompt + completion."
         )
-    groups = balanced_microbatches(lengths, micro_batch_tokens, n_rows)
-    # One row length for the whole minibatch: the balanced micro-batches are nearly equal in size, so
-    # this wastes little and keeps each update on a single compiled program.
-    longest = max(sum(trajs[indices[j]].packed_len for j in g) for g in groups)
-    t_len = bucket_length(max(longest, 1), micro_batch_tokens)
+    row_len = row_length(max(lengths), micro_batch_tokens)
+    per_device = rows_per_device(sum(lengths), row_len, n_devices, micro_batch_tokens)
+    per_step = n_devices * per_device
+    groups = balanced_microbatches(lengths, row_len, per_step)  # sorted by decreasing token count
     steps = []
-    for s in range(0, len(groups), n_rows):
-        rows = [[indices[j] for j in g] for g in groups[s : s + n_rows]]
-        steps.append(_build_step(trajs, rows, masks, weights, t_len, trainer_version))
+    for s in range(0, len(groups), per_step):
+        chunk = groups[s : s + per_step]
+        # Deal the step's rows round-robin so every device gets a similar token count.
+        order = [chunk[i * n_devices + d] for d in range(n_devices) for i in range(per_device)]
+        rows = [[indices[j] for j in g] for g in order]
+        steps.append(_build_step(trajs, rows, masks, weights, row_len, trainer_version))
     return steps
 
 

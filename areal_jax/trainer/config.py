@@ -39,14 +39,15 @@ class TrainerConfig:
         extra forward), "behav" (proximal = behaviour).
       ppo_minibatches: optimizer steps per update; the batch is split into this many minibatches of
         about equal token count.
-      micro_batch_tokens: token budget of one packed row (one device's share of a micro-step).
+      micro_batch_tokens: token budget of one device's share of a micro-step (its packed rows
+        together); must hold the longest trajectory.
       max_staleness: drop tokens produced more than this many versions before the trainer's version
         (None: keep all).
       kl_coef, kl_estimator: weight and estimator ("k1", "k2", "k3") of the KL penalty to the
         reference model (needs ref_model; 0 disables).
       entropy_coef: weight of the entropy bonus (subtracted from the loss).
-      logits_chunk: tokens per chunk of the vocabulary projection (bounds the live logits to
-        [rows, logits_chunk, vocab]).
+      logits_chunk: tokens per chunk of the vocabulary projection on one device (all its rows
+        together), bounding the live logits to about logits_chunk x vocab float32.
     """
 
     lr: float = 1e-5
@@ -73,7 +74,7 @@ class TrainerConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    logits_chunk: int = 512
+    logits_chunk: int = 1024
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

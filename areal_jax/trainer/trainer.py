@@ -1,6 +1,7 @@
 """Trainer: the sharded PPO update on the train mesh (imperative shell around trainer.update)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import jax
@@ -14,7 +15,11 @@ from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
-from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns
+from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, UpdateFns, build_update_fns
+
+
+_FNS_CACHE: "OrderedDict[tuple, UpdateFns]" = OrderedDict()
+_FNS_CACHE_SIZE = 8
 
 
 class Trainer:
@@ -42,7 +47,7 @@ class Trainer:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model: pass ref_model=..., or set kl_coef=0.")
         self.cfg = cfg
         self.mesh = mesh
-        self.n_rows = int(mesh.shape["fsdp"])
+        self.n_devices = int(mesh.shape["fsdp"])
         self._graphdef, params, other = nnx.split(model, nnx.Param, ...)
         self._has_other = bool(jax.tree.leaves(other))
         self._tx = make_optimizer(cfg)
@@ -50,19 +55,27 @@ class Trainer:
         self.state, self._shardings = create_train_state(params, self._tx, mesh)
         self._other_sharding = jax.tree.map(lambda _: replicated(mesh), other)
         self._other = copy_to(other, self._other_sharding)
-        self._fns = build_update_fns(
-            self._graphdef, cfg, self._tx, self._schedule, self._shardings, self._other_sharding, mesh
-        )
+        self._fns = self._compiled_fns(other)
         self._ref = None
         if ref_model is not None:
             ref_graphdef, ref_params, ref_other = nnx.split(ref_model, nnx.Param, ...)
-            if jax.tree.structure(ref_params) != jax.tree.structure(params):
-                raise ValueError("ref_model must have the same architecture (parameter tree) as the policy model.")
-            ref_params = copy_to(ref_params, self._shardings.params)
-            ref_other = copy_to(ref_other, self._other_sharding)
-            self._ref = (ref_params, ref_other)
-            if ref_graphdef != self._graphdef:
-                raise ValueError("ref_model must have the same architecture (module graph) as the policy model.")
+            if ref_graphdef != self._graphdef or jax.tree.structure(ref_params) != jax.tree.structure(params):
+                raise ValueError("ref_model must have the same architecture (module graph and parameters) as the model.")
+            self._ref = (copy_to(ref_params, self._shardings.params), copy_to(ref_other, self._other_sharding))
+
+    def _compiled_fns(self, other: nnx.State):
+        """The jitted update pieces, shared by Trainers of the same model graph, config and mesh (the
+        graph fixes the param shapes and hence the shardings), so a second Trainer compiles nothing."""
+        key = (self._graphdef, self.cfg, self.mesh, jax.tree.structure(other))
+        fns = _FNS_CACHE.pop(key, None)
+        if fns is None:
+            fns = build_update_fns(
+                self._graphdef, self.cfg, self._tx, self._schedule, self._shardings, self._other_sharding, self.mesh
+            )
+        _FNS_CACHE[key] = fns
+        while len(_FNS_CACHE) > _FNS_CACHE_SIZE:
+            _FNS_CACHE.popitem(last=False)
+        return fns
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -86,7 +99,7 @@ class Trainer:
 
     def _steps(self, trajs, indices, masks, weights, version):
         return batching.pack_steps(
-            trajs, indices, masks, weights, n_rows=self.n_rows,
+            trajs, indices, masks, weights, n_devices=self.n_devices,
             micro_batch_tokens=self.cfg.micro_batch_tokens, trainer_version=version,
         )
 

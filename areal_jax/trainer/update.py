@@ -67,18 +67,24 @@ def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, 
     return behav_logp + alpha * (jax.lax.stop_gradient(logp) - behav_logp)
 
 
+def logits_chunk_positions(n_rows: int, n_devices: int, logits_chunk: int) -> int:
+    """Positions per chunk of the vocabulary projection so that one device's live logits block
+    (its rows x chunk x vocab) holds about `logits_chunk` tokens."""
+    return max(1, logits_chunk // max(1, n_rows // n_devices))
+
+
 def micro_step_objective(
     params: nnx.State, other: nnx.State, graphdef: nnx.GraphDef, batch: dict[str, jax.Array],
-    version: jax.Array, cfg: TrainerConfig,
+    version: jax.Array, cfg: TrainerConfig, n_devices: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted loss of one micro-step and its metric sums.
 
-    batch: [F, T] arrays named in MODEL_FIELDS + LOSS_FIELDS, plus "prox_logp" (prox_mode recompute)
-    and "ref_logp" (kl_coef > 0). Returns (objective [], metric sums dict of []).
+    batch: [F * R, T] arrays named in MODEL_FIELDS + LOSS_FIELDS, plus "prox_logp" (prox_mode
+    recompute) and "ref_logp" (kl_coef > 0). n_devices: F. Returns (objective [], metric sums of []).
     """
+    chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
     logp, ent = model_logprobs(
-        graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), cfg.logits_chunk,
-        with_entropy=True,
+        graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, with_entropy=True,
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -136,7 +142,7 @@ def micro_step_objective(
 class UpdateFns:
     """Compiled pieces of the update, bound to one model graph, config, optimizer and mesh.
 
-    forward(params, other, batch) -> logp [F, T] float32.
+    forward(params, other, batch) -> logp [F * R, T] float32.
     zero_grads(params) -> grads (zeros, param shardings); zero_metrics() -> metric sums.
     accumulate(params, other, grads, metrics, batch, version) -> (grads, metrics) (grads, metrics
       donated).
@@ -167,9 +173,12 @@ def build_update_fns(
     rep = NamedSharding(mesh, PartitionSpec())
     p_shard = shardings.params
 
+    n_devices = int(mesh.shape["fsdp"])
+
     def forward(params, other, batch):
-        logp, _ = model_logprobs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS),
-                                 cfg.logits_chunk, with_entropy=False)
+        chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
+        logp, _ = model_logprobs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
+                                 with_entropy=False)
         return logp
 
     def zero_grads(params):
@@ -177,7 +186,7 @@ def build_update_fns(
 
     def accumulate(params, other, grads, sums, batch, version):
         grad_fn = jax.grad(micro_step_objective, has_aux=True)
-        g, m = grad_fn(params, other, graphdef, batch, version, cfg)
+        g, m = grad_fn(params, other, graphdef, batch, version, cfg, n_devices)
         grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
         new = {k: sums[k] + m[k] for k in SUM_METRICS}
         new["behav_weight_max"] = jnp.maximum(sums["behav_weight_max"], m["behav_weight_max"])
