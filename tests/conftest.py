@@ -13,3 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Share compiled XLA programs across tests and the subprocesses they start (same tiny models compile
+# the same programs many times otherwise); main.run reads the same variable.
+os.environ.setdefault("AREAL_JAX_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "areal_jax", "xla-tests"))
+jax.config.update("jax_compilation_cache_dir", os.environ["AREAL_JAX_COMPILE_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -154,6 +154,11 @@ class SamplerLoop:
             self._cond.notify_all()
 
     @property
+    def params(self) -> nnx.State:
+        """The params the loop decodes with now (on the engine's mesh)."""
+        return self._params
+
+    @property
     def current_version(self) -> int:
         """Version of the params the loop decodes with now."""
         return self._version
@@ -270,7 +275,7 @@ class SamplerLoop:
         with self._cond:
             self._pending -= 1
             self._emit_locked(make_completion(run.request, run.sample_index, run.tokens, run.logprobs,
-                                          run.versions, reason))
+                                              run.versions, reason))
 
     def _release(self, slots: list[int]) -> None:
         if slots:
@@ -278,10 +283,9 @@ class SamplerLoop:
 
     def _apply_update(self, params: nnx.State, version: int) -> None:
         self._params, self._version = self.engine.place_params(params), version
-        self._stats["updates"] += 1
-        if self.on_update != "recompute":
-            return
-        if not self._running:
+        with self._cond:
+            self._stats["updates"] += 1
+        if self.on_update != "recompute" or not self._running:
             return
         slots = list(self._running)
         runs = [self._running[s] for s in slots]
