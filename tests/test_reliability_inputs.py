@@ -18,7 +18,6 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from areal_jax.system.tiny import tiny_config, write_tiny_assets
 

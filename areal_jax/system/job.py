@@ -23,6 +23,9 @@ from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
 
+MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
+
+
 class RLJob:
     """One RL run: construct with a config, call run(), then close()."""
 
@@ -92,8 +95,11 @@ class RLJob:
         self.channel.deliver = self.sampler.update_params
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
         self.timeline = metrics.Timeline(os.path.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline)
+        # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
+        # before it takes samples, so sympy's import never counts against a sample's timeout.
         self.reward_pool = RewardPool(
-            build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s
+            build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
+            warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None,
         )
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
