@@ -141,7 +141,7 @@ def test_compute_logprobs_match_model_and_staleness_in_update():
     from tests.test_trainer import mesh_4  # noqa: PLC0415
 
     model = random_model(tiny_config(), seed=2)
-    cfg = TrainerConfig(micro_batch_tokens=32, max_staleness=0, logits_chunk=8)
+    cfg = TrainerConfig(micro_batch_tokens=32, max_staleness=0, logits_chunk=8, ppo_minibatches=2)
     trainer = Trainer(model, cfg, mesh_4())
     rng = np.random.default_rng(1)
     trajs = [traj(rng.integers(3, 97, n), 2, version=v) for n, v in [(9, 0), (14, 0), (7, 0), (20, 0)]]
@@ -152,12 +152,15 @@ def test_compute_logprobs_match_model_and_staleness_in_update():
         np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
     m = trainer.update(trajs)
     assert m["n_tokens"] == sum(t.completion_len for t in trajs) and m["staleness_max"] == 0
+    assert int(jax.device_get(trainer.state.step)) == 2  # two PPO minibatches: two optimizer steps
     # Version is now 1: with max_staleness=0 the version-0 tokens are all dropped.
     trajs[0].versions[:] = 1
     m = trainer.update(trajs)
     assert m["n_tokens"] == trajs[0].completion_len and m["staleness_max"] == 1
     assert m["stale_dropped_fraction"] == pytest.approx(1 - trajs[0].completion_len / sum(t.completion_len for t in trajs))
     assert trainer.version == 2
+    # The minibatch without valid tokens applies no step and is not counted as skipped.
+    assert int(jax.device_get(trainer.state.step)) == 3 and m["skipped_updates"] == 0
 
 
 def test_config_and_input_errors():

@@ -109,12 +109,12 @@ class Trainer:
         Returns one float32 [L - prompt_len] array per trajectory.
         """
         trajs = list(trajectories)
+        if not trajs:
+            return []
         masks = [np.ones(t.completion_len, np.float32) for t in trajs]
         out = [np.zeros(t.completion_len, np.float32) for t in trajs]
         for step in self._steps(trajs, range(len(trajs)), masks, None, 0):
-            logp = np.asarray(jax.device_get(
-                self._fns.forward(self.state.params, self._other, self._place(step, MODEL_FIELDS))
-            ))
+            logp = _fetch(self._fns.forward(self.state.params, self._other, self._place(step, MODEL_FIELDS)))
             _scatter(out, logp, step)
         return out
 
@@ -197,6 +197,15 @@ class Trainer:
         return _metrics(
             jax.device_get(sums_total), jax.device_get(infos), masks, trajs, staleness, len(minibatches), self.state
         )
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """A global array as one host numpy array (gathered from every process when sharded across them)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _merge_sums(a, b):
