@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import logical_to_mesh_sharding
@@ -53,6 +54,7 @@ class ParamChannel:
         self.publish_count = 0
         self.last_publish_s = 0.0
         self._gather = None
+        self._copy = None
 
     @classmethod
     def for_model(cls, model_or_state: Any, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
@@ -76,9 +78,16 @@ class ParamChannel:
             params = self._replicate_on_train_mesh(params)
             # Every process now holds a full replica locally; take one and copy it to the rollout slice.
             params = jax.tree.map(lambda x: x.addressable_shards[0].data, params)
-        return jax.tree.map(
-            lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings
-        )
+        leaves = jax.tree.leaves(params)
+        targets = jax.tree.leaves(self.rollout_shardings)
+        if all(x.sharding.device_set == t.device_set for x, t in zip(leaves, targets)):
+            # Same devices (colocated): `device_put` may hand back the source buffer for a shard even
+            # with may_alias=False, and the trainer's next (donating) update would then delete the
+            # sampler's params. A jitted copy always writes fresh buffers.
+            if self._copy is None:
+                self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.rollout_shardings)
+            return self._copy(params)
+        return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings)
 
     def publish(self, version: int, params: Any) -> Any:
         """Reshard `params` (version `version`) and deliver them; returns the rollout copy."""
