@@ -24,6 +24,9 @@ from areal_jax.system.controller import RolloutController
 
 
 MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
+# The per-step values the end-of-run summary reads; only these are kept for every step.
+SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
+                "trained_tokens_per_s")
 
 
 class RLJob:
@@ -209,7 +212,7 @@ class RLJob:
                  **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
                  **self.buffer.sizes()}
             last_gen = gen
-            history.append(m)
+            history.append({k: m[k] for k in SUMMARY_KEYS if k in m})  # bounded per step (long runs)
             step = self.trainer.version
             if c.log.every_steps and step % c.log.every_steps == 0:
                 self.metrics.log(step, m)
