@@ -254,6 +254,8 @@ class RLJob:
         return out
 
     def close(self) -> None:
+        if getattr(self, "stop", None) is not None:
+            self.stop.restore()  # the caller's own Ctrl-C / SIGTERM handling again
         for part in ("controller", "sampler"):
             obj = getattr(self, part, None)
             if obj is not None:

@@ -116,6 +116,7 @@ class StopFlag:
     def __init__(self):
         self.requested = threading.Event()
         self._installed = False
+        self._previous: dict = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -128,8 +129,19 @@ class StopFlag:
                   flush=True)
             self.requested.set()
 
-        signal.signal(signal.SIGINT, handler)
+        # SIGTERM is what schedulers (SLURM, Kubernetes) send before they kill a job.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, handler)
         self._installed = True
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before install() (the run is over)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous, self._installed = {}, False
 
 
 def wait_for_batch(buffer: Any, n: int, controller: Any, sampler: Any, stop: StopFlag,
