@@ -120,12 +120,12 @@ def _checkpoint_dirs(run_dir: str) -> tuple[list[int], list[str]]:
 class Launch:
     """One process of the run, with its marker file."""
 
-    def __init__(self, driver: str, run_dir: str, assets: str, index: int, log_dir: str):
+    def __init__(self, driver: str, run_dir: str, assets: str, index: int, log_dir: str, steps: int = STEPS):
         self.markers = os.path.join(log_dir, f"markers_{index}.jsonl")
         self.log = open(os.path.join(log_dir, f"launch_{index}.log"), "w")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, driver, run_dir, self.markers, str(STEPS), assets, str(ETA)],
+            [sys.executable, driver, run_dir, self.markers, str(steps), assets, str(ETA)],
             env=_env(), cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def events(self) -> list[dict]:
@@ -277,3 +277,36 @@ def test_kill9_at_seeded_moments_then_resume_matches_uninterrupted_run(tmp_path)
     lines = [f"  {kind:9s} died in {phase:15s} resumed from {start}  complete={done} tmp={tmp}"
              for kind, phase, start, done, tmp in kills]
     print(f"\n{len(kills)} kill points in {elapsed:.0f} s:\n" + "\n".join(lines))
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_cleanly_then_resume_matches_uninterrupted_run(tmp_path):
+    steps = 6
+    driver = str(tmp_path / "driver.py")
+    with open(driver, "w") as f:
+        f.write(DRIVER)
+    assets, logs = str(tmp_path / "assets"), str(tmp_path / "logs")
+    ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "stopped")
+    os.makedirs(logs)
+    ref = Launch(driver, ref_dir, assets, -1, logs, steps=steps)
+    assert ref.finish(timeout=300) == 0
+
+    first = Launch(driver, run_dir, assets, 0, logs, steps=steps)
+    assert _wait(lambda: first.count("save_end") >= 2, first)
+    os.killpg(first.proc.pid, signal.SIGTERM)  # as a scheduler does: the whole job gets it
+    assert first.finish(timeout=120) == 0, open(first.log.name).read()[-3000:]
+    with open(first.log.name) as f:
+        assert "Signal 15: saving a checkpoint and stopping" in f.read()
+    assert first.events()[-1]["event"] == "exit"
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["interrupted"] and 2 <= summary["steps"] < steps
+    complete, tmp = _checkpoint_dirs(run_dir)
+    assert complete[-1] == summary["steps"] and not tmp  # the step it stopped at is saved
+
+    second = Launch(driver, run_dir, assets, 1, logs, steps=steps)
+    assert second.finish(timeout=300) == 0, open(second.log.name).read()[-3000:]
+    assert [e["version"] for e in second.events() if e["event"] == "run_start"] == [summary["steps"]]
+    reference, got = (_read_jsonl(os.path.join(d, "samples.jsonl")) for d in (ref_dir, run_dir))
+    assert [(r["uid"], r["trained_version"]) for r in got] == [(r["uid"], r["trained_version"]) for r in reference]
+    _check_samples(got)
