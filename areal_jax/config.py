@@ -110,6 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.log.tensorboard = True
     c.log.timeline = True
     c.log.console = True
+    c.log.param_digests = False  # record params fingerprints per step (multi-process checks)
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.enabled = False  # also turned on by a coordinator address or SLURM / TPU env

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from absl import app
 from ml_collections import config_flags
@@ -80,6 +81,16 @@ def run(config) -> dict:
     job = RLJob(config)
     try:
         summary = job.run()
+    except BaseException:
+        if jax.process_count() > 1:
+            # A peer died or a collective failed. Normal interpreter exit would run jax.distributed's
+            # shutdown and other exit handlers that wait for the dead peer forever: leave now.
+            # (Reward workers exit by themselves when their pipe to this process closes.)
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
     finally:
         job.close()
         if watchdog is not None:

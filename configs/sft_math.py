@@ -35,10 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.max_position_embeddings = 256
 
     worked = ml_collections.ConfigDict(dict(
-        name="worked", mix={"worked": 1.0}, lr=1e-3, warmup_steps=100, max_steps=6000, max_minutes=30.0,
+        name="worked", mix={"worked": 1.0}, lr=1e-3, warmup_steps=100, max_steps=6000, max_minutes=120.0,
         eval_every=100, stop_above=0.75, stop_below=None))
     mix = ml_collections.ConfigDict(dict(
         name="mix", mix={"answer_only": 0.5, "worked": 0.35, "slip": 0.15}, lr=3e-4, warmup_steps=20,
-        max_steps=400, max_minutes=4.0, eval_every=50, stop_above=None, stop_below=0.3))
+        max_steps=100, max_minutes=120.0, eval_every=50, stop_above=None, stop_below=None))
     c.stages = [worked, mix]
     return c

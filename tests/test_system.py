@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from areal_jax.system.job import RLJob
-from areal_jax.system.tiny import tiny_config
+from areal_jax.system.tiny import tiny_config, write_tiny_assets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,6 +118,7 @@ def _env():
 def test_sigkill_after_checkpoint_then_resume_continues_with_same_data_order(tmp_path):
     assets, steps = str(tmp_path / "assets"), 6
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    write_tiny_assets(assets)
     subprocess.run(_main_cmd(assets, ref_dir, steps), env=_env(), check=True, cwd=ROOT, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc = subprocess.Popen(_main_cmd(assets, run_dir, steps), env=_env(), cwd=ROOT,

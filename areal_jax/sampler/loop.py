@@ -158,6 +158,11 @@ class SamplerLoop:
         """The params the loop decodes with now (on the engine's mesh)."""
         return self._params
 
+    def versioned_params(self) -> tuple[int, nnx.State]:
+        """(version, params) the loop decodes with now, read together."""
+        with self._cond:
+            return self._version, self._params
+
     @property
     def current_version(self) -> int:
         """Version of the params the loop decodes with now."""
@@ -282,8 +287,9 @@ class SamplerLoop:
             self._state = self.engine.release(self._state, slots)
 
     def _apply_update(self, params: nnx.State, version: int) -> None:
-        self._params, self._version = self.engine.place_params(params), version
-        with self._cond:
+        placed = self.engine.place_params(params)
+        with self._cond:  # params and version change together (see versioned_params)
+            self._params, self._version = placed, version
             self._stats["updates"] += 1
         if self.on_update != "recompute" or not self._running:
             return

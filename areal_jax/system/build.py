@@ -58,11 +58,12 @@ def trainer_config(config: Any) -> TrainerConfig:
     )
 
 
-def rollout_settings(config: Any, stop_token_ids: tuple[int, ...]) -> RolloutSettings:
+def rollout_settings(config: Any, stop_token_ids: tuple[int, ...], batch_groups: int | None = None) -> RolloutSettings:
+    """batch_groups: this process's share of train.batch_groups (default: all of it)."""
     r = config.rollout
     return RolloutSettings(
         group_size=r.group_size,
-        batch_groups=config.train.batch_groups,
+        batch_groups=batch_groups or config.train.batch_groups,
         max_new_tokens=r.max_new_tokens,
         max_staleness=r.max_staleness,
         max_concurrent=r.max_concurrent,

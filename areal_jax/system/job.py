@@ -18,7 +18,7 @@ from flax import nnx
 
 from areal_jax import config as config_lib
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
-from areal_jax.system import build, runner
+from areal_jax.system import build, multihost, runner
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
@@ -56,6 +56,7 @@ class RLJob:
         try:  # device counts and trainer settings: still before anything is loaded or compiled
             self.meshes = build_meshes(build.mesh_config(c))
             trainer_config = build.trainer_config(c)
+            self.local_groups = multihost.local_batch_groups(c.train.batch_groups, jax.process_count())
         except ValueError as e:
             raise config_lib.ConfigError(str(e)) from e
         self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
@@ -81,7 +82,7 @@ class RLJob:
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
-        self.sample_log = runner.SampleLog(c.run_dir, enabled=self.primary)
+        self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
         meta = self._maybe_resume()
 
         self.channel = ParamChannel.for_model(
@@ -111,12 +112,12 @@ class RLJob:
             if meta.get("prompts_state") is not None:
                 self.prompts.set_state(meta["prompts_state"])
             resubmit = [PromptExample(**d) for d in meta["pending"]]
-            accepted = self.trainer.version * c.train.batch_groups
+            accepted = self.trainer.version * self.local_groups
             first_gid = int(meta["next_gid"])
         self.buffer = TrajectoryBuffer(first_gid=first_gid)
         stop_ids = tuple(self.tokenizer.eos_token_ids)
         self.controller = RolloutController(
-            build.rollout_settings(c, stop_ids), self.sampler, self.reward_pool, self.prompts,
+            build.rollout_settings(c, stop_ids, batch_groups=self.local_groups), self.sampler, self.reward_pool, self.prompts,
             self.tokenizer.decode, self.buffer, resubmit=resubmit, accepted=accepted, first_gid=first_gid,
             timeline=self.timeline,
         )
@@ -153,6 +154,23 @@ class RLJob:
         with self.timeline.span("checkpoint", lane="trainer"):
             self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
 
+    def _record_digests(self) -> None:
+        """Fingerprints of the trainer's params (gathered independently of the ParamChannel), of what
+        the rollout slice received, and of what the sampler decodes with now: log.param_digests."""
+        from jax.experimental import multihost_utils
+
+        trainer_params = self.trainer.params
+        if jax.process_count() > 1:
+            trainer_params = multihost_utils.process_allgather(trainer_params, tiled=True)
+        version, published = self.channel.latest()
+        sampler_version, sampler_params = self.sampler.versioned_params()
+        row = {"version": self.trainer.version, "trainer": multihost.params_digest(trainer_params),
+               "published_version": version, "published": multihost.params_digest(published),
+               "sampler_version": sampler_version, "sampler": multihost.params_digest(sampler_params)}
+        path = os.path.join(self.config.run_dir, f"params_digests.process_{jax.process_index()}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     # ---- evaluation -------------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict | None:
         c = self.config
@@ -160,7 +178,9 @@ class RLJob:
             return None
         from areal_jax.evaluate import evaluate_params
 
-        params = self.channel.reshard(self.trainer.params)
+        params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
+        if not self.primary:
+            return None
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
@@ -186,19 +206,21 @@ class RLJob:
             t0 = time.perf_counter()
             with self.timeline.span("wait_batch", lane="trainer"):
                 groups = runner.wait_for_batch(
-                    self.buffer, c.train.batch_groups, self.controller, self.sampler, self.stop, timeout_s=1800
+                    self.buffer, self.local_groups, self.controller, self.sampler, self.stop, timeout_s=1800
                 )
             if groups is None:
                 break
             t_wait = time.perf_counter() - t0
             version = self.trainer.version
             summary = runner.batch_summary(groups, version)
-            trajectories = runner.groups_to_trajectories(groups)
+            trajectories = multihost.allgather_trajectories(runner.groups_to_trajectories(groups))
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)
             with self.timeline.span("publish", lane="trainer"):
                 self.channel.publish(self.trainer.version, self.trainer.params)
             self.sample_log.write(groups, version)
+            if c.log.param_digests:
+                self._record_digests()
             trained_tokens += int(sum(len(t.tokens) for t in trajectories))
             elapsed = time.perf_counter() - t_start
             stats = self.sampler.stats()

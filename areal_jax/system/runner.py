@@ -72,7 +72,12 @@ class SampleLog:
     """
 
     def __init__(self, run_dir: str, enabled: bool = True):
-        self.path = os.path.join(run_dir, "samples.jsonl")
+        # Each process records the groups it generated: samples.jsonl alone, samples.process_<i>.jsonl
+        # when a run spans several processes.
+        import jax
+
+        name = "samples.jsonl" if jax.process_count() == 1 else f"samples.process_{jax.process_index()}.jsonl"
+        self.path = os.path.join(run_dir, name)
         self.enabled = enabled
 
     def truncate_from(self, version: int) -> None:

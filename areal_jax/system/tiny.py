@@ -31,9 +31,27 @@ def write_tiny_assets(directory: str, *, seed: int = 0, n_train: int = 200, n_te
     return {"model": model_dir, "train": paths["train"], "test": paths["test"]}
 
 
-def tiny_config(directory: str, *, run_dir: str | None = None, eta: int | None = 1, steps: int = 3):
-    """A complete run config over write_tiny_assets(directory): a few seconds per step on a CPU."""
-    paths = write_tiny_assets(directory)
+def length_parity_reward(completion: str, answer: str) -> float:
+    """A reward a random model earns about half the time (odd-length completions), so GRPO groups have
+    non-zero advantages and every tiny update really changes the params."""
+    del answer
+    return float(len(completion) % 2)
+
+
+def tiny_paths(directory: str) -> dict[str, str]:
+    """Where write_tiny_assets(directory) puts the model and the splits."""
+    return {"model": os.path.join(directory, "model"), "train": os.path.join(directory, "data", "train.jsonl"),
+            "test": os.path.join(directory, "data", "test.jsonl")}
+
+
+def tiny_config(directory: str, *, run_dir: str | None = None, eta: int | None = 1, steps: int = 3,
+                write: bool = True):
+    """A complete run config over write_tiny_assets(directory): a few seconds per step on a CPU.
+
+    write=False only points at the assets (config files must not touch JAX before
+    jax.distributed.initialize; write them first with `python -m areal_jax.system.tiny DIR`).
+    """
+    paths = write_tiny_assets(directory) if write else tiny_paths(directory)
     c = base_config()
     c.run_dir = run_dir or os.path.join(directory, "run")
     c.total_steps = steps
@@ -51,7 +69,16 @@ def tiny_config(directory: str, *, run_dir: str | None = None, eta: int | None =
     c.train.lr = 1e-3
     c.train.micro_batch_tokens = 256
     c.reward.num_workers = 1
+    c.reward.fn = "areal_jax.system.tiny:length_parity_reward"
     c.eval.n_test = 0
     c.checkpoint.every_steps = 1
     c.log.console = False
     return c
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m areal_jax.system.tiny DIR  (writes the tiny model and data into DIR)")
+    print(write_tiny_assets(sys.argv[1]))

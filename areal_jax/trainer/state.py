@@ -51,6 +51,8 @@ def put_global(tree: Any, shardings: Any) -> Any:
         host = np.asarray(jax.device_get(x))
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
+    if isinstance(shardings, jax.sharding.Sharding):  # one sharding for every leaf, as device_put allows
+        return jax.tree.map(lambda x: place(x, shardings), tree)
     return jax.tree.map(place, tree, shardings)
 
 
@@ -63,7 +65,15 @@ def copy_to(tree: Any, shardings: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
-    return put_global(tree, shardings)
+
+    # Several processes: arrays already spread over the global mesh are copied by a jitted copy (every
+    # process takes part); host values and process-local arrays are placed from their host copy.
+    def place(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.jit(jnp.copy, out_shardings=sharding)(x)
+        return put_global(x, sharding)
+
+    return jax.tree.map(place, tree, shardings)
 
 
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
