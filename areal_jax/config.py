@@ -60,7 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = ml_collections.config_dict.placeholder(int)
     c.rollout.top_p = ml_collections.config_dict.placeholder(float)
     c.rollout.on_update = "recompute"  # recompute | continue
-    c.rollout.max_staleness = ml_collections.FieldReference(4, field_type=int)  # eta; None = unbounded
+    # eta; -1 (or None in a config file) = unbounded, which then needs max_concurrent
+    c.rollout.max_staleness = ml_collections.FieldReference(4, field_type=int)
     c.rollout.max_concurrent = ml_collections.config_dict.placeholder(int)  # groups in flight
     c.rollout.filter_uniform_groups = False  # DAPO dynamic sampling
     c.rollout.advantage_mode = "grpo"  # grpo | dr_grpo | rloo
@@ -162,6 +163,12 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def max_staleness(config: ml_collections.ConfigDict) -> int | None:
+    """eta from the config: None when unbounded (rollout.max_staleness None or -1)."""
+    eta = config.rollout.max_staleness
+    return None if eta is None or eta < 0 else int(eta)
+
+
 def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> ml_collections.ConfigDict:
     """Raise ConfigError on the first problem found; return the config unchanged when valid.
 
@@ -194,9 +201,10 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     if r.top_k is not None:
         _require(r.top_k >= 1, f"rollout.top_k={r.top_k} must be at least 1.")
     if r.max_staleness is not None:
-        _require(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous).")
+        _require(r.max_staleness >= -1, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous) "
+                 "or -1 (unbounded).")
     _require(
-        r.max_staleness is not None or r.max_concurrent is not None,
+        max_staleness(config) is not None or r.max_concurrent is not None,
         "rollout.max_staleness and rollout.max_concurrent are both unset, so rollout admission would be "
         "unbounded. Set max_staleness (eta) or max_concurrent.",
     )

@@ -5,6 +5,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax import config as config_lib
 from areal_jax.system.controller import RolloutSettings
 from areal_jax.system.mesh import MeshConfig
 from areal_jax.trainer.config import TrainerConfig
@@ -50,7 +51,7 @@ def trainer_config(config: Any) -> TrainerConfig:
         prox_mode=t.prox_mode,
         ppo_minibatches=t.ppo_minibatches,
         micro_batch_tokens=t.micro_batch_tokens,
-        max_staleness=config.rollout.max_staleness,
+        max_staleness=config_lib.max_staleness(config),
         kl_coef=t.kl_coef,
         kl_estimator=t.kl_estimator,
         entropy_coef=t.entropy_coef,
@@ -65,7 +66,7 @@ def rollout_settings(config: Any, stop_token_ids: tuple[int, ...], batch_groups:
         group_size=r.group_size,
         batch_groups=batch_groups or config.train.batch_groups,
         max_new_tokens=r.max_new_tokens,
-        max_staleness=r.max_staleness,
+        max_staleness=config_lib.max_staleness(config),
         max_concurrent=r.max_concurrent,
         temperature=r.temperature,
         top_k=r.top_k,
