@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between monitor samples")
     p.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint.every_steps")
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one)")
+    p.add_argument("--no-timeline", action="store_true", help="log.timeline=False (no trace events kept)")
     return p.parse_args(argv)
 
 
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     config.checkpoint.every_steps = args.checkpoint_every
     config.checkpoint.resume = False
     config.log.tensorboard = False
+    config.log.timeline = not args.no_timeline
     job = RLJob(config, log_fn=lambda *a, **k: None)
     monitor = Monitor(job, args.interval).start()
     t0 = time.perf_counter()

@@ -9,10 +9,12 @@ The whole loop of kills and resumes: tests/test_reliability_crash.py.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import queue
 import shutil
+import sys
 import threading
 
 import jax.numpy as jnp
@@ -157,3 +159,20 @@ def test_checkpointer_skips_half_written_steps_and_prunes_metadata(tmp_path):
     with pytest.raises(FileNotFoundError, match="Checkpoint step 4 .* has no metadata file .* resume from an earlier"):
         again.restore(4, state)
     again.close()
+
+
+def test_checkpoint_saves_do_not_accumulate_python_objects(tmp_path):
+    # tensorstore's metric reader leaked ~260 memory blocks per save through orbax's throughput log;
+    # what is left (~15 blocks, tensorstore's KvStore.Spec.to_json) is far below the bound.
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    state = {"w": jnp.ones((64, 64)), "b": [jnp.zeros(8) for _ in range(8)]}
+    for step in range(1, 11):
+        ckpt.save(step, state, {"version": step})
+    gc.collect()
+    before = sys.getallocatedblocks()
+    for step in range(11, 71):
+        ckpt.save(step, state, {"version": step})
+    gc.collect()
+    per_save = (sys.getallocatedblocks() - before) / 60
+    ckpt.close()
+    assert per_save < 100, per_save
