@@ -8,8 +8,8 @@ controller's in-flight groups, the trajectory buffer and the reward pool's backl
 Python's own heap (allocated blocks: growth there is a leak of Python objects, whereas RSS also moves
 with XLA's native allocations, e.g. a one-off compile of a new shape), and ends with one line of JSON.
 
-    python benchmarks/soak.py --steps 500            # ~4 minutes on 2 CPU cores
-    python benchmarks/soak.py --steps 40 --interval 0.5
+    python benchmarks/soak.py --steps 500            # ~30 s of training after ~15 s of start-up, 2 CPU cores
+    python benchmarks/soak.py --steps 5000 --interval 2
 """
 from __future__ import annotations
 
