@@ -6,6 +6,7 @@ Every parameter is an `nnx.Param` annotated with logical axis names (see shardin
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,21 +88,150 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention with a float32 softmax.
+def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q: [B, T, H, Dh] -> [B, T, K, H // K, Dh]: query head h = k * group + g uses key/value head k."""
+    b, t, h, dh = q.shape
+    if h % kv_heads:
+        raise ValueError(f"{h} query heads cannot share {kv_heads} key/value heads; num_heads must be a multiple "
+                         "of num_kv_heads.")
+    return q.reshape(b, t, kv_heads, h // kv_heads, dh)
 
-    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (H a multiple of K); mask: [B, T, S] bool (True = may attend).
-    Returns [B, T, H, Dh] in q's dtype.
+
+def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention over whole sequences (the packed, cache-free path) with a float32 softmax.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (H a multiple of K; key/value heads are shared by their query
+    group through the einsum, never repeated); mask: [B, T, S] bool (True = may attend).
+    Returns [B, T, H, Dh] in q's dtype. A query that may attend nothing gets the mean of v.
     """
     b, t, h, dh = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, dh)
+    qg = _group_queries(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * np.float32(1.0 / math.sqrt(dh))
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+# Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the stacked cache before its
+# matrix products; at 128 positions that copy stays in the core's L2 cache (decode at 1024 positions took 67 ms
+# against 92 ms in one pass, benchmarks/decode_attention.py). On an H200 one pass over up to 8192 was fastest.
+CPU_CACHE_CHUNK = 128
+ACCELERATOR_CACHE_CHUNK = 8192
+
+
+def cache_chunk_size(max_len: int, backend: str | None = None) -> int:
+    """Cache positions `cached_attention` reads per loop step: min(max_len, CPU_CACHE_CHUNK) on CPU,
+    min(max_len, ACCELERATOR_CACHE_CHUNK) elsewhere. backend defaults to jax.default_backend()."""
+    backend = jax.default_backend() if backend is None else backend
+    return min(max_len, CPU_CACHE_CHUNK if backend == "cpu" else ACCELERATOR_CACHE_CHUNK)
+
+
+def use_block_diagonal_queries(num_queries: int, kv_heads: int) -> bool:
+    """Whether `cached_attention` contracts each chunk with block-diagonal queries (one matrix product per row,
+    `_chunk_attention_block_diagonal`) rather than per (row, kv head): for single-token decode, where that was
+    faster on CPU and on an H200 (the per-head form was 3x slower there), and for a single kv head, where it
+    wastes nothing. Multi-token calls (prefill) keep the per-head form, which does K times fewer multiply-adds."""
+    return num_queries == 1 or kv_heads == 1
+
+
+def _chunk_attention_grouped(qg: jax.Array, k: jax.Array, v: jax.Array,
+                             scale: np.float32) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """qg: [B, T, K, G, Dh]; k, v: [B, C, K, Dh] -> (scores [B, K, G, T, C] float32, probs -> [B, K, G, T, Dh] f32).
+
+    Batched over (row, kv head): the backend lays each chunk out kv-head-major, which is cheap for a chunk and
+    amortised over T queries."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+
+    def weigh_values(probs: jax.Array) -> jax.Array:
+        return jnp.einsum("bkgts,bskd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    return scores, weigh_values
+
+
+def _chunk_attention_block_diagonal(qbd: jax.Array, k: jax.Array, v: jax.Array, shape: tuple[int, ...],
+                                    scale: np.float32) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """qbd: [B, K*Dh, K*G*T] block-diagonal queries (zero unless the key head matches); k, v: [B, C, K, Dh] ->
+    (scores [B, K, G, T, C] float32, probs -> [B, K, G, T, Dh] float32); shape = (B, K, G, T, Dh).
+
+    Batched over rows only: each chunk is used as the contiguous [C, K*Dh] matrix it already is (no copy into a
+    kv-head-major layout), at the price of K times the multiply-adds of the grouped form; both products
+    stay far below the cost of reading the chunk when T is 1."""
+    b, kv, group, t, dh = shape
+    chunk = k.shape[1]
+    scores = jnp.einsum("bsc,bcn->bns", k.reshape(b, chunk, kv * dh), qbd, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, group, t, chunk) * scale
+    same_head = np.eye(kv, dtype=bool)[None, :, None, None, :, None]
+
+    def weigh_values(probs: jax.Array) -> jax.Array:
+        every = jnp.einsum("bkgts,bsc->bkgtc", probs.astype(v.dtype), v.reshape(b, chunk, kv * dh),
+                           preferred_element_type=jnp.float32).reshape(b, kv, group, t, kv, dh)
+        return jnp.sum(jnp.where(same_head, every, 0.0), axis=4)
+
+    return scores, weigh_values
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, positions: jax.Array,
+                     chunk_size: int | None = None) -> jax.Array:
+    """Grouped-query attention of new queries over one layer of a stacked KV cache, chunk by chunk.
+
+    q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [L, B, S, K, Dh], already holding this call's keys and
+    values; layer: which of the L layers to read; positions: [B, T] int32. Query (b, t) attends cache
+    indices 0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0:
+    such a query gets zeros). Returns [B, T, H, Dh] in q's dtype.
+
+    The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
+    softmax: the whole [B, S] layer is never copied, transposed or repeated per kv head, and the loop stops
+    after the chunk holding the largest position in the batch, so the cost follows the longest live context
+    rather than S. The trip count depends on the data: this path is for forward evaluation (no reverse-mode
+    gradients); training uses `dot_attention`.
+    """
+    b, t, h, dh = q.shape
+    _, cb, s, kv, _ = k_cache.shape
+    if cb != b or positions.shape != (b, t) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cached_attention got q {q.shape}, caches {k_cache.shape} / {v_cache.shape} and positions "
+                         f"{positions.shape}; expected q [B, T, H, Dh], caches [L, B, S, K, Dh] and positions [B, T].")
+    chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
+    if chunk <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    qg = _group_queries(q, kv)
+    group = h // kv
+    scale = np.float32(1.0 / math.sqrt(dh))
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    if use_block_diagonal_queries(t, kv):
+        qbd = jnp.einsum("btkgd,jk->bjdkgt", qg, jnp.eye(kv, dtype=qg.dtype)).reshape(b, kv * dh, kv * group * t)
+
+        def chunk_attention(k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+            return _chunk_attention_block_diagonal(qbd, k, v, (b, kv, group, t, dh), scale)
+    else:
+        def chunk_attention(k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+            return _chunk_attention_grouped(qg, k, v, scale)
+
+    def step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        run_max, run_sum, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Dh] float32
+        first = c * chunk
+        start = jnp.minimum(first, s - chunk)  # the last chunk is shifted back to stay inside the cache ...
+        k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, b, chunk, kv, dh))[0]
+        v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, b, chunk, kv, dh))[0]
+        index = start + offsets
+        # ... and masks the indices that an earlier chunk covered.
+        visible = (index[None, None, :] <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]
+        visible = visible[:, None, None]
+        scores, weigh_values = chunk_attention(k, v)
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        new_max = jnp.maximum(run_max, jnp.max(scores, axis=-1))
+        probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+        rescale = jnp.exp(run_max - new_max)
+        run_sum = run_sum * rescale + jnp.sum(probs, axis=-1)
+        return new_max, run_sum, acc * rescale[..., None] + weigh_values(probs)
+
+    init = (jnp.full((b, kv, group, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kv, group, t), jnp.float32),
+            jnp.zeros((b, kv, group, t, dh), jnp.float32))
+    last = jnp.clip(jnp.max(positions), 0, s - 1)
+    _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)
+    out = jnp.where(run_sum[..., None] > 0, acc / jnp.maximum(run_sum, 1e-30)[..., None], 0.0)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
 class Attention(nnx.Module):

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import DecoderLayer, RMSNorm, dot_attention, make_param, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import (DecoderLayer, RMSNorm, cached_attention, dot_attention, make_param, rope_cos_sin,
+                                     rope_inv_freq)
 
 
 @jax.tree_util.register_dataclass
@@ -44,11 +45,6 @@ def packed_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & same
 
 
-def cache_mask(positions: jax.Array, max_len: int) -> jax.Array:
-    """positions: [B, T] -> [B, T, S] bool: a query at position p attends cache indices 0..p."""
-    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
-
-
 class Transformer(nnx.Module):
     """Decoder-only language model.
 
@@ -76,7 +72,9 @@ class Transformer(nnx.Module):
         Without a cache: token i attends to j iff j <= i and segment_ids[b, i] == segment_ids[b, j]
         (segment_ids default all ones; id 0 marks padding).
         With a cache: each token's key/value is written at index positions[b, t] of row b (indices outside
-        [0, S) are dropped), then a query at position p attends to cache indices 0..p of its row.
+        [0, S) are dropped), then a query at position p attends to cache indices 0..p of its row (all S for
+        p >= S; none for p < 0, giving a zero attention output). The cache path reads each layer in chunks
+        up to the largest position in the batch (`layers.cached_attention`) and is forward-only.
         """
         out = self.hidden(tokens, positions, segment_ids, cache)
         if cache is None:
@@ -105,7 +103,6 @@ class Transformer(nnx.Module):
             if cache.k.shape != expected or cache.v.shape != expected:
                 raise ValueError(f"KV cache has shape {cache.k.shape}, expected {expected}; build it with "
                                  f"init_cache(cfg, batch_size={b}, max_len=...).")
-            mask = cache_mask(positions, cache.k.shape[2])
         else:
             if segment_ids is None:
                 segment_ids = jnp.ones((b, t), jnp.int32)
@@ -128,7 +125,7 @@ class Transformer(nnx.Module):
             else:
                 k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
                 v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
-                attn = dot_attention(q, k_all[i].astype(cfg.dtype), v_all[i].astype(cfg.dtype), mask)
+                attn = cached_attention(q, k_all, v_all, i, positions)
             x = x + layer.attn.out(attn)
             x = x + layer.mlp(layer.post_attn_norm(x))
         h = self.final_norm(x)

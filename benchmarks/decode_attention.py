@@ -1,0 +1,226 @@
+"""Decode-step time of the model against the KV-cache length: the previous cache path against the current one.
+
+Both run the same weights on the same cache under `jax.jit` over the split state with the cache donated (as the
+sampler's engine does): one new token for each of --rows rows, every row at the last position of a cache
+filled with random keys and values, so attention reads the whole cache. The previous path is kept below as
+`baseline_forward`: it wrote the layer's keys / values, then ran a grouped einsum over the full [B, S] cache
+slice, which XLA lowers to a transposed copy of that slice for keys and for values in every layer.
+Also timed: a prefill of --prefill-rows prompts of the largest cache length into a fresh cache (the engine's
+other cache call), so a decode gain is not bought with a prefill loss.
+
+Prints per cache length the median and best step time of both paths, the ratio, tokens/s and the fraction of
+this machine's float32 matmul peak, checks that both paths give the same logits, and ends with one JSON line.
+
+    python benchmarks/decode_attention.py                       # a few minutes on 2 CPU cores
+    python benchmarks/decode_attention.py --cache-lens 256 1024 --layers 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models import KVCache, ModelConfig, Transformer, testing
+from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256, help="model width (defaults match benchmarks/sampler.py)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--rows", type=int, default=64, help="decode rows (sampler slots)")
+    p.add_argument("--cache-lens", type=int, nargs="+", default=(32, 128, 256))
+    p.add_argument("--prefill-rows", type=int, default=8, help="0 skips the prefill check")
+    p.add_argument("--repeats", type=int, default=30, help="timed calls of each path per setting")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------------------- the previous path
+def baseline_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """The previous attention. q: [B, T, H, Dh]; k, v: [B, S, K, Dh]; mask: [B, T, S] -> [B, T, H, Dh]."""
+    b, t, h, dh = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * np.float32(1.0 / math.sqrt(dh))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def baseline_forward(model: Transformer, tokens: jax.Array, positions: jax.Array,
+                     cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """The previous cache path of `Transformer.__call__`: tokens, positions [B, T] int32 -> (logits [B, T, V]
+    float32, new cache). Each layer scatters its keys / values, then attends the whole [B, S] slice."""
+    cfg = model.cfg
+    b, _ = tokens.shape
+    s = cache.k.shape[2]
+    mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+    x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
+    rows = jnp.arange(b)[:, None]
+    write_at = jnp.where((positions >= 0) & (positions < s), positions, s)
+    k_all, v_all = cache.k, cache.v
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
+        k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
+        attn = baseline_attention(q, k_all[i].astype(cfg.dtype), v_all[i].astype(cfg.dtype), mask)
+        x = x + layer.attn.out(attn)
+        x = x + layer.mlp(layer.post_attn_norm(x))
+    return model.unembed(model.final_norm(x)), KVCache(k=k_all, v=v_all)
+
+
+def current_forward(model: Transformer, tokens: jax.Array, positions: jax.Array,
+                    cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """The library's cache path, same signature as `baseline_forward`."""
+    return model(tokens, positions, cache=cache)
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def step_flops(cfg: ModelConfig, rows: int, new_tokens: int, context: int) -> float:
+    """Model FLOPs of `new_tokens` tokens in each of `rows` rows attending `context` cache positions."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size
+    dense = 2 * (cfg.num_layers * per_layer + d * cfg.vocab_size)
+    attention = 4 * cfg.num_layers * cfg.num_heads * hd * context
+    return rows * new_tokens * (dense + attention)
+
+
+def random_cache(cfg: ModelConfig, rows: int, max_len: int, seed: int) -> KVCache:
+    """A cache of O(1) random keys and values [L, rows, max_len, K, Dh] in the compute dtype."""
+    shape = (cfg.num_layers, rows, max_len, cfg.num_kv_heads, cfg.head_dim)
+    kk, kv = jax.random.split(jax.random.key(seed))
+    return KVCache(k=jax.random.normal(kk, shape, jnp.float32).astype(cfg.dtype),
+                   v=jax.random.normal(kv, shape, jnp.float32).astype(cfg.dtype))
+
+
+def time_pair(fns: dict[str, Callable], make_cache: Callable[[], KVCache], tokens: jax.Array, positions: jax.Array,
+              repeats: int, fresh_cache: bool) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
+    """Interleaved timing (seconds per call) of jitted fn(tokens, positions, cache) -> (logits, cache), so
+    that load from other processes hits both alike. The returned cache is fed back unless fresh_cache."""
+    caches = {name: make_cache() for name in fns}
+    logits = {}
+    for name, fn in fns.items():  # compile + warm up
+        out, new_cache = fn(tokens, positions, caches[name])
+        logits[name] = np.asarray(out, np.float32)
+        caches[name] = make_cache() if fresh_cache else new_cache
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            cache = caches[name]
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            out, new_cache = fn(tokens, positions, cache)
+            out.block_until_ready()
+            times[name].append(time.perf_counter() - start)
+            caches[name] = make_cache() if fresh_cache else new_cache
+    return times, logits
+
+
+def check_agreement(err: float, reference: np.ndarray, rel_tol: float, what: str) -> None:
+    """Stops the run when the paths' largest logit difference exceeds rel_tol times the largest |logit|."""
+    scale = max(1.0, float(np.max(np.abs(reference))))
+    if err > rel_tol * scale:
+        raise SystemExit(f"{what}: the two paths' logits differ by {err:.2e}, more than {rel_tol:g} x {scale:.1f}.")
+
+
+def main() -> None:
+    args = parse_args()
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    cfg = testing.tiny_config(
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        max_position_embeddings=max(4096, max(args.cache_lens)), eos_token_id=None, dtype=dtype, param_dtype=dtype)
+    model = testing.random_model(cfg, seed=args.seed)
+    graphdef, params = nnx.split(model)
+
+    def jitted(forward: Callable) -> Callable:
+        step = jax.jit(lambda st, tok, pos, cache: forward(nnx.merge(graphdef, st), tok, pos, cache),
+                       donate_argnums=(3,))
+        return lambda tok, pos, cache: step(params, tok, pos, cache)
+
+    fns = {"baseline": jitted(baseline_forward), "current": jitted(current_forward)}
+    peak = matmul_peak_gflops()
+    # Largest logit difference allowed, relative to the largest logit: float32 on CPU is exact up to summation
+    # order; bfloat16, or float32 matmuls on GPU (TF32 by default), round inputs to 8-10 mantissa bits.
+    rel_tol = 1e-5 if dtype == jnp.float32 and jax.default_backend() == "cpu" else 2e-2
+    print(f"device {jax.devices()[0].device_kind}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, {args.dtype}, {args.rows} rows; "
+          f"float32 matmul peak {peak:.0f} GFLOP/s")
+    rng = np.random.default_rng(args.seed)
+    results = []
+    for max_len in args.cache_lens:
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.rows, 1)), jnp.int32)
+        positions = jnp.full((args.rows, 1), max_len - 1, jnp.int32)
+        times, logits = time_pair(fns, lambda: random_cache(cfg, args.rows, max_len, args.seed), tokens, positions,
+                                  args.repeats, fresh_cache=False)
+        err = float(np.max(np.abs(logits["baseline"] - logits["current"])))
+        check_agreement(err, logits["baseline"], rel_tol, f"cache length {max_len}")
+        med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+        best = {name: float(np.min(t)) * 1e3 for name, t in times.items()}
+        flops = step_flops(cfg, args.rows, 1, max_len)
+        row = {"cache_len": max_len, "baseline_ms": round(med["baseline"], 3), "current_ms": round(med["current"], 3),
+               "baseline_best_ms": round(best["baseline"], 3), "current_best_ms": round(best["current"], 3),
+               "speedup": round(med["baseline"] / med["current"], 3),
+               "current_tokens_per_s": round(args.rows / med["current"] * 1e3, 1),
+               "current_peak_fraction": round(flops / (med["current"] * 1e-3) / (peak * 1e9), 4),
+               "max_abs_logit_diff": err}
+        results.append(row)
+        print(f"cache {max_len:5d}: baseline {med['baseline']:7.2f} ms (best {best['baseline']:6.2f}) | current "
+              f"{med['current']:7.2f} ms (best {best['current']:6.2f}) | x{row['speedup']:.2f} | "
+              f"{row['current_tokens_per_s']:.0f} tok/s, {100 * row['current_peak_fraction']:.1f}% of peak | "
+              f"logits differ by {err:.1e}")
+
+    prefill = None
+    if args.prefill_rows > 0:
+        p = max(args.cache_lens)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.prefill_rows, p)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (args.prefill_rows, p))
+        zero = lambda: KVCache(k=jnp.zeros((cfg.num_layers, args.prefill_rows, p, cfg.num_kv_heads, cfg.head_dim),
+                                           dtype), v=jnp.zeros((cfg.num_layers, args.prefill_rows, p,
+                                                                cfg.num_kv_heads, cfg.head_dim), dtype))
+        times, logits = time_pair(fns, zero, tokens, positions, max(3, args.repeats // 3), fresh_cache=True)
+        err = float(np.max(np.abs(logits["baseline"] - logits["current"])))
+        check_agreement(err, logits["baseline"], rel_tol, "prefill")
+        med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+        prefill = {"rows": args.prefill_rows, "length": p, "baseline_ms": round(med["baseline"], 3),
+                   "current_ms": round(med["current"], 3), "speedup": round(med["baseline"] / med["current"], 3),
+                   "max_abs_logit_diff": err}
+        print(f"prefill {args.prefill_rows} x {p} into a fresh cache: baseline {med['baseline']:.2f} ms | current "
+              f"{med['current']:.2f} ms | x{prefill['speedup']:.2f} | logits differ by {err:.1e}")
+
+    print(json.dumps({"benchmark": "decode_attention", "device": jax.devices()[0].device_kind, "dtype": args.dtype,
+                      "rows": args.rows, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                      "matmul_peak_gflops": round(peak, 1), "decode": results, "prefill": prefill}))
+
+
+if __name__ == "__main__":
+    main()
