@@ -139,3 +139,14 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_same_data_order(tmp
     assert [r["trained_version"] for r in got] == list(np.repeat(np.arange(steps), 2))
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["steps"] == steps
+
+
+@pytest.mark.slow
+def test_kl_penalty_to_the_starting_policy(tmp_path):
+    c = tiny_config(str(tmp_path), eta=1, steps=3)
+    c.train.kl_coef = 0.1
+    _run_job(c)
+    with open(os.path.join(c.run_dir, "metrics.jsonl")) as f:
+        kl = [json.loads(line)["train/kl"] for line in f if "train/kl" in line]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)  # the first update starts at the reference params
+    assert max(kl[1:]) > 0  # later updates have moved away from them

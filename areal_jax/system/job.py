@@ -78,7 +78,11 @@ class RLJob:
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype, dtype=dtype)
         self.model_config = model.cfg
-        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh)
+        ref_model = None
+        if c.train.kl_coef > 0:  # the reference policy for the KL penalty: the starting checkpoint, frozen
+            ref_model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
+                                           dtype=dtype)
+        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh, ref_model=ref_model)
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
