@@ -29,16 +29,12 @@ from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, testing
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+from common import add_model_args, matmul_peak_gflops
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256, help="model width (defaults match benchmarks/sampler.py)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_model_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--rows", type=int, default=64, help="decode rows (sampler slots)")
     p.add_argument("--cache-lens", type=int, nargs="+", default=(32, 128, 256))
@@ -92,18 +88,6 @@ def current_forward(model: Transformer, tokens: jax.Array, positions: jax.Array,
 
 
 # ----------------------------------------------------------------------------------------------- measuring
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
-
 
 def step_flops(cfg: ModelConfig, rows: int, new_tokens: int, context: int) -> float:
     """Model FLOPs of `new_tokens` tokens in each of `rows` rows attending `context` cache positions."""

@@ -33,16 +33,12 @@ from jax.sharding import Mesh
 
 from areal_jax.models import load_hf_checkpoint, testing
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+from common import add_model_args, matmul_peak_gflops
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256, help="model width")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_model_args(p)
     p.add_argument("--num-seqs", type=int, default=64, help="trajectories per update")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
     p.add_argument("--median-completion", type=int, default=64)
@@ -54,18 +50,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="leave out (c) when torch is unavailable")
     return p.parse_args()
 
-
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device."""
-    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    f(x, x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x, x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> list[Trajectory]:

@@ -1,0 +1,32 @@
+"""Pieces every benchmark shares: the machine's matmul peak and the model-size flags."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def add_model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The benchmark model's size: the same defaults (5.25M parameters) in every benchmark."""
+    p.add_argument("--hidden", type=int, default=256, help="model width")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=4096)
+    return p
