@@ -93,6 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.fn = "math"  # math | exact | module:function
     c.reward.num_workers = 2
     c.reward.timeout_s = 5.0
+    c.reward.memory_mb = 4096  # address-space limit per reward worker; 0 = none
 
     c.eval = ml_collections.ConfigDict()
     c.eval.n_test = 500  # problems of data.test_path; 0 disables evaluation

@@ -163,3 +163,18 @@ def test_results_are_finite_floats():
     with RewardPool(misbehaving_reward, num_workers=1, timeout_s=5.0) as pool:
         for r in pool.score_batch([("abc", "0"), ("nan", "0")]):
             assert isinstance(r.reward, float) and math.isfinite(r.reward)
+
+
+def hungry_reward(completion: str, answer: str) -> float:
+    """Allocates far more memory than the worker may use when asked to."""
+    if completion == "hungry":
+        blob = bytearray(3 * 2**30)
+        return float(len(blob))
+    return 1.0
+
+
+def test_memory_limit_turns_a_runaway_allocation_into_an_error_for_that_sample():
+    with RewardPool("test_rewards_pool:hungry_reward", num_workers=1, timeout_s=20.0, memory_mb=1024) as pool:
+        results = pool.score_batch([("a", "fine", "1"), ("b", "hungry", "1"), ("c", "fine", "1")])
+    assert [r.status for r in results] == ["ok", "error", "ok"]
+    assert "MemoryError" in results[1].error and results[1].reward == 0.0

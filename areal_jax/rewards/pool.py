@@ -91,10 +91,13 @@ class RewardPool:
       mp_context: "spawn" or "forkserver".
       warmup: optional (completion, answer) each new worker scores before taking samples (e.g. to
         import sympy before the clock starts).
+      memory_mb: address-space limit (RLIMIT_AS) of each worker; a reward that allocates past it gets
+        MemoryError, scored as an "error" for that sample only. None: no limit.
     """
 
     def __init__(self, reward_fn: RewardFn | str, *, num_workers: int = 2, timeout_s: float = 5.0,
-                 mp_context: str = "spawn", warmup: tuple[str, str] | None = None) -> None:
+                 mp_context: str = "spawn", warmup: tuple[str, str] | None = None,
+                 memory_mb: int | None = None) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}.")
         if not timeout_s > 0:
@@ -114,6 +117,7 @@ class RewardPool:
                 ) from e
         self._spec = reward_fn
         self._warmup = warmup
+        self._memory_mb = memory_mb  # address-space limit of each worker (None: no limit)
         self._timeout_s = float(timeout_s)
         self._ctx = multiprocessing.get_context(mp_context)
         self._lock = threading.Lock()
@@ -275,7 +279,7 @@ class RewardPool:
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=worker_main, args=(child_conn, self._lifeline_r, self._spec, self._warmup),
+            target=worker_main, args=(child_conn, self._lifeline_r, self._spec, self._warmup, self._memory_mb),
             daemon=True, name="reward-worker")
         process.start()
         child_conn.close()

@@ -71,7 +71,7 @@ def classify_reward(value: Any) -> tuple[float, str, str | None]:
 
 
 def worker_main(conn: mp_connection.Connection, lifeline: mp_connection.Connection,
-                 spec: RewardFn | str, warmup: tuple[str, str] | None) -> None:
+                 spec: RewardFn | str, warmup: tuple[str, str] | None, memory_mb: int | None = None) -> None:
     """Worker process: score (task_id, completion, answer) messages until the pipe closes.
 
     ``lifeline`` is the read end of a pipe whose only write end lives in the pool's process and is
@@ -80,6 +80,11 @@ def worker_main(conn: mp_connection.Connection, lifeline: mp_connection.Connecti
     "forkserver" the parent is the fork server, which lives as long as any worker does.)
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    if memory_mb:  # a completion that makes the reward allocate without bound gets MemoryError, not the host
+        import resource
+
+        limit = int(memory_mb) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     def watchdog() -> None:
         try:

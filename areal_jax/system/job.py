@@ -107,7 +107,7 @@ class RLJob:
         # before it takes samples, so sympy's import never counts against a sample's timeout.
         self.reward_pool = RewardPool(
             build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
-            warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None,
+            warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None, memory_mb=c.reward.memory_mb or None,
         )
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
