@@ -287,6 +287,14 @@ class Timeline:
             self._record({"name": name, "ph": "X", "ts": start, "dur": end - start,
                           "pid": self._pid, "lane": lane, "args": args})
 
+    def complete(self, name: str, seconds: float, lane: str | None = None, **args: Any) -> None:
+        """A span of ``seconds`` that ended now (work timed elsewhere, e.g. in a reward worker)."""
+        if self.enabled:
+            end = self._now_us()
+            dur = max(0, int(seconds * 1e6))
+            self._record({"name": name, "ph": "X", "ts": max(0, end - dur), "dur": dur,
+                          "pid": self._pid, "lane": lane, "args": args})
+
     def instant(self, name: str, lane: str | None = None, **args: Any) -> None:
         """A point event (e.g. "weights_updated") on ``lane``."""
         if self.enabled:

@@ -81,7 +81,17 @@ def busy_fractions(spans: dict[str, list[tuple[float, float, str]]]) -> dict[str
     t0 = min(s for v in spans.values() for s, _, _ in v)
     t1 = max(s + d for v in spans.values() for s, d, _ in v)
     total = max(t1 - t0, 1e-9)
-    return {lane: sum(d for _, d, n in v if not n.startswith("wait")) / total for lane, v in spans.items()}
+
+    def covered(intervals):  # union length: spans of one lane may overlap (several reward workers)
+        length, end = 0.0, -float("inf")
+        for s, d in sorted(intervals):
+            if s + d > end:
+                length += s + d - max(s, end)
+                end = s + d
+        return length
+
+    return {lane: covered([(s, d) for s, d, n in v if not n.startswith("wait")]) / total
+            for lane, v in spans.items()}
 
 
 def plot_timeline(spans: dict, out: str) -> None:

@@ -70,7 +70,9 @@ def test_report_draws_pngs_from_a_run(tiny_run):
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     spans = read_spans(c.run_dir)
-    assert spans, "the timeline holds no spans"
+    assert {"trainer", "sampler", "rewards"} <= set(spans)  # train steps, decode steps, reward work
+    names = {n for v in spans.values() for _, _, n in v}
+    assert {"train_step", "decode_step", "weight_update", "reward", "publish"} <= names
     fractions = busy_fractions(spans)
     assert all(0.0 <= v <= 1.0 for v in fractions.values())
 

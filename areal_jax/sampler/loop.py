@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -90,6 +91,7 @@ class SamplerLoop:
         self._pending = 0
         self._stats = collections.Counter()
         self._state = engine.init_decode_state()
+        self.timeline: Any = None  # an areal_jax.metrics.Timeline to record decode steps and updates into
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
         self._thread.start()
         _LIVE_LOOPS.add(self)
@@ -235,12 +237,19 @@ class SamplerLoop:
         self._out.append(completion)
         self._cond.notify_all()
 
+    def _span(self, name: str, **args: Any):
+        """A timeline span on the "sampler" lane when a timeline is attached (`loop.timeline = ...`)."""
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(name, lane="sampler", **args)
+
     def _run(self) -> None:
         try:
             while self._wait_for_work():
                 self._between_steps()
                 if self._running:
-                    self._step()
+                    with self._span("decode_step", running=len(self._running)):
+                        self._step()
             self._interrupt_all()
         except BaseException as exc:  # surfaced to the caller by _raise_if_failed
             with self._cond:
@@ -269,10 +278,13 @@ class SamplerLoop:
             update, self._pending_update = self._pending_update, None
             aborts, self._aborts = self._aborts, set()
         if update is not None:
-            self._apply_update(*update)
+            with self._span("weight_update", version=update[1], recompute=len(self._running)):
+                self._apply_update(*update)
         if aborts:
             self._apply_aborts(aborts)
-        self._admit()
+        if self._queue and self._free:
+            with self._span("admit_prefill"):
+                self._admit()
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         run = self._running.pop(slot)

@@ -201,6 +201,8 @@ class RolloutController:
     def _drain_rewards(self) -> int:
         results = self.rewards.results(timeout=0.0)
         for r in results:
+            if self.timeline is not None:  # the time the reward function ran in its worker
+                self.timeline.complete("reward", r.seconds, lane="rewards", status=r.status)
             gid, idx = r.key
             self._record_reward(gid, idx, float(r.reward), r.status)
         return len(results)
