@@ -159,6 +159,23 @@ def _check_keys(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"Unknown config key '{key}'.{hint} Known keys are listed in areal_jax/config.py.")
 
 
+def check_override_flags(argv: list[str]) -> None:
+    """Raise ConfigError for a `--config.x.y=value` command-line override naming an unknown key.
+
+    Runs before flag parsing, whose own error for this case is a stack of KeyError / AttributeError.
+    """
+    known = _flatten(base_config())
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f" Did you mean '--config.{close[0]}'?" if close else ""
+            raise ConfigError(f"Unknown config key in the override '{arg}'.{hint} Known keys are listed in "
+                              "areal_jax/config.py.")
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

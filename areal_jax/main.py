@@ -12,7 +12,7 @@ import traceback
 from absl import app
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Path to a config file (ml_collections).")
+_CONFIG = None  # the --config flag, defined only when this module runs as the program (see the bottom)
 
 
 def format_summary(summary: dict) -> str:
@@ -114,4 +114,12 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from areal_jax.config import ConfigError, check_override_flags
+
+    try:
+        check_override_flags(sys.argv[1:])
+    except ConfigError as e:
+        print(f"Config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Path to a config file (ml_collections).")
     app.run(main)

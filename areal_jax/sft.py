@@ -26,7 +26,7 @@ from absl import app
 from flax import nnx
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_math.py", "SFT config file.")
+_CONFIG = None  # the --config flag, defined only when this module runs as the program (see the bottom)
 
 
 def encode_example(tokenizer: Any, prompt_ids: list[int], target: str) -> tuple[np.ndarray, np.ndarray]:
@@ -156,4 +156,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_math.py", "SFT config file.")
     app.run(main)

@@ -287,3 +287,14 @@ def test_non_finite_gradients_skip_that_update_and_the_run_goes_on(tmp_path, mon
     changed = [not s[1] for i, s in enumerate(seen) if i != 1 and s[3] > 0]
     assert changed and all(changed)  # clean updates with a gradient are applied, before and after
     assert [m["train/skipped_updates"] for m in _metrics(c.run_dir)] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_unknown_key_in_a_command_line_override_is_one_sentence():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "areal_jax.main", "--config=configs/math.py", "--config.train.lrr=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Unknown config key in the override '--config.train.lrr=1'" in proc.stderr
+    assert "Did you mean '--config.train.lr'" in proc.stderr and "Traceback" not in proc.stderr
