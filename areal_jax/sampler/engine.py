@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,30 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
+from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
 from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings, StepResult, default_buckets
-
-
-_CALLER = threading.local()  # the engine whose jitted function runs on this thread
-
-
-def _count_compile(event: str, duration: float, **kwargs: Any) -> None:
-    engine = getattr(_CALLER, "engine", None)
-    if engine is not None and event == "/jax/core/compile/backend_compile_duration":
-        engine._compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-def _model_config(model: nnx.Module) -> ModelConfig:
-    for name in ("config", "cfg"):
-        cfg = getattr(model, name, None)
-        if isinstance(cfg, ModelConfig):
-            return cfg
-    raise TypeError(
-        "Engine could not find the ModelConfig on the model (expected a `config` or `cfg` "
-        "attribute); pass a Transformer or a graphdef together with config=..."
-    )
 
 
 class Engine:
@@ -89,7 +66,7 @@ class Engine:
           prefill_batch: rows per batched prefill call of :meth:`insert_sequences`.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
-            self.config = config or _model_config(model_graphdef_or_model)
+            self.config = config or model_config_of(model_graphdef_or_model)
             self.graphdef, abstract = nnx.split(model_graphdef_or_model)
         else:
             if config is None:
@@ -413,11 +390,8 @@ class Engine:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a jitted function, attributing any compilation it triggers to this engine."""
-        _CALLER.engine = self
-        try:
+        with compiles_counted_for(self):
             return fn(*args)
-        finally:
-            _CALLER.engine = None
 
     @property
     def compile_count(self) -> int:

@@ -26,30 +26,9 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.requests import (Completion, FinishReason, Request, SamplerLoopError, check_same_layout,
-                                        make_completion)
+from areal_jax.sampler.requests import (Completion, FinishReason, Request, SamplerLoopError, _Queued, _Running,
+                                        check_same_layout, make_completion)
 from areal_jax.sampler.sampling import SamplingParams
-from areal_jax.sampler.state import Prefix
-
-@dataclasses.dataclass
-class _Queued:
-    request: Request
-    sampling: SamplingParams
-    next_index: int = 0
-    prefix: Prefix | None = None
-    prefix_version: int = -1
-
-
-@dataclasses.dataclass
-class _Running:
-    request: Request
-    sample_index: int
-    sampling: SamplingParams
-    logits_version: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-
 
 _LIVE_LOOPS: "weakref.WeakSet[SamplerLoop]" = weakref.WeakSet()
 

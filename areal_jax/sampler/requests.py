@@ -8,6 +8,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.sampler.state import Prefix
+
 FinishReason = Literal["stop", "length", "interrupted", "error"]
 
 
@@ -68,3 +71,27 @@ def check_same_layout(current: nnx.State, new: nnx.State) -> None:
             name = jax.tree_util.keystr(path_leaf[0])
             raise ValueError(f"update_params: {name} has shape {b.shape} {b.dtype}, the sampler's model has "
                              f"{a.shape} {a.dtype}; publish params of the same model configuration.")
+
+
+@dataclasses.dataclass
+class _Queued:
+    """A request waiting for slots (the loop's bookkeeping); its prefix is reused across its samples."""
+
+    request: Request
+    sampling: SamplingParams
+    next_index: int = 0
+    prefix: Prefix | None = None
+    prefix_version: int = -1
+
+
+@dataclasses.dataclass
+class _Running:
+    """One sample decoding in a slot: what it produced so far and the version of its next logits."""
+
+    request: Request
+    sample_index: int
+    sampling: SamplingParams
+    logits_version: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
