@@ -220,7 +220,7 @@ class Timeline:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, enabled: bool = True,
-                 max_buffered: int = 2_000, max_events: int = 1_000_000,
+                 max_buffered: int = 256, max_events: int = 1_000_000,
                  process_name: str = "areal_jax") -> None:
         if max_buffered < 1 or max_events < 1:
             raise ValueError("Timeline needs max_buffered >= 1 and max_events >= 1.")
