@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -48,6 +49,16 @@ def rss_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+LOWERINGS = [0]
+LOWERED_NAMES: list[str] = []  # in order, to name what was lowered late
+
+
+def _count_lowering(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        LOWERINGS[0] += 1
+        LOWERED_NAMES.append(str(kwargs.get("fun_name", "?")))
+
+
 @dataclasses.dataclass
 class Sample:
     """One look at the job. Sizes are counts of groups unless named otherwise."""
@@ -56,6 +67,8 @@ class Sample:
     rss_main_mb: float
     rss_workers_mb: float
     py_blocks: int  # Python objects' memory blocks (sys.getallocatedblocks): native memory excluded
+    lowerings: int  # jitted programs lowered so far (a new shape: one-off Python objects for its caches)
+    py_blocks_collected: int | None  # py_blocks right after gc.collect(), at every twentieth of the run
     threads: int
     open_fds: int
     sampler_steps: int
@@ -73,8 +86,10 @@ class Sample:
 class Monitor:
     """Samples a running RLJob from a daemon thread."""
 
-    def __init__(self, job, interval: float):
+    def __init__(self, job, interval: float, collect_every_steps: int = 0):
         self.job, self.interval = job, interval
+        self.collect_every = collect_every_steps
+        self._next_collect = 0
         self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-monitor", daemon=True)
@@ -87,7 +102,14 @@ class Monitor:
         self._stop.set()
         self._thread.join()
 
-    def take(self) -> Sample:
+    def _collected_blocks(self, step: int, final: bool) -> int | None:
+        if not final and (not self.collect_every or step < self._next_collect):
+            return None
+        self._next_collect = (step // max(self.collect_every, 1) + 1) * max(self.collect_every, 1)
+        gc.collect()
+        return sys.getallocatedblocks()
+
+    def take(self, final: bool = False) -> Sample:
         job = self.job
         st = job.sampler.stats()
         busy = st["mean_slot_occupancy"] * st["steps"] * job.engine.num_slots
@@ -100,7 +122,8 @@ class Monitor:
         return Sample(
             t=time.perf_counter(), step=int(job.sampler.current_version), rss_main_mb=rss_mb(),
             rss_workers_mb=sum(rss_mb(p) for p in job.reward_pool.worker_pids()),
-            py_blocks=sys.getallocatedblocks(),
+            py_blocks=sys.getallocatedblocks(), lowerings=LOWERINGS[0],
+            py_blocks_collected=self._collected_blocks(int(job.sampler.current_version), final),
             threads=threading.active_count(), open_fds=len(os.listdir("/proc/self/fd")),
             sampler_steps=int(st["steps"]), busy_slot_steps=busy, occupancy=occ,
             queue_samples=int(st["queue_depth"]), running_slots=int(st["running"]),
@@ -130,6 +153,8 @@ def report(samples: list[Sample], steps: int, wall_s: float, summary: dict, conf
             return 0.0
         return float(np.polyfit([s.step for s in half], values, 1)[0]) * 100
 
+    collected = [s for s in samples if s.py_blocks_collected is not None]
+    collected_rate, covered = heap_growth_between_lowerings([s for s in collected if s.step >= steps // 2])
     b, eta = config.train.batch_groups, config.rollout.max_staleness
     occupancy = [s.occupancy for s in samples if s.step >= 1]
     return {
@@ -139,6 +164,11 @@ def report(samples: list[Sample], steps: int, wall_s: float, summary: dict, conf
         "rss_main_mb_per_100_steps_second_half": round(per_100_steps([s.rss_main_mb for s in half]), 2),
         "py_blocks": {"start": start.py_blocks, "middle": middle.py_blocks, "end": end.py_blocks},
         "py_blocks_per_100_steps_second_half": round(per_100_steps([float(s.py_blocks) for s in half])),
+        "py_blocks_collected": {str(s.step): s.py_blocks_collected for s in collected},
+        "py_blocks_collected_per_100_steps_second_half": collected_rate,
+        "py_blocks_collected_steps_covered": covered,
+        "lowerings": {"start": start.lowerings, "middle": middle.lowerings, "end": end.lowerings},
+        "lowered_second_half": sorted(set(LOWERED_NAMES[middle.lowerings:end.lowerings])),
         "rss_workers_mb": {"start": round(start.rss_workers_mb, 1), "end": round(end.rss_workers_mb, 1)},
         "threads": {"start": start.threads, "end": end.threads, "max": max(s.threads for s in samples)},
         "open_fds": {"start": start.open_fds, "end": end.open_fds, "max": max(s.open_fds for s in samples)},
@@ -158,6 +188,35 @@ def report(samples: list[Sample], steps: int, wall_s: float, summary: dict, conf
     }
 
 
+def heap_growth_between_lowerings(samples: list[Sample]) -> tuple[int | None, int]:
+    """Python heap growth per 100 steps, from heap sizes taken after a full garbage collection.
+
+    Collected sizes leave out the collector's own sawtooth (cyclic garbage waits for a generation-2
+    pass). A jitted function met with a new shape (a packing bucket first used late) adds Python
+    objects once, for its caches, which in a short run on a cold compile cache looks like growth. So
+    the samples are cut into segments at each lowering of a new program, and the rate is the pooled
+    least-squares slope within the segments (each segment keeps its own level): what grows with the
+    number of steps, not the one-off steps. Returns (rate or None, steps covered by the segments).
+    """
+    segments: list[list[Sample]] = []
+    for s in samples:
+        if segments and segments[-1][-1].lowerings == s.lowerings:
+            segments[-1].append(s)
+        else:
+            segments.append([s])
+    sxy = sxx = 0.0
+    covered = 0
+    for seg in segments:
+        if len(seg) < 2:
+            continue
+        x = np.array([s.step for s in seg], float)
+        y = np.array([s.py_blocks_collected for s in seg], float)
+        sxy += float(((x - x.mean()) * (y - y.mean())).sum())
+        sxx += float(((x - x.mean()) ** 2).sum())
+        covered += int(x[-1] - x[0])
+    return (round(100 * sxy / sxx) if sxx > 0 else None), covered
+
+
 def print_table(samples: list[Sample], rows: int = 12) -> None:
     picks = [samples[int(i)] for i in np.linspace(0, len(samples) - 1, min(rows, len(samples)))]
     t0 = samples[0].t
@@ -171,11 +230,14 @@ def print_table(samples: list[Sample], rows: int = 12) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    import jax
+
     from areal_jax.main import enable_compilation_cache
     from areal_jax.system.job import RLJob
     from areal_jax.system.tiny import tiny_config
 
     enable_compilation_cache()
+    jax.monitoring.register_event_duration_secs_listener(_count_lowering)
     work = args.dir or tempfile.mkdtemp(prefix="areal_soak_")
     config = tiny_config(os.path.join(work, "assets"), run_dir=os.path.join(work, "run"), eta=args.eta,
                          steps=args.steps)
@@ -184,24 +246,33 @@ def main(argv: list[str] | None = None) -> dict:
     config.log.tensorboard = False
     config.log.timeline = not args.no_timeline
     job = RLJob(config, log_fn=lambda *a, **k: None)
-    monitor = Monitor(job, args.interval).start()
+    monitor = Monitor(job, args.interval, collect_every_steps=max(1, args.steps // 20)).start()
     t0 = time.perf_counter()
     try:
         summary = job.run()
     finally:
         wall = time.perf_counter() - t0
-        monitor.samples.append(monitor.take())
+        monitor.samples.append(monitor.take(final=True))
         monitor.stop()
         job.close()
+    # After close every thread and file of the job must be gone (during the run, background writers
+    # such as the timeline spool or the metrics log hold a file open for a moment now and then).
+    closed = {"threads": threading.active_count(), "open_fds": len(os.listdir("/proc/self/fd"))}
     print_table(monitor.samples)
     out = report(monitor.samples, args.steps, wall, summary, config)
+    out["threads"]["closed"], out["open_fds"]["closed"] = closed["threads"], closed["open_fds"]
     r = out["rss_main_mb"]
     print(f"RSS main process: start {r['start']} MiB, middle {r['middle']} MiB, end {r['end']} MiB "
           f"({out['rss_main_mb_per_100_steps_second_half']:+.2f} MiB per 100 steps over the second half); "
           f"{out['steps']} steps in {out['wall_s']} s, occupancy mean {out['occupancy']['mean']}")
     b = out["py_blocks"]
     print(f"Python heap blocks: start {b['start']}, middle {b['middle']}, end {b['end']} "
-          f"({out['py_blocks_per_100_steps_second_half']:+d} per 100 steps over the second half)")
+          f"({out['py_blocks_per_100_steps_second_half']:+d} per 100 steps over the second half); after a full "
+          f"collection: {out['py_blocks_collected']} by step, "
+          f"{out['py_blocks_collected_per_100_steps_second_half']} per 100 steps over the second half "
+          f"(over the {out['py_blocks_collected_steps_covered']} steps in which no new program was lowered); "
+          f"{out['lowerings']['end'] - out['lowerings']['middle']} programs lowered in the second half "
+          f"{out['lowered_second_half']}")
     print(json.dumps(out))
     return out
 

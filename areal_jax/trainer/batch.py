@@ -106,7 +106,10 @@ class Trajectory:
 
 
 def _padded(arrays: Sequence[np.ndarray], fill, dtype) -> np.ndarray:
-    width = max(a.size for a in arrays)
+    """[N, W] with W the longest length rounded up to a power of two (at least 16): the staleness
+    functions run eagerly here, and each new shape would lower and compile their programs again
+    (a new maximum completion length nearly every update otherwise)."""
+    width = max(16, 1 << (max(a.size for a in arrays) - 1).bit_length())
     out = np.full((len(arrays), width), fill, dtype)
     for i, a in enumerate(arrays):
         out[i, : a.size] = a
