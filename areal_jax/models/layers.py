@@ -234,6 +234,22 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """Contract the last `n_in` axes of x with the first `n_in` axes of w, as one 2-D matmul.
+
+    x: [..., *w.shape[:n_in]]; w: [*in, *out]. Returns [..., *out]. Tokens are flattened into rows and
+    the weight into a matrix first: the same product as the einsum, but XLA's CPU backend then picks
+    layouts whose backward needs no transposing copies (the MLP's forward + backward ran 1.8x faster
+    at the benchmark size than with 3-D einsums); on accelerators it is the same dot.
+    """
+    lead, k_shape, out_shape = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    if x.shape[x.ndim - n_in:] != k_shape:
+        raise ValueError(f"dense: x {x.shape} does not end in w's input axes {k_shape} (w {w.shape}).")
+    k = math.prod(k_shape)
+    y = x.reshape(-1, k) @ w.reshape(k, -1)
+    return y.reshape(*lead, *out_shape)
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped key/value heads, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
 
@@ -258,7 +274,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def _project(self, x: jax.Array, w: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype))
+        y = dense(x, w[...].astype(self.dtype))
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -272,7 +288,7 @@ class Attention(nnx.Module):
 
     def out(self, attn: jax.Array) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D]."""
-        return jnp.einsum("bthk,hkd->btd", attn, self.o_proj[...].astype(self.dtype))
+        return dense(attn, self.o_proj[...].astype(self.dtype), n_in=2)
 
 
 class MLP(nnx.Module):
@@ -287,9 +303,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
-        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
-        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+        gate = dense(x, self.gate_proj[...].astype(self.dtype))
+        up = dense(x, self.up_proj[...].astype(self.dtype))
+        return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
 
 
 class DecoderLayer(nnx.Module):

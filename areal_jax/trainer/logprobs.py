@@ -43,7 +43,9 @@ def chunked_logprobs(
     @jax.checkpoint
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h_c, t_c = args
-        logits = jnp.einsum("bcd,dv->bcv", h_c, w, preferred_element_type=jnp.float32)
+        # Rows flattened to one 2-D matmul (see models.layers.dense: XLA:CPU's backward then needs no
+        # transposing copies).
+        logits = jnp.matmul(h_c.reshape(-1, d), w, preferred_element_type=jnp.float32).reshape(*h_c.shape[:2], -1)
         logp = token_logprobs(logits, t_c)
         if with_entropy:
             ent = token_entropy(logits, jnp.ones(t_c.shape, bool))
