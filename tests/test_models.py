@@ -83,6 +83,30 @@ def test_packed_row_equals_sequences_alone(arch):
         off += lens[i]
 
 
+def test_long_packed_row_uses_blocked_attention_and_equals_sequences_alone():
+    # A 384-token row takes the blocked path (models.blocked_attention: 128-token blocks, key blocks no
+    # query may see skipped); each sequence alone (<= 150 tokens) takes dense attention.
+    from areal_jax.models.blocked_attention import attention_block
+
+    cfg = tiny_config("qwen2")
+    model = random_model(cfg, seed=3)
+    state, full, _ = _jitted(model)
+    rng = np.random.default_rng(4)
+    lens, pad = [100, 150, 60, 50], 24
+    t = sum(lens) + pad
+    assert attention_block(t) == 128 and all(attention_block(n) is None for n in lens)
+    seqs = [rng.integers(0, cfg.vocab_size, n) for n in lens]
+    tokens = np.concatenate(seqs + [np.zeros(pad, np.int64)])[None]
+    positions = np.concatenate([np.arange(n) for n in lens] + [np.arange(pad)])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(pad, np.int64)])[None]
+    packed = full(state, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                  jnp.asarray(segments, jnp.int32))
+    starts = np.cumsum([0] + lens)
+    for i, s in enumerate(seqs):
+        alone = np.asarray(model(jnp.asarray(s[None], jnp.int32)))[0]
+        np.testing.assert_allclose(packed[0, starts[i]:starts[i + 1]], alone, atol=1e-5, rtol=0)
+
+
 def test_default_positions_and_segments():
     cfg = tiny_config("qwen3")
     model = random_model(cfg)

@@ -41,3 +41,69 @@ def test_chunked_cache_attention_matches_reference(chunk, t, kv):
     want = reference(q, kc, vc, 1, positions)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     assert np.all(np.asarray(got)[positions < 0] == 0)  # a query before the start attends nothing
+
+
+def packed_reference(q, k, v, seg):
+    """float64 loop: query i of a row attends keys j <= i with the same segment id."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    out = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for ti in range(t):
+            keys = [j for j in range(ti + 1) if seg[bi, j] == seg[bi, ti]]
+            for hi in range(h):
+                kh = hi // (h // kv)
+                scores = k[bi, keys, kh].astype(np.float64) @ q[bi, ti, hi].astype(np.float64) / np.sqrt(d)
+                w = np.exp(scores - scores.max())
+                out[bi, ti, hi] = (w / w.sum()) @ v[bi, keys, kh].astype(np.float64)
+    return out
+
+
+def _segments(t, lengths):
+    out = np.zeros(t, np.int32)  # trailing padding keeps id 0 (it attends earlier padding, like packed_mask)
+    p = 0
+    for i, n in enumerate(lengths):
+        out[p:p + n] = i + 1
+        p += n
+    return out
+
+
+def test_blocked_attention_matches_loop_reference_and_dense_gradients():
+    import jax
+
+    from areal_jax.models import blocked_attention as ba
+    from areal_jax.models.layers import dot_attention
+    from areal_jax.models.transformer import packed_mask
+
+    rng = np.random.default_rng(7)
+    b, t, h, kv, d, block = 3, 12, 4, 2, 8, 4
+    # row 0: short sequences, so the pairs (2, 0), (1, 0) and (2, 1) of 4-token blocks can all be skipped
+    # for it; row 1: one long sequence (nothing skipped); row 2: sequences crossing block edges + padding.
+    seg = np.stack([_segments(t, [4, 4, 4]), _segments(t, [12]), _segments(t, [3, 6, 1])])
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+    k = rng.normal(size=(b, t, kv, d)).astype(np.float32)
+    v = rng.normal(size=(b, t, kv, d)).astype(np.float32)
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    got = ba.blocked_attention(*args, jnp.asarray(seg), block)
+    np.testing.assert_allclose(np.asarray(got), packed_reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
+    only_short = ba.blocked_attention(*(x[:1] for x in args), jnp.asarray(seg[:1]), block)  # every skip taken
+    np.testing.assert_allclose(np.asarray(only_short), packed_reference(q[:1], k[:1], v[:1], seg[:1]),
+                               rtol=1e-5, atol=1e-5)
+
+    def loss(fn):
+        return lambda q_, k_, v_: jnp.sum(jnp.sin(fn(q_, k_, v_)) * jnp.arange(t)[None, :, None, None])
+
+    g_blocked = jax.grad(loss(lambda *a: ba.blocked_attention(*a, jnp.asarray(seg), block)), (0, 1, 2))(*args)
+    g_dense = jax.grad(loss(lambda *a: dot_attention(*a, packed_mask(jnp.asarray(seg)))), (0, 1, 2))(*args)
+    for x, y in zip(g_blocked, g_dense):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_block_choice():
+    from areal_jax.models.blocked_attention import attention_block
+
+    assert attention_block(256) is None  # two blocks of 128: dense attention
+    assert attention_block(384) == 128 and attention_block(1024) == 128
+    assert attention_block(4096) == 512  # at most 8 blocks per row
+    assert attention_block(3 * 2 ** 11) == 768
+    assert attention_block(400) is None  # not a multiple of the block

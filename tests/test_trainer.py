@@ -10,6 +10,7 @@ from areal_jax.models.testing import random_model, tiny_config
 from areal_jax.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, token_entropy
 from areal_jax.system.mesh import MeshConfig, build_meshes
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+from areal_jax.trainer import batch as batching
 
 VOCAB = 97
 
@@ -64,6 +65,25 @@ def test_update_on_4_devices_matches_one_device():
     leaf = jax.tree.leaves(four.params)[0]
     assert len(leaf.sharding.device_set) == 4
     assert four.version == 1 and one.version == 1
+
+
+@pytest.mark.slow
+def test_update_with_blocked_attention_rows_on_4_devices_matches_one_device():
+    # Rows of 384 tokens take the blocked attention path (its run-time block skipping included), whose
+    # skip decision spans the rows of every device; the sharded update must still equal one device's.
+    from areal_jax.models.blocked_attention import attention_block
+
+    cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=768, logits_chunk=64)
+    trajs = make_trajs(12, seed=5, max_len=300)
+    assert attention_block(batching.row_length(max(t.packed_len for t in trajs), 768)) == 128
+    model = random_model(tiny_config(), seed=4)
+    one, four = Trainer(model, cfg, mesh_1()), Trainer(model, cfg, mesh_4())
+    before = jax.device_get(one.params)
+    m1, m4 = one.update(trajs), four.update(trajs)
+    p1, p4 = jax.device_get(one.params), jax.device_get(four.params)
+    assert tree_rel_err(p4, p1) < 1e-5
+    assert tree_rel_err(p1, before) > 1e-4
+    assert abs(m1["loss"] - m4["loss"]) < 1e-5
 
 
 def padded_reference(model, ref_model, trajs, cfg, behav_weight_cap=None):

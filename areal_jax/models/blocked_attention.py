@@ -1,0 +1,89 @@
+"""Attention over packed rows that skips the key blocks no query of a block may see.
+
+A packed training row holds several sequences; a query attends only earlier keys of its own sequence.
+Dense attention over a row of T tokens costs T^2 per head however short the sequences are. Here the row
+is cut into n blocks of `block` tokens and query block i visits key blocks j <= i (causality removes
+the others statically); an off-diagonal pair (i, j) whose segment-and-causal mask is empty for every
+row of the micro-batch is skipped at run time (`lax.cond`). Visited blocks are combined with an online
+softmax (running max, running sum), so the result equals `layers.dot_attention` up to float rounding,
+and so do the gradients (the backward pass takes the same branches).
+
+Which blocks are visited depends only on the segment ids, so every layer takes the same branches.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.models.layers import MASK_VALUE, _group_queries
+
+MIN_BLOCK = 128  # tokens per block at the least; a row of T tokens uses max(MIN_BLOCK, T // MAX_BLOCKS)
+MAX_BLOCKS = 8  # blocks per row at the most: n (n + 1) / 2 block pairs are unrolled into the program
+
+
+def attention_block(t: int) -> int | None:
+    """Block size for a row of `t` tokens, or None where blocking gains nothing (a row of at most two
+    minimum blocks, or a length the block does not divide): then dense attention is used."""
+    block = max(MIN_BLOCK, t // MAX_BLOCKS)
+    if t % block or t // block < 3:
+        return None
+    return block
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int) -> jax.Array:
+    """Grouped-query attention of packed rows, visiting only the key blocks some query may attend.
+
+    q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both have
+    the same id, as `transformer.packed_mask`); block: tokens per block, dividing T. Every query must be
+    able to attend itself (true of that mask), so no row is left without keys.
+    Returns [B, T, H, Dh] in q's dtype, float32 softmax like `layers.dot_attention`.
+    """
+    b, t, h, dh = q.shape
+    if t % block:
+        raise ValueError(f"blocked_attention: block {block} does not divide the row length {t}.")
+    kv = k.shape[2]
+    n = t // block
+    qg = _group_queries(q, kv)  # [B, T, K, G, Dh]
+    g = qg.shape[3]
+    scale = np.float32(1.0 / math.sqrt(dh))
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    tri = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+
+    def pair_mask(i: int, j: int) -> jax.Array:  # [B, block, block] bool
+        same = seg[:, i * block:(i + 1) * block, None] == seg[:, None, j * block:(j + 1) * block]
+        return same & tri[None] if i == j else same
+
+    outs = []
+    for i in range(n):
+        q_i = qg[:, i * block:(i + 1) * block]  # [B, bq, K, G, Dh]
+        carry = (
+            jnp.full((b, kv, g, block), MASK_VALUE, jnp.float32),  # running max
+            jnp.zeros((b, kv, g, block), jnp.float32),  # running sum of exp
+            jnp.zeros((b, kv, g, block, dh), jnp.float32),  # running weighted values
+        )
+        for j in range(i + 1):
+            k_j = k[:, j * block:(j + 1) * block]
+            v_j = v[:, j * block:(j + 1) * block]
+            mask = pair_mask(i, j)
+
+            def visit(c, q_i=q_i, k_j=k_j, v_j=v_j, mask=mask):
+                m, l, acc = c
+                s = jnp.einsum("btkgd,bskd->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+                s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                p = jnp.exp(s - m_new[..., None])
+                keep = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32)
+                return m_new, l * keep + p.sum(axis=-1), acc * keep[..., None] + pv
+
+            if i == j:  # the diagonal block holds every query itself
+                carry = visit(carry)
+            else:
+                carry = jax.lax.cond(mask.any(), visit, lambda c: c, carry)
+        _, l, acc = carry
+        out = acc / l[..., None]  # [B, K, G, bq, Dh]
+        outs.append(out.transpose(0, 3, 1, 2, 4).reshape(b, block, h, dh))
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
