@@ -102,6 +102,7 @@ def test_blocked_attention_matches_loop_reference_and_dense_gradients():
 def test_attention_block_choice():
     from areal_jax.models.blocked_attention import attention_block
 
+    assert attention_block(384, backend="gpu") is None and attention_block(384, backend="tpu") is None
     assert attention_block(256) is None  # two blocks of 128: dense attention
     assert attention_block(384) == 128 and attention_block(1024) == 128
     assert attention_block(4096) == 512  # at most 8 blocks per row
