@@ -101,10 +101,23 @@ def run(config) -> dict:
     return summary
 
 
+def quiet_library_logs() -> None:
+    """Keep libraries' INFO records (orbax writes about ten per checkpoint) off the console unless a
+    verbosity was asked for on the command line (--verbosity=0 or -v 0 brings them back); warnings and
+    errors still show. The run's own progress lines are printed, not logged, so they are unaffected."""
+    from absl import flags
+    from absl import logging as absl_logging
+
+    if "verbosity" in flags.FLAGS and not flags.FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     from areal_jax.config import ConfigError
+
+    quiet_library_logs()
 
     try:
         run(_CONFIG.value)

@@ -152,6 +152,9 @@ def run(c: Any) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    from areal_jax.main import quiet_library_logs
+
+    quiet_library_logs()
     run(_CONFIG.value)
 
 

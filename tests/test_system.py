@@ -5,6 +5,7 @@ and the trainer version that trained it), not from the code paths that produce t
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,8 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_same_data_order(tmp
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from checkpoint step" in resumed.stdout + resumed.stderr
+    # Libraries' INFO records (orbax: ~10 per checkpoint) stay off the console without --verbosity.
+    assert not re.search(r"^I\d{4} ", resumed.stdout + resumed.stderr, re.M), resumed.stderr[-2000:]
     ref, got = _samples(ref_dir), _samples(run_dir)
     assert [r["uid"] for r in got] == [r["uid"] for r in ref]  # same data order, nothing twice or lost
     assert [r["trained_version"] for r in got] == list(np.repeat(np.arange(steps), 2))
