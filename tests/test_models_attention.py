@@ -108,3 +108,14 @@ def test_attention_block_choice():
     assert attention_block(4096) == 512  # at most 8 blocks per row
     assert attention_block(3 * 2 ** 11) == 768
     assert attention_block(400) is None  # not a multiple of the block
+
+
+def test_cpu_cache_chunks_split_the_cache_evenly():
+    from areal_jax.models.layers import CPU_CACHE_CHUNK, cache_chunk_size
+
+    for max_len in range(1, 3000):
+        c = cache_chunk_size(max_len, backend="cpu")
+        assert 1 <= c <= min(max_len, CPU_CACHE_CHUNK)
+        assert -(-max_len // c) == -(-max_len // CPU_CACHE_CHUNK)  # no more loop steps than 128-position chunks
+    assert cache_chunk_size(176, backend="cpu") == 88 and cache_chunk_size(1024, backend="cpu") == 128
+    assert cache_chunk_size(176, backend="gpu") == 176
