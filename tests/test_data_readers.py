@@ -18,6 +18,7 @@ def _write_lines(path, lines):
 @pytest.mark.parametrize("bad_line, reason", [
     ('{"question": "q", "answer": "#### 1"', "invalid JSON"),
     ('{"answer": "#### 1"}', "field 'question' is missing"),
+    ('{"question": null, "answer": "#### 1"}', "field 'question' is null"),
     ('{"question": 17, "answer": "#### 1"}', "field 'question' must be a string, got int"),
     ('{"question": "q", "answer": ["#### 1"]}', "field 'answer' must be a string or a number, got list"),
     ('{"question": "   ", "answer": "#### 1"}', "field 'question' is empty"),
@@ -55,7 +56,7 @@ def test_parquet_errors_and_skip(tmp_path):
                              "solution": ["#### 1", "#### 2,000", "#### 3", None]}), path)
     with pytest.raises(ValueError) as err:
         read_parquet(path, question_field="problem", answer_field="solution")
-    assert path in str(err.value) and "row index 2: field 'problem' is missing" in str(err.value)
+    assert path in str(err.value) and "row index 2: field 'problem' is null" in str(err.value)
     records, stats = read_parquet(path, question_field="problem", answer_field="solution", on_bad_row="skip")
     assert [(r.row, r.answer) for r in records] == [(0, "1"), (1, "2000")] and stats.bad_rows_skipped == 2
     with pytest.raises(ValueError, match=r"column\(s\) \['question'\] missing .*'problem', 'solution'"):

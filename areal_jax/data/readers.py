@@ -70,10 +70,12 @@ def extract_reference_answer(answer: str, answer_format: str = "auto") -> str:
 
 
 def _text_field(row: dict[str, Any], field: str, *, numbers_ok: bool) -> str:
-    if field not in row or row[field] is None:
+    if field not in row:
         present = ", ".join(repr(k) for k in list(row)[:10])
         raise _BadRow(f"field {field!r} is missing (fields present: {present or 'none'}); pass "
                       f"question_field/answer_field to name the right ones")
+    if row[field] is None:
+        raise _BadRow(f"field {field!r} is null; give it a value or drop the row")
     value = row[field]
     if isinstance(value, str):
         if not value.strip():
