@@ -111,6 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.log.every_steps = 1
     c.log.tensorboard = True
     c.log.timeline = True
+    c.log.timeline_max_events = 1_000_000  # kept in timeline.json (spooled to disk, ~150 bytes each); later ones are counted
     c.log.console = True
     c.log.param_digests = False  # record params fingerprints per step (multi-process checks)
 
@@ -247,6 +248,9 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     _require(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s} must be positive.")
     _require(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1.")
     _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end).")
+    _require(config.log.timeline_max_events >= 1,
+             f"log.timeline_max_events={config.log.timeline_max_events} must be >= 1 (set log.timeline=False to "
+             "record no timeline).")
     m = config.mesh
     if m.train_fraction is not None:
         _require(0 < m.train_fraction < 1, f"mesh.train_fraction={m.train_fraction} must lie in (0, 1).")

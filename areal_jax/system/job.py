@@ -102,7 +102,8 @@ class RLJob:
         )
         self.channel.deliver = self.sampler.update_params
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
-        self.timeline = metrics.Timeline(os.path.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline)
+        self.timeline = metrics.Timeline(os.path.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline,
+                                         max_events=c.log.get("timeline_max_events", 1_000_000))
         self.sampler.timeline = self.timeline
         # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
         # before it takes samples, so sympy's import never counts against a sample's timeout.
