@@ -47,7 +47,7 @@ def test_soak_600_steps_holds_bounded_state(tmp_path):
     assert m["ctl_in_flight"] <= bound and m["buffer_ready"] <= bound and m["buffer_generating"] <= bound
     for key in ("queue_samples", "uncollected", "reward_pending"):
         assert m[key] <= bound * group_size, (key, m)
-    assert out["py_blocks_collected_steps_covered"] >= steps // 4, out["py_blocks_collected"]
+    assert out["py_blocks_collected_steps_covered"] >= steps // 6, out["py_blocks_collected"]
     assert out["py_blocks_collected_per_100_steps_second_half"] < 10_000, (
         out["py_blocks_collected"], out["lowered_second_half"])
     assert out["rss_main_mb"]["end"] - out["rss_main_mb"]["start"] < 512, out["rss_main_mb"]
