@@ -12,8 +12,7 @@ from areal_jax.models.testing import random_model, tiny_config
 
 
 def _mesh(axis_type=AxisType.Auto):
-    if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 CPU devices)")
+    assert len(jax.devices()) >= 4, "needs 4 devices: tests/conftest.py forces 4 CPU devices; run through pytest"
     return jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(axis_type, axis_type))
 
 
