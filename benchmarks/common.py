@@ -1,4 +1,4 @@
-"""Pieces every benchmark shares: the machine's matmul peak and the model-size flags."""
+"""Pieces every benchmark shares: the machine's matmul peak, the model-size flags and the model they give."""
 from __future__ import annotations
 
 import argparse
@@ -30,3 +30,15 @@ def add_model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--vocab", type=int, default=4096)
     return p
+
+
+def model_config(args: argparse.Namespace, **overrides):
+    """The Qwen2-style benchmark model sized by `add_model_args`'s flags (no EOS: lengths are forced).
+    `overrides` (e.g. max_position_embeddings, dtype) replace the defaults."""
+    from areal_jax.models import testing
+
+    fields = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                  head_dim=args.hidden // args.heads, max_position_embeddings=4096, eos_token_id=None)
+    fields.update(overrides)
+    return testing.tiny_config("qwen2", **fields)

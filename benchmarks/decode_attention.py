@@ -29,7 +29,7 @@ from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, testing
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
-from common import add_model_args, matmul_peak_gflops
+from common import add_model_args, matmul_peak_gflops, model_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -139,10 +139,7 @@ def check_agreement(err: float, reference: np.ndarray, rel_tol: float, what: str
 def main() -> None:
     args = parse_args()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    cfg = testing.tiny_config(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        max_position_embeddings=max(4096, max(args.cache_lens)), eos_token_id=None, dtype=dtype, param_dtype=dtype)
+    cfg = model_config(args, max_position_embeddings=max(4096, max(args.cache_lens)), dtype=dtype, param_dtype=dtype)
     model = testing.random_model(cfg, seed=args.seed)
     graphdef, params = nnx.split(model)
 

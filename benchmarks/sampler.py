@@ -28,7 +28,7 @@ from flax import nnx
 
 from areal_jax.models import load_hf_checkpoint, testing
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
-from common import add_model_args, matmul_peak_gflops
+from common import add_model_args, matmul_peak_gflops, model_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -146,11 +146,7 @@ def run_hf(path: str, prompts, lengths, batch: int, seed: int) -> float:
 
 def main() -> None:
     args = parse_args()
-    cfg = testing.tiny_config(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=4096, eos_token_id=None,
-    )
+    cfg = model_config(args)
     prompts, lengths = make_workload(args, cfg.vocab_size)
     total_tokens = sum(lengths)
     flops = workload_flops(cfg, prompts, lengths)

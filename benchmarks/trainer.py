@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from areal_jax.models import load_hf_checkpoint, testing
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
-from common import add_model_args, matmul_peak_gflops
+from common import add_model_args, matmul_peak_gflops, model_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,11 +151,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     args = parse_args()
-    cfg = testing.tiny_config(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=4096, eos_token_id=None,
-    )
+    cfg = model_config(args)
     trajs = make_batch(args, cfg.vocab_size)
     tokens = sum(t.packed_len for t in trajs)
     fwd = forward_flops(cfg, trajs)

@@ -212,15 +212,19 @@ def _check_samples(rows: list[dict]) -> None:
         assert r["admit_version"] <= r["min_token_version"] <= r["max_token_version"] <= r["trained_version"], r
 
 
-@pytest.mark.slow
-def test_kill9_at_seeded_moments_then_resume_matches_uninterrupted_run(tmp_path):
-    t_start = time.monotonic()
+def _workspace(tmp_path, run_name: str) -> tuple[str, str, str, str, str]:
+    """The driver script written out, and the assets, logs, reference-run and interrupted-run paths."""
     driver = str(tmp_path / "driver.py")
     with open(driver, "w") as f:
         f.write(DRIVER)
-    assets, logs = str(tmp_path / "assets"), str(tmp_path / "logs")
-    ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
-    os.makedirs(logs)
+    os.makedirs(tmp_path / "logs")
+    return driver, str(tmp_path / "assets"), str(tmp_path / "logs"), str(tmp_path / "reference"), str(tmp_path / run_name)
+
+
+@pytest.mark.slow
+def test_kill9_at_seeded_moments_then_resume_matches_uninterrupted_run(tmp_path):
+    t_start = time.monotonic()
+    driver, assets, logs, ref_dir, run_dir = _workspace(tmp_path, "killed")
 
     ref = Launch(driver, ref_dir, assets, -1, logs)
     assert ref.finish(timeout=300) == 0, open(ref.log.name).read()[-3000:]
@@ -282,12 +286,7 @@ def test_kill9_at_seeded_moments_then_resume_matches_uninterrupted_run(tmp_path)
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_cleanly_then_resume_matches_uninterrupted_run(tmp_path):
     steps = 6
-    driver = str(tmp_path / "driver.py")
-    with open(driver, "w") as f:
-        f.write(DRIVER)
-    assets, logs = str(tmp_path / "assets"), str(tmp_path / "logs")
-    ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "stopped")
-    os.makedirs(logs)
+    driver, assets, logs, ref_dir, run_dir = _workspace(tmp_path, "stopped")
     ref = Launch(driver, ref_dir, assets, -1, logs, steps=steps)
     assert ref.finish(timeout=300) == 0
 
