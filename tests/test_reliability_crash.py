@@ -218,7 +218,8 @@ def _workspace(tmp_path, run_name: str) -> tuple[str, str, str, str, str]:
     with open(driver, "w") as f:
         f.write(DRIVER)
     os.makedirs(tmp_path / "logs")
-    return driver, str(tmp_path / "assets"), str(tmp_path / "logs"), str(tmp_path / "reference"), str(tmp_path / run_name)
+    paths = (tmp_path / "assets", tmp_path / "logs", tmp_path / "reference", tmp_path / run_name)
+    return (driver, *map(str, paths))
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ row of the micro-batch is skipped at run time (`lax.cond`). Visited blocks are c
 softmax (running max, running sum), so the result equals `layers.dot_attention` up to float rounding,
 and so do the gradients (the backward pass takes the same branches).
 
-Which blocks are visited depends only on the segment ids, so every layer takes the same branches.
+Which blocks are visited depends only on the segment ids, so the model computes the block masks once
+(`block_masks`) and every layer takes the same branches.
 """
 from __future__ import annotations
 
@@ -43,11 +44,29 @@ def attention_block(t: int, backend: str | None = None) -> int | None:
     return block
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int) -> jax.Array:
+def block_masks(segment_ids: jax.Array, block: int) -> dict[tuple[int, int], tuple[jax.Array, jax.Array]]:
+    """For each block pair (i, j), j <= i, of rows cut into `block`-token blocks: the [B, block, block]
+    mask (i attends j iff j <= i and both have the same segment id, as `transformer.packed_mask`) and
+    whether any query of the micro-batch may attend that block (a scalar bool)."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    n = seg.shape[1] // block
+    tri = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+    out = {}
+    for i in range(n):
+        for j in range(i + 1):
+            same = seg[:, i * block:(i + 1) * block, None] == seg[:, None, j * block:(j + 1) * block]
+            mask = same & tri[None] if i == j else same
+            out[i, j] = (mask, mask.any())
+    return out
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int,
+                      masks: dict[tuple[int, int], tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
     """Grouped-query attention of packed rows, visiting only the key blocks some query may attend.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both have
-    the same id, as `transformer.packed_mask`); block: tokens per block, dividing T. Every query must be
+    the same id, as `transformer.packed_mask`); block: tokens per block, dividing T; masks: `block_masks`
+    of those segment ids, when the caller shares them between layers. Every query must be
     able to attend itself (true of that mask), so no row is left without keys.
     Returns [B, T, H, Dh] in q's dtype, float32 softmax like `layers.dot_attention`.
     """
@@ -59,12 +78,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     qg = _group_queries(q, kv)  # [B, T, K, G, Dh]
     g = qg.shape[3]
     scale = np.float32(1.0 / math.sqrt(dh))
-    seg = jnp.asarray(segment_ids, jnp.int32)
-    tri = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
-
-    def pair_mask(i: int, j: int) -> jax.Array:  # [B, block, block] bool
-        same = seg[:, i * block:(i + 1) * block, None] == seg[:, None, j * block:(j + 1) * block]
-        return same & tri[None] if i == j else same
+    masks = block_masks(segment_ids, block) if masks is None else masks
 
     outs = []
     for i in range(n):
@@ -77,7 +91,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         for j in range(i + 1):
             k_j = k[:, j * block:(j + 1) * block]
             v_j = v[:, j * block:(j + 1) * block]
-            mask = pair_mask(i, j)
+            mask, any_visible = masks[i, j]
 
             def visit(c, q_i=q_i, k_j=k_j, v_j=v_j, mask=mask):
                 m, l, acc = c
@@ -92,7 +106,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
             if i == j:  # the diagonal block holds every query itself
                 carry = visit(carry)
             else:
-                carry = jax.lax.cond(mask.any(), visit, lambda c: c, carry)
+                carry = jax.lax.cond(any_visible, visit, lambda c: c, carry)
         _, l, acc = carry
         out = acc / l[..., None]  # [B, K, G, bq, Dh]
         outs.append(out.transpose(0, 3, 1, 2, 4).reshape(b, block, h, dh))

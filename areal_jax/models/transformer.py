@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.blocked_attention import attention_block, blocked_attention
+from areal_jax.models.blocked_attention import attention_block, block_masks, blocked_attention
 from areal_jax.models.layers import (DecoderLayer, RMSNorm, cached_attention, dot_attention, make_param, rope_cos_sin,
                                      rope_inv_freq)
 
@@ -112,6 +112,7 @@ class Transformer(nnx.Module):
                 raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected {(b, t)} like tokens.")
             block = attention_block(t)
             mask = None if block else packed_mask(segment_ids)
+            masks = block_masks(segment_ids, block) if block else None  # shared by every layer
 
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
@@ -123,7 +124,7 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
             if cache is None:
-                attn = blocked_attention(q, k, v, segment_ids, block) if block else dot_attention(q, k, v, mask)
+                attn = blocked_attention(q, k, v, segment_ids, block, masks) if block else dot_attention(q, k, v, mask)
             else:
                 k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
                 v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
