@@ -65,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_concurrent = ml_collections.config_dict.placeholder(int)  # groups in flight
     c.rollout.filter_uniform_groups = False  # DAPO dynamic sampling
     c.rollout.advantage_mode = "grpo"  # grpo | dr_grpo | rloo
+    c.rollout.param_dtype = "same"  # sampler weights: same (as the trainer's) | float32 | bfloat16 (cast on device)
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_groups = 16  # B: groups (prompts) per update
@@ -130,6 +131,7 @@ _CHOICES = {
     "data.on_bad_row": ("error", "skip"),
     "rollout.on_update": ("recompute", "continue"),
     "rollout.advantage_mode": ("grpo", "dr_grpo", "rloo"),
+    "rollout.param_dtype": ("same", "float32", "bfloat16"),
     "train.schedule": ("constant", "cosine"),
     "train.loss": ("decoupled", "ppo"),
     "train.behav_weight_mode": ("mask", "clamp"),

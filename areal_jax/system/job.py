@@ -89,8 +89,10 @@ class RLJob:
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
         meta = self._maybe_resume()
 
+        sampler_dtype = c.rollout.get("param_dtype", "same")
         self.channel = ParamChannel.for_model(
-            self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh
+            self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh,
+            dtype=None if sampler_dtype == "same" else build.DTYPES[sampler_dtype],
         )
         rollout_params = self.channel.reshard(self.trainer.params)
         self.engine = Engine(

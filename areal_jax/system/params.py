@@ -12,6 +12,11 @@ Two hazards shape the implementation:
   gathered to a fully replicated layout with the train mesh's own collectives (one jitted identity with
   replicated out_shardings), after which every process holds a whole copy on its local train devices and
   copies it device-to-device onto its rollout slice.
+
+Sampler precision: with `dtype=jnp.bfloat16` the channel hands the sampler bf16 weights cast from the
+float32 train weights on the device, inside the same jitted program that copies (or gathers) them; the
+cast happens before any cross-device move, so a split hand-off also moves half the bytes. Nothing goes
+through the host. Integer leaves and leaves already in `dtype` are copied unchanged.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import logical_to_mesh_sharding
@@ -30,6 +36,19 @@ def _is_fully_addressable(tree: Any) -> bool:
     return all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
 
 
+def cast_floating(tree: Any, dtype: Any | None) -> Any:
+    """Cast every floating-point leaf of `tree` to `dtype` (None: unchanged); traced inside jit, so the
+    cast runs on the device that holds the leaf. Other leaves (ints, bools) pass through."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Total bytes of the arrays (or ShapeDtypeStructs) in `tree`."""
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
 class ParamChannel:
     """Reshard published params onto the rollout mesh and deliver them to a consumer.
 
@@ -37,6 +56,8 @@ class ParamChannel:
       rollout_shardings: pytree of NamedSharding (same structure as the params) on the rollout mesh.
       train_mesh: the trainer's mesh; needed when the params are not fully addressable (many hosts).
       deliver: called as `deliver(params_on_rollout, version)`, typically `SamplerLoop.update_params`.
+      dtype: the sampler's parameter dtype (e.g. jnp.bfloat16); floating leaves are cast on the device.
+        None keeps the published dtype.
     """
 
     def __init__(
@@ -45,8 +66,10 @@ class ParamChannel:
         *,
         train_mesh: Mesh | None = None,
         deliver: Callable[[Any, int], None] | None = None,
+        dtype: Any | None = None,
     ):
         self.rollout_shardings = rollout_shardings
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.train_mesh = train_mesh
         self.deliver = deliver
         self._lock = threading.Lock()
@@ -55,6 +78,8 @@ class ParamChannel:
         self.last_publish_s = 0.0
         self._gather = None
         self._copy = None
+        self._cast = None
+        self.last_bytes = 0  # bytes written on the rollout slice by the last reshard
 
     @classmethod
     def for_model(cls, model_or_state: Any, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
@@ -69,11 +94,39 @@ class ParamChannel:
                     "pass train_mesh= so it can gather them with the train mesh's collectives."
                 )
             replicated = NamedSharding(self.train_mesh, PartitionSpec())
-            self._gather = jax.jit(lambda p: p, out_shardings=jax.tree.map(lambda _: replicated, params))
+            self._gather = jax.jit(lambda p: cast_floating(p, self.dtype),
+                                   out_shardings=jax.tree.map(lambda _: replicated, params))
         return self._gather(params)
 
+    def _stage(self, params: Any, leaves: list) -> Any:
+        """Cast (when `dtype` is set) and lay out `params` on their own devices so that every shard the
+        rollout layout needs already exists as one buffer; the following device_put is then one
+        device-to-device copy per shard. (When the source's shard index map differs from the
+        target's, device_put assembles the whole array on the host and uploads it again.) The staging
+        layout is the rollout mesh's shape and specs on the first source devices, or one source
+        device when the source has fewer devices than the rollout mesh."""
+        if all(len(x.sharding.device_set) == 1 for x in leaves) and self.dtype is None:
+            return params  # single-device leaves are sliced on the device by device_put itself
+        targets = jax.tree.leaves(self.rollout_shardings)
+        if not all(isinstance(t, NamedSharding) for t in targets):
+            return jax.tree.map(lambda x: cast_floating(x, self.dtype), params) if self.dtype else params
+        if self._cast is None:
+            rollout_mesh = targets[0].mesh
+            source = sorted(set().union(*(x.sharding.device_set for x in leaves)), key=lambda d: d.id)
+            if len(source) >= rollout_mesh.size:
+                devices = np.array(source[: rollout_mesh.size]).reshape(rollout_mesh.devices.shape)
+                mirror = Mesh(devices, rollout_mesh.axis_names, axis_types=rollout_mesh.axis_types)
+                staging = jax.tree.map(lambda t: NamedSharding(mirror, t.spec), self.rollout_shardings)
+            else:
+                one = Mesh(np.array(source[:1]).reshape((1,) * rollout_mesh.devices.ndim), rollout_mesh.axis_names)
+                staging = jax.tree.map(lambda _: NamedSharding(one, PartitionSpec()), self.rollout_shardings)
+            self._cast = jax.jit(lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.dtype)),
+                                 out_shardings=staging)
+        return self._cast(params)
+
     def reshard(self, params: Any) -> Any:
-        """Return a copy of `params` laid out on the rollout mesh; never aliases the input buffers."""
+        """Return a copy of `params` laid out on the rollout mesh (floating leaves in `dtype` when set);
+        never aliases the input buffers and never moves them through the host."""
         if not _is_fully_addressable(params):
             params = self._replicate_on_train_mesh(params)
             # Every process now holds a full replica locally; take one and copy it to the rollout slice.
@@ -85,9 +138,14 @@ class ParamChannel:
             # with may_alias=False, and the trainer's next (donating) update would then delete the
             # sampler's params. A jitted copy always writes fresh buffers.
             if self._copy is None:
-                self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.rollout_shardings)
-            return self._copy(params)
-        return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings)
+                self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.dtype)),
+                                     out_shardings=self.rollout_shardings)
+            out = self._copy(params)
+        else:
+            params = self._stage(params, leaves)
+            out = jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings)
+        self.last_bytes = tree_nbytes(out)
+        return out
 
     def publish(self, version: int, params: Any) -> Any:
         """Reshard `params` (version `version`) and deliver them; returns the rollout copy."""
