@@ -122,6 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.num_processes = ml_collections.config_dict.placeholder(int)
     c.distributed.process_id = ml_collections.config_dict.placeholder(int)
     c.distributed.heartbeat_timeout_s = 60.0
+    c.distributed.file_heartbeats = False  # also heartbeat files under <run_dir>/heartbeats (needs a shared local run_dir)
     return c
 
 
@@ -253,6 +254,19 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     _require(config.log.timeline_max_events >= 1,
              f"log.timeline_max_events={config.log.timeline_max_events} must be >= 1 (set log.timeline=False to "
              "record no timeline).")
+    _require(config.distributed.heartbeat_timeout_s >= 1,
+             f"distributed.heartbeat_timeout_s={config.distributed.heartbeat_timeout_s} must be at least 1 (seconds "
+             "without a heartbeat before a process counts as dead), e.g. --config.distributed.heartbeat_timeout_s=60.")
+    from areal_jax import paths
+
+    try:
+        run_dir = paths.run_path(config.run_dir)
+        paths.checkpoint_directory(run_dir)
+    except ValueError as e:
+        raise ConfigError(f"run_dir: {e}") from None
+    _require(not config.distributed.file_heartbeats or paths.is_local(run_dir),
+             f"distributed.file_heartbeats needs a local run_dir that every process sees, not {config.run_dir!r}; "
+             "peers are detected without it (--config.distributed.file_heartbeats=False).")
     m = config.mesh
     if m.train_fraction is not None:
         _require(0 < m.train_fraction < 1, f"mesh.train_fraction={m.train_fraction} must lie in (0, 1).")

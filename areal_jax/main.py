@@ -73,20 +73,29 @@ def run(config) -> dict:
     from areal_jax.system.job import RLJob
 
     watchdog = None
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and config.distributed.file_heartbeats:
+        from areal_jax import paths
+
         watchdog = distributed.PeerWatchdog(
-            os.path.join(config.run_dir, "heartbeats"), jax.process_index(), jax.process_count(),
+            os.path.join(paths.local_path(config.run_dir), "heartbeats"), jax.process_index(), jax.process_count(),
             timeout_s=config.distributed.heartbeat_timeout_s,
         ).start()
     job = RLJob(config)
     try:
         summary = job.run()
-    except BaseException:
+    except BaseException as e:
         if jax.process_count() > 1:
             # A peer died or a collective failed. Normal interpreter exit would run jax.distributed's
             # shutdown and other exit handlers that wait for the dead peer forever: leave now.
             # (Reward workers exit by themselves when their pipe to this process closes.)
             traceback.print_exc()
+            if isinstance(e, Exception):  # not Ctrl-C: let the coordination service name a dead peer
+                wait = info["heartbeat_timeout_s"] + 5
+                print(f"process {jax.process_index()} failed (above). If a peer died, JAX's coordination "
+                      f"service names it within {wait} s and ends this process; otherwise it exits then.",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                distributed.await_peer_verdict(wait)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)

@@ -6,9 +6,24 @@ Where the coordinates come from, first match wins:
   3. SLURM (srun sets SLURM_* variables) and Cloud TPU pods: `jax.distributed.initialize()` with no
      arguments detects both on its own.
 A single process with none of these runs without jax.distributed at all.
+
+Peer failures are detected by JAX's coordination service (it runs inside process 0): every process's
+runtime sends it heartbeats over the same gRPC connection the processes found each other through, and
+when one stops for `distributed.heartbeat_timeout_s` (killed, crashed, frozen, host gone), the service
+reports "Task <i> heartbeat timeout" / "tasks are unhealthy (stopped sending heartbeats): <i>" to every
+other process, whose runtime then terminates it (non-zero exit, the message on stderr). When process 0
+itself dies, the others' heartbeats fail and they terminate the same way, naming the leader task. No
+file, and so no shared filesystem, is involved: it works the same on one host and across hosts.
+
+`PeerWatchdog` (optional, `distributed.file_heartbeats=True`) adds heartbeat files under
+`<run_dir>/heartbeats`, written by a Python thread. What it still adds: it notices a process whose
+Python interpreter is stuck (a C extension holding the GIL) while its runtime threads keep answering
+the coordination service, and its message is in this project's words. It needs a run directory every
+process can see (one host, or a shared filesystem).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -34,11 +49,20 @@ def _detect_cluster() -> str | None:
     return None
 
 
+def heartbeat_timeout_seconds(config: Any | None) -> int:
+    """The coordination service's missing-heartbeat limit (whole seconds, at least 1) from
+    distributed.heartbeat_timeout_s."""
+    d = getattr(config, "distributed", None)
+    timeout = float(d.heartbeat_timeout_s) if d is not None else 60.0
+    return max(1, int(math.ceil(timeout)))
+
+
 def initialize(config: Any | None = None) -> dict:
     """Call jax.distributed.initialize when this run spans several processes; returns what was used.
 
     Must run before anything touches a JAX device. CPU runs (tests, the local launcher) get gloo
-    collectives so cross-process computations work without accelerators.
+    collectives so cross-process computations work without accelerators. The coordination service's
+    heartbeat timeout comes from distributed.heartbeat_timeout_s (see the module docstring).
     """
     d = getattr(config, "distributed", None)
     address = (d.coordinator_address if d is not None else "") or os.environ.get(ENV_COORDINATOR, "")
@@ -59,9 +83,24 @@ def initialize(config: Any | None = None) -> dict:
                 f"{ENV_PROCESS_ID})."
             )
         kwargs = dict(coordinator_address=address, num_processes=int(num), process_id=int(pid))
-    jax.distributed.initialize(**kwargs)
+    heartbeat = heartbeat_timeout_seconds(config)
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat)
     return {"mode": cluster or "explicit", "process_index": jax.process_index(),
-            "process_count": jax.process_count()}
+            "process_count": jax.process_count(), "heartbeat_timeout_s": heartbeat}
+
+
+def await_peer_verdict(timeout_s: float, *, poll_s: float = 0.5) -> None:
+    """After this process failed in a multi-process run: give JAX's coordination service up to
+    `timeout_s` to name a peer that died (it then terminates this process with a message naming the
+    task), and return if it does not (the failure was this process's own).
+
+    A collective whose peer died fails here with the transport's error (e.g. gloo's "Connection reset
+    by peer"), which names an address, not a process; waiting one heartbeat window lets the service say
+    which process it was. Call with stdout / stderr flushed; the caller exits afterwards.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
 
 
 class PeerWatchdog:
