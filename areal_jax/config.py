@@ -40,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.system_prompt = ""
     c.data.max_prompt_len = 256
     c.data.on_bad_row = "error"  # error | skip
+    c.data.task = "math"  # math (question / answer rows) | code (programming tasks with hidden tests)
     c.data.shuffle = True
 
     c.mesh = ml_collections.ConfigDict()
@@ -60,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = ml_collections.config_dict.placeholder(int)
     c.rollout.top_p = ml_collections.config_dict.placeholder(float)
     c.rollout.on_update = "recompute"  # recompute | continue
+    # decode steps per sampler dispatch (one jitted while_loop); bounds the latency an admission or a weight
+    # update adds. Accelerators: 8-32 (per-step host work dominates there); CPU: small.
+    c.rollout.decode_steps = 4
     # eta; -1 (or None in a config file) = unbounded, which then needs max_concurrent
     c.rollout.max_staleness = ml_collections.FieldReference(4, field_type=int)
     c.rollout.max_concurrent = ml_collections.config_dict.placeholder(int)  # groups in flight
@@ -90,11 +94,23 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.min_lr_ratio = 0.0
     c.train.logits_chunk = 512
 
+    c.lora = ml_collections.ConfigDict()  # LoRA adapters (models/lora.py); off: full fine-tuning
+    c.lora.enabled = False
+    c.lora.rank = 16
+    c.lora.alpha = 32.0  # the update is (alpha / rank) * x @ A @ B
+    c.lora.dropout = 0.0
+    c.lora.targets = "all"  # q,k,v,o,gate,up,down | attn | mlp | all | re:<regex over 'layers.0.attn.q_proj'>
+    c.lora.base_dtype = ""  # frozen base storage: '' (model.param_dtype) | float32 | bfloat16
+    c.lora.sampler = "merged"  # merged (adapters folded into the sampler's copy at hand-off) | unmerged
+
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = "math"  # math | exact | module:function
     c.reward.num_workers = 2
     c.reward.timeout_s = 5.0
     c.reward.memory_mb = 4096  # address-space limit per reward worker; 0 = none
+    c.reward.code_mode = "all_pass"  # reward.fn=code: all_pass (1 iff every test passes) | pass_rate
+    c.reward.code_case_timeout_s = 4.0  # reward.fn=code: wall-clock limit per test case
+    c.reward.code_sample_timeout_s = 20.0  # reward.fn=code: limit for all cases of one sample
 
     c.eval = ml_collections.ConfigDict()
     c.eval.n_test = 500  # problems of data.test_path; 0 disables evaluation
@@ -130,6 +146,8 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "data.on_bad_row": ("error", "skip"),
+    "data.task": ("math", "code"),
+    "reward.code_mode": ("all_pass", "pass_rate"),
     "rollout.on_update": ("recompute", "continue"),
     "rollout.advantage_mode": ("grpo", "dr_grpo", "rloo"),
     "rollout.param_dtype": ("same", "float32", "bfloat16"),
@@ -139,6 +157,8 @@ _CHOICES = {
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.prox_mode": ("recompute", "loglinear", "behav"),
     "train.kl_estimator": ("k1", "k2", "k3"),
+    "lora.base_dtype": ("", "float32", "bfloat16"),
+    "lora.sampler": ("merged", "unmerged"),
 }
 
 
@@ -185,6 +205,22 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_code_task(config: ml_collections.ConfigDict) -> None:
+    """data.task=code and reward.fn=code go together; the code time limits fit inside reward.timeout_s."""
+    task, fn, rw = config.data.task, config.reward.fn, config.reward
+    _require(not (task == "code" and fn in ("math", "exact")),
+             f"--config.data.task=code gives hidden tests as answers, which reward.fn={fn!r} cannot score; pass "
+             "--config.reward.fn=code.")
+    _require(not (fn == "code" and task != "code"),
+             "--config.reward.fn=code needs programming tasks with tests; pass --config.data.task=code.")
+    if fn == "code":
+        _require(rw.code_case_timeout_s > 0 and rw.code_sample_timeout_s > 0,
+                 "--config.reward.code_case_timeout_s and --config.reward.code_sample_timeout_s must be positive.")
+        _require(rw.timeout_s > rw.code_sample_timeout_s,
+                 f"--config.reward.timeout_s={rw.timeout_s} must exceed --config.reward.code_sample_timeout_s="
+                 f"{rw.code_sample_timeout_s} (the pool kills a sample at timeout_s, before its tests can finish).")
+
+
 def max_staleness(config: ml_collections.ConfigDict) -> int | None:
     """eta from the config: None when unbounded (rollout.max_staleness None or -1)."""
     eta = config.rollout.max_staleness
@@ -217,6 +253,8 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
         f"rollout.num_slots={r.num_slots} is smaller than rollout.group_size={r.group_size}: a whole "
         "group must fit in the sampler's slots. Raise num_slots or lower group_size.",
     )
+    _require(r.get("decode_steps", 1) >= 1, f"--config.rollout.decode_steps={r.get('decode_steps')} must be at "
+             "least 1 (decode steps per sampler dispatch; 8-32 on accelerators).")
     _require(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy).")
     if r.top_p is not None:
         _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must lie in (0, 1].")
@@ -250,6 +288,7 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     )
     _require(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s} must be positive.")
     _require(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1.")
+    _check_code_task(config)
     _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end).")
     _require(config.log.timeline_max_events >= 1,
              f"log.timeline_max_events={config.log.timeline_max_events} must be >= 1 (set log.timeline=False to "
@@ -267,6 +306,13 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     _require(not config.distributed.file_heartbeats or paths.is_local(run_dir),
              f"distributed.file_heartbeats needs a local run_dir that every process sees, not {config.run_dir!r}; "
              "peers are detected without it (--config.distributed.file_heartbeats=False).")
+    if config.lora.enabled:
+        from areal_jax.system.build import lora_config  # noqa: PLC0415
+
+        try:
+            lora_config(config)
+        except ValueError as err:
+            raise ConfigError(f"--config.{err}") from err  # each message starts with the key, e.g. "lora.rank=0 ..."
     m = config.mesh
     if m.train_fraction is not None:
         _require(0 < m.train_fraction < 1, f"mesh.train_fraction={m.train_fraction} must lie in (0, 1).")

@@ -155,7 +155,7 @@ def test_errors_inside_the_thread_reach_the_caller(models):
     def broken_step(params, state, rng):
         raise RuntimeError("device lost")
 
-    engine.generate = broken_step
+    engine.generate_steps = broken_step
     loop = SamplerLoop(engine, nnx.split(models[0])[1])
     loop.submit(Request(id=0, prompt=[4, 5, 6], max_new_tokens=3))
     with pytest.raises(SamplerLoopError, match="device lost"):

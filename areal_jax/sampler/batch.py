@@ -21,6 +21,7 @@ def generate_batch(
     num_slots: int = 64,
     seed: int = 0,
     max_len: int | None = None,
+    decode_steps: int = 1,
 ) -> list[Completion]:
     """Generate one completion per prompt, returned in the order of ``prompts``.
 
@@ -34,6 +35,7 @@ def generate_batch(
         slots as sequences finish.
       max_len: longest prompt + completion a slot holds; default the longest prompt plus
         ``max_new_tokens``. Prompts that do not fit come back with finish_reason "error".
+      decode_steps: decode steps per dispatch of the loop (the tokens do not depend on it).
 
     Returns:
       list[Completion] with ``tokens`` / ``logprobs`` / ``versions`` per prompt.
@@ -46,7 +48,7 @@ def generate_batch(
                     max_stop_tokens=max(8, len(tuple(stop_token_ids))))
     _, params = nnx.split(model)
     results: list[Completion | None] = [None] * len(prompts)
-    with SamplerLoop(engine, params, seed=seed) as loop:
+    with SamplerLoop(engine, params, seed=seed, decode_steps=decode_steps) as loop:
         for i, prompt in enumerate(prompts):
             loop.submit(Request(id=i, prompt=list(prompt), max_new_tokens=max_new_tokens, n=1,
                                 temperature=temperature, top_k=top_k, top_p=top_p,

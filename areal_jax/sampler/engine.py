@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
-from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings, StepResult, default_buckets
+from areal_jax.sampler.multistep import run_decode_steps
+from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
 
 
 class Engine:
@@ -101,6 +102,9 @@ class Engine:
         )
         self._jit_generate = jax.jit(
             self._generate_fn, donate_argnums=(1,), out_shardings=(self._state_sharding, None)
+        )
+        self._jit_generate_steps = jax.jit(
+            self._generate_steps_fn, donate_argnums=(1,), out_shardings=(self._state_sharding, None)
         )
         self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
         self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
@@ -253,6 +257,10 @@ class Engine:
         )
         return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid)
 
+    def _generate_steps_fn(self, params: nnx.State, state: DecodeState,
+                           keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
+        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys)
+
     def _release_fn(self, state: DecodeState, free: jax.Array) -> DecodeState:
         return dataclasses.replace(state, done=state.done | free)
 
@@ -387,6 +395,12 @@ class Engine:
         if jax.dtypes.issubdtype(getattr(rng, "dtype", np.uint32), jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)  # one compiled program for typed keys and raw key data
         return self._call(self._jit_generate, params, decode_state, rng)
+
+    def generate_steps(self, params: nnx.State, decode_state: DecodeState,
+                       keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
+        """K decode steps in one dispatch (donates ``decode_state``; ``sampler.multistep``): keys [K, 2]
+        uint32 raw key data, step t drawing with ``keys[t]`` exactly as :meth:`generate` would."""
+        return self._call(self._jit_generate_steps, params, decode_state, keys)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a jitted function, attributing any compilation it triggers to this engine."""

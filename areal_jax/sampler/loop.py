@@ -1,10 +1,15 @@
 """The continuous-batching sampler loop: a thin thread around the pure :class:`Engine`.
 
-The thread keeps every decode slot busy: between two decode steps it applies a pending weight
+The thread keeps every decode slot busy: between two dispatches it applies a pending weight
 update, handles aborts, and admits queued requests into free slots (a request's n samples share
-one prefill); after each step it fetches the small :class:`StepResult` once and hands finished
-sequences back as :class:`Completion` objects. Every generated token carries the version of the
-params whose logits it was sampled from.
+one prefill). Each dispatch runs ``decode_steps`` (k) decode steps on the device
+(:meth:`Engine.generate_steps`; stop tokens and length limits are checked there) and its small
+[k, slots] result is fetched once. With ``fetch_behind`` the loop issues dispatch i+1 before it
+fetches dispatch i, so the host's fetch and bookkeeping overlap the device's work; a slot freed inside
+dispatch i is refilled before dispatch i+2 (it idles for the rest of dispatch i and for dispatch i+1).
+So k bounds the latency an admission, an abort or a weight update adds: about one dispatch (two
+with fetch-behind). Every generated token carries the version of the params whose logits it was
+sampled from.
 
 On ``update_params`` with ``on_update="recompute"`` each in-flight sequence (prompt + tokens so
 far) is prefilled again under the new params before decoding continues: AReaL's interruptible
@@ -21,10 +26,10 @@ import time
 import weakref
 from typing import Any, Hashable, Literal
 
-import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax.sampler.dispatch import Dispatch, KeyStream, record_dispatch
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import (Completion, FinishReason, Request, SamplerLoopError, _Queued, _Running,
                                         check_same_layout, make_completion)
@@ -47,28 +52,44 @@ class SamplerLoop:
     """Daemon thread that serves :class:`Request` objects with continuous batching."""
 
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0,
-                 on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0) -> None:
+                 on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0,
+                 decode_steps: int = 1, fetch_behind: bool = True) -> None:
+        """Start the loop thread.
+
+        Args:
+          engine: the Engine whose slots the loop fills.
+          params: model state (``nnx.split(model)[1]``) of version ``version``.
+          on_update: "recompute" (re-prefill in-flight sequences under new params) or "continue".
+          seed: PRNG seed of the sampling noise.
+          decode_steps: k, decode steps per dispatch (>= 1); 1 on CPU, 8-32 on accelerators.
+          fetch_behind: issue the next dispatch before fetching the previous one's results.
+        """
         if on_update not in ("recompute", "continue"):
             raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
+        if int(decode_steps) < 1:
+            raise ValueError(f"decode_steps must be at least 1 (decode steps per dispatch), got {decode_steps}.")
         self.engine, self.on_update = engine, on_update
+        self.decode_steps, self.fetch_behind = int(decode_steps), bool(fetch_behind)
+        self._inflight: collections.deque[Dispatch] = collections.deque()
         self._params, self._version = engine.place_params(params), int(version)
         # Longest prompt + generation a slot may hold; recompute must re-prefill up to one less.
         top = engine.prefill_buckets[-1]
         self._max_total = min(engine.max_len, top + 1) if on_update == "recompute" else engine.max_len
         self._max_prompt = min(top, self._max_total - 1)
-        self._base_key, self._key_chunk, self._keys = jax.random.key(seed), -1, np.zeros((0, 2), np.uint32)
+        self._keys = KeyStream(seed)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Queued] = collections.deque()
         self._out: collections.deque[Completion] = collections.deque()
         self._running: dict[int, _Running] = {}
         self._free = list(range(engine.num_slots))[::-1]
-        self._pending_update: tuple[nnx.State, int] | None = None
+        self._pending_update: tuple[nnx.State, int, float] | None = None
         self._aborts: set[Hashable] = set()
         self._paused = self._idle = False
         self._stop_mode: str | None = None
         self._error: BaseException | None = None
         self._pending = 0
         self._stats = collections.Counter()
+        self._max_update_wait = 0.0
         self._state = engine.init_decode_state()
         self.timeline: Any = None  # an areal_jax.metrics.Timeline to record decode steps and updates into
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
@@ -131,7 +152,7 @@ class SamplerLoop:
         self._raise_if_failed()
         check_same_layout(self._params, params)
         with self._cond:
-            self._pending_update = (params, int(version))
+            self._pending_update = (params, int(version), time.monotonic())
             self._cond.notify_all()
 
     @property
@@ -187,20 +208,25 @@ class SamplerLoop:
             return self._pending - len(self._out)
 
     def stats(self) -> dict[str, Any]:
-        """Counters: steps, generated_tokens, mean_slot_occupancy, queue_depth, running, recomputes,
-        updates, compile_count, version."""
+        """Counters: steps (device decode steps), dispatches, generated_tokens, mean_slot_occupancy
+        (generating slot-steps / (steps * slots)), queue_depth, running, recomputes, updates,
+        update_latency_s / update_latency_max_s (update_params call to the update taking effect),
+        compile_count, version."""
         with self._cond:
             s = dict(self._stats)
             queued = sum(q.request.n - q.next_index for q in self._queue)
             steps = s.get("steps", 0)
             return {
                 "steps": steps,
+                "dispatches": s.get("dispatches", 0),
                 "generated_tokens": s.get("generated_tokens", 0),
                 "mean_slot_occupancy": s.get("busy_slot_steps", 0) / max(1, steps * self.engine.num_slots),
                 "queue_depth": queued,
                 "running": len(self._running),
                 "recomputes": s.get("recomputes", 0),
                 "updates": s.get("updates", 0),
+                "update_latency_s": s.get("update_wait_s", 0.0) / max(1, s.get("updates", 0)),
+                "update_latency_max_s": self._max_update_wait,
                 "compile_count": self.engine.compile_count,
                 "version": self._version,
             }
@@ -225,10 +251,15 @@ class SamplerLoop:
     def _run(self) -> None:
         try:
             while self._wait_for_work():
+                if self._inflight and (self._paused or not self._running):
+                    self._drain()  # a paused or empty loop owes the caller every result
+                    continue
                 self._between_steps()
-                if self._running:
-                    with self._span("decode_step", running=len(self._running)):
-                        self._step()
+                with self._span("decode_step", running=len(self._running), steps=self.decode_steps):
+                    if self._running:
+                        self._dispatch()
+                    while len(self._inflight) > (1 if self.fetch_behind else 0):
+                        self._process(self._inflight.popleft())
             self._interrupt_all()
         except BaseException as exc:  # surfaced to the caller by _raise_if_failed
             with self._cond:
@@ -241,12 +272,14 @@ class SamplerLoop:
             while True:
                 if self._stop_mode == "now":
                     return False
+                if self._paused and self._inflight:
+                    return True  # fetch the dispatch in flight before going idle
                 if self._paused:
                     self._idle = True
                     self._cond.notify_all()
                     self._cond.wait()
                     continue
-                if self._running or self._queue or self._pending_update or self._aborts:
+                if self._running or self._queue or self._pending_update or self._aborts or self._inflight:
                     return True
                 if self._stop_mode == "graceful":
                     return False
@@ -257,8 +290,14 @@ class SamplerLoop:
             update, self._pending_update = self._pending_update, None
             aborts, self._aborts = self._aborts, set()
         if update is not None:
+            if self.on_update == "recompute":
+                self._drain()  # re-prefill needs every token generated so far
             with self._span("weight_update", version=update[1], recompute=len(self._running)):
-                self._apply_update(*update)
+                self._apply_update(update[0], update[1])
+            wait = time.monotonic() - update[2]
+            with self._cond:
+                self._stats["update_wait_s"] += wait
+                self._max_update_wait = max(self._max_update_wait, wait)
         if aborts:
             self._apply_aborts(aborts)
         if self._queue and self._free:
@@ -267,6 +306,7 @@ class SamplerLoop:
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         run = self._running.pop(slot)
+        run.active = False
         self._free.append(slot)
         with self._cond:
             self._pending -= 1
@@ -351,30 +391,27 @@ class SamplerLoop:
                 self._queue.popleft()
                 q.prefix = None
 
-    def _step_key(self, chunk_size: int = 4096) -> np.ndarray:
-        """Raw key data for this step: keys are split on the host in chunks, one transfer each."""
-        chunk, index = divmod(self._stats["steps"], chunk_size)
-        if chunk != self._key_chunk:
-            keys = jax.random.split(jax.random.fold_in(self._base_key, chunk), chunk_size)
-            self._keys, self._key_chunk = np.asarray(jax.random.key_data(keys)), chunk
-        return self._keys[index]
+    def _dispatch(self) -> None:
+        """Issue k decode steps for the running slots (asynchronously; results fetched in _process)."""
+        k = self.decode_steps
+        self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k))
+        self._inflight.append(Dispatch(result, dict(self._running), self._version))
 
-    def _step(self) -> None:
-        self._state, result = self.engine.generate(self._params, self._state, self._step_key())
-        r = result.to_host()
+    def _process(self, d: Dispatch) -> None:
+        """Fetch one dispatch's results (blocks until it ran), hand tokens to its runs, finish slots."""
+        r = d.result.to_host()
+        finished, appended = record_dispatch(r, d.runs, d.version)
         with self._cond:
-            self._stats["steps"] += 1
-            self._stats["busy_slot_steps"] += len(self._running)
-            self._stats["generated_tokens"] += len(self._running)
-        for slot in list(self._running):
-            run = self._running[slot]
-            token = int(r.tokens[slot])
-            run.tokens.append(token)
-            run.logprobs.append(float(r.logprobs[slot]))
-            run.versions.append(run.logits_version)
-            run.logits_version = self._version
-            if r.done[slot]:
-                self._finish(slot, "stop" if token in run.sampling.stop_token_ids else "length")
+            self._stats["dispatches"] += 1
+            self._stats["steps"] += int(r.steps)
+            self._stats["busy_slot_steps"] += int(np.asarray(r.valid).sum())
+            self._stats["generated_tokens"] += appended
+        for slot, reason in finished:
+            self._finish(slot, reason)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._process(self._inflight.popleft())
 
     def _interrupt_all(self) -> None:
         """On a hard stop, hand back everything still queued or running as "interrupted"."""

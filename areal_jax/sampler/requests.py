@@ -95,3 +95,4 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    active: bool = True  # False once handed back; results of dispatches still in flight are then dropped

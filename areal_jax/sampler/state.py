@@ -106,3 +106,28 @@ def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
         b *= 2
     buckets.append(max_len)
     return tuple(buckets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MultiStepResult:
+    """What one multi-step dispatch hands to the host (K = steps per dispatch, S = num_slots).
+
+    Attributes:
+      tokens: [K, S] int32 token of step t for each slot (meaningless where ``valid`` is False).
+      logprobs: [K, S] float32 behaviour log-probabilities of ``tokens``.
+      valid: [K, S] bool; True where the slot was generating when step t began. Per slot the valid
+        steps are a prefix of the K (a finished slot stays finished for the rest of the dispatch).
+      done: [S] bool after the last step that ran.
+      steps: [] int32 steps that ran (< K when every slot finished early).
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    valid: jax.Array
+    done: jax.Array
+    steps: jax.Array
+
+    def to_host(self) -> "MultiStepResult":
+        """The same result as numpy arrays, in one device-to-host transfer."""
+        return MultiStepResult(*jax.device_get((self.tokens, self.logprobs, self.valid, self.done, self.steps)))

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax import config as config_lib
+from areal_jax import paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.system import build, multihost, runner
 from areal_jax.system.buffer import TrajectoryBuffer
@@ -48,10 +49,9 @@ class RLJob:
         self.config = c = config
         self.log = log_fn if is_primary() else (lambda *a, **k: None)
         self.primary = is_primary()
-        os.makedirs(c.run_dir, exist_ok=True)
+        paths.makedirs(c.run_dir)  # local, file:// or object store (areal_jax.paths)
         if self.primary:
-            with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-                f.write(c.to_json_best_effort(indent=1))
+            paths.write_text(paths.join(c.run_dir, "config.json"), c.to_json_best_effort(indent=1))
 
         try:  # device counts and trainer settings: still before anything is loaded or compiled
             self.meshes = build_meshes(build.mesh_config(c))
@@ -67,6 +67,7 @@ class RLJob:
             use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
             max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
             seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+            task=c.data.task,
         )
         self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
                              "too_long": self.prompts.num_too_long_skipped}
@@ -78,11 +79,19 @@ class RLJob:
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype, dtype=dtype)
         self.model_config = model.cfg
+        lora_cfg = build.lora_config(c)  # adapters only are trained, the base is frozen (models/lora.py)
+        if lora_cfg is not None:
+            from areal_jax.models.lora import apply_lora
+
+            apply_lora(model, lora_cfg, rngs=nnx.Rngs(c.seed))
         ref_model = None
         if c.train.kl_coef > 0:  # the reference policy for the KL penalty: the starting checkpoint, frozen
             ref_model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
                                            dtype=dtype)
-        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh, ref_model=ref_model)
+            if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
+                apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
+        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh, ref_model=ref_model,
+                               wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
@@ -90,27 +99,39 @@ class RLJob:
         meta = self._maybe_resume()
 
         sampler_dtype = c.rollout.get("param_dtype", "same")
-        self.channel = ParamChannel.for_model(
-            self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh,
-            dtype=None if sampler_dtype == "same" else build.DTYPES[sampler_dtype],
-        )
+        sampler_dtype = None if sampler_dtype == "same" else build.DTYPES[sampler_dtype]
+        if lora_cfg is None:
+            self.channel = ParamChannel.for_model(
+                self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh,
+                dtype=sampler_dtype,
+            )
+        else:  # the base crosses once; each publish moves the adapters only
+            from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
+
+            self.channel = AdapterChannel(
+                self.trainer.params, self.meshes.rollout_mesh, scale=lora_cfg.scale, mode=c.lora.sampler,
+                dtype=sampler_dtype, train_mesh=self.meshes.train_mesh,
+            )
+            self.graphdef = sampler_graphdef(model, c.lora.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
         self.engine = Engine(
-            model, num_slots=c.rollout.num_slots, max_len=c.rollout.max_len, mesh=self.meshes.rollout_mesh
+            model if lora_cfg is None else self.graphdef, num_slots=c.rollout.num_slots, max_len=c.rollout.max_len,
+            mesh=self.meshes.rollout_mesh, config=model.cfg,
         )
         self.sampler = SamplerLoop(
             self.engine, rollout_params, version=self.trainer.version, on_update=c.rollout.on_update,
+            decode_steps=c.rollout.get("decode_steps", 1),
             seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
         )
         self.channel.deliver = self.sampler.update_params
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
-        self.timeline = metrics.Timeline(os.path.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline,
+        self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline,
                                          max_events=c.log.get("timeline_max_events", 1_000_000))
         self.sampler.timeline = self.timeline
         # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
         # before it takes samples, so sympy's import never counts against a sample's timeout.
         self.reward_pool = RewardPool(
-            build.reward_fn_spec(c.reward.fn), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
+            build.reward_fn(c), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
             warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None, memory_mb=c.reward.memory_mb or None,
         )
         resubmit, accepted, first_gid = [], 0, 0
@@ -160,6 +181,8 @@ class RLJob:
             "saved_at": time.time(),
         }
         with self.timeline.span("checkpoint", lane="trainer"):
+            self.sample_log.sync()  # on an object store: a resume must find every line it restores
+            self.metrics.flush()
             self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
 
     def _record_digests(self) -> None:
@@ -175,9 +198,10 @@ class RLJob:
         row = {"version": self.trainer.version, "trainer": multihost.params_digest(trainer_params),
                "published_version": version, "published": multihost.params_digest(published),
                "sampler_version": sampler_version, "sampler": multihost.params_digest(sampler_params)}
-        path = os.path.join(self.config.run_dir, f"params_digests.process_{jax.process_index()}.jsonl")
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if getattr(self, "_digest_log", None) is None:
+            self._digest_log = paths.AppendFile(
+                paths.join(self.config.run_dir, f"params_digests.process_{jax.process_index()}.jsonl"))
+        self._digest_log.write(json.dumps(row) + "\n")
 
     # ---- evaluation -------------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict | None:
@@ -194,6 +218,7 @@ class RLJob:
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
                 max_new_tokens=c.eval.max_new_tokens, data_config=c.data, num_slots=c.rollout.num_slots,
                 max_len=c.rollout.max_len, mesh=self.meshes.rollout_mesh, seed=c.seed,
+                reward_fn=build.reward_fn(c), reward_timeout_s=c.reward.timeout_s,
             )
         self.evaluations[tag] = res
         self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems")
@@ -280,7 +305,7 @@ class RLJob:
             "skipped_rows": self.skipped_rows,
         }
         if self.primary:
-            write_json(os.path.join(self.config.run_dir, "summary.json"), out)
+            write_json(paths.join(self.config.run_dir, "summary.json"), out)
         return out
 
     def close(self) -> None:
@@ -295,6 +320,9 @@ class RLJob:
                     pass
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
+        for log in ("sample_log", "_digest_log"):
+            if getattr(self, log, None) is not None:
+                getattr(self, log).close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         if getattr(self, "timeline", None) is not None:
