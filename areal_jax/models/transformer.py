@@ -9,9 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.blocked_attention import attention_block, block_masks, blocked_attention
-from areal_jax.models.layers import (DecoderLayer, RMSNorm, cached_attention, dot_attention, make_param, rope_cos_sin,
-                                     rope_inv_freq)
+from areal_jax.models.layers import DecoderLayer, RMSNorm, cached_attention, make_param, rope_cos_sin, rope_inv_freq
+from areal_jax.models.packed_attention import decoder_layer, packed_attention, packed_mask  # noqa: F401 (re-export)
 
 
 @jax.tree_util.register_dataclass
@@ -36,14 +35,6 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
     shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = cfg.dtype if dtype is None else dtype
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-def packed_mask(segment_ids: jax.Array) -> jax.Array:
-    """segment_ids: [B, T] int32 -> [B, T, T] bool: i attends j iff j <= i and both share a segment id."""
-    t = segment_ids.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same
 
 
 class Transformer(nnx.Module):
@@ -84,8 +75,13 @@ class Transformer(nnx.Module):
         return self.unembed(h), new_cache
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given)."""
+               cache: KVCache | None = None, *, attention: str = "auto",
+               remat: str = "none") -> jax.Array | tuple[jax.Array, KVCache]:
+        """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
+
+        attention, remat: the cache-free (training) forward's attention backend and per-layer
+        rematerialisation (see models.packed_attention); the cache path ignores them.
+        """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2:
@@ -110,31 +106,26 @@ class Transformer(nnx.Module):
             segment_ids = jnp.asarray(segment_ids, jnp.int32)
             if segment_ids.shape != (b, t):
                 raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected {(b, t)} like tokens.")
-            block = attention_block(t)
-            mask = None if block else packed_mask(segment_ids)
-            masks = block_masks(segment_ids, block) if block else None  # shared by every layer
+            attend = packed_attention(segment_ids, attention)  # masks built once, shared by every layer
 
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
-        if cache is not None:
-            s = cache.k.shape[2]
-            rows = jnp.arange(b)[:, None]
-            write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
-            k_all, v_all = cache.k, cache.v
+        if cache is None:
+            for layer in self.layers:
+                x = decoder_layer(layer, x, cos, sin, attend, remat)
+            return self.final_norm(x)
+        s = cache.k.shape[2]
+        rows = jnp.arange(b)[:, None]
+        write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
+        k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
-            if cache is None:
-                attn = blocked_attention(q, k, v, segment_ids, block, masks) if block else dot_attention(q, k, v, mask)
-            else:
-                k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
-                v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
-                attn = cached_attention(q, k_all, v_all, i, positions)
+            k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
+            attn = cached_attention(q, k_all, v_all, i, positions)
             x = x + layer.attn.out(attn)
             x = x + layer.mlp(layer.post_attn_norm(x))
-        h = self.final_norm(x)
-        if cache is None:
-            return h
-        return h, KVCache(k=k_all, v=v_all)
+        return self.final_norm(x), KVCache(k=k_all, v=v_all)
 
     def unembed_matrix(self) -> jax.Array:
         """[hidden_size, vocab] in the param dtype: the tied embedding transposed, or lm_head."""

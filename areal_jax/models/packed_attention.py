@@ -1,0 +1,106 @@
+"""The training forward's choices: which attention runs over packed rows, and what each layer rematerialises.
+
+Attention backends (`train.attention`):
+  * "dense": `layers.dot_attention` with a [B, T, T] mask (scores [B, H, T, T]: memory quadratic in T).
+  * "blocked": `blocked_attention` (XLA, block pairs with an empty mask skipped at run time); rows it
+    cannot block (short, or a length the block does not divide) fall back to dense.
+  * "flash": a Pallas kernel with linear memory: `flash_attention` (Triton lowering) on GPUs, JAX's
+    splash-attention kernel on TPUs; elsewhere `flash_attention` in the Pallas interpreter (exact but
+    slow: for tests).
+  * "auto": blocked on the CPU (dense where it cannot block), flash on GPUs and TPUs.
+
+Rematerialisation (`train.remat`), applied to each decoder layer with `jax.checkpoint`:
+  * "none": the backward reads every activation the forward stored.
+  * "full": only each layer's input is kept; the backward recomputes the layer.
+  * "dots": matmul outputs without batch dimensions are kept (`dots_with_no_batch_dims_saveable`: the
+    q/k/v/o and MLP projections, which `layers.dense` runs as 2-D matmuls); the attention and the
+    elementwise work between are recomputed.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.blocked_attention import attention_block, block_masks, blocked_attention
+from areal_jax.models.flash_attention import flash_attention
+from areal_jax.models.layers import dot_attention
+from areal_jax.models.splash import splash_attention
+
+ATTENTION_CHOICES = ("auto", "dense", "blocked", "flash")
+REMAT_CHOICES = ("none", "full", "dots")
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def resolve_attention(choice: str, t: int, backend: str | None = None) -> str:
+    """The implementation `choice` means for rows of `t` tokens on `backend` (default: JAX's default
+    backend): one of "dense", "blocked", "flash" (Pallas kernel of this file's docstring), "splash"."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention={choice!r} is not one of {', '.join(ATTENTION_CHOICES)}; set "
+                         "--config.train.attention to one of them.")
+    backend = jax.default_backend() if backend is None else backend
+    if choice == "auto":
+        choice = "blocked" if backend == "cpu" else "flash"
+    if choice == "blocked":
+        return "blocked" if attention_block(t, "cpu") else "dense"
+    if choice == "flash" and backend == "tpu":
+        return "splash"
+    return choice
+
+
+def packed_mask(segment_ids: jax.Array) -> jax.Array:
+    """segment_ids: [B, T] int32 -> [B, T, T] bool: i attends j iff j <= i and both share a segment id."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str | None = None) -> AttentionFn:
+    """attention(q [B, T, H, Dh], k [B, T, K, Dh], v) -> [B, T, H, Dh] for rows with these segment ids.
+
+    Whatever depends only on the segment ids (dense mask, block masks) is built here once and shared by
+    every layer that calls the result.
+    """
+    t = segment_ids.shape[1]
+    impl = resolve_attention(choice, t, backend)
+    if impl == "dense":
+        mask = packed_mask(segment_ids)
+        return lambda q, k, v: dot_attention(q, k, v, mask)
+    if impl == "blocked":
+        block = attention_block(t, "cpu")
+        masks = block_masks(segment_ids, block)
+        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks)
+    if impl == "splash":
+        return lambda q, k, v: splash_attention(q, k, v, segment_ids)
+    return lambda q, k, v: flash_attention(q, k, v, segment_ids)
+
+
+def remat_policy(choice: str) -> Callable | None:
+    """The `jax.checkpoint` policy of a `train.remat` choice other than "none" (None: save nothing)."""
+    if choice not in REMAT_CHOICES:
+        raise ValueError(f"remat={choice!r} is not one of {', '.join(REMAT_CHOICES)}; set --config.train.remat "
+                         "to one of them.")
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable if choice == "dots" else None
+
+
+def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn,
+                  remat: str = "none") -> jax.Array:
+    """One pre-norm decoder layer of the cache-free forward: x + attn(norm(x)), then + mlp(norm(.)).
+
+    layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
+    With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
+    """
+    def run(state: nnx.State, x: jax.Array) -> jax.Array:
+        lyr = nnx.merge(graphdef, state)
+        q, k, v = lyr.attn.qkv(lyr.input_norm(x), cos, sin)
+        x = x + lyr.attn.out(attend(q, k, v))
+        return x + lyr.mlp(lyr.post_attn_norm(x))
+
+    graphdef, state = nnx.split(layer)
+    if remat == "none":
+        return run(state, x)
+    return jax.checkpoint(run, policy=remat_policy(remat))(state, x)
