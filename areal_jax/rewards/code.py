@@ -1,0 +1,207 @@
+"""Code-execution reward: run a completion's program against hidden tests in the sandbox.
+
+    code_tests_reward(completion, answer, mode="all_pass")   # answer: code_tests.encode_tests(...) JSON
+
+How cases run (rewards/sandbox.py contains every process):
+  * stdin/stdout cases: one sandboxed process per case, fed the case's input; its standard output is
+    compared outside the sandbox with ``outputs_match`` (trailing whitespace ignored). A program that
+    exits early, prints nothing or crashes fails the case.
+  * call cases (APPS ``fn_name``, rewritten asserts) and opaque assert programs: one sandboxed process
+    runs the harness (``_code_harness.py``), which loads the program and evaluates every case with its
+    own time limit. Call values come back as ``repr`` and are compared here, against expected values
+    that never enter the sandbox, so ``exit(0)``, ``os._exit``, ``raise SystemExit``, patched builtins
+    or objects whose ``__eq__`` is always true all fail. Reports are authenticated by a random nonce
+    the program never sees unless it inspects the harness's frames; opaque programs (asserts that are
+    not ``<call> == <literal>``) rely on that, so a program that deliberately impersonates the harness
+    can pass them: prefer datasets whose asserts compare values.
+Limits: ``case_timeout_s`` per case and ``sample_timeout_s`` for all cases of one sample; with
+``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import secrets
+import textwrap
+import time
+from typing import Any
+
+from areal_jax.rewards.code_tests import TestSpec, outputs_match, parse_tests, values_equal
+from areal_jax.rewards.sandbox import run_python_sandboxed
+
+__all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "code_tests_reward",
+           "code_all_pass", "code_pass_rate", "make_code_reward"]
+
+CODE_REWARD_MODES = ("all_pass", "pass_rate")
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
+_STARTUP_ALLOWANCE_S = 2.0  # interpreter start-up of the harness process, on top of the case limits
+
+
+@functools.lru_cache(maxsize=1)
+def _harness_source() -> str:
+    with open(_HARNESS_PATH, encoding="utf-8") as f:
+        return f.read()
+
+
+@dataclasses.dataclass(frozen=True)
+class TestOutcome:
+    """passed / total cases, and one status per case ("pass", "fail", "error", "timeout", "not_run")."""
+    passed: int
+    total: int
+    statuses: tuple[str, ...]
+
+    @property
+    def pass_rate(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def extract_program(completion: str) -> str | None:
+    """The program in a completion: the last fenced block tagged python / py / python3, else the last
+    fenced block (an unterminated last fence runs to the end), else the text before any fence,
+    dedented (a completion that continues "Answer:" with " def f(x): ..." is a program). None if empty."""
+    if not isinstance(completion, str):
+        return None
+    blocks = _FENCE.findall(completion)
+    if blocks:
+        tagged = [body for tag, body in blocks if tag.lower() in ("python", "py", "python3")]
+        body = (tagged or [body for _, body in blocks])[-1]
+    else:
+        body = completion.split("```", 1)[0]
+    body = textwrap.dedent(body.strip("\n"))
+    return body if body.strip() else None
+
+
+def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
+               stop_on_fail: bool) -> list[str]:
+    statuses = []
+    for stdin, expected in spec.stdio:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0.05 or (stop_on_fail and statuses and statuses[-1] != "pass"):
+            statuses.append("not_run")
+            continue
+        result = run_python_sandboxed(f"{spec.setup}\n{program}" if spec.setup else program, stdin=stdin,
+                                      timeout_s=min(case_timeout_s, remaining), memory_mb=memory_mb)
+        if result.status == "timeout":
+            statuses.append("timeout")
+        elif result.status != "ok":
+            statuses.append("error")
+        else:
+            statuses.append("pass" if outputs_match(result.stdout, expected) else "fail")
+    return statuses
+
+
+def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
+                 stop_on_fail: bool) -> list[str]:
+    cases = [{"kind": "expr", "src": src} for src, _ in spec.calls]
+    cases += [{"kind": "exec", "src": src} for src in spec.programs]
+    nonce = secrets.token_hex(16)
+    payload = {"nonce": nonce, "solution": program, "setup": spec.setup, "cases": cases,
+               "case_timeout_s": case_timeout_s, "stop_on_error": stop_on_fail}
+    budget = min(deadline - time.monotonic(), case_timeout_s * (len(cases) + 1) + _STARTUP_ALLOWANCE_S)
+    if budget <= 0.05:
+        return ["not_run"] * len(cases)
+    result = run_python_sandboxed(_harness_source(), stdin=json.dumps(payload), timeout_s=budget,
+                                  memory_mb=memory_mb, max_output_bytes=4 << 20)
+    reports: dict[int, dict] = {}
+    prefix = nonce + " "
+    for line in result.stdout.splitlines():
+        if not line.startswith(prefix):
+            continue
+        try:
+            record = json.loads(line[len(prefix):])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("i"), int) and record["i"] not in reports:
+            reports[record["i"]] = record
+    statuses = []
+    for i in range(len(cases)):
+        record = reports.get(i)
+        if record is None:
+            statuses.append("timeout" if result.timed_out else "not_run")
+        elif record.get("status") != "ok":
+            statuses.append("timeout" if record.get("status") == "timeout" else "error")
+        elif i < len(spec.calls):
+            statuses.append("pass" if _value_matches(record.get("value"), spec.calls[i][1]) else "fail")
+        else:
+            statuses.append("pass")
+    return statuses
+
+
+def _value_matches(text: Any, expected: Any) -> bool:
+    import ast
+
+    if not isinstance(text, str):
+        return False
+    try:
+        got = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    if values_equal(got, expected):
+        return True
+    # APPS / TACO call-based outputs often wrap the return value in a one-element list.
+    return isinstance(expected, list) and len(expected) == 1 and values_equal(got, expected[0])
+
+
+def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
+              sample_timeout_s: float = 20.0, memory_mb: int = 512) -> TestOutcome:
+    """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc."""
+    if mode not in CODE_REWARD_MODES:
+        raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
+    if case_timeout_s <= 0 or sample_timeout_s <= 0:
+        raise ValueError(f"time limits must be positive, got case_timeout_s={case_timeout_s}, "
+                         f"sample_timeout_s={sample_timeout_s}.")
+    stop = mode == "all_pass"
+    deadline = time.monotonic() + sample_timeout_s
+    statuses = []
+    if spec.stdio:
+        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop)
+    if spec.calls or spec.programs:
+        if stop and any(s != "pass" for s in statuses):
+            statuses += ["not_run"] * (len(spec.calls) + len(spec.programs))
+        else:
+            statuses += _run_harness(program, spec, deadline, case_timeout_s, memory_mb, stop)
+    passed = sum(s == "pass" for s in statuses)
+    return TestOutcome(passed=passed, total=len(statuses), statuses=tuple(statuses))
+
+
+def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
+                      sample_timeout_s: float = 20.0, memory_mb: int = 512) -> float:
+    """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
+
+    mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
+    A completion without a program scores 0.0. Raises ValueError only for malformed tests (a data bug,
+    reported by the reward pool as an error for that sample).
+    """
+    spec = parse_tests(answer)
+    program = extract_program(completion)
+    if program is None:
+        return 0.0
+    outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
+                        sample_timeout_s=sample_timeout_s, memory_mb=memory_mb)
+    if mode == "pass_rate":
+        return outcome.pass_rate
+    return 1.0 if outcome.passed == outcome.total else 0.0
+
+
+def code_all_pass(completion: str, answer: str) -> float:
+    """code_tests_reward with the default limits, all-pass."""
+    return code_tests_reward(completion, answer, mode="all_pass")
+
+
+def code_pass_rate(completion: str, answer: str) -> float:
+    """code_tests_reward with the default limits, pass rate."""
+    return code_tests_reward(completion, answer, mode="pass_rate")
+
+
+def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample_timeout_s: float = 20.0,
+                     memory_mb: int = 512) -> functools.partial:
+    """A picklable (completion, answer) -> float for the RewardPool, with these limits."""
+    if mode not in CODE_REWARD_MODES:
+        raise ValueError(f"reward.code_mode={mode!r} is not one of {', '.join(CODE_REWARD_MODES)}; pass "
+                         f"--config.reward.code_mode=all_pass or pass_rate.")
+    return functools.partial(code_tests_reward, mode=mode, case_timeout_s=float(case_timeout_s),
+                             sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb))

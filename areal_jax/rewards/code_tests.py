@@ -1,0 +1,240 @@
+"""Hidden test cases of a programming task: their JSON form, and turning assert tests into value checks.
+
+A task's tests travel through the data pipeline as the example's ``answer`` string (never in the prompt):
+
+    {"format": "code_tests/1", "setup": "", "stdio": [[input, output], ...]}          # APPS / TACO stdin
+    {"format": "code_tests/1", "setup": "", "calls": [[expr, expected_json], ...]}    # call-based / asserts
+    {"format": "code_tests/1", "setup": "", "programs": [src, ...]}                   # opaque assert code
+
+A "calls" case is an expression such as ``"f(123)"`` and the expected value as JSON text (tuples become
+lists); the sandbox returns the value's ``repr`` and the comparison happens outside the sandbox, so a
+program cannot pass without computing the right values. Assert tests of the form ``assert <expr> ==
+<literal>`` (also ``<literal> == <expr>``, ``assert <call>`` and ``assert not <call>``, and the same
+inside HumanEval's ``def check(candidate)``) are rewritten into calls; anything else stays an opaque
+program whose verdict comes from inside the sandbox.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+from typing import Any, Sequence
+
+__all__ = ["TestSpec", "encode_tests", "parse_tests", "asserts_to_spec", "values_equal",
+           "outputs_match", "TESTS_FORMAT"]
+
+TESTS_FORMAT = "code_tests/1"
+TRUTH_KEY = "__truth__"  # expected {"__truth__": b}: the value's truthiness must be b
+_SAFE_WRAPPERS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "sorted": sorted}
+
+
+@dataclasses.dataclass(frozen=True)
+class TestSpec:
+    """One task's hidden tests: exactly one of stdio / calls / programs is non-empty for data readers.
+
+    stdio: (stdin text, expected stdout text) pairs.
+    calls: (expression source, expected value) pairs; expected is any JSON-like value.
+    programs: opaque test programs executed after the solution (pass = no exception).
+    setup: code run before the solution (MBPP's test_setup_code, e.g. imports).
+    """
+    stdio: tuple[tuple[str, str], ...] = ()
+    calls: tuple[tuple[str, Any], ...] = ()
+    programs: tuple[str, ...] = ()
+    setup: str = ""
+
+    @property
+    def num_cases(self) -> int:
+        return len(self.stdio) + len(self.calls) + len(self.programs)
+
+
+def encode_tests(spec: TestSpec) -> str:
+    """The JSON text of ``spec`` (the ``answer`` field of a code PromptExample)."""
+    if spec.num_cases == 0:
+        raise ValueError("a test spec needs at least one case (stdio, call or program).")
+    out: dict[str, Any] = {"format": TESTS_FORMAT, "setup": spec.setup}
+    if spec.stdio:
+        out["stdio"] = [list(pair) for pair in spec.stdio]
+    if spec.calls:
+        out["calls"] = [[src, json.dumps(_jsonable(v))] for src, v in spec.calls]
+    if spec.programs:
+        out["programs"] = list(spec.programs)
+    return json.dumps(out)
+
+
+def parse_tests(text: str) -> TestSpec:
+    """Inverse of encode_tests; ValueError for anything else."""
+    try:
+        data = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the tests are not JSON ({e}); code rewards need data.task='code' readers.") from None
+    if not isinstance(data, dict) or data.get("format") != TESTS_FORMAT:
+        raise ValueError(f"the tests are not in the {TESTS_FORMAT} layout.")
+    stdio = tuple((str(i), str(o)) for i, o in data.get("stdio", []))
+    calls = tuple((str(src), json.loads(expected)) for src, expected in data.get("calls", []))
+    spec = TestSpec(stdio=stdio, calls=calls, programs=tuple(map(str, data.get("programs", []))),
+                    setup=str(data.get("setup", "")))
+    if spec.num_cases == 0:
+        raise ValueError("the tests hold no case.")
+    return spec
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": sorted((_jsonable(v) for v in value), key=repr)}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _jsonable(v) for k, v in value.items()}
+        return {"__dict__": [[_jsonable(k), _jsonable(v)] for k, v in value.items()]}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}
+    if isinstance(value, complex):
+        return {"__complex__": [value.real, value.imag]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"expected value of type {type(value).__name__} cannot be stored in the tests.")
+
+
+def _normalise(value: Any) -> Any:
+    """A value as _jsonable would store it, then read back: tuples are lists, sets tagged."""
+    return json.loads(json.dumps(_jsonable(value)))
+
+
+def values_equal(got: Any, expected: Any, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
+    """Python equality of two stored values, floats within a tolerance, lists and tuples alike."""
+    if isinstance(expected, dict) and set(expected) == {TRUTH_KEY}:
+        return bool(got) == bool(expected[TRUTH_KEY])
+    got, expected = _normalise(got), _normalise(expected)
+    return _equal(got, expected, rel_tol, abs_tol)
+
+
+def _equal(a: Any, b: Any, rel_tol: float, abs_tol: float) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        if isinstance(a, int) and isinstance(b, int):
+            return a == b
+        return math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y, rel_tol, abs_tol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k], rel_tol, abs_tol) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def outputs_match(got: str, expected: str) -> bool:
+    """Standard-output comparison that ignores trailing whitespace on each line and trailing blank
+    lines (and \\r\\n versus \\n); everything else must match exactly."""
+    def lines(text: str) -> list[str]:
+        out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+    return lines(got) == lines(expected)
+
+
+def _literal(node: ast.AST) -> tuple[bool, Any]:
+    """(True, value) when ``node`` is a literal or set/frozenset/tuple/list/sorted of one."""
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SAFE_WRAPPERS
+            and len(node.args) == 1 and not node.keywords):
+        ok, inner = _literal(node.args[0])
+        if ok:
+            try:
+                return True, _SAFE_WRAPPERS[node.func.id](inner)
+            except TypeError:
+                return False, None
+    return False, None
+
+
+def _assert_to_call(stmt: ast.stmt) -> tuple[str, Any] | None:
+    """("expr source", expected) for a rewritable assert statement, else None."""
+    if not isinstance(stmt, ast.Assert):
+        return None
+    test = stmt.test
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        left, right = test.left, test.comparators[0]
+        ok, value = _literal(right)
+        if ok and not _literal(left)[0]:
+            return ast.unparse(left), value
+        ok, value = _literal(left)
+        if ok and not _literal(right)[0]:
+            return ast.unparse(right), value
+        return None
+    # Truthiness of a call's value is judged outside the sandbox too (never through the sandbox's bool).
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Call):
+        return ast.unparse(test.operand), {TRUTH_KEY: False}
+    if isinstance(test, ast.Call):
+        return ast.unparse(test), {TRUTH_KEY: True}
+    return None
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.copy_location(ast.Name(id=self.new, ctx=node.ctx), node) if node.id == self.old else node
+
+
+def _check_function_calls(tree: ast.Module, entry_point: str) -> list[tuple[str, Any]] | None:
+    """HumanEval layout: literal assignments plus ``def check(candidate)`` whose body is rewritable
+    asserts. Returns the calls with ``candidate`` renamed to ``entry_point``, or None."""
+    checks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    others = [n for n in tree.body if n not in checks]
+    if len(checks) != 1 or len(checks[0].args.args) != 1:
+        return None
+    if any(not (isinstance(n, ast.Assign) and _literal(n.value)[0]) for n in others):
+        return None
+    param = checks[0].args.args[0].arg
+    calls = []
+    for stmt in checks[0].body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Constant) and stmt.test.value is True:
+            continue  # HumanEval's "assert True, 'message'" placeholders
+        renamed = _Rename(param, entry_point).visit(stmt)
+        call = _assert_to_call(renamed)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def asserts_to_spec(tests: Sequence[str] | str, *, setup: str = "", entry_point: str | None = None) -> TestSpec:
+    """A TestSpec from assert tests: a list of assert statements (MBPP ``test_list``), or one test
+    program (HumanEval ``test`` with ``entry_point``, run as ``check(entry_point)`` when opaque).
+
+    Each rewritable assert becomes a call case; when any statement of a list is not rewritable, that
+    statement alone becomes an opaque program. Raises ValueError for source that does not parse.
+    """
+    if isinstance(tests, str):
+        try:
+            tree = ast.parse(tests)
+        except SyntaxError as e:
+            raise ValueError(f"the test program does not parse: {e.msg} (line {e.lineno})") from None
+        if entry_point is not None:
+            calls = _check_function_calls(tree, entry_point)
+            if calls is not None:
+                return TestSpec(calls=tuple(calls), setup=setup)
+            return TestSpec(programs=(f"{tests}\n\ncheck({entry_point})\n",), setup=setup)
+        statements = [ast.unparse(s) for s in tree.body]
+    else:
+        statements = list(tests)
+    calls, programs = [], []
+    for source in statements:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as e:
+            raise ValueError(f"the test {source!r:.80} does not parse: {e.msg}") from None
+        call = _assert_to_call(tree.body[0]) if len(tree.body) == 1 else None
+        if call is None:
+            programs.append(source)
+        else:
+            calls.append(call)
+    return TestSpec(calls=tuple(calls), programs=tuple(programs), setup=setup)

@@ -1,0 +1,149 @@
+"""Code-execution rewards against hidden tests: correct / wrong / timeout / crash / huge output, stdin
+programs and call-based functions, pass rate versus all-pass, and pass-everything hacks scoring 0."""
+
+import time
+
+import pytest
+
+from areal_jax.rewards.code import code_tests_reward, extract_program, make_code_reward, run_tests
+from areal_jax.rewards.code_tests import TestSpec as Spec
+from areal_jax.rewards.code_tests import asserts_to_spec, encode_tests, outputs_match, parse_tests, values_equal
+from areal_jax.rewards.pool import RewardPool
+
+DIGIT_SUM = encode_tests(asserts_to_spec(["assert f(123) == 6", "assert f(0) == 0", "assert f(9) == 9",
+                                          "assert f(4071) == 12"]))
+STDIO_ADD = encode_tests(Spec(stdio=(("1 2\n", "3\n"), ("10 -4\n", "6\n"), ("0 0\n", "0\n"))))
+CALL_APPS = encode_tests(Spec(calls=(("add(*[1, 2])", [3]), ("add(*[5, 5])", [10]))))
+GOOD_F = "def f(x):\n    return sum(int(d) for d in str(x))"
+GOOD_ADD = "a, b = map(int, input().split())\nprint(a + b)"
+
+
+def reward(completion, answer=DIGIT_SUM, **kw):
+    kw.setdefault("case_timeout_s", 2.0)
+    return code_tests_reward(completion, answer, **kw)
+
+
+def test_correct_and_wrong_programs_with_both_modes():
+    assert reward(GOOD_F) == 1.0
+    assert reward(f"Here it is:\n```python\n{GOOD_F}\n```\nDone.") == 1.0
+    assert reward(" " + GOOD_F) == 1.0  # a completion continuing "Answer:" with a space
+    wrong = "def f(x):\n    return x % 10"  # right only for f(0) and f(9)
+    assert reward(wrong) == 0.0
+    assert reward(wrong, mode="pass_rate") == pytest.approx(2 / 4)
+    assert reward("the answer is 6") == 0.0  # not a program
+    assert reward("") == 0.0
+
+
+def test_stdin_stdout_cases_tolerate_trailing_whitespace_only():
+    assert reward(GOOD_ADD, STDIO_ADD) == 1.0
+    assert reward("a, b = map(int, input().split())\nprint(a + b, '  ')\nprint()\n", STDIO_ADD) == 1.0
+    assert reward("a, b = map(int, input().split())\nprint(' ' + str(a + b))", STDIO_ADD) == 0.0  # leading space
+    assert reward("print(3)", STDIO_ADD, mode="pass_rate") == pytest.approx(1 / 3)
+    assert outputs_match("1 2 \r\n3\n\n\n", "1 2\n3") and not outputs_match("1\n\n2", "1\n2")
+
+
+def test_call_based_cases_accept_the_apps_wrapped_output():
+    assert reward("def add(a, b):\n    return a + b", CALL_APPS) == 1.0
+    assert reward("class Solution:\n    pass\ndef add(a, b):\n    return a - b", CALL_APPS) == 0.0
+    assert values_equal((1, 2), [1, 2]) and values_equal(0.1 + 0.2, 0.3) and not values_equal(1, "1")
+
+
+def test_timeout_crash_and_huge_output_fail_within_their_limits():
+    t0 = time.monotonic()
+    assert reward("def f(x):\n    while True:\n        pass", case_timeout_s=1.0, mode="pass_rate") == 0.0
+    assert time.monotonic() - t0 < 4 * 1.0 + 5.0  # every case bounded by its own limit
+    t0 = time.monotonic()
+    assert reward("while True:\n    pass", STDIO_ADD, case_timeout_s=1.0, sample_timeout_s=2.5,
+                  mode="pass_rate") == 0.0
+    assert time.monotonic() - t0 < 2.5 + 3.0  # the per-sample limit cuts the remaining cases
+    assert reward("def f(x):\n    return 1 // 0") == 0.0
+    assert reward("def f(x) return x") == 0.0  # syntax error
+    assert reward("print('x' * 50_000_000)", STDIO_ADD) == 0.0
+    assert reward("def f(x):\n    return [0] * 10**9") == 0.0  # MemoryError under the sandbox's limit
+
+
+def test_all_pass_stops_at_the_first_failing_stdin_case():
+    spec = parse_tests(STDIO_ADD)
+    outcome = run_tests("print(0)", spec, mode="all_pass", case_timeout_s=2.0)
+    assert outcome.statuses == ("fail", "not_run", "not_run")
+    outcome = run_tests("print(0)", spec, mode="pass_rate", case_timeout_s=2.0)
+    assert outcome.statuses == ("fail", "fail", "pass")
+
+
+HACKS = {
+    "prints nothing": "pass",
+    "exit(0)": "exit(0)",
+    "sys.exit at import": "import sys\nsys.exit(0)",
+    "os._exit(0)": "import os\nos._exit(0)",
+    "SystemExit inside the tested function": "def f(x):\n    raise SystemExit(0)",
+    "os._exit inside the tested function": "import os\ndef f(x):\n    os._exit(0)",
+    "object equal to everything": ("class Any:\n    def __eq__(self, other):\n        return True\n"
+                                   "    __hash__ = None\ndef f(x):\n    return Any()"),
+    "int subclass equal to everything": ("class I(int):\n    def __eq__(self, other):\n        return True\n"
+                                         "def f(x):\n    return I(-1)"),
+    "patched builtins": ("import builtins\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
+                         "builtins.repr = lambda v: '6'\nbuiltins.isinstance = lambda *a: True\n"
+                         "def f(x):\n    return -1"),
+    "harness file edited": ("open('main.py', 'w').write('print(1)')\ndef f(x):\n    return -1"),
+    "forged report without the nonce": ("import os\nos.write(1, b'x {\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}\\n')\n"
+                                        "os._exit(0)"),
+    "stdout replaced": "import sys, io\nsys.stdout = io.StringIO()\ndef f(x):\n    return -1",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HACKS))
+def test_pass_everything_hacks_score_zero_on_assert_tests(name):
+    assert reward(HACKS[name], mode="pass_rate") == 0.0, name
+
+
+@pytest.mark.parametrize("name", ["prints nothing", "exit(0)", "os._exit(0)", "stdout replaced"])
+def test_pass_everything_hacks_score_zero_on_stdin_tests(name):
+    assert reward(HACKS[name], STDIO_ADD, mode="pass_rate") == 0.0, name
+
+
+def test_truthiness_asserts_are_judged_outside_the_sandbox():
+    spec = asserts_to_spec(["assert is_even(4)", "assert not is_even(3)"])
+    assert spec.programs == () and len(spec.calls) == 2
+    answer = encode_tests(spec)
+    assert reward("def is_even(n):\n    return n % 2 == 0", answer) == 1.0
+    # bool() patched to always say True cannot pass "assert not ...": truthiness is decided here.
+    assert reward("import builtins\nbuiltins.bool = lambda v: True\ndef is_even(n):\n    return 1", answer) == 0.0
+
+
+def test_humaneval_check_function_becomes_value_checks_and_opaque_programs_still_run():
+    program = ("METADATA = {'author': 'x'}\n\ndef check(candidate):\n    assert candidate([1, 2]) == 3\n"
+               "    assert candidate([]) == 0\n    assert True, 'placeholder'\n")
+    spec = asserts_to_spec(program, entry_point="total")
+    assert [c[0] for c in spec.calls] == ["total([1, 2])", "total([])"] and not spec.programs
+    assert reward("def total(xs):\n    return sum(xs)", encode_tests(spec)) == 1.0
+    opaque = asserts_to_spec("def check(candidate):\n    for i in range(3):\n        assert candidate([i]) == i\n",
+                             entry_point="total")
+    assert opaque.programs and not opaque.calls
+    assert reward("def total(xs):\n    return sum(xs)", encode_tests(opaque)) == 1.0
+    assert reward("def total(xs):\n    return 0", encode_tests(opaque)) == 0.0
+    assert reward("exit(0)", encode_tests(opaque)) == 0.0
+
+
+def test_extract_program_prefers_the_last_python_block():
+    text = "```\nnot this\n```\n```python\nx = 1\n```\n```py\ny = 2\n```"
+    assert extract_program(text) == "y = 2"
+    assert extract_program("```python\nz = 3\n") == "z = 3"  # unterminated last fence
+    assert extract_program("   \n") is None
+
+
+def test_malformed_tests_and_modes_are_rejected_with_a_clear_message():
+    with pytest.raises(ValueError, match="not JSON"):
+        code_tests_reward(GOOD_F, "#### 6")
+    with pytest.raises(ValueError, match="code_mode"):
+        make_code_reward("best_of")
+    with pytest.raises(ValueError, match="at least one case"):
+        encode_tests(Spec())
+
+
+def test_reward_pool_scores_code_in_parallel():
+    fn = make_code_reward("all_pass", case_timeout_s=2.0, sample_timeout_s=8.0)
+    items = [(i, GOOD_F if i % 2 == 0 else "def f(x):\n    return -1", DIGIT_SUM) for i in range(6)]
+    with RewardPool(fn, num_workers=2, timeout_s=15.0) as pool:
+        results = pool.score_batch(items)
+    assert [r.reward for r in results] == [1.0, 0.0] * 3
+    assert all(r.status == "ok" for r in results)
