@@ -6,6 +6,8 @@ A checkpoint at step k holds:
 - `meta` (JSON, one file per process, since each process has its own prompt shard and rollouts):
   version, the controller's pending prompts (admitted but not yet trained, in admission order), the
   prompt iterator's state, counters and the RNG seed.
+The run directory may be local, a file:// URL or an object store (areal_jax.paths): the meta files go
+through epath, the state through orbax (gs:// natively, with tensorstore's gcs driver).
 The meta files are written (atomically, by rename) before the state, and orbax writes each step into a
 temporary directory that it renames only when complete. So a checkpoint cut short by a crash is never
 listed, let alone loaded: `latest_step()` only sees finished ones, and those always have their meta.
@@ -16,12 +18,13 @@ import collections
 import copy
 import dataclasses
 import json
-import os
 import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from areal_jax import paths
 
 
 def _abstract(tree: Any) -> Any:
@@ -130,7 +133,9 @@ class Checkpointer:
     def __init__(self, run_dir: str, *, keep: int = 2):
         _skip_tensorstore_byte_metrics()
         _resolve_kvstore_specs_once()
-        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.run_dir = paths.run_path(run_dir)
+        self.directory = paths.checkpoint_directory(self.run_dir / "checkpoints")
+        self.meta_root = self.run_dir / "checkpoint_meta"
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
@@ -144,14 +149,13 @@ class Checkpointer:
         self._mngr.reload()
         return list(self._mngr.all_steps())
 
-    def _meta_path(self, step: int) -> str:
-        return os.path.join(os.path.dirname(self.directory), "checkpoint_meta", str(step),
-                            f"process_{jax.process_index()}.json")
+    def _meta_path(self, step: int) -> Any:
+        return self.meta_root / str(step) / f"process_{jax.process_index()}.json"
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write checkpoint `step` (blocking; the rename at the end makes it visible atomically)."""
         path = self._meta_path(step)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        paths.makedirs(path.parent)
         write_json(path, meta)
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
         self._mngr.wait_until_finished()
@@ -159,31 +163,30 @@ class Checkpointer:
 
     def _prune_meta(self) -> None:
         """Remove this process's meta files of steps orbax no longer keeps (bounded disk use)."""
-        root = os.path.join(os.path.dirname(self.directory), "checkpoint_meta")
         kept = {str(s) for s in self.all_steps()}
-        for name in os.listdir(root):
+        for step_dir in self.meta_root.iterdir():
+            name = step_dir.name
             if name in kept or not name.isdigit():
                 continue
-            path = os.path.join(root, name, f"process_{jax.process_index()}.json")
-            for own in (path, path + ".tmp"):
-                if os.path.exists(own):
-                    os.remove(own)
+            own = f"process_{jax.process_index()}.json"
             try:
-                os.rmdir(os.path.join(root, name))
-            except OSError:
-                pass  # other processes' files are still there
+                for f in list(step_dir.iterdir()):
+                    if f.name == own or f.name.startswith(own + ".tmp"):  # with a temporary left by a kill
+                        f.unlink(missing_ok=True)
+                step_dir.rmdir()
+            except (OSError, ValueError):
+                pass  # other processes' files are still there, or another process removed the directory
 
     def restore(self, step: int, like_state: Any) -> tuple[Any, dict]:
         """Load checkpoint `step` into the structure, shapes and shardings of `like_state`."""
         path = self._meta_path(step)
-        if not os.path.exists(path):
+        if not path.exists():
             raise FileNotFoundError(
                 f"Checkpoint step {step} in {self.directory} has no metadata file {path}; it was not written "
                 "by this code or the file was removed. Restore the file, or move that step away to resume "
                 "from an earlier one."
             )
-        with open(path) as f:
-            meta = json.load(f)
+        meta = json.loads(path.read_text())
         restored = self._mngr.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
         )
@@ -198,9 +201,6 @@ def example_to_json(example: Any) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(example).items()}
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
+def write_json(path: Any, obj: Any) -> None:
+    """Write JSON atomically: a temporary file renamed locally, one upload on an object store."""
+    paths.write_json(path, obj)

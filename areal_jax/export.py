@@ -8,7 +8,6 @@ saves config.json, model.safetensors and the tokenizer files into --out.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import ml_collections
@@ -18,11 +17,12 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
     """The config a run was started with (RUN_DIR/config.json), on top of today's defaults."""
     from areal_jax.config import base_config
 
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
+    from areal_jax import paths
+
+    path = paths.join(run_dir, "config.json")  # a local, file:// or object-store run directory
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory of areal_jax.main?")
-    with open(path) as f:
-        saved = json.load(f)
+    saved = json.loads(path.read_text())
     config = base_config()
     config.unlock()
     config.update_from_flattened_dict(_flatten(saved))

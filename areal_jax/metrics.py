@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any, Iterator, Mapping
 
+from areal_jax import paths
+
 __all__ = ["MetricsLogger", "Timeline", "format_duration", "format_progress", "PROGRESS_KEYS"]
 
 # Headline numbers of the progress line: label -> metric names tried in order (first present wins).
@@ -135,7 +137,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool | None = None,
                  total_steps: int | None = None, start_step: int = 0,
                  tensorboard: bool = True) -> None:
-        self.run_dir = os.fspath(run_dir)
+        self.run_dir = os.fspath(run_dir)  # local, file:// or an object store (areal_jax.paths)
         self.enabled = _default_enabled() if enabled is None else bool(enabled)
         self.total_steps = total_steps
         self.start_step = start_step
@@ -143,11 +145,13 @@ class MetricsLogger:
         self._lock = threading.Lock()
         self._jsonl = None
         self._tb = None
+        self._tb_dir = None
         if self.enabled:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-            if tensorboard:
-                self._tb = _import_summary_writer()(logdir=self.run_dir, flush_secs=10)
+            paths.makedirs(self.run_dir)
+            self._jsonl = paths.AppendFile(paths.join(self.run_dir, "metrics.jsonl"))
+            if tensorboard:  # event files in a node-local mirror when run_dir is an object store
+                self._tb_dir = paths.MirroredDir(self.run_dir)
+                self._tb = _import_summary_writer()(logdir=self._tb_dir.local, flush_secs=10)
 
     @property
     def elapsed_s(self) -> float:
@@ -183,11 +187,13 @@ class MetricsLogger:
                                start_step=self.start_step)
 
     def flush(self) -> None:
+        """Make everything logged so far durable in run_dir (uploads on an object store)."""
         with self._lock:
             if self._jsonl is not None:
-                self._jsonl.flush()
+                self._jsonl.sync()
             if self._tb is not None:
                 self._tb.flush()
+                self._tb_dir.sync()
 
     def close(self) -> None:
         with self._lock:
@@ -197,6 +203,7 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
+                self._tb_dir.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -224,7 +231,7 @@ class Timeline:
                  process_name: str = "areal_jax") -> None:
         if max_buffered < 1 or max_events < 1:
             raise ValueError("Timeline needs max_buffered >= 1 and max_events >= 1.")
-        self.path = os.fspath(path) if path is not None else None
+        self.path = os.fspath(paths.run_path(path)) if path is not None else None
         self.enabled = enabled
         self.max_buffered = max_buffered
         self.max_events = max_events
@@ -237,7 +244,10 @@ class Timeline:
         self._lanes: dict[str, int] = {}
         self._pid = os.getpid()
         self._t0_ns = time.perf_counter_ns()
-        self._spool_path = self.path + ".spool" if self.path else None
+        self._spool_path = None  # always on local disk (node-local scratch for an object store)
+        if self.path is not None:
+            self._spool_path = (self.path + ".spool" if paths.is_local(self.path) else
+                                os.path.join(paths.scratch_dir(self.path, "spool"), "timeline.json.spool"))
         if self._spool_path and os.path.exists(self._spool_path):
             os.remove(self._spool_path)
 
@@ -327,8 +337,7 @@ class Timeline:
                 raise RuntimeError(f"this Timeline is closed; its trace was saved to {self.path}.")
             if self._spool_path is not None and self._buffer:
                 self._spool_locked()
-            tmp = f"{target}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as out:
+            with paths.atomic_open(target) as out:
                 out.write('{"traceEvents": [\n')
                 lines = [json.dumps(e) for e in self._metadata_locked()]
                 out.write(",\n".join(lines))
@@ -340,7 +349,6 @@ class Timeline:
                     out.write(",\n" + json.dumps(event, default=str))
                 other = {"dropped_events": self.dropped, "clock": "monotonic, us since start"}
                 out.write(f'\n], "displayTimeUnit": "ms", "otherData": {json.dumps(other)}}}\n')
-            os.replace(tmp, target)
         return target
 
     def close(self) -> None:

@@ -100,23 +100,26 @@ def atomic_open(path: PathLike, mode: str = "w") -> Iterator[IO]:
     """Write a whole file so readers see the old content or the new, never half of it.
 
     Local: a temporary name in the same directory, renamed over `path` when the block ends without
-    an exception. Object store: written directly (the object appears when its upload completes).
+    an exception. Object store: a node-local temporary file, uploaded as one object when the block
+    ends without an exception (a store's own writer would publish a half-written object on error).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', not {mode!r}.")
     p = run_path(path)
-    if not is_local(p):
-        with p.open(mode) as f:
-            yield f
-        return
+    remote = not is_local(p)
     target = os.fspath(p)
-    tmp = f"{target}.tmp{os.getpid()}"
+    tmp = os.path.join(scratch_dir(p, "upload"), p.name) if remote else f"{target}.tmp{os.getpid()}"
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
-        os.replace(tmp, target)
+        if remote:
+            _upload(tmp, p)
+        else:
+            os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
+        if remote:
+            shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+        elif os.path.exists(tmp):
             os.remove(tmp)
 
 

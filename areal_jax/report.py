@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import defaultdict
 
@@ -16,27 +15,23 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from areal_jax import paths  # noqa: E402  (run directories may be file:// or object-store URLs)
+
 
 def read_metrics(run_dir: str) -> list[dict]:
     """Rows of RUN_DIR/metrics.jsonl (each has "step" and the logged values)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = paths.join(run_dir, "metrics.jsonl")
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory of areal_jax.main?")
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_spans(run_dir: str) -> dict[str, list[tuple[float, float, str]]]:
     """Complete spans of timeline.json grouped by lane: {lane: [(start_s, duration_s, name)]}."""
-    path = os.path.join(run_dir, "timeline.json")
-    if not os.path.exists(path):
+    path = paths.join(run_dir, "timeline.json")
+    if not path.exists():
         return {}
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {}
     for e in events:
@@ -70,7 +65,8 @@ def plot_curves(rows: list[dict], out: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with paths.atomic_open(out, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 
@@ -110,19 +106,20 @@ def plot_timeline(spans: dict, out: str) -> None:
         ax.legend(handles, list(colors), fontsize=7, ncol=min(6, len(colors)), loc="upper right")
     ax.set_xlabel("wall time (s)")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with paths.atomic_open(out, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 
 def make_report(run_dir: str) -> list[str]:
     """Write the PNGs; returns their paths."""
-    out_dir = os.path.join(run_dir, "plots")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = paths.join(run_dir, "plots")
+    paths.makedirs(out_dir)
     rows = read_metrics(run_dir)
-    paths = [os.path.join(out_dir, "curves.png"), os.path.join(out_dir, "timeline.png")]
-    plot_curves(rows, paths[0])
-    plot_timeline(read_spans(run_dir), paths[1])
-    return paths
+    outs = [out_dir / "curves.png", out_dir / "timeline.png"]
+    plot_curves(rows, outs[0])
+    plot_timeline(read_spans(run_dir), outs[1])
+    return [str(p) for p in outs]
 
 
 def main(argv: list[str]) -> None:

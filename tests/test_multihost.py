@@ -3,10 +3,12 @@
 Checked from each process's own records: params digests after every publish (the trainer's params,
 gathered independently, are identical on both processes and equal what each rollout slice received and
 decodes with), the staleness bound, resume from the multi-host checkpoint, and that killing one process
-makes the other exit non-zero within 60 s instead of hanging in a collective.
+makes the other exit non-zero within 60 s, naming the dead process, instead of hanging in a collective
+(detected by JAX's coordination service alone: no heartbeat files).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,17 +77,30 @@ def test_two_processes_async_steps_then_resume(assets):
     _check_digests(run_dir, 5)
 
 
+# How the survivor's stderr names the dead peer: JAX's coordination service (in process 0) reports a
+# worker by its task number; a worker that loses process 0 reports the leader task.
+PEER_NAMED = {1: re.compile(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b"),
+              0: re.compile(r"leader task")}
+
+
 @pytest.mark.slow
-def test_killing_one_process_makes_the_other_exit(assets, tmp_path):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim):
+    """No heartbeat files (distributed.file_heartbeats=False, the default): the coordination service
+    alone must notice the SIGKILLed peer, end the survivor with a non-zero code within 60 s, and say
+    which process died."""
     address = f"127.0.0.1:{free_port()}"
-    procs = []
+    procs, logs = [], []
     run_dir = str(tmp_path / "run")
     for i in range(2):
         env = dict(os.environ, AREAL_COORDINATOR=address, AREAL_NUM_PROCESSES="2", AREAL_PROCESS_ID=str(i),
                    JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        logs.append(open(tmp_path / f"process_{i}.log", "w"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "areal_jax.main", *_job_args(assets, 500), f"--config.run_dir={run_dir}"],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            [sys.executable, "-m", "areal_jax.main", *_job_args(assets, 500), f"--config.run_dir={run_dir}",
+             "--config.distributed.file_heartbeats=False"],
+            env=env, cwd=ROOT, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True))
+    survivor = procs[1 - victim]
     try:
         digests = os.path.join(run_dir, "params_digests.process_0.jsonl")
         deadline = time.time() + 300
@@ -93,14 +108,19 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path):
             assert all(p.poll() is None for p in procs), "a process died before training started"
             time.sleep(0.2)
         assert os.path.exists(digests), "training did not start"
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(procs[victim].pid, signal.SIGKILL)
         t0 = time.time()
-        code = procs[0].wait(timeout=90)
+        code = survivor.wait(timeout=90)
         waited = time.time() - t0
         assert code != 0
         assert waited < 60, f"the surviving process took {waited:.0f} s to exit"
+        assert not os.path.exists(os.path.join(run_dir, "heartbeats"))
+        log = (tmp_path / f"process_{1 - victim}.log").read_text(errors="replace")
+        assert PEER_NAMED[victim].search(log), log[-3000:]
     finally:
-        for p in procs:
+        for p in procs:  # SIGKILL: jax.distributed catches SIGTERM
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for f in logs:
+            f.close()

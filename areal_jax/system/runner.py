@@ -9,7 +9,6 @@ with rollout.max_staleness = 0: the controller then admits only the batch the tr
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -73,29 +72,39 @@ class SampleLog:
 
     def __init__(self, run_dir: str, enabled: bool = True):
         # Each process records the groups it generated: samples.jsonl alone, samples.process_<i>.jsonl
-        # when a run spans several processes.
+        # when a run spans several processes. run_dir may be an object store (areal_jax.paths).
         import jax
 
+        from areal_jax import paths
+
         name = "samples.jsonl" if jax.process_count() == 1 else f"samples.process_{jax.process_index()}.jsonl"
-        self.path = os.path.join(run_dir, name)
+        self.path = paths.join(run_dir, name)
         self.enabled = enabled
+        self._file = paths.AppendFile(self.path) if enabled else None
 
     def truncate_from(self, version: int) -> None:
         """Keep only the lines of steps before `version`; a line cut short by a crash is dropped too."""
-        if not (self.enabled and os.path.exists(self.path)):
+        if self._file is None:
             return
         keep = []
-        with open(self.path) as f:
-            for ln in f:
-                try:
-                    row = json.loads(ln) if ln.endswith("\n") else None
-                except json.JSONDecodeError:
-                    row = None  # torn by a kill in the middle of write()
-                if row is not None and row["trained_version"] < version:
-                    keep.append(ln)
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(self.path + ".tmp", self.path)
+        for ln in self._file.read_text().splitlines(keepends=True):
+            try:
+                row = json.loads(ln) if ln.endswith("\n") else None
+            except json.JSONDecodeError:
+                row = None  # torn by a kill in the middle of write()
+            if row is not None and row["trained_version"] < version:
+                keep.append(ln)
+        self._file.rewrite("".join(keep))
+
+    def sync(self) -> None:
+        """Make the lines written so far durable in the run directory (uploads on an object store)."""
+        if self._file is not None:
+            self._file.sync()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def write(self, groups: list[Group], trained_version: int) -> None:
         if not self.enabled:
@@ -111,8 +120,7 @@ class SampleLog:
                 "trained_version": trained_version, "n": len(g.completions),
                 "rewards": [float(r) for r in g.rewards],
             }) + "\n")
-        with open(self.path, "a") as f:
-            f.write("".join(lines))  # one write per step: a kill leaves at most one torn line
+        self._file.write("".join(lines))  # one write per step: a kill leaves at most one torn line
 
 
 class StopFlag:
