@@ -55,14 +55,22 @@ def load_prompt_source(paths: str | Sequence[str], tokenizer: Tokenizer, *, ques
                        answer_field: str = "answer", answer_format: str = "auto", on_bad_row: str = "error",
                        prompt_template: str = DEFAULT_PROMPT_TEMPLATE, use_chat_template: bool = False,
                        system_prompt: str | None = None, max_prompt_len: int | None = None,
-                       on_too_long: str = "skip", add_special_tokens: bool = True) -> PromptSource:
+                       on_too_long: str = "skip", add_special_tokens: bool = True, task: str = "math") -> PromptSource:
     """Reads .jsonl / .parquet files, formats and tokenizes every prompt, drops the unusable ones.
 
     See readers.read_records for the row checks and prompts.PromptFormat for the formatting options.
-    Raises ValueError when nothing usable is left.
+    task "code" reads programming tasks instead (code_readers.read_code_records: the answer is the hidden
+    tests as JSON; answer_field and answer_format are unused). Raises ValueError when nothing usable is left.
     """
-    records, stats = read_records(paths, question_field=question_field, answer_field=answer_field,
-                                  answer_format=answer_format, on_bad_row=on_bad_row)
+    if task == "code":
+        from areal_jax.data.code_readers import read_code_records
+
+        records, stats = read_code_records(paths, question_field=question_field, on_bad_row=on_bad_row)
+    elif task == "math":
+        records, stats = read_records(paths, question_field=question_field, answer_field=answer_field,
+                                      answer_format=answer_format, on_bad_row=on_bad_row)
+    else:
+        raise ValueError(f"task={task!r} is not one of math, code; pass --config.data.task=math or code.")
     prompt_format = PromptFormat(template=prompt_template, use_chat_template=use_chat_template,
                                  system_prompt=system_prompt, add_special_tokens=add_special_tokens)
     kept, too_long = tokenize_records(records, tokenizer, prompt_format, max_prompt_len, on_too_long)

@@ -1,0 +1,98 @@
+"""Readers of programming tasks: APPS / TACO stdin and call-based rows, MBPP assert lists, HumanEval test
+programs, from JSONL and Parquet; malformed rows named by file and row; hidden tests never in prompts."""
+
+import json
+
+import pytest
+
+from areal_jax.data import load_prompt_source
+from areal_jax.data.code_readers import read_code_records
+from areal_jax.data.code_tokenizer import build_code_tokenizer
+from areal_jax.rewards.code_tests import parse_tests
+
+APPS_STDIO = {"question": "Read two integers and print their sum.",
+              "input_output": json.dumps({"inputs": ["1 2\n", ["3", "4"]], "outputs": ["3\n", ["7"]]})}
+APPS_CALL = {"question": "Return the sum of a and b.",
+             "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, 6]], "outputs": [[3], [11]]})}
+MBPP = {"text": "Write a function to remove the first and last occurrence of a character from a string.",
+        "test_list": ["assert remove_Occ('hello','l') == 'heo'", "assert remove_Occ('abcda','a') == 'bcd'"],
+        "test_setup_code": ""}
+HUMANEVAL = {"prompt": "def add(a: int, b: int) -> int:\n    \"\"\"Add a and b.\"\"\"\n",
+             "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+             "entry_point": "add"}
+GOOD_ROWS = [APPS_STDIO, APPS_CALL, MBPP, HUMANEVAL]
+BAD_ROWS = [
+    ({"question": "q", "input_output": "{not json"}, "not valid JSON"),
+    ({"question": "q", "input_output": {"inputs": [], "outputs": []}}, "no test case"),
+    ({"question": "q", "input_output": {"inputs": ["1"], "outputs": []}}, "1 inputs but 0 outputs"),
+    ({"text": "t", "test_list": []}, "'test_list' is empty"),
+    ({"text": "t", "test_list": ["assert f(1) =="]}, "does not parse"),
+    ({"question": "q"}, "no tests"),
+    ({"input_output": {"inputs": ["1"], "outputs": ["1"]}}, "no problem statement"),
+    ({"question": "q", "input_output": {"fn_name": "1bad", "inputs": [[1]], "outputs": [1]}}, "identifier"),
+]
+
+
+def _write_jsonl(path, rows, raw_lines=()):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def test_each_layout_becomes_the_tests_it_describes(tmp_path):
+    records, stats = read_code_records(_write_jsonl(tmp_path / "t.jsonl", GOOD_ROWS))
+    assert stats.rows_kept == 4 and stats.bad_rows_skipped == 0
+    stdio, call, mbpp, humaneval = (parse_tests(r.answer) for r in records)
+    assert stdio.stdio == (("1 2\n", "3\n"), ("3\n4\n", "7\n"))  # a list of lines is joined
+    assert call.calls == (("add(*[1, 2])", [3]), ("add(*[5, 6])", [11]))
+    assert mbpp.calls == (("remove_Occ('hello', 'l')", "heo"), ("remove_Occ('abcda', 'a')", "bcd"))
+    assert humaneval.calls == (("add(2, 3)", 5), ("add(-1, 1)", 0))
+    # The function the tests call is named in the prompt when the statement does not mention it.
+    assert records[1].question.endswith("named add.") and records[2].question.endswith("named remove_Occ.")
+    assert records[3].question == HUMANEVAL["prompt"]  # "add" already appears
+    assert [r.row for r in records] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("row, message", BAD_ROWS)
+def test_malformed_rows_name_file_and_line_or_are_skipped(tmp_path, row, message):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [MBPP, row])
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: .*{message}.*on_bad_row=skip"):
+        read_code_records(path)
+    records, stats = read_code_records(path, on_bad_row="skip")
+    assert len(records) == 1 and stats.bad_rows_skipped == 1 and "line 2" in stats.bad_row_messages[0]
+
+
+def test_invalid_json_lines_and_an_all_bad_file(tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", [MBPP], raw_lines=["{oops"])
+    records, stats = read_code_records(path, on_bad_row="skip")
+    assert len(records) == 1 and "line 2: invalid JSON" in stats.bad_row_messages[0]
+    with pytest.raises(ValueError, match="no usable rows"):
+        read_code_records(_write_jsonl(tmp_path / "b.jsonl", [BAD_ROWS[0][0]]), on_bad_row="skip")
+
+
+def test_parquet_rows_match_jsonl_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [APPS_STDIO, APPS_STDIO | {"input_output": "[]"}, APPS_CALL]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "t.parquet"))
+    records, stats = read_code_records(str(tmp_path / "t.parquet"), on_bad_row="skip")
+    expected, _ = read_code_records(_write_jsonl(tmp_path / "t.jsonl", [APPS_STDIO, APPS_CALL]))
+    assert [r.answer for r in records] == [r.answer for r in expected]
+    assert stats.bad_rows_skipped == 1 and "row index 1" in stats.bad_row_messages[0]
+
+
+def test_prompts_use_the_chat_template_and_never_show_hidden_tests(tmp_path):
+    tokenizer = build_code_tokenizer()
+    path = _write_jsonl(tmp_path / "t.jsonl", GOOD_ROWS)
+    source = load_prompt_source(path, tokenizer, task="code", question_field="auto", use_chat_template=True)
+    texts = [tokenizer.decode(list(item.prompt_tokens)) for item in source.items]
+    assert texts[2] == f"Question: {MBPP['text']}\nWrite it as a Python function named remove_Occ.\nAnswer:"
+    hidden = ["'heo'", "bcd", "3\n4", "candidate(2, 3)", "== 5", "11"]
+    for text in texts:
+        assert not any(h in text for h in hidden), text
+    with pytest.raises(ValueError, match="task='nope'"):
+        load_prompt_source(path, tokenizer, task="nope")
