@@ -1,0 +1,98 @@
+"""Sandboxed test execution at throughput: what the code reward costs, and what the reward pool sustains.
+
+    python benchmarks/sandbox.py [--n 64] [--workers 2]
+
+Measures, one after another on this machine:
+  a. a bare interpreter start, ``python -c 'print(1)'`` (subprocess.run), per run, and the same with
+     ``-I -B`` (isolated mode, no site customisation: how the sandbox starts its interpreter);
+  b. one sandboxed run of the same program (rewards/sandbox.py: namespaces, limits, audit hook), per run;
+  c. one sample of a synthetic task (5 assert cases, one harness process) through code_tests_reward;
+  d. the RewardPool with --workers processes scoring --n assert samples and --n stdin samples (3 cases,
+     one process each): sandbox executions/s, test cases/s and samples/s.
+Prints the matmul peak and the load average beside the figures (the CPU may be shared) and ends with
+one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from areal_jax.rewards.code import code_tests_reward, make_code_reward  # noqa: E402
+from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests  # noqa: E402
+from areal_jax.rewards.pool import RewardPool  # noqa: E402
+from areal_jax.rewards.sandbox import namespace_isolation, run_python_sandboxed  # noqa: E402
+
+ASSERT_TASK = encode_tests(asserts_to_spec([f"assert f({x}) == {sum(map(int, str(x)))}"
+                                            for x in (0, 7, 58, 406, 4071)]))
+ASSERT_PROGRAM = "def f(x):\n    return sum(int(d) for d in str(x))"
+STDIO_TASK = encode_tests(TestSpec(stdio=(("1 2\n", "3\n"), ("10 -4\n", "6\n"), ("7 7\n", "14\n"))))
+STDIO_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
+
+
+def _per_run(fn, n: int) -> float:
+    fn()  # warm the page cache
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=64, help="samples of each kind through the pool")
+    p.add_argument("--serial", type=int, default=20, help="repeats of each serial measurement")
+    p.add_argument("--workers", type=int, default=2, help="reward pool processes")
+    args = p.parse_args()
+
+    from benchmarks.common import matmul_peak_gflops
+
+    peak = matmul_peak_gflops()
+    load = os.getloadavg()
+    print(f"matmul peak {peak:.1f} GFLOP/s; load average {load[0]:.1f} on {os.cpu_count()} cores; "
+          f"isolation {' '.join(namespace_isolation()) or 'none'}", flush=True)
+
+    bare = _per_run(lambda: subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True),
+                    args.serial)
+    bare_isolated = _per_run(lambda: subprocess.run([sys.executable, "-I", "-B", "-c", "print(1)"],
+                                                    capture_output=True, check=True), args.serial)
+    sandboxed = _per_run(lambda: run_python_sandboxed("print(1)"), args.serial)
+    harness = _per_run(lambda: code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK), args.serial)
+    assert code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK) == 1.0 and code_tests_reward(STDIO_PROGRAM, STDIO_TASK) == 1.0
+    print(f"a. bare python -c: {bare * 1e3:.1f} ms (python -I -B -c, as the sandbox starts it: "
+          f"{bare_isolated * 1e3:.1f} ms); b. sandboxed: {sandboxed * 1e3:.1f} ms ({sandboxed / bare:.2f}x of "
+          f"python -c, {sandboxed / bare_isolated:.2f}x of python -I -B -c); c. one 5-assert sample: "
+          f"{harness * 1e3:.1f} ms", flush=True)
+
+    items = [(f"a{i}", ASSERT_PROGRAM, ASSERT_TASK) for i in range(args.n)]
+    items += [(f"s{i}", STDIO_PROGRAM, STDIO_TASK) for i in range(args.n)]
+    with RewardPool(make_code_reward(), num_workers=args.workers, timeout_s=60.0) as pool:
+        pool.score_batch(items[:args.workers])  # workers started and warm
+        t0 = time.perf_counter()
+        results = pool.score_batch(items)
+        seconds = time.perf_counter() - t0
+    assert all(r.reward == 1.0 for r in results), [r for r in results if r.reward != 1.0][:2]
+    executions = args.n * 1 + args.n * 3  # one harness process per assert sample, one per stdin case
+    cases = args.n * 5 + args.n * 3
+    out = {
+        "benchmark": "sandbox", "workers": args.workers, "samples": len(items),
+        "bare_python_ms": round(bare * 1e3, 2), "sandboxed_run_ms": round(sandboxed * 1e3, 2),
+        "bare_python_isolated_ms": round(bare_isolated * 1e3, 2),
+        "sandbox_overhead_ratio": round(sandboxed / bare, 3),
+        "sandbox_overhead_ratio_isolated": round(sandboxed / bare_isolated, 3), "assert_sample_ms": round(harness * 1e3, 2),
+        "pool_executions_per_s": round(executions / seconds, 2), "pool_cases_per_s": round(cases / seconds, 2),
+        "pool_samples_per_s": round(len(items) / seconds, 2), "matmul_peak_gflops": round(peak, 1),
+        "load_average_1min": round(load[0], 2), "cpus": os.cpu_count(),
+    }
+    print(f"d. pool of {args.workers}: {out['pool_executions_per_s']} sandbox executions/s, "
+          f"{out['pool_cases_per_s']} test cases/s, {out['pool_samples_per_s']} samples/s", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
