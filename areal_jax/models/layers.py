@@ -258,6 +258,14 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     return y.reshape(*lead, *out_shape)
 
 
+def project(x: jax.Array, w: nnx.Param | nnx.Module, dtype: jnp.dtype, n_in: int = 1) -> jax.Array:
+    """A projection in the compute dtype: `dense(x, w)` for a parameter; a module with a `project` method
+    (models.lora.LoRAProjection: a frozen weight plus a low-rank update) computes its own."""
+    if isinstance(w, nnx.Variable):
+        return dense(x, w[...].astype(dtype), n_in)
+    return w.project(x, dtype, n_in)
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped key/value heads, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
 
@@ -281,8 +289,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x: jax.Array, w: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = dense(x, w[...].astype(self.dtype))
+    def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
+        y = project(x, w, self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -296,7 +304,7 @@ class Attention(nnx.Module):
 
     def out(self, attn: jax.Array) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D]."""
-        return dense(attn, self.o_proj[...].astype(self.dtype), n_in=2)
+        return project(attn, self.o_proj, self.dtype, n_in=2)
 
 
 class MLP(nnx.Module):
@@ -311,9 +319,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
-        gate = dense(x, self.gate_proj[...].astype(self.dtype))
-        up = dense(x, self.up_proj[...].astype(self.dtype))
-        return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+        gate = project(x, self.gate_proj, self.dtype)
+        up = project(x, self.up_proj, self.dtype)
+        return project(jax.nn.silu(gate) * up, self.down_proj, self.dtype)
 
 
 class DecoderLayer(nnx.Module):

@@ -6,6 +6,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax import config as config_lib
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.system.controller import RolloutSettings
 from areal_jax.system.mesh import MeshConfig
 from areal_jax.trainer.config import TrainerConfig
@@ -57,6 +58,15 @@ def trainer_config(config: Any) -> TrainerConfig:
         entropy_coef=t.entropy_coef,
         logits_chunk=t.logits_chunk,
     )
+
+
+def lora_config(config: Any) -> LoRAConfig | None:
+    """The adapter settings (None when lora.enabled is False); raises ValueError on a bad value."""
+    lo = config.lora
+    if not lo.enabled:
+        return None
+    return LoRAConfig(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout), targets=lo.targets,
+                      base_dtype=lo.base_dtype)
 
 
 def rollout_settings(config: Any, stop_token_ids: tuple[int, ...], batch_groups: int | None = None) -> RolloutSettings:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+
+from areal_jax.models import logical_to_mesh_sharding
 
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer.batch import Trajectory
@@ -32,12 +34,15 @@ class Trainer:
       mesh: the train mesh; each micro-step feeds one packed row to every "fsdp" position.
       ref_model: reference policy for the KL penalty (required when cfg.kl_coef > 0); its params
         live on the train mesh with the same shardings as the policy's.
+      wrt: filter of the trained variables (default every nnx.Param; nnx.LoRAParam trains only LoRA
+        adapters, models.lora). The rest is frozen and kept on the mesh by its logical axes.
 
     With several processes every process calls `update` with the same trajectories (one SPMD
     program over the global train mesh).
     """
 
-    def __init__(self, model: nnx.Module, cfg: TrainerConfig, mesh: Mesh, *, ref_model: nnx.Module | None = None):
+    def __init__(self, model: nnx.Module, cfg: TrainerConfig, mesh: Mesh, *, ref_model: nnx.Module | None = None,
+                 wrt: Any = nnx.Param):
         if tuple(mesh.axis_names) != ("fsdp", "tensor"):
             raise ValueError(
                 f"The train mesh must have axes ('fsdp', 'tensor'), got {tuple(mesh.axis_names)}; build it "
@@ -48,17 +53,21 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh
         self.n_devices = int(mesh.shape["fsdp"])
-        self._graphdef, params, other = nnx.split(model, nnx.Param, ...)
+        self._wrt = wrt
+        self._graphdef, params, other = nnx.split(model, wrt, ...)
+        if not jax.tree.leaves(params):
+            raise ValueError(f"The model has no variables of {wrt} to train; apply LoRA adapters first "
+                             "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
         self._tx = make_optimizer(cfg)
         self._schedule = make_schedule(cfg)
         self.state, self._shardings = create_train_state(params, self._tx, mesh)
-        self._other_sharding = jax.tree.map(lambda _: replicated(mesh), other)
+        self._other_sharding = logical_to_mesh_sharding(other, mesh)  # frozen weights shard like params
         self._other = copy_to(other, self._other_sharding)
         self._fns = self._compiled_fns(other)
         self._ref = None
         if ref_model is not None:
-            ref_graphdef, ref_params, ref_other = nnx.split(ref_model, nnx.Param, ...)
+            ref_graphdef, ref_params, ref_other = nnx.split(ref_model, wrt, ...)
             if ref_graphdef != self._graphdef or jax.tree.structure(ref_params) != jax.tree.structure(params):
                 raise ValueError("ref_model must have the same architecture (module graph and parameters) as the model.")
             self._ref = (copy_to(ref_params, self._shardings.params), copy_to(ref_other, self._other_sharding))
@@ -66,7 +75,7 @@ class Trainer:
     def _compiled_fns(self, other: nnx.State):
         """The jitted update pieces, shared by Trainers of the same model graph, config and mesh (the
         graph fixes the param shapes and hence the shardings), so a second Trainer compiles nothing."""
-        key = (self._graphdef, self.cfg, self.mesh, jax.tree.structure(other))
+        key = (self._graphdef, self.cfg, self.mesh, jax.tree.structure(other), self._wrt)
         fns = _FNS_CACHE.pop(key, None)
         if fns is None:
             fns = build_update_fns(
