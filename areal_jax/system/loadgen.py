@@ -1,0 +1,210 @@
+"""Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
+
+- `PRESETS`: Qwen2.5-shaped model configs (random weights) and the rollout sizes that go with them;
+- `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
+- `ForcedLengths`: wraps a SamplerLoop so each request generates exactly its drawn length (no stop
+  token), which is how a random-weight model is made to behave like a reasoning model's long tail;
+- `bernoulli_reward`: a reward the pool can run, 1 for about half the completions (a hash of the text),
+  so GRPO advantages are non-zero and every update really changes the weights;
+- `memory_plan`: bytes of each part that must sit on one device (float32 master, AdamW moments,
+  gradients, the sampler's copy, the KV cache), from shapes alone, before anything is allocated;
+- `handoff_latencies`: publish -> weights swapped in -> first token at the new version, from a run's
+  timeline.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+
+GiB = 1024**3
+
+# Model shapes follow the Hugging Face configs of Qwen/Qwen2.5-0.5B and -1.5B (tied embeddings,
+# q/k/v bias, RoPE theta 1e6); the rollout sizes are what the benchmark uses unless flags say otherwise.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(model=dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
+                 dtype="float32", median=24, cap=96, slots=32, group_size=4, batch_groups=4, steps=6),
+    "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                                    num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
+                                    rope_theta=1e6),
+                         dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
+    "qwen2.5-1.5b": dict(model=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                    num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True,
+                                    rope_theta=1e6),
+                         dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=4),
+}
+
+
+def model_config(preset: str, max_len: int, dtype: str):
+    """The ModelConfig of `preset` (qwen2 architecture, float32 params, compute `dtype`, no EOS)."""
+    import jax.numpy as jnp
+
+    from areal_jax.models.config import ModelConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    fields = dict(architecture="qwen2", rms_norm_eps=1e-6, attention_bias=True, bos_token_id=None,
+                  eos_token_id=None, max_position_embeddings=max(32768, max_len), param_dtype=jnp.float32,
+                  dtype={"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])
+    fields.update(PRESETS[preset]["model"])
+    return ModelConfig(**fields)
+
+
+def long_tail_lengths(n: int, median: int, cap: int, *, sigma: float = 1.0, seed: int = 0) -> np.ndarray:
+    """[n] int64 generation lengths: log-normal with the given median and log-std `sigma`, clipped to
+    [1, cap]. sigma 1 puts the 90th percentile at 3.6x the median and the 99th at 10x."""
+    if not 1 <= median <= cap:
+        raise ValueError(f"The median length ({median}) must lie in [1, cap={cap}]; lower --median or raise --cap.")
+    rng = np.random.default_rng(seed)
+    draws = np.exp(np.log(median) + sigma * rng.standard_normal(n))
+    return np.clip(np.rint(draws), 1, cap).astype(np.int64)
+
+
+class ForcedLengths:
+    """A SamplerLoop stand-in for the RolloutController: request `id` (the group number) generates
+    exactly `lengths[id % len(lengths)]` tokens per sample, with no stop token. Everything else is the
+    wrapped loop's."""
+
+    def __init__(self, sampler: Any, lengths: np.ndarray):
+        self._sampler = sampler
+        self._lengths = np.asarray(lengths, np.int64)
+
+    def length_of(self, request_id: int) -> int:
+        return int(self._lengths[int(request_id) % len(self._lengths)])
+
+    def submit(self, request: Any) -> None:
+        self._sampler.submit(dataclasses.replace(request, max_new_tokens=self.length_of(request.id),
+                                                 stop_token_ids=()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
+def ids_as_text(token_ids: list[int]) -> str:
+    """The completion 'text' the reward sees: its token ids (a random model's tokens need no tokenizer)."""
+    return ",".join(str(int(t)) for t in token_ids)
+
+
+def bernoulli_reward(completion: str, answer: str) -> float:
+    """1.0 for about half of all completions, decided by a hash of the text (reproducible across
+    processes and runs), else 0.0. `answer` is ignored."""
+    del answer
+    return float(zlib.crc32(completion.encode("utf-8")) & 1)
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes per part on the device that holds both slices (colocated); all from shapes."""
+
+    n_params: int
+    params: int  # trainer's master weights (param dtype)
+    optimizer: int  # AdamW first and second moments (param dtype)
+    gradients: int  # one gradient tree, live during the update
+    sampler_params: int  # the sampler's copy (rollout param dtype)
+    kv_cache: int  # [L, slots, max_len, kv_heads, head_dim] keys and values (compute dtype)
+
+    def parts(self) -> dict[str, int]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "n_params"}
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts().values())
+
+
+def memory_plan(cfg: Any, *, slots: int, max_len: int, sampler_dtype: Any) -> MemoryPlan:
+    """The MemoryPlan of model config `cfg` with a `slots` x `max_len` KV cache, from abstract shapes."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from areal_jax.models import init_cache
+    from areal_jax.models.transformer import Transformer
+
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    leaves = jax.tree.leaves(state)
+    n = int(sum(x.size for x in leaves))
+    p_bytes = int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
+    s_bytes = n * jnp.dtype(sampler_dtype).itemsize
+    cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
+    kv = int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache)))
+    return MemoryPlan(n_params=n, params=p_bytes, optimizer=2 * p_bytes, gradients=p_bytes,
+                      sampler_params=s_bytes, kv_cache=kv)
+
+
+SHRINK_HINTS = {
+    "kv_cache": "lower --slots or --cap (the KV cache is slots x (prompt + cap) positions)",
+    "optimizer": "use a smaller preset or shard the trainer over more devices (AdamW keeps two float32 moments)",
+    "params": "use a smaller preset or shard the trainer over more devices",
+    "gradients": "use a smaller preset or shard the trainer over more devices",
+    "sampler_params": "keep --sampler_dtype=bfloat16 (half the bytes of float32)",
+}
+
+
+def check_fits(plan: MemoryPlan, device_bytes: int | None, *, preset: str, headroom: float = 0.85) -> None:
+    """Raise ValueError naming the largest part and how to shrink it when the plan's parts exceed
+    `headroom` of the device's memory (the rest is left for activations and XLA's scratch space)."""
+    if not device_bytes or plan.total <= headroom * device_bytes:
+        return
+    parts = sorted(plan.parts().items(), key=lambda kv: -kv[1])
+    listing = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts)
+    raise ValueError(
+        f"The {preset} setup needs {plan.total / GiB:.1f} GiB before activations ({listing}) but "
+        f"{headroom:.0%} of the device's {device_bytes / GiB:.1f} GiB is {headroom * device_bytes / GiB:.1f} GiB; "
+        f"the largest part is {parts[0][0]}: {SHRINK_HINTS[parts[0][0]]}.")
+
+
+def _timeline_events(path: str) -> tuple[dict[int, str], list[dict]]:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    return lanes, [e for e in events if e.get("ph") == "X"]
+
+
+def handoff_latencies(timeline_path: str, first_version: int = 0) -> list[dict[str, float]]:
+    """Per delivered version v: seconds from the start of the trainer's publish of v to the end of the
+    sampler's weight swap ("apply_s") and to the end of the first decode step that started after the
+    swap, i.e. the first token sampled from version-v logits ("first_token_s"). Publishes are numbered
+    first_version + 1, + 2, ... in order; versions the sampler skipped (a newer one arrived first) or
+    never decoded with are left out."""
+    lanes, spans = _timeline_events(timeline_path)
+    lane_of = {e_id: name for e_id, name in lanes.items()}
+    publishes = sorted((e for e in spans if e["name"] == "publish" and lane_of.get(e["tid"]) == "trainer"),
+                       key=lambda e: e["ts"])
+    start_of = {first_version + i + 1: e["ts"] for i, e in enumerate(publishes)}
+    updates = [e for e in spans if e["name"] == "weight_update" and lane_of.get(e["tid"]) == "sampler"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
+                   if e["name"] == "decode_step" and lane_of.get(e["tid"]) == "sampler")
+    starts = np.array([s for s, _ in steps])
+    out = []
+    for u in sorted(updates, key=lambda e: e["ts"]):
+        version = int(u["args"].get("version", -1))
+        if version not in start_of:
+            continue
+        swapped = u["ts"] + u["dur"]
+        i = int(np.searchsorted(starts, swapped)) if len(starts) else 0
+        if i >= len(steps):
+            continue
+        out.append({"version": version, "apply_s": (swapped - start_of[version]) / 1e6,
+                    "first_token_s": (steps[i][1] - start_of[version]) / 1e6})
+    return out
+
+
+def lane_busy_seconds(timeline_path: str) -> dict[str, dict[str, float]]:
+    """Seconds per (lane, span name) in a timeline, overlapping spans of one name counted once."""
+    lanes, spans = _timeline_events(timeline_path)
+    groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for e in spans:
+        groups.setdefault((lanes.get(e["tid"], str(e["tid"])), e["name"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    out: dict[str, dict[str, float]] = {}
+    for (lane, name), intervals in groups.items():
+        total, end = 0, -1
+        for s, e in sorted(intervals):
+            if e > end:
+                total += e - max(s, end)
+                end = e
+        out.setdefault(lane, {})[name] = total / 1e6
+    return out

@@ -1,0 +1,302 @@
+"""The whole asynchronous loop at a given model size: eta = 0, 1, 4 and unbounded side by side.
+
+    python benchmarks/loop.py --preset tiny                      # 2-core CPU: a few minutes
+    python benchmarks/loop.py --preset qwen2.5-0.5b --steps 6    # one accelerator
+    python benchmarks/loop.py --model /models/Qwen2.5-0.5B ...   # a local HF checkpoint
+
+Each eta runs the real job (RLJob: controller, sampler loop, reward pool, buffer, trainer, param
+channel) for --steps updates on synthetic prompts. Every request generates exactly a length drawn from
+a long-tailed (log-normal) distribution with the given median and cap, with no stop token, and a
+Bernoulli reward (a hash of the completion) keeps the advantages non-zero. Per eta: trained and
+generated tokens/s (trained counts prompt + completion tokens), mean slot occupancy over decode steps,
+the share of wall time the trainer waited for data, staleness mean / max (from samples.jsonl), the
+weight hand-off (publish time, publish -> first token generated at the new version, bytes), and
+timeline.json in OUT/eta<k>/ (`python -m areal_jax.report OUT/eta4` draws it). After the runs, the
+hand-off of the same params is timed against a raw device copy of the same bytes. Memory per part is
+computed from shapes before anything is allocated (with a clear error when it cannot fit) and read
+from the device's memory_stats where the backend has them. The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import matmul_peak_gflops  # noqa: E402
+from areal_jax.system import loadgen  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_PROMPT_LEN = 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(loadgen.PRESETS), default="tiny")
+    p.add_argument("--model", default="", help="a local HF checkpoint directory instead of a preset's random weights")
+    p.add_argument("--steps", type=int, help="updates per eta (default: the preset's)")
+    p.add_argument("--etas", default="0,1,4,unbounded", help="comma-separated; 'unbounded' for no bound")
+    p.add_argument("--median", type=int, help="median generation length (tokens)")
+    p.add_argument("--cap", type=int, help="longest generation (tokens)")
+    p.add_argument("--sigma", type=float, default=1.0, help="log-std of the generation lengths")
+    p.add_argument("--slots", type=int, help="sampler decode slots")
+    p.add_argument("--group_size", type=int)
+    p.add_argument("--batch_groups", type=int, help="groups (prompts) per update")
+    p.add_argument("--max_concurrent", type=int, help="groups in flight when unbounded (default: 2 x slots / group)")
+    p.add_argument("--micro_batch_tokens", type=int, help="trainer micro-batch tokens (default: the longest sequence)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup_steps", type=int, default=2, help="steps of an unmeasured first run that compiles (0: none)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "loop"))
+    args = p.parse_args(argv)
+    preset = loadgen.PRESETS[args.preset]
+    for key in ("steps", "median", "cap", "slots", "group_size", "batch_groups"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    args.dtype = args.dtype or preset["dtype"]
+    args.max_len = MAX_PROMPT_LEN + args.cap
+    args.micro_batch_tokens = args.micro_batch_tokens or args.max_len
+    args.max_concurrent = args.max_concurrent or max(1, 2 * args.slots // args.group_size)
+    try:
+        args.eta_list = [None if e.strip() in ("unbounded", "inf", "-1") else int(e) for e in args.etas.split(",")]
+    except ValueError:
+        p.error(f"--etas={args.etas!r}: give comma-separated integers >= 0 or 'unbounded', e.g. --etas=0,1,4,unbounded.")
+    if any(e is not None and e < 0 for e in args.eta_list):
+        p.error(f"--etas={args.etas!r}: each eta must be >= 0 or 'unbounded'.")
+    if args.micro_batch_tokens < args.max_len:
+        p.error(f"--micro_batch_tokens={args.micro_batch_tokens} is below the longest sequence ({args.max_len} = "
+                f"{MAX_PROMPT_LEN} prompt + --cap {args.cap}); raise it or lower --cap.")
+    if args.slots < args.group_size:
+        p.error(f"--slots={args.slots} is smaller than --group_size={args.group_size}; a group must fit the slots.")
+    if not 1 <= args.median <= args.cap:
+        p.error(f"--median={args.median} must lie in [1, --cap={args.cap}].")
+    return args
+
+
+def prepare_assets(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(model dir, tokenizer dir, train jsonl): random preset weights are written once under OUT."""
+    from areal_jax.data.math_tokenizer import build_math_tokenizer
+    from areal_jax.data.synthetic_math import write_splits
+
+    data = write_splits(os.path.join(args.out, "data"), 2000, 1, seed=args.seed)["train"]
+    tok_dir = os.path.join(args.out, "tokenizer")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        build_math_tokenizer().save_pretrained(tok_dir)
+    if args.model:
+        has_tok = os.path.exists(os.path.join(args.model, "tokenizer.json"))
+        return args.model, args.model if has_tok else tok_dir, data
+    model_dir = os.path.join(args.out, f"model_{args.preset}")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        from areal_jax.models.testing import write_random_hf_checkpoint
+
+        print(f"writing random {args.preset} weights to {model_dir} ...", flush=True)
+        cfg = loadgen.model_config(args.preset, args.max_len, "float32")
+        write_random_hf_checkpoint(model_dir, cfg, seed=args.seed, max_shard_size=2 * 1024**3)
+    return model_dir, tok_dir, data
+
+
+def job_config(args: argparse.Namespace, eta: int | None, steps: int, paths: tuple[str, str, str], run_dir: str):
+    from areal_jax.config import base_config
+
+    model_dir, tok_dir, data = paths
+    c = base_config()
+    c.run_dir, c.seed, c.total_steps = run_dir, args.seed, steps
+    c.model.path, c.model.tokenizer_path = model_dir, tok_dir
+    c.model.dtype, c.model.param_dtype = args.dtype, "float32"
+    c.data.train_path, c.data.max_prompt_len = data, MAX_PROMPT_LEN
+    c.rollout.group_size, c.rollout.max_new_tokens = args.group_size, args.cap
+    c.rollout.max_len, c.rollout.num_slots = args.max_len, args.slots
+    c.rollout.max_staleness = -1 if eta is None else eta
+    c.rollout.max_concurrent = args.max_concurrent if eta is None else None
+    c.rollout.param_dtype = args.sampler_dtype
+    c.train.batch_groups, c.train.lr = args.batch_groups, args.lr
+    c.train.micro_batch_tokens = args.micro_batch_tokens
+    c.reward.fn, c.reward.num_workers = "areal_jax.system.loadgen:bernoulli_reward", 1
+    c.eval.n_test, c.eval.at_start, c.eval.at_end = 0, False, False
+    c.checkpoint.every_steps, c.checkpoint.resume = 0, False
+    c.log.console, c.log.tensorboard = False, False
+    return c
+
+
+def device_memory() -> dict | None:
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats:
+        return None
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def raw_copy_seconds(nbytes: int, src: jax.Device, dst: jax.Device) -> float:
+    """Best time to copy one buffer of `nbytes` from `src` to `dst` (a fresh buffer when they are the same)."""
+    x = jax.device_put(jnp.zeros((max(1, nbytes // 4),), jnp.float32), src)
+    if src == dst:
+        copy = jax.jit(jnp.copy)
+        return best_seconds(lambda: copy(x))
+    return best_seconds(lambda: jax.device_put(x, dst, may_alias=False))
+
+
+def measure_handoff(job) -> dict:
+    """The ParamChannel's reshard of the trainer's params vs a raw copy of the same bytes, same run."""
+    from areal_jax.system.params import tree_nbytes
+
+    params = job.trainer.params
+    handoff = best_seconds(lambda: job.channel.reshard(params))
+    moved, source = job.channel.last_bytes, tree_nbytes(params)
+    src = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
+    dst = next(iter(jax.tree.leaves(job.sampler.params)[0].sharding.device_set))
+    raw = raw_copy_seconds(moved, src, dst)
+    raw_source = raw_copy_seconds(source, src, dst) if source != moved else raw
+    return {"handoff_s": handoff, "bytes_moved": moved, "source_bytes": source, "raw_copy_s": raw,
+            "raw_copy_source_bytes_s": raw_source, "ratio_vs_raw_copy": handoff / raw,
+            "ratio_vs_raw_copy_source_bytes": handoff / raw_source, "colocated": src == dst,
+            "handoff_GBps": moved / handoff / 1e9}
+
+
+def staleness_of(run_dir: str, eta: int | None) -> dict:
+    rows = [json.loads(ln) for ln in open(os.path.join(run_dir, "samples.jsonl")) if ln.strip()]
+    stale = np.array([r["trained_version"] - r["min_token_version"] for r in rows])
+    admit = np.array([r["trained_version"] - r["admit_version"] for r in rows])
+    return {"staleness_mean": float(stale.mean()), "staleness_max": int(stale.max()),
+            "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+            "admit_lag_max": int(admit.max()), "groups_trained": len(rows),
+            "within_bound": bool(eta is None or stale.max() <= eta)}
+
+
+def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: bool) -> dict:
+    from areal_jax.system.job import RLJob
+
+    lengths = loadgen.long_tail_lengths(4096, args.median, args.cap, sigma=args.sigma, seed=args.seed)
+    job = RLJob(job_config(args, eta, steps, paths, run_dir), log_fn=lambda *a, **k: None)
+    try:
+        job.controller.sampler = loadgen.ForcedLengths(job.sampler, lengths)
+        job.controller.decode = loadgen.ids_as_text
+        job.save_checkpoint = lambda: None  # the loop is measured, not checkpoint writes
+        mem_built = device_memory()
+        summary = job.run()
+        stats = job.sampler.stats()
+        handoff = measure_handoff(job) if measure else None
+        from areal_jax.system.params import tree_nbytes
+
+        actual = {"params": tree_nbytes(job.trainer.state.params), "optimizer": tree_nbytes(job.trainer.state.opt_state),
+                  "sampler_params": tree_nbytes(job.sampler.params)}
+        mem_end = device_memory()
+    finally:
+        job.close()
+    rows = [json.loads(ln) for ln in open(os.path.join(run_dir, "metrics.jsonl")) if ln.strip()]
+    wall = summary["wall_s"]
+    timeline = os.path.join(run_dir, "timeline.json")
+    lat = loadgen.handoff_latencies(timeline)
+    busy = loadgen.lane_busy_seconds(timeline)
+    publish = [r["time/step_s"] - r["time/wait_batch_s"] for r in rows if "time/step_s" in r]
+    out = {
+        "eta": "unbounded" if eta is None else eta, "steps": summary["steps"], "wall_s": wall,
+        "trained_tokens_per_s": summary["trained_tokens_per_s"],
+        "completion_tokens_trained": float(sum(r.get("completion_tokens", 0) for r in rows)),
+        "generated_tokens_per_s": stats["generated_tokens"] / wall, "generated_tokens": stats["generated_tokens"],
+        "slot_occupancy": stats["mean_slot_occupancy"],
+        "trainer_wait_share": float(sum(r["time/wait_batch_s"] for r in rows)) / wall,
+        "decode_busy_share": busy.get("sampler", {}).get("decode_step", 0.0) / wall,
+        "train_busy_share": busy.get("trainer", {}).get("train_step", 0.0) / wall,
+        "recomputes": stats["recomputes"], "sampler_compiles": stats["compile_count"],
+        **staleness_of(run_dir, eta),
+        "publish_s_mean": busy.get("trainer", {}).get("publish", 0.0) / max(1, summary["steps"]),
+        "handoff_first_token_s_mean": float(np.mean([x["first_token_s"] for x in lat])) if lat else None,
+        "handoff_first_token_s_max": float(np.max([x["first_token_s"] for x in lat])) if lat else None,
+        "handoff_apply_s_mean": float(np.mean([x["apply_s"] for x in lat])) if lat else None,
+        "update_step_s_mean": float(np.mean(publish)) if publish else None,
+        "memory_built": mem_built, "memory_end": mem_end, "memory_actual": actual,
+        "lane_busy_s": busy, "timeline": timeline,
+    }
+    if handoff is not None:
+        out["handoff"] = handoff
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    from areal_jax.main import enable_compilation_cache
+
+    if not jax.config.jax_compilation_cache_dir:  # keep a cache the caller (e.g. the tests) set up
+        enable_compilation_cache(os.path.join(args.out, "xla-cache"))
+    dev = jax.local_devices()[0]
+    peak = matmul_peak_gflops()
+    print(f"device: {dev.device_kind} x{jax.local_device_count()}; float32 matmul peak {peak:.0f} GFLOP/s", flush=True)
+    cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
+    plan = loadgen.memory_plan(cfg, slots=args.slots, max_len=args.max_len,
+                               sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32)
+    limit = (device_memory() or {}).get("bytes_limit")
+    try:
+        if not args.model:
+            loadgen.check_fits(plan, limit, preset=args.preset)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    print("memory plan (GiB): " + ", ".join(f"{k} {v / loadgen.GiB:.2f}" for k, v in plan.parts().items())
+          + f"; {plan.n_params / 1e6:.1f}M params", flush=True)
+    paths = prepare_assets(args)
+    if args.warmup_steps:
+        # The most asynchronous eta of the list, so the re-prefill after a weight update compiles too.
+        most = None if None in args.eta_list else max(args.eta_list)
+        print(f"warm-up (eta {most}, {args.warmup_steps} steps: compiles) ...", flush=True)
+        run_eta(args, most, args.warmup_steps, paths, os.path.join(args.out, "warmup"), False)
+    results = []
+    for i, eta in enumerate(args.eta_list):
+        name = "eta_unbounded" if eta is None else f"eta{eta}"
+        print(f"running {name} ({args.steps} steps) ...", flush=True)
+        try:
+            results.append(run_eta(args, eta, args.steps, paths, os.path.join(args.out, name),
+                                   measure=i == len(args.eta_list) - 1))
+        except Exception as e:  # an allocation failure: say which part to shrink
+            if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+                big = max(plan.parts().items(), key=lambda kv: kv[1])[0]
+                raise SystemExit(f"{name} ran out of device memory; the largest part is {big}: "
+                                 f"{loadgen.SHRINK_HINTS[big]}; training activations grow with "
+                                 f"--micro_batch_tokens ({args.micro_batch_tokens}).") from e
+            raise
+    base = results[0]
+    print(f"{'eta':>9} {'wall s':>7} {'train tok/s':>11} {'x eta0':>6} {'gen tok/s':>9} {'x eta0':>6} "
+          f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10}")
+    for r in results:
+        r["trained_ratio_vs_first"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
+        r["generated_ratio_vs_first"] = r["generated_tokens_per_s"] / base["generated_tokens_per_s"]
+        tok = r["handoff_first_token_s_mean"]
+        print(f"{r['eta']!s:>9} {r['wall_s']:>7.1f} {r['trained_tokens_per_s']:>11.0f} {r['trained_ratio_vs_first']:>6.2f} "
+              f"{r['generated_tokens_per_s']:>9.0f} {r['generated_ratio_vs_first']:>6.2f} {r['slot_occupancy']:>5.2f} "
+              f"{r['trainer_wait_share']:>5.2f} {r['staleness_mean']:>4.2f}/{r['staleness_max']:<4d} "
+              f"{1e3 * r['publish_s_mean']:>10.1f} {'-' if tok is None else format(1e3 * tok, '>10.1f')}")
+    h = results[-1].get("handoff")
+    if h:
+        print(f"hand-off: {h['bytes_moved'] / 1e6:.1f} MB in {1e3 * h['handoff_s']:.2f} ms; raw copy of the same bytes "
+              f"{1e3 * h['raw_copy_s']:.2f} ms (ratio {h['ratio_vs_raw_copy']:.2f}); raw copy of the float32 source "
+              f"{1e3 * h['raw_copy_source_bytes_s']:.2f} ms (ratio {h['ratio_vs_raw_copy_source_bytes']:.2f})")
+    report = {"benchmark": "loop", "preset": args.model or args.preset, "device": dev.device_kind,
+              "n_devices": jax.local_device_count(), "matmul_peak_gflops": peak, "n_params": plan.n_params,
+              "memory_plan_bytes": plan.parts(), "memory_limit_bytes": limit,
+              "settings": {k: getattr(args, k) for k in ("steps", "median", "cap", "sigma", "slots", "group_size",
+                                                         "batch_groups", "max_concurrent", "micro_batch_tokens",
+                                                         "lr", "sampler_dtype", "dtype", "seed")},
+              "results": results}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

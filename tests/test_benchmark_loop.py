@@ -1,0 +1,142 @@
+"""benchmarks/loop.py at a toy size, and the synthetic-load pieces it is built from (system/loadgen.py)."""
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.system import loadgen
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("loop_bench", os.path.join(ROOT, "benchmarks", "loop.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_long_tail_lengths_have_the_asked_median_tail_and_cap():
+    x = loadgen.long_tail_lengths(200_000, 100, 1000, sigma=1.0, seed=1)
+    assert x.min() >= 1 and x.max() == 1000
+    assert abs(np.median(x) - 100) <= 2
+    # log-normal: the 90th percentile sits at median * exp(1.2816 * sigma)
+    assert abs(np.quantile(x, 0.9) / (100 * np.exp(1.2816)) - 1) < 0.03
+    assert np.mean(x == 1000) == pytest.approx(1 - 0.5 * (1 + __import__("math").erf(np.log(10) / np.sqrt(2))), abs=0.003)
+    with pytest.raises(ValueError, match="median"):
+        loadgen.long_tail_lengths(10, 50, 20)
+
+
+def test_bernoulli_reward_is_a_fair_deterministic_coin():
+    texts = [loadgen.ids_as_text(list(range(i, i + 5))) for i in range(4000)]
+    r = np.array([loadgen.bernoulli_reward(t, "") for t in texts])
+    assert set(np.unique(r)) == {0.0, 1.0}
+    assert abs(r.mean() - 0.5) < 0.03  # 4000 draws: 4 standard errors is 0.032
+    assert [loadgen.bernoulli_reward(t, "x") for t in texts[:50]] == list(r[:50])
+
+
+def test_forced_lengths_rewrites_each_request():
+    from areal_jax.sampler import Request
+
+    class Recorder:
+        current_version = 7
+
+        def __init__(self):
+            self.got = []
+
+        def submit(self, request):
+            self.got.append(request)
+
+    rec = Recorder()
+    wrapped = loadgen.ForcedLengths(rec, np.array([5, 9, 2]))
+    for gid in range(4):
+        wrapped.submit(Request(id=gid, prompt=[1, 2], max_new_tokens=100, n=3, stop_token_ids=(4,)))
+    assert [r.max_new_tokens for r in rec.got] == [5, 9, 2, 5]
+    assert all(r.stop_token_ids == () and r.n == 3 and r.prompt == [1, 2] for r in rec.got)
+    assert wrapped.current_version == 7  # everything else is the wrapped loop's
+
+
+def test_memory_plan_matches_the_real_model_and_the_published_qwen_size():
+    from flax import nnx
+
+    from areal_jax.models.testing import random_model
+
+    cfg = loadgen.model_config("tiny", 160, "float32")
+    plan = loadgen.memory_plan(cfg, slots=8, max_len=160, sampler_dtype=jnp.bfloat16)
+    real = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(random_model(cfg), nnx.Param)))
+    assert plan.n_params == real and plan.params == 4 * real and plan.optimizer == 8 * real
+    assert plan.sampler_params == 2 * real
+    assert plan.kv_cache == 2 * cfg.num_layers * 8 * 160 * cfg.num_kv_heads * cfg.head_dim * 4
+    # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings), bf16 KV: 12 KiB per token.
+    big = loadgen.memory_plan(loadgen.model_config("qwen2.5-0.5b", 8256, "bfloat16"), slots=64, max_len=8256,
+                              sampler_dtype=jnp.bfloat16)
+    assert big.n_params == 494_032_768
+    assert big.kv_cache == 64 * 8256 * 24 * 2 * 2 * 64 * 2
+    with pytest.raises(ValueError, match="largest part is kv_cache: lower --slots or --cap"):
+        loadgen.check_fits(big, 16 * loadgen.GiB, preset="qwen2.5-0.5b")
+    loadgen.check_fits(big, 141 * loadgen.GiB, preset="qwen2.5-0.5b")  # one H200: fits
+
+
+def test_handoff_latencies_from_a_hand_made_timeline(tmp_path):
+    def span(name, tid, ts, dur, **args):
+        return {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "sampler"}},
+              {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "trainer"}},
+              span("decode_step", 1, 0, 100),
+              span("publish", 2, 1000, 50),  # version 1
+              span("weight_update", 1, 1200, 300, version=1),
+              span("decode_step", 1, 1600, 100),  # first step after the swap: ends at 1700
+              span("publish", 2, 2000, 50),  # version 2, skipped: version 3 arrived first
+              span("publish", 2, 2100, 50),  # version 3
+              span("weight_update", 1, 2400, 100, version=3),
+              span("decode_step", 1, 2450, 10),  # started before the swap ended: not the first
+              span("decode_step", 1, 2600, 40)]
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    lat = loadgen.handoff_latencies(str(path))
+    assert [x["version"] for x in lat] == [1, 3]
+    assert lat[0]["apply_s"] == pytest.approx(500e-6) and lat[0]["first_token_s"] == pytest.approx(700e-6)
+    assert lat[1]["apply_s"] == pytest.approx(400e-6) and lat[1]["first_token_s"] == pytest.approx(540e-6)
+    busy = loadgen.lane_busy_seconds(str(path))
+    assert busy["sampler"]["decode_step"] == pytest.approx(250e-6)
+
+
+def test_loop_benchmark_at_toy_size(tmp_path, capsys):
+    bench = _load_benchmark()
+    report = bench.main(["--preset", "tiny", "--steps", "2", "--etas", "0,1", "--median", "6", "--cap", "16",
+                         "--slots", "8", "--group_size", "2", "--batch_groups", "2", "--warmup_steps", "0",
+                         "--out", str(tmp_path)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(report))  # the last line is the JSON report
+    assert [r["eta"] for r in report["results"]] == [0, 1]
+    lengths = loadgen.long_tail_lengths(4096, 6, 16, seed=0)
+    for r in report["results"]:
+        for key in ("trained_tokens_per_s", "generated_tokens_per_s", "slot_occupancy", "trainer_wait_share",
+                    "staleness_mean", "staleness_max", "handoff_first_token_s_mean", "publish_s_mean"):
+            assert r[key] is not None, key
+        assert r["steps"] == 2 and 0 < r["slot_occupancy"] <= 1 and 0 <= r["trainer_wait_share"] < 1
+        run_dir = tmp_path / f"eta{r['eta']}"
+        rows = [json.loads(ln) for ln in open(run_dir / "samples.jsonl")]
+        stale = [row["trained_version"] - row["min_token_version"] for row in rows]
+        assert max(stale) <= r["eta"] and r["staleness_max"] == max(stale)
+        # Every trained completion had exactly its drawn length (no stop token, no clipping).
+        assert r["completion_tokens_trained"] == sum(2 * lengths[row["gid"]] for row in rows)
+        assert (run_dir / "timeline.json").exists()
+    h = report["results"][-1]["handoff"]
+    assert h["bytes_moved"] == 2 * report["n_params"] and h["source_bytes"] == 4 * report["n_params"]
+    assert h["handoff_s"] > 0 and h["raw_copy_s"] > 0 and h["ratio_vs_raw_copy"] > 0
+    assert report["results"][0]["memory_actual"]["sampler_params"] == report["memory_plan_bytes"]["sampler_params"]
+
+
+def test_loop_benchmark_rejects_bad_flags(capsys):
+    bench = _load_benchmark()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--etas", "0,x"])
+    assert "--etas='0,x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--micro_batch_tokens", "10"])
+    assert "--micro_batch_tokens=10 is below the longest sequence" in capsys.readouterr().err
