@@ -4,6 +4,9 @@
     fake_store.register(tmp_dir)             # once per process, before the paths are used
     config.run_dir = "fake-gs://bucket/run"  # everything the run writes goes through epath to tmp_dir
 
+or, for a program in other processes: `AREAL_FAKE_STORE_ROOT=DIR python -m areal_jax.fake_store
+areal_jax.main --config.run_dir=fake-gs://bucket/run ...`.
+
 It behaves like an object store where that matters to a writer, so code that only works on a local
 disk fails here too: there is no append (opening for "a" raises), directories do not exist on their
 own (`mkdir` is a no-op, a "directory" exists when an object lies under it), writing a key replaces
@@ -168,3 +171,15 @@ def register(root: str) -> None:
 
 if os.environ.get(_ROOT_ENV):
     register(os.environ[_ROOT_ENV])
+
+
+if __name__ == "__main__":
+    # `python -m areal_jax.fake_store MODULE ARGS...`: run MODULE as the program with fake-gs:// URLs
+    # served from $AREAL_FAKE_STORE_ROOT (how multi-process tests give each process the fake store).
+    import runpy
+    import sys
+
+    if len(sys.argv) < 2 or not os.environ.get(_ROOT_ENV):
+        raise SystemExit(f"usage: {_ROOT_ENV}=DIR python -m areal_jax.fake_store MODULE [ARGS...]")
+    sys.argv = sys.argv[1:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -360,3 +361,5 @@ class Timeline:
             self._closed = True
             if self._spool_path and os.path.exists(self._spool_path):
                 os.remove(self._spool_path)
+            if self.path is not None and not paths.is_local(self.path) and self._spool_path:
+                shutil.rmtree(os.path.dirname(self._spool_path), ignore_errors=True)  # its scratch dir

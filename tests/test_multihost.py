@@ -60,21 +60,34 @@ def assets(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_processes_async_steps_then_resume(assets):
-    run_dir = os.path.join(assets, "run")
-    code = launch(2, 2, _job_args(assets, 3), os.path.join(assets, "logs1"), timeout_s=400, echo=False)
+def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
+    """The run directory is on the fake object store (areal_jax.fake_store), as on a pod without a
+    shared disk: every file, the per-process ones and the checkpoint metadata included, goes through
+    the path layer, and the resume reads them back from there."""
+    store = tmp_path / "store"
+    monkeypatch.setenv("AREAL_FAKE_STORE_ROOT", str(store))
+    monkeypatch.setenv("AREAL_JAX_SCRATCH", str(tmp_path / "scratch"))
+    args = ["areal_jax.main", "--config.run_dir=fake-gs://bucket/mh"]
+    run_dir = str(store / "bucket" / "mh")  # where the fake store keeps the objects
+    code = launch(2, 2, args + _job_args(assets, 3), os.path.join(assets, "logs1"), module="areal_jax.fake_store",
+                  timeout_s=400, echo=False)
     assert code == 0, open(os.path.join(assets, "logs1", "process_0.log")).read()[-3000:]
     _check_digests(run_dir, 3)
     for p in range(2):
         samples = _jsonl(os.path.join(run_dir, f"samples.process_{p}.jsonl"))
         assert [s["trained_version"] for s in samples] == [0, 1, 2]  # one local group per step
         assert all(s["trained_version"] - s["min_token_version"] <= ETA for s in samples)
+        assert os.path.exists(os.path.join(run_dir, "checkpoint_meta", "3", f"process_{p}.json"))
+    assert not os.path.exists(os.path.join(run_dir, "samples.jsonl"))  # per-process files only
     # Resume from the multi-host checkpoint and continue to step 5.
-    code = launch(2, 2, _job_args(assets, 5), os.path.join(assets, "logs2"), timeout_s=400, echo=False)
+    code = launch(2, 2, args + _job_args(assets, 5), os.path.join(assets, "logs2"), module="areal_jax.fake_store",
+                  timeout_s=400, echo=False)
     log0 = open(os.path.join(assets, "logs2", "process_0.log")).read()
     assert code == 0, log0[-3000:]
     assert "Resumed from checkpoint step 3" in log0
     _check_digests(run_dir, 5)
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["steps"] == 5  # written by process 0
+    assert os.listdir(tmp_path / "scratch" / "areal_jax") == []  # local mirrors removed at the end
 
 
 # How the survivor's stderr names the dead peer: JAX's coordination service (in process 0) reports a

@@ -125,7 +125,9 @@ class RLJob:
         )
         self.channel.deliver = self.sampler.update_params
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
-        self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json"), enabled=self.primary and c.log.timeline,
+        # Only process 0 writes timeline.json (the others record nothing and save nothing).
+        self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,
+                                         enabled=self.primary and c.log.timeline,
                                          max_events=c.log.get("timeline_max_events", 1_000_000))
         self.sampler.timeline = self.timeline
         # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
@@ -325,7 +327,8 @@ class RLJob:
                 getattr(self, log).close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
-        if getattr(self, "timeline", None) is not None:
-            self.timeline.save()
+        if getattr(self, "timeline", None) is not None and self.timeline.path is not None:
+            self.timeline.close()  # saves timeline.json and removes its spool
+            self.timeline.path = None  # a second close() has nothing left to save
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
