@@ -93,6 +93,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.entropy_coef = 0.0
     c.train.min_lr_ratio = 0.0
     c.train.logits_chunk = 512
+    c.train.attention = "auto"  # auto | dense | blocked | flash (attention over packed rows in training)
+    c.train.remat = "none"  # none | full | dots (per decoder layer, in the backward)
 
     c.lora = ml_collections.ConfigDict()  # LoRA adapters (models/lora.py); off: full fine-tuning
     c.lora.enabled = False
@@ -157,6 +159,8 @@ _CHOICES = {
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.prox_mode": ("recompute", "loglinear", "behav"),
     "train.kl_estimator": ("k1", "k2", "k3"),
+    "train.attention": ("auto", "dense", "blocked", "flash"),
+    "train.remat": ("none", "full", "dots"),
     "lora.base_dtype": ("", "float32", "bfloat16"),
     "lora.sampler": ("merged", "unmerged"),
 }

@@ -57,6 +57,8 @@ def trainer_config(config: Any) -> TrainerConfig:
         kl_estimator=t.kl_estimator,
         entropy_coef=t.entropy_coef,
         logits_chunk=t.logits_chunk,
+        attention=t.attention,
+        remat=t.remat,
     )
 
 

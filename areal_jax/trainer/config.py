@@ -10,6 +10,8 @@ _CHOICES = {
     "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "prox_mode": ("recompute", "loglinear", "behav"),
     "kl_estimator": ("k1", "k2", "k3"),
+    "attention": ("auto", "dense", "blocked", "flash"),
+    "remat": ("none", "full", "dots"),
 }
 
 
@@ -48,6 +50,11 @@ class TrainerConfig:
       entropy_coef: weight of the entropy bonus (subtracted from the loss).
       logits_chunk: tokens per chunk of the vocabulary projection on one device (all its rows
         together), bounding the live logits to about logits_chunk x vocab float32.
+      attention: attention over packed rows in the training forward: "auto" (blocked on CPU, flash on
+        GPU / TPU), "dense", "blocked" or "flash" (Pallas kernel, linear memory; see
+        models.packed_attention).
+      remat: rematerialisation of each decoder layer in the backward: "none", "full" (keep only each
+        layer's input) or "dots" (keep the projections' matmul outputs).
     """
 
     lr: float = 1e-5
@@ -75,6 +82,8 @@ class TrainerConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     logits_chunk: int = 1024
+    attention: str = "auto"
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -70,12 +70,15 @@ def model_logprobs(
     chunk: int,
     *,
     with_entropy: bool = True,
+    attention: str = "auto",
+    remat: str = "none",
 ) -> tuple[jax.Array, jax.Array]:
     """Run the model on packed rows and return (logp, entropy), both [B, T] float32.
 
     tokens, positions, segment_ids, targets: [B, T] int32 in the packed layout (segment id 0 is padding;
-    values at padding positions are meaningless and must be masked by the caller).
+    values at padding positions are meaningless and must be masked by the caller). attention, remat:
+    the training forward's choices (TrainerConfig.attention / .remat, models.packed_attention).
     """
     model = nnx.merge(graphdef, params, other)
-    h = model.hidden(tokens, positions, segment_ids)
+    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat)
     return chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy)

@@ -85,6 +85,7 @@ def micro_step_objective(
     chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
     logp, ent = model_logprobs(
         graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, with_entropy=True,
+        attention=cfg.attention, remat=cfg.remat,
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -178,7 +179,7 @@ def build_update_fns(
     def forward(params, other, batch):
         chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
         logp, _ = model_logprobs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
-                                 with_entropy=False)
+                                 with_entropy=False, attention=cfg.attention)
         return logp
 
     def zero_grads(params):
