@@ -1,17 +1,24 @@
 """Sampler throughput on a long-tailed completion-length workload (like reasoning RL).
 
 One run, same weights and prompts for every engine:
-  (a) SamplerLoop: continuous batching, finished slots refilled at once;
-  (b) the same Engine in static batches that wait for the longest member;
-  (c) HF transformers generate (PyTorch, same checkpoint, same batch size).
+  (a) SamplerLoop: continuous batching, finished slots refilled between dispatches of k decode steps;
+  (b) the same Engine in static batches that wait for the longest member (same k);
+  (c) HF transformers generate (PyTorch on the same device as JAX, same batch size, same dtype).
 Completion lengths are forced by per-request max_new_tokens drawn from a clipped log-normal (most
 short, a few hit --max-new-tokens) with no stop tokens, so every engine generates exactly the same
-tokens count. Prints tokens/s, the ratios a/b and a/c, the fraction of this machine's float32 matmul
-peak each reaches (model FLOPs: 2 * params per token + attention over the real context), and ends
-with one line of JSON.
+number of tokens. Prints tokens/s, the ratios a/b and a/c, the fraction of this machine's float32
+matmul peak each reaches, and ends with one line of JSON.
 
-    python benchmarks/sampler.py                   # small default model, a few minutes on 2 CPU cores
-    python benchmarks/sampler.py --hidden 512 --layers 8 --skip-hf
+--steady adds the RL situation: a queue that never empties (continuous submission), tokens/s and mean
+slot occupancy over a window after a warm-up, the latency a weight update waits for a dispatch
+boundary (updates published during the window, on_update="continue" so re-prefill is not counted),
+the idle slot-steps a finished sequence leaves before its slot is refilled, and the bandwidth
+roofline: every decode step must read the weights and the live KV cache once, so tokens/s can at most
+be live rows / ((weight bytes + live KV bytes) / the device's measured copy bandwidth).
+
+    python benchmarks/sampler.py                      # tiny model, a few minutes on 2 CPU cores
+    python benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --steady   # one accelerator
+    python benchmarks/sampler.py --hidden 512 --layers 8 --skip-hf --decode-steps 1
 """
 from __future__ import annotations
 
@@ -30,27 +37,70 @@ from areal_jax.models import load_hf_checkpoint, testing
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from common import add_model_args, matmul_peak_gflops, model_config
 
+# Qwen2.5-0.5B / -1.5B shapes (tied embeddings, q/k/v bias, RoPE theta 1e6) and the workload that goes with them.
+PRESETS = {
+    "tiny": dict(model=None, dtype="float32", slots=64, prompts=192, median=16, cap=128, prompt_len=(8, 48)),
+    "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                                    num_heads=14, num_kv_heads=2, head_dim=64),
+                         dtype="bfloat16", slots=256, prompts=1024, median=256, cap=1024, prompt_len=(64, 128)),
+    "qwen2.5-1.5b": dict(model=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                    num_heads=12, num_kv_heads=2, head_dim=128),
+                         dtype="bfloat16", slots=128, prompts=256, median=1024, cap=16384, prompt_len=(64, 128)),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--num-slots", type=int, default=64, help="decode slots = HF batch size")
-    p.add_argument("--num-prompts", type=int, default=192)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="the long tail's cap")
-    p.add_argument("--median-new-tokens", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)  # sizes of the tiny preset
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="params and compute dtype (default: the preset's)")
+    p.add_argument("--num-slots", type=int, help="decode slots = HF batch size (default: the preset's)")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--max-new-tokens", type=int, help="the long tail's cap")
+    p.add_argument("--median-new-tokens", type=int)
+    p.add_argument("--sigma", type=float, default=1.0, help="log-std of the lengths (0: every one at the median)")
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--decode-steps", type=int, default=4, help="k, decode steps per dispatch")
+    p.add_argument("--no-fetch-behind", action="store_true", help="fetch each dispatch before issuing the next")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop (a) after this long and report what it generated (long generations)")
+    p.add_argument("--skip-static", action="store_true")
     p.add_argument("--skip-hf", action="store_true", help="leave out (c) when torch is unavailable")
-    return p.parse_args()
+    p.add_argument("--hf-prompts", type=int, default=None, help="prompts given to HF (default: all)")
+    p.add_argument("--steady", action="store_true", help="also measure the never-empty-queue steady state")
+    p.add_argument("--warmup-seconds", type=float, default=10.0)
+    p.add_argument("--steady-seconds", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for flag, key in (("dtype", "dtype"), ("num_slots", "slots"), ("num_prompts", "prompts"),
+                      ("median_new_tokens", "median"), ("max_new_tokens", "cap"), ("prompt_len", "prompt_len")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, preset[key])
+    if args.decode_steps < 1:
+        p.error(f"--decode-steps must be at least 1, got {args.decode_steps}.")
+    if not 1 <= args.median_new_tokens <= args.max_new_tokens:
+        p.error(f"--median-new-tokens ({args.median_new_tokens}) must lie in [1, --max-new-tokens].")
+    return args
 
+
+def build_config(args: argparse.Namespace):
+    dtype, max_len = DTYPES[args.dtype], args.prompt_len[1] + args.max_new_tokens
+    fields = PRESETS[args.preset]["model"]
+    if fields is None:
+        return model_config(args, dtype=dtype, param_dtype=dtype, max_position_embeddings=max(4096, max_len))
+    return testing.tiny_config("qwen2", **fields, rope_theta=1e6, tie_word_embeddings=True, dtype=dtype,
+                               param_dtype=dtype, max_position_embeddings=max(32768, max_len), bos_token_id=None,
+                               eos_token_id=None)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
-    """Prompts and forced completion lengths (clipped log-normal, sigma 1)."""
+    """Prompts and forced completion lengths (log-normal with log-std --sigma, clipped to [2, cap])."""
     rng = np.random.default_rng(args.seed)
     lo, hi = args.prompt_len
     prompts = [rng.integers(3, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(args.num_prompts)]
-    raw = np.exp(rng.normal(np.log(args.median_new_tokens), 1.0, size=args.num_prompts))
+    raw = np.exp(rng.normal(np.log(args.median_new_tokens), args.sigma, size=args.num_prompts))
     lengths = np.clip(np.ceil(raw), 2, args.max_new_tokens).astype(int).tolist()
     return prompts, lengths
 
@@ -67,39 +117,77 @@ def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
     return total
 
 
-def warm_up(engine: Engine, params, max_prompt: int, seed: int) -> int:
-    """Compile every program the timed runs use (batched and single prefill per bucket, one
-    decode step); returns the number of programs compiled."""
+def copy_bandwidth_gbs(nbytes: int, repeats: int = 5) -> float:
+    """Best read + write GB/s of a jitted elementwise pass over an array of ``nbytes`` (float32)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.nbytes / best / 1e9
+
+
+def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: float) -> dict:
+    """Bytes one decode step must read (weights + live KV) and the tokens/s that allows at ``bandwidth_gbs``.
+
+    The live context of a row is time-averaged over its generation: a sequence of prompt P and length L
+    attends P + j positions at its j-th step."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    ctx = sum(n * len(p) + n * (n + 1) / 2 for p, n in zip(prompts, lengths)) / max(1, sum(lengths))
+    step_bytes = weight_bytes + live_rows * ctx * kv_per_token
+    step_s = step_bytes / (bandwidth_gbs * 1e9)
+    return {"weight_bytes": int(weight_bytes), "mean_live_context": round(ctx, 1), "live_rows": float(f"{live_rows:.4g}"),
+            "bytes_per_step": int(step_bytes), "step_ms_at_bandwidth": round(1e3 * step_s, 4),
+            "tokens_per_s": round(live_rows / step_s, 1)}
+
+
+def warm_up(engine: Engine, params, max_prompt: int, k: int, seed: int) -> int:
+    """Compile every program the timed runs use (batched and single prefill per bucket, a k-step
+    dispatch); returns the number of programs compiled."""
     top = engine.bucket_for(max_prompt)
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), k)))
     for b in (b for b in engine.prefill_buckets if b <= top):
         sp = SamplingParams(temperature=1.0, max_new_tokens=2)
         state = engine.insert_sequences(params, engine.init_decode_state(), [0], [[5] * b], [sp])
         state = engine.insert(engine.prefill(params, [5] * b), state, 1, sp)
-        state, result = engine.generate(params, state, jax.random.key(seed))
+        state, result = engine.generate_steps(params, state, keys)
         result.to_host()
     return engine.compile_count
 
 
-def run_continuous(engine: Engine, params, prompts, lengths, seed: int) -> tuple[float, dict]:
-    loop = SamplerLoop(engine, params, seed=seed)
+def new_loop(engine: Engine, params, args: argparse.Namespace, **kw) -> SamplerLoop:
+    return SamplerLoop(engine, params, seed=args.seed, decode_steps=args.decode_steps,
+                       fetch_behind=not args.no_fetch_behind, **kw)
+
+
+def run_continuous(engine: Engine, params, prompts, lengths, args) -> tuple[float, dict, int]:
+    """(seconds, loop stats, tokens generated); stops early after --max-seconds."""
+    loop = new_loop(engine, params, args)
     t = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         loop.submit(Request(id=i, prompt=p, max_new_tokens=n, temperature=1.0))
-    got = 0
+    got, deadline = 0, None if args.max_seconds is None else t + args.max_seconds
     for _ in prompts:
-        c = loop.get_completion(timeout=3600)
-        assert c is not None and c.finish_reason == "length", c
+        c = loop.get_completion(timeout=3600 if deadline is None else max(0.0, deadline - time.perf_counter()))
+        if c is None:
+            break
+        assert c.finish_reason == "length", c
         got += len(c.tokens)
-    elapsed = time.perf_counter() - t
     stats = loop.stats()
-    loop.stop()
-    assert got == sum(lengths)
-    return elapsed, stats
+    elapsed = time.perf_counter() - t
+    loop.stop(graceful=False)
+    if deadline is None:
+        assert got == sum(lengths)
+    return elapsed, stats, stats["generated_tokens"]
 
 
-def run_static(engine: Engine, params, prompts, lengths, seed: int) -> float:
+def run_static(engine: Engine, params, prompts, lengths, args) -> float:
     t = time.perf_counter()
-    state, key, got = engine.init_decode_state(), jax.random.key(seed), 0
+    state, key, got, k = engine.init_decode_state(), jax.random.key(args.seed), 0, args.decode_steps
     for start in range(0, len(prompts), engine.num_slots):
         chunk = list(zip(prompts, lengths))[start : start + engine.num_slots]
         for slot, (p, n) in enumerate(chunk):
@@ -107,7 +195,7 @@ def run_static(engine: Engine, params, prompts, lengths, seed: int) -> float:
             state = engine.insert(engine.prefill(params, p), state, slot, sp)
         while True:  # the batch waits for its longest member
             key, sub = jax.random.split(key)
-            state, result = engine.generate(params, state, sub)
+            state, result = engine.generate_steps(params, state, np.asarray(jax.random.key_data(jax.random.split(sub, k))))
             r = result.to_host()
             got += int(r.valid.sum())
             if r.done.all():
@@ -116,12 +204,74 @@ def run_static(engine: Engine, params, prompts, lengths, seed: int) -> float:
     return time.perf_counter() - t
 
 
-def run_hf(path: str, prompts, lengths, batch: int, seed: int) -> float:
+def run_steady(engine: Engine, params, prompts, lengths, args) -> dict:
+    """Keep the queue non-empty; measure a window after a warm-up; publish weight updates during it."""
+    loop = new_loop(engine, params, args, on_update="continue")
+    slots, n_submitted, version = engine.num_slots, 0, 0
+
+    def top_up() -> None:
+        nonlocal n_submitted
+        while loop.num_pending() < 2 * slots:
+            i = n_submitted % len(prompts)
+            loop.submit(Request(id=n_submitted, prompt=prompts[i], max_new_tokens=lengths[i], temperature=1.0))
+            n_submitted += 1
+
+    def pump(seconds: float, on_tick=None) -> int:
+        end, finished = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            top_up()
+            while loop.get_completion(timeout=0.0) is not None:
+                finished += 1
+            if on_tick is not None:
+                on_tick()
+            time.sleep(0.002)
+        return finished
+
+    pump(args.warmup_seconds)
+    s0, t0 = loop.stats(), time.perf_counter()
+    next_update = [t0 + args.steady_seconds / 5]
+
+    def maybe_update() -> None:
+        nonlocal version
+        if time.perf_counter() >= next_update[0]:
+            version += 1
+            loop.update_params(params, version)
+            next_update[0] += args.steady_seconds / 5
+
+    finished = pump(args.steady_seconds, maybe_update)
+    s1, t1 = loop.stats(), time.perf_counter()
+    loop.stop(graceful=False)
+    steps = s1["steps"] - s0["steps"]
+    busy = s1["mean_slot_occupancy"] * s1["steps"] * slots - s0["mean_slot_occupancy"] * s0["steps"] * slots
+    occupancy = busy / max(1, steps * slots)
+    step_ms = 1e3 * (t1 - t0) / max(1, steps)
+    idle_steps = (steps * slots - busy) / max(1, finished)
+    return {"seconds": round(t1 - t0, 2), "tokens_per_s": round((s1["generated_tokens"] - s0["generated_tokens"]) / (t1 - t0), 1),
+            "mean_slot_occupancy": round(occupancy, 4), "steps": steps, "step_ms": round(step_ms, 3),
+            "dispatch_ms": round(1e3 * (t1 - t0) / max(1, s1["dispatches"] - s0["dispatches"]), 3),
+            "finished": finished, "idle_slot_steps_per_finished": round(idle_steps, 2),
+            "idle_ms_per_finished": round(idle_steps * step_ms, 2), "updates": s1["updates"],
+            "update_latency_ms": round(1e3 * s1["update_latency_s"], 2),
+            "update_latency_max_ms": round(1e3 * s1["update_latency_max_s"], 2)}
+
+
+def run_hf(args, cfg, path: str | None, prompts, lengths, batch: int) -> tuple[float, int, str]:
+    """(seconds, tokens, device) of HF generate; random weights of the same shape when there is no checkpoint."""
     import torch
     import transformers
 
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    torch.manual_seed(args.seed)
+    if path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        hf_cfg = transformers.Qwen2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            max_position_embeddings=cfg.max_position_embeddings, rope_theta=1e6, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype)
+    model = model.to(device).eval()
     model.generation_config.eos_token_id = None
 
     def generate(chunk_prompts, max_new):
@@ -132,68 +282,98 @@ def run_hf(path: str, prompts, lengths, batch: int, seed: int) -> float:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
         assert out.shape[1] == width + max_new
-        return out
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     generate(prompts[:2], 2)  # warm-up
+    n = len(prompts) if args.hf_prompts is None else min(args.hf_prompts, len(prompts))
     t = time.perf_counter()
-    for start in range(0, len(prompts), batch):
-        generate(prompts[start : start + batch], max(lengths[start : start + batch]))
-    return time.perf_counter() - t
+    for start in range(0, n, batch):
+        generate(prompts[start : min(n, start + batch)], max(lengths[start : min(n, start + batch)]))
+    return time.perf_counter() - t, sum(lengths[:n]), device
 
 
-def main() -> None:
-    args = parse_args()
-    cfg = model_config(args)
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    cfg = build_config(args)
     prompts, lengths = make_workload(args, cfg.vocab_size)
     total_tokens = sum(lengths)
-    flops = workload_flops(cfg, prompts, lengths)
     peak = matmul_peak_gflops()
+    backend = jax.default_backend()
+    bandwidth = copy_bandwidth_gbs(1 << 30 if backend != "cpu" else 1 << 28)
     max_len = args.prompt_len[1] + args.max_new_tokens
-    with tempfile.TemporaryDirectory() as path:
-        testing.write_random_hf_checkpoint(path, cfg, seed=args.seed)
-        model = load_hf_checkpoint(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = None
+        if PRESETS[args.preset]["model"] is None:  # the tiny preset: one checkpoint for JAX and HF
+            path = tmp
+            testing.write_random_hf_checkpoint(path, cfg, seed=args.seed)
+            model = load_hf_checkpoint(path, param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+        else:
+            model = testing.random_model(cfg, seed=args.seed)
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        print(f"model: {n_params / 1e6:.2f}M params, d={args.hidden}, layers={args.layers}, vocab={args.vocab}; "
-              f"{len(prompts)} prompts, {total_tokens} tokens to generate (median {int(np.median(lengths))}, "
-              f"max {max(lengths)}, {sum(n == args.max_new_tokens for n in lengths)} at the cap); "
-              f"{args.num_slots} slots; jax {jax.__version__} on {jax.devices()[0].platform}")
-        print(f"matmul peak: {peak:.1f} GFLOP/s (float32, jitted 2048^3)")
+        print(f"model: {args.preset}, {n_params / 1e6:.2f}M params, {args.dtype}; {len(prompts)} prompts, "
+              f"{total_tokens} tokens to generate (median {int(np.median(lengths))}, max {max(lengths)}, "
+              f"{sum(n == args.max_new_tokens for n in lengths)} at the cap); {args.num_slots} slots, "
+              f"k={args.decode_steps} decode steps per dispatch; jax {jax.__version__} on {jax.devices()[0].device_kind}")
+        print(f"matmul peak: {peak:.1f} GFLOP/s (float32, jitted 2048^3); copy bandwidth {bandwidth:.1f} GB/s")
         engine = Engine(model, num_slots=args.num_slots, max_len=max_len)
         _, params = nnx.split(model)
-        compiled = warm_up(engine, params, args.prompt_len[1], args.seed)
+        del model
+        compiled = warm_up(engine, params, args.prompt_len[1], args.decode_steps, args.seed)
+        t_a, stats, tokens_a = run_continuous(engine, params, prompts, lengths, args)
+        t_b = None if args.skip_static or args.max_seconds is not None else run_static(engine, params, prompts, lengths, args)
+        steady = run_steady(engine, params, prompts, lengths, args) if args.steady else None
+        hf = None if args.skip_hf else run_hf(args, cfg, path, prompts, lengths, args.num_slots)
 
-        t_a, stats = run_continuous(engine, params, prompts, lengths, args.seed)
-        t_b = run_static(engine, params, prompts, lengths, args.seed)
-        t_c = None if args.skip_hf else run_hf(path, prompts, lengths, args.num_slots, args.seed)
+    flops_per_token = workload_flops(cfg, prompts, lengths) / total_tokens
 
-    def row(name: str, seconds: float | None) -> dict:
+    def row(name: str, seconds: float | None, tokens: int = total_tokens) -> dict:
         if seconds is None:
             return {"tokens_per_s": None, "seconds": None, "frac_peak": None}
-        tps, frac = total_tokens / seconds, flops / seconds / (peak * 1e9)
-        print(f"  {name:<34} {seconds:8.2f} s  {tps:9.1f} tok/s  {100 * frac:5.1f}% of matmul peak")
+        tps = tokens / seconds
+        frac = tps * flops_per_token / (peak * 1e9)
+        print(f"  {name:<38} {seconds:8.2f} s  {tps:10.1f} tok/s  {100 * frac:5.1f}% of matmul peak")
         return {"tokens_per_s": round(tps, 1), "seconds": round(seconds, 3), "frac_peak": round(frac, 4)}
 
     print("results:")
-    res = {"continuous": row("(a) continuous batching (SamplerLoop)", t_a),
+    res = {"continuous": row("(a) continuous batching (SamplerLoop)", t_a, tokens_a),
            "static": row("(b) static batches, same engine", t_b),
-           "hf": row("(c) HF transformers generate", t_c)}
-    a_b = t_b / t_a
-    a_c = None if t_c is None else t_c / t_a
-    print(f"  a/b = {a_b:.2f}x (goal >= 1.5)" + ("" if a_c is None else f"   a/c = {a_c:.2f}x (goal >= 3)"))
-    print(f"  loop: {stats['steps']} steps, mean slot occupancy {stats['mean_slot_occupancy']:.2f}, "
-          f"programs compiled {stats['compile_count']} (after warm-up {compiled})")
-    print(json.dumps({
-        "benchmark": "sampler", "device": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
-        "params": int(n_params), "num_slots": args.num_slots, "num_prompts": len(prompts),
-        "generated_tokens": total_tokens, "max_new_tokens": args.max_new_tokens, "peak_gflops": round(peak, 1),
+           "hf": row(f"(c) HF generate ({hf[2] if hf else '-'})", hf and hf[0], hf[1] if hf else 0)}
+    ratio = lambda key: None if res[key]["tokens_per_s"] is None else res["continuous"]["tokens_per_s"] / res[key]["tokens_per_s"]  # noqa: E731
+    a_b, a_c = ratio("static"), ratio("hf")
+    print("  " + "   ".join(f"{n} = {v:.2f}x" for n, v in (("a/b", a_b), ("a/c", a_c)) if v is not None))
+    print(f"  loop: {stats['steps']} steps in {stats['dispatches']} dispatches, mean slot occupancy "
+          f"{stats['mean_slot_occupancy']:.3f}, programs compiled {stats['compile_count']} (after warm-up {compiled})")
+    live = stats["mean_slot_occupancy"] * args.num_slots
+    if steady is not None:
+        live = steady["mean_slot_occupancy"] * args.num_slots
+        print(f"  steady: {steady['tokens_per_s']:.1f} tok/s, occupancy {steady['mean_slot_occupancy']:.3f}, step "
+              f"{steady['step_ms']:.2f} ms, update waits {steady['update_latency_ms']:.1f} ms (max "
+              f"{steady['update_latency_max_ms']:.1f}), a finished slot idles {steady['idle_slot_steps_per_finished']:.1f} "
+              f"steps ({steady['idle_ms_per_finished']:.1f} ms)")
+    roof = roofline(cfg, params, prompts, lengths, live, bandwidth)
+    measured = steady["tokens_per_s"] if steady else res["continuous"]["tokens_per_s"]
+    roof["share"] = round(measured / roof["tokens_per_s"], 4)
+    print(f"  roofline: {roof['bytes_per_step'] / 1e6:.1f} MB per step ({roof['weight_bytes'] / 1e6:.1f} MB weights, "
+          f"{roof['live_rows']:.1f} live rows x {roof['mean_live_context']:.0f} positions of KV) at {bandwidth:.1f} GB/s "
+          f"-> {roof['tokens_per_s']:.0f} tok/s; reached {100 * roof['share']:.1f}%")
+    out = {
+        "benchmark": "sampler", "preset": args.preset, "dtype": args.dtype, "device": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "params": int(n_params),
+        "num_slots": args.num_slots, "num_prompts": len(prompts), "decode_steps": args.decode_steps,
+        "fetch_behind": not args.no_fetch_behind, "generated_tokens": int(tokens_a),
+        "max_new_tokens": args.max_new_tokens, "peak_gflops": round(peak, 1), "copy_bandwidth_gbs": float(f"{bandwidth:.4g}"),
         "tokens_per_s": {k: v["tokens_per_s"] for k, v in res.items()},
         "frac_peak": {k: v["frac_peak"] for k, v in res.items()},
-        "ratio_a_b": round(a_b, 3), "ratio_a_c": None if a_c is None else round(a_c, 3),
-        "mean_slot_occupancy": round(stats["mean_slot_occupancy"], 3), "compile_count": stats["compile_count"],
-    }))
+        "ratio_a_b": None if a_b is None else round(a_b, 3), "ratio_a_c": None if a_c is None else round(a_c, 3),
+        "hf_device": hf[2] if hf else None, "mean_slot_occupancy": round(stats["mean_slot_occupancy"], 3),
+        "compile_count": stats["compile_count"], "steady": steady, "roofline": roof,
+    }
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
