@@ -23,7 +23,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: str, timeout_s: float = 5.0,
+def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: Any, timeout_s: float = 5.0,
                       num_workers: int = 2) -> np.ndarray:
     """Rewards of texts against answers, scored in a RewardPool; [len(texts)] float32."""
     from areal_jax.rewards.pool import RewardPool
@@ -36,10 +36,12 @@ def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: s
 
 def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tokens: int, k: int = 8,
                       temperature: float = 1.0, num_slots: int = 64, max_len: int | None = None,
-                      seed: int = 0, reward_fn: str = "areal_jax.rewards.math:math_reward") -> dict:
+                      seed: int = 0, reward_fn: Any = "areal_jax.rewards.math:math_reward",
+                      reward_timeout_s: float = 5.0) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer; examples: data.PromptExample list. k = 0 skips sampling.
+    reward_fn: a "module:function" string or picklable callable (see RewardPool).
     """
     from areal_jax.sampler import generate_batch
 
@@ -49,7 +51,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     greedy = generate_batch(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=stop, num_slots=num_slots, seed=seed, max_len=max_len)
     texts = [tokenizer.decode(list(c.tokens)) for c in greedy]
-    g_rewards = score_completions(texts, answers, reward_fn)
+    g_rewards = score_completions(texts, answers, reward_fn, timeout_s=reward_timeout_s)
     out = {"n": len(examples), "greedy_pass@1": float(np.mean(g_rewards >= 1.0)),
            "greedy_len": float(np.mean([len(c.tokens) for c in greedy]))}
     if k > 0:
@@ -57,7 +59,8 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
         sampled = generate_batch(model, rep, max_new_tokens=max_new_tokens, temperature=temperature,
                                  stop_token_ids=stop, num_slots=num_slots, seed=seed + 1, max_len=max_len)
         s_texts = [tokenizer.decode(list(c.tokens)) for c in sampled]
-        s_rewards = score_completions(s_texts, [a for a in answers for _ in range(k)], reward_fn)
+        s_rewards = score_completions(s_texts, [a for a in answers for _ in range(k)], reward_fn,
+                                      timeout_s=reward_timeout_s)
         correct = (s_rewards.reshape(len(examples), k) >= 1.0).sum(axis=1)
         out["sampled_pass@1"] = float(np.mean(correct / k))
         out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct]))
@@ -67,8 +70,11 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
 
 def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int, max_new_tokens: int,
                     data_config: Any, num_slots: int = 64, max_len: int | None = None, mesh: Any = None,
-                    seed: int = 0, k: int = 8) -> dict:
-    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training."""
+                    seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
+                    reward_timeout_s: float = 5.0) -> dict:
+    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training.
+
+    data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
     from flax import nnx
 
     from areal_jax.data import load_eval_split
@@ -77,10 +83,12 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
         path, tokenizer, question_field=data_config.question_field, answer_field=data_config.answer_field,
         prompt_template=data_config.prompt_template, use_chat_template=data_config.use_chat_template,
         system_prompt=data_config.system_prompt, max_prompt_len=data_config.max_prompt_len,
+        task=data_config.get("task", "math"),
     )[:n]
     model = nnx.merge(graphdef, params)
     return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
-                             num_slots=num_slots, max_len=max_len, seed=seed)
+                             num_slots=num_slots, max_len=max_len, seed=seed, reward_fn=reward_fn,
+                             reward_timeout_s=reward_timeout_s)
 
 
 def main(argv: list[str]) -> None:

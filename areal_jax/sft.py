@@ -1,6 +1,7 @@
 """Supervised warm start: a small model of our family and its tokenizer, trained from scratch.
 
     python -m areal_jax.sft --config=configs/sft_math.py
+    python -m areal_jax.sft --config=configs/sft_code.py     # task "code": synthetic programming tasks
 
 Stages run in order, each on its own mix of target styles (synthetic_math.format_target): typically
 worked solutions until the model can do the arithmetic, then a mix where most targets give the bare
@@ -76,19 +77,33 @@ def sample_styles(rng: random.Random, mix: dict[str, float], n: int) -> list[str
 
 def run(c: Any) -> dict:
     from areal_jax.data import load_eval_split
-    from areal_jax.data.math_tokenizer import build_math_tokenizer
     from areal_jax.data.prompts import PromptFormat
-    from areal_jax.data.synthetic_math import format_target, generate_split, write_splits
     from areal_jax.evaluate import evaluate_examples
     from areal_jax.models import ModelConfig, Transformer, save_hf_checkpoint
 
+    # The synthetic task: "math" (word problems, math reward) or "code" (programming tasks, sandboxed tests).
+    task = c.get("task", "math")
+    if task == "code":
+        from areal_jax.data import code_synthetic as synthetic
+        from areal_jax.data.code_readers import CODE_TASK_OPTIONS as load_options
+
+        reward_fn, build_tokenizer = synthetic.REWARD_FN, synthetic.build_tokenizer
+    elif task == "math":
+        from areal_jax.data import synthetic_math as synthetic
+        from areal_jax.data.math_tokenizer import build_math_tokenizer as build_tokenizer
+
+        reward_fn, load_options = "areal_jax.rewards.math:math_reward", {}
+    else:
+        raise ValueError(f"task={task!r} is not one of math, code; pass --config.task=math or --config.task=code.")
+    format_target, generate_split = synthetic.format_target, synthetic.generate_split
+
     os.makedirs(c.out_dir, exist_ok=True)
     data_dir = os.path.join(c.out_dir, "data")
-    write_splits(data_dir, c.data.n_train, c.data.n_test, seed=c.data.seed, difficulty=c.data.difficulty)
+    synthetic.write_splits(data_dir, c.data.n_train, c.data.n_test, seed=c.data.seed, difficulty=c.data.difficulty)
     train = generate_split("train", c.data.n_train, c.data.seed, c.data.difficulty)
-    tokenizer = build_math_tokenizer()
+    tokenizer = build_tokenizer()
     tokenizer.save_pretrained(c.out_dir)
-    test = load_eval_split(os.path.join(data_dir, "test.jsonl"), tokenizer)[: c.eval_n]
+    test = load_eval_split(os.path.join(data_dir, "test.jsonl"), tokenizer, **load_options)[: c.eval_n]
     fmt = PromptFormat()
     prompt_ids = fmt.encode_many(tokenizer, [p.question for p in train])
 
@@ -125,7 +140,7 @@ def run(c: Any) -> dict:
             last = step == stage.max_steps or minutes >= stage.max_minutes
             if step % stage.eval_every == 0 or last:
                 res = evaluate_examples(nnx.merge(graphdef, params), tokenizer, test, max_new_tokens=c.max_new_tokens,
-                                        k=0, num_slots=c.eval_slots)
+                                        k=0, num_slots=c.eval_slots, reward_fn=reward_fn)
                 acc = res["greedy_pass@1"]
                 entry = {"stage": stage.name, "step": step, "loss": float(loss), "greedy_pass@1": acc,
                          "minutes": (time.perf_counter() - t_start) / 60}
@@ -138,7 +153,8 @@ def run(c: Any) -> dict:
             if last:
                 break
     model = nnx.merge(graphdef, params)
-    final = evaluate_examples(model, tokenizer, test, max_new_tokens=c.max_new_tokens, k=8, num_slots=c.eval_slots)
+    final = evaluate_examples(model, tokenizer, test, max_new_tokens=c.max_new_tokens, k=8, num_slots=c.eval_slots,
+                              reward_fn=reward_fn)
     save_hf_checkpoint(model, c.out_dir)
     tokenizer.save_pretrained(c.out_dir)
     summary = {"params": int(n_params), "stages": log,

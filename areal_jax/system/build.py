@@ -89,13 +89,24 @@ def rollout_settings(config: Any, stop_token_ids: tuple[int, ...], batch_groups:
     )
 
 
+def reward_fn(config: Any) -> Any:
+    """What the RewardPool runs: reward.fn as a "module:function" string, or for reward.fn=code the
+    sandboxed test reward (rewards/code.py) with reward.code_mode and its time limits bound in."""
+    r = config.reward
+    if r.fn == "code":
+        from areal_jax.rewards.code import make_code_reward
+
+        return make_code_reward(r.code_mode, r.code_case_timeout_s, r.code_sample_timeout_s)
+    return reward_fn_spec(r.fn)
+
+
 def reward_fn_spec(name: str) -> str:
     """"math" / "exact" / "package.module:function" -> an importable "module:function" string."""
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     if ":" not in name:
         raise ValueError(
-            f"reward.fn={name!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}) nor an importable "
+            f"reward.fn={name!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code) nor an importable "
             "'module:function' path."
         )
     return name
