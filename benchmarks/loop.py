@@ -240,13 +240,17 @@ def main(argv: list[str] | None = None) -> dict:
     dev = jax.local_devices()[0]
     peak = matmul_peak_gflops()
     print(f"device: {dev.device_kind} x{jax.local_device_count()}; float32 matmul peak {peak:.0f} GFLOP/s", flush=True)
-    cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
+    if args.model:
+        from areal_jax.models.config import ModelConfig
+
+        cfg = ModelConfig.from_pretrained(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    else:
+        cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
     plan = loadgen.memory_plan(cfg, slots=args.slots, max_len=args.max_len,
                                sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32)
     limit = (device_memory() or {}).get("bytes_limit")
     try:
-        if not args.model:
-            loadgen.check_fits(plan, limit, preset=args.preset)
+        loadgen.check_fits(plan, limit, preset=args.model or args.preset)
     except ValueError as e:
         raise SystemExit(str(e))
     print("memory plan (GiB): " + ", ".join(f"{k} {v / loadgen.GiB:.2f}" for k, v in plan.parts().items())

@@ -105,6 +105,7 @@ def test_handoff_latencies_from_a_hand_made_timeline(tmp_path):
     assert busy["sampler"]["decode_step"] == pytest.approx(250e-6)
 
 
+@pytest.mark.slow  # two short runs of the whole job
 def test_loop_benchmark_at_toy_size(tmp_path, capsys):
     bench = _load_benchmark()
     report = bench.main(["--preset", "tiny", "--steps", "2", "--etas", "0,1", "--median", "6", "--cap", "16",

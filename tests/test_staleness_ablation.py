@@ -36,6 +36,7 @@ def tiny_config_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # four subprocess runs of the tiny job
 def test_sweep_writes_table_png_json_and_resumes(tiny_config_file, tmp_path, capsys):
     bench = _load()
     argv = ["--config", tiny_config_file, "--etas", "0,1", "--losses", "decoupled,ppo", "--seeds", "1",
