@@ -1,9 +1,11 @@
 """Write a run's policy as an HF directory (model + tokenizer) that transformers loads.
 
-    python -m areal_jax.export --run_dir=runs/math --out=runs/math/export [--step=N]
+    python -m areal_jax.export --run_dir=runs/math --out=runs/math/export [--step=N] [--format=merged|peft]
 
 Reads the run's config.json, restores the latest (or the given) checkpoint onto this host's devices and
-saves config.json, model.safetensors and the tokenizer files into --out.
+saves config.json, model.safetensors and the tokenizer files into --out. For a LoRA run, --format=merged
+(the default) folds the adapters into the base; --format=peft writes the adapters alone in PEFT's layout
+(adapter_config.json + adapter_model.safetensors, loaded with peft.PeftModel.from_pretrained on the base).
 """
 from __future__ import annotations
 
@@ -39,8 +41,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def export_policy(run_dir: str, out_dir: str, step: int | None = None) -> str:
-    """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory."""
+def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged") -> str:
+    """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory.
+
+    fmt "merged": the full model (a LoRA run's adapters folded into the base); "peft": a LoRA run's
+    adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -53,6 +58,12 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None) -> str:
     from areal_jax.trainer import Trainer
 
     config = load_run_config(run_dir)
+    lora_cfg = build.lora_config(config)
+    if fmt not in ("merged", "peft"):
+        raise ValueError(f"--format={fmt!r} is not one of merged, peft.")
+    if fmt == "peft" and lora_cfg is None:
+        raise ValueError(f"--format=peft needs a LoRA run, but {run_dir} was run with lora.enabled=False; "
+                         "export it with --format=merged.")
     ckpt = Checkpointer(run_dir, keep=config.checkpoint.keep)
     step = ckpt.latest_step() if step is None else step
     if step is None:
@@ -60,11 +71,23 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None) -> str:
     mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
     model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=build.DTYPES[config.model.param_dtype],
                                dtype=build.DTYPES[config.model.dtype])
-    trainer = Trainer(model, build.trainer_config(config), mesh)
+    if lora_cfg is not None:
+        from areal_jax.models.lora import apply_lora, merged_model
+
+        apply_lora(model, lora_cfg, rngs=nnx.Rngs(config.seed))
+    trainer = Trainer(model, build.trainer_config(config), mesh,
+                      wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
     state, _ = ckpt.restore(step, trainer.state)
     trainer.state = state
     nnx.update(model, trainer.params)
-    save_hf_checkpoint(model, out_dir)
+    if fmt == "peft":
+        from areal_jax.models.peft_io import save_peft_adapter
+
+        save_peft_adapter(model, lora_cfg, out_dir, base_model_name_or_path=os.path.abspath(config.model.path))
+    else:
+        if lora_cfg is not None:
+            model = merged_model(model, lora_cfg.scale, build.DTYPES[config.model.param_dtype])
+        save_hf_checkpoint(model, out_dir)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
     ckpt.close()
     return out_dir
@@ -77,8 +100,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--run_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--format", choices=("merged", "peft"), default="merged",
+                        help="merged: full HF model (LoRA adapters folded in); peft: a LoRA run's adapters only")
     args = parser.parse_args(argv)
-    print(export_policy(args.run_dir, args.out, args.step))
+    print(export_policy(args.run_dir, args.out, args.step, args.format))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""The embedded default with LoRA: `python -m areal_jax.main --config=configs/math_lora.py`.
+
+The same task, warm start, rollout and loss as configs/math.py, but only rank-16 adapters on every
+projection (q, k, v, o, gate, up, down) are trained; the 3.2M base weights stay frozen. Each weight
+hand-off moves the adapters only; the sampler decodes with the adapters merged into its copy of the base.
+Adapters need a larger step than full fine-tuning (their B starts at zero), hence lr 1e-3.
+"""
+import importlib.util
+import os
+
+
+def math_config():
+    """configs/math.py's config (loaded by path, so this file works from any working directory)."""
+    spec = importlib.util.spec_from_file_location("_math_config", os.path.join(os.path.dirname(__file__), "math.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config():
+    c = math_config()
+    c.run_dir = "runs/math_lora"
+    c.lora.enabled = True
+    c.lora.rank = 16
+    c.lora.alpha = 32.0
+    c.lora.targets = "all"
+    c.lora.sampler = "merged"
+    c.train.lr = 1e-3
+    return c

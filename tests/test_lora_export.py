@@ -1,0 +1,172 @@
+"""LoRA export and resume: PEFT directory round trip (and peft's logits when installed), merged HF export
+(transformers' logits when installed), checkpoint restore of adapters and their AdamW state bit-exactly,
+and `python -m areal_jax.export` on a LoRA run."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.checkpoint import Checkpointer
+from areal_jax.models import load_hf_checkpoint
+from areal_jax.models import lora
+from areal_jax.models.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter, peft_tensors, save_peft_adapter
+from areal_jax.models.testing import tiny_config, write_random_hf_checkpoint
+from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+
+TOKENS = np.array([[1, 5, 9, 13, 2, 7, 40, 3], [4, 4, 60, 11, 90, 8, 1, 2]], np.int32)
+
+
+def adapted_checkpoint(tmp_path, arch="qwen2", targets="all", seed=0):
+    """An HF base directory and our adapted model over it with random (non-zero) B."""
+    base_dir = str(tmp_path / f"base_{arch}")
+    write_random_hf_checkpoint(base_dir, tiny_config(arch), seed=seed)
+    model = load_hf_checkpoint(base_dir)
+    lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=targets)
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(seed + 1))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, lora.LoRAProjection):
+            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(node.salt), node.lora_b.shape))
+    return base_dir, model, lcfg
+
+
+def test_peft_directory_round_trip(tmp_path):
+    base_dir, model, lcfg = adapted_checkpoint(tmp_path, targets="q,v,re:layers\\.1\\.mlp\\..*")
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base_dir)
+    with open(os.path.join(out, CONFIG_FILE)) as fh:
+        config = json.load(fh)
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 12.0
+    assert "model.layers.1.mlp.down_proj" in config["target_modules"]
+    assert "model.layers.0.mlp.down_proj" not in config["target_modules"]
+    tensors = peft_tensors(model)
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)  # [r, in]
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (64, 4)  # [out, r]
+    assert os.path.exists(os.path.join(out, WEIGHTS_FILE))
+    fresh = load_hf_checkpoint(base_dir)
+    lora.apply_lora(fresh, lcfg, rngs=nnx.Rngs(99))
+    load_peft_adapter(fresh, out)
+    for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch):
+    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
+    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft (pip install peft)")
+    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch=arch)
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = hf(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+        peft_model = peft.PeftModel.from_pretrained(hf, out)
+        peft_model.eval()
+        got = peft_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    want = np.asarray(model(jnp.asarray(TOKENS)))
+    assert np.abs(want - base_logits).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):
+    from areal_jax.models import save_hf_checkpoint
+
+    _, model, lcfg = adapted_checkpoint(tmp_path, arch="qwen3")
+    merged_dir = str(tmp_path / "merged")
+    save_hf_checkpoint(lora.merged_model(model, lcfg.scale), merged_dir)
+    want = np.asarray(model(jnp.asarray(TOKENS)))
+    ours = load_hf_checkpoint(merged_dir)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(TOKENS))), want, atol=1e-4, rtol=0)
+    torch = pytest.importorskip("torch", reason="the transformers check needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="the transformers check needs transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def make_trajs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(6, 20))
+        prompt = int(rng.integers(1, length - 1))
+        c = length - prompt
+        out.append(Trajectory(tokens=rng.integers(3, 97, length), prompt_len=prompt,
+                              behav_logp=rng.normal(-4.6, 0.3, c), versions=np.zeros(c, np.int64),
+                              advantage=float(rng.normal()), reward=0.0, loss_mask=np.ones(c, np.float32)))
+    return out
+
+
+def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
+    from areal_jax.system.mesh import MeshConfig, build_meshes
+
+    mesh = build_meshes(MeshConfig(colocated=True, fsdp=2, tensor=2)).train_mesh
+    base_dir, _, _ = adapted_checkpoint(tmp_path)
+    lcfg = lora.LoRAConfig(rank=4, alpha=8.0, base_dtype="bfloat16")
+    cfg = TrainerConfig(lr=1e-2, micro_batch_tokens=64, logits_chunk=16)
+
+    def trainer():
+        model = load_hf_checkpoint(base_dir)
+        lora.apply_lora(model, lcfg, rngs=nnx.Rngs(7))
+        return Trainer(model, cfg, mesh, wrt=nnx.LoRAParam)
+
+    first = trainer()
+    first.update(make_trajs(6, seed=1))
+    first.update(make_trajs(6, seed=2))
+    ckpt = Checkpointer(str(tmp_path / "run"))
+    ckpt.save(first.version, first.state, {"version": first.version})
+    saved = jax.device_get(first.state)
+    # What is saved: adapters and their moments only (the frozen base stays with the model directory).
+    assert all(p[-1] in ("lora_a", "lora_b") for p, _ in nnx.to_flat_state(first.state.params))
+    second = trainer()
+    state, meta = ckpt.restore(ckpt.latest_step(), second.state)
+    second.state = state
+    ckpt.close()
+    assert meta["version"] == 2 and second.version == 2
+    for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(second.state))):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Both continue identically.
+    trajs = make_trajs(6, seed=3)
+    m1, m2 = first.update(trajs), second.update(trajs)
+    assert m1["loss"] == m2["loss"]
+    for x, y in zip(jax.tree.leaves(jax.device_get(first.params)), jax.tree.leaves(jax.device_get(second.params))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_export_command_writes_merged_and_peft_directories_of_a_lora_run(tmp_path):
+    from areal_jax.export import export_policy
+    from areal_jax.system.job import RLJob
+    from areal_jax.system.tiny import tiny_config as tiny_run_config
+
+    c = tiny_run_config(str(tmp_path), eta=1, steps=2)
+    c.lora.enabled = True
+    c.lora.rank = 4
+    c.lora.targets = "attn,up"
+    job = RLJob(c, log_fn=lambda *a, **k: None)
+    try:
+        job.run()
+        trained = jax.device_get(job.trainer.params)
+        graphdef = job.trainer.graphdef
+        sent = job.channel.last_bytes
+    finally:
+        job.close()
+    adapters = nnx.filter_state(trained, nnx.LoRAParam)
+    assert sent == sum(x.nbytes for x in jax.tree.leaves(adapters))  # the hand-off moved the adapters only
+    assert max(np.abs(np.asarray(x)).max() for x in jax.tree.leaves(adapters)) > 0
+    policy = nnx.merge(graphdef, trained)
+    lora.set_dropout(policy, False)
+    want = np.asarray(policy(jnp.asarray(TOKENS % 40)))
+    merged = load_hf_checkpoint(export_policy(c.run_dir, str(tmp_path / "merged")))
+    np.testing.assert_allclose(np.asarray(merged(jnp.asarray(TOKENS % 40))), want, atol=1e-4, rtol=0)
+    peft_dir = export_policy(c.run_dir, str(tmp_path / "peft"), fmt="peft")
+    fresh = load_hf_checkpoint(c.model.path)
+    lora.apply_lora(fresh, lora.LoRAConfig(rank=4, alpha=c.lora.alpha, targets="attn,up"), rngs=nnx.Rngs(0))
+    load_peft_adapter(fresh, peft_dir)
+    np.testing.assert_allclose(np.asarray(fresh(jnp.asarray(TOKENS % 40))), want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="--format"):
+        export_policy(c.run_dir, str(tmp_path / "x"), fmt="onnx")
