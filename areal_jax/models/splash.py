@@ -30,7 +30,9 @@ def _kernel(t: int, group: int, interpret: bool):
     b = _block(t)
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret), sk.SegmentIds
+    with jax.ensure_compile_time_eval():  # the kernel's mask tables are constants, even when built under jit
+        kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    return kernel, sk.SegmentIds
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
