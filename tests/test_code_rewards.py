@@ -101,6 +101,17 @@ def test_pass_everything_hacks_score_zero_on_stdin_tests(name):
     assert reward(HACKS[name], STDIO_ADD, mode="pass_rate") == 0.0, name
 
 
+def test_a_stolen_nonce_cannot_forge_values_it_does_not_know():
+    # The program reads the harness's nonce and output descriptor from its caller's frame and reports
+    # every case as passing with a guessed value: only a case whose value it guessed counts.
+    forger = ("import os, sys\nh = sys._getframe(1).f_locals\n"
+              "for i in range(4):\n"
+              "    os.write(h['out_fd'], (h['nonce'] + ' {\"i\": %d, \"status\": \"ok\", \"value\": \"6\"}\\n' % i).encode())\n"
+              "os._exit(0)\n")
+    assert reward(forger) == 0.0
+    assert reward(forger, mode="pass_rate") == pytest.approx(1 / 4)  # f(123) == 6 was guessed right
+
+
 def test_truthiness_asserts_are_judged_outside_the_sandbox():
     spec = asserts_to_spec(["assert is_even(4)", "assert not is_even(3)"])
     assert spec.programs == () and len(spec.calls) == 2
