@@ -20,8 +20,8 @@ class ConfigError(ValueError):
 def base_config() -> ml_collections.ConfigDict:
     """Every key the system reads, with its default. Config files override a subset."""
     c = ml_collections.ConfigDict()
-    c.run_dir = "runs/default"
-    c.seed = 0
+    c.run_dir = "runs/default"  # metrics, checkpoints, timeline, summary.json; an existing run resumes
+    c.seed = 0  # data order, sampling noise and initialisation
     c.total_steps = 100  # trainer updates (policy versions) to run
 
     c.model = ml_collections.ConfigDict()
@@ -31,8 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_path = ""
-    c.data.test_path = ""
+    c.data.train_path = ""  # training prompts: JSONL or Parquet with question / answer fields
+    c.data.test_path = ""  # evaluation split (same layout); empty = no evaluation
     c.data.question_field = "question"
     c.data.answer_field = "answer"
     c.data.prompt_template = "Question: {question}\nAnswer:"
@@ -73,7 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_groups = 16  # B: groups (prompts) per update
-    c.train.lr = 1e-5
+    c.train.lr = 1e-5  # Adam learning rate
     c.train.warmup_steps = 0
     c.train.schedule = "constant"  # constant | cosine
     c.train.weight_decay = 0.0
@@ -120,6 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.at_end = True
     c.eval.every_steps = 0
     c.eval.max_new_tokens = 64
+    c.eval.samples = 8  # sampled completions per problem (sampled pass@1, pass@k); 0 = greedy only
+    c.eval.num_slots = 256  # decode slots of the evaluation's sampler (all greedy + sampled sequences in one pass)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 10
@@ -166,6 +168,54 @@ _CHOICES = {
 }
 
 
+def config_docs() -> dict[str, str]:
+    """{key: doc} for every key of base_config, read from the comments in its source (a comment on the
+    key's own line, plus any comment lines just above it): the docs live in one place, beside the defaults."""
+    import inspect
+    import io
+    import tokenize
+
+    base = base_config()
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    line_tokens: list[tokenize.TokenInfo] = []
+    for tok in tokenize.generate_tokens(io.StringIO(inspect.getsource(base_config)).readline):
+        if tok.type not in (tokenize.NEWLINE, tokenize.NL):
+            line_tokens.append(tok)
+            continue
+        words = [t for t in line_tokens if t.type not in (tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+        comments = [t.string.lstrip("#").strip() for t in line_tokens if t.type == tokenize.COMMENT]
+        line_tokens = []
+        if not words:  # a comment-only (or blank) line: it documents the next key
+            pending = pending + comments if comments else []
+            continue
+        eq = next((i for i, t in enumerate(words) if t.string == "="), None)
+        lhs = "".join(t.string for t in words[:eq]) if eq else ""
+        if lhs.startswith("c.") and not isinstance(_lookup(base, lhs[2:]), ml_collections.ConfigDict):
+            docs[lhs[2:]] = "; ".join(pending + comments)
+        pending = []
+    return docs
+
+
+def _lookup(c: Any, key: str) -> Any:
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def config_help(config: ml_collections.ConfigDict | None = None) -> str:
+    """Every key with its value (the defaults, or `config`'s) and its doc, one line each, in the order
+    of base_config."""
+    docs = config_docs()
+    flat = _flatten(config if config is not None else base_config())
+    lines = []
+    for key in list(docs) + [k for k in flat if k not in docs]:
+        head = f"{key}={flat.get(key)!r}"
+        doc = docs.get(key, "")
+        lines.append(f"  --config.{head:<40} {doc}".rstrip())
+    return "\n".join(lines)
+
+
 def _flatten(c: Any, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in c.items():
@@ -184,7 +234,7 @@ def _check_keys(config: ml_collections.ConfigDict) -> None:
             continue
         close = difflib.get_close_matches(key, list(known), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"Unknown config key '{key}'.{hint} Known keys are listed in areal_jax/config.py.")
+        raise ConfigError(f"Unknown config key '{key}'.{hint} `python -m areal_jax.main --config.help` lists every key.")
 
 
 def check_override_flags(argv: list[str]) -> None:
@@ -200,8 +250,8 @@ def check_override_flags(argv: list[str]) -> None:
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f" Did you mean '--config.{close[0]}'?" if close else ""
-            raise ConfigError(f"Unknown config key in the override '{arg}'.{hint} Known keys are listed in "
-                              "areal_jax/config.py.")
+            raise ConfigError(f"Unknown config key in the override '{arg}'.{hint} "
+                              "`python -m areal_jax.main --config.help` lists every key.")
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -293,6 +343,10 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     _require(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s} must be positive.")
     _require(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1.")
     _check_code_task(config)
+    _require(config.eval.get("samples", 8) >= 0,
+             f"--config.eval.samples={config.eval.get('samples')} must be >= 0 (0 = greedy pass@1 only).")
+    _require(config.eval.get("num_slots", 256) >= 1,
+             f"--config.eval.num_slots={config.eval.get('num_slots')} must be at least 1.")
     _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end).")
     _require(config.log.timeline_max_events >= 1,
              f"log.timeline_max_events={config.log.timeline_max_events} must be >= 1 (set log.timeline=False to "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,60 +36,103 @@ def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: A
 
 
 def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tokens: int, k: int = 8,
-                      temperature: float = 1.0, num_slots: int = 64, max_len: int | None = None,
+                      temperature: float = 1.0, num_slots: int = 256, max_len: int | None = None,
                       seed: int = 0, reward_fn: Any = "areal_jax.rewards.math:math_reward",
-                      reward_timeout_s: float = 5.0) -> dict:
+                      reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
+                      pool: Any = None, decode_steps: int = 1) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
-    model: an areal_jax Transformer; examples: data.PromptExample list. k = 0 skips sampling.
-    reward_fn: a "module:function" string or picklable callable (see RewardPool).
+    model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
+    data.PromptExample list. k = 0 skips sampling. All n x (1 + k) sequences go through one sampler
+    loop (areal_jax.eval_batch) and are scored while it runs.
+    reward_fn: a "module:function" string or picklable callable (see RewardPool); pool: an open
+    RewardPool to score with instead (e.g. the job's), reward_fn is then unused.
+    engine / params: an Engine (eval_batch.eval_engine) and the state to decode with, to evaluate
+    again without recompiling; by default built from `model` with `num_slots` slots.
+    Returns greedy_pass@1, greedy_len, sampled_pass@1, pass@k, the generation's tokens / seconds /
+    tokens_per_s / occupancy, the whole evaluation's seconds, and one greedy completion as text.
     """
-    from areal_jax.sampler import generate_batch
+    from flax import nnx
 
+    from areal_jax.eval_batch import StreamingScorer, eval_engine, generate_for_eval, rewards_matrix
+    from areal_jax.rewards.pool import RewardPool
+
+    t0 = time.perf_counter()
+    n = len(examples)
     prompts = [list(e.prompt_tokens) for e in examples]
     answers = [e.answer for e in examples]
     stop = tuple(tokenizer.eos_token_ids)
-    greedy = generate_batch(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_token_ids=stop, num_slots=num_slots, seed=seed, max_len=max_len)
-    texts = [tokenizer.decode(list(c.tokens)) for c in greedy]
-    g_rewards = score_completions(texts, answers, reward_fn, timeout_s=reward_timeout_s)
-    out = {"n": len(examples), "greedy_pass@1": float(np.mean(g_rewards >= 1.0)),
-           "greedy_len": float(np.mean([len(c.tokens) for c in greedy]))}
+    if engine is None:
+        if max_len is None:
+            max_len = max(2, max((len(p) for p in prompts), default=1) + int(max_new_tokens))
+        engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
+                             max_stop_tokens=max(8, len(stop)))
+    if params is None:
+        params = nnx.state(model)
+    own_pool = pool is None
+    if own_pool:
+        pool = RewardPool(reward_fn, num_workers=2, timeout_s=reward_timeout_s)
+    texts: dict[tuple, str] = {}
+    try:
+        scorer = StreamingScorer(pool)
+
+        def score(kind: str, i: int, j: int, completion: Any) -> None:
+            text = tokenizer.decode(list(completion.tokens))
+            texts[(kind, i, j)] = text
+            scorer.add((kind, i, j), text, answers[i])
+
+        gen = generate_for_eval(engine, params, prompts, k=k, temperature=temperature,
+                                max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed,
+                                decode_steps=decode_steps, on_completion=score)
+        g_rewards, s_rewards = rewards_matrix(scorer.finish(), n, k)
+    finally:
+        if own_pool:
+            pool.close()
+    out = {"n": n, "greedy_pass@1": float(np.mean(g_rewards >= 1.0)) if n else 0.0,
+           "greedy_len": float(np.mean([len(c.tokens) for c in gen.greedy])) if n else 0.0}
     if k > 0:
-        rep = [p for p in prompts for _ in range(k)]
-        sampled = generate_batch(model, rep, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 stop_token_ids=stop, num_slots=num_slots, seed=seed + 1, max_len=max_len)
-        s_texts = [tokenizer.decode(list(c.tokens)) for c in sampled]
-        s_rewards = score_completions(s_texts, [a for a in answers for _ in range(k)], reward_fn,
-                                      timeout_s=reward_timeout_s)
-        correct = (s_rewards.reshape(len(examples), k) >= 1.0).sum(axis=1)
-        out["sampled_pass@1"] = float(np.mean(correct / k))
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct]))
-    out["sample_greedy"] = texts[0] if texts else ""
+        correct = (s_rewards >= 1.0).sum(axis=1)
+        out["sampled_pass@1"] = float(np.mean(correct / k)) if n else 0.0
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct])) if n else 0.0
+    out.update({"generated_tokens": gen.generated_tokens, "generate_s": gen.seconds,
+                "tokens_per_s": gen.tokens_per_s, "occupancy": gen.occupancy,
+                "seconds": time.perf_counter() - t0})
+    out["sample_greedy"] = texts.get(("greedy", 0, 0), "")
     return out
 
 
-def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int, max_new_tokens: int,
-                    data_config: Any, num_slots: int = 64, max_len: int | None = None, mesh: Any = None,
-                    seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
-                    reward_timeout_s: float = 5.0) -> dict:
-    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training.
-
-    data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
-    from flax import nnx
-
+def load_eval_examples(path: str, tokenizer: Any, data_config: Any, n: int) -> list:
+    """The first n prompts of an evaluation split, formatted like training (data_config: the config's
+    `data` section). A file with no usable rows is a ValueError naming it."""
     from areal_jax.data import load_eval_split
 
-    examples = load_eval_split(
+    return load_eval_split(
         path, tokenizer, question_field=data_config.question_field, answer_field=data_config.answer_field,
         prompt_template=data_config.prompt_template, use_chat_template=data_config.use_chat_template,
         system_prompt=data_config.system_prompt, max_prompt_len=data_config.max_prompt_len,
         task=data_config.get("task", "math"),
     )[:n]
-    model = nnx.merge(graphdef, params)
+
+
+def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int, max_new_tokens: int,
+                    data_config: Any, num_slots: int = 256, max_len: int | None = None, mesh: Any = None,
+                    seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
+                    reward_timeout_s: float = 5.0, examples: list | None = None, engine: Any = None,
+                    pool: Any = None, decode_steps: int = 1, temperature: float = 1.0) -> dict:
+    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training
+    (or on `examples`, already loaded by load_eval_examples). engine / pool: see evaluate_examples.
+
+    data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
+    from flax import nnx
+
+    if examples is None:
+        examples = load_eval_examples(path, tokenizer, data_config, n)
+    examples = examples[:n]
+    model = nnx.merge(graphdef, params) if engine is None else None
     return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
-                             num_slots=num_slots, max_len=max_len, seed=seed, reward_fn=reward_fn,
-                             reward_timeout_s=reward_timeout_s)
+                             temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
+                             reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,
+                             params=params, pool=pool, decode_steps=decode_steps)
 
 
 def main(argv: list[str]) -> None:

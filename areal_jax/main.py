@@ -1,7 +1,8 @@
 """Entry point: `python -m areal_jax.main --config=configs/math.py [--config.train.lr=3e-5 ...]`.
 
 The config is validated before JAX initialises a device or compiles anything; a mistake ends the run
-with one sentence saying what to change (exit code 2).
+with one sentence saying what to change (exit code 2). `--help` shows the most-used keys,
+`--config.help` every key with its default and doc (from the comments in config.base_config).
 """
 from __future__ import annotations
 
@@ -13,6 +14,47 @@ from absl import app
 from ml_collections import config_flags
 
 _CONFIG = None  # the --config flag, defined only when this module runs as the program (see the bottom)
+
+# The keys a user changes first, shown by --help (their docs come from config.config_docs()).
+MOST_USED_KEYS = ("run_dir", "total_steps", "model.path", "data.train_path", "data.test_path", "train.lr",
+                  "train.batch_groups", "rollout.group_size", "rollout.max_staleness", "eval.n_test")
+
+
+def help_text() -> str:
+    """What `python -m areal_jax.main --help` prints."""
+    from areal_jax.config import config_docs
+
+    docs = config_docs()
+    keys = "\n".join(f"  --config.{k:<24} {docs.get(k, '')}" for k in MOST_USED_KEYS)
+    return f"""usage: python -m areal_jax.main --config=CONFIG_FILE [--config.KEY=VALUE ...]
+
+Runs asynchronous RL (rollout and training at the same time, staleness bounded by eta) until
+total_steps, then prints a before / after table. Results go to run_dir (metrics.jsonl, summary.json,
+timeline.json, checkpoints); running the same command again resumes from the last checkpoint.
+
+CONFIG_FILE is a Python file whose get_config() returns an ml_collections ConfigDict that starts from
+areal_jax.config.base_config() and overrides some keys: configs/math.py (the default: a small math
+reasoner on CPU), configs/gsm8k_qwen.py (Qwen2.5 on GSM8K, GPU / TPU), configs/tiny.py (smoke test).
+Any key can be overridden on the command line, e.g. --config.rollout.max_staleness=0 (synchronous RL).
+
+Most-used keys:
+{keys}
+
+  --config.help                  every key with its default and what it means
+  --verbosity=0                  libraries' INFO logs on the console
+  --helpfull                     every command-line flag (absl)
+"""
+
+
+def _eval_row(summary: dict, loop_tokens_per_s: float | None) -> str | None:
+    """Evaluation cost line: seconds, share of the job's wall time, tokens/s against the loop's."""
+    ev = [e for e in summary.get("evaluations", {}).values() if isinstance(e, dict) and "seconds" in e]
+    if not ev or summary.get("eval_s") is None:
+        return None
+    tps = sum(e.get("generated_tokens", 0) for e in ev) / max(sum(e.get("generate_s", 0.0) for e in ev), 1e-9)
+    loop = "-" if loop_tokens_per_s is None else f"{loop_tokens_per_s:,.0f}"
+    return (f"evaluation {summary['eval_s']:.0f} s ({100 * summary.get('eval_share', 0.0):.0f}% of "
+            f"{summary.get('job_wall_s', 0.0):.0f} s), {tps:,.0f} generated tokens/s (loop: {loop})")
 
 
 def format_summary(summary: dict) -> str:
@@ -40,6 +82,11 @@ def format_summary(summary: dict) -> str:
                  f"{num(summary.get('trained_tokens_per_s'), '{:.0f}')}, sampler occupancy "
                  f"{num(summary.get('sampler_occupancy'), '{:.2f}')}, staleness mean "
                  f"{num(summary.get('staleness_mean'), '{:.2f}')} / max {num(summary.get('staleness_max'), '{:.0f}')}")
+    row = _eval_row(summary, summary.get("tokens_per_s"))
+    if row:
+        lines.append(row)
+    if summary.get("matmul_peak_gflops"):
+        lines.append(f"machine: float32 matmul peak {summary['matmul_peak_gflops']:.0f} GFLOP/s (measured at start)")
     return "\n".join(lines)
 
 
@@ -68,6 +115,8 @@ def run(config) -> dict:
     info = distributed.initialize(config)
     import jax
 
+    from areal_jax.metrics import matmul_peak_gflops
+
     enable_compilation_cache()
 
     from areal_jax.system.job import RLJob
@@ -80,8 +129,14 @@ def run(config) -> dict:
             os.path.join(paths.local_path(config.run_dir), "heartbeats"), jax.process_index(), jax.process_count(),
             timeout_s=config.distributed.heartbeat_timeout_s,
         ).start()
-    job = RLJob(config)
+    job = RLJob(config)  # every mistake in the config, data, model or run_dir is raised in here
     try:
+        # The yardstick for every figure of the run, measured once the inputs are known to be usable (~1-2 s).
+        job.machine["matmul_peak_gflops"] = peak = matmul_peak_gflops(repeats=3)
+        if jax.process_index() == 0:
+            print(f"Machine: {jax.device_count()} {jax.devices()[0].platform.upper()} device(s), float32 matmul "
+                  f"peak {peak:.0f} GFLOP/s (a shared or slow machine shows here; compare figures at the same "
+                  "peak).", flush=True)
         summary = job.run()
     except BaseException as e:
         if jax.process_count() > 1:
@@ -131,17 +186,33 @@ def main(argv: list[str]) -> None:
     try:
         run(_CONFIG.value)
     except ConfigError as e:
-        print(f"Config error: {e}", file=sys.stderr)
+        print(f"Config error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    from areal_jax.config import ConfigError, check_override_flags
+    from areal_jax.config import ConfigError, check_override_flags, config_help
 
+    if any(a in ("--help", "-h", "-?") for a in sys.argv[1:]):
+        print(help_text())
+        sys.exit(0)
+    if any(a == "--config.help" or a.startswith("--config.help=") for a in sys.argv[1:]):
+        files = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+        shown = None
+        if files:  # the values of that config file instead of the defaults
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("_config_file", files[-1])
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            shown = module.get_config()
+        print(f"Every config key, its value in {files[-1] if files else 'base_config()'} and what it means:\n"
+              + config_help(shown))
+        sys.exit(0)
     try:
         check_override_flags(sys.argv[1:])
     except ConfigError as e:
-        print(f"Config error: {e}", file=sys.stderr)
+        print(f"Config error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Path to a config file (ml_collections).")
     app.run(main)

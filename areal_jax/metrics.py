@@ -19,11 +19,11 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from areal_jax import paths
 
-__all__ = ["MetricsLogger", "Timeline", "format_duration", "format_progress", "PROGRESS_KEYS"]
+__all__ = ["MetricsLogger", "Timeline", "format_duration", "format_progress", "matmul_peak_gflops", "PROGRESS_KEYS"]
 
 # Headline numbers of the progress line: label -> metric names tried in order (first present wins).
 PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
@@ -78,19 +78,21 @@ def format_duration(seconds: float) -> str:
 
 
 def format_progress(step: int, total_steps: int | None, elapsed_s: float,
-                    metrics: Mapping[str, Any], *, start_step: int = 0) -> str:
+                    metrics: Mapping[str, Any], *, start_step: int = 0, rate_elapsed_s: float | None = None) -> str:
     """One console line: ``step 25/100 | elapsed 50s | ETA 2m30s | reward 0.512 | ...``.
 
-    ETA = elapsed / (step - start_step) * (total_steps - step): the mean time per step since this
-    process started (start_step is where a resumed run began), times the steps left. Omitted when the
+    ETA = rate_elapsed_s / (step - start_step) * (total_steps - step): the mean time per step since
+    start_step (where this process's loop began; non-zero after a resume), times the steps left.
+    rate_elapsed_s is the time since start_step was reached (default elapsed_s). Omitted when the
     total is unknown or no step has finished. Headline metrics come from PROGRESS_KEYS; missing ones
     are left out.
     """
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}",
              f"elapsed {format_duration(elapsed_s)}"]
     done = step - start_step
+    rate_s = elapsed_s if rate_elapsed_s is None else rate_elapsed_s
     if total_steps and done > 0:
-        parts.append(f"ETA {format_duration(elapsed_s / done * max(0, total_steps - step))}")
+        parts.append(f"ETA {format_duration(rate_s / done * max(0, total_steps - step))}")
     flat = _flatten(metrics)
     for label, names in PROGRESS_KEYS.items():
         value = next((flat[n] for n in names if isinstance(flat.get(n), (int, float))), None)
@@ -98,6 +100,23 @@ def format_progress(step: int, total_steps: int | None, elapsed_s: float,
             continue
         parts.append(f"{value:,.0f} {label}" if label == "tok/s" else f"{label} {value:.3f}")
     return " | ".join(parts)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device (1-2 s on a 2-core CPU):
+    the yardstick that tells a slow machine from a slow program, printed beside throughput figures."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
 
 
 def _import_summary_writer():
@@ -133,16 +152,18 @@ class MetricsLogger:
       total_steps: for step/total and the ETA.
       start_step: step this process starts at (non-zero when resuming), for the ETA rate.
       tensorboard: also write TensorBoard scalars.
+      clock: seconds of a monotonic clock (default time.monotonic; tests pass a synthetic one).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool | None = None,
                  total_steps: int | None = None, start_step: int = 0,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.run_dir = os.fspath(run_dir)  # local, file:// or an object store (areal_jax.paths)
         self.enabled = _default_enabled() if enabled is None else bool(enabled)
         self.total_steps = total_steps
         self.start_step = start_step
-        self._t0 = time.monotonic()
+        self._clock = clock
+        self._t0 = self._rate_t0 = clock()
         self._lock = threading.Lock()
         self._jsonl = None
         self._tb = None
@@ -156,7 +177,13 @@ class MetricsLogger:
 
     @property
     def elapsed_s(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
+
+    def mark_loop_start(self, step: int) -> None:
+        """The training loop starts (or resumes) at ``step`` now: the ETA's time per step counts from
+        here, so start-up, evaluation and the steps of an earlier process do not skew it."""
+        self.start_step = int(step)
+        self._rate_t0 = self._clock()
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record one set of metrics at ``step``; nested dicts become "outer/inner" names.
@@ -185,7 +212,7 @@ class MetricsLogger:
     def progress_line(self, step: int, metrics: Mapping[str, Any]) -> str:
         """See ``format_progress``; elapsed time counts from this logger's creation."""
         return format_progress(step, self.total_steps, self.elapsed_s, metrics,
-                               start_step=self.start_step)
+                               start_step=self.start_step, rate_elapsed_s=self._clock() - self._rate_t0)
 
     def flush(self) -> None:
         """Make everything logged so far durable in run_dir (uploads on an object store)."""

@@ -2,23 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import time
 
-import jax
-import jax.numpy as jnp
-
-
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GFLOP/s of a jitted [n, n] @ [n, n] on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+from areal_jax.metrics import matmul_peak_gflops  # noqa: F401  (shared with the entry points)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,8 +2,8 @@
 
 Every row becomes a :class:`Record` (question text plus the reference answer). A malformed row (bad
 JSON, a missing field, a value of the wrong type, a GSM8K answer without its "####" marker) raises a
-ValueError naming the file, the 1-based line (JSONL) or 0-based row index (Parquet) and what was wrong;
-with ``on_bad_row="skip"`` it is skipped instead and counted in :class:`ReadStats`.
+BadRowError (a ValueError) naming the file, the 1-based line (JSONL) or 0-based row index (Parquet) and
+what was wrong; with ``on_bad_row="skip"`` it is skipped instead and counted in :class:`ReadStats`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
-__all__ = ["Record", "ReadStats", "extract_reference_answer", "read_jsonl", "read_parquet",
+__all__ = ["BadRowError", "Record", "ReadStats", "extract_reference_answer", "read_jsonl", "read_parquet",
            "read_records", "ANSWER_FORMATS"]
 
 ANSWER_FORMATS = ("auto", "gsm8k", "raw")
@@ -44,7 +44,16 @@ class ReadStats:
 
 
 class _BadRow(Exception):
-    """A row-level problem; turned into a ValueError with the location, or skipped."""
+    """A row-level problem; turned into a BadRowError with the location, or skipped."""
+
+
+class BadRowError(ValueError):
+    """A malformed row with on_bad_row="error". ``problem`` is the file, row and what was wrong,
+    without the hint, so an entry point can name its own setting (e.g. a config key) instead."""
+
+    def __init__(self, problem: str, hint: str) -> None:
+        super().__init__(f"{problem} {hint}")
+        self.problem = problem
 
 
 def extract_reference_answer(answer: str, answer_format: str = "auto") -> str:
@@ -117,7 +126,7 @@ def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_fi
         except _BadRow as err:
             message = f"{path}, {where} {number}: {err}."
             if on_bad_row == "error":
-                raise ValueError(message + " Fix the row, or pass on_bad_row='skip' to skip such rows.") from None
+                raise BadRowError(message, "Fix the row, or pass on_bad_row='skip' to skip such rows.") from None
             stats.add_bad(message)
     stats.rows_kept += len(records)
     return records

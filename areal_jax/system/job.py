@@ -19,7 +19,7 @@ from flax import nnx
 from areal_jax import config as config_lib
 from areal_jax import paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
-from areal_jax.system import build, multihost, runner
+from areal_jax.system import build, multihost, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
@@ -33,7 +33,11 @@ SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "to
 class RLJob:
     """One RL run: construct with a config, call run(), then close()."""
 
-    def __init__(self, config: Any, *, log_fn=print):
+    def __init__(self, config: Any, *, log_fn=print, machine: dict | None = None):
+        """machine: facts about the host recorded in summary.json (e.g. {"matmul_peak_gflops": 96.0})."""
+        self._t_created = time.perf_counter()
+        self.machine = dict(machine or {})
+        self._eval_seconds = 0.0
         from areal_jax import metrics
         from areal_jax.data import make_prompt_iterator
         from areal_jax.models import load_hf_checkpoint
@@ -49,9 +53,10 @@ class RLJob:
         self.config = c = config
         self.log = log_fn if is_primary() else (lambda *a, **k: None)
         self.primary = is_primary()
-        paths.makedirs(c.run_dir)  # local, file:// or object store (areal_jax.paths)
-        if self.primary:
-            paths.write_text(paths.join(c.run_dir, "config.json"), c.to_json_best_effort(indent=1))
+        with user_errors.run_dir(c.run_dir):
+            paths.makedirs(c.run_dir)  # local, file:// or object store (areal_jax.paths)
+            if self.primary:
+                paths.write_text(paths.join(c.run_dir, "config.json"), c.to_json_best_effort(indent=1))
 
         try:  # device counts and trainer settings: still before anything is loaded or compiled
             self.meshes = build_meshes(build.mesh_config(c))
@@ -59,16 +64,25 @@ class RLJob:
             self.local_groups = multihost.local_batch_groups(c.train.batch_groups, jax.process_count())
         except ValueError as e:
             raise config_lib.ConfigError(str(e)) from e
-        self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
+            self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
         # The data next, so a bad dataset fails before the model is loaded and anything compiles.
-        self.prompts = make_prompt_iterator(
-            c.data.train_path, self.tokenizer, question_field=c.data.question_field,
-            answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
-            use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
-            max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
-            seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-            task=c.data.task,
-        )
+        with user_errors.data_file("data.train_path", c.data.train_path):
+            self.prompts = make_prompt_iterator(
+                c.data.train_path, self.tokenizer, question_field=c.data.question_field,
+                answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
+                use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
+                max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
+                seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+                task=c.data.task,
+            )
+        self.eval_examples: list = []
+        if c.eval.n_test > 0 and c.data.test_path and (c.eval.at_start or c.eval.at_end or c.eval.every_steps):
+            from areal_jax.evaluate import load_eval_examples
+
+            with user_errors.data_file("data.test_path", c.data.test_path):
+                self.eval_examples = load_eval_examples(c.data.test_path, self.tokenizer, c.data, c.eval.n_test)
+        self._eval_engine = None
         self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
                              "too_long": self.prompts.num_too_long_skipped}
         if any(self.skipped_rows.values()):
@@ -77,7 +91,9 @@ class RLJob:
                      f"{c.data.max_prompt_len} tokens.")
         dtype, param_dtype = build.DTYPES[c.model.dtype], build.DTYPES[c.model.param_dtype]
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
-        model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype, dtype=dtype)
+        with user_errors.model_dir(c.model.path):
+            model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
+                                       dtype=dtype)
         self.model_config = model.cfg
         lora_cfg = build.lora_config(c)  # adapters only are trained, the base is frozen (models/lora.py)
         if lora_cfg is not None:
@@ -124,7 +140,8 @@ class RLJob:
             seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
         )
         self.channel.deliver = self.sampler.update_params
-        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps)
+        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
+                                             start_step=self.trainer.version)
         # Only process 0 writes timeline.json (the others record nothing and save nothing).
         self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,
                                          enabled=self.primary and c.log.timeline,
@@ -153,7 +170,7 @@ class RLJob:
             timeline=self.timeline,
         )
         self.stop = runner.StopFlag()
-        self.evaluations: dict[str, dict] = {}
+        self.evaluations: dict[str, dict] = dict(meta.get("evaluations") or {}) if meta is not None else {}
 
     # ---- resume -----------------------------------------------------------------------------------
     def _maybe_resume(self) -> dict | None:
@@ -163,7 +180,13 @@ class RLJob:
             # would otherwise be trained (and logged) twice.
             self.sample_log.truncate_from(0)
             return None
-        state, meta = self.checkpointer.restore(step, self.trainer.state)
+        c = self.config
+        try:
+            state, meta = self.checkpointer.restore(step, self.trainer.state)
+        except (ValueError, TypeError, KeyError) as e:  # shapes or structure of another model
+            raise user_errors.restore_failed(e, c.run_dir, c.model.path) from e
+        user_errors.check_same_model(meta.get("model"), user_errors.model_signature(self.model_config), c.run_dir,
+                                     c.model.path)
         self.trainer.state = state
         self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version}).")
         self.sample_log.truncate_from(self.trainer.version)
@@ -181,6 +204,8 @@ class RLJob:
             "counters": snap["counters"],
             "seed": self.config.seed,
             "saved_at": time.time(),
+            "model": user_errors.model_signature(self.model_config),
+            "evaluations": self.evaluations,  # a resumed run still reports its start evaluation
         }
         with self.timeline.span("checkpoint", lane="trainer"):
             self.sample_log.sync()  # on an object store: a resume must find every line it restores
@@ -215,15 +240,26 @@ class RLJob:
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
+        k = int(c.eval.get("samples", 8))
+        if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
+            from areal_jax.eval_batch import eval_engine
+
+            self._eval_engine = eval_engine(
+                self.graphdef, config=self.model_config, num_slots=c.eval.get("num_slots", 256),
+                max_len=c.rollout.max_len, num_sequences=len(self.eval_examples) * (1 + k),
+                mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
-                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, num_slots=c.rollout.num_slots,
-                max_len=c.rollout.max_len, mesh=self.meshes.rollout_mesh, seed=c.seed,
-                reward_fn=build.reward_fn(c), reward_timeout_s=c.reward.timeout_s,
+                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
+                temperature=c.rollout.temperature or 1.0, examples=self.eval_examples,
+                engine=self._eval_engine, pool=self.reward_pool,
+                decode_steps=c.rollout.get("decode_steps", 1),
             )
         self.evaluations[tag] = res
-        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems")
+        self._eval_seconds += res["seconds"]
+        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems "
+                 f"({res['seconds']:.0f} s, {res['tokens_per_s']:,.0f} generated tokens/s)")
         self.metrics.log(self.trainer.version, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)})
         return res
 
@@ -235,6 +271,7 @@ class RLJob:
             self.evaluate("start")
         self.controller.start()
         t_start = time.perf_counter()
+        self.metrics.mark_loop_start(self.trainer.version)  # the ETA's rate: steps run since (re)start
         trained_tokens, last_gen = 0, 0
         history = []
         while self.trainer.version < c.total_steps:
@@ -305,7 +342,11 @@ class RLJob:
             "sampler_occupancy": float(np.mean(pick("sampler/occupancy"))) if history else None,
             "evaluations": self.evaluations,
             "skipped_rows": self.skipped_rows,
+            **self.machine,
         }
+        job_wall = time.perf_counter() - self._t_created
+        out.update({"job_wall_s": job_wall, "eval_s": self._eval_seconds,
+                    "eval_share": self._eval_seconds / max(job_wall, 1e-9)})
         if self.primary:
             write_json(paths.join(self.config.run_dir, "summary.json"), out)
         return out

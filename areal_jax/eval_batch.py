@@ -1,0 +1,164 @@
+"""A whole evaluation in one pass of the sampler: every greedy and sampled sequence at full occupancy.
+
+For n problems and k samples each, the n x (1 greedy + k sampled) sequences are queued at once into
+one :class:`SamplerLoop`, so the decode slots stay full until the last few sequences (no drain between
+a greedy phase and a sampled phase, one set of compiled programs). The k sampled sequences of a problem
+are one request: the loop prefills the prompt once and copies it into k slots (``bulk_insert``); the
+greedy sequence is a separate request (a request carries one temperature), whose prefill is batched
+with other single prompts. Completions are scored in a RewardPool while generation goes on.
+
+    gen = generate_for_eval(engine, params, prompts, k=8, temperature=1.0, max_new_tokens=48,
+                            stop_token_ids=(eos,))
+    gen.greedy[i]        # Completion of problem i, temperature 0
+    gen.sampled[i][j]    # j-th sampled Completion of problem i
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from areal_jax.sampler import Completion, Engine, Request, SamplerLoop
+
+__all__ = ["EvalGeneration", "StreamingScorer", "eval_engine", "generate_for_eval"]
+
+
+@dataclasses.dataclass
+class EvalGeneration:
+    """What one evaluation pass generated.
+
+    greedy: [n] Completions at temperature 0, in problem order.
+    sampled: [n][k] Completions at the sampling temperature (k may be 0).
+    generated_tokens: tokens decoded in all; seconds: wall time of the pass (prefills included);
+    occupancy: mean share of the decode slots busy per step.
+    """
+
+    greedy: list[Completion]
+    sampled: list[list[Completion]]
+    generated_tokens: int
+    seconds: float
+    occupancy: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / max(self.seconds, 1e-9)
+
+
+def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
+                mesh: Any = None, config: Any = None, max_stop_tokens: int = 8) -> Engine:
+    """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
+    (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling."""
+    slots = int(num_slots) if num_sequences is None else max(1, min(int(num_slots), int(num_sequences)))
+    return Engine(model_or_graphdef, num_slots=slots, max_len=int(max_len), mesh=mesh, config=config,
+                  max_stop_tokens=max_stop_tokens)
+
+
+def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
+                      temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                      seed: int = 0, decode_steps: int = 1,
+                      on_completion: Callable[[str, int, int, Completion], None] | None = None) -> EvalGeneration:
+    """Greedy and k sampled completions of every prompt through one sampler loop.
+
+    Args:
+      engine: the Engine to decode with (see :func:`eval_engine`); params: its model state.
+      prompts: n token-id lists.
+      k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0).
+      on_completion: called as ``on_completion(kind, i, j, completion)`` (kind "greedy" or "sampled",
+        problem i, sample j) as each finishes, from this thread, e.g. to start scoring it.
+
+    Raises:
+      RuntimeError when a prompt does not fit the engine or the loop stops early.
+    """
+    if k < 0:
+        raise ValueError(f"k={k} must be >= 0 (sampled completions per problem).")
+    if k > 0 and not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for the sampled completions.")
+    n = len(prompts)
+    greedy: list[Completion | None] = [None] * n
+    sampled: list[list[Completion | None]] = [[None] * k for _ in range(n)]
+    stop = tuple(int(t) for t in stop_token_ids)
+    t0 = time.perf_counter()
+    with SamplerLoop(engine, params, seed=seed, decode_steps=decode_steps) as loop:
+        for i, prompt in enumerate(prompts):  # a problem's greedy and sampled requests side by side
+            loop.submit(Request(id=("greedy", i), prompt=list(prompt), max_new_tokens=max_new_tokens, n=1,
+                                temperature=0.0, stop_token_ids=stop))
+            if k:
+                loop.submit(Request(id=("sampled", i), prompt=list(prompt), max_new_tokens=max_new_tokens, n=k,
+                                    temperature=temperature, stop_token_ids=stop))
+        for _ in range(n * (1 + k)):
+            c = loop.get_completion()
+            if c is None:
+                raise RuntimeError("the evaluation's sampler loop stopped before every sequence was generated.")
+            if c.finish_reason == "error":
+                raise RuntimeError(f"evaluation prompt {c.request_id[1]} could not be generated: {c.error}")
+            kind, i = c.request_id
+            if kind == "greedy":
+                greedy[i] = c
+            else:
+                sampled[i][c.sample_index] = c
+            if on_completion is not None:
+                on_completion(kind, i, c.sample_index, c)
+        stats = loop.stats()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.tokens) for c in greedy) + sum(len(c.tokens) for row in sampled for c in row)
+    return EvalGeneration(greedy, sampled, tokens, seconds,  # type: ignore[arg-type]
+                          float(stats.get("mean_slot_occupancy", 0.0)))
+
+
+class StreamingScorer:
+    """Scores (key, text, answer) items in a RewardPool from a background thread, in chunks, so
+    rewards are computed while the sampler still generates.
+
+    pool: a RewardPool (its ``score_batch`` is used, which does not touch the pool's submit/results
+    queue, so a job's pool can be shared); ``add`` queues an item; ``finish()`` waits and returns
+    {key: reward}.
+    """
+
+    def __init__(self, pool: Any, chunk: int = 64) -> None:
+        self.pool, self.chunk = pool, int(chunk)
+        self._batch: list[tuple] = []
+        self._work: queue.Queue = queue.Queue()
+        self._rewards: dict = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="eval-scorer", daemon=True)
+        self._thread.start()
+
+    def add(self, key: Any, text: str, answer: str) -> None:
+        self._batch.append((key, text, answer))
+        if len(self._batch) >= self.chunk:
+            self._work.put(self._batch)
+            self._batch = []
+
+    def _run(self) -> None:
+        while True:
+            items = self._work.get()
+            if items is None:
+                return
+            try:
+                for item, result in zip(items, self.pool.score_batch(items)):
+                    self._rewards[item[0]] = float(result.reward)
+            except BaseException as e:  # re-raised by finish()
+                self._error = e
+                return
+
+    def finish(self) -> dict:
+        if self._batch:
+            self._work.put(self._batch)
+            self._batch = []
+        self._work.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"scoring the evaluation failed: {self._error!r}") from self._error
+        return self._rewards
+
+
+def rewards_matrix(rewards: dict, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """greedy [n] and sampled [n, k] float32 rewards from {("greedy", i, 0) | ("sampled", i, j): r}."""
+    g = np.asarray([rewards[("greedy", i, 0)] for i in range(n)], np.float32)
+    s = np.asarray([[rewards[("sampled", i, j)] for j in range(k)] for i in range(n)], np.float32).reshape(n, k)
+    return g, s

@@ -1,0 +1,139 @@
+"""The one-pass evaluation: its greedy completions equal a one-by-one greedy reference (full forward
+passes, no cache, no batching), its sampled completions carry the right behaviour log-probabilities,
+and pass@1 / pass@k come out as enumeration over the scored completions gives them."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.data import PromptExample
+from areal_jax.eval_batch import eval_engine, generate_for_eval
+from areal_jax.evaluate import evaluate_examples, pass_at_k
+from areal_jax.models import testing
+
+CFG = testing.tiny_config("qwen2")
+EOS = 2
+MAX_LEN = 48
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return testing.random_model(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [list(rng.integers(3, CFG.vocab_size, size=int(n))) for n in (3, 7, 12, 5, 20, 9)]
+
+
+def full_forward_logp(model):
+    """seq -> [V] float64 log-softmax of the next token after seq, from one uncached forward pass."""
+    graphdef, params = nnx.split(model)
+    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
+
+    def next_logp(seq):
+        padded = np.zeros((1, MAX_LEN), np.int32)
+        padded[0, : len(seq)] = seq
+        return np.asarray(fwd(params, padded), np.float64)[len(seq) - 1]
+
+    return next_logp
+
+
+def greedy_one_by_one(next_logp, prompt):
+    """Greedy decoding of one prompt by repeated full forward passes (the independent reference)."""
+    seq, out = list(prompt), []
+    for _ in range(MAX_NEW):
+        tok = int(np.argmax(next_logp(seq)))
+        out.append(tok)
+        seq.append(tok)
+        if tok == EOS:
+            break
+    return out
+
+
+def test_batched_greedy_equals_one_by_one_reference_and_samples_carry_their_logprobs(model, prompts):
+    k = 3
+    # 8 slots for 6 x (1 + 3) = 24 sequences: slots are reused, greedy and sampled rows decode together.
+    engine = eval_engine(model, num_slots=8, max_len=MAX_LEN, num_sequences=len(prompts) * (1 + k))
+    gen = generate_for_eval(engine, nnx.state(model), prompts, k=k, temperature=1.0, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(EOS,), seed=1)
+    next_logp = full_forward_logp(model)
+    for i, p in enumerate(prompts):
+        assert list(gen.greedy[i].tokens) == greedy_one_by_one(next_logp, p), f"prompt {i}"
+        assert len(gen.sampled[i]) == k
+        for c in gen.sampled[i]:
+            seq = list(p)
+            for tok, lp in zip(c.tokens, c.logprobs):  # temperature 1: the raw model distribution
+                np.testing.assert_allclose(lp, next_logp(seq)[tok], atol=2e-4)
+                seq.append(int(tok))
+            assert c.finish_reason == ("stop" if c.tokens[-1] == EOS else "length")
+    assert gen.generated_tokens == sum(len(c.tokens) for c in gen.greedy) + sum(
+        len(c.tokens) for row in gen.sampled for c in row)
+    assert 0 < gen.occupancy <= 1
+
+
+def test_greedy_does_not_depend_on_slot_count(model, prompts):
+    runs = []
+    for slots in (1, 64):
+        engine = eval_engine(model, num_slots=slots, max_len=MAX_LEN, num_sequences=len(prompts) * 3)
+        gen = generate_for_eval(engine, nnx.state(model), prompts, k=2, temperature=0.7, max_new_tokens=MAX_NEW,
+                                stop_token_ids=(EOS,), seed=0)
+        runs.append([list(c.tokens) for c in gen.greedy])
+    assert runs[0] == runs[1]
+
+
+class _Tokenizer:
+    eos_token_ids = (EOS,)
+
+    @staticmethod
+    def decode(tokens):
+        return " ".join(str(t) for t in tokens)
+
+
+class _ParityPool:
+    """Stands in for a RewardPool: a completion is correct when its first token is even."""
+
+    def __init__(self):
+        self.rewards = {}
+
+    def score_batch(self, items):
+        from areal_jax.rewards.pool import RewardResult
+
+        out = []
+        for key, text, _ in items:
+            first = int(text.split()[0]) if text else 1
+            self.rewards[key] = first % 2 == 0
+            out.append(RewardResult(key=key, reward=float(first % 2 == 0), status="ok", error=None, seconds=0.0))
+        return out
+
+
+def test_pass_at_k_and_pass_at_1_follow_from_the_scored_completions(model, prompts):
+    k = 4
+    examples = [PromptExample(uid=str(i), prompt_tokens=list(p), answer="", question="") for i, p in enumerate(prompts)]
+    pool = _ParityPool()
+    res = evaluate_examples(model, _Tokenizer(), examples, max_new_tokens=MAX_NEW, k=k, temperature=1.0,
+                            num_slots=16, max_len=MAX_LEN, seed=5, pool=pool)
+    assert len(pool.rewards) == len(prompts) * (1 + k)
+    # Independent aggregation of what the pool scored: greedy mean, sampled mean, any-correct per problem.
+    greedy_ok = [pool.rewards[("greedy", i, 0)] for i in range(len(prompts))]
+    assert res["greedy_pass@1"] == pytest.approx(np.mean(greedy_ok))
+    correct = [[pool.rewards[("sampled", i, j)] for j in range(k)] for i in range(len(prompts))]
+    assert res["sampled_pass@1"] == pytest.approx(np.mean(correct))
+    # pass@k with n = k samples: the share of problems with at least one correct sample (enumeration).
+    assert res[f"pass@{k}"] == pytest.approx(np.mean([any(row) for row in correct]))
+    assert 0 < np.mean(greedy_ok + sum(correct, [])) < 1  # the check is not vacuous
+    assert res["generated_tokens"] > 0
+    assert res["tokens_per_s"] > 0 and res["seconds"] >= res["generate_s"] > 0
+
+
+def test_pass_at_k_equals_subset_enumeration():
+    for n, c, k in [(8, 0, 1), (8, 3, 1), (8, 3, 4), (10, 2, 8), (5, 5, 2)]:
+        subsets = list(itertools.combinations(range(n), k))
+        hits = sum(any(i < c for i in s) for s in subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(hits / len(subsets))

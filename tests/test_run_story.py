@@ -1,0 +1,104 @@
+"""A resumed run keeps its story: the start evaluation survives a resume into the final before / after
+table, the ETA counts only steps run since the resume, and a run directory refuses a different model."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from areal_jax.config import ConfigError
+from areal_jax.main import format_summary
+from areal_jax.metrics import MetricsLogger
+from areal_jax.system.job import RLJob
+from areal_jax.system.tiny import tiny_config
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _eta_seconds(line: str) -> float:
+    eta = next(p for p in line.split(" | ") if p.startswith("ETA ")).split()[1]
+    minutes, _, rest = eta.partition("m")
+    return float(minutes) * 60 + float(rest.rstrip("s")) if rest else float(minutes.rstrip("s"))
+
+
+@pytest.mark.parametrize("steps_seen", [1, 3, 10])
+def test_eta_after_resume_is_within_20_percent_of_the_real_remaining_time(tmp_path, steps_seen):
+    """A first process ran 17 of 60 steps at 3 s each and died; the resume restarts from the step-10
+    checkpoint, spends 90 s on start-up, and then runs at 5 s +- 1 s per step (a busier machine)."""
+    rng = np.random.default_rng(0)
+    clock, total, resume_step = FakeClock(), 60, 10
+    step_times = 5.0 + rng.uniform(-1, 1, size=total)
+    logger = MetricsLogger(tmp_path, enabled=False, total_steps=total, start_step=resume_step, clock=clock)
+    clock.now += 90.0  # checkpoint restore, compiles, the evaluation: not steps
+    logger.mark_loop_start(resume_step)
+    step = resume_step
+    for _ in range(steps_seen):
+        clock.now += step_times[step]
+        step += 1
+    eta = _eta_seconds(logger.progress_line(step, {}))
+    real = float(step_times[step:].sum())
+    assert abs(eta - real) <= 0.2 * real, (eta, real)
+
+
+def _config(assets, run_dir, steps, **overrides):
+    c = tiny_config(assets, run_dir=run_dir, steps=steps, write=False)
+    c.eval.n_test = 6
+    c.eval.samples = 2
+    c.eval.at_end = False
+    c.eval.max_new_tokens = 8
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        c[section][name] = value
+    return c
+
+
+def _run(config):
+    job = RLJob(config, log_fn=lambda *a, **k: None, machine={"matmul_peak_gflops": 12.5})
+    try:
+        return job.run()
+    finally:
+        job.close()
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
+    assets = str(tmp_path / "assets")
+    tiny_config(assets)  # writes the tiny model and data
+    run_dir = str(tmp_path / "run")
+    first = _run(_config(assets, run_dir, steps=2))
+    start = first["evaluations"]["start"]
+    assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
+    assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
+
+    resumed = _run(_config(assets, run_dir, steps=3))  # continues from the step-2 checkpoint
+    assert resumed["steps"] == 3
+    assert resumed["evaluations"]["start"] == start  # measured by the first process, kept in the run's state
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["evaluations"]["start"]["greedy_pass@1"] == start["greedy_pass@1"]
+    table = format_summary(resumed)
+    before = next(line for line in table.splitlines() if line.startswith("test greedy pass@1")).split()[3]
+    assert before == f"{100 * start['greedy_pass@1']:.1f}%"
+
+    # The same run directory with a model of another shape: one sentence naming the keys to change.
+    from areal_jax.data.math_tokenizer import build_math_tokenizer
+    from areal_jax.models.testing import tiny_config as tiny_model_config
+    from areal_jax.models.testing import write_random_hf_checkpoint
+
+    tok = build_math_tokenizer()
+    other = str(tmp_path / "other_model")
+    write_random_hf_checkpoint(other, tiny_model_config("qwen2", vocab_size=tok.vocab_size, hidden_size=32,
+                                                        num_heads=2, num_kv_heads=1, bos_token_id=tok.bos_token_id,
+                                                        eos_token_id=tok.eos_token_id))
+    tok.save_pretrained(other)
+    with pytest.raises(ConfigError) as e:
+        RLJob(_config(assets, run_dir, steps=4, model__path=other), log_fn=lambda *a, **k: None)
+    msg = str(e.value)
+    assert "\n" not in msg and "--config.model.path" in msg and "--config.run_dir" in msg, msg
