@@ -3,7 +3,7 @@
     python benchmarks/sandbox.py [--n 64] [--workers 2]
 
 Measures, one after another on this machine:
-  a. a bare interpreter start, ``python -c 'print(1)'`` (subprocess.run), per run, and the same with
+  a. a bare interpreter start, ``python -c 'print(1)'`` (subprocess.run in a new session), per run, and with
      ``-I -B`` (isolated mode, no site customisation: how the sandbox starts its interpreter);
   b. one sandboxed run of the same program (rewards/sandbox.py: namespaces, limits, audit hook), per run;
   c. one sample of a synthetic task (5 assert cases, one harness process) through code_tests_reward;
@@ -57,10 +57,14 @@ def main() -> None:
     print(f"matmul peak {peak:.1f} GFLOP/s; load average {load[0]:.1f} on {os.cpu_count()} cores; "
           f"isolation {' '.join(namespace_isolation()) or 'none'}", flush=True)
 
-    bare = _per_run(lambda: subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True),
-                    args.serial)
+    # Both baselines start their child in a new session as the sandbox does: under Linux's autogroup
+    # scheduling a new session gets its own CPU share, which on a loaded machine alone changes the
+    # start-up time several-fold.
+    bare = _per_run(lambda: subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True,
+                                           start_new_session=True), args.serial)
     bare_isolated = _per_run(lambda: subprocess.run([sys.executable, "-I", "-B", "-c", "print(1)"],
-                                                    capture_output=True, check=True), args.serial)
+                                                    capture_output=True, check=True, start_new_session=True),
+                             args.serial)
     sandboxed = _per_run(lambda: run_python_sandboxed("print(1)"), args.serial)
     harness = _per_run(lambda: code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK), args.serial)
     assert code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK) == 1.0 and code_tests_reward(STDIO_PROGRAM, STDIO_TASK) == 1.0
