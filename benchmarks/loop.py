@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warmup_steps:
         # The most asynchronous eta of the list, so the re-prefill after a weight update compiles too.
         most = None if None in args.eta_list else max(args.eta_list)
-        print(f"warm-up (eta {most}, {args.warmup_steps} steps: compiles) ...", flush=True)
+        print(f"warm-up (eta {'unbounded' if most is None else most}, {args.warmup_steps} steps: compiles) ...",
+              flush=True)
         run_eta(args, most, args.warmup_steps, paths, os.path.join(args.out, "warmup"), False)
     results = []
     for i, eta in enumerate(args.eta_list):

@@ -36,6 +36,19 @@ def _is_fully_addressable(tree: Any) -> bool:
     return all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
 
 
+def _index_key(index: tuple) -> tuple:
+    return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+
+
+def _shards_cover(x: jax.Array, target: Any) -> bool:
+    """Whether device_put(x, target) can copy each target shard from one source buffer: x is on one
+    device (device_put slices it there) or holds every shard the target needs as a buffer."""
+    if len(x.sharding.device_set) == 1:
+        return True
+    have = {_index_key(i) for i in x.sharding.devices_indices_map(x.shape).values()}
+    return all(_index_key(i) in have for i in target.devices_indices_map(x.shape).values())
+
+
 def cast_floating(tree: Any, dtype: Any | None) -> Any:
     """Cast every floating-point leaf of `tree` to `dtype` (None: unchanged); traced inside jit, so the
     cast runs on the device that holds the leaf. Other leaves (ints, bools) pass through."""
@@ -105,9 +118,9 @@ class ParamChannel:
         target's, device_put assembles the whole array on the host and uploads it again.) The staging
         layout is the rollout mesh's shape and specs on the first source devices, or one source
         device when the source has fewer devices than the rollout mesh."""
-        if all(len(x.sharding.device_set) == 1 for x in leaves) and self.dtype is None:
-            return params  # single-device leaves are sliced on the device by device_put itself
         targets = jax.tree.leaves(self.rollout_shardings)
+        if self.dtype is None and all(_shards_cover(x, t) for x, t in zip(leaves, targets)):
+            return params  # device_put already copies (or slices) each shard on the device
         if not all(isinstance(t, NamedSharding) for t in targets):
             return jax.tree.map(lambda x: cast_floating(x, self.dtype), params) if self.dtype else params
         if self._cast is None:
