@@ -67,9 +67,10 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     store = tmp_path / "store"
     monkeypatch.setenv("AREAL_FAKE_STORE_ROOT", str(store))
     monkeypatch.setenv("AREAL_JAX_SCRATCH", str(tmp_path / "scratch"))
-    args = ["areal_jax.main", "--config.run_dir=fake-gs://bucket/mh"]
+    store_dir = ["--config.run_dir=fake-gs://bucket/mh"]
     run_dir = str(store / "bucket" / "mh")  # where the fake store keeps the objects
-    code = launch(2, 2, args + _job_args(assets, 3), os.path.join(assets, "logs1"), module="areal_jax.fake_store",
+    code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 3), *store_dir], os.path.join(assets, "logs1"),
+                  module="areal_jax.fake_store",
                   timeout_s=400, echo=False)
     assert code == 0, open(os.path.join(assets, "logs1", "process_0.log")).read()[-3000:]
     _check_digests(run_dir, 3)
@@ -80,7 +81,8 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
         assert os.path.exists(os.path.join(run_dir, "checkpoint_meta", "3", f"process_{p}.json"))
     assert not os.path.exists(os.path.join(run_dir, "samples.jsonl"))  # per-process files only
     # Resume from the multi-host checkpoint and continue to step 5.
-    code = launch(2, 2, args + _job_args(assets, 5), os.path.join(assets, "logs2"), module="areal_jax.fake_store",
+    code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 5), *store_dir], os.path.join(assets, "logs2"),
+                  module="areal_jax.fake_store",
                   timeout_s=400, echo=False)
     log0 = open(os.path.join(assets, "logs2", "process_0.log")).read()
     assert code == 0, log0[-3000:]
@@ -125,6 +127,7 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim):
         t0 = time.time()
         code = survivor.wait(timeout=90)
         waited = time.time() - t0
+        print(f"process {1 - victim} exited with code {code} {waited:.1f} s after process {victim} was killed")
         assert code != 0
         assert waited < 60, f"the surviving process took {waited:.0f} s to exit"
         assert not os.path.exists(os.path.join(run_dir, "heartbeats"))
