@@ -1,0 +1,186 @@
+"""A paged KV cache: fixed-size pages shared by every sequence, one page table per row.
+
+A dense cache gives every decode slot [max_len] positions whether it uses them or not, so slots x max_len
+bounds the batch. Here keys and values live in a pool of pages, ``[L, K, num_pages, page_size, Dh]`` (the
+layout JAX's Pallas paged-attention kernels read per layer), and row b's position p lives at offset
+``p % page_size`` of page ``page_table[b, p // page_size]``. Pages are handed out as a sequence grows
+and returned when it finishes (``sampler.pages.PageAllocator``); a group's samples can point at the same
+prompt pages.
+
+Attention over pages has two paths with the semantics of ``layers.cached_attention`` (a query at
+position p attends positions 0..p of its row; p < 0 gives zeros):
+- ``gather_attention``: gathers each row's pages into a contiguous [B, P * page_size] view (any backend,
+  any number of queries per row; the CPU path);
+- ``kernel_attention``: one query per row through JAX's Pallas paged-attention kernel for GPUs
+  (``jax.experimental.pallas.ops.gpu.paged_attention``, Triton), which reads pages in place;
+  ``interpret=True`` runs the same kernel on the CPU.
+``paged_hidden`` runs a ``Transformer``'s layers over a paged cache (the decode path of the model).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+
+PagedPath = Literal["gather", "kernel"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """Keys and values of every layer in pages. k, v: [L, K, num_pages, page_size, Dh] (compute dtype)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
+    """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to cfg.dtype."""
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    dtype = cfg.dtype if dtype is None else dtype
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int,
+                     num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """page_table [B, P] int32 (-1 = no page), positions [B, T] -> (page [B, T], offset [B, T]) int32.
+
+    Positions outside [0, P * page_size) or on a missing page map to page ``num_pages`` (out of range:
+    a write there is dropped)."""
+    per_row = page_table.shape[1]
+    slot = jnp.clip(positions // page_size, 0, per_row - 1)
+    page = jnp.take_along_axis(page_table, slot, axis=1)
+    ok = (positions >= 0) & (positions < per_row * page_size) & (page >= 0)
+    return jnp.where(ok, page, num_pages).astype(jnp.int32), (positions % page_size).astype(jnp.int32)
+
+
+def write_pages(pages: jax.Array, layer: int, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
+    """pages [L, K, N, ps, Dh]; page, offset [B, T] (``page_coordinates``); new [B, T, K, Dh] -> pages with
+    ``new[b, t]`` stored at (layer, :, page[b, t], offset[b, t]); out-of-range pages are dropped."""
+    heads = jnp.arange(pages.shape[1], dtype=jnp.int32)
+    return pages.at[layer, heads[None, None, :], page[..., None], offset[..., None]].set(
+        new.astype(pages.dtype), mode="drop")
+
+
+def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Copy page src[i] into page dst[i] in every layer and head (src, dst: [n] int32; a dst out of range is
+    dropped, so callers can pad to a fixed n). The copy on write of a shared prompt's partial last page."""
+    def copy(pages: jax.Array) -> jax.Array:
+        return pages.at[:, :, dst].set(pages[:, :, jnp.clip(src, 0, pages.shape[2] - 1)], mode="drop")
+
+    return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
+
+
+def gather_rows(pages: jax.Array, layer: int, page_table: jax.Array) -> jax.Array:
+    """pages [L, K, N, ps, Dh], page_table [B, P] -> [B, P * ps, K, Dh]: each row's positions in order
+    (missing pages read page 0; attention masks those positions)."""
+    _, kv, _, ps, dh = pages.shape
+    b, p = page_table.shape
+    rows = pages[layer][:, jnp.maximum(page_table, 0)]  # [K, B, P, ps, Dh]
+    return rows.transpose(1, 2, 3, 0, 4).reshape(b, p * ps, kv, dh)
+
+
+def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+    """Grouped-query attention over a paged cache, by gathering each row's pages.
+
+    q: [B, T, H, Dh] (RoPE applied); cache already holding this call's keys / values; page_table [B, P];
+    positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
+    zeros). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
+    b, t, h, dh = q.shape
+    k, v = gather_rows(cache.k, layer, page_table), gather_rows(cache.v, layer, page_table)
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * np.float32(1.0 / math.sqrt(dh))
+    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    probs = jnp.where(visible[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def _largest_power_of_two_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
+                     *, interpret: bool = False) -> jax.Array:
+    """``gather_attention`` for one query per row through the Pallas GPU paged-attention kernel.
+
+    q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). The kernel splits each
+    row's pages into up to 16 partitions (a power of two dividing P) combined by an online softmax.
+    interpret=True runs it on any backend (the CPU tests)."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    b, t, h, dh = q.shape
+    if t != 1:
+        raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
+    per_row = page_table.shape[1]
+    splits = _largest_power_of_two_divisor(per_row, 16)
+    block = _largest_power_of_two_divisor(per_row // splits, 8)
+    lengths = jnp.clip(positions[:, 0] + 1, 0, per_row * cache.page_size).astype(jnp.int32)
+    scaled = (q[:, 0].astype(jnp.float32) * np.float32(1.0 / math.sqrt(dh))).astype(q.dtype)
+    out = paged_attention(scaled, cache.k[layer], cache.v[layer], jnp.maximum(page_table, 0), lengths,
+                          k_splits=splits, pages_per_compute_block=block, interpret=interpret)
+    out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
+    return out[:, None].astype(q.dtype)
+
+
+def default_path() -> PagedPath:
+    """"kernel" on GPUs (the Pallas kernel reads pages in place), "gather" elsewhere."""
+    return "kernel" if jax.default_backend() == "gpu" else "gather"
+
+
+def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
+                 path: PagedPath | None = None, interpret: bool = False) -> tuple[jax.Array, PagedKVCache]:
+    """The cache branch of ``Transformer.hidden`` over a paged cache.
+
+    model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
+    token's key / value is written at its position (through the page table; writes to missing pages are
+    dropped), then attention reads positions 0..p of the row. Returns (final-norm hidden states [B, T, D]
+    in the compute dtype, the new cache). path: "gather" or "kernel" (T must be 1), default ``default_path()``.
+    """
+    cfg = model.cfg
+    b, t = tokens.shape
+    if positions.shape != (b, t) or page_table.shape[0] != b:
+        raise ValueError(f"paged_hidden got tokens {tokens.shape}, positions {positions.shape} and page_table "
+                         f"{page_table.shape}; expected [B, T], [B, T] and [B, P].")
+    path = default_path() if path is None else path
+    if path == "kernel" and t != 1:
+        path = "gather"  # prefill-style calls read through the gathered view
+    page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+    x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
+    k_all, v_all = cache.k, cache.v
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
+        k_all, v_all = write_pages(k_all, i, page, offset, k), write_pages(v_all, i, page, offset, v)
+        current = PagedKVCache(k=k_all, v=v_all)
+        if path == "kernel":
+            attn = kernel_attention(q, current, i, page_table, positions, interpret=interpret)
+        else:
+            attn = gather_attention(q, current, i, page_table, positions)
+        x = x + layer.attn.out(attn)
+        x = x + layer.mlp(layer.post_attn_norm(x))
+    return model.final_norm(x), PagedKVCache(k=k_all, v=v_all)

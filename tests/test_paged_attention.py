@@ -1,0 +1,129 @@
+"""Paged KV cache against the dense cache: attention paths, the model's decode path, freed and shared pages."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models import init_cache, testing
+from areal_jax.models.layers import cached_attention
+from areal_jax.models.paged_attention import (PagedKVCache, copy_pages, gather_attention, init_paged_cache,
+                                              kernel_attention, paged_hidden)
+from areal_jax.sampler.pages import OutOfPages, PageAllocator
+
+L, KV, H, DH, PS = 2, 2, 4, 16, 4
+
+
+def random_pages(b, s, num_pages, seed=0):
+    """A dense cache [L, B, S, K, Dh], a shuffled page table [B, S / PS] and the same keys / values in pages;
+    every other page of the pool holds junk far larger than the real entries."""
+    rng = np.random.default_rng(seed)
+    dense_k = rng.normal(size=(L, b, s, KV, DH)).astype(np.float32)
+    dense_v = rng.normal(size=(L, b, s, KV, DH)).astype(np.float32)
+    per_row = s // PS
+    table = rng.permutation(num_pages)[: b * per_row].reshape(b, per_row).astype(np.int32)
+    pk = np.full((L, KV, num_pages, PS, DH), 1e3, np.float32)
+    pv = np.full((L, KV, num_pages, PS, DH), -1e3, np.float32)
+    for row in range(b):
+        for j in range(per_row):
+            pk[:, :, table[row, j]] = dense_k[:, row, j * PS:(j + 1) * PS].transpose(0, 2, 1, 3)
+            pv[:, :, table[row, j]] = dense_v[:, row, j * PS:(j + 1) * PS].transpose(0, 2, 1, 3)
+    return (jnp.asarray(dense_k), jnp.asarray(dense_v)), table, PagedKVCache(jnp.asarray(pk), jnp.asarray(pv))
+
+
+# positions at the start, end and middle of pages, and the last position of the cache
+POSITIONS = np.array([0, 3, 4, 13, 31, 17], np.int32)
+
+
+def test_gather_and_kernel_attention_equal_dense_cache_attention():
+    b, s = len(POSITIONS), 32
+    (dk, dv), table, paged = random_pages(b, s, num_pages=64)
+    # Rows only own the pages up to their position (partially filled last page); the rest of the table is empty.
+    owned = np.where(np.arange(table.shape[1])[None] <= (POSITIONS // PS)[:, None], table, -1)
+    q = jax.random.normal(jax.random.key(1), (b, 1, H, DH), jnp.float32)
+    positions = jnp.asarray(POSITIONS)[:, None]
+    for layer in range(L):
+        want = np.asarray(cached_attention(q, dk, dv, layer, positions))
+        got = np.asarray(gather_attention(q, paged, layer, jnp.asarray(owned), positions))
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        got = np.asarray(kernel_attention(q, paged, layer, jnp.asarray(owned), positions, interpret=True))
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    # several queries per row (prefill-like), across a page boundary
+    q3 = jax.random.normal(jax.random.key(2), (b, 3, H, DH), jnp.float32)
+    pos3 = jnp.asarray(np.maximum(POSITIONS[:, None] - np.array([2, 1, 0]), 0))
+    np.testing.assert_allclose(np.asarray(gather_attention(q3, paged, 1, jnp.asarray(table), pos3)),
+                               np.asarray(cached_attention(q3, dk, dv, 1, pos3)), atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return testing.random_model(testing.tiny_config("qwen2", num_layers=L), seed=0)
+
+
+def dense_logits(model, seq):
+    """Logits at every position of ``seq`` from a plain forward pass (no cache)."""
+    return np.asarray(model(jnp.asarray([seq], jnp.int32))[0])
+
+
+def run_paged(model, cache, table, slot_rows, tokens, positions, path="gather"):
+    """One paged forward of tokens [B, T] at positions [B, T] for the given rows of the page table."""
+    h, cache = paged_hidden(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache,
+                            jnp.asarray(table[slot_rows]), path=path, interpret=True)
+    return np.asarray(model.unembed(h)), cache
+
+
+def test_decode_over_pages_equals_dense_with_freed_and_reused_pages(model):
+    cfg = model.cfg
+    alloc = PageAllocator(num_pages=5, page_size=PS, num_slots=2, pages_per_slot=6)
+    cache = init_paged_cache(cfg, 5, PS)
+    rng = np.random.default_rng(0)
+    for request in range(3):  # later requests reuse pages an earlier one wrote (freed, then taken again)
+        prompt = rng.integers(3, cfg.vocab_size, size=int(rng.integers(2, 7))).tolist()
+        alloc.ensure(0, len(prompt))
+        logits, cache = run_paged(model, cache, alloc.table, [0], [prompt], [list(range(len(prompt)))])
+        seq = list(prompt)
+        for step in range(9):  # greedy decode one token at a time, crossing page boundaries
+            tok = int(np.argmax(logits[0, -1]))
+            np.testing.assert_allclose(logits[0, -1], dense_logits(model, seq)[-1], atol=1e-4)
+            seq.append(tok)
+            alloc.ensure(0, len(seq))
+            logits, cache = run_paged(model, cache, alloc.table, [0], [[tok]], [[len(seq) - 1]],
+                                      path="kernel" if step % 2 else "gather")
+        np.testing.assert_allclose(logits[0, -1], dense_logits(model, seq)[-1], atol=1e-4)
+        assert alloc.free_pages == 5 - alloc.pages_for(len(seq))
+        alloc.release(0)
+        assert alloc.free_pages == 5
+    with pytest.raises(OutOfPages, match="more KV pages"):
+        alloc.ensure(1, 6 * PS)  # 6 pages do not fit a pool of 5, and nothing is taken
+    assert alloc.free_pages == 5
+
+
+def test_group_samples_share_full_prompt_pages_and_copy_the_partial_one(model):
+    cfg = model.cfg
+    alloc = PageAllocator(num_pages=12, page_size=PS, num_slots=3, pages_per_slot=5)
+    cache = init_paged_cache(cfg, 12, PS)
+    prompt = [5, 9, 13, 17, 21, 25]  # one full page and a partial one
+    alloc.ensure(0, len(prompt))
+    logits, cache = run_paged(model, cache, alloc.table, [0], [prompt], [list(range(len(prompt)))])
+    copies = alloc.share_prefix(0, [0, 1, 2], len(prompt))
+    assert len(copies) == 2 and alloc.table[1, 0] == alloc.table[2, 0] == alloc.table[0, 0]
+    assert alloc.refcount[alloc.table[0, 0]] == 3 and len({alloc.table[s, 1] for s in range(3)}) == 3
+    cache = copy_pages(cache, jnp.asarray([c.src for c in copies]), jnp.asarray([c.dst for c in copies]))
+    seqs = [list(prompt) for _ in range(3)]
+    first = [int(np.argsort(logits[0, -1])[-1 - s]) for s in range(3)]  # three different first tokens
+    tokens = first
+    for step in range(7):
+        for s in range(3):
+            seqs[s].append(tokens[s])
+            alloc.ensure(s, len(seqs[s]))
+        logits, cache = run_paged(model, cache, alloc.table, [0, 1, 2], [[t] for t in tokens],
+                                  [[len(q) - 1] for q in seqs])
+        for s in range(3):
+            np.testing.assert_allclose(logits[s, -1], dense_logits(model, seqs[s])[-1], atol=1e-4)
+        tokens = [int(np.argmax(logits[s, -1])) for s in range(3)]
+    shared = int(alloc.table[0, 0])
+    for s in range(3):
+        alloc.release(s)
+    assert alloc.refcount[shared] == 0 and alloc.free_pages == 12
