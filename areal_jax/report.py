@@ -1,4 +1,5 @@
-"""Plots of a run: `python -m areal_jax.report RUN_DIR` writes PNGs into RUN_DIR/plots.
+"""Plots of a run: `python -m areal_jax.report RUN_DIR [--out DIR]` writes PNGs into RUN_DIR/plots
+(or DIR).
 
 - curves.png: training reward and accuracy against steps and against wall time (plus eval points);
 - timeline.png: when the sampler and the trainer were busy (from timeline.json), with each lane's
@@ -6,6 +7,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -97,9 +99,13 @@ def plot_timeline(spans: dict, out: str) -> None:
         colors = {}
         frac = busy_fractions(spans)
         for i, (lane, v) in enumerate(sorted(spans.items())):
+            kinds: dict[str, list[tuple[float, float]]] = {}  # one draw call per span kind of a lane
             for s, d, name in v:
-                c = colors.setdefault(name, f"C{len(colors) % 10}")
-                ax.broken_barh([(s - t0, max(d, 1e-4))], (i - 0.4, 0.8), color=c, alpha=0.3 if name.startswith("wait") else 1)
+                colors.setdefault(name, f"C{len(colors) % 10}")
+                kinds.setdefault(name, []).append((s - t0, max(d, 1e-4)))
+            for name in sorted(kinds, key=lambda n: not n.startswith("wait")):  # waits below busy spans
+                ax.broken_barh(kinds[name], (i - 0.4, 0.8), color=colors[name],
+                               alpha=0.3 if name.startswith("wait") else 1)
             ax.text(0, i + 0.42, f"{lane}: busy {100 * frac[lane]:.0f}%", fontsize=8)
         ax.set_yticks(range(len(spans)), sorted(spans))
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
@@ -111,24 +117,36 @@ def plot_timeline(spans: dict, out: str) -> None:
     plt.close(fig)
 
 
-def make_report(run_dir: str) -> list[str]:
-    """Write the PNGs; returns their paths."""
-    out_dir = paths.join(run_dir, "plots")
-    paths.makedirs(out_dir)
+def make_report(run_dir: str, out: str | None = None) -> list[str]:
+    """Write the PNGs into `out` (default RUN_DIR/plots); returns their paths."""
     rows = read_metrics(run_dir)
+    out_dir = paths.join(out) if out else paths.join(run_dir, "plots")
+    paths.makedirs(out_dir)
     outs = [out_dir / "curves.png", out_dir / "timeline.png"]
     plot_curves(rows, outs[0])
     plot_timeline(read_spans(run_dir), outs[1])
     return [str(p) for p in outs]
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m areal_jax.report",
+        description="Plot a run of areal_jax.main: curves.png (reward and test accuracy against steps and wall "
+                    "time) and timeline.png (when the trainer, sampler and reward lanes were busy).")
+    parser.add_argument("run_dir", help="the run's directory (config.run_dir; holds metrics.jsonl, timeline.json)")
+    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR/plots)")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        print("usage: python -m areal_jax.report RUN_DIR", file=sys.stderr)
+    args = parse_args(argv)
+    if not paths.join(args.run_dir, "metrics.jsonl").exists():
+        print(f"error: {args.run_dir!r} is not a run directory (it has no metrics.jsonl); pass the run_dir of a "
+              "run of areal_jax.main, e.g. runs/math.", file=sys.stderr)
         sys.exit(2)
-    for p in make_report(argv[1]):
+    for p in make_report(args.run_dir, args.out):
         print(p)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv[1:])
