@@ -1,10 +1,12 @@
 """Code-execution rewards against hidden tests: correct / wrong / timeout / crash / huge output, stdin
 programs and call-based functions, pass rate versus all-pass, and pass-everything hacks scoring 0."""
 
+import json
 import time
 
 import pytest
 
+from areal_jax.data.code_readers import read_code_records
 from areal_jax.rewards.code import code_tests_reward, extract_program, make_code_reward, run_tests
 from areal_jax.rewards.code_tests import TestSpec as Spec
 from areal_jax.rewards.code_tests import asserts_to_spec, encode_tests, outputs_match, parse_tests, values_equal
@@ -42,8 +44,14 @@ def test_stdin_stdout_cases_tolerate_trailing_whitespace_only():
     assert outputs_match("1 2 \r\n3\n\n\n", "1 2\n3") and not outputs_match("1\n\n2", "1\n2")
 
 
-def test_call_based_cases_accept_the_apps_wrapped_output():
+def test_call_based_cases_accept_the_apps_wrapped_output_and_solution_classes(tmp_path):
     assert reward("def add(a, b):\n    return a + b", CALL_APPS) == 1.0
+    row = {"question": "Add.", "input_output": {"fn_name": "add", "inputs": [[1, 2], [5, 5]], "outputs": [[3], [10]]}}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    answer = read_code_records(str(tmp_path / "t.jsonl"))[0][0].answer
+    assert reward("def add(a, b):\n    return a + b", answer) == 1.0
+    assert reward("class Solution:\n    def add(self, a, b):\n        return a + b", answer) == 1.0
+    assert reward("class Solution:\n    def add(self, a, b):\n        return a * b", answer) == 0.0
     assert reward("class Solution:\n    pass\ndef add(a, b):\n    return a - b", CALL_APPS) == 0.0
     assert values_equal((1, 2), [1, 2]) and values_equal(0.1 + 0.2, 0.3) and not values_equal(1, "1")
 

@@ -77,7 +77,8 @@ def _io_spec(row: dict) -> TestSpec:
     for args, expected in zip(inputs, outputs):
         if not isinstance(args, list):
             raise _BadRow(f"a call-based input must be the list of arguments, got {type(args).__name__}")
-        calls.append((f"{fn_name}(*{args!r})", expected))
+        # A top-level function, else a LeetCode-style method of class Solution (TACO's call-based rows).
+        calls.append((f"(globals().get({fn_name!r}) or Solution().{fn_name})(*{args!r})", expected))
     return TestSpec(calls=tuple(calls))
 
 
@@ -97,8 +98,8 @@ def _spec_for_row(row: dict) -> tuple[TestSpec, str | None]:
     """The row's tests and the function name the solution must define (None for stdin programs)."""
     if "input_output" in row and row["input_output"] is not None:
         spec = _io_spec(row)
-        name = spec.calls[0][0].split("(", 1)[0] if spec.calls else None
-        return spec, name
+        fn_name = row.get("fn_name") or _parse_json_field(row, "input_output").get("fn_name")
+        return spec, fn_name if spec.calls else None
     if "test_list" in row and row["test_list"] is not None:
         tests = _parse_json_field(row, "test_list") if isinstance(row["test_list"], str) else row["test_list"]
         if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
