@@ -145,12 +145,12 @@ def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: flo
             "tokens_per_s": round(live_rows / step_s, 1)}
 
 
-def warm_up(engine: Engine, params, max_prompt: int, k: int, seed: int) -> int:
-    """Compile every program the timed runs use (batched and single prefill per bucket, a k-step
-    dispatch); returns the number of programs compiled."""
-    top = engine.bucket_for(max_prompt)
+def warm_up(engine: Engine, params, prompt_len: tuple[int, int], k: int, seed: int) -> int:
+    """Compile every program the timed runs use (batched and single prefill for each bucket the prompt
+    lengths reach, a k-step dispatch); returns the number of programs compiled."""
+    low, top = engine.bucket_for(prompt_len[0]), engine.bucket_for(prompt_len[1])
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), k)))
-    for b in (b for b in engine.prefill_buckets if b <= top):
+    for b in (b for b in engine.prefill_buckets if low <= b <= top):
         sp = SamplingParams(temperature=1.0, max_new_tokens=2)
         state = engine.insert_sequences(params, engine.init_decode_state(), [0], [[5] * b], [sp])
         state = engine.insert(engine.prefill(params, [5] * b), state, 1, sp)
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = Engine(model, num_slots=args.num_slots, max_len=max_len)
         _, params = nnx.split(model)
         del model
-        compiled = warm_up(engine, params, args.prompt_len[1], args.decode_steps, args.seed)
+        compiled = warm_up(engine, params, tuple(args.prompt_len), args.decode_steps, args.seed)
         t_a, stats, tokens_a = run_continuous(engine, params, prompts, lengths, args)
         t_b = None if args.skip_static or args.max_seconds is not None else run_static(engine, params, prompts, lengths, args)
         steady = run_steady(engine, params, prompts, lengths, args) if args.steady else None
