@@ -164,7 +164,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("k", 8, "Samples per problem for sampled pass@1 / pass@k (0: greedy only).")
     flags.DEFINE_integer("max_new_tokens", 64, "Completion budget.")
     flags.DEFINE_integer("max_prompt_len", 256, "Longer prompts are skipped.")
-    flags.DEFINE_integer("num_slots", 64, "Sampler slots.")
+    flags.DEFINE_integer("num_slots", 256, "Sampler slots (all greedy and sampled sequences share them).")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_string("prompt_template", "Question: {question}\nAnswer:", "Prompt template.")
     flags.DEFINE_bool("chat_template", False, "Use the tokenizer's chat template.")
