@@ -13,7 +13,8 @@ when one stops for `distributed.heartbeat_timeout_s` (killed, crashed, frozen, h
 reports "Task <i> heartbeat timeout" / "tasks are unhealthy (stopped sending heartbeats): <i>" to every
 other process, whose runtime then terminates it (non-zero exit, the message on stderr). When process 0
 itself dies, the others' heartbeats fail and they terminate the same way, naming the leader task. No
-file, and so no shared filesystem, is involved: it works the same on one host and across hosts.
+file, and so no shared filesystem, is involved, and nothing depends on the processes sharing a host
+(tests/test_multihost.py exercises it with two processes on one host).
 
 `PeerWatchdog` (optional, `distributed.file_heartbeats=True`) adds heartbeat files under
 `<run_dir>/heartbeats`, written by a Python thread. What it still adds: it notices a process whose
@@ -79,8 +80,8 @@ def initialize(config: Any | None = None) -> dict:
         if num is None or pid is None:
             raise ValueError(
                 f"distributed coordinator address {address!r} is set but the process count or id is not: "
-                f"set distributed.num_processes and distributed.process_id (or {ENV_NUM_PROCESSES} and "
-                f"{ENV_PROCESS_ID})."
+                f"set --config.distributed.num_processes=N and --config.distributed.process_id=I (or "
+                f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})."
             )
         kwargs = dict(coordinator_address=address, num_processes=int(num), process_id=int(pid))
     heartbeat = heartbeat_timeout_seconds(config)
