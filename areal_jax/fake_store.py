@@ -20,7 +20,8 @@ import fnmatch
 import io
 import os
 import shutil
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 from etils import epath
 from etils.epath import stat_utils
@@ -59,7 +60,7 @@ class FakeStorePath(epath.abstract_path.Path):
     def __repr__(self) -> str:
         return f"FakeStorePath({str(self)!r})"
 
-    def _new(self, other: Any) -> "FakeStorePath":
+    def _new(self, other: Any) -> FakeStorePath:
         return FakeStorePath(os.fspath(other))
 
     def local_mount(self) -> str:
@@ -78,25 +79,25 @@ class FakeStorePath(epath.abstract_path.Path):
     def is_file(self) -> bool:
         return os.path.isfile(self.local_mount())
 
-    def iterdir(self) -> Iterator["FakeStorePath"]:
+    def iterdir(self) -> Iterator[FakeStorePath]:
         for name in sorted(os.listdir(self.local_mount())):
             yield self / name
 
-    def listdir(self) -> list["FakeStorePath"]:
+    def listdir(self) -> list[FakeStorePath]:
         return list(self.iterdir())
 
-    def glob(self, pattern: str) -> Iterator["FakeStorePath"]:
+    def glob(self, pattern: str) -> Iterator[FakeStorePath]:
         for p in self.iterdir():
             if fnmatch.fnmatch(p.name, pattern):
                 yield p
 
-    def walk(self, *, top_down: bool = True, on_error: Any = None) -> Iterator[tuple["FakeStorePath", list, list]]:
+    def walk(self, *, top_down: bool = True, on_error: Any = None) -> Iterator[tuple[FakeStorePath, list, list]]:
         base = self.local_mount()
         for root, dirs, files in os.walk(base, topdown=top_down, onerror=on_error):
             rel = os.path.relpath(root, base)
             yield (self if rel == "." else self.joinpath(*rel.split(os.sep))), dirs, files
 
-    def resolve(self, strict: bool = False) -> "FakeStorePath":
+    def resolve(self, strict: bool = False) -> FakeStorePath:
         return self
 
     def stat(self) -> stat_utils.StatResult:
@@ -133,10 +134,10 @@ class FakeStorePath(epath.abstract_path.Path):
             if not missing_ok:
                 raise
 
-    def rename(self, target: Any) -> "FakeStorePath":
+    def rename(self, target: Any) -> FakeStorePath:
         return self.replace(target)
 
-    def replace(self, target: Any) -> "FakeStorePath":
+    def replace(self, target: Any) -> FakeStorePath:
         target = self._new(target)
         if self.is_dir():  # object by object, as a bucket does it
             self.copy_tree(target)
@@ -146,13 +147,13 @@ class FakeStorePath(epath.abstract_path.Path):
             self.unlink()
         return target
 
-    def copy_tree(self, target: "FakeStorePath") -> None:
+    def copy_tree(self, target: FakeStorePath) -> None:
         for root, _, files in os.walk(self.local_mount()):
             for name in files:
                 rel = os.path.relpath(os.path.join(root, name), self.local_mount())
                 (self / rel).copy(target / rel, overwrite=True)
 
-    def copy(self, dst: Any, overwrite: bool = False) -> "FakeStorePath":
+    def copy(self, dst: Any, overwrite: bool = False) -> FakeStorePath:
         dst = self._new(dst)
         if dst.exists() and not overwrite:
             raise FileExistsError(str(dst))

@@ -28,7 +28,8 @@ import shutil
 import tempfile
 import time
 import urllib.parse
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 from etils import epath
 

@@ -85,10 +85,9 @@ def test_append_file_syncs_on_its_interval(store):
 def test_atomic_open_leaves_the_old_file_on_error(tmp_path, store):
     for target in (tmp_path / "x.json", paths.run_path("fake-gs://bucket/x.json")):
         paths.write_json(target, {"v": 1})
-        with pytest.raises(RuntimeError):
-            with paths.atomic_open(target) as f:
-                f.write('{"v": ')
-                raise RuntimeError("killed mid-write")
+        with pytest.raises(RuntimeError), paths.atomic_open(target) as f:
+            f.write('{"v": ')
+            raise RuntimeError("killed mid-write")
         assert paths.read_json(target) == {"v": 1}
     assert sorted(os.listdir(tmp_path)) == ["scratch", "store", "x.json"]  # no temporary left behind
 

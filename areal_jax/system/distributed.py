@@ -55,7 +55,7 @@ def heartbeat_timeout_seconds(config: Any | None) -> int:
     distributed.heartbeat_timeout_s."""
     d = getattr(config, "distributed", None)
     timeout = float(d.heartbeat_timeout_s) if d is not None else 60.0
-    return max(1, int(math.ceil(timeout)))
+    return max(1, math.ceil(timeout))
 
 
 def initialize(config: Any | None = None) -> dict:
