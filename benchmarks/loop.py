@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup_steps", type=int, default=2, help="steps of an unmeasured first run that compiles (0: none)")
+    p.add_argument("--warmup_steps", type=int, default=3,
+                   help="steps of an unmeasured first run, so the measured runs compile little (0: none)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "loop"))
     args = p.parse_args(argv)
     preset = loadgen.PRESETS[args.preset]

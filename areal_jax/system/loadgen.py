@@ -27,7 +27,7 @@ GiB = 1024**3
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(model=dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
-                 dtype="float32", median=24, cap=96, slots=32, group_size=4, batch_groups=4, steps=6),
+                 dtype="float32", median=24, cap=64, slots=32, group_size=4, batch_groups=4, steps=6),
     "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                                     num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
                                     rope_theta=1e6),
