@@ -303,6 +303,7 @@ class RLJob:
                  "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                  "sampler/occupancy": float(stats.get("mean_slot_occupancy", 0.0)),
                  "sampler/step_tokens": gen - last_gen,
+                 "publish/s": self.channel.last_publish_s, "publish/bytes": float(self.channel.last_bytes),
                  **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
                  **self.buffer.sizes()}
             last_gen = gen
