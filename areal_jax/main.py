@@ -144,7 +144,7 @@ def run(config) -> dict:
             # shutdown and other exit handlers that wait for the dead peer forever: leave now.
             # (Reward workers exit by themselves when their pipe to this process closes.)
             traceback.print_exc()
-            if isinstance(e, Exception):  # not Ctrl-C: let the coordination service name a dead peer
+            if distributed.is_runtime_failure(e):  # a collective failed: let the service name a dead peer
                 wait = info["heartbeat_timeout_s"] + 5
                 print(f"process {jax.process_index()} failed (above). If a peer died, JAX's coordination "
                       f"service names it within {wait} s and ends this process; otherwise it exits then.",

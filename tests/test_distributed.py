@@ -66,3 +66,11 @@ def test_file_watchdog_names_a_silent_peer_and_ignores_a_finished_one(tmp_path):
     watchers[0].finish()
     assert len(dead) == 1 and dead[0].startswith("process 1 has not sent a heartbeat"), dead
     assert "process 0 exits" in dead[0]
+
+
+def test_runtime_failures_are_told_from_the_programs_own_errors():
+    assert distributed.is_runtime_failure(ValueError("UNKNOWN: Gloo AllGather failed: Connection reset by peer"))
+    assert distributed.is_runtime_failure(RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service"))
+    assert not distributed.is_runtime_failure(ValueError("train.lr=-1 must be positive."))
+    assert not distributed.is_runtime_failure(KeyError("reward"))
+    assert not distributed.is_runtime_failure(KeyboardInterrupt())

@@ -90,6 +90,17 @@ def initialize(config: Any | None = None) -> dict:
             "process_count": jax.process_count(), "heartbeat_timeout_s": heartbeat}
 
 
+_STATUS_CODES = ("UNKNOWN", "INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED",
+                 "FAILED_PRECONDITION", "DATA_LOSS")
+
+
+def is_runtime_failure(error: BaseException) -> bool:
+    """True for an error raised by the XLA runtime (a collective or transfer failed): its message starts
+    with a status code such as "UNKNOWN:" or "UNAVAILABLE:"; False for this program's own errors."""
+    message = str(error).lstrip()
+    return isinstance(error, Exception) and message.split(":", 1)[0] in _STATUS_CODES
+
+
 def await_peer_verdict(timeout_s: float, *, poll_s: float = 0.5) -> None:
     """After this process failed in a multi-process run: give JAX's coordination service up to
     `timeout_s` to name a peer that died (it then terminates this process with a message naming the
