@@ -4,7 +4,8 @@ Checked from each process's own records: params digests after every publish (the
 gathered independently, are identical on both processes and equal what each rollout slice received and
 decodes with), the staleness bound, resume from the multi-host checkpoint, and that killing one process
 makes the other exit non-zero within 60 s, naming the dead process, instead of hanging in a collective
-(detected by JAX's coordination service alone: no heartbeat files).
+(detected by JAX's coordination service alone, with no heartbeat files; and with them switched on).
+The run-and-resume test keeps its run directory on the fake object store (areal_jax.fake_store).
 """
 import json
 import os
@@ -96,14 +97,16 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
 # worker by its task number; a worker that loses process 0 reports the leader task.
 PEER_NAMED = {1: re.compile(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b"),
               0: re.compile(r"leader task")}
+# With distributed.file_heartbeats=True the file watchdog may name it first, in its own words.
+FILE_WATCHDOG_NAMED = re.compile(r"process 1 has not sent a heartbeat")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
-def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim):
-    """No heartbeat files (distributed.file_heartbeats=False, the default): the coordination service
+@pytest.mark.parametrize("victim, file_heartbeats", [(1, False), (0, False), (1, True)])
+def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim, file_heartbeats):
+    """Without heartbeat files (distributed.file_heartbeats=False, the default) the coordination service
     alone must notice the SIGKILLed peer, end the survivor with a non-zero code within 60 s, and say
-    which process died."""
+    which process died; with them, the same holds whichever of the two notices first."""
     address = f"127.0.0.1:{free_port()}"
     procs, logs = [], []
     run_dir = str(tmp_path / "run")
@@ -113,7 +116,7 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim):
         logs.append(open(tmp_path / f"process_{i}.log", "w"))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "areal_jax.main", *_job_args(assets, 500), f"--config.run_dir={run_dir}",
-             "--config.distributed.file_heartbeats=False"],
+             f"--config.distributed.file_heartbeats={file_heartbeats}"],
             env=env, cwd=ROOT, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True))
     survivor = procs[1 - victim]
     try:
@@ -130,9 +133,11 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim):
         print(f"process {1 - victim} exited with code {code} {waited:.1f} s after process {victim} was killed")
         assert code != 0
         assert waited < 60, f"the surviving process took {waited:.0f} s to exit"
-        assert not os.path.exists(os.path.join(run_dir, "heartbeats"))
+        beats = sorted(os.listdir(os.path.join(run_dir, "heartbeats"))) if file_heartbeats else []
+        assert os.path.exists(os.path.join(run_dir, "heartbeats")) == file_heartbeats
+        assert beats[:2] == (["hb.0", "hb.1"] if file_heartbeats else [])
         log = (tmp_path / f"process_{1 - victim}.log").read_text(errors="replace")
-        assert PEER_NAMED[victim].search(log), log[-3000:]
+        assert PEER_NAMED[victim].search(log) or (file_heartbeats and FILE_WATCHDOG_NAMED.search(log)), log[-3000:]
     finally:
         for p in procs:  # SIGKILL: jax.distributed catches SIGTERM
             if p.poll() is None:
