@@ -245,7 +245,7 @@ class Engine:
         generated = state.generated + step
         is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
         finished = valid & (is_stop | (generated >= state.max_new) | (lengths >= self.max_len))
-        logits, cache = model(tokens[:, None], positions[:, None], cache=state.cache)
+        logits, cache = self._decode_forward(model, tokens[:, None], positions[:, None], state.cache)
         new_state = dataclasses.replace(
             state,
             cache=cache,
@@ -256,6 +256,11 @@ class Engine:
             generated=generated,
         )
         return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid)
+
+    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
+                        cache: Any) -> tuple[jax.Array, Any]:
+        """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache): the model's cache path."""
+        return model(tokens, positions, cache=cache)
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState,
                            keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
@@ -395,6 +400,17 @@ class Engine:
         if jax.dtypes.issubdtype(getattr(rng, "dtype", np.uint32), jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)  # one compiled program for typed keys and raw key data
         return self._call(self._jit_generate, params, decode_state, rng)
+
+    def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
+        """Whether the cache can take n samples of this size now (always, for the dense cache)."""
+        return True
+
+    def reserve(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
+        """``can_admit``, holding the memory for the insert that follows (nothing to hold for the dense cache)."""
+        return True
+
+    def finished(self, slot: int) -> None:
+        """Host hook: the loop handed back the sequence in ``slot`` (nothing to do for the dense cache)."""
 
     def generate_steps(self, params: nnx.State, decode_state: DecodeState,
                        keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:

@@ -307,6 +307,7 @@ class SamplerLoop:
     def _finish(self, slot: int, reason: FinishReason) -> None:
         run = self._running.pop(slot)
         run.active = False
+        self.engine.finished(slot)
         self._free.append(slot)
         with self._cond:
             self._pending -= 1
@@ -361,13 +362,15 @@ class SamplerLoop:
                 if not self._queue or self._stop_mode == "now":
                     break
                 q = self._queue[0]
+            k = self._admissible(q)
+            if k == 0:
+                break
             if q.request.n == 1:
                 singles.append((self._free.pop(), q))
                 self._advance(q, 1)
                 continue
             if q.prefix is None or q.prefix_version != self._version:
                 q.prefix, q.prefix_version = self.engine.prefill(self._params, q.request.prompt), self._version
-            k = min(len(self._free), q.request.n - q.next_index)
             slots = [self._free.pop() for _ in range(k)]
             if k == 1:
                 self._state = self.engine.insert(q.prefix, self._state, slots[0], q.sampling)
@@ -382,6 +385,15 @@ class SamplerLoop:
                 [q.request.prompt for _, q in singles], [q.sampling for _, q in singles])
             for slot, q in singles:
                 self._running[slot] = _Running(q.request, 0, q.sampling, self._version)
+
+    def _admissible(self, q: _Queued) -> int:
+        """Samples of the queue head that free slots and the cache's memory (a paged cache) take now. The
+        memory is held for them until they are inserted; an empty pool always holds one sample."""
+        length, max_new = len(q.request.prompt), q.sampling.max_new_tokens
+        k = min(len(self._free), q.request.n - q.next_index)
+        while k and not self.engine.reserve(length, max_new, k):
+            k -= 1
+        return k
 
     def _advance(self, q: _Queued, k: int) -> None:
         """Mark k more samples of the queue head as admitted; pop it once all are."""

@@ -1,0 +1,249 @@
+"""The decode engine over a paged KV cache (``models.paged_attention``, ``sampler.pages``).
+
+Same API and results as :class:`Engine`; the cache is a pool of ``num_pages`` pages of ``page_size``
+positions instead of [num_slots, max_len] rows. The engine keeps the page bookkeeping on the host:
+
+- insert / insert_sequences take pages for the prompt; a group (``bulk_insert``) shares its prompt's full
+  pages between its samples, each sample writing its own partial last page (copy on write);
+- before each dispatch of k steps every active slot gets pages for k more positions (capped at its
+  request's length), so pages are taken as sequences grow, and ``release`` returns them;
+- ``can_admit`` tells the loop whether the pool still holds a request's worst case (prompt + max new
+  tokens) on top of what the running sequences may still take, so growth never runs out of pages and
+  the number of live sequences is limited by memory rather than by slots x max_len.
+
+Recompute after a weight update re-prefills each sequence into its own pages; a group's shared prompt
+pages are then rewritten by each sample with the same prompt keys and values (up to rounding of the batch
+shape), never with a sample's generated tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from areal_jax.models.paged_attention import (PagedKVCache, PagedPath, default_path, init_paged_cache,
+                                              page_coordinates, paged_hidden)
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.pages import PageAllocator
+from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedCacheState:
+    """The cache field of a paged DecodeState: pages [L, K, N, page_size, Dh] and table [S, P] int32 (-1 = none)."""
+
+    pages: PagedKVCache
+    table: jax.Array
+
+
+def _write_rows(pages: PagedKVCache, table: jax.Array, cache: Any) -> PagedKVCache:
+    """Write a dense prefill cache (k, v [L, R, T, K, Dh], positions 0..T-1) into the pages of table [R, P]."""
+    r, t = cache.k.shape[1], cache.k.shape[2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (r, t))
+    page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
+    layers = jnp.arange(pages.k.shape[0])[:, None, None, None]
+    heads = jnp.arange(pages.k.shape[1])[None, None, None, :]
+    idx = (layers, heads, page[None, :, :, None], offset[None, :, :, None])
+
+    def put(dst: jax.Array, src: jax.Array) -> jax.Array:  # src [L, R, T, K, Dh]
+        return dst.at[idx].set(src.astype(dst.dtype), mode="drop")
+
+    return PagedKVCache(k=put(pages.k, cache.k), v=put(pages.v, cache.v))
+
+
+class PagedEngine(Engine):
+    """:class:`Engine` over a paged KV cache.
+
+    Args (besides Engine's):
+      page_size: positions per page.
+      num_pages: pages in the pool; default the dense cache's memory (num_slots x max_len positions).
+      attention: "gather" or "kernel" (Pallas GPU paged attention); default ``default_path()``.
+    """
+
+    def __init__(self, model_graphdef_or_model: nnx.Module | nnx.GraphDef, *, num_slots: int, max_len: int,
+                 page_size: int = 16, num_pages: int | None = None, attention: PagedPath | None = None,
+                 **kwargs: Any) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}.")
+        self.page_size = int(page_size)
+        self.pages_per_slot = -(-int(max_len) // self.page_size)
+        self.num_pages = int(num_pages) if num_pages is not None else int(num_slots) * self.pages_per_slot
+        if self.num_pages < self.pages_per_slot:
+            raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
+                             f"({self.pages_per_slot} pages of {self.page_size}); raise num_pages or lower max_len.")
+        self.attention = attention or default_path()
+        self.allocator = PageAllocator(self.num_pages, self.page_size, int(num_slots), self.pages_per_slot)
+        self._limit: dict[int, int] = {}  # active slot -> most positions its request can reach
+        self._upper: dict[int, int] = {}  # active slot -> upper bound of positions written so far
+        self.peak_active = 0
+        self._dirty = False  # the host table changed since the last upload
+        self._promised = 0  # pages reserved by admissions not inserted yet
+        super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
+        self._jit_set_table = jax.jit(self._set_table_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
+
+    # ----------------------------------------------------------------------------- pure functions
+    def _cache_spec(self) -> PartitionSpec:
+        return PartitionSpec()  # pages are replicated over the rollout mesh
+
+    def _init_fn(self) -> DecodeState:
+        cfg, n = self.config, self.num_slots
+        cache = PagedCacheState(init_paged_cache(cfg, self.num_pages, self.page_size),
+                                jnp.full((n, self.pages_per_slot), -1, jnp.int32))
+        return DecodeState(
+            cache=cache, logits=jnp.zeros((n, cfg.vocab_size), jnp.float32), lengths=jnp.zeros((n,), jnp.int32),
+            last_tokens=jnp.zeros((n,), jnp.int32), done=jnp.ones((n,), bool), generated=jnp.zeros((n,), jnp.int32),
+            max_new=jnp.zeros((n,), jnp.int32), temperature=jnp.ones((n,), jnp.float32),
+            top_k=jnp.zeros((n,), jnp.int32), top_p=jnp.ones((n,), jnp.float32),
+            stop_ids=jnp.full((n, self.max_stop_tokens), -1, jnp.int32))
+
+    def _set_table_fn(self, state: DecodeState, table: jax.Array) -> DecodeState:
+        return dataclasses.replace(state, cache=PagedCacheState(state.cache.pages, table))
+
+    def _rows_of(self, state: DecodeState, slots: jax.Array) -> jax.Array:
+        return state.cache.table.at[slots].get(mode="fill", fill_value=-1)  # padding slots: no pages
+
+    def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, settings: SlotSettings) -> DecodeState:
+        pages = _write_rows(state.cache.pages, self._rows_of(state, slot[None]), prefix.cache)
+        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
+        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slot,
+                                     settings, mode=None)
+
+    def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
+                        settings: SlotSettings) -> DecodeState:
+        n = slots.shape[0]
+        rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (x.shape[0], n) + x.shape[2:]), prefix.cache)
+        pages = _write_rows(state.cache.pages, self._rows_of(state, slots), rows)
+        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
+        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slots,
+                                     settings, mode="drop")
+
+    def _prefill_insert_fn(self, params: nnx.State, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
+                           slots: jax.Array, settings: SlotSettings) -> DecodeState:
+        cache, logits = self._prefill_rows(params, tokens, lengths)
+        pages = _write_rows(state.cache.pages, self._rows_of(state, slots), cache)
+        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
+        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return self._set_slot_fields(state, logits, lengths, last, slots, settings, mode="drop")
+
+    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
+                        cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
+        h, pages = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention)
+        return model.unembed(h), PagedCacheState(pages, cache.table)
+
+    # ----------------------------------------------------------------------------- host-side pages
+    def _outstanding(self) -> int:
+        """Pages the active slots may still take before they reach their limits."""
+        return sum(max(0, self.allocator.pages_for(self._limit[s]) - len(self.allocator.pages_of(s)))
+                   for s in self._limit)
+
+    def _need(self, prompt_length: int, max_new_tokens: int, n: int) -> int:
+        """Pages n samples of a prompt take at their longest, the prompt's full pages shared."""
+        full = int(prompt_length) // self.page_size
+        return n * self.allocator.pages_for(min(prompt_length + max_new_tokens, self.max_len)) - (n - 1) * full
+
+    def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
+        """Whether n samples of a prompt fit the pool at their longest, next to what running slots and
+        reserved admissions may still take."""
+        spare = self.allocator.free_pages - self._outstanding() - self._promised
+        return self._need(prompt_length, max_new_tokens, n) <= spare
+
+    def reserve(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
+        """``can_admit``, and if so hold those pages for the insert that follows (the loop batches prefills)."""
+        if not self.can_admit(prompt_length, max_new_tokens, n):
+            return False
+        self._promised += self._need(prompt_length, max_new_tokens, n)
+        return True
+
+    def _redeem(self, prompt_length: int, max_new_tokens: int, n: int) -> None:
+        self._promised = max(0, self._promised - self._need(prompt_length, max_new_tokens, n))
+
+    def _activate(self, slot: int, length: int, sampling: SamplingParams | None) -> None:
+        max_new = (sampling or SamplingParams()).max_new_tokens
+        self._limit[slot] = min(int(length) + int(max_new), self.max_len)
+        self._upper[slot] = int(length)
+        self.peak_active = max(self.peak_active, len(self._limit))
+
+    def _upload(self, state: DecodeState) -> DecodeState:
+        self._dirty = False
+        return self._call(self._jit_set_table, state, self.allocator.table.copy())
+
+    def _free_slot(self, slot: int) -> None:
+        if self.allocator.pages_of(slot):
+            self.allocator.release(slot)
+            self._dirty = True
+        self._limit.pop(slot, None)
+        self._upper.pop(slot, None)
+
+    def finished(self, slot: int) -> None:
+        """The slot's sequence was handed back: its pages return to the pool (the device table row is
+        cleared before the next dispatch; a dispatch already in flight only writes the finished row's own
+        junk, before any new owner writes the page, and nothing reads it)."""
+        self._free_slot(int(slot))
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+               sampling: SamplingParams | None = None) -> DecodeState:
+        self._check_slot(slot)
+        self._free_slot(int(slot))
+        length, max_new = int(prefix.true_length), (sampling or SamplingParams()).max_new_tokens
+        self._redeem(length, max_new, 1)
+        self.allocator.ensure(int(slot), length)
+        self._activate(int(slot), length, sampling)
+        return super().insert(prefix, self._upload(decode_state), slot, sampling)
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int],
+                    sampling: SamplingParams | None = None) -> DecodeState:
+        slots = [int(s) for s in slots]
+        length = int(prefix.true_length)
+        for s in slots:
+            self._check_slot(s)
+            self._free_slot(s)
+        self._redeem(length, (sampling or SamplingParams()).max_new_tokens, len(slots))
+        self.allocator.ensure(slots[0], length)
+        self.allocator.share_prefix(slots[0], slots, length)  # each sample writes its partial page itself
+        for s in slots:
+            self._activate(s, length, sampling)
+        return super().bulk_insert(prefix, self._upload(decode_state), slots, sampling)
+
+    def insert_sequences(self, params: nnx.State, decode_state: DecodeState, slots: Sequence[int],
+                         sequences: Sequence[Sequence[int]],
+                         samplings: Sequence[SamplingParams]) -> DecodeState:
+        for s, seq, sp in zip(slots, sequences, samplings):
+            self._check_slot(int(s))
+            if int(s) not in self._limit:  # a new sequence, not the recompute of a running one
+                self._free_slot(int(s))
+                self._redeem(len(seq), sp.max_new_tokens, 1)
+            self.allocator.ensure(int(s), len(seq))
+            self._activate(int(s), len(seq), sp)
+        return super().insert_sequences(params, self._upload(decode_state), slots, sequences, samplings)
+
+    def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        for s in slots:
+            self._check_slot(int(s))
+            self._free_slot(int(s))
+        return super().release(self._upload(decode_state), slots)
+
+    def generate_steps(self, params: nnx.State, decode_state: DecodeState,
+                       keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
+        """Take pages for k more positions of every active slot, then run the dispatch (``Engine``)."""
+        k = int(np.shape(keys)[0])
+        for s in self._limit:
+            self._upper[s] = min(self._upper[s] + k, self._limit[s])
+            self._dirty |= bool(self.allocator.ensure(s, self._upper[s]))
+        if self._dirty:
+            decode_state = self._upload(decode_state)
+        return super().generate_steps(params, decode_state, keys)
+
+    def generate(self, params: nnx.State, decode_state: DecodeState, rng: jax.Array):
+        for s in self._limit:
+            self._upper[s] = min(self._upper[s] + 1, self._limit[s])
+            self._dirty |= bool(self.allocator.ensure(s, self._upper[s]))
+        if self._dirty:
+            decode_state = self._upload(decode_state)
+        return super().generate(params, decode_state, rng)
