@@ -64,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
     # decode steps per sampler dispatch (one jitted while_loop); bounds the latency an admission or a weight
     # update adds. Accelerators: 8-32 (per-step host work dominates there); CPU: small.
     c.rollout.decode_steps = 4
+    c.rollout.kv_cache = "dense"  # dense ([slots, max_len] per slot) | paged (a pool of pages, sampler/paged_engine.py)
+    c.rollout.page_size = 16  # positions per KV page (paged)
+    c.rollout.kv_pages = ml_collections.config_dict.placeholder(int)  # pages in the pool; None = num_slots x max_len
     # eta; -1 (or None in a config file) = unbounded, which then needs max_concurrent
     c.rollout.max_staleness = ml_collections.FieldReference(4, field_type=int)
     c.rollout.max_concurrent = ml_collections.config_dict.placeholder(int)  # groups in flight
@@ -153,6 +156,7 @@ _CHOICES = {
     "data.task": ("math", "code"),
     "reward.code_mode": ("all_pass", "pass_rate"),
     "rollout.on_update": ("recompute", "continue"),
+    "rollout.kv_cache": ("dense", "paged"),
     "rollout.advantage_mode": ("grpo", "dr_grpo", "rloo"),
     "rollout.param_dtype": ("same", "float32", "bfloat16"),
     "train.schedule": ("constant", "cosine"),
@@ -309,6 +313,12 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     )
     _require(r.get("decode_steps", 1) >= 1, f"--config.rollout.decode_steps={r.get('decode_steps')} must be at "
              "least 1 (decode steps per sampler dispatch; 8-32 on accelerators).")
+    if r.get("kv_cache", "dense") == "paged":
+        _require(r.page_size >= 1, f"--config.rollout.page_size={r.page_size} must be at least 1.")
+        per_seq = -(-r.max_len // max(1, r.page_size))
+        _require(r.kv_pages is None or r.kv_pages >= per_seq,
+                 f"--config.rollout.kv_pages={r.kv_pages} cannot hold one sequence of rollout.max_len={r.max_len} "
+                 f"({per_seq} pages of {r.page_size}); raise kv_pages or lower max_len.")
     _require(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy).")
     if r.top_p is not None:
         _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must lie in (0, 1].")
@@ -379,6 +389,10 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
             "Set either mesh.train_fraction or mesh.train_devices / mesh.rollout_devices, not both.",
         )
     if check_paths:
+        try:
+            paths.check_backend(config.run_dir)  # the object store's client package is installed
+        except ValueError as e:
+            raise ConfigError(f"--config.run_dir: {e}") from None
         _require(bool(config.model.path), "model.path is empty: point it at an HF checkpoint directory.")
         _require(
             os.path.isdir(config.model.path),

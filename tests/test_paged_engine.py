@@ -129,3 +129,16 @@ def test_a_group_larger_than_the_pool_runs_a_sample_at_a_time(models):
                  decode_steps=4)
     assert [len(c.tokens) for c in done] == [30, 30] and engine.peak_active == 1
     assert engine.allocator.free_pages == 10
+
+
+def test_config_switch_is_validated():
+    from areal_jax import config as config_lib
+
+    c = config_lib.base_config()
+    c.rollout.kv_cache = "paged"
+    c.rollout.kv_pages = 3
+    with pytest.raises(config_lib.ConfigError, match=r"--config.rollout.kv_pages=3 cannot hold one sequence"):
+        config_lib.validate(c, check_paths=False)
+    c.rollout.kv_cache = "pages"
+    with pytest.raises(config_lib.ConfigError, match="rollout.kv_cache='pages' is not one of dense, paged"):
+        config_lib.validate(c, check_paths=False)

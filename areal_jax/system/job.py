@@ -130,9 +130,14 @@ class RLJob:
             )
             self.graphdef = sampler_graphdef(model, c.lora.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
-        self.engine = Engine(
+        engine_cls, paged = Engine, {}
+        if c.rollout.get("kv_cache", "dense") == "paged":
+            from areal_jax.sampler.paged_engine import PagedEngine
+
+            engine_cls, paged = PagedEngine, dict(page_size=c.rollout.page_size, num_pages=c.rollout.kv_pages)
+        self.engine = engine_cls(
             model if lora_cfg is None else self.graphdef, num_slots=c.rollout.num_slots, max_len=c.rollout.max_len,
-            mesh=self.meshes.rollout_mesh, config=model.cfg,
+            mesh=self.meshes.rollout_mesh, config=model.cfg, **paged,
         )
         self.sampler = SamplerLoop(
             self.engine, rollout_params, version=self.trainer.version, on_update=c.rollout.on_update,
