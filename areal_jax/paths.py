@@ -264,6 +264,24 @@ class MirroredDir:
             shutil.rmtree(self.local, ignore_errors=True)
 
 
+# Object-store schemes etils.epath serves through fsspec, and the package each one needs.
+_FSSPEC_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs"}
+
+
+def check_backend(path: PathLike) -> None:
+    """Raise ValueError, naming the package to install, when `path`'s object store has no client here
+    (epath reaches gs:// through gcsfs, or through TensorFlow's gfile when TensorFlow is installed)."""
+    import importlib.util
+
+    s = os.fspath(run_path(path))
+    scheme = s.split("://", 1)[0] if "://" in s else None
+    package = _FSSPEC_PACKAGES.get(scheme or "")
+    if package is None or importlib.util.find_spec(package) or importlib.util.find_spec("tensorflow"):
+        return
+    raise ValueError(f"{s!r} needs the {package} package to reach {scheme}:// (pip install {package}"
+                     + (", or pip install -e '.[gcs]'" if scheme == "gs" else "") + ").")
+
+
 def checkpoint_directory(path: PathLike) -> str:
     """The directory string orbax (and its tensorstore drivers) should write checkpoints to.
 

@@ -134,6 +134,22 @@ def test_config_rejects_unusable_run_dirs():
         config_lib.validate(c, check_paths=False)
 
 
+def test_a_missing_object_store_client_is_one_sentence(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("gcsfs", "tensorflow") else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs the gcsfs package .*pip install gcsfs"):
+        paths.check_backend("gs://bucket/run")
+    paths.check_backend("runs/x")  # local paths need nothing
+    paths.check_backend("file:///tmp/x")
+    c = config_lib.base_config()
+    c.run_dir = "gs://bucket/run"
+    with pytest.raises(config_lib.ConfigError, match=r"--config\.run_dir: .*gcsfs"):
+        config_lib.validate(c)  # checked before the model and data paths
+
+
 def test_metrics_and_timeline_on_the_store(store):
     from areal_jax.metrics import MetricsLogger, Timeline
 
