@@ -142,3 +142,25 @@ def test_config_switch_is_validated():
     c.rollout.kv_cache = "pages"
     with pytest.raises(config_lib.ConfigError, match="rollout.kv_cache='pages' is not one of dense, paged"):
         config_lib.validate(c, check_paths=False)
+
+
+@pytest.mark.slow
+def test_rl_job_runs_on_the_paged_cache(tmp_path):
+    import json
+    import os
+
+    from areal_jax.system.job import RLJob
+    from areal_jax.system.tiny import tiny_config
+
+    c = tiny_config(str(tmp_path), eta=1, steps=2)
+    c.rollout.kv_cache, c.rollout.page_size = "paged", 8
+    job = RLJob(c, log_fn=lambda *a, **k: None)
+    try:
+        assert isinstance(job.engine, PagedEngine)
+        summary = job.run()
+    finally:
+        job.close()
+    assert summary["steps"] == 2
+    with open(os.path.join(c.run_dir, "samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert rows and all(len(r["rewards"]) == c.rollout.group_size for r in rows)
