@@ -1,0 +1,57 @@
+"""benchmarks/trainer.py at toy size: the presets' code path (shapes, bf16, remat, attention, same-device
+HF baseline, one long trajectory) runs and the JSON line carries the figures the trainer issue asks for."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "trainer.py"), "--toy", "--repeats", "1",
+                          *flags], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+def toy_params(heads, kv, layers=2, hd=16, vocab=512):
+    """Parameter count of the --toy shape (hidden = heads * 16, intermediate = heads * 40, tied, q/k/v bias)."""
+    d, f = heads * 16, heads * 40
+    attn = d * heads * hd + 2 * d * kv * hd + heads * hd * d + heads * hd + 2 * kv * hd
+    return layers * (attn + 3 * d * f + 2 * d) + vocab * d + d
+
+
+@pytest.mark.slow
+def test_qwen_preset_at_toy_size_bf16_with_same_device_baseline():
+    report, text = run("--preset", "qwen2.5-0.5b", "--sequential")
+    assert report["benchmark"] == "trainer" and report["preset"] == "qwen2.5-0.5b" and report["toy"]
+    assert report["dtype"] == "bfloat16" and report["remat"] == "none" and report["attention"] == "auto"
+    assert report["params"] == toy_params(14, 2)  # the preset's 14 / 2 head layout at head_dim 16
+    assert report["trajectories"] == 8 and report["tokens"] > 8 * (8 + 2 - 1)
+    assert report["platform"] == "cpu" and report["hf_device"] == "cpu" and report["hf_note"] is None
+    for name in ("jax_loglinear", "jax_recompute", "hf_torch"):
+        tps, mfu, tflops = report["tokens_per_s"][name], report["mfu"][name], report["tflops"][name]
+        assert tps > 0 and mfu > 0
+        # MFU is the model FLOP rate over the measured bf16 matmul peak of the run
+        np.testing.assert_allclose(mfu, tflops * 1e3 / report["peak_gflops"], rtol=0.02, atol=2e-3)
+    assert report["speedup_vs_hf"] > 0
+    assert set(report["peak_memory_bytes"]) == {"jax_loglinear", "jax_recompute", "hf_torch"}
+    assert report["process_peak_rss_bytes"] > 0
+    assert "(bfloat16, jitted" in text and "HF transformers + PyTorch (cpu)" in text
+
+
+@pytest.mark.slow
+def test_one_long_trajectory_with_remat_and_flash_attention():
+    report, _ = run("--preset", "qwen2.5-1.5b", "--trajectory-len", "200", "--micro-batch-tokens", "256",
+                    "--remat", "full", "--attention", "flash", "--skip-hf", "--skip-recompute", "--dtype", "float32")
+    assert report["trajectories"] == 1 and report["tokens"] == 199  # L - 1 packed tokens
+    assert report["params"] == toy_params(12, 2)
+    assert report["remat"] == "full" and report["attention"] == "flash" and report["dtype"] == "float32"
+    assert report["tokens_per_s"]["jax_loglinear"] > 0
+    assert report["tokens_per_s"]["jax_recompute"] is None and report["tokens_per_s"]["hf_torch"] is None
+    assert report["speedup_vs_hf"] is None
