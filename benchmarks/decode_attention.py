@@ -29,6 +29,7 @@ from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, testing
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
 from common import add_model_args, matmul_peak_gflops, model_config
 
 
@@ -41,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-rows", type=int, default=8, help="0 skips the prefill check")
     p.add_argument("--repeats", type=int, default=30, help="timed calls of each path per setting")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paged", action="store_true",
+                   help="also time the paged cache (gather path; on GPUs the Pallas kernel too) at each length")
+    p.add_argument("--page-size", type=int, default=16)
     return p.parse_args()
 
 
@@ -81,6 +85,29 @@ def baseline_forward(model: Transformer, tokens: jax.Array, positions: jax.Array
     return model.unembed(model.final_norm(x)), KVCache(k=k_all, v=v_all)
 
 
+def paged_cache_of(cache: KVCache, page_size: int, seed: int) -> tuple[PagedKVCache, jax.Array]:
+    """The same keys / values in shuffled pages: (PagedKVCache [L, K, B * S / ps, ps, Dh], page table [B, S / ps])."""
+    layers, b, s, kv, dh = cache.k.shape
+    per_row = s // page_size
+    order = np.random.default_rng(seed).permutation(b * per_row)
+    inverse = np.argsort(order)
+
+    def to_pages(x: jax.Array) -> jax.Array:
+        pages = x.reshape(layers, b * per_row, page_size, kv, dh).transpose(0, 3, 1, 2, 4)
+        return pages[:, :, inverse]  # page order[i] holds row-page i
+
+    return PagedKVCache(to_pages(cache.k), to_pages(cache.v)), jnp.asarray(order.reshape(b, per_row), jnp.int32)
+
+
+def paged_forward(path: str) -> Callable:
+    def forward(model: Transformer, tokens: jax.Array, positions: jax.Array, cache: tuple) -> tuple:
+        pages, table = cache
+        h, pages = paged_hidden(model, tokens, positions, pages, table, path=path)
+        return model.unembed(h), (pages, table)
+
+    return forward
+
+
 def current_forward(model: Transformer, tokens: jax.Array, positions: jax.Array,
                     cache: KVCache) -> tuple[jax.Array, KVCache]:
     """The library's cache path, same signature as `baseline_forward`."""
@@ -107,15 +134,19 @@ def random_cache(cfg: ModelConfig, rows: int, max_len: int, seed: int) -> KVCach
 
 
 def time_pair(fns: dict[str, Callable], make_cache: Callable[[], KVCache], tokens: jax.Array, positions: jax.Array,
-              repeats: int, fresh_cache: bool) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
+              repeats: int, fresh_cache: bool,
+              adapt: dict[str, Callable] | None = None) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
     """Interleaved timing (seconds per call) of jitted fn(tokens, positions, cache) -> (logits, cache), so
-    that load from other processes hits both alike. The returned cache is fed back unless fresh_cache."""
-    caches = {name: make_cache() for name in fns}
+    that load from other processes hits both alike. The returned cache is fed back unless fresh_cache.
+    adapt: per name, turns make_cache()'s dense cache into the layout that fn takes (the paged cache)."""
+    adapt = adapt or {}
+    makers = {name: (lambda n=name: adapt.get(n, lambda c: c)(make_cache())) for name in fns}
+    caches = {name: makers[name]() for name in fns}
     logits = {}
     for name, fn in fns.items():  # compile + warm up
         out, new_cache = fn(tokens, positions, caches[name])
         logits[name] = np.asarray(out, np.float32)
-        caches[name] = make_cache() if fresh_cache else new_cache
+        caches[name] = makers[name]() if fresh_cache else new_cache
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -125,7 +156,7 @@ def time_pair(fns: dict[str, Callable], make_cache: Callable[[], KVCache], token
             out, new_cache = fn(tokens, positions, cache)
             out.block_until_ready()
             times[name].append(time.perf_counter() - start)
-            caches[name] = make_cache() if fresh_cache else new_cache
+            caches[name] = makers[name]() if fresh_cache else new_cache
     return times, logits
 
 
@@ -157,7 +188,7 @@ def main() -> None:
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, {args.dtype}, {args.rows} rows; "
           f"float32 matmul peak {peak:.0f} GFLOP/s")
     rng = np.random.default_rng(args.seed)
-    results = []
+    results, paged_rows = [], []
     for max_len in args.cache_lens:
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.rows, 1)), jnp.int32)
         positions = jnp.full((args.rows, 1), max_len - 1, jnp.int32)
@@ -165,6 +196,24 @@ def main() -> None:
                                   args.repeats, fresh_cache=False)
         err = float(np.max(np.abs(logits["baseline"] - logits["current"])))
         check_agreement(err, logits["baseline"], rel_tol, f"cache length {max_len}")
+        if args.paged and max_len % args.page_size == 0:
+            paths = ["gather"] + (["kernel"] if jax.default_backend() == "gpu" else [])
+            paged_fns = {f"paged_{p}": jitted(paged_forward(p)) for p in paths}
+            paged_fns["current"] = fns["current"]
+            ptimes, plogits = time_pair(
+                paged_fns, lambda: random_cache(cfg, args.rows, max_len, args.seed), tokens, positions, args.repeats, fresh_cache=False, adapt={
+                    name: (lambda c: paged_cache_of(c, args.page_size, args.seed)) for name in paged_fns
+                    if name != "current"})
+            for p in paths:
+                perr = float(np.max(np.abs(plogits[f"paged_{p}"] - plogits["current"])))
+                check_agreement(perr, plogits["current"], rel_tol, f"paged {p}, cache length {max_len}")
+                pmed = float(np.median(ptimes[f"paged_{p}"])) * 1e3
+                cmed = float(np.median(ptimes["current"])) * 1e3
+                paged_rows.append({"cache_len": max_len, "path": p, "paged_ms": round(pmed, 3),
+                                   "dense_ms": round(cmed, 3), "dense_over_paged": round(cmed / pmed, 3),
+                                   "max_abs_logit_diff": perr})
+                print(f"cache {max_len:5d}: paged ({p}, pages of {args.page_size}) {pmed:7.2f} ms | dense cache "
+                      f"{cmed:7.2f} ms | dense/paged x{cmed / pmed:.2f} | logits differ by {perr:.1e}")
         med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
         best = {name: float(np.min(t)) * 1e3 for name, t in times.items()}
         flops = step_flops(cfg, args.rows, 1, max_len)
@@ -200,7 +249,8 @@ def main() -> None:
 
     print(json.dumps({"benchmark": "decode_attention", "device": jax.devices()[0].device_kind, "dtype": args.dtype,
                       "rows": args.rows, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-                      "matmul_peak_gflops": round(peak, 1), "decode": results, "prefill": prefill}))
+                      "matmul_peak_gflops": round(peak, 1), "decode": results, "prefill": prefill,
+                      "paged": paged_rows or None}))
 
 
 if __name__ == "__main__":

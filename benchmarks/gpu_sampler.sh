@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sampler measurements for one NVIDIA H200 (issue: sampler at real model size). About 6 minutes in all.
+# Sampler measurements for one NVIDIA H200 (issue: sampler at real model size). About 7 minutes in all (each command has its own time limit).
 # Every command prints one JSON line last; run from the repository root:  bash benchmarks/gpu_sampler.sh
 # Goals: 0.5B bf16, 256 slots, steady state >= 60k generated tokens/s and >= 30x HF generate on the same GPU;
 # 1.5B: 16k-token generations with >= 128 sequences at once.
@@ -25,9 +25,17 @@ run q05_k8 50 --preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --decode-s
   --steady --warmup-seconds 5 --steady-seconds 10
 run q05_k16_sync 50 --preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --decode-steps 16 --no-fetch-behind \
   --skip-static --skip-hf --steady --warmup-seconds 5 --steady-seconds 10
-# 3. 1.5B bf16, 128 sequences of 16,384 new tokens each (dense cache: 128 x 16,512 positions, ~61 GB bf16),
-#    stopped after 60 s: the tokens generated and the rate while contexts grow (the roofline line assumes the
+# 3. the paged KV cache (pages of 16, the Pallas GPU paged-attention kernel) in the same steady state, and the
+#    decode step over pages (gather path and kernel) against the dense cache at long contexts (benchmark model).
+run q05_paged 60 --preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --decode-steps 16 --kv-cache paged \
+  --skip-static --skip-hf --steady --warmup-seconds 5 --steady-seconds 10
+echo "== decode_attention --paged"
+timeout 60 python benchmarks/decode_attention.py --dtype bfloat16 --rows 64 --cache-lens 1024 8192 --paged \
+  --prefill-rows 0 --repeats 10 > "$OUT/decode_attention_paged.txt" 2>&1; echo "   exit $?"
+tail -n 6 "$OUT/decode_attention_paged.txt"
+# 4. 1.5B bf16, 128 sequences of 16,384 new tokens each (dense cache: 128 x 16,512 positions, ~61 GB bf16),
+#    stopped after 45 s: the tokens generated and the rate while contexts grow (the roofline line assumes the
 #    whole generation, so read it as an upper bound here).
-run q15_long 120 --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 --max-new-tokens 16384 \
-  --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 60 --skip-hf
+run q15_long 110 --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 --max-new-tokens 16384 \
+  --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 45 --skip-hf
 echo "results in $OUT"

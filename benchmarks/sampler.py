@@ -35,6 +35,7 @@ from flax import nnx
 
 from areal_jax.models import load_hf_checkpoint, testing
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.sampler.paged_engine import PagedEngine
 from common import add_model_args, matmul_peak_gflops, model_config
 
 # Qwen2.5-0.5B / -1.5B shapes (tied embeddings, q/k/v bias, RoPE theta 1e6) and the workload that goes with them.
@@ -65,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fetch-behind", action="store_true", help="fetch each dispatch before issuing the next")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop (a) after this long and report what it generated (long generations)")
+    p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV page (paged)")
+    p.add_argument("--kv-pages", type=int, default=None, help="pages in the pool (paged; default slots x max_len)")
+    p.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
+                   help="paged attention path (default: the Pallas kernel on GPUs, gather elsewhere)")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--skip-hf", action="store_true", help="leave out (c) when torch is unavailable")
     p.add_argument("--hf-prompts", type=int, default=None, help="prompts given to HF (default: all)")
@@ -319,7 +325,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{sum(n == args.max_new_tokens for n in lengths)} at the cap); {args.num_slots} slots, "
               f"k={args.decode_steps} decode steps per dispatch; jax {jax.__version__} on {jax.devices()[0].device_kind}")
         print(f"matmul peak: {peak:.1f} GFLOP/s (float32, jitted 2048^3); copy bandwidth {bandwidth:.1f} GB/s")
-        engine = Engine(model, num_slots=args.num_slots, max_len=max_len)
+        if args.kv_cache == "paged":
+            engine = PagedEngine(model, num_slots=args.num_slots, max_len=max_len, page_size=args.page_size,
+                                 num_pages=args.kv_pages, attention=args.paged_attention)
+        else:
+            engine = Engine(model, num_slots=args.num_slots, max_len=max_len)
         _, params = nnx.split(model)
         del model
         compiled = warm_up(engine, params, tuple(args.prompt_len), args.decode_steps, args.seed)
@@ -364,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "sampler", "preset": args.preset, "dtype": args.dtype, "device": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "params": int(n_params),
         "num_slots": args.num_slots, "num_prompts": len(prompts), "decode_steps": args.decode_steps,
+        "kv_cache": args.kv_cache, "kv_pages": getattr(engine, "num_pages", None),
+        "paged_attention": getattr(engine, "attention", None),
         "fetch_behind": not args.no_fetch_behind, "generated_tokens": int(tokens_a),
         "max_new_tokens": args.max_new_tokens, "peak_gflops": round(peak, 1), "copy_bandwidth_gbs": float(f"{bandwidth:.4g}"),
         "tokens_per_s": {k: v["tokens_per_s"] for k, v in res.items()},

@@ -187,6 +187,14 @@ class PagedEngine(Engine):
         junk, before any new owner writes the page, and nothing reads it)."""
         self._free_slot(int(slot))
 
+    def init_decode_state(self) -> DecodeState:
+        """A fresh state with an empty pool: the host bookkeeping starts over too."""
+        self.allocator = PageAllocator(self.num_pages, self.page_size, self.num_slots, self.pages_per_slot)
+        self._limit.clear()
+        self._upper.clear()
+        self._promised, self._dirty = 0, False
+        return super().init_decode_state()
+
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
                sampling: SamplingParams | None = None) -> DecodeState:
         self._check_slot(slot)
