@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="leave out (c)")
     p.add_argument("--skip-recompute", action="store_true", help="leave out (b)")
+    p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of one update of (a) to DIR")
     p.add_argument("--toy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)  # the accelerator order on CPU
     args = p.parse_args(argv)
@@ -319,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
         def jax_engine(prox_mode):
             def build():
                 step, trainer = trainer_step(model, base.replace(prox_mode=prox_mode), trajs)
+                if args.profile and prox_mode == "loglinear":  # after the warm-up: no compilation in the trace
+                    with jax.profiler.trace(args.profile):
+                        step()
 
                 def cleanup():
                     used = jax_peak_bytes()
