@@ -164,3 +164,19 @@ def test_rl_job_runs_on_the_paged_cache(tmp_path):
     with open(os.path.join(c.run_dir, "samples.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert rows and all(len(r["rewards"]) == c.rollout.group_size for r in rows)
+
+
+@pytest.mark.slow
+def test_paged_engine_through_the_pallas_kernel_gives_the_gather_tokens(models):
+    """The Pallas GPU paged-attention kernel (interpreted on the CPU) inside the engine's decode step."""
+    requests = [Request(id=0, prompt=[4, 5, 6, 7, 8], max_new_tokens=6, temperature=0.0),
+                Request(id=1, prompt=[9, 10], max_new_tokens=4, temperature=0.0)]
+    params = nnx.split(models[0])[1]
+    runs = {}
+    for path in ("gather", "kernel"):
+        engine = PagedEngine(models[0], num_slots=2, max_len=16, page_size=4, attention=path)
+        runs[path] = serve(engine, params, requests, decode_steps=3)
+    assert engine.pages_per_slot == 16  # the kernel's table is padded to whole partitions
+    for a, b in zip(runs["gather"], runs["kernel"]):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -73,12 +73,15 @@ class PagedEngine(Engine):
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
         self.page_size = int(page_size)
-        self.pages_per_slot = -(-int(max_len) // self.page_size)
-        self.num_pages = int(num_pages) if num_pages is not None else int(num_slots) * self.pages_per_slot
-        if self.num_pages < self.pages_per_slot:
-            raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
-                             f"({self.pages_per_slot} pages of {self.page_size}); raise num_pages or lower max_len.")
         self.attention = attention or default_path()
+        per_sequence = -(-int(max_len) // self.page_size)
+        self.pages_per_slot = per_sequence  # the page table's width
+        if self.attention == "kernel":  # the kernel splits a row's pages into power-of-two partitions and blocks
+            self.pages_per_slot = -(-per_sequence // 16) * 16
+        self.num_pages = int(num_pages) if num_pages is not None else int(num_slots) * per_sequence
+        if self.num_pages < per_sequence:
+            raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
+                             f"({per_sequence} pages of {self.page_size}); raise num_pages or lower max_len.")
         self.allocator = PageAllocator(self.num_pages, self.page_size, int(num_slots), self.pages_per_slot)
         self._limit: dict[int, int] = {}  # active slot -> most positions its request can reach
         self._upper: dict[int, int] = {}  # active slot -> upper bound of positions written so far
@@ -134,7 +137,8 @@ class PagedEngine(Engine):
 
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
                         cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
-        h, pages = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention)
+        h, pages = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
+                                interpret=jax.default_backend() != "gpu")  # the kernel is Triton: interpreted elsewhere
         return model.unembed(h), PagedCacheState(pages, cache.table)
 
     # ----------------------------------------------------------------------------- host-side pages
