@@ -10,6 +10,7 @@ saves config.json, model.safetensors and the tokenizer files into --out. For a L
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import ml_collections
