@@ -37,10 +37,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.max_position_embeddings = 256
 
     correct = ml_collections.ConfigDict(dict(
-        name="correct", mix={"correct": 1.0}, lr=1e-3, warmup_steps=50, max_steps=3000, max_minutes=40.0,
+        name="correct", mix={"correct": 1.0}, lr=1e-3, warmup_steps=50, max_steps=360, max_minutes=240.0,
         eval_every=100, stop_above=0.8, stop_below=None))
     mix = ml_collections.ConfigDict(dict(
         name="mix", mix={"confused": 0.55, "correct": 0.3, "slip": 0.15}, lr=3e-4, warmup_steps=10,
         max_steps=60, max_minutes=20.0, eval_every=30, stop_above=None, stop_below=None))
+    # assets/code_reasoner was made with stage 1 stopped by a 40-minute budget after 360 steps on a loaded
+    # 2-core machine (greedy test pass@1 0.72); the step counts are pinned so the command is reproducible.
     c.stages = [correct, mix]
     return c
