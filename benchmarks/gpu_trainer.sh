@@ -6,7 +6,8 @@
 #      the SAME GPU, the issue's workload (128 trajectories, 61,858 tokens, micro_batch_tokens 16384),
 #      attention auto (= flash on a GPU); a jax.profiler trace of one update; then the same update with
 #      dense attention (JAX only) to compare the kernels.
-#   2. Qwen2.5-1.5B shape at micro_batch_tokens 16384 (64 trajectories), against PyTorch on the same GPU.
+#   2. Qwen2.5-1.5B shape at micro_batch_tokens 16384 (64 trajectories), against PyTorch on the same GPU
+#      (again with remat dots if it does not fit without).
 #   3. Qwen2.5-0.5B at micro_batch_tokens 65536 with remat full.
 #   4. One 32,768-token trajectory (0.5B, remat full).
 # Each step prints its benchmark's last line (one JSON object) into $OUT/<name>.json.
@@ -21,12 +22,14 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>/dev/null ||
 python -c "import jax, torch; print(jax.devices(), 'torch cuda:', torch.cuda.is_available())"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, keep the log, print its tail, save the last line as JSON
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 rc; shift 2
   echo "== $name =="
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "exit $?"
+  rc=$?
+  echo "exit $rc"
   tail -n 8 "$OUT/$name.log" | cut -c1-3000
   tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+  return $rc
 }
 
 step flash_check 90 python - <<'EOF'
@@ -64,7 +67,11 @@ step trainer_0.5b 240 python benchmarks/trainer.py --preset qwen2.5-0.5b --dtype
   --repeats 3 --profile "$OUT/profile_0.5b"
 step trainer_0.5b_dense 120 python benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute \
   --skip-hf --attention dense --repeats 2
-step trainer_1.5b 180 python benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute --repeats 2
+# No remat first (benchmarks/trainer_memory.py: at most 72 GiB of residuals next to 28 GiB of params, grads and
+# AdamW state); if that does not fit, keep only the projections' outputs (at most 24 GiB of residuals).
+step trainer_1.5b 180 python benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute --repeats 2 ||
+  step trainer_1.5b_remat_dots 180 python benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 \
+    --skip-recompute --remat dots --repeats 2
 step trainer_0.5b_mbt65536_remat 120 python benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
   --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
 step trainer_0.5b_traj32k 120 python benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
