@@ -164,6 +164,7 @@ class MetricsLogger:
         self.start_step = start_step
         self._clock = clock
         self._t0 = self._rate_t0 = clock()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first step after mark_loop_start
         self._lock = threading.Lock()
         self._jsonl = None
         self._tb = None
@@ -184,6 +185,7 @@ class MetricsLogger:
         here, so start-up, evaluation and the steps of an earlier process do not skew it."""
         self.start_step = int(step)
         self._rate_t0 = self._clock()
+        self._first = None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record one set of metrics at ``step``; nested dicts become "outer/inner" names.
@@ -210,9 +212,17 @@ class MetricsLogger:
         return record
 
     def progress_line(self, step: int, metrics: Mapping[str, Any]) -> str:
-        """See ``format_progress``; elapsed time counts from this logger's creation."""
+        """See ``format_progress``; elapsed time counts from this logger's creation. The ETA's time
+        per step counts from mark_loop_start; once a second step has finished, from the end of the
+        first (which carries the loop's compiles)."""
+        now = self._clock()
+        if self._first is None and step > self.start_step:
+            self._first = (step, now)
+        start, t_start = self.start_step, self._rate_t0
+        if self._first is not None and step > self._first[0]:
+            start, t_start = self._first
         return format_progress(step, self.total_steps, self.elapsed_s, metrics,
-                               start_step=self.start_step, rate_elapsed_s=self._clock() - self._rate_t0)
+                               start_step=start, rate_elapsed_s=now - t_start)
 
     def flush(self) -> None:
         """Make everything logged so far durable in run_dir (uploads on an object store)."""

@@ -29,10 +29,11 @@ def _eta_seconds(line: str) -> float:
     return float(minutes) * 60 + float(rest.rstrip("s")) if rest else float(minutes.rstrip("s"))
 
 
-@pytest.mark.parametrize("steps_seen", [1, 3, 10])
+@pytest.mark.parametrize("steps_seen", [3, 10])
 def test_eta_after_resume_is_within_20_percent_of_the_real_remaining_time(tmp_path, steps_seen):
     """A first process ran 17 of 60 steps at 3 s each and died; the resume restarts from the step-10
-    checkpoint, spends 90 s on start-up, and then runs at 5 s +- 1 s per step (a busier machine)."""
+    checkpoint, spends 90 s on start-up, compiles for 30 s inside its first step, and then runs at
+    5 s +- 1 s per step (a busier machine). The progress line is printed after every step."""
     rng = np.random.default_rng(0)
     clock, total, resume_step = FakeClock(), 60, 10
     step_times = 5.0 + rng.uniform(-1, 1, size=total)
@@ -40,10 +41,11 @@ def test_eta_after_resume_is_within_20_percent_of_the_real_remaining_time(tmp_pa
     clock.now += 90.0  # checkpoint restore, compiles, the evaluation: not steps
     logger.mark_loop_start(resume_step)
     step = resume_step
-    for _ in range(steps_seen):
-        clock.now += step_times[step]
+    for i in range(steps_seen):
+        clock.now += step_times[step] + (30.0 if i == 0 else 0.0)
         step += 1
-    eta = _eta_seconds(logger.progress_line(step, {}))
+        line = logger.progress_line(step, {})
+    eta = _eta_seconds(line)
     real = float(step_times[step:].sum())
     assert abs(eta - real) <= 0.2 * real, (eta, real)
 
