@@ -20,6 +20,7 @@ def math_config():
 def get_config():
     c = math_config()
     c.run_dir = "runs/math_lora"
+    c.total_steps = 24  # 40.8% -> 87.8% greedy pass@1 in 24 steps (README, "Measured")
     c.lora.enabled = True
     c.lora.rank = 16
     c.lora.alpha = 32.0
