@@ -128,7 +128,7 @@ def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
 def aggregate(cells: dict[tuple, dict], etas: list, losses: list[str], seeds: list[int]) -> list[dict]:
     """One row per (eta, loss) with the statistics over the seeds that finished."""
     rows = []
-    for eta in etas:
+    for eta in sorted(etas, key=lambda e: float("inf") if e is None else e):
         for loss in losses:
             got = [cells[(eta, loss, s)] for s in seeds if (eta, loss, s) in cells]
             if not got:
