@@ -94,13 +94,13 @@ def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Arra
     layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
     """
-    def run(state: nnx.State, x: jax.Array) -> jax.Array:
-        lyr = nnx.merge(graphdef, state)
+    def apply(lyr: nnx.Module, x: jax.Array) -> jax.Array:
         q, k, v = lyr.attn.qkv(lyr.input_norm(x), cos, sin)
         x = x + lyr.attn.out(attend(q, k, v))
         return x + lyr.mlp(lyr.post_attn_norm(x))
 
-    graphdef, state = nnx.split(layer)
     if remat == "none":
-        return run(state, x)
-    return jax.checkpoint(run, policy=remat_policy(remat))(state, x)
+        return apply(layer, x)
+    policy = remat_policy(remat)
+    graphdef, state = nnx.split(layer)
+    return jax.checkpoint(lambda s, h: apply(nnx.merge(graphdef, s), h), policy=policy)(state, x)
