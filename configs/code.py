@@ -15,7 +15,7 @@ def get_config():
     c = base_config()
     c.run_dir = "runs/code"
     c.seed = 0
-    c.total_steps = 40
+    c.total_steps = 30
 
     c.model.path = ASSETS
     c.data.task = "code"
