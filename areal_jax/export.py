@@ -18,9 +18,8 @@ import ml_collections
 
 def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
     """The config a run was started with (RUN_DIR/config.json), on top of today's defaults."""
-    from areal_jax.config import base_config
-
     from areal_jax import paths
+    from areal_jax.config import base_config
 
     path = paths.join(run_dir, "config.json")  # a local, file:// or object-store run directory
     if not path.exists():

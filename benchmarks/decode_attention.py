@@ -25,12 +25,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, testing
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
-from common import add_model_args, matmul_peak_gflops, model_config
 
 
 def parse_args() -> argparse.Namespace:

@@ -63,12 +63,15 @@ def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
     from areal_jax.system.params import ParamChannel
     from areal_jax.trainer import Trainer, TrainerConfig
 
+    def full_weights() -> tuple[float, int]:
+        # Its own scope, so the merged copy is freed before the adapter channels are timed.
+        plain_params = nnx.state(lora.merged_model(model, lcfg.scale), nnx.Param)
+        full = ParamChannel.for_model(plain_params, meshes.rollout_mesh, dtype=sampler_dtype)
+        seconds = timed(lambda: full.publish(1, plain_params), repeats)
+        return seconds, sum(x.nbytes for x in jax.tree.leaves(full.latest()[1]))
+
     out = {}
-    plain_params = nnx.state(lora.merged_model(model, lcfg.scale), nnx.Param)
-    full = ParamChannel.for_model(plain_params, meshes.rollout_mesh, dtype=sampler_dtype)
-    out["full_s"] = timed(lambda: full.publish(1, plain_params), repeats)
-    out["full_bytes"] = sum(x.nbytes for x in jax.tree.leaves(full.latest()[1]))
-    del plain_params, full
+    out["full_s"], out["full_bytes"] = full_weights()
     trainer = Trainer(model, TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
     for mode in ("merged", "unmerged"):
         ch = AdapterChannel(trainer.params, meshes.rollout_mesh, scale=lcfg.scale, mode=mode, dtype=sampler_dtype)
@@ -100,9 +103,10 @@ def decode(model, lcfg, args) -> dict:
 
 def train_memory(cfg, lcfg, args) -> dict:
     """Peak device bytes of one update (memory_stats where the backend has them), LoRA vs full."""
+    from jax.sharding import Mesh
+
     from areal_jax.models import Transformer, lora
     from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
-    from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
     rng = np.random.default_rng(0)

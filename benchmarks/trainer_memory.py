@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from trainer import PRESETS, bench_model_config, make_batch
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.trainer import TrainerConfig
 from areal_jax.trainer.batch import row_length, rows_per_device
 from areal_jax.trainer.optim import make_optimizer, make_schedule
-from areal_jax.trainer.state import train_state_shardings, replicated
+from areal_jax.trainer.state import replicated, train_state_shardings
 from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns, micro_step_objective
-from trainer import PRESETS, bench_model_config, make_batch
 
 GiB = 2**30
 

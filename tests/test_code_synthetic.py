@@ -7,8 +7,7 @@ import random
 import pytest
 
 from areal_jax.data.code_readers import read_code_records
-from areal_jax.data.code_synthetic import (TEMPLATES, format_target, generate_split, is_test_task,
-                                           write_splits)
+from areal_jax.data.code_synthetic import TEMPLATES, format_target, generate_split, is_test_task, write_splits
 from areal_jax.data.code_tokenizer import CODE_VOCAB, build_code_tokenizer
 from areal_jax.rewards.code import code_tests_reward
 

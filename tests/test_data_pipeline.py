@@ -6,8 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from areal_jax.data import (PromptExample, PromptIterator, load_eval_split, load_prompt_source,
-                            make_prompt_iterator)
+from areal_jax.data import PromptExample, PromptIterator, load_eval_split, load_prompt_source, make_prompt_iterator
 from areal_jax.data.math_tokenizer import build_math_tokenizer
 from areal_jax.data.synthetic_math import write_splits
 from areal_jax.tokenizer import Tokenizer

@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.checkpoint import Checkpointer
-from areal_jax.models import load_hf_checkpoint
-from areal_jax.models import lora
+from areal_jax.models import load_hf_checkpoint, lora
 from areal_jax.models.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter, peft_tensors, save_peft_adapter
 from areal_jax.models.testing import tiny_config, write_random_hf_checkpoint
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory

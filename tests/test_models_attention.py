@@ -1,7 +1,7 @@
 """Chunked cache attention against a plain numpy reference (heads repeated explicitly, full softmax)."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from areal_jax.models.layers import cached_attention
 

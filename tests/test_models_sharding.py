@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from areal_jax.models import LOGICAL_AXIS_RULES, init_cache, logical_to_mesh_sharding, shard_params
 from areal_jax.models.sharding import logical_to_spec

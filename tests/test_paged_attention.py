@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import init_cache, testing
+from areal_jax.models import testing
 from areal_jax.models.layers import cached_attention
-from areal_jax.models.paged_attention import (PagedKVCache, copy_pages, gather_attention, init_paged_cache,
-                                              kernel_attention, paged_hidden)
+from areal_jax.models.paged_attention import (
+    PagedKVCache,
+    copy_pages,
+    gather_attention,
+    init_paged_cache,
+    kernel_attention,
+    paged_hidden,
+)
 from areal_jax.sampler.pages import OutOfPages, PageAllocator
 
 L, KV, H, DH, PS = 2, 2, 4, 16, 4

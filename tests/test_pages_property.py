@@ -8,7 +8,8 @@ operation every live sample must read, through its table, exactly its prompt fol
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areal_jax.sampler.pages import OutOfPages, PageAllocator
 

@@ -262,9 +262,9 @@ def spread_reward(completion: str, answer: str) -> float:
 
 
 def test_non_finite_gradients_skip_that_update_and_the_run_goes_on(tmp_path, monkeypatch):
-    from areal_jax.trainer.trainer import Trainer
-
     import jax
+
+    from areal_jax.trainer.trainer import Trainer
 
     seen = []
     update = Trainer.update

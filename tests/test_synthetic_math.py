@@ -9,9 +9,17 @@ import sys
 import pytest
 
 from areal_jax.data import extract_reference_answer, math_words
-from areal_jax.data.synthetic_math import (DIFFICULTIES, Difficulty, build_math_tokenizer, format_target,
-                                           generate_problem, generate_split, is_test_problem, main,
-                                           write_splits)
+from areal_jax.data.synthetic_math import (
+    DIFFICULTIES,
+    Difficulty,
+    build_math_tokenizer,
+    format_target,
+    generate_problem,
+    generate_split,
+    is_test_problem,
+    main,
+    write_splits,
+)
 
 _ADD = "|".join(math_words.ADD_VERBS)
 _SUB = "|".join(math_words.SUB_VERBS)

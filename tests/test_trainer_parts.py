@@ -10,7 +10,12 @@ import pytest
 from areal_jax.models.testing import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory, make_schedule
 from areal_jax.trainer.batch import (
-    aggregation_weights, effective_masks, pack_steps, row_length, rows_per_device, split_minibatches,
+    aggregation_weights,
+    effective_masks,
+    pack_steps,
+    row_length,
+    rows_per_device,
+    split_minibatches,
 )
 from areal_jax.trainer.logprobs import chunked_logprobs
 from areal_jax.trainer.update import loglinear_prox

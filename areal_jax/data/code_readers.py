@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
-from areal_jax.data.readers import Record, ReadStats
+from areal_jax.data.readers import ReadStats, Record
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
 
 __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_row_to_record",

@@ -29,9 +29,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
-from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
 from areal_jax.sampler.multistep import run_decode_steps
+from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
 
 

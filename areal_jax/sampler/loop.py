@@ -31,8 +31,16 @@ from flax import nnx
 
 from areal_jax.sampler.dispatch import Dispatch, KeyStream, record_dispatch
 from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.requests import (Completion, FinishReason, Request, SamplerLoopError, _Queued, _Running,
-                                        check_same_layout, make_completion)
+from areal_jax.sampler.requests import (
+    Completion,
+    FinishReason,
+    Request,
+    SamplerLoopError,
+    _Queued,
+    _Running,
+    check_same_layout,
+    make_completion,
+)
 from areal_jax.sampler.sampling import SamplingParams
 
 _LIVE_LOOPS: "weakref.WeakSet[SamplerLoop]" = weakref.WeakSet()

@@ -26,8 +26,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from areal_jax.models.paged_attention import (PagedKVCache, PagedPath, default_path, init_paged_cache,
-                                              page_coordinates, paged_hidden)
+from areal_jax.models.paged_attention import (
+    PagedKVCache,
+    PagedPath,
+    default_path,
+    init_paged_cache,
+    page_coordinates,
+    paged_hidden,
+)
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
 from areal_jax.sampler.sampling import SamplingParams

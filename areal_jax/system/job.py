@@ -6,9 +6,7 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import time
 from typing import Any
 
@@ -22,7 +20,6 @@ from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.system import build, multihost, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
-
 
 MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
 # The per-step values the end-of-run summary reads; only these are kept for every step.

@@ -22,8 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models import logical_to_mesh_sharding
-from areal_jax.models import lora
+from areal_jax.models import logical_to_mesh_sharding, lora
 from areal_jax.system.params import ParamChannel
 
 MODES = ("merged", "unmerged")

@@ -11,14 +11,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.models import logical_to_mesh_sharding
-
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
 from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, UpdateFns, build_update_fns
-
 
 _FNS_CACHE: "OrderedDict[tuple, UpdateFns]" = OrderedDict()
 _FNS_CACHE_SIZE = 8
