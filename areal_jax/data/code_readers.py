@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
-from areal_jax.data.readers import ReadStats, Record
+from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
 
 __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_row_to_record",
@@ -32,10 +32,6 @@ __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_ro
 QUESTION_FIELDS = ("question", "problem", "prompt", "text", "description")
 # load_prompt_source / load_eval_split options for the synthetic code tasks (data/code_synthetic.py).
 CODE_TASK_OPTIONS = {"task": "code", "question_field": "text"}
-
-
-class _BadRow(Exception):
-    pass
 
 
 def _parse_json_field(row: dict, field: str) -> Any:
@@ -161,28 +157,13 @@ def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_fi
     return records
 
 
-def _check_on_bad_row(on_bad_row: str) -> None:
-    if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}.")
-
-
 def read_code_jsonl(path: str, *, question_field: str = "auto", on_bad_row: str = "error",
                     stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
     """Reads a JSONL file of tasks; rows are numbered by their 1-based line."""
     _check_on_bad_row(on_bad_row)
     stats = ReadStats() if stats is None else stats
 
-    def rows() -> Iterator[tuple[int, Any]]:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield line_number, json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield line_number, _BadRow(f"invalid JSON ({err.msg} at column {err.colno})")
-
-    return _collect(rows(), path, "line", question_field, on_bad_row, stats), stats
+    return _collect(jsonl_rows(path), path, "line", question_field, on_bad_row, stats), stats
 
 
 def read_code_parquet(path: str, *, question_field: str = "auto", on_bad_row: str = "error",

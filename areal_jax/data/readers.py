@@ -109,6 +109,18 @@ def _make_record(path: str, row_number: int, row: Any, question_field: str, answ
     return Record(source=path, row=row_number, question=question, answer=answer)
 
 
+def jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed object) per non-blank line; a line that is not JSON yields a _BadRow."""
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield line_number, _BadRow(f"invalid JSON ({err.msg} at column {err.colno})")
+
+
 def _check_on_bad_row(on_bad_row: str) -> None:
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}.")
@@ -139,17 +151,7 @@ def read_jsonl(path: str, *, question_field: str = "question", answer_field: str
     _check_on_bad_row(on_bad_row)
     stats = ReadStats() if stats is None else stats
 
-    def rows() -> Iterator[tuple[int, Any]]:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield line_number, json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield line_number, _BadRow(f"invalid JSON ({err.msg} at column {err.colno})")
-
-    records = _collect(rows(), path, "line", question_field, answer_field, answer_format, on_bad_row, stats)
+    records = _collect(jsonl_rows(path), path, "line", question_field, answer_field, answer_format, on_bad_row, stats)
     return records, stats
 
 
