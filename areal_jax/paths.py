@@ -287,7 +287,7 @@ def checkpoint_directory(path: PathLike) -> str:
 
     Local paths become absolute; gs:// URLs go to orbax unchanged (tensorstore's gcs driver writes the
     arrays); a path whose class has `local_mount()` (a store mounted on this machine, such as the test
-    store in areal_jax.fake_store) gives that local directory. orbax 0.12.8 sends every other URL to
+    store in areal_jax.testing.fake_store) gives that local directory. orbax 0.12.8 sends every other URL to
     tensorstore's file driver, which would write into a directory named after the URL, so those are
     refused with a ValueError naming --config.run_dir.
     """

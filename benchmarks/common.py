@@ -20,7 +20,7 @@ def add_model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def model_config(args: argparse.Namespace, **overrides):
     """The Qwen2-style benchmark model sized by `add_model_args`'s flags (no EOS: lengths are forced).
     `overrides` (e.g. max_position_embeddings, dtype) replace the defaults."""
-    from areal_jax.models import testing
+    from areal_jax.testing import models as testing
 
     fields = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,

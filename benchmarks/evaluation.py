@@ -1,4 +1,4 @@
-"""The default job's evaluation: one sampler pass (areal_jax.eval_batch) against a greedy pass followed by a
+"""The default job's evaluation: one sampler pass (areal_jax.evaluation.batch) against a greedy pass followed by a
 sampled pass (generate_batch twice, the earlier way), on the same model, problems and machine.
 
     python benchmarks/evaluation.py [--n 500] [--k 8] [--slots 256] [--old-slots 64] [--repeats 1]
@@ -23,7 +23,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def two_passes(model, tokenizer, examples, *, k: int, slots: int, max_new_tokens: int, max_len: int) -> dict:
     """A greedy pass then a sampled pass, each its own generate_batch and reward pool."""
-    from areal_jax.evaluate import pass_at_k, score_completions
+    from areal_jax.evaluation.scoring import pass_at_k, score_completions
     from areal_jax.sampler import generate_batch
 
     t0 = time.perf_counter()
@@ -58,7 +58,7 @@ def main() -> None:
     from common import matmul_peak_gflops
 
     from areal_jax.data import load_eval_split
-    from areal_jax.evaluate import evaluate_examples
+    from areal_jax.evaluation.scoring import evaluate_examples
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ timeout 240 python benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 4
   --median 512 --cap 4096 --out "$OUT/loop_0.5b" > "$OUT/loop_0.5b.log" 2>&1
 echo "exit $?"; tail -n 8 "$OUT/loop_0.5b.log" | cut -c1-2000
 tail -n 1 "$OUT/loop_0.5b.log" > "$OUT/loop_0.5b.json"
-python -m areal_jax.report "$OUT/loop_0.5b/eta4" 2>&1 | tail -n 3
+python -m areal_jax.programs.report "$OUT/loop_0.5b/eta4" 2>&1 | tail -n 3
 rm -rf "$OUT/loop_0.5b/model_qwen2.5-0.5b" "$OUT/loop_0.5b/warmup"   # random weights: not worth fetching
 
 echo "== 2. qwen2.5-1.5b memory at 64 slots x 8k =="

@@ -11,7 +11,7 @@ Bernoulli reward (a hash of the completion) keeps the advantages non-zero. Per e
 generated tokens/s (trained counts prompt + completion tokens), mean slot occupancy over decode steps,
 the share of wall time the trainer waited for data, staleness mean / max (from samples.jsonl), the
 weight hand-off (publish time, publish -> first token generated at the new version, bytes), and
-timeline.json in OUT/eta<k>/ (`python -m areal_jax.report OUT/eta4` draws it). After the runs, the
+timeline.json in OUT/eta<k>/ (`python -m areal_jax.programs.report OUT/eta4` draws it). After the runs, the
 hand-off of the same params is timed against a raw device copy of the same bytes. Memory per part is
 computed from shapes before anything is allocated (with a clear error when it cannot fit) and read
 from the device's memory_stats where the backend has them. The last line is one JSON object.
@@ -97,7 +97,7 @@ def prepare_assets(args: argparse.Namespace) -> tuple[str, str, str]:
         return args.model, args.model if has_tok else tok_dir, data
     model_dir = os.path.join(args.out, f"model_{args.preset}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        from areal_jax.models.testing import write_random_hf_checkpoint
+        from areal_jax.testing.models import write_random_hf_checkpoint
 
         print(f"writing random {args.preset} weights to {model_dir} ...", flush=True)
         cfg = loadgen.model_config(args.preset, args.max_len, "float32")
@@ -234,7 +234,7 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from areal_jax.main import enable_compilation_cache
+    from areal_jax.programs.rl import enable_compilation_cache
 
     if not jax.config.jax_compilation_cache_dir:  # keep a cache the caller (e.g. the tests) set up
         enable_compilation_cache(os.path.join(args.out, "xla-cache"))

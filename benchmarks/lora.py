@@ -156,8 +156,8 @@ def main(argv=None) -> None:
     p.add_argument("--train-seqs", type=int, default=8)
     args = p.parse_args(argv)
     from areal_jax.models import Transformer, lora
-    from areal_jax.models.testing import randomize_params
-    from areal_jax.system.mesh import MeshConfig, build_meshes
+    from areal_jax.runtime.mesh import MeshConfig, build_meshes
+    from areal_jax.testing.models import randomize_params
 
     args.sampler_dtype = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.sampler_dtype]
     lcfg = lora.LoRAConfig(rank=args.rank, alpha=args.alpha, targets=args.targets, base_dtype=args.base_dtype)

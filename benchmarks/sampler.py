@@ -34,9 +34,10 @@ import numpy as np
 from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
-from areal_jax.models import load_hf_checkpoint, testing
+from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.paged_engine import PagedEngine
+from areal_jax.testing import models as testing
 
 # Qwen2.5-0.5B / -1.5B shapes (tied embeddings, q/k/v bias, RoPE theta 1e6) and the workload that goes with them.
 PRESETS = {

@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import jax
 
-    from areal_jax.main import enable_compilation_cache
+    from areal_jax.programs.rl import enable_compilation_cache
     from areal_jax.system.job import RLJob
-    from areal_jax.system.tiny import tiny_config
+    from areal_jax.testing.tiny import tiny_config
 
     enable_compilation_cache()
     jax.monitoring.register_event_duration_secs_listener(_count_lowering)

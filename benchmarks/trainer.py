@@ -46,8 +46,9 @@ from common import add_model_args, model_config  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from areal_jax.models import load_hf_checkpoint, testing  # noqa: E402
+from areal_jax.models import load_hf_checkpoint  # noqa: E402
 from areal_jax.models.config import ModelConfig  # noqa: E402
+from areal_jax.testing import models as testing  # noqa: E402
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory  # noqa: E402
 
 # Model shapes of the Hugging Face configs of Qwen/Qwen2.5-{0.5B,1.5B,7B} (q/k/v bias, RoPE theta 1e6;

@@ -1,7 +1,7 @@
 """The embedded code default: `python -m areal_jax.main --config=configs/code.py`.
 
 A small character-level code model (assets/code_reasoner, made by
-`python -m areal_jax.sft --config=configs/sft_code.py`) learns by asynchronous GRPO with the decoupled
+`python -m areal_jax.programs.sft --config=configs/sft_code.py`) learns by asynchronous GRPO with the decoupled
 PPO objective (eta = 4) on synthetic programming tasks ("Write f(x) that returns the larger of x and
 12."). Each completion is a program; its reward is 1 when it passes every hidden assert test, run in the
 sandbox by the reward pool (rewards/code.py). Ends with a before / after table of held-out pass@1.

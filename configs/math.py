@@ -1,7 +1,7 @@
 """The embedded default: `python -m areal_jax.main --config=configs/math.py`.
 
 The warm-started 3.2M-parameter math reasoner (assets/math_reasoner, made by
-`python -m areal_jax.sft --config=configs/sft_math.py`) learns by asynchronous GRPO with the decoupled
+`python -m areal_jax.programs.sft --config=configs/sft_math.py`) learns by asynchronous GRPO with the decoupled
 PPO objective (eta = 4) on synthetic arithmetic word problems. On a 2-core CPU it finishes in well under
 15 minutes and ends with a before / after table of test accuracy.
 """

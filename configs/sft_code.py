@@ -1,4 +1,4 @@
-"""Warm start for the code default: `python -m areal_jax.sft --config=configs/sft_code.py`.
+"""Warm start for the code default: `python -m areal_jax.programs.sft --config=configs/sft_code.py`.
 
 A small Qwen2-style decoder with a character-level tokenizer, trained from scratch on synthetic
 programming tasks ("Write f(x) that returns the larger of x and 12." -> "def f(x):\\n    return

@@ -1,4 +1,4 @@
-"""Warm start for the embedded default: `python -m areal_jax.sft --config=configs/sft_math.py`.
+"""Warm start for the embedded default: `python -m areal_jax.programs.sft --config=configs/sft_math.py`.
 
 A 3.2M-parameter Qwen2-style decoder and a word-level tokenizer trained from scratch on synthetic
 arithmetic word problems. Stage 1 learns worked solutions ("57+5=62. 62-6=56. #### 56") until greedy

@@ -4,7 +4,7 @@
         --config=configs/math.py --config.mesh.train_devices=1 --config.mesh.rollout_devices=1
 
 Each process gets its own share of CPU devices (XLA_FLAGS), the coordinator address on a free local
-port, and its id through the AREAL_* variables areal_jax.system.distributed reads; its output goes to
+port, and its id through the AREAL_* variables areal_jax.runtime.distributed reads; its output goes to
 <log_dir>/process_<i>.log (process 0 is also echoed to this console). If any process dies, the others
 are killed with SIGKILL (jax.distributed catches SIGTERM and could hang in a collective) and this
 launcher exits with the first non-zero code.

@@ -7,7 +7,7 @@
 #       --config.data.train_path=/tmp/gsm8k/train.jsonl --config.data.test_path=/tmp/gsm8k/test.jsonl
 #
 # jax.distributed.initialize() discovers the pod's workers from TPU metadata on its own;
-# areal_jax.system.distributed calls it with no arguments when it sees the TPU worker variables, and
+# areal_jax.runtime.distributed calls it with no arguments when it sees the TPU worker variables, and
 # peer failures are detected by JAX's coordination service (no heartbeat files).
 # RUN_DIR: where the run writes (metrics, samples, summary, timeline, checkpoints): a gs:// URL, read
 #   and written through etils.epath + gcsfs and orbax's own GCS driver; only process 0 writes the shared

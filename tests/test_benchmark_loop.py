@@ -62,7 +62,7 @@ def test_forced_lengths_rewrites_each_request():
 def test_memory_plan_matches_the_real_model_and_the_published_qwen_size():
     from flax import nnx
 
-    from areal_jax.models.testing import random_model
+    from areal_jax.testing.models import random_model
 
     cfg = loadgen.model_config("tiny", 160, "float32")
     plan = loadgen.memory_plan(cfg, slots=8, max_len=160, sampler_dtype=jnp.bfloat16)

@@ -10,11 +10,11 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax.data.code_synthetic import write_splits
 from areal_jax.data.code_tokenizer import build_code_tokenizer
-from areal_jax.models.testing import tiny_config as tiny_model_config
-from areal_jax.models.testing import write_random_hf_checkpoint
 from areal_jax.rewards.code import code_tests_reward
 from areal_jax.system.job import RLJob
-from areal_jax.system.tiny import tiny_config
+from areal_jax.testing.models import tiny_config as tiny_model_config
+from areal_jax.testing.models import write_random_hf_checkpoint
+from areal_jax.testing.tiny import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

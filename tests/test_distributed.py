@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from areal_jax import config as config_lib
-from areal_jax.system import distributed
+from areal_jax.runtime import distributed
 
 
 @pytest.mark.parametrize("timeout_s, expected", [(60.0, 60), (15.0, 15), (2.5, 3), (1.0, 1)])

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from areal_jax.data import PromptExample
-from areal_jax.eval_batch import eval_engine, generate_for_eval
-from areal_jax.evaluate import evaluate_examples, pass_at_k
-from areal_jax.models import testing
+from areal_jax.evaluation.batch import eval_engine, generate_for_eval
+from areal_jax.evaluation.scoring import evaluate_examples, pass_at_k
+from areal_jax.testing import models as testing
 
 CFG = testing.tiny_config("qwen2")
 EOS = 2

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import testing
 from areal_jax.models.flash_attention import flash_attention, segment_bounds
 from areal_jax.models.layers import dot_attention
 from areal_jax.models.packed_attention import packed_mask, resolve_attention
 from areal_jax.models.splash import splash_attention
+from areal_jax.testing import models as testing
 
 
 def packed_segments(rng, b, t, lo, hi, pad):

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from areal_jax.models import ModelConfig, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.hf_io import read_safetensors_dir
-from areal_jax.models.testing import tiny_config, write_random_hf_checkpoint
+from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 
 TOKENS = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
 

@@ -5,7 +5,7 @@ import pytest
 
 from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.hf_io import read_safetensors_dir
-from areal_jax.models.testing import tiny_config, write_random_hf_checkpoint
+from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 
 torch = pytest.importorskip("torch", reason="parity tests need PyTorch (pip install areal_jax[parity])")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (areal_jax[parity])")

@@ -9,10 +9,10 @@ from flax import nnx
 
 from areal_jax import config as config_lib
 from areal_jax.models import lora
-from areal_jax.models.testing import random_model, tiny_config
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.sampler import generate_batch
 from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
-from areal_jax.system.mesh import MeshConfig, build_meshes
+from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
 
 VOCAB = 97

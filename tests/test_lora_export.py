@@ -1,6 +1,6 @@
 """LoRA export and resume: PEFT directory round trip (and peft's logits when installed), merged HF export
 (transformers' logits when installed), checkpoint restore of adapters and their AdamW state bit-exactly,
-and `python -m areal_jax.export` on a LoRA run."""
+and `python -m areal_jax.programs.export` on a LoRA run."""
 import json
 import os
 
@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.models import load_hf_checkpoint, lora
 from areal_jax.models.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter, peft_tensors, save_peft_adapter
-from areal_jax.models.testing import tiny_config, write_random_hf_checkpoint
+from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
 
 TOKENS = np.array([[1, 5, 9, 13, 2, 7, 40, 3], [4, 4, 60, 11, 90, 8, 1, 2]], np.int32)
@@ -100,7 +100,7 @@ def make_trajs(n, seed=0):
 
 
 def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
-    from areal_jax.system.mesh import MeshConfig, build_meshes
+    from areal_jax.runtime.mesh import MeshConfig, build_meshes
 
     mesh = build_meshes(MeshConfig(colocated=True, fsdp=2, tensor=2)).train_mesh
     base_dir, _, _ = adapted_checkpoint(tmp_path)
@@ -138,9 +138,9 @@ def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_export_command_writes_merged_and_peft_directories_of_a_lora_run(tmp_path):
-    from areal_jax.export import export_policy
+    from areal_jax.programs.export import export_policy
     from areal_jax.system.job import RLJob
-    from areal_jax.system.tiny import tiny_config as tiny_run_config
+    from areal_jax.testing.tiny import tiny_config as tiny_run_config
 
     c = tiny_run_config(str(tmp_path), eta=1, steps=2)
     c.lora.enabled = True

@@ -5,7 +5,7 @@ import re
 import jax
 import pytest
 
-from areal_jax.system.mesh import MeshConfig, build_meshes
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models import testing
+from areal_jax.testing import models as testing
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
 from areal_jax.trainer.logprobs import model_logprobs
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
 from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-from areal_jax.models.testing import random_model, tiny_config
+from areal_jax.testing.models import random_model, tiny_config
 
 ARCHS = ["qwen2", "qwen3", "llama"]
 

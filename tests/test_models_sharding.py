@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from areal_jax.models import LOGICAL_AXIS_RULES, init_cache, logical_to_mesh_sharding, shard_params
 from areal_jax.models.sharding import logical_to_spec
-from areal_jax.models.testing import random_model, tiny_config
+from areal_jax.testing.models import random_model, tiny_config
 
 
 def _mesh(axis_type=AxisType.Auto):

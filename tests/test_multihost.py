@@ -5,7 +5,7 @@ gathered independently, are identical on both processes and equal what each roll
 decodes with), the staleness bound, resume from the multi-host checkpoint, and that killing one process
 makes the other exit non-zero within 60 s, naming the dead process, instead of hanging in a collective
 (detected by JAX's coordination service alone, with no heartbeat files; and with them switched on).
-The run-and-resume test keeps its run directory on the fake object store (areal_jax.fake_store).
+The run-and-resume test keeps its run directory on the fake object store (areal_jax.testing.fake_store).
 """
 import json
 import os
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "launchers"))
 
 from local import free_port, launch  # noqa: E402
 
-from areal_jax.system.tiny import write_tiny_assets  # noqa: E402
+from areal_jax.testing.tiny import write_tiny_assets  # noqa: E402
 
 ETA = 1
 
@@ -62,7 +62,7 @@ def assets(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
-    """The run directory is on the fake object store (areal_jax.fake_store), as on a pod without a
+    """The run directory is on the fake object store (areal_jax.testing.fake_store), as on a pod without a
     shared disk: every file, the per-process ones and the checkpoint metadata included, goes through
     the path layer, and the resume reads them back from there."""
     store = tmp_path / "store"
@@ -71,7 +71,7 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     store_dir = ["--config.run_dir=fake-gs://bucket/mh"]
     run_dir = str(store / "bucket" / "mh")  # where the fake store keeps the objects
     code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 3), *store_dir], os.path.join(assets, "logs1"),
-                  module="areal_jax.fake_store",
+                  module="areal_jax.testing.fake_store",
                   timeout_s=400, echo=False)
     assert code == 0, open(os.path.join(assets, "logs1", "process_0.log")).read()[-3000:]
     _check_digests(run_dir, 3)
@@ -83,7 +83,7 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(run_dir, "samples.jsonl"))  # per-process files only
     # Resume from the multi-host checkpoint and continue to step 5.
     code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 5), *store_dir], os.path.join(assets, "logs2"),
-                  module="areal_jax.fake_store",
+                  module="areal_jax.testing.fake_store",
                   timeout_s=400, echo=False)
     log0 = open(os.path.join(assets, "logs2", "process_0.log")).read()
     assert code == 0, log0[-3000:]

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import testing
 from areal_jax.models.layers import cached_attention
 from areal_jax.models.paged_attention import (
     PagedKVCache,
@@ -18,6 +17,7 @@ from areal_jax.models.paged_attention import (
     paged_hidden,
 )
 from areal_jax.sampler.pages import OutOfPages, PageAllocator
+from areal_jax.testing import models as testing
 
 L, KV, H, DH, PS = 2, 2, 4, 16, 4
 

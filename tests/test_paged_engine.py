@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import testing
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
+from areal_jax.testing import models as testing
 
 MAX_LEN = 40
 CFG = testing.tiny_config("qwen2")
@@ -150,7 +150,7 @@ def test_rl_job_runs_on_the_paged_cache(tmp_path):
     import os
 
     from areal_jax.system.job import RLJob
-    from areal_jax.system.tiny import tiny_config
+    from areal_jax.testing.tiny import tiny_config
 
     c = tiny_config(str(tmp_path), eta=1, steps=2)
     c.rollout.kv_cache, c.rollout.page_size = "paged", 8

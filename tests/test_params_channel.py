@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from areal_jax.models import shard_params
-from areal_jax.models.testing import random_model, tiny_config
-from areal_jax.system.mesh import MeshConfig, build_meshes
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.system.params import ParamChannel
+from areal_jax.testing.models import random_model, tiny_config
 
 
 @pytest.mark.parametrize("split,n_devices", [

@@ -1,6 +1,6 @@
 """The path layer (areal_jax.paths): local paths, file:// URLs and object stores behind one interface.
 
-The object store is areal_jax.fake_store: `fake-gs://` URLs kept in a temporary directory, which
+The object store is areal_jax.testing.fake_store: `fake-gs://` URLs kept in a temporary directory, which
 refuses what object stores cannot do (appending to an object), so a writer that only works on a local
 disk fails here. The slow test runs the tiny job and its resume on the fake store and on a file:// URL
 and compares the trajectory records.
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from areal_jax import config as config_lib
-from areal_jax import fake_store, paths
+from areal_jax import paths
+from areal_jax.testing import fake_store
 
 
 @pytest.fixture
@@ -195,9 +196,9 @@ def _records(text: str) -> list[tuple]:
 
 @pytest.mark.slow
 def test_run_and_resume_on_the_store_match_a_file_url_run(tmp_path, store, monkeypatch):
-    from areal_jax.report import make_report
+    from areal_jax.programs.report import make_report
     from areal_jax.system.job import RLJob
-    from areal_jax.system.tiny import tiny_config, write_tiny_assets
+    from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
     monkeypatch.chdir(tmp_path)  # anything written by a URL taken as a relative path would land here
     assets = str(tmp_path / "assets")

@@ -48,11 +48,11 @@ def main():
             f.write(json.dumps({"event": event, "t": time.time(), **kw}) + "\n")
 
     mark("launch")
-    from areal_jax import main as entry
+    from areal_jax.programs import rl as entry
     from areal_jax.checkpoint import Checkpointer
     from areal_jax.system import runner
     from areal_jax.system.job import RLJob
-    from areal_jax.system.tiny import tiny_config
+    from areal_jax.testing.tiny import tiny_config
     from areal_jax.trainer.trainer import Trainer
 
     def wrap(owner, name, before, after):

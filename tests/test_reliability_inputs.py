@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from areal_jax.system.tiny import tiny_config, write_tiny_assets
+from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +36,8 @@ def main():
     events = []
     jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.append(name))
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
-    from areal_jax import main as entry
-    from areal_jax.system.tiny import tiny_config
+    from areal_jax.programs import rl as entry
+    from areal_jax.testing.tiny import tiny_config
 
     with open(cases_path) as f:
         cases = json.load(f)
@@ -203,7 +203,7 @@ def test_cli_turns_an_impossible_mesh_into_exit_code_2_and_one_sentence(tmp_path
 
 
 def _run(config):
-    from areal_jax import main as entry
+    from areal_jax.programs import rl as entry
 
     return entry.run(config)
 

@@ -21,7 +21,7 @@ import time
 
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.system.job import MATH_REWARD_WARMUP
-from areal_jax.system.tiny import tiny_config
+from areal_jax.testing.tiny import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,7 @@ def test_parse_bombs_time_out_and_the_pool_keeps_scoring():
 
 
 def test_hostile_completions_through_the_system_execute_nothing_and_stall_nothing(tmp_path, monkeypatch):
-    from areal_jax import main as entry
+    from areal_jax.programs import rl as entry
     from areal_jax.rewards import math as math_rewards
     from areal_jax.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import config as config_lib
-from areal_jax.models import testing
+from areal_jax.testing import models as testing
 from areal_jax.trainer import TrainerConfig
 from areal_jax.trainer.logprobs import model_logprobs
 

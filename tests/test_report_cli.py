@@ -1,4 +1,4 @@
-"""`python -m areal_jax.report`: a command line with --help, --out and a one-line error for a directory
+"""`python -m areal_jax.programs.report`: a command line with --help, --out and a one-line error for a directory
 that is not a run; the timeline is drawn with one call per lane and span kind and looks as it did when
 every span had its own call."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from areal_jax import report  # noqa: E402
+from areal_jax.programs import report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = {"trainer": ["wait_batch", "train_step", "publish"], "sampler": ["decode_step", "admit_prefill"],
@@ -24,7 +24,7 @@ KINDS = {"trainer": ["wait_batch", "train_step", "publish"], "sampler": ["decode
 
 
 def _report(*args):
-    return subprocess.run([sys.executable, "-m", "areal_jax.report", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "areal_jax.programs.report", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
 
 

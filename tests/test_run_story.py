@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from areal_jax.config import ConfigError
-from areal_jax.main import format_summary
 from areal_jax.metrics import MetricsLogger
+from areal_jax.programs.rl import format_summary
 from areal_jax.system.job import RLJob
-from areal_jax.system.tiny import tiny_config
+from areal_jax.testing.tiny import tiny_config
 
 
 class FakeClock:
@@ -91,8 +91,8 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
 
     # The same run directory with a model of another shape: one sentence naming the keys to change.
     from areal_jax.data.math_tokenizer import build_math_tokenizer
-    from areal_jax.models.testing import tiny_config as tiny_model_config
-    from areal_jax.models.testing import write_random_hf_checkpoint
+    from areal_jax.testing.models import tiny_config as tiny_model_config
+    from areal_jax.testing.models import write_random_hf_checkpoint
 
     tok = build_math_tokenizer()
     other = str(tmp_path / "other_model")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import testing
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams, generate_batch
+from areal_jax.testing import models as testing
 
 MAX_LEN = 48
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from areal_jax import config as config_lib
-from areal_jax.models import testing
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.testing import models as testing
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")

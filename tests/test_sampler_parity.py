@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal_jax.models import load_hf_checkpoint, testing
+from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import generate_batch
+from areal_jax.testing import models as testing
 
 torch = pytest.importorskip("torch", reason="parity with HF transformers needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="parity needs transformers (pip install transformers)")

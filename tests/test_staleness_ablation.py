@@ -21,13 +21,13 @@ def _load():
 
 @pytest.fixture(scope="module")
 def tiny_config_file(tmp_path_factory):
-    from areal_jax.system.tiny import write_tiny_assets
+    from areal_jax.testing.tiny import write_tiny_assets
 
     d = tmp_path_factory.mktemp("tiny")
     write_tiny_assets(str(d))
     path = d / "config.py"
     path.write_text(
-        "from areal_jax.system.tiny import tiny_config\n\n\n"
+        "from areal_jax.testing.tiny import tiny_config\n\n\n"
         "def get_config():\n"
         f"    c = tiny_config({str(d)!r}, write=False)\n"
         "    c.eval.max_new_tokens = 8\n"

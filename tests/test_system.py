@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from areal_jax.system.job import RLJob
-from areal_jax.system.tiny import tiny_config, write_tiny_assets
+from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

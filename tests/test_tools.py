@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from areal_jax.evaluate import pass_at_k
-from areal_jax.system.tiny import tiny_config
+from areal_jax.evaluation.scoring import pass_at_k
+from areal_jax.testing.tiny import tiny_config
 
 
 @pytest.mark.parametrize("n,c,k", [(8, 0, 1), (8, 3, 1), (8, 3, 4), (5, 5, 2), (6, 1, 6), (7, 2, 3)])
@@ -40,8 +40,8 @@ def tiny_run(tmp_path_factory):
 def test_export_writes_the_trained_policy_as_an_hf_directory(tiny_run, tmp_path):
     from flax import nnx
 
-    from areal_jax.export import export_policy
     from areal_jax.models import load_hf_checkpoint
+    from areal_jax.programs.export import export_policy
     from areal_jax.tokenizer import Tokenizer
 
     c, final = tiny_run
@@ -62,7 +62,7 @@ def test_export_writes_the_trained_policy_as_an_hf_directory(tiny_run, tmp_path)
 
 @pytest.mark.slow
 def test_report_draws_pngs_from_a_run(tiny_run):
-    from areal_jax.report import busy_fractions, make_report, read_spans
+    from areal_jax.programs.report import busy_fractions, make_report, read_spans
 
     c, _ = tiny_run
     paths = make_report(c.run_dir)
@@ -80,7 +80,7 @@ def test_report_draws_pngs_from_a_run(tiny_run):
 @pytest.mark.slow
 def test_sft_trains_and_saves_a_loadable_warm_start(tmp_path):
     from areal_jax.models import load_hf_checkpoint
-    from areal_jax.sft import run
+    from areal_jax.programs.sft import run
 
     c = ml_collections.ConfigDict()
     c.out_dir, c.seed, c.batch_size, c.seq_len, c.max_new_tokens = str(tmp_path / "sft"), 0, 16, 72, 8

@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models.testing import random_model, tiny_config
 from areal_jax.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, token_entropy
-from areal_jax.system.mesh import MeshConfig, build_meshes
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
+from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
 from areal_jax.trainer import batch as batching
 

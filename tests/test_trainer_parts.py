@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models.testing import random_model, tiny_config
+from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory, make_schedule
 from areal_jax.trainer.batch import (
     aggregation_weights,

@@ -13,7 +13,7 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax.config import ConfigError
 from areal_jax.system.job import RLJob
-from areal_jax.system.tiny import tiny_config
+from areal_jax.testing.tiny import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,7 +125,7 @@ def test_help_shows_config_files_and_most_used_keys_with_their_docs():
     out = _main("--help", timeout=120)
     assert out.returncode == 0, out.stderr
     docs = config_lib.config_docs()
-    from areal_jax.main import MOST_USED_KEYS
+    from areal_jax.programs.rl import MOST_USED_KEYS
 
     assert len(MOST_USED_KEYS) == 10 and "configs/math.py" in out.stdout and "--config.help" in out.stdout
     for key in MOST_USED_KEYS:

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from areal_jax import config as config_lib
 from areal_jax.models.lora import LoRAConfig
+from areal_jax.runtime.mesh import MeshConfig
 from areal_jax.system.controller import RolloutSettings
-from areal_jax.system.mesh import MeshConfig
 from areal_jax.trainer.config import TrainerConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

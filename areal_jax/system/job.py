@@ -17,7 +17,8 @@ from flax import nnx
 from areal_jax import config as config_lib
 from areal_jax import paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
-from areal_jax.system import build, multihost, runner, user_errors
+from areal_jax.runtime import multihost
+from areal_jax.system import build, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
@@ -39,9 +40,9 @@ class RLJob:
         from areal_jax.data import make_prompt_iterator
         from areal_jax.models import load_hf_checkpoint
         from areal_jax.rewards.pool import RewardPool
+        from areal_jax.runtime.distributed import is_primary
+        from areal_jax.runtime.mesh import build_meshes
         from areal_jax.sampler import Engine, SamplerLoop
-        from areal_jax.system.distributed import is_primary
-        from areal_jax.system.mesh import build_meshes
         from areal_jax.system.params import ParamChannel
         from areal_jax.tokenizer import Tokenizer
         from areal_jax.trainer import Trainer
@@ -75,7 +76,7 @@ class RLJob:
             )
         self.eval_examples: list = []
         if c.eval.n_test > 0 and c.data.test_path and (c.eval.at_start or c.eval.at_end or c.eval.every_steps):
-            from areal_jax.evaluate import load_eval_examples
+            from areal_jax.evaluation.scoring import load_eval_examples
 
             with user_errors.data_file("data.test_path", c.data.test_path):
                 self.eval_examples = load_eval_examples(c.data.test_path, self.tokenizer, c.data, c.eval.n_test)
@@ -237,14 +238,14 @@ class RLJob:
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
             return None
-        from areal_jax.evaluate import evaluate_params
+        from areal_jax.evaluation.scoring import evaluate_params
 
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
         k = int(c.eval.get("samples", 8))
         if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
-            from areal_jax.eval_batch import eval_engine
+            from areal_jax.evaluation.batch import eval_engine
 
             self._eval_engine = eval_engine(
                 self.graphdef, config=self.model_config, num_slots=c.eval.get("num_slots", 256),

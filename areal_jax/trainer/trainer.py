@@ -44,7 +44,7 @@ class Trainer:
         if tuple(mesh.axis_names) != ("fsdp", "tensor"):
             raise ValueError(
                 f"The train mesh must have axes ('fsdp', 'tensor'), got {tuple(mesh.axis_names)}; build it "
-                "with areal_jax.system.mesh.build_meshes."
+                "with areal_jax.runtime.mesh.build_meshes."
             )
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model: pass ref_model=..., or set kl_coef=0.")

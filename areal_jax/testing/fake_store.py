@@ -1,10 +1,10 @@
 """A stand-in object store for tests: `fake-gs://bucket/key` URLs kept in a local directory.
 
-    from areal_jax import fake_store
+    from areal_jax.testing import fake_store
     fake_store.register(tmp_dir)             # once per process, before the paths are used
     config.run_dir = "fake-gs://bucket/run"  # everything the run writes goes through epath to tmp_dir
 
-or, for a program in other processes: `AREAL_FAKE_STORE_ROOT=DIR python -m areal_jax.fake_store
+or, for a program in other processes: `AREAL_FAKE_STORE_ROOT=DIR python -m areal_jax.testing.fake_store
 areal_jax.main --config.run_dir=fake-gs://bucket/run ...`.
 
 It behaves like an object store where that matters to a writer, so code that only works on a local
@@ -66,7 +66,7 @@ class FakeStorePath(epath.abstract_path.Path):
     def local_mount(self) -> str:
         root = os.environ.get(_ROOT_ENV)
         if not root:
-            raise RuntimeError(f"call areal_jax.fake_store.register(directory) before using {SCHEME}:// paths.")
+            raise RuntimeError(f"call areal_jax.testing.fake_store.register(directory) before using {SCHEME}:// paths.")
         return os.path.join(root, *self.parts[1:])
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -175,12 +175,12 @@ if os.environ.get(_ROOT_ENV):
 
 
 if __name__ == "__main__":
-    # `python -m areal_jax.fake_store MODULE ARGS...`: run MODULE as the program with fake-gs:// URLs
+    # `python -m areal_jax.testing.fake_store MODULE ARGS...`: run MODULE as the program with fake-gs:// URLs
     # served from $AREAL_FAKE_STORE_ROOT (how multi-process tests give each process the fake store).
     import runpy
     import sys
 
     if len(sys.argv) < 2 or not os.environ.get(_ROOT_ENV):
-        raise SystemExit(f"usage: {_ROOT_ENV}=DIR python -m areal_jax.fake_store MODULE [ARGS...]")
+        raise SystemExit(f"usage: {_ROOT_ENV}=DIR python -m areal_jax.testing.fake_store MODULE [ARGS...]")
     sys.argv = sys.argv[1:]
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

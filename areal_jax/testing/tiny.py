@@ -17,8 +17,8 @@ def write_tiny_assets(directory: str, *, seed: int = 0, n_train: int = 200, n_te
     """Writes <dir>/model (HF dir incl. tokenizer) and <dir>/data/{train,test}.jsonl; returns the paths."""
     from areal_jax.data.math_tokenizer import build_math_tokenizer
     from areal_jax.data.synthetic_math import write_splits
-    from areal_jax.models.testing import tiny_config as tiny_model_config
-    from areal_jax.models.testing import write_random_hf_checkpoint
+    from areal_jax.testing.models import tiny_config as tiny_model_config
+    from areal_jax.testing.models import write_random_hf_checkpoint
 
     tok = build_math_tokenizer()
     model_dir = os.path.join(directory, "model")
@@ -49,7 +49,7 @@ def tiny_config(directory: str, *, run_dir: str | None = None, eta: int | None =
     """A complete run config over write_tiny_assets(directory): a few seconds per step on a CPU.
 
     write=False only points at the assets (config files must not touch JAX before
-    jax.distributed.initialize; write them first with `python -m areal_jax.system.tiny DIR`).
+    jax.distributed.initialize; write them first with `python -m areal_jax.testing.tiny DIR`).
     """
     paths = write_tiny_assets(directory) if write else tiny_paths(directory)
     c = base_config()
@@ -69,7 +69,7 @@ def tiny_config(directory: str, *, run_dir: str | None = None, eta: int | None =
     c.train.lr = 1e-3
     c.train.micro_batch_tokens = 256
     c.reward.num_workers = 1
-    c.reward.fn = "areal_jax.system.tiny:length_parity_reward"
+    c.reward.fn = "areal_jax.testing.tiny:length_parity_reward"
     c.eval.n_test = 0
     c.checkpoint.every_steps = 1
     c.log.console = False
@@ -80,5 +80,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m areal_jax.system.tiny DIR  (writes the tiny model and data into DIR)")
+        raise SystemExit("usage: python -m areal_jax.testing.tiny DIR  (writes the tiny model and data into DIR)")
     print(write_tiny_assets(sys.argv[1]))

@@ -1,6 +1,6 @@
 """Write a run's policy as an HF directory (model + tokenizer) that transformers loads.
 
-    python -m areal_jax.export --run_dir=runs/math --out=runs/math/export [--step=N] [--format=merged|peft]
+    python -m areal_jax.programs.export --run_dir=runs/math --out=runs/math/export [--step=N] [--format=merged|peft]
 
 Reads the run's config.json, restores the latest (or the given) checkpoint onto this host's devices and
 saves config.json, model.safetensors and the tokenizer files into --out. For a LoRA run, --format=merged

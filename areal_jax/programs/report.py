@@ -1,4 +1,4 @@
-"""Plots of a run: `python -m areal_jax.report RUN_DIR [--out DIR]` writes PNGs into RUN_DIR/plots
+"""Plots of a run: `python -m areal_jax.programs.report RUN_DIR [--out DIR]` writes PNGs into RUN_DIR/plots
 (or DIR).
 
 - curves.png: training reward and accuracy against steps and against wall time (plus eval points);
@@ -130,7 +130,7 @@ def make_report(run_dir: str, out: str | None = None) -> list[str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m areal_jax.report",
+        prog="python -m areal_jax.programs.report",
         description="Plot a run of areal_jax.main: curves.png (reward and test accuracy against steps and wall "
                     "time) and timeline.png (when the trainer, sampler and reward lanes were busy).")
     parser.add_argument("run_dir", help="the run's directory (config.run_dir; holds metrics.jsonl, timeline.json)")

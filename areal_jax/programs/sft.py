@@ -1,7 +1,7 @@
 """Supervised warm start: a small model of our family and its tokenizer, trained from scratch.
 
-    python -m areal_jax.sft --config=configs/sft_math.py
-    python -m areal_jax.sft --config=configs/sft_code.py     # task "code": synthetic programming tasks
+    python -m areal_jax.programs.sft --config=configs/sft_math.py
+    python -m areal_jax.programs.sft --config=configs/sft_code.py     # task "code": synthetic programming tasks
 
 Stages run in order, each on its own mix of target styles (synthetic_math.format_target): typically
 worked solutions until the model can do the arithmetic, then a mix where most targets give the bare
@@ -78,7 +78,7 @@ def sample_styles(rng: random.Random, mix: dict[str, float], n: int) -> list[str
 def run(c: Any) -> dict:
     from areal_jax.data import load_eval_split
     from areal_jax.data.prompts import PromptFormat
-    from areal_jax.evaluate import evaluate_examples
+    from areal_jax.evaluation.scoring import evaluate_examples
     from areal_jax.models import ModelConfig, Transformer, save_hf_checkpoint
 
     # The synthetic task: "math" (word problems, math reward) or "code" (programming tasks, sandboxed tests).
@@ -168,7 +168,7 @@ def run(c: Any) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
-    from areal_jax.main import quiet_library_logs
+    from areal_jax.programs.rl import quiet_library_logs
 
     quiet_library_logs()
     run(_CONFIG.value)

@@ -1,16 +1,12 @@
-"""Greedy pass@1 and sampled pass@k of a policy on a JSONL / Parquet split.
+"""Scoring a policy on an evaluation split: greedy pass@1, sampled pass@1 and pass@k.
 
-    python -m areal_jax.evaluate --model=assets/math_reasoner --data=assets/data/test.jsonl --n=500 --k=8
-
-`--model` is an HF directory (config.json + safetensors + tokenizer files); a run's checkpoint can be
-exported to one with `python -m areal_jax.export`. Rewards are scored in worker processes with a
-timeout, like training rewards, so a pathological completion cannot hang the evaluation.
+The job's periodic evaluations and the `python -m areal_jax.programs.evaluate` program both call
+`evaluate_params` / `evaluate_examples`; generation goes through one sampler loop
+(areal_jax.evaluation.batch) and rewards are scored in worker processes while it runs.
 """
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from typing import Any, Sequence
 
@@ -44,17 +40,17 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
     data.PromptExample list. k = 0 skips sampling. All n x (1 + k) sequences go through one sampler
-    loop (areal_jax.eval_batch) and are scored while it runs.
+    loop (areal_jax.evaluation.batch) and are scored while it runs.
     reward_fn: a "module:function" string or picklable callable (see RewardPool); pool: an open
     RewardPool to score with instead (e.g. the job's), reward_fn is then unused.
-    engine / params: an Engine (eval_batch.eval_engine) and the state to decode with, to evaluate
+    engine / params: an Engine (evaluation.batch.eval_engine) and the state to decode with, to evaluate
     again without recompiling; by default built from `model` with `num_slots` slots.
     Returns greedy_pass@1, greedy_len, sampled_pass@1, pass@k, the generation's tokens / seconds /
     tokens_per_s / occupancy, the whole evaluation's seconds, and one greedy completion as text.
     """
     from flax import nnx
 
-    from areal_jax.eval_batch import StreamingScorer, eval_engine, generate_for_eval, rewards_matrix
+    from areal_jax.evaluation.batch import StreamingScorer, eval_engine, generate_for_eval, rewards_matrix
     from areal_jax.rewards.pool import RewardPool
 
     t0 = time.perf_counter()
@@ -133,41 +129,3 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
                              reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,
                              params=params, pool=pool, decode_steps=decode_steps)
-
-
-def main(argv: list[str]) -> None:
-    from absl import flags
-
-    from areal_jax.data import load_eval_split
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.tokenizer import Tokenizer
-
-    f = flags.FLAGS
-    tokenizer = Tokenizer.from_pretrained(f.tokenizer or f.model)
-    model = load_hf_checkpoint(f.model)
-    examples = load_eval_split(f.data, tokenizer, prompt_template=f.prompt_template,
-                               use_chat_template=f.chat_template, max_prompt_len=f.max_prompt_len)[: f.n]
-    res = evaluate_examples(model, tokenizer, examples, max_new_tokens=f.max_new_tokens, k=f.k,
-                            num_slots=f.num_slots, seed=f.seed, reward_fn=f.reward_fn)
-    print(f"{f.model} on {f.data} ({res['n']} problems): greedy pass@1 {res['greedy_pass@1']:.3f}"
-          + (f", sampled pass@1 {res['sampled_pass@1']:.3f}, pass@{f.k} {res[f'pass@{f.k}']:.3f}" if f.k else ""))
-    print(json.dumps({k: v for k, v in res.items() if k != "sample_greedy"}))
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-
-    flags.DEFINE_string("model", None, "HF checkpoint directory.", required=True)
-    flags.DEFINE_string("tokenizer", None, "Tokenizer directory (default: --model).")
-    flags.DEFINE_string("data", None, "JSONL or Parquet split (GSM8K layout).", required=True)
-    flags.DEFINE_integer("n", 500, "Problems to evaluate (the first n).")
-    flags.DEFINE_integer("k", 8, "Samples per problem for sampled pass@1 / pass@k (0: greedy only).")
-    flags.DEFINE_integer("max_new_tokens", 64, "Completion budget.")
-    flags.DEFINE_integer("max_prompt_len", 256, "Longer prompts are skipped.")
-    flags.DEFINE_integer("num_slots", 256, "Sampler slots (all greedy and sampled sequences share them).")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_string("prompt_template", "Question: {question}\nAnswer:", "Prompt template.")
-    flags.DEFINE_bool("chat_template", False, "Use the tokenizer's chat template.")
-    flags.DEFINE_string("reward_fn", "areal_jax.rewards.math:math_reward", "module:function reward.")
-    app.run(main)
-    sys.exit(0)
