@@ -42,6 +42,7 @@ from areal_jax.sampler.requests import (
     make_completion,
 )
 from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.timeline import SpanRecorder
 
 _LIVE_LOOPS: "weakref.WeakSet[SamplerLoop]" = weakref.WeakSet()
 
@@ -99,7 +100,7 @@ class SamplerLoop:
         self._stats = collections.Counter()
         self._max_update_wait = 0.0
         self._state = engine.init_decode_state()
-        self.timeline: Any = None  # an areal_jax.metrics.Timeline to record decode steps and updates into
+        self.timeline: SpanRecorder | None = None  # records decode steps and updates (areal_jax.timeline)
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
         self._thread.start()
         _LIVE_LOOPS.add(self)
@@ -108,6 +109,10 @@ class SamplerLoop:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise SamplerLoopError(f"the sampler loop thread failed: {self._error!r}") from self._error
+
+    def check(self) -> None:
+        """Raise SamplerLoopError (caused by the thread's exception) when the loop thread has failed."""
+        self._raise_if_failed()
 
     def submit(self, request: Request) -> None:
         """Queue ``request``; a prompt that cannot fit comes back as "error" completions."""
@@ -215,7 +220,7 @@ class SamplerLoop:
         with self._cond:
             return self._pending - len(self._out)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, float]:
         """Counters: steps (device decode steps), dispatches, generated_tokens, mean_slot_occupancy
         (generating slot-steps / (steps * slots)), queue_depth, running, recomputes, updates,
         update_latency_s / update_latency_max_s (update_params call to the update taking effect),

@@ -16,24 +16,30 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from areal_jax.system.interfaces import SampledCompletion
+
+if TYPE_CHECKING:
+    from areal_jax.data.prompts import PromptExample
 
 
 @dataclasses.dataclass
 class Group:
     """One prompt's samples, with rewards and advantages once complete.
 
-    completions: list of sampler Completions (len group_size); rewards, advantages: [group_size] float32.
+    completions: the sampler's Completions (len group_size); rewards, advantages: [group_size] float32;
+    reward_status: the reward pool's status per sample ("ok", "error", "timeout", "nan", "sampler_error").
     """
 
     gid: int
-    example: Any  # data.PromptExample
+    example: PromptExample
     admit_version: int
-    completions: list
+    completions: list[SampledCompletion]
     rewards: np.ndarray
-    reward_status: list
+    reward_status: list[str]
     advantages: np.ndarray
     filtered: bool = False
     filter_reason: str = ""

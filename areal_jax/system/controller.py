@@ -15,14 +15,19 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from areal_jax.rl.advantages import group_advantages
 from areal_jax.rl.staleness import rollout_capacity
-from areal_jax.sampler import Request
+from areal_jax.sampler.requests import Request
 from areal_jax.system.buffer import Group, TrajectoryBuffer
+from areal_jax.system.interfaces import PromptStream, RewardService, RolloutSampler
+from areal_jax.timeline import SpanRecorder
+
+if TYPE_CHECKING:
+    from areal_jax.data.prompts import PromptExample
 
 
 @dataclasses.dataclass
@@ -44,9 +49,10 @@ class RolloutController:
     """Drives the SamplerLoop and RewardPool from a thread and fills a TrajectoryBuffer.
 
     Args:
-      sampler: a running SamplerLoop (submit, get_completion, current_version).
-      reward_pool: RewardPool (submit(key, text, answer), results(timeout)).
-      prompts: iterator of data.PromptExample.
+      sampler: a running sampler (interfaces.RolloutSampler: a SamplerLoop).
+      reward_pool: where completions are scored (interfaces.RewardService: a RewardPool).
+      prompts: the prompt stream (interfaces.PromptStream: a data.PromptIterator); its position is
+        saved by snapshot().
       decode: token ids -> completion text (for the reward).
       buffer: where complete groups go.
       resubmit: examples admitted before a checkpoint but not trained; admitted first, in order.
@@ -57,16 +63,16 @@ class RolloutController:
     def __init__(
         self,
         settings: RolloutSettings,
-        sampler: Any,
-        reward_pool: Any,
-        prompts: Iterator[Any],
+        sampler: RolloutSampler,
+        reward_pool: RewardService,
+        prompts: PromptStream,
         decode: Callable[[list[int]], str],
         buffer: TrajectoryBuffer,
         *,
-        resubmit: list | None = None,
+        resubmit: list[PromptExample] | None = None,
         accepted: int = 0,
         first_gid: int = 0,
-        timeline: Any = None,
+        timeline: SpanRecorder | None = None,
     ):
         self.s = settings
         self.sampler = sampler
@@ -133,7 +139,7 @@ class RolloutController:
             max_concurrent=self.s.max_concurrent,
         )
 
-    def _next_example(self) -> Any | None:
+    def _next_example(self) -> PromptExample | None:
         if self._resubmit:
             return self._resubmit.popleft()
         if self._exhausted:
@@ -254,5 +260,4 @@ class RolloutController:
                     if group is not None and not group.filtered:
                         pending.append(group.example)
             pending.extend(self._resubmit)
-            state = self.prompts.get_state() if hasattr(self.prompts, "get_state") else None
-            return {"pending": pending, "prompts_state": state, "counters": dict(self.counters)}
+            return {"pending": pending, "prompts_state": self.prompts.get_state(), "counters": dict(self.counters)}

@@ -16,9 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from jax.typing import DTypeLike
+
+from areal_jax.system.interfaces import RolloutSampler, SampledCompletion
+
+if TYPE_CHECKING:
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.sampler.requests import Request
 
 GiB = 1024**3
 
@@ -65,22 +72,29 @@ def long_tail_lengths(n: int, median: int, cap: int, *, sigma: float = 1.0, seed
 
 
 class ForcedLengths:
-    """A SamplerLoop stand-in for the RolloutController: request `id` (the group number) generates
-    exactly `lengths[id % len(lengths)]` tokens per sample, with no stop token. Everything else is the
-    wrapped loop's."""
+    """A RolloutSampler (system.interfaces) for the RolloutController that wraps a SamplerLoop: request
+    `id` (the group number) generates exactly `lengths[id % len(lengths)]` tokens per sample, with no
+    stop token. Everything else (completions, version, other attributes) is the wrapped loop's."""
 
-    def __init__(self, sampler: Any, lengths: np.ndarray):
+    def __init__(self, sampler: RolloutSampler, lengths: np.ndarray):
         self._sampler = sampler
         self._lengths = np.asarray(lengths, np.int64)
 
     def length_of(self, request_id: int) -> int:
         return int(self._lengths[int(request_id) % len(self._lengths)])
 
-    def submit(self, request: Any) -> None:
+    @property
+    def current_version(self) -> int:
+        return self._sampler.current_version
+
+    def submit(self, request: Request) -> None:
         self._sampler.submit(dataclasses.replace(request, max_new_tokens=self.length_of(request.id),
                                                  stop_token_ids=()))
 
-    def __getattr__(self, name: str) -> Any:
+    def get_completion(self, timeout: float | None = None) -> SampledCompletion | None:
+        return self._sampler.get_completion(timeout)
+
+    def __getattr__(self, name: str) -> object:
         return getattr(self._sampler, name)
 
 
@@ -115,7 +129,7 @@ class MemoryPlan:
         return sum(self.parts().values())
 
 
-def memory_plan(cfg: Any, *, slots: int, max_len: int, sampler_dtype: Any) -> MemoryPlan:
+def memory_plan(cfg: ModelConfig, *, slots: int, max_len: int, sampler_dtype: DTypeLike) -> MemoryPlan:
     """The MemoryPlan of model config `cfg` with a `slots` x `max_len` KV cache, from abstract shapes."""
     import jax
     import jax.numpy as jnp

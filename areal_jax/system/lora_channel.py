@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from areal_jax.models import logical_to_mesh_sharding, lora
+from areal_jax.system.interfaces import ParamsSink
 from areal_jax.system.params import ParamChannel
 
 MODES = ("merged", "unmerged")
@@ -57,8 +59,8 @@ class AdapterChannel:
     """
 
     def __init__(self, params: nnx.State, rollout_mesh: Mesh, *, scale: float, mode: str = "merged",
-                 dtype: Any = None, train_mesh: Mesh | None = None,
-                 deliver: Callable[[Any, int], None] | None = None):
+                 dtype: DTypeLike | None = None, train_mesh: Mesh | None = None,
+                 deliver: ParamsSink | None = None):
         if mode not in MODES:
             raise ValueError(f"lora.sampler={mode!r} is not one of {', '.join(MODES)}.")
         adapters, base = split_adapters(params)
@@ -77,7 +79,7 @@ class AdapterChannel:
             self._merge = jax.jit(lambda b, a: lora.merge_state(nnx.merge_state(b, a), self.scale, dtype),
                                   out_shardings=logical_to_mesh_sharding(merged_shape, rollout_mesh))
         self._lock = threading.Lock()
-        self._latest: tuple[int, Any] | None = None
+        self._latest: tuple[int, nnx.State] | None = None
         self.publish_count = 0
         self.last_publish_s = 0.0
         self.last_bytes = 0
@@ -105,7 +107,7 @@ class AdapterChannel:
         self.last_publish_s = time.perf_counter() - t0
         return out
 
-    def latest(self) -> tuple[int, Any] | None:
+    def latest(self) -> tuple[int, nnx.State] | None:
         """The most recent (version, sampler params), or None before the first publish."""
         with self._lock:
             return self._latest

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from areal_jax.models import logical_to_mesh_sharding
+from areal_jax.system.interfaces import ParamsSink
 
 
 def _is_fully_addressable(tree: Any) -> bool:
@@ -40,7 +43,7 @@ def _index_key(index: tuple) -> tuple:
     return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
 
 
-def _shards_cover(x: jax.Array, target: Any) -> bool:
+def _shards_cover(x: jax.Array, target: jax.sharding.Sharding) -> bool:
     """Whether device_put(x, target) can copy each target shard from one source buffer: x is on one
     device (device_put slices it there) or holds every shard the target needs as a buffer."""
     if len(x.sharding.device_set) == 1:
@@ -49,7 +52,7 @@ def _shards_cover(x: jax.Array, target: Any) -> bool:
     return all(_index_key(i) in have for i in target.devices_indices_map(x.shape).values())
 
 
-def cast_floating(tree: Any, dtype: Any | None) -> Any:
+def cast_floating(tree: Any, dtype: DTypeLike | None) -> Any:
     """Cast every floating-point leaf of `tree` to `dtype` (None: unchanged); traced inside jit, so the
     cast runs on the device that holds the leaf. Other leaves (ints, bools) pass through."""
     if dtype is None:
@@ -68,25 +71,26 @@ class ParamChannel:
     Args:
       rollout_shardings: pytree of NamedSharding (same structure as the params) on the rollout mesh.
       train_mesh: the trainer's mesh; needed when the params are not fully addressable (many hosts).
-      deliver: called as `deliver(params_on_rollout, version)`, typically `SamplerLoop.update_params`.
+      deliver: called as `deliver(params_on_rollout, version)`, typically a ManagedSampler's
+        `update_params` (areal_jax.system.interfaces).
       dtype: the sampler's parameter dtype (e.g. jnp.bfloat16); floating leaves are cast on the device.
         None keeps the published dtype.
     """
 
     def __init__(
         self,
-        rollout_shardings: Any,
+        rollout_shardings: nnx.State | dict[str, Any],
         *,
         train_mesh: Mesh | None = None,
-        deliver: Callable[[Any, int], None] | None = None,
-        dtype: Any | None = None,
+        deliver: ParamsSink | None = None,
+        dtype: DTypeLike | None = None,
     ):
         self.rollout_shardings = rollout_shardings
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.train_mesh = train_mesh
         self.deliver = deliver
         self._lock = threading.Lock()
-        self._latest: tuple[int, Any] | None = None
+        self._latest: tuple[int, nnx.State] | None = None
         self.publish_count = 0
         self.last_publish_s = 0.0
         self._gather = None
@@ -95,11 +99,11 @@ class ParamChannel:
         self.last_bytes = 0  # bytes written on the rollout slice by the last reshard
 
     @classmethod
-    def for_model(cls, model_or_state: Any, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
+    def for_model(cls, model_or_state: nnx.Module | nnx.State, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
         """Build a channel whose rollout layout follows the model's logical axis rules."""
         return cls(logical_to_mesh_sharding(model_or_state, rollout_mesh), **kw)
 
-    def _replicate_on_train_mesh(self, params: Any) -> Any:
+    def _replicate_on_train_mesh(self, params: nnx.State) -> nnx.State:
         if self._gather is None:
             if self.train_mesh is None:
                 raise ValueError(
@@ -111,7 +115,7 @@ class ParamChannel:
                                    out_shardings=jax.tree.map(lambda _: replicated, params))
         return self._gather(params)
 
-    def _stage(self, params: Any, leaves: list) -> Any:
+    def _stage(self, params: nnx.State, leaves: list[jax.Array]) -> nnx.State:
         """Cast (when `dtype` is set) and lay out `params` on their own devices so that every shard the
         rollout layout needs already exists as one buffer; the following device_put is then one
         device-to-device copy per shard. (When the source's shard index map differs from the
@@ -137,7 +141,7 @@ class ParamChannel:
                                  out_shardings=staging)
         return self._cast(params)
 
-    def reshard(self, params: Any) -> Any:
+    def reshard(self, params: nnx.State) -> nnx.State:
         """Return a copy of `params` laid out on the rollout mesh (floating leaves in `dtype` when set);
         never aliases the input buffers and never moves them through the host."""
         if not _is_fully_addressable(params):
@@ -160,7 +164,7 @@ class ParamChannel:
         self.last_bytes = tree_nbytes(out)
         return out
 
-    def publish(self, version: int, params: Any) -> Any:
+    def publish(self, version: int, params: nnx.State) -> nnx.State:
         """Reshard `params` (version `version`) and deliver them; returns the rollout copy."""
         t0 = time.perf_counter()
         on_rollout = self.reshard(params)
@@ -173,7 +177,7 @@ class ParamChannel:
         self.last_publish_s = time.perf_counter() - t0
         return on_rollout
 
-    def latest(self) -> tuple[int, Any] | None:
+    def latest(self) -> tuple[int, nnx.State] | None:
         """The most recent (version, params on the rollout mesh), or None before the first publish."""
         with self._lock:
             return self._latest

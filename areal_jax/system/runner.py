@@ -12,14 +12,19 @@ import json
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from areal_jax.system.buffer import Group
+from areal_jax.system.buffer import Group, TrajectoryBuffer
+from areal_jax.system.interfaces import ManagedSampler
+
+if TYPE_CHECKING:
+    from areal_jax.system.controller import RolloutController
+    from areal_jax.trainer.batch import Trajectory
 
 
-def groups_to_trajectories(groups: list[Group]) -> list:
+def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
     """Flatten complete groups into trainer Trajectories (prompt + completion, behaviour data)."""
     from areal_jax.trainer.batch import Trajectory
 
@@ -157,8 +162,8 @@ class StopFlag:
         self._previous, self._installed = {}, False
 
 
-def wait_for_batch(buffer: Any, n: int, controller: Any, sampler: Any, stop: StopFlag,
-                   timeout_s: float) -> list[Group] | None:
+def wait_for_batch(buffer: TrajectoryBuffer, n: int, controller: RolloutController, sampler: ManagedSampler,
+                   stop: StopFlag, timeout_s: float) -> list[Group] | None:
     """Block for the next batch, re-raising errors from the rollout threads; None if asked to stop."""
     deadline = time.monotonic() + timeout_s
     while not stop.requested.is_set():
@@ -166,8 +171,7 @@ def wait_for_batch(buffer: Any, n: int, controller: Any, sampler: Any, stop: Sto
         if groups is not None:
             return groups
         controller.check()
-        if hasattr(sampler, "check"):
-            sampler.check()
+        sampler.check()
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"No batch of {n} groups became ready in {timeout_s:.0f} s: the sampler or the reward pool "

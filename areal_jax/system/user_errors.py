@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from areal_jax.config import ConfigError
+
+if TYPE_CHECKING:
+    from areal_jax.models.config import ModelConfig
 
 __all__ = ["check_same_model", "data_file", "model_dir", "model_signature", "one_line", "restore_failed", "run_dir",
            "tokenizer_dir"]
@@ -78,7 +81,7 @@ def model_dir(model_path: str) -> Iterator[None]:
                           "Point it at a complete HF model directory.") from e
 
 
-def model_signature(model_config: Any) -> dict:
+def model_signature(model_config: ModelConfig | dict) -> dict:
     """The fields of a ModelConfig that a checkpoint's shapes depend on (JSON-able)."""
     fields = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else dict(model_config)
     return {k: fields[k] for k in _SIGNATURE_FIELDS if k in fields}
