@@ -1,4 +1,4 @@
-"""Micro-batch balancing and sequence packing (host-side numpy)."""
+"""Micro-batch balancing (host-side numpy)."""
 
 import numpy as np
 import pytest
@@ -82,19 +82,3 @@ def test_too_long_sequence_is_a_clear_error():
         P.balanced_microbatches([1], 8, 1, method="greedy")
     with pytest.raises(ValueError, match="n_buckets"):
         P.balanced_microbatches([1], 8, 0)
-
-
-def test_pack_sequences_layout_and_roundtrip():
-    seqs = [[11, 12, 13], [21, 22], [31]]
-    tokens, positions, segs = P.pack_sequences(seqs, 8, pad_id=-1)
-    np.testing.assert_array_equal(tokens, [11, 12, 13, 21, 22, 31, -1, -1])
-    np.testing.assert_array_equal(positions, [0, 1, 2, 0, 1, 0, 0, 0])
-    np.testing.assert_array_equal(segs, [1, 1, 1, 2, 2, 3, 0, 0])
-    assert tokens.dtype == positions.dtype == segs.dtype == np.int32
-    logps = [np.array([-0.1, -0.2, -0.3]), np.array([-1.0, -2.0]), np.array([-5.0])]
-    packed = P.pack_values(logps, 8, fill=0.0)
-    np.testing.assert_allclose(packed, [-0.1, -0.2, -0.3, -1.0, -2.0, -5.0, 0.0, 0.0], rtol=1e-6)
-    for a, b in zip(P.unpack_values(packed, [3, 2, 1]), logps):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    with pytest.raises(ValueError, match="more than max_tokens"):
-        P.pack_sequences(seqs, 5)

@@ -1,35 +1,40 @@
 """Policy-gradient and auxiliary losses: pure, jit- and grad-able functions of [B, T] arrays.
 
+Every loss has two forms. The per-token form (``*_token_loss``, ``kl_token_penalty``) returns
+``(per_token, token_stats)``: ``per_token: [B, T]`` the loss of each token (0 at masked tokens) and
+``token_stats`` a dict of [B, T] per-token diagnostics (no gradient, 0 at masked tokens). The aggregated
+form (``decoupled_ppo_loss``, ``ppo_loss``, ``gspo_loss``, ``kl_penalty``, ``value_loss``) is the per-token
+form followed by the one aggregation of `rl.aggregation` (``aggregate(per_token, mask, agg)``) and, for
+the policy losses, ``policy_stats``: it returns ``(loss, stats)`` with a scalar loss and scalar stats
+over the valid tokens. The packed trainer calls the per-token forms on its packed rows and weights them
+with ``rl.aggregation.token_weights`` computed over each minibatch, the same function.
+
 Every policy loss takes the same keyword names (``eps_clip``, ``eps_clip_high``, ``behav_weight_cap``,
-``behav_weight_mode``, ``dual_clip``, ``agg``) and returns ``(loss, stats)``: ``loss`` is a scalar and
-``stats`` a dict of scalar diagnostics (no gradient) computed over the valid tokens of ``mask``.
+``behav_weight_mode``, ``dual_clip``, and ``agg`` for the aggregated forms).
 
 Shapes: ``B`` sequences (rows) of ``T`` tokens. ``mask: [B, T]`` float or bool marks the tokens that
 enter the loss (completion tokens, not prompt or padding). Values at masked positions may be anything
 finite or not: they are replaced before any exponential so they cannot produce NaN in the loss or its
-gradient.
-
-Aggregation modes (``agg``), with ``m`` the valid-token mask and ``l`` the per-token loss:
-  * ``"token-mean"``: ``sum(l * m) / sum(m)``.
-  * ``"seq-mean-token-mean"``: per row ``sum_t(l * m) / sum_t(m)``, then the mean over rows holding at
-    least one valid token.
-  * ``"seq-mean-token-sum"``: per row ``sum_t(l * m)``, then the mean over rows holding at least one
-    valid token.
-Every division is guarded, so an all-masked batch gives a loss of 0 rather than NaN.
+gradient. Aggregation modes (``agg``): see `rl.aggregation`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
+from areal_jax.rl.aggregation import AGG_MODES, Agg, aggregate, check_agg, masked_mean, segment_mean
+
 Array = jax.Array
-Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+TokenStats = dict[str, Array]
 BEHAV_WEIGHT_MODES: tuple[str, ...] = ("mask", "clamp")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+__all__ = [
+    "AGG_MODES", "BEHAV_WEIGHT_MODES", "KL_ESTIMATORS", "aggregate", "decoupled_ppo_loss",
+    "decoupled_ppo_token_loss", "gspo_loss", "gspo_token_loss", "kl_penalty", "kl_token_penalty",
+    "policy_stats", "ppo_loss", "ppo_token_loss", "token_entropy", "token_logprobs", "value_loss",
+    "value_token_loss",
+]
 
 
 def _float_dtype(x: Array) -> jnp.dtype:
@@ -40,43 +45,9 @@ def _float_dtype(x: Array) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _safe_div(num: Array, den: Array) -> Array:
-    """num / den, 0 where den == 0 (no NaN in the value or the gradient)."""
-    return num / jnp.where(den > 0, den, 1.0)
-
-
-def aggregate(per_token: Array, mask: Array, agg: str = "token-mean") -> Array:
-    """Reduce a per-token loss to a scalar.
-
-    Args:
-      per_token: [B, T] float, the loss of each token; positions with mask 0 are ignored.
-      mask: [B, T] float or bool, valid tokens. It defines the denominators, so a token may be valid
-        (counted) while contributing 0 to the numerator.
-      agg: one of AGG_MODES (see the module docstring).
-    Returns: [] float scalar.
-    """
-    _check_agg(agg)
-    valid = mask.astype(bool)
-    m = valid.astype(per_token.dtype)
-    contrib = jnp.where(valid, per_token, 0.0)
-    if agg == "token-mean":
-        return _safe_div(contrib.sum(), m.sum())
-    row_sum = contrib.sum(axis=-1)
-    row_count = m.sum(axis=-1)
-    row_has = (row_count > 0).astype(per_token.dtype)
-    row_val = _safe_div(row_sum, row_count) if agg == "seq-mean-token-mean" else row_sum
-    return _safe_div((row_val * row_has).sum(), row_has.sum())
-
-
-def _check_agg(agg: str) -> None:
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg={agg!r} is not a known aggregation; use one of {AGG_MODES}.")
-
-
 def _check_policy_options(eps_clip: float, eps_clip_high: float | None, behav_weight_cap: float | None,
-                          behav_weight_mode: str, dual_clip: float | None, agg: str) -> float:
+                          behav_weight_mode: str, dual_clip: float | None) -> float:
     """Validate the shared policy-loss options; return the effective upper clip epsilon."""
-    _check_agg(agg)
     if not eps_clip >= 0.0:
         raise ValueError(f"eps_clip must be >= 0 (got {eps_clip}); 0.2 is the usual value.")
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
@@ -93,18 +64,16 @@ def _check_policy_options(eps_clip: float, eps_clip_high: float | None, behav_we
     return float(eps_high)
 
 
-def _masked_mean(x: Array, valid: Array) -> Array:
-    return _safe_div(jnp.where(valid, x, 0.0).sum(), valid.sum().astype(x.dtype))
-
-
-def _clipped_policy_loss(log_ratio: Array, prox_logp: Array, behav_logp: Array, advantages: Array,
-                         valid: Array, kl_log_ratio: Array, *, eps_clip: float, eps_high: float,
-                         behav_weight_cap: float | None, behav_weight_mode: str,
-                         dual_clip: float | None, agg: str) -> tuple[Array, dict[str, Array]]:
+def _clipped_token_loss(log_ratio: Array, prox_logp: Array, behav_logp: Array, advantages: Array,
+                        valid: Array, kl_log_ratio: Array, *, eps_clip: float, eps_high: float,
+                        behav_weight_cap: float | None, behav_weight_mode: str,
+                        dual_clip: float | None) -> tuple[Array, TokenStats]:
     """Shared body of the clipped objectives, given the log ratio (token or sequence level).
 
     log_ratio: [B, T] log(pi_theta / pi_prox) used in the surrogate (already zero where invalid).
-    kl_log_ratio: [B, T] per-token log(pi_theta / pi_prox) for the approx_kl statistic.
+    kl_log_ratio: [B, T] per-token log(pi_theta / pi_prox) for the k3 statistic.
+    Returns (per_token [B, T], token stats [B, T]: clipped, dual_clipped, behav_weight (uncapped w),
+    masked (dropped by the cap in mask mode), k3), all 0 where invalid.
     """
     dtype = log_ratio.dtype
     adv = jnp.where(valid, advantages.astype(dtype), 0.0)
@@ -133,22 +102,56 @@ def _clipped_policy_loss(log_ratio: Array, prox_logp: Array, behav_logp: Array, 
         keep = valid
         w_eff = jnp.minimum(w, behav_weight_cap)
     per_token = jnp.where(keep, w_eff * pg, 0.0)
-    loss = aggregate(per_token, valid, agg)
 
-    sg = jax.lax.stop_gradient
-    n_valid = valid.sum().astype(dtype)
     k3 = jnp.exp(-kl_log_ratio) + kl_log_ratio - 1.0
+    on = lambda x: jax.lax.stop_gradient(jnp.where(valid, x.astype(dtype), 0.0))  # noqa: E731
+    stats = {"clipped": on(clipped), "dual_clipped": on(dual_active), "behav_weight": on(w),
+             "masked": on(valid & ~keep), "k3": on(k3)}
+    return per_token, stats
+
+
+def policy_stats(token_stats: TokenStats, mask: Array) -> dict[str, Array]:
+    """The scalar stats of a policy loss from its per-token stats, over the valid tokens of mask.
+
+    token_stats: the [B, T] dict of a ``*_token_loss``; mask: [B, T] float or bool.
+    Returns dict of [] float: clip_fraction, dual_clip_fraction, behav_weight_mean, behav_weight_max
+    (0 without valid tokens), masked_fraction, approx_kl (token mean of k3), n_tokens, n_seqs (rows
+    with a valid token).
+    """
+    valid = jnp.asarray(mask).astype(bool)
+    w = token_stats["behav_weight"]
+    dtype = w.dtype
+    n_valid = valid.sum().astype(dtype)
     stats = {
-        "clip_fraction": _masked_mean(clipped.astype(dtype), valid),
-        "dual_clip_fraction": _masked_mean(dual_active.astype(dtype), valid),
-        "behav_weight_mean": _masked_mean(w, valid),
+        "clip_fraction": masked_mean(token_stats["clipped"], valid),
+        "dual_clip_fraction": masked_mean(token_stats["dual_clipped"], valid),
+        "behav_weight_mean": masked_mean(w, valid),
         "behav_weight_max": jnp.where(n_valid > 0, jnp.max(jnp.where(valid, w, -jnp.inf)), 0.0),
-        "masked_fraction": _masked_mean((valid & ~keep).astype(dtype), valid),
-        "approx_kl": _masked_mean(k3, valid),
+        "masked_fraction": masked_mean(token_stats["masked"], valid),
+        "approx_kl": masked_mean(token_stats["k3"], valid),
         "n_tokens": n_valid,
         "n_seqs": valid.any(axis=-1).sum().astype(dtype),
     }
-    return loss, {k: sg(v.astype(dtype)) for k, v in stats.items()}
+    return {k: jax.lax.stop_gradient(v.astype(dtype)) for k, v in stats.items()}
+
+
+def decoupled_ppo_token_loss(logp: Array, prox_logp: Array, behav_logp: Array, advantages: Array,
+                             mask: Array, *, eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                             behav_weight_cap: float | None = None, behav_weight_mode: str = "mask",
+                             dual_clip: float | None = None) -> tuple[Array, TokenStats]:
+    """Per-token form of decoupled_ppo_loss (see there for the formula and the options).
+
+    Args: as decoupled_ppo_loss, all [B, T]. Returns (per_token [B, T] float, 0 at masked tokens and at
+    tokens dropped by the cap; token_stats: clipped, dual_clipped, behav_weight, masked, k3, [B, T]).
+    """
+    eps_high = _check_policy_options(eps_clip, eps_clip_high, behav_weight_cap, behav_weight_mode,
+                                     dual_clip)
+    dtype = _float_dtype(logp)
+    valid = mask.astype(bool)
+    log_ratio = jnp.where(valid, logp.astype(dtype) - prox_logp.astype(dtype), 0.0)
+    return _clipped_token_loss(log_ratio, prox_logp, behav_logp, advantages, valid, log_ratio,
+                               eps_clip=eps_clip, eps_high=eps_high, behav_weight_cap=behav_weight_cap,
+                               behav_weight_mode=behav_weight_mode, dual_clip=dual_clip)
 
 
 def decoupled_ppo_loss(logp: Array, prox_logp: Array, behav_logp: Array, advantages: Array,
@@ -171,23 +174,27 @@ def decoupled_ppo_loss(logp: Array, prox_logp: Array, behav_logp: Array, advanta
       behav_logp: [B, T] float, log-probs recorded by the sampler (the behaviour policy).
       advantages: [B, T] float.
       mask: [B, T] float or bool, tokens in the loss.
-      agg: aggregation mode, see the module docstring.
+      agg: aggregation mode, see rl.aggregation.
     Returns:
-      loss: [] float.
+      loss: [] float, aggregate(decoupled_ppo_token_loss(...)[0], mask, agg).
       stats: dict of [] float, over valid tokens: clip_fraction (share where the clipped term is the
         active one), dual_clip_fraction, behav_weight_mean / behav_weight_max (of the uncapped w),
         masked_fraction (share of valid tokens dropped by the cap in mask mode), approx_kl (k3 estimate
         of KL(prox || theta), token mean), n_tokens, n_seqs (rows with a valid token).
     """
-    eps_high = _check_policy_options(eps_clip, eps_clip_high, behav_weight_cap, behav_weight_mode,
-                                     dual_clip, agg)
-    dtype = _float_dtype(logp)
-    valid = mask.astype(bool)
-    log_ratio = jnp.where(valid, logp.astype(dtype) - prox_logp.astype(dtype), 0.0)
-    return _clipped_policy_loss(log_ratio, prox_logp, behav_logp, advantages, valid, log_ratio,
-                                eps_clip=eps_clip, eps_high=eps_high,
-                                behav_weight_cap=behav_weight_cap,
-                                behav_weight_mode=behav_weight_mode, dual_clip=dual_clip, agg=agg)
+    check_agg(agg)
+    per_token, token_stats = decoupled_ppo_token_loss(
+        logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
+        behav_weight_cap=behav_weight_cap, behav_weight_mode=behav_weight_mode, dual_clip=dual_clip)
+    return aggregate(per_token, mask, agg), policy_stats(token_stats, mask)
+
+
+def ppo_token_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+                   eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                   dual_clip: float | None = None) -> tuple[Array, TokenStats]:
+    """Per-token form of ppo_loss: decoupled_ppo_token_loss with prox_logp = behav_logp = old_logp."""
+    return decoupled_ppo_token_loss(logp, old_logp, old_logp, advantages, mask, eps_clip=eps_clip,
+                                    eps_clip_high=eps_clip_high, dual_clip=dual_clip)
 
 
 def ppo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, eps_clip: float = 0.2,
@@ -198,8 +205,33 @@ def ppo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, ep
     Per valid token: l = -min(u * A, clip(u, 1 - eps_clip, 1 + eps_clip_high) * A), u = exp(logp -
     old_logp). Shapes as in decoupled_ppo_loss; stats are the same (behaviour weights are all 1).
     """
-    return decoupled_ppo_loss(logp, old_logp, old_logp, advantages, mask, eps_clip=eps_clip,
-                              eps_clip_high=eps_clip_high, dual_clip=dual_clip, agg=agg)
+    check_agg(agg)
+    per_token, token_stats = ppo_token_loss(logp, old_logp, advantages, mask, eps_clip=eps_clip,
+                                            eps_clip_high=eps_clip_high, dual_clip=dual_clip)
+    return aggregate(per_token, mask, agg), policy_stats(token_stats, mask)
+
+
+def gspo_token_loss(logp: Array, prox_logp: Array, behav_logp: Array, advantages: Array, mask: Array,
+                    *, segment_ids: Array | None = None, eps_clip: float = 0.2,
+                    eps_clip_high: float | None = None, behav_weight_cap: float | None = None,
+                    behav_weight_mode: str = "mask",
+                    dual_clip: float | None = None) -> tuple[Array, TokenStats]:
+    """Per-token form of gspo_loss (see there), also for packed rows.
+
+    segment_ids: [B, T] int or None. None: each row is one sequence. Given: the sequence ratio is taken
+    per (row, segment id), so several trajectories packed into one row keep their own ratios.
+    Other args as gspo_loss, all [B, T]. Returns (per_token [B, T], token_stats as
+    decoupled_ppo_token_loss; k3 is the per-token estimate).
+    """
+    eps_high = _check_policy_options(eps_clip, eps_clip_high, behav_weight_cap, behav_weight_mode,
+                                     dual_clip)
+    dtype = _float_dtype(logp)
+    valid = mask.astype(bool)
+    token_log_ratio = jnp.where(valid, logp.astype(dtype) - prox_logp.astype(dtype), 0.0)
+    log_ratio = segment_mean(token_log_ratio, valid, segment_ids)
+    return _clipped_token_loss(log_ratio, prox_logp, behav_logp, advantages, valid, token_log_ratio,
+                               eps_clip=eps_clip, eps_high=eps_high, behav_weight_cap=behav_weight_cap,
+                               behav_weight_mode=behav_weight_mode, dual_clip=dual_clip)
 
 
 def gspo_loss(logp: Array, prox_logp: Array, behav_logp: Array, advantages: Array, mask: Array, *,
@@ -225,53 +257,52 @@ def gspo_loss(logp: Array, prox_logp: Array, behav_logp: Array, advantages: Arra
     Shapes and stats as in decoupled_ppo_loss; clip_fraction counts tokens of clipped sequences and
     approx_kl stays the per-token k3 estimate.
     """
-    eps_high = _check_policy_options(eps_clip, eps_clip_high, behav_weight_cap, behav_weight_mode,
-                                     dual_clip, agg)
-    dtype = _float_dtype(logp)
-    valid = mask.astype(bool)
-    token_log_ratio = jnp.where(valid, logp.astype(dtype) - prox_logp.astype(dtype), 0.0)
-    seq_log_ratio = _safe_div(token_log_ratio.sum(axis=-1), valid.sum(axis=-1).astype(dtype))
-    log_ratio = jnp.where(valid, seq_log_ratio[:, None], 0.0)
-    return _clipped_policy_loss(log_ratio, prox_logp, behav_logp, advantages, valid, token_log_ratio,
-                                eps_clip=eps_clip, eps_high=eps_high,
-                                behav_weight_cap=behav_weight_cap,
-                                behav_weight_mode=behav_weight_mode, dual_clip=dual_clip, agg=agg)
+    check_agg(agg)
+    per_token, token_stats = gspo_token_loss(
+        logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
+        behav_weight_cap=behav_weight_cap, behav_weight_mode=behav_weight_mode, dual_clip=dual_clip)
+    return aggregate(per_token, mask, agg), policy_stats(token_stats, mask)
 
 
-def kl_penalty(logp: Array, ref_logp: Array, mask: Array, *, estimator: str = "k3",
-               agg: Agg = "token-mean") -> Array:
-    """Aggregated per-token KL estimate of KL(pi_theta || pi_ref) from sampled tokens.
+def kl_token_penalty(logp: Array, ref_logp: Array, mask: Array, *, estimator: str = "k3") -> Array:
+    """Per-token KL estimate of KL(pi_theta || pi_ref) from sampled tokens, 0 at masked tokens.
 
     With d = logp - ref_logp: k1 = d, k2 = 0.5 * d^2, k3 = exp(-d) + d - 1 (= exp(ref - logp) - (ref -
     logp) - 1, non-negative and unbiased). logp, ref_logp: [B, T] float; mask: [B, T] float or bool.
-    Returns a [] float scalar, to be added to a policy loss with a coefficient.
+    Returns [B, T] float.
     """
-    _check_agg(agg)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is unknown; use one of {KL_ESTIMATORS}.")
     dtype = _float_dtype(logp)
     valid = mask.astype(bool)
     d = jnp.where(valid, logp.astype(dtype) - ref_logp.astype(dtype), 0.0)
     if estimator == "k1":
-        per_token = d
-    elif estimator == "k2":
-        per_token = 0.5 * d * d
-    else:
-        per_token = jnp.exp(-d) + d - 1.0
-    return aggregate(per_token, valid, agg)
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return jnp.exp(-d) + d - 1.0
 
 
-def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
-               value_clip: float | None = 0.2,
-               agg: Agg = "token-mean") -> tuple[Array, dict[str, Array]]:
-    """Clipped value loss: per token 0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2).
+def kl_penalty(logp: Array, ref_logp: Array, mask: Array, *, estimator: str = "k3",
+               agg: Agg = "token-mean") -> Array:
+    """Aggregated kl_token_penalty: a [] float scalar, to be added to a policy loss with a coefficient.
 
-    values: [B, T] float (differentiable), old_values: [B, T] float (values at rollout time),
-    returns: [B, T] float targets, mask: [B, T] float or bool. value_clip None gives 0.5 * (v - R)^2.
-    Returns (loss [] float, stats) with stats value_clip_fraction (share of valid tokens where the
-    clipped error is the larger one) and value_error (token mean of (v - R)^2, no gradient).
+    logp, ref_logp: [B, T] float; mask: [B, T] float or bool; estimator k1 | k2 | k3 (see
+    kl_token_penalty).
     """
-    _check_agg(agg)
+    check_agg(agg)
+    return aggregate(kl_token_penalty(logp, ref_logp, mask, estimator=estimator), mask, agg)
+
+
+def value_token_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+                     value_clip: float | None = 0.2) -> tuple[Array, TokenStats]:
+    """Per-token clipped value loss: 0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2).
+
+    values: [B, T] float (differentiable), old_values: [B, T] float (values when the data was scored),
+    returns: [B, T] float targets, mask: [B, T] float or bool. value_clip None gives 0.5 * (v - R)^2.
+    Returns (per_token [B, T], token_stats: value_clipped (1 where the clipped error is the larger),
+    value_error ((v - R)^2), [B, T], no gradient, 0 at masked tokens).
+    """
     if value_clip is not None and not value_clip > 0.0:
         raise ValueError(f"value_clip must be > 0 or None (got {value_clip}).")
     dtype = _float_dtype(values)
@@ -286,10 +317,25 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
         v_clip = old_v + jnp.clip(v - old_v, -value_clip, value_clip)
         err_clip = (v_clip - ret) ** 2
         per_token, clipped = jnp.maximum(err, err_clip), err_clip > err
-    loss = aggregate(0.5 * per_token, valid, agg)
-    stats = {"value_clip_fraction": _masked_mean(clipped.astype(dtype), valid),
-             "value_error": _masked_mean(err, valid)}
-    return loss, jax.tree.map(jax.lax.stop_gradient, stats)
+    on = lambda x: jax.lax.stop_gradient(jnp.where(valid, x.astype(dtype), 0.0))  # noqa: E731
+    return 0.5 * per_token, {"value_clipped": on(clipped), "value_error": on(err)}
+
+
+def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+               value_clip: float | None = 0.2,
+               agg: Agg = "token-mean") -> tuple[Array, dict[str, Array]]:
+    """Clipped value loss: per token 0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2).
+
+    values: [B, T] float (differentiable), old_values: [B, T] float (values at rollout time),
+    returns: [B, T] float targets, mask: [B, T] float or bool. value_clip None gives 0.5 * (v - R)^2.
+    Returns (loss [] float, stats) with stats value_clip_fraction (share of valid tokens where the
+    clipped error is the larger one) and value_error (token mean of (v - R)^2, no gradient).
+    """
+    check_agg(agg)
+    per_token, token_stats = value_token_loss(values, old_values, returns, mask, value_clip=value_clip)
+    stats = {"value_clip_fraction": masked_mean(token_stats["value_clipped"], mask),
+             "value_error": masked_mean(token_stats["value_error"], mask)}
+    return aggregate(per_token, mask, agg), stats
 
 
 def token_logprobs(logits: Array, tokens: Array) -> Array:

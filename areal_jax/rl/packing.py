@@ -1,9 +1,9 @@
-"""Padding-free packing on the host (numpy): balanced token-budget micro-batches and packed rows.
+"""Padding-free packing on the host (numpy): balanced token-budget micro-batches.
 
 ``balanced_microbatches`` splits samples into micro-batches of at most ``max_tokens`` tokens, a
 multiple of ``n_buckets`` of them (so every data-parallel device runs the same number), with token
-sums as equal as possible. ``pack_sequences`` then lays one micro-batch out as a single row with
-segment ids and restarting positions, the layout the models take for padding-free attention.
+sums as equal as possible. `trainer.batch` lays each micro-batch out as packed rows (segment ids,
+restarting positions), the layout the models take for padding-free attention.
 """
 
 from __future__ import annotations
@@ -117,64 +117,3 @@ def microbatch_balance(lengths: Sequence[int] | np.ndarray, microbatches: list[l
     arr = np.asarray(lengths, dtype=np.int64)
     sums = np.array([arr[b].sum() for b in microbatches], dtype=np.float64)
     return float(sums.max() / sums.mean()) if sums.size and sums.mean() > 0 else 1.0
-
-
-def pack_sequences(seqs: Sequence[Sequence[int]], max_tokens: int, *,
-                   pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Concatenate sequences into one padded row.
-
-    Sequence i occupies a contiguous span in order, with segment id i + 1 and positions 0..len-1;
-    padding at the end has token pad_id, position 0 and segment id 0.
-
-    Args:
-      seqs: token-id lists whose total length is at most max_tokens.
-      max_tokens: row length.
-    Returns: (tokens, positions, segment_ids), each [max_tokens] int32.
-    """
-    lengths = _validate_lengths([len(s) for s in seqs], max_tokens)
-    total = int(lengths.sum())
-    if total > max_tokens:
-        raise ValueError(f"the {len(seqs)} sequences hold {total} tokens, more than max_tokens="
-                         f"{max_tokens}; split them with balanced_microbatches first.")
-    tokens = np.full(max_tokens, pad_id, np.int32)
-    positions = np.zeros(max_tokens, np.int32)
-    segment_ids = np.zeros(max_tokens, np.int32)
-    start = 0
-    for i, (seq, n) in enumerate(zip(seqs, lengths)):
-        n = int(n)
-        tokens[start:start + n] = np.asarray(seq, dtype=np.int64)
-        positions[start:start + n] = np.arange(n)
-        segment_ids[start:start + n] = i + 1
-        start += n
-    return tokens, positions, segment_ids
-
-
-def pack_values(values: Sequence[Sequence[float]] | Sequence[np.ndarray], max_tokens: int, *,
-                fill: float = 0, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """Lay per-token values (log-probs, advantages, versions, masks) out like pack_sequences.
-
-    values: one 1-D array per sequence, same lengths as the packed tokens. Returns [max_tokens] dtype,
-    ``fill`` in the padding.
-    """
-    lengths = _validate_lengths([len(v) for v in values], max_tokens)
-    if int(lengths.sum()) > max_tokens:
-        raise ValueError(f"the values hold {int(lengths.sum())} tokens, more than max_tokens="
-                         f"{max_tokens}.")
-    out = np.full(max_tokens, fill, dtype)
-    if len(values):
-        flat = np.concatenate([np.asarray(v, dtype).reshape(-1) for v in values])
-        out[:flat.size] = flat
-    return out
-
-
-def unpack_values(packed: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
-    """Inverse of pack_values: split the first sum(lengths) entries of a packed row per sequence.
-
-    packed: [max_tokens] array; lengths: the sequence lengths in packing order. Returns a list of 1-D
-    arrays (views into packed).
-    """
-    packed = np.asarray(packed)
-    bounds = np.cumsum([0, *[int(n) for n in lengths]])
-    if bounds[-1] > packed.shape[-1]:
-        raise ValueError(f"lengths sum to {bounds[-1]}, more than the packed row of {packed.shape[-1]}.")
-    return [packed[..., bounds[i]:bounds[i + 1]] for i in range(len(lengths))]

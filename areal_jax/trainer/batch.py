@@ -12,9 +12,10 @@ R * row_length <= micro_batch_tokens. Shapes come from a small set, so a run com
 programs however batches are composed.
 
 Aggregation weights. The loss of a minibatch is sum_t weight_t * loss_t over its valid tokens, with
-weight_t = 1 / N (token-mean over N valid tokens), 1 / (S * n_s) (seq-mean-token-mean: S sequences
-with a valid token, n_s valid tokens in token t's sequence) or 1 / S (seq-mean-token-sum). This is
-exactly the aggregation of `rl.losses` over the whole minibatch, however its tokens are packed.
+weight_t = rl.aggregation.token_weights of the minibatch's masks (one row per trajectory), computed
+before packing: 1 / N (token-mean over N valid tokens), 1 / (S * n_s) (seq-mean-token-mean: S
+sequences with a valid token, n_s valid tokens in token t's sequence) or 1 / S (seq-mean-token-sum).
+It is the aggregation `rl.losses` applies (`rl.aggregation.aggregate`), whatever the packing.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from areal_jax.rl.aggregation import token_weights
 from areal_jax.rl.packing import balanced_microbatches
 from areal_jax.rl.staleness import sample_staleness, staleness_mask
 
@@ -134,23 +136,16 @@ def effective_masks(
 
 
 def aggregation_weights(masks: Sequence[np.ndarray], agg: str) -> list[np.ndarray]:
-    """Per-token loss weights of one minibatch (see the module docstring); float32, 0 where masked."""
-    counts = np.array([float(m.sum()) for m in masks])
-    n_total = counts.sum()
-    n_seqs = float((counts > 0).sum())
-    out = []
-    for m, n in zip(masks, counts):
-        if n == 0:
-            out.append(np.zeros_like(m))
-        elif agg == "token-mean":
-            out.append(m / n_total)
-        elif agg == "seq-mean-token-mean":
-            out.append(m / (n_seqs * n))
-        elif agg == "seq-mean-token-sum":
-            out.append(m / n_seqs)
-        else:
-            raise ValueError(f"loss_agg={agg!r} is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum.")
-    return [w.astype(np.float32) for w in out]
+    """Per-token loss weights of one minibatch: `rl.aggregation.token_weights` over its trajectories.
+
+    masks: one float32 [L_i - prompt_len_i] effective loss mask per trajectory of the minibatch (a row
+    each). Returns float32 arrays shaped like masks, 0 where masked (see the module docstring).
+    """
+    padded = _padded(masks, 0.0, np.float32)
+    rows = max(1, 1 << (len(masks) - 1).bit_length())  # all-masked rows change no weight
+    padded = np.pad(padded, ((0, rows - len(masks)), (0, 0)))
+    weights = np.asarray(token_weights(padded, agg))
+    return [weights[i, : m.size].astype(np.float32) for i, m in enumerate(masks)]
 
 
 def row_length(longest: int, budget: int) -> int:

@@ -6,10 +6,11 @@ recompile for every new count or burn compute on padded micro-steps. The accumul
 per row-length bucket (at most eight), each call costs one dispatch, negligible next to a micro-step's
 forward and backward, and the gradient accumulator is donated so it is updated in place.
 
-The loss of a micro-step is sum_t weight_t * loss_t (weights from trainer.batch, so the sum over the
-micro-steps of a minibatch equals rl.losses' aggregation over the whole minibatch). Per-token losses
-come from `rl.losses` itself, vmapped over single tokens, so every loss option (clip, dual clip,
-behaviour-weight cap) keeps its exact rl.losses meaning.
+The loss of a micro-step is sum_t weight_t * loss_t, with the weights of rl.aggregation.token_weights
+computed over the whole minibatch before packing (trainer.batch), so the sum over the micro-steps of a
+minibatch is rl.losses' aggregation over that minibatch. The per-token losses are rl.losses' per-token
+forms called on the packed rows, so every loss option (clip, dual clip, behaviour-weight cap) keeps its
+exact rl.losses meaning; GSPO takes its sequence ratio per packed segment (segment ids).
 
 Proximal log-probs (`prox_mode`):
   * "recompute": one forward pass of the params at the start of the update (before any optimizer step
@@ -23,7 +24,8 @@ Proximal log-probs (`prox_mode`):
     current policy (at v + 1), evaluated at the proximal version v. Fresh tokens (v_b = v) get
     prox = behav; very stale ones approach the current log-prob.
   * "behav": prox_logp = behav_logp (no importance weight).
-With loss="ppo" the standard clipped objective against behav_logp is used and prox_mode is ignored.
+With loss="ppo" the standard clipped objective against behav_logp is used and prox_mode is ignored;
+loss="gspo" uses the proximal log-probs like "decoupled".
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.rl.losses import decoupled_ppo_loss, kl_penalty, ppo_loss
+from areal_jax.rl.losses import decoupled_ppo_token_loss, gspo_token_loss, kl_token_penalty, ppo_token_loss
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import model_logprobs
 from areal_jax.trainer.state import TrainState
@@ -44,18 +46,6 @@ from areal_jax.trainer.state import TrainState
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
 LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
 SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "behav_weight", "masked", "approx_kl", "n_valid")
-
-
-def per_token(fn: Callable[..., tuple], *arrays: jax.Array) -> Any:
-    """Apply a [B, T] -> (scalar, stats) function to each token alone: returns [B, T]-shaped outputs.
-
-    fn is called (vmapped) on [1, 1] slices; for a mask of 1 the scalar is that token's loss, for a mask
-    of 0 it is whatever fn returns for an all-masked batch (0 for rl.losses).
-    """
-    shape = arrays[0].shape
-    flat = [a.reshape(-1, 1, 1) for a in arrays]
-    out = jax.vmap(fn)(*flat)
-    return jax.tree.map(lambda x: x.reshape(shape), out)
 
 
 def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
@@ -71,6 +61,32 @@ def logits_chunk_positions(n_rows: int, n_devices: int, logits_chunk: int) -> in
     """Positions per chunk of the vocabulary projection so that one device's live logits block
     (its rows x chunk x vocab) holds about `logits_chunk` tokens."""
     return max(1, logits_chunk // max(1, n_rows // n_devices))
+
+
+def policy_token_loss(
+    cfg: TrainerConfig, logp: jax.Array, behav: jax.Array, adv: jax.Array, mask: jax.Array,
+    batch: dict[str, jax.Array], version: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The per-token policy loss of cfg.loss on packed rows (rl.losses' per-token forms).
+
+    logp, behav, adv, mask: [R, T]; batch supplies "prox_logp" (prox_mode recompute), "versions"
+    (loglinear) and "segment_ids" (gspo: one sequence ratio per packed trajectory).
+    Returns (per_token [R, T], token stats [R, T]).
+    """
+    if cfg.loss == "ppo":
+        return ppo_token_loss(logp, behav, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                              dual_clip=cfg.dual_clip)
+    if cfg.prox_mode == "recompute":
+        prox = batch["prox_logp"]
+    elif cfg.prox_mode == "loglinear":
+        prox = loglinear_prox(logp, behav, batch["versions"], version)
+    else:
+        prox = behav
+    options = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, behav_weight_cap=cfg.behav_weight_cap,
+                   behav_weight_mode=cfg.behav_weight_mode, dual_clip=cfg.dual_clip)
+    if cfg.loss == "gspo":
+        return gspo_token_loss(logp, prox, behav, adv, mask, segment_ids=batch["segment_ids"], **options)
+    return decoupled_ppo_token_loss(logp, prox, behav, adv, mask, **options)
 
 
 def micro_step_objective(
@@ -89,36 +105,14 @@ def micro_step_objective(
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
-    if cfg.loss == "ppo":
-        def token_loss(lp, b, a, m):
-            return ppo_loss(lp, b, a, m, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                            dual_clip=cfg.dual_clip)
-        losses, stats = per_token(token_loss, logp, behav, adv, mask)
-    else:
-        if cfg.prox_mode == "recompute":
-            prox = batch["prox_logp"]
-        elif cfg.prox_mode == "loglinear":
-            prox = loglinear_prox(logp, behav, batch["versions"], version)
-        else:
-            prox = behav
-
-        def token_loss(lp, p, b, a, m):
-            return decoupled_ppo_loss(
-                lp, p, b, a, m, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                behav_weight_cap=cfg.behav_weight_cap, behav_weight_mode=cfg.behav_weight_mode,
-                dual_clip=cfg.dual_clip,
-            )
-        losses, stats = per_token(token_loss, logp, prox, behav, adv, mask)
-
+    losses, stats = policy_token_loss(cfg, logp, behav, adv, mask, batch, version)
     pg = jnp.sum(weights * losses)
     objective = pg
     if cfg.entropy_coef > 0:
         objective = objective - cfg.entropy_coef * jnp.sum(weights * ent)
     kl_sum = jnp.zeros((), jnp.float32)
     if cfg.kl_coef > 0:
-        kl_tok = per_token(
-            lambda lp, r, m: kl_penalty(lp, r, m, estimator=cfg.kl_estimator), logp, batch["ref_logp"], mask
-        )
+        kl_tok = kl_token_penalty(logp, batch["ref_logp"], mask, estimator=cfg.kl_estimator)
         kl_sum = jnp.sum(weights * kl_tok)
         objective = objective + cfg.kl_coef * kl_sum
 
@@ -129,11 +123,11 @@ def micro_step_objective(
         "pg_loss": sg(pg),
         "kl": sg(kl_sum),
         "entropy": on(ent),
-        "clip": on(stats["clip_fraction"]),
-        "behav_weight": on(stats["behav_weight_mean"]),
-        "behav_weight_max": jnp.max(jnp.where(valid, sg(stats["behav_weight_mean"]), 0.0)),
-        "masked": on(stats["masked_fraction"]),
-        "approx_kl": on(stats["approx_kl"]),
+        "clip": on(stats["clipped"]),
+        "behav_weight": on(stats["behav_weight"]),
+        "behav_weight_max": jnp.max(jnp.where(valid, sg(stats["behav_weight"]), 0.0)),
+        "masked": on(stats["masked"]),
+        "approx_kl": on(stats["k3"]),
         "n_valid": jnp.sum(valid.astype(jnp.float32)),
     }
     return objective, metrics
