@@ -11,20 +11,19 @@ through epath, the state through orbax (gs:// natively, with tensorstore's gcs d
 The meta files are written (atomically, by rename) before the state, and orbax writes each step into a
 temporary directory that it renames only when complete. So a checkpoint cut short by a crash is never
 listed, let alone loaded: `latest_step()` only sees finished ones, and those always have their meta.
+Saves and restores run inside areal_jax.orbax_compat's scoped workaround for two tensorstore leaks.
 """
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
 import json
-import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from areal_jax import paths
+from areal_jax.orbax_compat import tensorstore_leak_workarounds
 
 
 def _abstract(tree: Any) -> Any:
@@ -36,103 +35,10 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def _skip_tensorstore_byte_metrics() -> None:
-    """Stop orbax reading TensorStore's byte counters around every array save and restore.
-
-    They only feed a logged raw-throughput figure, and tensorstore's
-    `experimental_collect_matching_metrics` (0.1.86) leaks the Python lists it returns: about 260
-    memory blocks per checkpoint save here, which adds up over a long run that saves often. With no
-    starting value (None) orbax skips that log record.
-    """
-    from orbax.checkpoint._src.serialization import tensorstore_utils
-
-    if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
-        tensorstore_utils.get_tensorstore_raw_bytes = lambda direction: None
-
-
-class _KvStoreWithResolvedSpecs:
-    """`tensorstore.KvStore` whose `Spec(json).to_json()` is resolved once per distinct spec.
-
-    orbax resolves the base KvStore spec of every array it writes (`ts.KvStore.Spec(d).to_json()`),
-    and that call leaks ~4 Python memory blocks in tensorstore 0.1.86: ~500 blocks per save of a small
-    model's state, growing with the number of arrays and the number of saves. All arrays of one save
-    share one directory, so remembering the resolved JSON (a few recent directories) makes the leak one
-    per save instead of one per array. Everything else is the real `KvStore`.
-    """
-
-    _KEEP = 16
-
-    def __init__(self, kvstore: Any):
-        self._kvstore = kvstore
-        self._resolved: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kvstore, name)
-
-    def open(self, spec: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(spec, _ResolvedSpec):
-            spec = spec._real  # tensorstore wants its own Spec type here
-        return self._kvstore.open(spec, *args, **kwargs)
-
-    def Spec(self, spec: Any) -> Any:  # noqa: N802 (tensorstore's name)
-        real = self._kvstore.Spec(spec)
-        if not isinstance(spec, dict):
-            return real
-        return _ResolvedSpec(real, self, json.dumps(spec, sort_keys=True, default=str))
-
-    def resolve(self, key: str, real: Any) -> dict:
-        with self._lock:
-            hit = self._resolved.get(key)
-            if hit is not None:
-                self._resolved.move_to_end(key)
-                return copy.deepcopy(hit)
-        resolved = real.to_json()
-        with self._lock:
-            self._resolved[key] = copy.deepcopy(resolved)
-            while len(self._resolved) > self._KEEP:
-                self._resolved.popitem(last=False)
-        return resolved
-
-
-class _ResolvedSpec:
-    def __init__(self, real: Any, owner: _KvStoreWithResolvedSpecs, key: str):
-        self._real, self._owner, self._key = real, owner, key
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def to_json(self, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return self._real.to_json(*args, **kwargs)
-        return self._owner.resolve(self._key, self._real)
-
-
-class _TensorStoreModule:
-    """The `tensorstore` module as orbax's tensorstore_utils sees it, with `KvStore` wrapped."""
-
-    def __init__(self, module: Any):
-        self._module = module
-        self.KvStore = _KvStoreWithResolvedSpecs(module.KvStore)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-def _resolve_kvstore_specs_once() -> None:
-    from orbax.checkpoint._src.serialization import tensorstore_utils
-
-    ts = getattr(tensorstore_utils, "ts", None)
-    if ts is not None and not isinstance(ts, _TensorStoreModule) and hasattr(ts, "KvStore"):
-        tensorstore_utils.ts = _TensorStoreModule(ts)
-
-
 class Checkpointer:
     """Numbered checkpoints under `<run_dir>/checkpoints`, keeping the newest `keep`."""
 
     def __init__(self, run_dir: str, *, keep: int = 2):
-        _skip_tensorstore_byte_metrics()
-        _resolve_kvstore_specs_once()
         self.run_dir = paths.run_path(run_dir)
         self.directory = paths.checkpoint_directory(self.run_dir / "checkpoints")
         self.meta_root = self.run_dir / "checkpoint_meta"
@@ -157,8 +63,9 @@ class Checkpointer:
         path = self._meta_path(step)
         paths.makedirs(path.parent)
         write_json(path, meta)
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
-        self._mngr.wait_until_finished()
+        with tensorstore_leak_workarounds():  # areal_jax/orbax_compat.py
+            self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+            self._mngr.wait_until_finished()
         self._prune_meta()
 
     def _prune_meta(self) -> None:
@@ -187,9 +94,10 @@ class Checkpointer:
                 "from an earlier one."
             )
         meta = json.loads(path.read_text())
-        restored = self._mngr.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
-        )
+        with tensorstore_leak_workarounds():
+            restored = self._mngr.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
+            )
         return restored["state"], meta
 
     def close(self) -> None:
