@@ -256,3 +256,18 @@ def test_a_cycle_between_packages_is_an_error_naming_the_imports(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "areal_jax.alpha.late imports areal_jax.beta.x" in proc.stderr
     assert not (tmp_path / "BUILD").exists()
+
+
+def test_a_cycle_through_root_modules_is_named_link_by_link(tmp_path):
+    _write(tmp_path, _TOY)  # main -> alpha -> config is fine as long as config does not come back
+    _write(tmp_path, {"areal_jax/config.py": "from areal_jax.gamma.g import G\n",
+                      "areal_jax/gamma/__init__.py": "",
+                      "areal_jax/gamma/g.py": "G = 1\n\n\ndef run():\n    import areal_jax.main\n"})
+    gen = _gen_build()
+    with pytest.raises(gen.BuildCycleError) as err:
+        gen.render(str(tmp_path))
+    message = str(err.value)
+    assert "areal_jax_alpha -> areal_jax_config -> areal_jax_gamma -> areal_jax_main -> areal_jax_alpha" in message
+    for link in ("areal_jax.alpha.run imports areal_jax.config", "areal_jax.config imports areal_jax.gamma.g",
+                 "areal_jax.gamma.g imports areal_jax.main", "areal_jax.main imports areal_jax.alpha.run"):
+        assert link in message
