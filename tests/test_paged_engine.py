@@ -1,9 +1,6 @@
 """The sampler over a paged KV cache: the dense engine's tokens, pages limited by memory, groups sharing prompts."""
 from __future__ import annotations
 
-import time
-
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,6 +8,7 @@ from flax import nnx
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import full_forward_logp, serve, wait_until
 
 MAX_LEN = 40
 CFG = testing.tiny_config("qwen2")
@@ -19,37 +17,6 @@ CFG = testing.tiny_config("qwen2")
 @pytest.fixture(scope="module")
 def models():
     return testing.random_model(CFG, seed=0), testing.random_model(CFG, seed=1)
-
-
-def reference_logp(model):
-    graphdef, params = nnx.split(model)
-    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
-
-    def logp(seq):
-        padded = np.zeros((1, MAX_LEN), np.int32)
-        padded[0, : len(seq)] = seq
-        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
-
-    return logp
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
-
-
-def serve(engine, params, requests, **loop_kw):
-    loop = SamplerLoop(engine, params, **loop_kw)
-    loop.pause()
-    for r in requests:
-        loop.submit(r)
-    loop.resume()
-    out = [loop.get_completion(timeout=120) for _ in range(sum(r.n for r in requests))]
-    loop.stop()
-    assert all(c is not None for c in out)
-    return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
 
 
 def test_paged_loop_gives_the_dense_tokens_with_fewer_pages_than_slots_need(models):
@@ -61,7 +28,7 @@ def test_paged_loop_gives_the_dense_tokens_with_fewer_pages_than_slots_need(mode
     # 4 slots x 40 positions would be 40 pages of 4; the pool has 14, so memory, not slots, bounds the batch.
     engine = PagedEngine(models[0], num_slots=4, max_len=MAX_LEN, page_size=4, num_pages=14)
     paged = serve(engine, params, requests, decode_steps=3)
-    logp = reference_logp(models[0])
+    logp = full_forward_logp(models[0], MAX_LEN)
     for a, b in zip(dense, paged):
         assert (a.request_id, a.sample_index) == (b.request_id, b.sample_index) and b.finish_reason == "length"
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -79,7 +46,7 @@ def test_group_prompt_pages_are_shared_while_the_samples_run(models):
     loop.pause()
     loop.submit(Request(id="g", prompt=list(range(5, 18)), max_new_tokens=20, n=3, temperature=1.0))
     loop.resume()
-    wait_for(lambda: loop.stats()["steps"] >= 4)
+    wait_until(lambda: loop.stats()["steps"] >= 4)
     loop.pause()
     table = engine.allocator.table.copy()
     loop.resume()
@@ -88,7 +55,7 @@ def test_group_prompt_pages_are_shared_while_the_samples_run(models):
     # 13 prompt positions = 3 full pages shared by the 3 samples, then a page of their own each
     assert (table[0, :3] == table[1, :3]).all() and (table[1, :3] == table[2, :3]).all()
     assert len({int(table[s, 3]) for s in range(3)}) == 3
-    logp = reference_logp(models[0])
+    logp = full_forward_logp(models[0], MAX_LEN)
     for c in done:
         seq = list(c.prompt)
         for tok, lp in zip(c.tokens, c.logprobs):
@@ -105,13 +72,13 @@ def test_recompute_update_over_pages_keeps_version_tags_exact(models):
     loop.submit(Request(id="g", prompt=[5, 17, 23, 42, 8], max_new_tokens=16, n=2))
     loop.submit(Request(id="s", prompt=[6, 17, 23], max_new_tokens=16))
     loop.resume()
-    wait_for(lambda: loop.stats()["steps"] >= 4)
+    wait_until(lambda: loop.stats()["steps"] >= 4)
     loop.pause()
     loop.update_params(nnx.split(new)[1], version=7)
     loop.resume()
     done = [loop.get_completion(timeout=120) for _ in range(3)]
     loop.stop()
-    logps = {0: reference_logp(old), 7: reference_logp(new)}
+    logps = {0: full_forward_logp(old, MAX_LEN), 7: full_forward_logp(new, MAX_LEN)}
     mixed = 0
     for c in done:
         mixed += len(set(c.versions.tolist())) == 2

@@ -12,6 +12,7 @@ from flax import nnx
 
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams, generate_batch
 from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import full_forward_logp, greedy_reference
 
 MAX_LEN = 48
 
@@ -19,35 +20,6 @@ MAX_LEN = 48
 @pytest.fixture(scope="module")
 def model():
     return testing.random_model(testing.tiny_config("qwen2"), seed=0)
-
-
-def full_forward_logp(model, pad_to: int = MAX_LEN):
-    """A jitted reference: log-softmax of a plain forward pass (no cache) at every position.
-
-    Returns f(seq: list[int]) -> [len(seq), V] float64; the sequence is tail-padded to ``pad_to``,
-    which causal attention makes invisible to the real positions."""
-    graphdef, params = nnx.split(model)
-    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
-
-    def logp(seq):
-        padded = np.zeros((1, pad_to), np.int32)
-        padded[0, : len(seq)] = seq
-        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
-
-    return logp
-
-
-def greedy_reference(logp, prompt, max_new, stop=()):
-    """Greedy decoding by repeated full forward passes. Returns (tokens, logprobs, logp tables)."""
-    seq, toks, lps, tables = list(prompt), [], [], []
-    for _ in range(max_new):
-        row = logp(seq)[-1]
-        tok = int(np.argmax(row))
-        toks.append(tok), lps.append(row[tok]), tables.append(row)
-        seq.append(tok)
-        if tok in stop:
-            break
-    return toks, lps, tables
 
 
 def assert_greedy_matches(got_tokens, got_logprobs, want_tokens, want_logprobs, tables, tie_tol=1e-4):
@@ -64,7 +36,7 @@ def assert_greedy_matches(got_tokens, got_logprobs, want_tokens, want_logprobs, 
 def test_insert_and_generate_equal_full_forward(model):
     engine = Engine(model, num_slots=3, max_len=MAX_LEN)
     _, params = nnx.split(model)
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     prompts = {0: [5, 6, 7], 2: list(range(20, 37))}
     state = engine.init_decode_state()
     for slot, prompt in prompts.items():
@@ -88,7 +60,7 @@ def test_insert_and_generate_equal_full_forward(model):
 def test_bulk_insert_copies_one_prefix_into_a_group(model):
     engine = Engine(model, num_slots=4, max_len=MAX_LEN)
     _, params = nnx.split(model)
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     prompt = [9, 8, 7, 6, 5]
     state = engine.bulk_insert(engine.prefill(params, prompt), engine.init_decode_state(), [3, 0, 1],
                                SamplingParams(temperature=1.0, max_new_tokens=3))
@@ -105,7 +77,7 @@ def test_bulk_insert_copies_one_prefix_into_a_group(model):
 
 def test_continuous_batching_with_random_arrivals_equals_solo_greedy(model):
     rng = random.Random(0)
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     stop = (3, 11)
     requests = [
         Request(id=i, prompt=[rng.randrange(4, 97) for _ in range(rng.randint(1, 20))],
@@ -143,7 +115,7 @@ def test_continuous_batching_with_random_arrivals_equals_solo_greedy(model):
 
 
 def test_generate_batch_reuses_slots_and_keeps_prompt_order(model):
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     prompts = [[4, 5], list(range(30, 45)), [60], [7, 8, 9, 10]]
     out = generate_batch(model, prompts, max_new_tokens=5, temperature=0.0, num_slots=2, max_len=MAX_LEN)
     for prompt, c in zip(prompts, out):
@@ -162,7 +134,7 @@ def test_sharded_engine_on_a_mesh_matches_unsharded(model):
     params = engine.place_params(params)
     state = engine.init_decode_state()
     assert state.cache.k.sharding.spec[3] == "tensor", "kv_heads=2 divides tensor=2: cache must shard"
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     prompt = [12, 13, 14, 15, 16]
     state = engine.insert(engine.prefill(params, prompt), state, 1, SamplingParams(0.0, max_new_tokens=4))
     toks = []
@@ -217,7 +189,7 @@ def test_first_tokens_of_a_group_follow_the_model_softmax(model):
 def test_insert_sequences_prefills_in_batches(model):
     engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=2)
     _, params = nnx.split(model)
-    logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
     seqs = {3: list(range(4, 30)), 0: [44], 2: [7, 8, 9, 10, 11]}  # 2 calls, one with a padding row
     state = engine.insert_sequences(params, engine.init_decode_state(), list(seqs), list(seqs.values()),
                                     [SamplingParams(temperature=0.0, max_new_tokens=2)] * 3)

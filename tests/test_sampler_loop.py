@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplerLoopError
 from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import collect_completions, full_forward_logp, token_logp_errors, wait_until
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")
@@ -20,44 +20,6 @@ def models():
     return testing.random_model(CFG, seed=0), testing.random_model(CFG, seed=1)
 
 
-def reference_logp(model):
-    """f(seq) -> [len(seq), V] float64 log-softmax of a plain full forward pass (no cache)."""
-    graphdef, params = nnx.split(model)
-    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
-
-    def logp(seq):
-        padded = np.zeros((1, MAX_LEN), np.int32)
-        padded[0, : len(seq)] = seq
-        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
-
-    return logp
-
-
-def collect(loop, count, timeout=60.0):
-    out = []
-    for _ in range(count):
-        c = loop.get_completion(timeout=timeout)
-        assert c is not None, f"only {len(out)} of {count} completions arrived"
-        out.append(c)
-    return out
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
-
-
-def token_logp_errors(completion, logps_by_version):
-    """|returned logprob - full-forward logprob under the token's own version| per token."""
-    seq, errs = list(completion.prompt), []
-    for tok, lp, ver in zip(completion.tokens, completion.logprobs, completion.versions):
-        errs.append(abs(logps_by_version[int(ver)](seq)[-1][tok] - lp))
-        seq.append(int(tok))
-    return np.array(errs)
-
-
 def run_with_update(models, on_update):
     old, new = models
     engine = Engine(old, num_slots=4, max_len=MAX_LEN)
@@ -66,12 +28,12 @@ def run_with_update(models, on_update):
     for i in range(3):
         loop.submit(Request(id=i, prompt=[5 + i, 17, 23, 42 + i], max_new_tokens=24, n=2 if i == 0 else 1))
     loop.resume()
-    wait_for(lambda: loop.stats()["steps"] >= 3)
+    wait_until(lambda: loop.stats()["steps"] >= 3)
     loop.pause()
     loop.update_params(nnx.split(new)[1], version=7)
     assert loop.current_version == 0, "the update lands at the next step boundary, not while paused"
     loop.resume()
-    done = collect(loop, 4)
+    done = collect_completions(loop, 4)
     stats = loop.stats()
     loop.stop()
     assert loop.current_version == 7 and stats["updates"] == 1
@@ -80,7 +42,7 @@ def run_with_update(models, on_update):
 
 def test_recompute_makes_later_tokens_follow_the_new_params(models):
     done, stats = run_with_update(models, "recompute")
-    logps = {0: reference_logp(models[0]), 7: reference_logp(models[1])}
+    logps = {0: full_forward_logp(models[0], MAX_LEN), 7: full_forward_logp(models[1], MAX_LEN)}
     mixed = 0
     for c in done:
         assert set(np.unique(c.versions)) <= {0, 7}
@@ -92,7 +54,7 @@ def test_recompute_makes_later_tokens_follow_the_new_params(models):
 
 def test_continue_keeps_the_stale_cache(models):
     done, stats = run_with_update(models, "continue")
-    logps = {0: reference_logp(models[0]), 7: reference_logp(models[1])}
+    logps = {0: full_forward_logp(models[0], MAX_LEN), 7: full_forward_logp(models[1], MAX_LEN)}
     assert stats["recomputes"] == 0
     later = []
     for c in done:
@@ -107,11 +69,11 @@ def test_continue_keeps_the_stale_cache(models):
 
 def test_group_samples_share_a_prefill_and_overflow_the_slots(models):
     engine = Engine(models[0], num_slots=3, max_len=MAX_LEN)
-    logp = reference_logp(models[0])
+    logp = full_forward_logp(models[0], MAX_LEN)
     with SamplerLoop(engine, nnx.split(models[0])[1], seed=0) as loop:
         loop.submit(Request(id="g", prompt=[8, 9, 10], max_new_tokens=6, n=5, top_k=5, top_p=0.9))
         assert loop.num_pending() == 5
-        done = collect(loop, 5)
+        done = collect_completions(loop, 5)
         assert loop.num_pending() == 0
     assert sorted(c.sample_index for c in done) == [0, 1, 2, 3, 4]
     for c in done:
@@ -128,7 +90,7 @@ def test_too_long_prompt_is_an_error_for_that_request_only(models):
         loop.submit(Request(id="long", prompt=list(range(4, 44)), max_new_tokens=4, n=2))
         loop.submit(Request(id="clamped", prompt=list(range(4, 28)), max_new_tokens=50, temperature=0.0))
         loop.submit(Request(id="ok", prompt=[4, 5], max_new_tokens=3, temperature=0.0))
-        done = {(c.request_id, c.sample_index): c for c in collect(loop, 4)}
+        done = {(c.request_id, c.sample_index): c for c in collect_completions(loop, 4)}
     for i in range(2):
         bad = done[("long", i)]
         assert bad.finish_reason == "error" and "40 tokens" in bad.error and "max_len" in bad.error
@@ -172,7 +134,7 @@ def test_pause_resume_stop_and_abort(models):
     loop.submit(Request(id="a", prompt=[4, 5], max_new_tokens=60))
     loop.submit(Request(id="b", prompt=[6, 7], max_new_tokens=60))
     loop.submit(Request(id="queued", prompt=[6, 7], max_new_tokens=40, n=2))
-    wait_for(lambda: loop.stats()["steps"] >= 2)
+    wait_until(lambda: loop.stats()["steps"] >= 2)
     loop.pause()
     steps = loop.stats()["steps"]
     time.sleep(0.1)
@@ -182,9 +144,9 @@ def test_pause_resume_stop_and_abort(models):
     aborted = loop.get_completion(timeout=30)
     assert aborted.request_id == "a" and aborted.finish_reason == "interrupted"
     assert 2 <= len(aborted.tokens) < 60 and len(aborted.logprobs) == len(aborted.tokens)
-    wait_for(lambda: loop.stats()["running"] == 2)  # the queued group took the freed slot
+    wait_until(lambda: loop.stats()["running"] == 2)  # the queued group took the freed slot
     loop.stop(graceful=False)
-    rest = collect(loop, 3)
+    rest = collect_completions(loop, 3)
     assert {c.finish_reason for c in rest} == {"interrupted"}
     assert sorted(len(c.tokens) > 0 for c in rest) == [False, True, True], "one group sample never started"
     assert any(c.request_id == "b" and c.finish_reason == "interrupted" for c in rest)
@@ -199,6 +161,6 @@ def test_graceful_stop_finishes_everything_submitted(models):
     for i in range(5):
         loop.submit(Request(id=i, prompt=[4 + i], max_new_tokens=5, temperature=0.0))
     loop.stop(graceful=True)
-    done = collect(loop, 5, timeout=1)
+    done = collect_completions(loop, 5, timeout=1)
     assert all(c.finish_reason == "length" and len(c.tokens) == 5 for c in done)
     assert loop.num_pending() == 0

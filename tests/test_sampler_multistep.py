@@ -9,6 +9,7 @@ from flax import nnx
 from areal_jax import config as config_lib
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import collect_completions, full_forward_logp
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")
@@ -17,28 +18,6 @@ CFG = testing.tiny_config("qwen3")
 @pytest.fixture(scope="module")
 def models():
     return testing.random_model(CFG, seed=0), testing.random_model(CFG, seed=1)
-
-
-def reference_logp(model):
-    """f(seq) -> [len(seq), V] float64 log-softmax of a plain full forward pass (no cache)."""
-    graphdef, params = nnx.split(model)
-    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
-
-    def logp(seq):
-        padded = np.zeros((1, MAX_LEN), np.int32)
-        padded[0, : len(seq)] = seq
-        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
-
-    return logp
-
-
-def collect(loop, count, timeout=120.0):
-    out = []
-    for _ in range(count):
-        c = loop.get_completion(timeout=timeout)
-        assert c is not None, f"only {len(out)} of {count} completions arrived"
-        out.append(c)
-    return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
 
 
 def keys(n, seed=0):
@@ -99,7 +78,7 @@ def run_loop(model, requests, decode_steps, fetch_behind=True, num_slots=3, seed
     for r in requests:
         loop.submit(r)
     loop.resume()
-    done = collect(loop, sum(r.n for r in requests))
+    done = collect_completions(loop, sum(r.n for r in requests))
     stats = loop.stats()
     loop.stop()
     return done, stats
@@ -113,7 +92,7 @@ def test_loop_with_multi_step_dispatches_gives_the_single_step_tokens(models, de
     requests.append(Request(id="g", prompt=[7, 8, 9], max_new_tokens=6, n=2, temperature=0.0))
     base, base_stats = run_loop(models[0], requests, decode_steps=1, fetch_behind=False)
     multi, stats = run_loop(models[0], requests, decode_steps=decode_steps, fetch_behind=fetch_behind)
-    logp = reference_logp(models[0])
+    logp = full_forward_logp(models[0], MAX_LEN)
     for a, b in zip(base, multi):
         assert (a.request_id, a.sample_index) == (b.request_id, b.sample_index)
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -162,7 +141,7 @@ def test_update_arriving_mid_dispatch_applies_before_the_next_dispatch(models, o
     loop.submit(Request(id="g", prompt=[5, 17, 23, 42], max_new_tokens=18, n=2))
     loop.submit(Request(id="s", prompt=[6, 17, 23], max_new_tokens=18))
     loop.resume()
-    done = collect(loop, 3)
+    done = collect_completions(loop, 3)
     stats = loop.stats()
     loop.stop()
     assert stats["updates"] == 1 and loop.current_version == 7
@@ -170,7 +149,7 @@ def test_update_arriving_mid_dispatch_applies_before_the_next_dispatch(models, o
     # Dispatches 0 and 1 ran with version 0; the update is in place for dispatch 2. Recompute re-prefills, so
     # dispatch 2's first token already comes from the new params; continue samples it from the old logits.
     old_tokens = 2 * k if on_update == "recompute" else 2 * k + 1
-    logps = {0: reference_logp(old), 7: reference_logp(new)}
+    logps = {0: full_forward_logp(old, MAX_LEN), 7: full_forward_logp(new, MAX_LEN)}
     for c in done:
         assert c.versions.tolist() == [0] * old_tokens + [7] * (18 - old_tokens)
         seq, errs = list(c.prompt), []

@@ -14,7 +14,7 @@ All functions take ``params`` = the ``nnx.State`` of ``nnx.split(model)``; the d
 donated so a step rewrites the cache in place. Prompts are padded to power-of-two buckets so a run
 compiles a handful of programs. :meth:`Engine.insert_sequences` prefills many sequences in batched
 calls (admission of single-sample requests, and the re-prefill of in-flight sequences after a
-weight update).
+weight update). The per-slot fields (settings, arming and freeing slots) are in ``sampler.slots``.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_s
 from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
+from areal_jax.sampler.slots import arm_slots, empty_decode_state, free_slots, slot_settings
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
 
 
@@ -141,20 +142,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------- pure functions
     def _init_fn(self) -> DecodeState:
-        cfg, s = self.config, self.num_slots
-        return DecodeState(
-            cache=init_cache(cfg, s, self.max_len),
-            logits=jnp.zeros((s, cfg.vocab_size), jnp.float32),
-            lengths=jnp.zeros((s,), jnp.int32),
-            last_tokens=jnp.zeros((s,), jnp.int32),
-            done=jnp.ones((s,), bool),
-            generated=jnp.zeros((s,), jnp.int32),
-            max_new=jnp.zeros((s,), jnp.int32),
-            temperature=jnp.ones((s,), jnp.float32),
-            top_k=jnp.zeros((s,), jnp.int32),
-            top_p=jnp.ones((s,), jnp.float32),
-            stop_ids=jnp.full((s, self.max_stop_tokens), -1, jnp.int32),
-        )
+        cache = init_cache(self.config, self.num_slots, self.max_len)
+        return empty_decode_state(cache, self.config.vocab_size, self.num_slots, self.max_stop_tokens)
 
     def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
                       lengths: jax.Array) -> tuple[KVCache, jax.Array]:
@@ -176,25 +165,7 @@ class Engine:
             last_token=tokens[0, true_length - 1],
         )
 
-    def _set_slot_fields(self, state: DecodeState, logits: jax.Array, lengths: jax.Array,
-                         last_tokens: jax.Array, idx: jax.Array, settings: SlotSettings,
-                         mode: str | None) -> DecodeState:
-        def put(arr: jax.Array, value: jax.Array) -> jax.Array:
-            return arr.at[idx].set(value, mode=mode)
-
-        return dataclasses.replace(
-            state,
-            logits=put(state.logits, logits),
-            lengths=put(state.lengths, lengths),
-            last_tokens=put(state.last_tokens, last_tokens),
-            done=put(state.done, False),
-            generated=put(state.generated, 0),
-            max_new=put(state.max_new, settings.max_new),
-            temperature=put(state.temperature, settings.temperature),
-            top_k=put(state.top_k, settings.top_k),
-            top_p=put(state.top_p, settings.top_p),
-            stop_ids=put(state.stop_ids, settings.stop_ids),
-        )
+    _set_slot_fields = staticmethod(arm_slots)
 
     def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array,
                    settings: SlotSettings) -> DecodeState:
@@ -266,27 +237,12 @@ class Engine:
                            keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
         return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys)
 
-    def _release_fn(self, state: DecodeState, free: jax.Array) -> DecodeState:
-        return dataclasses.replace(state, done=state.done | free)
+    _release_fn = staticmethod(free_slots)
 
     # ----------------------------------------------------------------------------- public API
     def settings(self, sampling: SamplingParams) -> SlotSettings:
         """Device-ready settings of one request (numpy scalars; no compile per value)."""
-        stops = sampling.stop_token_ids
-        if len(stops) > self.max_stop_tokens:
-            raise ValueError(
-                f"{len(stops)} stop token ids given but the engine holds at most {self.max_stop_tokens}; "
-                "build the Engine with a larger max_stop_tokens."
-            )
-        stop_ids = np.full((self.max_stop_tokens,), -1, np.int32)
-        stop_ids[: len(stops)] = stops
-        return SlotSettings(
-            temperature=np.float32(sampling.temperature),
-            top_k=np.int32(sampling.top_k_value),
-            top_p=np.float32(sampling.top_p_value),
-            max_new=np.int32(sampling.max_new_tokens),
-            stop_ids=stop_ids,
-        )
+        return slot_settings(sampling, self.max_stop_tokens)
 
     def bucket_for(self, length: int) -> int:
         """Smallest prefill bucket holding ``length`` tokens; ValueError when none does."""

@@ -37,6 +37,7 @@ from areal_jax.models.paged_attention import (
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
 from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.sampler.slots import empty_decode_state
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings
 
 
@@ -105,12 +106,7 @@ class PagedEngine(Engine):
         cfg, n = self.config, self.num_slots
         cache = PagedCacheState(init_paged_cache(cfg, self.num_pages, self.page_size),
                                 jnp.full((n, self.pages_per_slot), -1, jnp.int32))
-        return DecodeState(
-            cache=cache, logits=jnp.zeros((n, cfg.vocab_size), jnp.float32), lengths=jnp.zeros((n,), jnp.int32),
-            last_tokens=jnp.zeros((n,), jnp.int32), done=jnp.ones((n,), bool), generated=jnp.zeros((n,), jnp.int32),
-            max_new=jnp.zeros((n,), jnp.int32), temperature=jnp.ones((n,), jnp.float32),
-            top_k=jnp.zeros((n,), jnp.int32), top_p=jnp.ones((n,), jnp.float32),
-            stop_ids=jnp.full((n, self.max_stop_tokens), -1, jnp.int32))
+        return empty_decode_state(cache, cfg.vocab_size, n, self.max_stop_tokens)
 
     def _set_table_fn(self, state: DecodeState, table: jax.Array) -> DecodeState:
         return dataclasses.replace(state, cache=PagedCacheState(state.cache.pages, table))

@@ -1,0 +1,226 @@
+"""What a SamplerLoop's own thread runs: between dispatches it applies a pending weight update, handles
+aborts and admits queued requests; it issues k-step dispatches and fetches their results.
+
+:class:`LoopThread` is mixed into :class:`~areal_jax.sampler.loop.SamplerLoop`, whose ``__init__`` creates
+the state used here: ``engine``, ``on_update``, ``decode_steps``, ``fetch_behind``, ``timeline``; the
+lock-guarded ``_cond``, ``_queue`` (queued requests), ``_out`` (finished completions), ``_pending``,
+``_pending_update``, ``_aborts``, ``_paused`` / ``_idle``, ``_stop_mode``, ``_error``, ``_stats`` and
+``_max_update_wait``; and, touched by this thread only, ``_running`` (slot -> sample), ``_free`` (free
+slots), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
+``_version`` (written under ``_cond``) and ``_keys``.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Any, ContextManager, Hashable
+
+import numpy as np
+from flax import nnx
+
+from areal_jax.sampler.dispatch import Dispatch, record_dispatch
+from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
+
+
+class LoopThread:
+    """The loop thread's side of :class:`~areal_jax.sampler.loop.SamplerLoop` (see the module docstring)."""
+
+    def _emit_locked(self, completion: Completion) -> None:
+        self._out.append(completion)
+        self._cond.notify_all()
+
+    def _span(self, name: str, **args: Any) -> ContextManager[None]:
+        """A timeline span on the "sampler" lane when a timeline is attached (`loop.timeline = ...`)."""
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(name, lane="sampler", **args)
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                if self._inflight and (self._paused or not self._running):
+                    self._drain()  # a paused or empty loop owes the caller every result
+                    continue
+                self._between_steps()
+                with self._span("decode_step", running=len(self._running), steps=self.decode_steps):
+                    if self._running:
+                        self._dispatch()
+                    while len(self._inflight) > (1 if self.fetch_behind else 0):
+                        self._process(self._inflight.popleft())
+            self._interrupt_all()
+        except BaseException as exc:  # surfaced to the caller by _raise_if_failed
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do; False when the thread should exit."""
+        with self._cond:
+            while True:
+                if self._stop_mode == "now":
+                    return False
+                if self._paused and self._inflight:
+                    return True  # fetch the dispatch in flight before going idle
+                if self._paused:
+                    self._idle = True
+                    self._cond.notify_all()
+                    self._cond.wait()
+                    continue
+                if self._running or self._queue or self._pending_update or self._aborts or self._inflight:
+                    return True
+                if self._stop_mode == "graceful":
+                    return False
+                self._cond.wait()
+
+    def _between_steps(self) -> None:
+        with self._cond:
+            update, self._pending_update = self._pending_update, None
+            aborts, self._aborts = self._aborts, set()
+        if update is not None:
+            if self.on_update == "recompute":
+                self._drain()  # re-prefill needs every token generated so far
+            with self._span("weight_update", version=update[1], recompute=len(self._running)):
+                self._apply_update(update[0], update[1])
+            wait = time.monotonic() - update[2]
+            with self._cond:
+                self._stats["update_wait_s"] += wait
+                self._max_update_wait = max(self._max_update_wait, wait)
+        if aborts:
+            self._apply_aborts(aborts)
+        if self._queue and self._free:
+            with self._span("admit_prefill"):
+                self._admit()
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        run = self._running.pop(slot)
+        run.active = False
+        self.engine.finished(slot)
+        self._free.append(slot)
+        with self._cond:
+            self._pending -= 1
+            self._emit_locked(make_completion(run.request, run.sample_index, run.tokens, run.logprobs,
+                                              run.versions, reason))
+
+    def _release(self, slots: list[int]) -> None:
+        if slots:
+            self._state = self.engine.release(self._state, slots)
+
+    def _apply_update(self, params: nnx.State, version: int) -> None:
+        placed = self.engine.place_params(params)
+        with self._cond:  # params and version change together (see versioned_params)
+            self._params, self._version = placed, version
+            self._stats["updates"] += 1
+        if self.on_update != "recompute" or not self._running:
+            return
+        slots = list(self._running)
+        runs = [self._running[s] for s in slots]
+        self._state = self.engine.insert_sequences(
+            self._params, self._state, slots,
+            [list(run.request.prompt) + run.tokens for run in runs],
+            [dataclasses.replace(run.sampling, max_new_tokens=run.sampling.max_new_tokens - len(run.tokens))
+             for run in runs])
+        for run in runs:
+            run.logits_version = version
+        with self._cond:
+            self._stats["recomputes"] += len(runs)
+
+    def _apply_aborts(self, ids: set[Hashable]) -> None:
+        with self._cond:
+            kept: collections.deque[_Queued] = collections.deque()
+            for q in self._queue:
+                if q.request.id in ids:
+                    for i in range(q.next_index, q.request.n):
+                        self._pending -= 1
+                        self._emit_locked(make_completion(q.request, i, reason="interrupted"))
+                else:
+                    kept.append(q)
+            self._queue = kept
+        slots = [s for s, run in self._running.items() if run.request.id in ids]
+        for s in slots:
+            self._finish(s, "interrupted")
+        self._release(slots)
+
+    def _admit(self) -> None:
+        """Fill free slots from the queue: single samples in batched prefills, groups (n > 1)
+        with one prefill copied into their slots."""
+        singles: list[tuple[int, _Queued]] = []
+        while self._free:
+            with self._cond:
+                if not self._queue or self._stop_mode == "now":
+                    break
+                q = self._queue[0]
+            k = self._admissible(q)
+            if k == 0:
+                break
+            if q.request.n == 1:
+                singles.append((self._free.pop(), q))
+                self._advance(q, 1)
+                continue
+            if q.prefix is None or q.prefix_version != self._version:
+                q.prefix, q.prefix_version = self.engine.prefill(self._params, q.request.prompt), self._version
+            slots = [self._free.pop() for _ in range(k)]
+            if k == 1:
+                self._state = self.engine.insert(q.prefix, self._state, slots[0], q.sampling)
+            else:
+                self._state = self.engine.bulk_insert(q.prefix, self._state, slots, q.sampling)
+            for i, slot in enumerate(slots):
+                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
+            self._advance(q, k)
+        if singles:
+            self._state = self.engine.insert_sequences(
+                self._params, self._state, [slot for slot, _ in singles],
+                [q.request.prompt for _, q in singles], [q.sampling for _, q in singles])
+            for slot, q in singles:
+                self._running[slot] = _Running(q.request, 0, q.sampling, self._version)
+
+    def _admissible(self, q: _Queued) -> int:
+        """Samples of the queue head that free slots and the cache's memory (a paged cache) take now. The
+        memory is held for them until they are inserted; an empty pool always holds one sample."""
+        length, max_new = len(q.request.prompt), q.sampling.max_new_tokens
+        k = min(len(self._free), q.request.n - q.next_index)
+        while k and not self.engine.reserve(length, max_new, k):
+            k -= 1
+        return k
+
+    def _advance(self, q: _Queued, k: int) -> None:
+        """Mark k more samples of the queue head as admitted; pop it once all are."""
+        with self._cond:
+            q.next_index += k
+            if q.next_index == q.request.n:
+                self._queue.popleft()
+                q.prefix = None
+
+    def _dispatch(self) -> None:
+        """Issue k decode steps for the running slots (asynchronously; results fetched in _process)."""
+        k = self.decode_steps
+        self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k))
+        self._inflight.append(Dispatch(result, dict(self._running), self._version))
+
+    def _process(self, d: Dispatch) -> None:
+        """Fetch one dispatch's results (blocks until it ran), hand tokens to its runs, finish slots."""
+        r = d.result.to_host()
+        finished, appended = record_dispatch(r, d.runs, d.version)
+        with self._cond:
+            self._stats["dispatches"] += 1
+            self._stats["steps"] += int(r.steps)
+            self._stats["busy_slot_steps"] += int(np.asarray(r.valid).sum())
+            self._stats["generated_tokens"] += appended
+        for slot, reason in finished:
+            self._finish(slot, reason)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._process(self._inflight.popleft())
+
+    def _interrupt_all(self) -> None:
+        """On a hard stop, hand back everything still queued or running as "interrupted"."""
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+            for q in queued:
+                for i in range(q.next_index, q.request.n):
+                    self._pending -= 1
+                    self._emit_locked(make_completion(q.request, i, reason="interrupted"))
+        for slot in list(self._running):
+            self._finish(slot, "interrupted")

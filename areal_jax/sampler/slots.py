@@ -1,0 +1,81 @@
+"""The per-slot fields of a DecodeState: host-side settings of a request, and the pure writes that arm and
+free slots. Shared by the dense :class:`~areal_jax.sampler.engine.Engine` and the paged engine, which differ
+only in their caches."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.sampler.state import DecodeState, SlotSettings
+
+
+def slot_settings(sampling: SamplingParams, max_stop_tokens: int) -> SlotSettings:
+    """Device-ready settings of one request (numpy scalars, so no compile per value); stop ids padded with
+    -1 to [max_stop_tokens]. ValueError when the request has more stop ids than that."""
+    stops = sampling.stop_token_ids
+    if len(stops) > max_stop_tokens:
+        raise ValueError(
+            f"{len(stops)} stop token ids given but the engine holds at most {max_stop_tokens}; "
+            "build the Engine with a larger max_stop_tokens."
+        )
+    stop_ids = np.full((max_stop_tokens,), -1, np.int32)
+    stop_ids[: len(stops)] = stops
+    return SlotSettings(
+        temperature=np.float32(sampling.temperature),
+        top_k=np.int32(sampling.top_k_value),
+        top_p=np.float32(sampling.top_p_value),
+        max_new=np.int32(sampling.max_new_tokens),
+        stop_ids=stop_ids,
+    )
+
+
+def empty_decode_state(cache: Any, vocab_size: int, num_slots: int, max_stop_tokens: int) -> DecodeState:
+    """A DecodeState around ``cache`` with every one of the ``num_slots`` slots free (done) and zeroed."""
+    s = num_slots
+    return DecodeState(
+        cache=cache,
+        logits=jnp.zeros((s, vocab_size), jnp.float32),
+        lengths=jnp.zeros((s,), jnp.int32),
+        last_tokens=jnp.zeros((s,), jnp.int32),
+        done=jnp.ones((s,), bool),
+        generated=jnp.zeros((s,), jnp.int32),
+        max_new=jnp.zeros((s,), jnp.int32),
+        temperature=jnp.ones((s,), jnp.float32),
+        top_k=jnp.zeros((s,), jnp.int32),
+        top_p=jnp.ones((s,), jnp.float32),
+        stop_ids=jnp.full((s, max_stop_tokens), -1, jnp.int32),
+    )
+
+
+def arm_slots(state: DecodeState, logits: jax.Array, lengths: jax.Array, last_tokens: jax.Array,
+              idx: jax.Array, settings: SlotSettings, mode: str | None) -> DecodeState:
+    """Arm slot(s) ``idx`` (a scalar, or [R] with out-of-range padding dropped under mode="drop") to decode:
+    next-token logits [V] or [R, V] float32, cache lengths and last tokens, a fresh budget and ``settings``.
+    The cache itself is written by the caller."""
+
+    def put(arr: jax.Array, value: jax.Array) -> jax.Array:
+        return arr.at[idx].set(value, mode=mode)
+
+    return dataclasses.replace(
+        state,
+        logits=put(state.logits, logits),
+        lengths=put(state.lengths, lengths),
+        last_tokens=put(state.last_tokens, last_tokens),
+        done=put(state.done, False),
+        generated=put(state.generated, 0),
+        max_new=put(state.max_new, settings.max_new),
+        temperature=put(state.temperature, settings.temperature),
+        top_k=put(state.top_k, settings.top_k),
+        top_p=put(state.top_p, settings.top_p),
+        stop_ids=put(state.stop_ids, settings.stop_ids),
+    )
+
+
+def free_slots(state: DecodeState, free: jax.Array) -> DecodeState:
+    """Mark the slots where ``free`` ([S] bool) is True as done, so later steps leave them alone."""
+    return dataclasses.replace(state, done=state.done | free)

@@ -1,0 +1,95 @@
+"""Fixtures for sampler tests: an uncached reference forward pass, greedy decoding by it, and loop helpers.
+
+The references are written the slow, obvious way (one full forward pass per token, no KV cache), so the
+engine's cached, batched, multi-step decoding can be checked against something computed differently.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.transformer import Transformer
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.requests import Completion, Request
+
+LogpFn = Callable[[Sequence[int]], np.ndarray]
+
+
+def full_forward_logp(model: Transformer, pad_to: int) -> LogpFn:
+    """A jitted reference: f(seq) -> [len(seq), V] float64 log-softmax of a plain forward pass (no cache) at
+    every position of seq. The sequence is tail-padded to ``pad_to`` tokens (one compiled program), which
+    causal attention makes invisible to the real positions."""
+    graphdef, params = nnx.split(model)
+    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
+
+    def logp(seq: Sequence[int]) -> np.ndarray:
+        padded = np.zeros((1, pad_to), np.int32)
+        padded[0, : len(seq)] = seq
+        return np.asarray(fwd(params, padded), np.float64)[: len(seq)]
+
+    return logp
+
+
+def greedy_reference(logp: LogpFn, prompt: Sequence[int], max_new: int,
+                     stop: Sequence[int] = ()) -> tuple[list[int], list[float], list[np.ndarray]]:
+    """Greedy decoding by repeated full forward passes: (tokens, their logprobs, the [V] log-softmax row
+    each token was chosen from); stops after a token in ``stop`` (included) or ``max_new`` tokens."""
+    seq, toks, lps, tables = list(prompt), [], [], []
+    for _ in range(max_new):
+        row = logp(seq)[-1]
+        tok = int(np.argmax(row))
+        toks.append(tok)
+        lps.append(float(row[tok]))
+        tables.append(row)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return toks, lps, tables
+
+
+def token_logp_errors(completion: Completion, logps_by_version: dict[int, LogpFn]) -> np.ndarray:
+    """[T] |returned logprob - full-forward logprob under the version that sampled the token| per token."""
+    seq, errs = list(completion.prompt), []
+    for tok, lp, ver in zip(completion.tokens, completion.logprobs, completion.versions):
+        errs.append(abs(logps_by_version[int(ver)](seq)[-1][tok] - lp))
+        seq.append(int(tok))
+    return np.array(errs)
+
+
+def collect_completions(loop: SamplerLoop, count: int, timeout: float = 120.0) -> list[Completion]:
+    """``count`` completions from ``loop`` (each within ``timeout`` seconds, else AssertionError), sorted by
+    (str(request id), sample index)."""
+    out = []
+    for _ in range(count):
+        c = loop.get_completion(timeout=timeout)
+        assert c is not None, f"only {len(out)} of {count} completions arrived"
+        out.append(c)
+    return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``predicate`` every 2 ms until it holds; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeout: float = 120.0,
+          **loop_kw: object) -> list[Completion]:
+    """Every sample of ``requests`` through a fresh SamplerLoop (all submitted before it starts stepping),
+    sorted by (str(request id), sample index); the loop is stopped afterwards."""
+    loop = SamplerLoop(engine, params, **loop_kw)
+    try:
+        loop.pause()
+        for r in requests:
+            loop.submit(r)
+        loop.resume()
+        return collect_completions(loop, sum(r.n for r in requests), timeout=timeout)
+    finally:
+        loop.stop(graceful=False)
