@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import orbax.checkpoint as ocp
 
 from areal_jax import paths
+from areal_jax.knobs import Section, knob, require
 from areal_jax.orbax_compat import tensorstore_leak_workarounds
 
 
@@ -112,3 +113,18 @@ def example_to_json(example: Any) -> dict:
 def write_json(path: Any, obj: Any) -> None:
     """Write JSON atomically: a temporary file renamed locally, one upload on an object store."""
     paths.write_json(path, obj)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """When to save and whether to resume (the config's `checkpoint` section)."""
+
+    section: ClassVar[str] = "checkpoint"
+
+    every_steps: int = knob(10, "save every this many steps; 0 = only at the end")
+    keep: int = knob(2, "checkpoints kept (older ones are deleted)")
+    resume: bool = knob(True, "continue from the latest checkpoint in run_dir")
+
+    def check(self) -> None:
+        require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0 (0 = only at the end).")
+        require(self.keep >= 1, f"{self.key('keep')}={self.keep} must be at least 1.")

@@ -10,15 +10,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from areal_jax import paths
+from areal_jax.knobs import Section, knob, require
 from areal_jax.timeline import SpanRecorder, Timeline
 
 __all__ = ["MetricsLogger", "SpanRecorder", "Timeline", "format_duration", "format_progress", "matmul_peak_gflops", "PROGRESS_KEYS"]
@@ -246,3 +248,24 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig(Section):
+    """What a job records (the config's `log` section)."""
+
+    section: ClassVar[str] = "log"
+
+    every_steps: int = knob(1, "metrics (and the console line) every this many steps; 0 = never")
+    tensorboard: bool = knob(True, "also write TensorBoard event files")
+    timeline: bool = knob(True, "record timeline.json (spans of every thread, Perfetto / chrome://tracing)")
+    timeline_max_events: int = knob(1_000_000, "kept in timeline.json (spooled to disk, ~150 bytes each); later "
+                                    "ones are counted")
+    console: bool = knob(True, "print a progress line per logged step")
+    param_digests: bool = knob(False, "record params fingerprints per step (multi-process checks)")
+
+    def check(self) -> None:
+        require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0.")
+        require(self.timeline_max_events >= 1,
+                f"{self.key('timeline_max_events')}={self.timeline_max_events} must be >= 1 (set "
+                "--config.log.timeline=False to record no timeline).")

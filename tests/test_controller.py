@@ -13,8 +13,9 @@ import threading
 import numpy as np
 import pytest
 
+from areal_jax.sampler.config import RolloutConfig
 from areal_jax.system.buffer import TrajectoryBuffer
-from areal_jax.system.controller import RolloutController, RolloutSettings
+from areal_jax.system.controller import RolloutController
 from areal_jax.testing.prompts import ListPrompts
 
 
@@ -105,10 +106,9 @@ def _run(eta, batch_groups=3, group_size=2, steps=12, seed=0, filter_uniform=Fal
     rewards = FakeRewards(random.Random(seed + 1), uniform_share=1.0 if filter_uniform else 0.0)
     prompts = ListPrompts(FakeExample(f"p{i}", [1, 2, 3], "1") for i in range(10_000))
     buffer = TrajectoryBuffer()
-    settings = RolloutSettings(group_size=group_size, batch_groups=batch_groups, max_new_tokens=8,
-                               max_staleness=eta, max_concurrent=None if eta is not None else 8,
-                               filter_uniform_groups=filter_uniform)
-    ctl = RolloutController(settings, sampler, rewards, prompts, lambda t: "x", buffer).start()
+    settings = RolloutConfig(group_size=group_size, max_new_tokens=8, max_staleness=eta,
+                             max_concurrent=None if eta is not None else 8, filter_uniform_groups=filter_uniform)
+    ctl = RolloutController(settings, sampler, rewards, prompts, lambda t: "x", buffer, batch_groups=batch_groups).start()
     trained, max_stale = [], 0
     try:
         for version in range(steps):
@@ -148,9 +148,9 @@ def test_eta_zero_admits_only_the_next_batch():
     rng = random.Random(0)
     sampler = FakeSampler(rng)
     buffer = TrajectoryBuffer()
-    settings = RolloutSettings(group_size=2, batch_groups=3, max_new_tokens=8, max_staleness=0)
+    settings = RolloutConfig(group_size=2, max_new_tokens=8, max_staleness=0)
     prompts = ListPrompts(FakeExample(f"p{i}", [1], "1") for i in range(100))
-    ctl = RolloutController(settings, sampler, FakeRewards(rng), prompts, lambda t: "x", buffer)
+    ctl = RolloutController(settings, sampler, FakeRewards(rng), prompts, lambda t: "x", buffer, batch_groups=3)
     assert ctl._admit() == 3 and ctl._admit() == 0  # (0 + 0 + 1) * 3 groups, then no capacity
 
 

@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 
 from areal_jax.sampler import Completion, Engine, Request, SamplerLoop
+from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.system import interfaces
 from areal_jax.system.buffer import TrajectoryBuffer
-from areal_jax.system.controller import RolloutController, RolloutSettings
+from areal_jax.system.controller import RolloutController
 from areal_jax.system.loadgen import ForcedLengths
 from areal_jax.testing import models as testing
 from areal_jax.testing.prompts import ListPrompts
@@ -198,8 +199,8 @@ def test_controller_admits_by_the_staleness_rule_on_a_protocol_sampler():
     assert isinstance(rewards, interfaces.RewardService)
     prompts = ListPrompts(Example(f"p{i}", [5, 6, i], str(i)) for i in range(50))
     buffer = TrajectoryBuffer()
-    settings = RolloutSettings(group_size=group, batch_groups=batch, max_new_tokens=4, max_staleness=eta)
-    ctl = RolloutController(settings, sampler, rewards, prompts, lambda t: "x", buffer)
+    settings = RolloutConfig(group_size=group, max_new_tokens=4, max_staleness=eta)
+    ctl = RolloutController(settings, sampler, rewards, prompts, lambda t: "x", buffer, batch_groups=batch)
     ctl._admit()
     # accepted + running < (eta + v + 1) * B: at v = 0, (1 + 0 + 1) * 2 = 4 groups, however many prompts wait.
     assert [r.id for r in sampler.requests] == [0, 1, 2, 3] and all(r.n == group for r in sampler.requests)
@@ -226,9 +227,9 @@ def test_controller_admits_by_the_staleness_rule_on_a_protocol_sampler():
 
 def test_controller_counts_errors_of_a_protocol_sampler():
     sampler, rewards = ScriptedSampler(), ScriptedRewards()
-    ctl = RolloutController(RolloutSettings(group_size=2, batch_groups=1, max_new_tokens=4, max_staleness=0),
+    ctl = RolloutController(RolloutConfig(group_size=2, max_new_tokens=4, max_staleness=0),
                             sampler, rewards, ListPrompts([Example("only", [1], "1")]), lambda t: "x",
-                            TrajectoryBuffer())
+                            TrajectoryBuffer(), batch_groups=1)
     ctl._admit()
     (req,) = sampler.requests
     for i in range(req.n):

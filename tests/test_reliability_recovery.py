@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 from areal_jax.checkpoint import Checkpointer
+from areal_jax.sampler.config import RolloutConfig
 from areal_jax.system import controller as controller_mod
 from areal_jax.system.buffer import Group, TrajectoryBuffer
-from areal_jax.system.controller import RolloutController, RolloutSettings
+from areal_jax.system.controller import RolloutController
 from areal_jax.system.runner import SampleLog
 from areal_jax.testing.prompts import ListPrompts
 
@@ -95,9 +96,10 @@ def test_snapshot_while_a_group_completes_keeps_its_prompt(monkeypatch):
 
     monkeypatch.setattr(controller_mod, "group_advantages", slow_advantages)
     buffer = TrajectoryBuffer()
-    settings = RolloutSettings(group_size=2, batch_groups=1, max_new_tokens=4, max_staleness=0)
+    settings = RolloutConfig(group_size=2, max_new_tokens=4, max_staleness=0)
     prompts = ListPrompts([Example("a", [1, 2]), Example("b", [3])])
-    ctl = RolloutController(settings, InstantSampler(), InstantRewards(), prompts, lambda t: "x", buffer).start()
+    ctl = RolloutController(settings, InstantSampler(), InstantRewards(), prompts, lambda t: "x", buffer,
+                            batch_groups=1).start()
     try:
         assert inside.wait(10)
         during = ctl.snapshot()  # must not block on, nor miss, the group being completed

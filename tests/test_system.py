@@ -29,8 +29,8 @@ def _samples(run_dir):
 def _run_job(config, on_publish=None):
     job = RLJob(config, log_fn=lambda *a, **k: None)
     if on_publish is not None:
-        deliver = job.channel.deliver
-        job.channel.deliver = lambda params, version: (on_publish(job, params, version), deliver(params, version))
+        update = job.sampler.update_params  # the job hands each published version to the sampler
+        job.sampler.update_params = lambda params, version: (on_publish(job, params, version), update(params, version))
     try:
         return job, job.run()
     finally:

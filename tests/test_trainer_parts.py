@@ -91,7 +91,7 @@ def test_microsteps_are_balanced_and_lengths_bucketed():
 def test_schedule_hand_numbers():
     const = make_schedule(TrainerConfig(lr=1.0, warmup_steps=3))
     assert [float(const(s)) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
-    cos = make_schedule(TrainerConfig(lr=2.0, warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1))
+    cos = make_schedule(TrainerConfig(lr=2.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1), 6)
     # After warm-up: lr * (alpha + (1 - alpha) * 0.5 * (1 + cos(pi * k / 4))), k = step - 2.
     expect = [2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4))) for k in range(5)]
     assert [float(cos(s)) for s in range(2, 7)] == pytest.approx(expect, rel=1e-6)
@@ -146,8 +146,8 @@ def test_compute_logprobs_match_model_and_staleness_in_update():
     from tests.test_trainer import mesh_4  # noqa: PLC0415
 
     model = random_model(tiny_config(), seed=2)
-    cfg = TrainerConfig(micro_batch_tokens=32, max_staleness=0, logits_chunk=8, ppo_minibatches=2)
-    trainer = Trainer(model, cfg, mesh_4())
+    cfg = TrainerConfig(micro_batch_tokens=32, logits_chunk=8, ppo_minibatches=2)
+    trainer = Trainer(model, cfg, mesh_4(), max_staleness=0)
     rng = np.random.default_rng(1)
     trajs = [traj(rng.integers(3, 97, n), 2, version=v) for n, v in [(9, 0), (14, 0), (7, 0), (20, 0)]]
     got = trainer.compute_logprobs(trajs)
@@ -173,8 +173,8 @@ def test_config_and_input_errors():
         TrainerConfig(prox_mode="exact")
     with pytest.raises(ValueError, match="dual_clip=0.5 must be greater than 1"):
         TrainerConfig(dual_clip=0.5)
-    with pytest.raises(ValueError, match="exceed warmup_steps"):
-        TrainerConfig(schedule="cosine", warmup_steps=10, total_steps=10)
+    with pytest.raises(ValueError, match="must exceed train.warmup_steps=10"):
+        make_schedule(TrainerConfig(schedule="cosine", warmup_steps=10), 10)
     with pytest.raises(ValueError, match="behav_logp has 2 entries but the completion has 3 tokens"):
         Trajectory(tokens=np.arange(5), prompt_len=2, behav_logp=np.zeros(2), versions=np.zeros(3))
     with pytest.raises(ValueError, match="at least one prompt token"):

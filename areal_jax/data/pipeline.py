@@ -15,12 +15,13 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import grain
 
 from areal_jax.data.prompts import DEFAULT_PROMPT_TEMPLATE, PromptExample, PromptFormat, tokenize_records
 from areal_jax.data.readers import read_records
+from areal_jax.knobs import Section, knob, require
 from areal_jax.tokenizer import Tokenizer
 
 __all__ = ["PromptSource", "PromptIterator", "load_prompt_source", "make_prompt_iterator", "load_eval_split"]
@@ -225,3 +226,27 @@ def load_eval_split(paths: str | Sequence[str], tokenizer: Tokenizer, *, limit: 
     shard = _shard_items(source, process_index, process_count)
     return [PromptExample(uid=f"{item.key}:0", prompt_tokens=list(item.prompt_tokens), answer=item.answer,
                           question=item.question) for item in shard]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """Where the prompts come from and how they are formatted (the config's `data` section)."""
+
+    section: ClassVar[str] = "data"
+
+    train_path: str = knob("", "training prompts: JSONL or Parquet with question / answer fields")
+    test_path: str = knob("", "evaluation split (same layout); empty = no evaluation")
+    question_field: str = knob("question", "field of a row holding the question")
+    answer_field: str = knob("answer", "field of a row holding the reference answer (code: the hidden tests)")
+    prompt_template: str = knob(DEFAULT_PROMPT_TEMPLATE, "prompt text around {question}")
+    use_chat_template: bool = knob(False, "wrap the prompt in the tokenizer's chat template")
+    system_prompt: str = knob("", "system message of the chat template")
+    max_prompt_len: int = knob(256, "prompt tokens at most; longer prompts are skipped")
+    on_bad_row: str = knob("error", "a malformed row stops the run (error) or is counted and skipped (skip)",
+                           choices=("error", "skip"))
+    task: str = knob("math", "math (question / answer rows) | code (programming tasks with hidden tests)",
+                     choices=("math", "code"))
+    shuffle: bool = knob(True, "shuffle the prompts (seeded by the job's seed)")
+
+    def check(self) -> None:
+        require(self.max_prompt_len >= 1, f"{self.key('max_prompt_len')}={self.max_prompt_len} must be at least 1.")

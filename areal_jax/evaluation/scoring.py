@@ -6,11 +6,14 @@ The job's periodic evaluations and the `python -m areal_jax.programs.evaluate` p
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
+
+from areal_jax.knobs import Section, knob, require
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -106,7 +109,7 @@ def load_eval_examples(path: str, tokenizer: Any, data_config: Any, n: int) -> l
         path, tokenizer, question_field=data_config.question_field, answer_field=data_config.answer_field,
         prompt_template=data_config.prompt_template, use_chat_template=data_config.use_chat_template,
         system_prompt=data_config.system_prompt, max_prompt_len=data_config.max_prompt_len,
-        task=data_config.get("task", "math"),
+        task=data_config.task,
     )[:n]
 
 
@@ -129,3 +132,30 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
                              reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,
                              params=params, pool=pool, decode_steps=decode_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """Held-out evaluation during a job (the config's `eval` section)."""
+
+    section: ClassVar[str] = "eval"
+
+    n_test: int = knob(500, "problems of data.test_path; 0 disables evaluation")
+    at_start: bool = knob(True, "evaluate before the first update")
+    at_end: bool = knob(True, "evaluate after the last update")
+    every_steps: int = knob(0, "also evaluate every this many steps; 0 = never in between")
+    max_new_tokens: int = knob(64, "completion tokens at most per evaluation sample")
+    samples: int = knob(8, "sampled completions per problem (sampled pass@1, pass@k); 0 = greedy only")
+    num_slots: int = knob(256, "decode slots of the evaluation's sampler (all greedy + sampled sequences in one pass)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_test > 0 and bool(self.at_start or self.at_end or self.every_steps)
+
+    def check(self) -> None:
+        k = self.key
+        require(self.n_test >= 0, f"{k('n_test')}={self.n_test} must be >= 0 (0 disables evaluation).")
+        require(self.every_steps >= 0, f"{k('every_steps')}={self.every_steps} must be >= 0.")
+        require(self.max_new_tokens >= 1, f"{k('max_new_tokens')}={self.max_new_tokens} must be at least 1.")
+        require(self.samples >= 0, f"{k('samples')}={self.samples} must be >= 0 (0 = greedy pass@1 only).")
+        require(self.num_slots >= 1, f"{k('num_slots')}={self.num_slots} must be at least 1.")

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from areal_jax.knobs import Section, knob
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import Transformer
@@ -28,6 +29,29 @@ from areal_jax.models.transformer import Transformer
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig(Section):
+    """Which checkpoint a job starts from and in which dtypes (the config's `model` section)."""
+
+    section: ClassVar[str] = "model"
+
+    path: str = knob("", "HF directory: config.json + *.safetensors (+ tokenizer files)")
+    tokenizer_path: str = knob("", "directory of the tokenizer files; defaults to model.path")
+    dtype: str = knob("float32", "compute dtype", choices=tuple(DTYPES))
+    param_dtype: str = knob("float32", "storage dtype of the trained params", choices=tuple(DTYPES))
+
+    @property
+    def compute_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+    @property
+    def storage_dtype(self) -> Any:
+        return DTYPES[self.param_dtype]
 
 
 @dataclass(frozen=True)

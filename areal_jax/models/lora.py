@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.knobs import ConfigError, Section, knob, require
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_names
 
@@ -43,34 +44,31 @@ BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """Adapter settings.
+class LoRAConfig(Section):
+    """Adapter settings (the config's `lora` section); `apply_lora` reads rank, alpha, dropout, targets and
+    base_dtype, the job reads `enabled` and `sampler`."""
 
-    Attributes:
-      rank: r, the inner dimension of A and B (>= 1).
-      alpha: scale numerator; the update is (alpha / rank) * x @ A @ B.
-      dropout: probability of zeroing an input of the adapter path while training (0 <= p < 1).
-      targets: comma-separated projections to adapt: short names q, k, v, o, gate, up, down (or q_proj, ...),
-        groups attn, mlp, all, or "re:<regex>" matched in full against paths like "layers.3.attn.q_proj".
-      base_dtype: storage dtype of the frozen base ("float32", "bfloat16"), or "" to keep the model's.
-    """
+    section: ClassVar[str] = "lora"
 
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: str = "all"
-    base_dtype: str = ""
+    enabled: bool = knob(False, "train LoRA adapters on a frozen base; off: full fine-tuning")
+    rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
+    alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
+    dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
+    targets: str = knob("all", "q,k,v,o,gate,up,down | attn | mlp | all | re:<regex over 'layers.0.attn.q_proj'> "
+                        "(comma-separated)")
+    base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
+                           choices=("", *BASE_DTYPES))
+    sampler: str = knob("merged", "merged (adapters folded into the sampler's copy at hand-off) | unmerged",
+                        choices=("merged", "unmerged"))
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora.rank={self.rank!r} must be a positive integer.")
-        if not self.alpha > 0:
-            raise ValueError(f"lora.alpha={self.alpha!r} must be positive.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout={self.dropout!r} must lie in [0, 1).")
-        if self.base_dtype not in ("", *BASE_DTYPES):
-            raise ValueError(f"lora.base_dtype={self.base_dtype!r} is not one of '', {', '.join(BASE_DTYPES)}.")
-        self.target_rules()  # raises on a bad entry
+    def check(self) -> None:
+        require(self.rank >= 1, f"{self.key('rank')}={self.rank!r} must be a positive integer.")
+        require(self.alpha > 0, f"{self.key('alpha')}={self.alpha!r} must be positive.")
+        require(0.0 <= self.dropout < 1.0, f"{self.key('dropout')}={self.dropout!r} must lie in [0, 1).")
+        try:
+            self.target_rules()
+        except ValueError as err:  # each message starts with the key: "lora.targets entry ..."
+            raise ConfigError(f"--config.{err}") from None
 
     @property
     def scale(self) -> float:

@@ -13,32 +13,18 @@ import json
 import os
 import sys
 
-import ml_collections
+from areal_jax.config import JobConfig
 
 
-def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
-    """The config a run was started with (RUN_DIR/config.json), on top of today's defaults."""
-    from areal_jax import paths
-    from areal_jax.config import base_config
+def load_run_config(run_dir: str) -> JobConfig:
+    """The config a run was started with (RUN_DIR/config.json) as a JobConfig; keys it lacks take
+    today's defaults and keys no longer known are ignored (an older run still exports)."""
+    from areal_jax import knobs, paths
 
     path = paths.join(run_dir, "config.json")  # a local, file:// or object-store run directory
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory of areal_jax.main?")
-    saved = json.loads(path.read_text())
-    config = base_config()
-    config.unlock()
-    config.update_from_flattened_dict(_flatten(saved))
-    return config
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return knobs.from_mapping(JobConfig, json.loads(path.read_text()))
 
 
 def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged") -> str:
@@ -53,12 +39,11 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
 
     from areal_jax.checkpoint import Checkpointer
     from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
-    from areal_jax.system import build
     from areal_jax.tokenizer import Tokenizer
     from areal_jax.trainer import Trainer
 
     config = load_run_config(run_dir)
-    lora_cfg = build.lora_config(config)
+    lora_cfg = config.lora if config.lora.enabled else None
     if fmt not in ("merged", "peft"):
         raise ValueError(f"--format={fmt!r} is not one of merged, peft.")
     if fmt == "peft" and lora_cfg is None:
@@ -69,13 +54,13 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
     if step is None:
         raise FileNotFoundError(f"{run_dir} holds no complete checkpoint to export.")
     mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
-    model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=build.DTYPES[config.model.param_dtype],
-                               dtype=build.DTYPES[config.model.dtype])
+    model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=config.model.storage_dtype,
+                               dtype=config.model.compute_dtype)
     if lora_cfg is not None:
         from areal_jax.models.lora import apply_lora, merged_model
 
         apply_lora(model, lora_cfg, rngs=nnx.Rngs(config.seed))
-    trainer = Trainer(model, build.trainer_config(config), mesh,
+    trainer = Trainer(model, config.train, mesh, schedule_steps=config.optimizer_steps,
                       wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
     state, _ = ckpt.restore(step, trainer.state)
     trainer.state = state
@@ -86,7 +71,7 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
         save_peft_adapter(model, lora_cfg, out_dir, base_model_name_or_path=os.path.abspath(config.model.path))
     else:
         if lora_cfg is not None:
-            model = merged_model(model, lora_cfg.scale, build.DTYPES[config.model.param_dtype])
+            model = merged_model(model, lora_cfg.scale, config.model.storage_dtype)
         save_hf_checkpoint(model, out_dir)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
     ckpt.close()

@@ -2,7 +2,7 @@
 
 The config is validated before JAX initialises a device or compiles anything; a mistake ends the run
 with one sentence saying what to change (exit code 2). `--help` shows the most-used keys,
-`--config.help` every key with its default and doc (from the comments in config.base_config).
+`--config.help` every key with its default and doc (from the fields of the config sections, areal_jax.config).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from absl import app
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 _CONFIG = None  # the --config flag, defined only when the program runs (cli())
 
@@ -105,11 +105,12 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def run(config) -> dict:
-    """Validate, initialise the runtime, run the job; returns its summary."""
+def run(config: ConfigDict) -> dict:
+    """Validate (the ConfigDict becomes a typed JobConfig), initialise the runtime, run the job; returns
+    its summary."""
     from areal_jax import config as config_lib
 
-    config_lib.validate(config)
+    config = config_lib.validate(config)
     from areal_jax.runtime import distributed
 
     info = distributed.initialize(config)

@@ -24,13 +24,16 @@ process can see (one host, or a shared filesystem).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import jax
+
+from areal_jax.knobs import Section, knob, require
 
 ENV_COORDINATOR = "AREAL_COORDINATOR"
 ENV_NUM_PROCESSES = "AREAL_NUM_PROCESSES"
@@ -178,3 +181,24 @@ class PeerWatchdog:
         self._stop.set()
         with open(self._path(self.pid) + ".done", "w") as f:
             f.write(str(time.time()))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig(Section):
+    """Several processes (hosts) in one job (the config's `distributed` section)."""
+
+    section: ClassVar[str] = "distributed"
+
+    enabled: bool = knob(False, "call jax.distributed.initialize; also turned on by a coordinator address or "
+                         "SLURM / TPU env")
+    coordinator_address: str = knob("", "host:port of process 0's coordination service")
+    num_processes: int | None = knob(None, "processes in the job (None: from the environment)")
+    process_id: int | None = knob(None, "this process's index (None: from the environment)")
+    heartbeat_timeout_s: float = knob(60.0, "seconds without a heartbeat before a process counts as dead")
+    file_heartbeats: bool = knob(False, "also heartbeat files under <run_dir>/heartbeats (needs a shared local "
+                                 "run_dir)")
+
+    def check(self) -> None:
+        require(self.heartbeat_timeout_s >= 1,
+                f"{self.key('heartbeat_timeout_s')}={self.heartbeat_timeout_s} must be at least 1 (seconds without "
+                "a heartbeat before a process counts as dead), e.g. --config.distributed.heartbeat_timeout_s=60.")

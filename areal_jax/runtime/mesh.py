@@ -14,43 +14,41 @@ per-host train device count a tensor-parallel group never spans two hosts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from areal_jax.knobs import Section, knob
+
 MESH_AXES: tuple[str, str] = ("fsdp", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """How to split each host's local devices and lay out the meshes.
+class MeshConfig(Section):
+    """How to split each host's local devices and lay out the meshes (the config's `mesh` section).
 
     Give at most one of (train_devices and/or rollout_devices) or train_fraction; with none of them
     a single device is shared (colocated) and several devices are split in half (train gets the
-    smaller half when the count is odd, never zero).
-
-    Attributes:
-      train_devices: local devices per host for training (None: the rest after rollout_devices,
-        or from train_fraction).
-      rollout_devices: local devices per host for generation (None: the rest after train_devices).
-      train_fraction: share of the local devices for training, in (0, 1); rounded, at least one
-        device for each slice.
-      fsdp: size of the global train mesh's "fsdp" axis; -1 fills (global train devices / tensor).
-      tensor: size of the train mesh's "tensor" axis.
-      rollout_tensor: size of each rollout mesh's "tensor" axis; -1 puts every rollout device on it
-        (fsdp=1), otherwise the rollout mesh is (rollout_devices / rollout_tensor, rollout_tensor).
-      colocated: train and rollout share all local devices (synchronous setups on one slice).
+    smaller half when the count is odd, never zero). Whether the sizes fit the devices is checked by
+    `build_meshes`, once the devices are known.
     """
 
-    train_devices: int | None = None
-    rollout_devices: int | None = None
-    train_fraction: float | None = None
-    fsdp: int = -1
-    tensor: int = 1
-    rollout_tensor: int = -1
-    colocated: bool = False
+    section: ClassVar[str] = "mesh"
+
+    train_devices: int | None = knob(None, "local devices per host for training (None: the rest after "
+                                     "rollout_devices, or from train_fraction)")
+    rollout_devices: int | None = knob(None, "local devices per host for generation (None: the rest after "
+                                       "train_devices)")
+    train_fraction: float | None = knob(None, "share of the local devices for training, in (0, 1); rounded, at "
+                                        "least one device for each slice")
+    fsdp: int = knob(-1, "size of the global train mesh's fsdp axis; -1 fills (global train devices / tensor)")
+    tensor: int = knob(1, "size of the train mesh's tensor axis")
+    rollout_tensor: int = knob(-1, "size of each rollout mesh's tensor axis; -1 puts every rollout device on it "
+                               "(fsdp=1), otherwise the rollout mesh is (rollout_devices / rollout_tensor, "
+                               "rollout_tensor)")
+    colocated: bool = knob(False, "train and rollout share every local device (synchronous setups on one slice)")
 
 
 @dataclasses.dataclass(frozen=True)

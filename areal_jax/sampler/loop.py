@@ -63,7 +63,7 @@ class SamplerLoop(LoopThread):
 
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0,
                  on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0,
-                 decode_steps: int = 1, fetch_behind: bool = True) -> None:
+                 decode_steps: int = 1, fetch_behind: bool = True, timeline: SpanRecorder | None = None) -> None:
         """Start the loop thread.
 
         Args:
@@ -73,6 +73,7 @@ class SamplerLoop(LoopThread):
           seed: PRNG seed of the sampling noise.
           decode_steps: k, decode steps per dispatch (>= 1); 1 on CPU, 8-32 on accelerators.
           fetch_behind: issue the next dispatch before fetching the previous one's results.
+          timeline: where decode steps and updates are recorded as spans (None: nowhere).
         """
         if on_update not in ("recompute", "continue"):
             raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
@@ -101,7 +102,7 @@ class SamplerLoop(LoopThread):
         self._stats = collections.Counter()
         self._max_update_wait = 0.0
         self._state = engine.init_decode_state()
-        self.timeline: SpanRecorder | None = None  # records decode steps and updates (areal_jax.timeline)
+        self.timeline = timeline  # records decode steps and updates (areal_jax.timeline)
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
         self._thread.start()
         _LIVE_LOOPS.add(self)

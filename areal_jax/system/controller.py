@@ -12,7 +12,6 @@ complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sam
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -21,6 +20,7 @@ import numpy as np
 
 from areal_jax.rl.advantages import group_advantages
 from areal_jax.rl.staleness import rollout_capacity
+from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.requests import Request
 from areal_jax.system.buffer import Group, TrajectoryBuffer
 from areal_jax.system.interfaces import PromptStream, RewardService, RolloutSampler
@@ -30,25 +30,11 @@ if TYPE_CHECKING:
     from areal_jax.data.prompts import PromptExample
 
 
-@dataclasses.dataclass
-class RolloutSettings:
-    group_size: int
-    batch_groups: int
-    max_new_tokens: int
-    max_staleness: int | None = 4
-    max_concurrent: int | None = None
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    filter_uniform_groups: bool = False
-    advantage_mode: str = "grpo"
-
-
 class RolloutController:
     """Drives the SamplerLoop and RewardPool from a thread and fills a TrajectoryBuffer.
 
     Args:
+      config: the rollout section (group size, sampling, eta, advantage mode).
       sampler: a running sampler (interfaces.RolloutSampler: a SamplerLoop).
       reward_pool: where completions are scored (interfaces.RewardService: a RewardPool).
       prompts: the prompt stream (interfaces.PromptStream: a data.PromptIterator); its position is
@@ -58,23 +44,29 @@ class RolloutController:
       resubmit: examples admitted before a checkpoint but not trained; admitted first, in order.
       accepted: accepted groups so far (restored from a checkpoint: trained groups).
       first_gid: admission number of the next group.
+      batch_groups: B of the admission rule: this process's share of train.batch_groups.
+      stop_token_ids: tokens that end a completion (the tokenizer's end-of-sequence ids).
     """
 
     def __init__(
         self,
-        settings: RolloutSettings,
+        config: RolloutConfig,
         sampler: RolloutSampler,
         reward_pool: RewardService,
         prompts: PromptStream,
         decode: Callable[[list[int]], str],
         buffer: TrajectoryBuffer,
         *,
+        batch_groups: int,
+        stop_token_ids: tuple[int, ...] = (),
         resubmit: list[PromptExample] | None = None,
         accepted: int = 0,
         first_gid: int = 0,
         timeline: SpanRecorder | None = None,
     ):
-        self.s = settings
+        self.s = config
+        self.batch_groups = batch_groups
+        self.stop_token_ids = tuple(stop_token_ids)
         self.sampler = sampler
         self.rewards = reward_pool
         self.prompts = prompts
@@ -132,8 +124,8 @@ class RolloutController:
     def capacity(self) -> int:
         return rollout_capacity(
             version=self.sampler.current_version,
-            batch_size=self.s.batch_groups,
-            max_staleness=self.s.max_staleness,
+            batch_size=self.batch_groups,
+            max_staleness=self.s.eta,
             accepted=self.accepted,
             running=self.running,
             max_concurrent=self.s.max_concurrent,
@@ -178,7 +170,7 @@ class RolloutController:
                         temperature=self.s.temperature,
                         top_k=self.s.top_k,
                         top_p=self.s.top_p,
-                        stop_token_ids=tuple(self.s.stop_token_ids),
+                        stop_token_ids=self.stop_token_ids,
                     )
                 )
                 self.running += 1

@@ -3,22 +3,30 @@
     job = RLJob(config)          # meshes, model, trainer, sampler, rewards, data, resume
     summary = job.run()          # async (or eta = 0 synchronous) RL until total_steps
     job.close()
+
+or `with RLJob(config) as job: job.run()`. Each part gets its collaborators at construction and is
+registered on an ExitStack as soon as it exists, so a failure half-way through construction closes
+exactly what was opened (reward workers, the sampler thread, logs), in reverse order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from typing import Any
+from typing import Callable
 
 import jax
 import numpy as np
 from flax import nnx
+from ml_collections import ConfigDict
 
 from areal_jax import config as config_lib
 from areal_jax import paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
+from areal_jax.config import JobConfig
+from areal_jax.models.hf_io import DTYPES
 from areal_jax.runtime import multihost
-from areal_jax.system import build, runner, user_errors
+from areal_jax.system import runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
@@ -29,13 +37,34 @@ SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "to
 
 
 class RLJob:
-    """One RL run: construct with a config, call run(), then close()."""
+    """One RL run: construct with a config (a JobConfig, or a ConfigDict validated here), call run(),
+    then close() (or use it as a context manager)."""
 
-    def __init__(self, config: Any, *, log_fn=print, machine: dict | None = None):
+    def __init__(self, config: JobConfig | ConfigDict, *, log_fn: Callable[..., None] = print,
+                 machine: dict | None = None):
         """machine: facts about the host recorded in summary.json (e.g. {"matmul_peak_gflops": 96.0})."""
         self._t_created = time.perf_counter()
         self.machine = dict(machine or {})
         self._eval_seconds = 0.0
+        self.config = config_lib.validate(config)
+        self._exit = contextlib.ExitStack()
+        try:
+            self._build(log_fn)
+        except BaseException:
+            self._exit.close()  # what was opened so far, newest first
+            raise
+
+    def __enter__(self) -> "RLJob":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the threads and worker processes and flush every log; a second call does nothing."""
+        self._exit.close()
+
+    def _build(self, log_fn: Callable[..., None]) -> None:
         from areal_jax import metrics
         from areal_jax.data import make_prompt_iterator
         from areal_jax.models import load_hf_checkpoint
@@ -47,53 +76,51 @@ class RLJob:
         from areal_jax.tokenizer import Tokenizer
         from areal_jax.trainer import Trainer
 
-        config_lib.validate(config)
-        self.config = c = config
-        self.log = log_fn if is_primary() else (lambda *a, **k: None)
+        c, close_later = self.config, self._exit
         self.primary = is_primary()
+        self.log = log_fn if self.primary else (lambda *a, **k: None)
         with user_errors.run_dir(c.run_dir):
             paths.makedirs(c.run_dir)  # local, file:// or object store (areal_jax.paths)
             if self.primary:
-                paths.write_text(paths.join(c.run_dir, "config.json"), c.to_json_best_effort(indent=1))
+                paths.write_text(paths.join(c.run_dir, "config.json"), c.to_json())
 
-        try:  # device counts and trainer settings: still before anything is loaded or compiled
-            self.meshes = build_meshes(build.mesh_config(c))
-            trainer_config = build.trainer_config(c)
+        try:  # device counts: still before anything is loaded or compiled
+            self.meshes = build_meshes(c.mesh)
             self.local_groups = multihost.local_batch_groups(c.train.batch_groups, jax.process_count())
         except ValueError as e:
             raise config_lib.ConfigError(str(e)) from e
         with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
             self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
         # The data next, so a bad dataset fails before the model is loaded and anything compiles.
-        with user_errors.data_file("data.train_path", c.data.train_path):
+        d = c.data
+        with user_errors.data_file("data.train_path", d.train_path):
             self.prompts = make_prompt_iterator(
-                c.data.train_path, self.tokenizer, question_field=c.data.question_field,
-                answer_field=c.data.answer_field, prompt_template=c.data.prompt_template,
-                use_chat_template=c.data.use_chat_template, system_prompt=c.data.system_prompt,
-                max_prompt_len=c.data.max_prompt_len, on_bad_row=c.data.on_bad_row, shuffle=c.data.shuffle,
-                seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-                task=c.data.task,
+                d.train_path, self.tokenizer, question_field=d.question_field, answer_field=d.answer_field,
+                prompt_template=d.prompt_template, use_chat_template=d.use_chat_template,
+                system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len, on_bad_row=d.on_bad_row,
+                shuffle=d.shuffle, seed=c.seed, process_index=jax.process_index(),
+                process_count=jax.process_count(), task=d.task,
             )
         self.eval_examples: list = []
-        if c.eval.n_test > 0 and c.data.test_path and (c.eval.at_start or c.eval.at_end or c.eval.every_steps):
+        if c.eval.enabled and d.test_path:
             from areal_jax.evaluation.scoring import load_eval_examples
 
-            with user_errors.data_file("data.test_path", c.data.test_path):
-                self.eval_examples = load_eval_examples(c.data.test_path, self.tokenizer, c.data, c.eval.n_test)
+            with user_errors.data_file("data.test_path", d.test_path):
+                self.eval_examples = load_eval_examples(d.test_path, self.tokenizer, d, c.eval.n_test)
         self._eval_engine = None
         self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
                              "too_long": self.prompts.num_too_long_skipped}
         if any(self.skipped_rows.values()):
             self.log(f"Data: skipped {self.skipped_rows['malformed']} malformed rows and "
                      f"{self.skipped_rows['too_long']} prompts longer than data.max_prompt_len="
-                     f"{c.data.max_prompt_len} tokens.")
-        dtype, param_dtype = build.DTYPES[c.model.dtype], build.DTYPES[c.model.param_dtype]
+                     f"{d.max_prompt_len} tokens.")
+        dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
                                        dtype=dtype)
         self.model_config = model.cfg
-        lora_cfg = build.lora_config(c)  # adapters only are trained, the base is frozen (models/lora.py)
+        lora_cfg = c.lora if c.lora.enabled else None  # adapters only are trained, the base is frozen
         if lora_cfg is not None:
             from areal_jax.models.lora import apply_lora
 
@@ -104,16 +131,32 @@ class RLJob:
                                            dtype=dtype)
             if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
                 apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
-        self.trainer = Trainer(model, trainer_config, self.meshes.train_mesh, ref_model=ref_model,
-                               wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
+        self.trainer = Trainer(model, c.train, self.meshes.train_mesh, ref_model=ref_model,
+                               wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam,
+                               schedule_steps=c.optimizer_steps, max_staleness=c.rollout.eta)
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
+        close_later.callback(self.checkpointer.close)
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
+        close_later.callback(self.sample_log.close)
+        self._digest_log = None
+        if c.log.param_digests:
+            self._digest_log = paths.AppendFile(
+                paths.join(c.run_dir, f"params_digests.process_{jax.process_index()}.jsonl"))
+            close_later.callback(self._digest_log.close)
         meta = self._maybe_resume()
+        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
+                                             start_step=self.trainer.version)
+        close_later.callback(self.metrics.close)
+        # Only process 0 writes timeline.json (the others record nothing and save nothing).
+        self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,
+                                         enabled=self.primary and c.log.timeline,
+                                         max_events=c.log.timeline_max_events)
+        close_later.callback(self.timeline.close)  # saves timeline.json and removes its spool
 
-        sampler_dtype = c.rollout.get("param_dtype", "same")
-        sampler_dtype = None if sampler_dtype == "same" else build.DTYPES[sampler_dtype]
+        r = c.rollout
+        sampler_dtype = None if r.param_dtype == "same" else DTYPES[r.param_dtype]
         if lora_cfg is None:
             self.channel = ParamChannel.for_model(
                 self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh,
@@ -123,39 +166,33 @@ class RLJob:
             from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
 
             self.channel = AdapterChannel(
-                self.trainer.params, self.meshes.rollout_mesh, scale=lora_cfg.scale, mode=c.lora.sampler,
+                self.trainer.params, self.meshes.rollout_mesh, scale=lora_cfg.scale, mode=lora_cfg.sampler,
                 dtype=sampler_dtype, train_mesh=self.meshes.train_mesh,
             )
-            self.graphdef = sampler_graphdef(model, c.lora.sampler)
+            self.graphdef = sampler_graphdef(model, lora_cfg.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
         engine_cls, paged = Engine, {}
-        if c.rollout.get("kv_cache", "dense") == "paged":
+        if r.kv_cache == "paged":
             from areal_jax.sampler.paged_engine import PagedEngine
 
-            engine_cls, paged = PagedEngine, dict(page_size=c.rollout.page_size, num_pages=c.rollout.kv_pages)
+            engine_cls, paged = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages)
         self.engine = engine_cls(
-            model if lora_cfg is None else self.graphdef, num_slots=c.rollout.num_slots, max_len=c.rollout.max_len,
+            model if lora_cfg is None else self.graphdef, num_slots=r.num_slots, max_len=r.max_len,
             mesh=self.meshes.rollout_mesh, config=model.cfg, **paged,
         )
         self.sampler = SamplerLoop(
-            self.engine, rollout_params, version=self.trainer.version, on_update=c.rollout.on_update,
-            decode_steps=c.rollout.get("decode_steps", 1),
-            seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
+            self.engine, rollout_params, version=self.trainer.version, on_update=r.on_update,
+            decode_steps=r.decode_steps, seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
+            timeline=self.timeline,
         )
-        self.channel.deliver = self.sampler.update_params
-        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
-                                             start_step=self.trainer.version)
-        # Only process 0 writes timeline.json (the others record nothing and save nothing).
-        self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,
-                                         enabled=self.primary and c.log.timeline,
-                                         max_events=c.log.get("timeline_max_events", 1_000_000))
-        self.sampler.timeline = self.timeline
+        close_later.callback(self.sampler.stop, graceful=False)
         # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
         # before it takes samples, so sympy's import never counts against a sample's timeout.
         self.reward_pool = RewardPool(
-            build.reward_fn(c), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
+            c.reward.scorer(), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
             warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None, memory_mb=c.reward.memory_mb or None,
         )
+        close_later.callback(self.reward_pool.close)
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
             from areal_jax.data import PromptExample
@@ -166,13 +203,14 @@ class RLJob:
             accepted = self.trainer.version * self.local_groups
             first_gid = int(meta["next_gid"])
         self.buffer = TrajectoryBuffer(first_gid=first_gid)
-        stop_ids = tuple(self.tokenizer.eos_token_ids)
         self.controller = RolloutController(
-            build.rollout_settings(c, stop_ids, batch_groups=self.local_groups), self.sampler, self.reward_pool, self.prompts,
-            self.tokenizer.decode, self.buffer, resubmit=resubmit, accepted=accepted, first_gid=first_gid,
-            timeline=self.timeline,
+            r, self.sampler, self.reward_pool, self.prompts, self.tokenizer.decode, self.buffer,
+            batch_groups=self.local_groups, stop_token_ids=tuple(self.tokenizer.eos_token_ids),
+            resubmit=resubmit, accepted=accepted, first_gid=first_gid, timeline=self.timeline,
         )
+        close_later.callback(self.controller.stop)
         self.stop = runner.StopFlag()
+        close_later.callback(self.stop.restore)  # the caller's own Ctrl-C / SIGTERM handling again
         self.evaluations: dict[str, dict] = dict(meta.get("evaluations") or {}) if meta is not None else {}
 
     # ---- resume -----------------------------------------------------------------------------------
@@ -228,9 +266,6 @@ class RLJob:
         row = {"version": self.trainer.version, "trainer": multihost.params_digest(trainer_params),
                "published_version": version, "published": multihost.params_digest(published),
                "sampler_version": sampler_version, "sampler": multihost.params_digest(sampler_params)}
-        if getattr(self, "_digest_log", None) is None:
-            self._digest_log = paths.AppendFile(
-                paths.join(self.config.run_dir, f"params_digests.process_{jax.process_index()}.jsonl"))
         self._digest_log.write(json.dumps(row) + "\n")
 
     # ---- evaluation -------------------------------------------------------------------------------
@@ -243,12 +278,12 @@ class RLJob:
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
-        k = int(c.eval.get("samples", 8))
+        k = c.eval.samples
         if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
             from areal_jax.evaluation.batch import eval_engine
 
             self._eval_engine = eval_engine(
-                self.graphdef, config=self.model_config, num_slots=c.eval.get("num_slots", 256),
+                self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
                 max_len=c.rollout.max_len, num_sequences=len(self.eval_examples) * (1 + k),
                 mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
@@ -257,7 +292,7 @@ class RLJob:
                 max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
                 temperature=c.rollout.temperature or 1.0, examples=self.eval_examples,
                 engine=self._eval_engine, pool=self.reward_pool,
-                decode_steps=c.rollout.get("decode_steps", 1),
+                decode_steps=c.rollout.decode_steps,
             )
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
@@ -292,7 +327,8 @@ class RLJob:
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)
             with self.timeline.span("publish", lane="trainer"):
-                self.channel.publish(self.trainer.version, self.trainer.params)
+                published = self.channel.publish(self.trainer.version, self.trainer.params)
+                self.sampler.update_params(published, self.trainer.version)  # swapped in between two decode steps
             self.sample_log.write(groups, version)
             if c.log.param_digests:
                 self._record_digests()
@@ -354,26 +390,3 @@ class RLJob:
         if self.primary:
             write_json(paths.join(self.config.run_dir, "summary.json"), out)
         return out
-
-    def close(self) -> None:
-        if getattr(self, "stop", None) is not None:
-            self.stop.restore()  # the caller's own Ctrl-C / SIGTERM handling again
-        for part in ("controller", "sampler"):
-            obj = getattr(self, part, None)
-            if obj is not None:
-                try:
-                    obj.stop() if part == "controller" else obj.stop(graceful=False)
-                except Exception:
-                    pass
-        if getattr(self, "reward_pool", None) is not None:
-            self.reward_pool.close()
-        for log in ("sample_log", "_digest_log"):
-            if getattr(self, log, None) is not None:
-                getattr(self, log).close()
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
-        if getattr(self, "timeline", None) is not None and self.timeline.path is not None:
-            self.timeline.close()  # saves timeline.json and removes its spool
-            self.timeline.path = None  # a second close() has nothing left to save
-        if getattr(self, "checkpointer", None) is not None:
-            self.checkpointer.close()

@@ -7,19 +7,23 @@ import optax
 from areal_jax.trainer.config import TrainerConfig
 
 
-def make_schedule(cfg: TrainerConfig) -> optax.Schedule:
+def make_schedule(cfg: TrainerConfig, total_steps: int = 1000) -> optax.Schedule:
     """Learning rate as a function of the optimizer step (0-based).
 
     Warm-up rises linearly from lr / (warmup_steps + 1) at step 0 to lr at step warmup_steps (so
     the very first step already moves the params); then "constant" stays at lr and "cosine" decays
-    to lr * min_lr_ratio at step total_steps and stays there.
+    to lr * min_lr_ratio at step total_steps (the optimizer steps of the run: the job's total_steps x
+    train.ppo_minibatches) and stays there.
     """
     peak = cfg.lr
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
     else:
+        if total_steps <= cfg.warmup_steps:
+            raise ValueError(f"The cosine schedule's {total_steps} optimizer steps must exceed train.warmup_steps="
+                             f"{cfg.warmup_steps}; raise total_steps or use --config.train.schedule=constant.")
         after = optax.cosine_decay_schedule(
-            init_value=peak, decay_steps=cfg.total_steps - cfg.warmup_steps, alpha=cfg.min_lr_ratio
+            init_value=peak, decay_steps=total_steps - cfg.warmup_steps, alpha=cfg.min_lr_ratio
         )
     if cfg.warmup_steps == 0:
         return after
@@ -34,14 +38,14 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainerConfig, total_steps: int = 1000) -> optax.GradientTransformation:
     """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, eps, weight_decay on matrices)."""
     parts = []
     if cfg.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
     parts.append(
         optax.adamw(
-            learning_rate=make_schedule(cfg),
+            learning_rate=make_schedule(cfg, total_steps),
             b1=cfg.b1,
             b2=cfg.b2,
             eps=cfg.eps,

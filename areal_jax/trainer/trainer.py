@@ -34,13 +34,17 @@ class Trainer:
         live on the train mesh with the same shardings as the policy's.
       wrt: filter of the trained variables (default every nnx.Param; nnx.LoRAParam trains only LoRA
         adapters, models.lora). The rest is frozen and kept on the mesh by its logical axes.
+      schedule_steps: optimizer steps the learning-rate schedule spans (a job: total_steps x
+        train.ppo_minibatches).
+      max_staleness: drop tokens produced more than this many versions before the trainer's version
+        (a job: rollout.max_staleness; None keeps every token).
 
     With several processes every process calls `update` with the same trajectories (one SPMD
     program over the global train mesh).
     """
 
     def __init__(self, model: nnx.Module, cfg: TrainerConfig, mesh: Mesh, *, ref_model: nnx.Module | None = None,
-                 wrt: Any = nnx.Param):
+                 wrt: Any = nnx.Param, schedule_steps: int = 1000, max_staleness: int | None = None):
         if tuple(mesh.axis_names) != ("fsdp", "tensor"):
             raise ValueError(
                 f"The train mesh must have axes ('fsdp', 'tensor'), got {tuple(mesh.axis_names)}; build it "
@@ -48,7 +52,10 @@ class Trainer:
             )
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model: pass ref_model=..., or set kl_coef=0.")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0 (or None to keep every token).")
         self.cfg = cfg
+        self.max_staleness = max_staleness
         self.mesh = mesh
         self.n_devices = int(mesh.shape["fsdp"])
         self._wrt = wrt
@@ -57,8 +64,8 @@ class Trainer:
             raise ValueError(f"The model has no variables of {wrt} to train; apply LoRA adapters first "
                              "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
-        self._tx = make_optimizer(cfg)
-        self._schedule = make_schedule(cfg)
+        self._tx = make_optimizer(cfg, schedule_steps)
+        self._schedule = make_schedule(cfg, schedule_steps)
         self.state, self._shardings = create_train_state(params, self._tx, mesh)
         self._other_sharding = logical_to_mesh_sharding(other, mesh)  # frozen weights shard like params
         self._other = copy_to(other, self._other_sharding)
@@ -135,7 +142,7 @@ class Trainer:
         cfg, fns = self.cfg, self._fns
         if not trajs:
             raise ValueError("Trainer.update got no trajectories; pass at least one.")
-        masks, staleness = batching.effective_masks(trajs, version, cfg.max_staleness)
+        masks, staleness = batching.effective_masks(trajs, version, self.max_staleness)
         need_prox = cfg.loss == "decoupled" and cfg.prox_mode == "recompute"
         minibatches = []
         for indices in batching.split_minibatches(trajs, cfg.ppo_minibatches):

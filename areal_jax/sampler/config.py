@@ -1,0 +1,77 @@
+"""RolloutConfig: the `rollout` section of a job's config (generation, admission and advantages).
+
+The sampler engine and loop read the generation knobs (num_slots, max_len, on_update, decode_steps,
+kv_cache, ...); the RolloutController (system/controller.py) reads the sampling, staleness (eta) and
+advantage knobs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from areal_jax.knobs import Section, knob, require
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    """Generation, admission and advantages (the config's `rollout` section). The controller reads the
+    sampling, staleness and advantage knobs; the job builds the sampler engine from the rest."""
+
+    section: ClassVar[str] = "rollout"
+
+    group_size: int = knob(8, "samples per prompt (GRPO group)")
+    max_new_tokens: int = knob(64, "completion tokens per sample at most")
+    max_len: int = knob(320, "prompt + completion, per sampler slot")
+    num_slots: int = knob(64, "decode slots of the sampler (sequences generated at once)")
+    temperature: float = knob(1.0, "sampling temperature; 0 = greedy")
+    top_k: int | None = knob(None, "keep the k most likely tokens (None: all)")
+    top_p: float | None = knob(None, "nucleus sampling mass in (0, 1] (None: off)")
+    on_update: str = knob("recompute", "recompute (re-prefill in-flight sequences with the new weights: "
+                          "interruptible generation) | continue (keep the stale KV cache)",
+                          choices=("recompute", "continue"))
+    decode_steps: int = knob(4, "decode steps per sampler dispatch (one jitted while_loop); bounds the latency an "
+                             "admission or a weight update adds. Accelerators: 8-32 (per-step host work dominates "
+                             "there); CPU: small")
+    kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
+                         "sampler/paged_engine.py)", choices=("dense", "paged"))
+    page_size: int = knob(16, "positions per KV page (paged)")
+    kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len")
+    max_staleness: int | None = knob(4, "eta; -1 (or None in a config file) = unbounded, which then needs "
+                                     "max_concurrent")
+    max_concurrent: int | None = knob(None, "groups in flight at most (None: bounded by eta only)")
+    filter_uniform_groups: bool = knob(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    advantage_mode: str = knob("grpo", "group advantages: grpo (mean / std within the group) | dr_grpo (mean "
+                               "only) | rloo (leave-one-out mean)", choices=("grpo", "dr_grpo", "rloo"))
+    param_dtype: str = knob("same", "sampler weights: same (as the trainer's) | float32 | bfloat16 (cast on device)",
+                            choices=("same", "float32", "bfloat16"))
+
+    @property
+    def eta(self) -> int | None:
+        """The staleness bound: None when unbounded (max_staleness None or -1)."""
+        return None if self.max_staleness is None or self.max_staleness < 0 else int(self.max_staleness)
+
+    def check(self) -> None:
+        k = self.key
+        require(self.group_size >= 1, f"{k('group_size')}={self.group_size} must be at least 1.")
+        require(self.max_new_tokens >= 1, f"{k('max_new_tokens')}={self.max_new_tokens} must be at least 1.")
+        require(self.num_slots >= self.group_size,
+                f"{k('num_slots')}={self.num_slots} is smaller than {k('group_size')}={self.group_size}: a whole "
+                "group must fit in the sampler's slots. Raise num_slots or lower group_size.")
+        require(self.decode_steps >= 1, f"{k('decode_steps')}={self.decode_steps} must be at least 1 (decode steps "
+                "per sampler dispatch; 8-32 on accelerators).")
+        if self.kv_cache == "paged":
+            require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
+            per_seq = -(-self.max_len // self.page_size)
+            require(self.kv_pages is None or self.kv_pages >= per_seq,
+                    f"{k('kv_pages')}={self.kv_pages} cannot hold one sequence of rollout.max_len={self.max_len} "
+                    f"({per_seq} pages of {self.page_size}); raise kv_pages or lower max_len.")
+        require(self.temperature >= 0, f"{k('temperature')}={self.temperature} must be >= 0 (0 means greedy).")
+        require(self.top_p is None or 0 < self.top_p <= 1, f"{k('top_p')}={self.top_p} must lie in (0, 1].")
+        require(self.top_k is None or self.top_k >= 1, f"{k('top_k')}={self.top_k} must be at least 1.")
+        require(self.max_staleness is None or self.max_staleness >= -1,
+                f"{k('max_staleness')}={self.max_staleness} must be >= 0 (0 = synchronous) or -1 (unbounded).")
+        require(self.eta is not None or self.max_concurrent is not None,
+                "rollout.max_staleness and rollout.max_concurrent are both unset, so rollout admission would be "
+                f"unbounded. Set max_staleness (eta, e.g. {k('max_staleness')}=4) or {k('max_concurrent')}.")
+        require(self.max_concurrent is None or self.max_concurrent >= 1,
+                f"{k('max_concurrent')}={self.max_concurrent} must be at least 1.")
