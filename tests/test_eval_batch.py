@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,6 +13,7 @@ from areal_jax.data import PromptExample
 from areal_jax.evaluation.batch import eval_engine, generate_for_eval
 from areal_jax.evaluation.scoring import evaluate_examples, pass_at_k
 from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import full_forward_logp, greedy_reference
 
 CFG = testing.tiny_config("qwen2")
 EOS = 2
@@ -32,40 +32,19 @@ def prompts():
     return [list(rng.integers(3, CFG.vocab_size, size=int(n))) for n in (3, 7, 12, 5, 20, 9)]
 
 
-def full_forward_logp(model):
-    """seq -> [V] float64 log-softmax of the next token after seq, from one uncached forward pass."""
-    graphdef, params = nnx.split(model)
-    fwd = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0], axis=-1))
-
-    def next_logp(seq):
-        padded = np.zeros((1, MAX_LEN), np.int32)
-        padded[0, : len(seq)] = seq
-        return np.asarray(fwd(params, padded), np.float64)[len(seq) - 1]
-
-    return next_logp
-
-
-def greedy_one_by_one(next_logp, prompt):
-    """Greedy decoding of one prompt by repeated full forward passes (the independent reference)."""
-    seq, out = list(prompt), []
-    for _ in range(MAX_NEW):
-        tok = int(np.argmax(next_logp(seq)))
-        out.append(tok)
-        seq.append(tok)
-        if tok == EOS:
-            break
-    return out
-
-
 def test_batched_greedy_equals_one_by_one_reference_and_samples_carry_their_logprobs(model, prompts):
     k = 3
     # 8 slots for 6 x (1 + 3) = 24 sequences: slots are reused, greedy and sampled rows decode together.
     engine = eval_engine(model, num_slots=8, max_len=MAX_LEN, num_sequences=len(prompts) * (1 + k))
     gen = generate_for_eval(engine, nnx.state(model), prompts, k=k, temperature=1.0, max_new_tokens=MAX_NEW,
                             stop_token_ids=(EOS,), seed=1)
-    next_logp = full_forward_logp(model)
+    logp = full_forward_logp(model, MAX_LEN)
+
+    def next_logp(seq):
+        return logp(seq)[-1]
+
     for i, p in enumerate(prompts):
-        assert list(gen.greedy[i].tokens) == greedy_one_by_one(next_logp, p), f"prompt {i}"
+        assert list(gen.greedy[i].tokens) == greedy_reference(logp, p, MAX_NEW, stop=(EOS,))[0], f"prompt {i}"
         assert len(gen.sampled[i]) == k
         for c in gen.sampled[i]:
             seq = list(p)

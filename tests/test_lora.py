@@ -13,7 +13,8 @@ from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.sampler import generate_batch
 from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
 from areal_jax.testing.models import random_model, tiny_config
-from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+from areal_jax.testing.trajectories import random_trajectories
+from areal_jax.trainer import Trainer, TrainerConfig
 
 VOCAB = 97
 
@@ -32,19 +33,6 @@ def adapted(arch="qwen2", seed=3, b_std=0.0, **kw):
                 key = jax.random.key(100 + node.salt)
                 node.lora_b.set_value(b_std * jax.random.normal(key, node.lora_b.shape))
     return model, lcfg
-
-
-def make_trajs(n, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        length = int(rng.integers(6, 20))
-        prompt = int(rng.integers(1, length - 1))
-        c = length - prompt
-        out.append(Trajectory(tokens=rng.integers(3, VOCAB, length), prompt_len=prompt,
-                              behav_logp=rng.normal(-4.6, 0.3, c), versions=np.zeros(c, np.int64),
-                              advantage=float(rng.normal()), reward=0.0, loss_mask=np.ones(c, np.float32)))
-    return out
 
 
 def one_device_mesh():
@@ -143,7 +131,7 @@ def test_dropout_is_inverted_and_keyed_by_the_input():
 def test_gradients_reach_only_the_adapters_and_follow_the_chain_rule():
     """dL/dB = s A^T dL/dW' and dL/dA = s dL/dW' B^T, with dL/dW' from full fine-tuning of the merged model."""
     model, lcfg = adapted(b_std=0.3)
-    trajs = make_trajs(6)
+    trajs = random_trajectories(6, vocab=VOCAB)
     cfg = TrainerConfig(lr=1e-2, micro_batch_tokens=64, logits_chunk=16, loss="ppo")
     lora_tr = Trainer(model, cfg, one_device_mesh(), wrt=nnx.LoRAParam)
     paths = [p for p, _ in nnx.to_flat_state(lora_tr.state.params)]

@@ -14,7 +14,8 @@ from areal_jax.checkpoint import Checkpointer
 from areal_jax.models import load_hf_checkpoint, lora
 from areal_jax.models.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter, peft_tensors, save_peft_adapter
 from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
-from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+from areal_jax.testing.trajectories import random_trajectories
+from areal_jax.trainer import Trainer, TrainerConfig
 
 TOKENS = np.array([[1, 5, 9, 13, 2, 7, 40, 3], [4, 4, 60, 11, 90, 8, 1, 2]], np.int32)
 
@@ -86,19 +87,6 @@ def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def make_trajs(n, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        length = int(rng.integers(6, 20))
-        prompt = int(rng.integers(1, length - 1))
-        c = length - prompt
-        out.append(Trajectory(tokens=rng.integers(3, 97, length), prompt_len=prompt,
-                              behav_logp=rng.normal(-4.6, 0.3, c), versions=np.zeros(c, np.int64),
-                              advantage=float(rng.normal()), reward=0.0, loss_mask=np.ones(c, np.float32)))
-    return out
-
-
 def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
     from areal_jax.runtime.mesh import MeshConfig, build_meshes
 
@@ -113,8 +101,8 @@ def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
         return Trainer(model, cfg, mesh, wrt=nnx.LoRAParam)
 
     first = trainer()
-    first.update(make_trajs(6, seed=1))
-    first.update(make_trajs(6, seed=2))
+    first.update(random_trajectories(6, vocab=97, seed=1))
+    first.update(random_trajectories(6, vocab=97, seed=2))
     ckpt = Checkpointer(str(tmp_path / "run"))
     ckpt.save(first.version, first.state, {"version": first.version})
     saved = jax.device_get(first.state)
@@ -129,7 +117,7 @@ def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
         assert np.asarray(x).dtype == np.asarray(y).dtype
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # Both continue identically.
-    trajs = make_trajs(6, seed=3)
+    trajs = random_trajectories(6, vocab=97, seed=3)
     m1, m2 = first.update(trajs), second.update(trajs)
     assert m1["loss"] == m2["loss"]
     for x, y in zip(jax.tree.leaves(jax.device_get(first.params)), jax.tree.leaves(jax.device_get(second.params))):

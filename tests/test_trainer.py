@@ -1,4 +1,6 @@
 """The PPO update: mesh parity, packing invariance against a padded reference, skipped updates, eta=0."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,26 +11,13 @@ from jax.sharding import Mesh
 from areal_jax.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, token_entropy
 from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.testing.models import random_model, tiny_config
-from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+from areal_jax.testing.trajectories import random_trajectories
+from areal_jax.trainer import Trainer, TrainerConfig
 from areal_jax.trainer import batch as batching
 
 VOCAB = 97
-
-
-def make_trajs(n, seed=0, version=0, max_len=24):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        length = int(rng.integers(5, max_len))
-        prompt = int(rng.integers(1, length - 1))
-        c = length - prompt
-        out.append(Trajectory(
-            tokens=rng.integers(3, VOCAB, length), prompt_len=prompt,
-            behav_logp=rng.normal(-4.6, 0.3, c), versions=np.full(c, version),
-            advantage=float(rng.normal()), reward=0.0,
-            loss_mask=(rng.random(c) > 0.15).astype(np.float32),
-        ))
-    return out
+# 5-23 tokens, 15% of completion tokens out of the loss
+make_trajs = functools.partial(random_trajectories, vocab=VOCAB, min_len=5, max_len=24, dropped_fraction=0.15)
 
 
 def mesh_4():
