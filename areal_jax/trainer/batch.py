@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from areal_jax.rl.advantages import gae
 from areal_jax.rl.aggregation import token_weights
 from areal_jax.rl.packing import balanced_microbatches
 from areal_jax.rl.staleness import sample_staleness, staleness_mask
@@ -46,7 +47,8 @@ class Trajectory:
       versions: int32 [L - prompt_len], the policy version that produced each completion token.
       advantage: sequence-level advantage, broadcast to every completion token.
       token_advantages: float32 [L - prompt_len] per-token advantages (overrides `advantage`).
-      reward: the scalar reward (reported, not used by the loss).
+      reward: the scalar reward; with a critic (TrainerConfig.critic="value_head") the terminal reward
+        of GAE, on the last valid completion token (otherwise reported only).
       loss_mask: [L - prompt_len] bool/float, completion tokens that enter the loss (None: all).
     """
 
@@ -146,6 +148,45 @@ def aggregation_weights(masks: Sequence[np.ndarray], agg: str) -> list[np.ndarra
     padded = np.pad(padded, ((0, rows - len(masks)), (0, 0)))
     weights = np.asarray(token_weights(padded, agg))
     return [weights[i, : m.size].astype(np.float32) for i, m in enumerate(masks)]
+
+
+def gae_targets(
+    trajs: Sequence[Trajectory], masks: Sequence[np.ndarray], values: Sequence[np.ndarray], *, gamma: float,
+    lam: float,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Critic targets: `rl.advantages.gae` over each trajectory's completion tokens.
+
+    Each trajectory's reward is its terminal reward, placed on its last valid completion token (after
+    staleness filtering, so a filtered tail does not lose it); masked tokens are skipped by gae.
+
+    Args:
+      trajs: the batch; masks: effective loss masks, float32 [L_i - prompt_len_i] each.
+      values: float32 [L_i - prompt_len_i] each, V(s) at each completion token (the proximal forward).
+    Returns: (advantages, returns), float32 [L_i - prompt_len_i] each, 0 at masked tokens.
+    """
+    rewards = []
+    for t, m in zip(trajs, masks):
+        r = np.zeros(t.completion_len, np.float32)
+        valid = np.flatnonzero(m > 0)
+        if valid.size:
+            r[valid[-1]] = t.reward
+        rewards.append(r)
+    n = len(trajs)
+    rows = max(1, 1 << (n - 1).bit_length())  # padded shapes: gae's scan compiles for few of them
+    pad = lambda arrays: np.pad(_padded(arrays, 0.0, np.float32), ((0, rows - n), (0, 0)))  # noqa: E731
+    adv, ret = gae(pad(rewards), pad(values), pad(masks), gamma=gamma, lam=lam)
+    adv, ret = np.asarray(adv), np.asarray(ret)
+    return ([adv[i, : t.completion_len].copy() for i, t in enumerate(trajs)],
+            [ret[i, : t.completion_len].copy() for i, t in enumerate(trajs)])
+
+
+def fill_steps(step: dict[str, np.ndarray], name: str, per_traj: Sequence[np.ndarray]) -> None:
+    """Lay per-trajectory completion values out in a packed step's layout, as step[name] (float32
+    [rows, T]; 0 at masked and non-completion positions)."""
+    out = np.zeros(step["mask"].shape, np.float32)
+    sel = step["seq_index"] >= 0
+    out[sel] = [per_traj[i][j] for i, j in zip(step["seq_index"][sel], step["comp_index"][sel])]
+    step[name] = np.where(step["mask"] > 0, out, 0.0).astype(np.float32)
 
 
 def row_length(longest: int, budget: int) -> int:

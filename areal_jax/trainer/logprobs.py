@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropies without a full [tokens, vocab] logits array.
+"""Per-token log-probs, entropies (and critic values) without a full [tokens, vocab] logits array.
 
 The vocabulary projection runs over chunks of the token axis (`lax.map`); each chunk is wrapped in
 `jax.checkpoint`, so the backward pass recomputes that chunk's logits instead of storing them. At any
@@ -59,6 +59,45 @@ def chunked_logprobs(
     return logp, ent
 
 
+def init_value_head(hidden_size: int) -> dict[str, jax.Array]:
+    """A zero-initialised value head (Linear hidden_size -> 1, float32): {"kernel": [D, 1], "bias": [1]}.
+
+    Zeros make the first values 0, so the first update's GAE targets are the discounted rewards."""
+    return {"kernel": jnp.zeros((hidden_size, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
+
+
+def apply_value_head(head: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    """Values V(s_t) = h_t @ kernel + bias in float32. h: [B, T, D] any float dtype. Returns [B, T] float32."""
+    d = h.shape[-1]
+    v = jnp.matmul(h.reshape(-1, d).astype(jnp.float32), head["kernel"], preferred_element_type=jnp.float32)
+    return v.reshape(h.shape[:-1]) + head["bias"][0]
+
+
+def model_outputs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    other: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    targets: jax.Array,
+    chunk: int,
+    *,
+    value_head: dict[str, jax.Array] | None = None,
+    with_entropy: bool = True,
+    attention: str = "auto",
+    remat: str = "none",
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """model_logprobs plus the value head on the same trunk: (logp, entropy, values), each [B, T]
+    float32; values is None without a value head. Position p's value is that of the state scoring
+    token p + 1 (aligned with logp)."""
+    model = nnx.merge(graphdef, params, other)
+    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat)
+    logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy)
+    values = None if value_head is None else apply_value_head(value_head, h)
+    return logp, ent, values
+
+
 def model_logprobs(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -79,6 +118,6 @@ def model_logprobs(
     values at padding positions are meaningless and must be masked by the caller). attention, remat:
     the training forward's choices (TrainerConfig.attention / .remat, models.packed_attention).
     """
-    model = nnx.merge(graphdef, params, other)
-    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat)
-    return chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy)
+    logp, ent, _ = model_outputs(graphdef, params, other, tokens, positions, segment_ids, targets, chunk,
+                                 with_entropy=with_entropy, attention=attention, remat=remat)
+    return logp, ent

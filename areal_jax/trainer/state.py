@@ -25,6 +25,9 @@ class TrainState:
       step: int32 [] optimizer steps applied (skipped steps excluded; drives the lr schedule).
       version: int32 [] policy version = number of `Trainer.update` calls made.
       skipped_updates: int32 [] optimizer steps skipped because the gradients were not finite.
+      value_head: the critic's value head {"kernel": [D, 1], "bias": [1]} float32 (replicated), trained
+        with the params (then opt_state is that of the pair (params, value_head)); None without a critic.
+        Saved and restored with the state; never sent to the sampler.
     """
 
     params: nnx.State
@@ -32,6 +35,18 @@ class TrainState:
     step: jax.Array
     version: jax.Array
     skipped_updates: jax.Array
+    value_head: Any = None
+
+    def trainable(self) -> Any:
+        """What the optimizer updates: params, or (params, value_head) with a critic."""
+        return self.params if self.value_head is None else (self.params, self.value_head)
+
+    def with_trainable(self, trainable: Any, **changes: Any) -> "TrainState":
+        """A copy whose params (and value head) are `trainable` (shaped like self.trainable())."""
+        if self.value_head is None:
+            return dataclasses.replace(self, params=trainable, **changes)
+        params, head = trainable
+        return dataclasses.replace(self, params=params, value_head=head, **changes)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -81,19 +96,26 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     return logical_to_mesh_sharding(params, mesh)
 
 
-def train_state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """A TrainState-shaped pytree of NamedSharding: moments follow their params, scalars replicate."""
-    p_shard = param_shardings(params, mesh)
-    opt_shape = jax.eval_shape(tx.init, params)
+def train_state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh,
+                          value_head: Any = None) -> TrainState:
+    """A TrainState-shaped pytree of NamedSharding: moments follow their params, scalars (and the value
+    head, when given) replicate."""
     rep = replicated(mesh)
+    p_shard = param_shardings(params, mesh)
+    h_shard = None if value_head is None else jax.tree.map(lambda _: rep, value_head)
+    like = TrainState(params=p_shard, opt_state=None, step=rep, version=rep, skipped_updates=rep,
+                      value_head=h_shard)
+    trainable = params if value_head is None else (params, value_head)
+    opt_shape = jax.eval_shape(tx.init, trainable)
     o_shard = optax.tree_map_params(
-        tx, lambda _, s: s, opt_shape, p_shard, transform_non_params=lambda _: rep
+        tx, lambda _, s: s, opt_shape, like.trainable(), transform_non_params=lambda _: rep
     )
-    return TrainState(params=p_shard, opt_state=o_shard, step=rep, version=rep, skipped_updates=rep)
+    return dataclasses.replace(like, opt_state=o_shard)
 
 
 def create_train_state(
-    params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh, *, version: int = 0
+    params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh, *, version: int = 0,
+    value_head: Any = None,
 ) -> tuple[TrainState, TrainState]:
     """Initialise the optimizer and place everything on the train mesh.
 
@@ -102,18 +124,21 @@ def create_train_state(
       tx: the optimizer.
       mesh: the train mesh (axes "fsdp", "tensor").
       version: starting policy version.
+      value_head: the critic's value head (trainer.logprobs.init_value_head), or None.
     Returns:
       (state, shardings): the placed TrainState and the matching pytree of NamedSharding.
     """
-    shardings = train_state_shardings(params, tx, mesh)
+    shardings = train_state_shardings(params, tx, mesh, value_head)
     placed_params = copy_to(params, shardings.params)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(placed_params)
+    placed_head = None if value_head is None else copy_to(value_head, shardings.value_head)
+    trainable = placed_params if value_head is None else (placed_params, placed_head)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(trainable)
     counters = put_global(
         (jnp.zeros((), jnp.int32), jnp.asarray(version, jnp.int32), jnp.zeros((), jnp.int32)),
         (shardings.step, shardings.version, shardings.skipped_updates),
     )
     state = TrainState(
         params=placed_params, opt_state=opt_state, step=counters[0], version=counters[1],
-        skipped_updates=counters[2],
+        skipped_updates=counters[2], value_head=placed_head,
     )
     return state, shardings

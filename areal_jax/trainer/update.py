@@ -38,14 +38,23 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.rl.losses import decoupled_ppo_token_loss, gspo_token_loss, kl_token_penalty, ppo_token_loss
+from areal_jax.rl.losses import (
+    decoupled_ppo_token_loss,
+    gspo_token_loss,
+    kl_token_penalty,
+    ppo_token_loss,
+    value_token_loss,
+)
 from areal_jax.trainer.config import TrainerConfig
-from areal_jax.trainer.logprobs import model_logprobs
+from areal_jax.trainer.logprobs import model_outputs
 from areal_jax.trainer.state import TrainState
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
 LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
-SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "behav_weight", "masked", "approx_kl", "n_valid")
+CRITIC_FIELDS = ("old_values", "returns")
+CRITIC_METRICS = ("value_loss", "value_clip", "value_error")
+SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "behav_weight", "masked", "approx_kl", "n_valid",
+               *CRITIC_METRICS)
 
 
 def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
@@ -91,17 +100,20 @@ def policy_token_loss(
 
 def micro_step_objective(
     params: nnx.State, other: nnx.State, graphdef: nnx.GraphDef, batch: dict[str, jax.Array],
-    version: jax.Array, cfg: TrainerConfig, n_devices: int = 1,
+    version: jax.Array, cfg: TrainerConfig, n_devices: int = 1, value_head: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted loss of one micro-step and its metric sums.
 
     batch: [F * R, T] arrays named in MODEL_FIELDS + LOSS_FIELDS, plus "prox_logp" (prox_mode
-    recompute) and "ref_logp" (kl_coef > 0). n_devices: F. Returns (objective [], metric sums of []).
+    recompute), "ref_logp" (kl_coef > 0) and CRITIC_FIELDS (value_head given). n_devices: F.
+    value_head: the critic's head; its clipped value loss (rl.losses.value_token_loss against
+    batch["returns"], clipped around batch["old_values"]) enters with cfg.value_coef.
+    Returns (objective [], metric sums of []).
     """
     chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
-    logp, ent = model_logprobs(
-        graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, with_entropy=True,
-        attention=cfg.attention, remat=cfg.remat,
+    logp, ent, values = model_outputs(
+        graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, value_head=value_head,
+        with_entropy=True, attention=cfg.attention, remat=cfg.remat,
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -115,9 +127,17 @@ def micro_step_objective(
         kl_tok = kl_token_penalty(logp, batch["ref_logp"], mask, estimator=cfg.kl_estimator)
         kl_sum = jnp.sum(weights * kl_tok)
         objective = objective + cfg.kl_coef * kl_sum
-
     sg = jax.lax.stop_gradient
     on = lambda x: jnp.sum(jnp.where(valid, sg(x), 0.0))  # noqa: E731
+    critic = {k: jnp.zeros((), jnp.float32) for k in CRITIC_METRICS}
+    if value_head is not None:
+        v_tok, v_stats = value_token_loss(values, batch["old_values"], batch["returns"], mask,
+                                          value_clip=cfg.value_clip)
+        v_sum = jnp.sum(weights * v_tok)
+        objective = objective + cfg.value_coef * v_sum
+        critic = {"value_loss": sg(v_sum), "value_clip": on(v_stats["value_clipped"]),
+                  "value_error": on(v_stats["value_error"])}
+
     metrics = {
         "loss": sg(objective),
         "pg_loss": sg(pg),
@@ -129,6 +149,7 @@ def micro_step_objective(
         "masked": on(stats["masked"]),
         "approx_kl": on(stats["k3"]),
         "n_valid": jnp.sum(valid.astype(jnp.float32)),
+        **critic,
     }
     return objective, metrics
 
@@ -137,9 +158,10 @@ def micro_step_objective(
 class UpdateFns:
     """Compiled pieces of the update, bound to one model graph, config, optimizer and mesh.
 
-    forward(params, other, batch) -> logp [F * R, T] float32.
-    zero_grads(params) -> grads (zeros, param shardings); zero_metrics() -> metric sums.
-    accumulate(params, other, grads, metrics, batch, version) -> (grads, metrics) (grads, metrics
+    `train` is TrainState.trainable(): the params, or (params, value_head) with a critic.
+    forward(train, other, batch) -> logp [F * R, T] float32, or (logp, values) with a critic.
+    zero_grads(train) -> grads (zeros, train shardings); zero_metrics() -> metric sums.
+    accumulate(train, other, grads, metrics, batch, version) -> (grads, metrics) (grads, metrics
       donated).
     apply(state, grads, loss_sum, n_valid, version_inc) -> (state, info) (state donated; info:
       grad_norm, skipped, lr).
@@ -166,22 +188,28 @@ def build_update_fns(
     """jit every piece with explicit NamedSharding in and out."""
     rows = NamedSharding(mesh, PartitionSpec("fsdp", None))
     rep = NamedSharding(mesh, PartitionSpec())
-    p_shard = shardings.params
+    p_shard = shardings.trainable()
+    critic = shardings.value_head is not None
+    split = (lambda train: train) if critic else (lambda train: (train, None))  # noqa: E731
 
     n_devices = int(mesh.shape["fsdp"])
 
-    def forward(params, other, batch):
+    def forward(train, other, batch):
+        params, head = split(train)
         chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
-        logp, _ = model_logprobs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
-                                 with_entropy=False, attention=cfg.attention)
-        return logp
+        logp, _, values = model_outputs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
+                                        value_head=head, with_entropy=False, attention=cfg.attention)
+        return (logp, values) if critic else logp
 
-    def zero_grads(params):
-        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    def zero_grads(train):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), train)
 
-    def accumulate(params, other, grads, sums, batch, version):
-        grad_fn = jax.grad(micro_step_objective, has_aux=True)
-        g, m = grad_fn(params, other, graphdef, batch, version, cfg, n_devices)
+    def objective(train, other, batch, version):
+        params, head = split(train)
+        return micro_step_objective(params, other, graphdef, batch, version, cfg, n_devices, value_head=head)
+
+    def accumulate(train, other, grads, sums, batch, version):
+        g, m = jax.grad(objective, has_aux=True)(train, other, batch, version)
         grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
         new = {k: sums[k] + m[k] for k in SUM_METRICS}
         new["behav_weight_max"] = jnp.maximum(sums["behav_weight_max"], m["behav_weight_max"])
@@ -191,12 +219,13 @@ def build_update_fns(
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
         do_apply = finite & (n_valid > 0)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        train = state.trainable()
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, train)
+        updates, opt_state = tx.update(grads, state.opt_state, train)
+        new_train = optax.apply_updates(train, updates)
         keep = lambda new, old: jnp.where(do_apply, new, old)  # noqa: E731
-        new_state = TrainState(
-            params=jax.tree.map(keep, params, state.params),
+        new_state = state.with_trainable(
+            jax.tree.map(keep, new_train, train),
             opt_state=jax.tree.map(keep, opt_state, state.opt_state),
             step=state.step + do_apply.astype(jnp.int32),
             version=state.version + version_inc,
@@ -207,7 +236,8 @@ def build_update_fns(
         return new_state, info
 
     return UpdateFns(
-        forward=jax.jit(forward, in_shardings=(p_shard, other_sharding, rows), out_shardings=rows),
+        forward=jax.jit(forward, in_shardings=(p_shard, other_sharding, rows),
+                        out_shardings=(rows, rows) if critic else rows),
         zero_grads=jax.jit(zero_grads, in_shardings=(p_shard,), out_shardings=p_shard),
         zero_metrics=jax.jit(zero_metric_sums, out_shardings=rep),
         accumulate=jax.jit(
