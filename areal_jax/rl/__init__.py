@@ -4,7 +4,7 @@ Everything here is a pure function (jnp arrays in and out, numpy for host-side p
 grad-able where it runs on device; the stateful parts of the system live elsewhere.
 """
 
-from areal_jax.rl.advantages import gae, group_advantages, no_eos_mask, overlong_penalty, shape_rewards
+from areal_jax.rl.advantages import gae, group_advantages, overlong_penalty
 from areal_jax.rl.aggregation import aggregate, segment_mean, token_weights
 from areal_jax.rl.losses import (
     decoupled_ppo_loss,
@@ -36,7 +36,6 @@ __all__ = [
     "kl_penalty",
     "kl_token_penalty",
     "microbatch_balance",
-    "no_eos_mask",
     "overlong_penalty",
     "policy_stats",
     "ppo_loss",
@@ -44,7 +43,6 @@ __all__ = [
     "rollout_capacity",
     "sample_staleness",
     "segment_mean",
-    "shape_rewards",
     "staleness_mask",
     "token_entropy",
     "token_logprobs",

@@ -1,4 +1,4 @@
-"""Advantage estimators and reward shaping: pure jnp functions.
+"""Advantage estimators and DAPO's overlong reward shaping: pure jnp functions.
 
 Group-relative estimators (GRPO, Dr. GRPO, RLOO) work on one scalar reward per completion, laid out
 group after group: ``rewards[g * group_size + j]`` is completion j of prompt g. GAE works per token on
@@ -104,18 +104,6 @@ def gae(rewards: Array, values: Array, mask: Array, *, gamma: float,
     return advantages, jnp.where(valid, advantages + v, 0.0)
 
 
-def shape_rewards(rewards: Array, *, bias: float = 0.0, scale: float = 1.0,
-                  clip: float | None = None) -> Array:
-    """(rewards + bias) * scale, then clipped to [-clip, clip] when clip is given.
-
-    rewards: any shape, float. Returns the same shape, float32 (float64 for float64 input).
-    """
-    if clip is not None and not clip > 0.0:
-        raise ValueError(f"clip must be > 0 or None (got {clip}).")
-    out = (_float(rewards) + bias) * scale
-    return out if clip is None else jnp.clip(out, -clip, clip)
-
-
 def overlong_penalty(lengths: Array, max_len: int, buffer_len: int,
                      penalty_factor: float = 1.0) -> Array:
     """DAPO's soft overlong punishment, added to the reward.
@@ -131,13 +119,3 @@ def overlong_penalty(lengths: Array, max_len: int, buffer_len: int,
     lengths = _float(lengths)
     frac = (max_len - buffer_len - lengths) / buffer_len
     return jnp.clip(frac, -1.0, 0.0) * penalty_factor
-
-
-def no_eos_mask(finished_with_eos: Array, mask: Array) -> Array:
-    """Zero the loss mask of every completion that did not end with EOS (truncated ones).
-
-    finished_with_eos: [B] bool; mask: [B, T] float or bool. Returns [B, T] with mask's dtype.
-    """
-    mask = jnp.asarray(mask)
-    keep = jnp.asarray(finished_with_eos).astype(bool)[:, None]
-    return jnp.where(keep, mask, jnp.zeros_like(mask))
