@@ -1,7 +1,9 @@
 """BUILD is what tools/gen_build.py writes, its deps cover the real imports, and its targets form no cycle.
 
 The coverage and cycle checks read BUILD's text (Starlark parses as Python) and the sources with their own
-import reader, not the generator's data structures: a generator bug that drops a dep fails them.
+import reader, not the generator's data structures: a generator bug that drops a dep fails them. They
+require the import statements' modules; the generator also adds modules a source runs by name (`-m
+areal_jax.main` in a subprocess command), which the toy-package tests check.
 """
 from __future__ import annotations
 
