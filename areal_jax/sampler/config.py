@@ -10,6 +10,7 @@ import dataclasses
 from typing import ClassVar
 
 from areal_jax.knobs import Section, knob, require
+from areal_jax.rl.advantages import GROUP_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,11 @@ class RolloutConfig(Section):
                                      "max_concurrent")
     max_concurrent: int | None = knob(None, "groups in flight at most (None: bounded by eta only)")
     filter_uniform_groups: bool = knob(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
-    advantage_mode: str = knob("grpo", "group advantages: grpo (mean / std within the group) | dr_grpo (mean "
-                               "only) | rloo (leave-one-out mean)", choices=("grpo", "dr_grpo", "rloo"))
+    advantage_mode: str = knob("grpo", "group advantages (rl.advantages.group_advantages): grpo (mean / std within "
+                               "the group) | dr_grpo (mean only) | rloo (leave-one-out mean)", choices=GROUP_MODES)
+    overlong_buffer: int = knob(0, "DAPO's overlong penalty: completions longer than max_new_tokens - overlong_buffer "
+                                "lose up to overlong_penalty of reward, linearly, before the advantages (0: off)")
+    overlong_penalty: float = knob(1.0, "reward lost at max_new_tokens when overlong_buffer > 0")
     param_dtype: str = knob("same", "sampler weights: same (as the trainer's) | float32 | bfloat16 (cast on device)",
                             choices=("same", "float32", "bfloat16"))
 
@@ -73,5 +77,9 @@ class RolloutConfig(Section):
         require(self.eta is not None or self.max_concurrent is not None,
                 "rollout.max_staleness and rollout.max_concurrent are both unset, so rollout admission would be "
                 f"unbounded. Set max_staleness (eta, e.g. {k('max_staleness')}=4) or {k('max_concurrent')}.")
+        require(0 <= self.overlong_buffer <= self.max_new_tokens,
+                f"{k('overlong_buffer')}={self.overlong_buffer} must lie in [0, {k('max_new_tokens')}="
+                f"{self.max_new_tokens}] (0 turns the overlong penalty off).")
+        require(self.overlong_penalty >= 0, f"{k('overlong_penalty')}={self.overlong_penalty} must be >= 0.")
         require(self.max_concurrent is None or self.max_concurrent >= 1,
                 f"{k('max_concurrent')}={self.max_concurrent} must be at least 1.")
