@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-GROUP_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+GROUP_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "rank")
 
 
 def _float(x: Array) -> Array:
@@ -29,20 +29,24 @@ def group_advantages(rewards: Array, group_size: int, *, mode: str = "grpo",
       * "grpo":    (r - m) / (s + eps)
       * "dr_grpo": r - m                      (Dr. GRPO: no std normalisation)
       * "rloo":    r - mean of the other group_size - 1 rewards  (= (r - m) * n / (n - 1))
+      * "rank":    rank(r) / (n - 1) - 1/2, rank the 0-based position of r in the sorted group (tied
+                   rewards share their mean rank): centred in [-1/2, 1/2] and unchanged by any increasing
+                   transform of the reward. For 0/1 rewards it is "dr_grpo" times n / (2 (n - 1)); with
+                   graded rewards (e.g. code pass rates) only their order counts, not their gaps.
     A group of identical rewards gives exact zeros in every mode.
 
     Args:
       rewards: [n_groups * group_size] float.
-      group_size: completions per prompt (static python int, >= 1; >= 2 for "rloo").
+      group_size: completions per prompt (static python int, >= 1; >= 2 for "rloo" and "rank").
     Returns: [n_groups * group_size] float32 (float64 for float64 input).
     """
     if mode not in GROUP_MODES:
         raise ValueError(f"mode={mode!r} is not a group advantage mode; use one of {GROUP_MODES}.")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int (got {group_size!r}).")
-    if mode == "rloo" and group_size < 2:
-        raise ValueError("mode='rloo' needs group_size >= 2: the leave-one-out mean of a group of one "
-                         "is undefined. Sample several completions per prompt or use mode='grpo'.")
+    if mode in ("rloo", "rank") and group_size < 2:
+        raise ValueError(f"mode={mode!r} needs group_size >= 2: a group of one has no other completion to "
+                         "compare with. Sample several completions per prompt or use mode='grpo'.")
     r = _float(rewards)
     if r.ndim != 1 or r.shape[0] % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a length that is a multiple of group_size="
@@ -55,6 +59,10 @@ def group_advantages(rewards: Array, group_size: int, *, mode: str = "grpo",
         out = centred / (std + eps)
     elif mode == "dr_grpo":
         out = centred
+    elif mode == "rank":
+        below = jnp.sum(groups[:, :, None] > groups[:, None, :], axis=2)  # [G, n]: rewards strictly smaller
+        ties = jnp.sum(groups[:, :, None] == groups[:, None, :], axis=2)  # [G, n]: equal ones, itself included
+        out = (below + (ties - 1) / 2) / (group_size - 1) - 0.5
     else:
         out = centred * (group_size / (group_size - 1))
     # The float mean of identical values need not equal them exactly; force exact zeros there.

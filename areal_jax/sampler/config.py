@@ -42,7 +42,8 @@ class RolloutConfig(Section):
     max_concurrent: int | None = knob(None, "groups in flight at most (None: bounded by eta only)")
     filter_uniform_groups: bool = knob(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
     advantage_mode: str = knob("grpo", "group advantages (rl.advantages.group_advantages): grpo (mean / std within "
-                               "the group) | dr_grpo (mean only) | rloo (leave-one-out mean)", choices=GROUP_MODES)
+                               "the group) | dr_grpo (mean only) | rloo (leave-one-out mean) | rank (centred ranks in [-1/2, 1/2]: only the "
+                               "order of the rewards counts, e.g. code pass rates)", choices=GROUP_MODES)
     overlong_buffer: int = knob(0, "DAPO's overlong penalty: completions longer than max_new_tokens - overlong_buffer "
                                 "lose up to overlong_penalty of reward, linearly, before the advantages (0: off)")
     overlong_penalty: float = knob(1.0, "reward lost at max_new_tokens when overlong_buffer > 0")
