@@ -30,8 +30,16 @@ class ConfigError(ValueError):
 
 
 def knob(default: Any, doc: str, *, choices: tuple = ()) -> Any:
-    """A dataclass field carrying its doc (shown by --config.help) and its allowed values (if any)."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
+    """A dataclass field carrying its doc (shown by --config.help) and its allowed values (if any); a
+    dict default is copied for each instance."""
+    metadata = {"doc": doc, "choices": tuple(choices)}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def require(ok: bool, message: str) -> None:
@@ -90,16 +98,34 @@ def parse_override(key: str, text: str, hint: Any) -> None:
                           f"--config.{key}={_example(want)}.") from None
 
 
+def _items(value: Any) -> list | None:
+    """The (key, value) pairs of a dict or ConfigDict, else None."""
+    return list(value.items()) if isinstance(value, Mapping) or hasattr(value, "items") else None
+
+
 def coerce(key: str, value: Any, hint: Any) -> Any:
-    """`value` checked against the annotation `hint` (int accepted for float, never bool for a number);
-    raises ConfigError naming `key` (e.g. "--config.train.lr") otherwise."""
+    """`value` checked against the annotation `hint` (int accepted for float, never bool for a number;
+    `dict[str, float]` takes any mapping; `tuple[SomeSection, ...]` takes a list of sections or of
+    mappings, which become sections); raises ConfigError naming `key` (e.g. "--config.train.lr") otherwise."""
     plain, optional = _parts(hint)
     if value is None:
         require(optional, f"{key}=None is not allowed: give {' or '.join(_a(t) for t in plain)}.")
         return None
+    origin, args = typing.get_origin(plain[0]), typing.get_args(plain[0])
+    if origin is dict:
+        pairs = _items(value)
+        require(pairs is not None, f"{key}={value!r} is {_a(type(value))}, not a mapping.")
+        return {coerce(f"{key} key", k, args[0]): coerce(f"{key}[{k!r}]", v, args[1]) for k, v in pairs}
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        require(isinstance(value, (list, tuple)), f"{key}={value!r} is {_a(type(value))}, not a list.")
+        for i, v in enumerate(value):
+            bad = [] if isinstance(v, args[0]) else unknown_keys(args[0], v)
+            require(not bad, f"{key}[{i}] has no key {bad[0] if bad else ''!r}; its keys are "
+                    f"{', '.join(f.name for f in dataclasses.fields(args[0]))}.")
+        return tuple(v if isinstance(v, args[0]) else from_mapping(args[0], v) for v in value)
     want = scalar_type(hint)
     if want is None:
-        return value  # containers and other types are checked by the section itself
+        return value  # other types are checked by the section itself
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
@@ -152,7 +178,7 @@ def defaults_dict(cls: type) -> dict[str, Any]:
         if dataclasses.is_dataclass(hints[f.name]):
             out[f.name] = defaults_dict(hints[f.name])
         else:
-            out[f.name] = f.default
+            out[f.name] = _default(f)
     return out
 
 
@@ -194,12 +220,25 @@ def from_mapping(cls: type, mapping: Mapping[str, Any], prefix: str = ""):
             continue
         value = mapping[f.name]
         if dataclasses.is_dataclass(hints[f.name]):
-            require(isinstance(value, Mapping) or hasattr(value, "items"),
+            require(_items(value) is not None,
                     f"--config.{prefix}{f.name} is a {_type_name(value)}, not a section of keys.")
             kwargs[f.name] = from_mapping(hints[f.name], value, f"{prefix}{f.name}.")
         else:
             kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def unknown_keys(cls: type, mapping: Any, prefix: str = "") -> list[str]:
+    """Keys of nested mappings (a ConfigDict) that no field of the section tree `cls` declares."""
+    hints = type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = []
+    for k, v in _items(mapping) or []:
+        if k not in names:
+            out.append(f"{prefix}{k}")
+        elif dataclasses.is_dataclass(hints[k]) and _items(v) is not None:
+            out += unknown_keys(hints[k], v, f"{prefix}{k}.")
+    return out
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -213,3 +213,31 @@ def test_job_is_a_context_manager_and_a_second_close_does_nothing(tmp_path):
     assert not any(p.is_alive() for p in workers)
     assert not _live_sampler_threads()
     job.close()  # nothing left to close
+
+
+def test_sft_configs_convert_and_bad_stages_are_config_errors():
+    import importlib.util
+
+    from areal_jax.programs.sft_config import SFTConfig, StageConfig, from_config_dict
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    loaded = {}
+    for name in ("sft_math", "sft_code"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "configs", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        loaded[name] = (module.get_config(), from_config_dict(module.get_config()))
+    cd, typed = loaded["sft_code"]
+    assert isinstance(typed, SFTConfig) and typed.task == "code" and typed.seq_len == cd.seq_len
+    assert [s.name for s in typed.stages] == ["correct", "mix"] and isinstance(typed.stages[1], StageConfig)
+    assert typed.stages[1].mix == {"confused": 0.55, "correct": 0.3, "slip": 0.15}
+    assert loaded["sft_math"][1].task == "math"  # the key sft_math.py leaves out takes its default
+    bad = loaded["sft_math"][0]
+    bad.stages[1].mix = {"worked": "lots"}
+    with pytest.raises(ConfigError, match=r"mix\['worked'\]='lots' is a str, not a float"):
+        from_config_dict(bad)
+    bad.stages[1] = ml_collections.ConfigDict(dict(name="x", mix={"worked": 1.0}, learning_rate=1e-3))
+    with pytest.raises(ConfigError, match=r"--config\.stages\[1\] has no key 'learning_rate'"):
+        from_config_dict(bad)
+    with pytest.raises(ConfigError, match=r"Unknown config key 'model\.layers'\. Did you mean '--config\.model\.num_layers'"):
+        from_config_dict({**loaded["sft_math"][0].to_dict(), "model": {"layers": 2}})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -25,7 +26,10 @@ import numpy as np
 import optax
 from absl import app
 from flax import nnx
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
+
+from areal_jax.knobs import ConfigError
+from areal_jax.programs.sft_config import SFTConfig, from_config_dict
 
 _CONFIG = None  # the --config flag, defined only when this module runs as the program (see the bottom)
 
@@ -75,26 +79,26 @@ def sample_styles(rng: random.Random, mix: dict[str, float], n: int) -> list[str
     return rng.choices(names, weights=weights, k=n)
 
 
-def run(c: Any) -> dict:
+def run(config: ConfigDict | SFTConfig) -> dict:
+    """Train the stages of `config` (a config file's ConfigDict, converted once here, or an SFTConfig) and
+    save the model; returns the summary also written to <out_dir>/sft_summary.json."""
     from areal_jax.data import load_eval_split
     from areal_jax.data.prompts import PromptFormat
     from areal_jax.evaluation.scoring import evaluate_examples
     from areal_jax.models import ModelConfig, Transformer, save_hf_checkpoint
 
+    c = from_config_dict(config)
     # The synthetic task: "math" (word problems, math reward) or "code" (programming tasks, sandboxed tests).
-    task = c.get("task", "math")
-    if task == "code":
+    if c.task == "code":
         from areal_jax.data import code_synthetic as synthetic
         from areal_jax.data.code_readers import CODE_TASK_OPTIONS as load_options
 
         reward_fn, build_tokenizer = synthetic.REWARD_FN, synthetic.build_tokenizer
-    elif task == "math":
+    else:
         from areal_jax.data import synthetic_math as synthetic
         from areal_jax.data.math_tokenizer import build_math_tokenizer as build_tokenizer
 
         reward_fn, load_options = "areal_jax.rewards.math:math_reward", {}
-    else:
-        raise ValueError(f"task={task!r} is not one of math, code; pass --config.task=math or --config.task=code.")
     format_target, generate_split = synthetic.format_target, synthetic.generate_split
 
     os.makedirs(c.out_dir, exist_ok=True)
@@ -171,7 +175,11 @@ def main(argv: list[str]) -> None:
     from areal_jax.programs.rl import quiet_library_logs
 
     quiet_library_logs()
-    run(_CONFIG.value)
+    try:
+        run(_CONFIG.value)
+    except ConfigError as e:
+        print(f"Config error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
