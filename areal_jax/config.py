@@ -195,11 +195,6 @@ def from_config_dict(config: ml_collections.ConfigDict | dict) -> JobConfig:
     return knobs.from_mapping(JobConfig, config)
 
 
-def max_staleness(config: JobConfig) -> int | None:
-    """eta: None when unbounded (rollout.max_staleness None or -1)."""
-    return config.rollout.eta
-
-
 def validate(config: ml_collections.ConfigDict | JobConfig, *, check_paths: bool = True) -> JobConfig:
     """The typed JobConfig of `config` (a ConfigDict is converted); raises ConfigError on the first
     problem found.
