@@ -57,6 +57,14 @@ class TrainerConfig(Section):
     b1: float = knob(0.9, "Adam first-moment decay")
     b2: float = knob(0.999, "Adam second-moment decay")
     eps: float = knob(1e-8, "Adam epsilon")
+    critic: str = knob("none", "none (group advantages from rollout.advantage_mode) | value_head (critic PPO: a "
+                       "float32 Linear hidden->1 on the policy trunk, GAE token advantages replace the group ones)",
+                       choices=("none", "value_head"))
+    gamma: float = knob(1.0, "critic: GAE discount in [0, 1]")
+    lam: float = knob(0.95, "critic: GAE lambda in [0, 1]")
+    value_coef: float = knob(0.5, "critic: weight of the value loss added to the policy loss")
+    value_clip: float | None = knob(0.2, "critic: clip of the value change around the update-start values "
+                                    "(None: plain squared error)")
 
     def check(self) -> None:
         k = self.key
@@ -85,3 +93,8 @@ class TrainerConfig(Section):
         require(self.kl_coef >= 0, f"{k('kl_coef')}={self.kl_coef} must be >= 0.")
         require(self.entropy_coef >= 0, f"{k('entropy_coef')}={self.entropy_coef} must be >= 0.")
         require(self.logits_chunk >= 1, f"{k('logits_chunk')}={self.logits_chunk} must be at least 1.")
+        require(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
+                f"{k('gamma')}={self.gamma} and {k('lam')}={self.lam} must lie in [0, 1].")
+        require(self.value_coef >= 0, f"{k('value_coef')}={self.value_coef} must be >= 0.")
+        require(self.value_clip is None or self.value_clip > 0,
+                f"{k('value_clip')}={self.value_clip} must be positive (or None for the plain squared error).")

@@ -14,9 +14,10 @@ from areal_jax.models import logical_to_mesh_sharding
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
-from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, UpdateFns, build_update_fns
+from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, UpdateFns, build_update_fns
 
 _FNS_CACHE: "OrderedDict[tuple, UpdateFns]" = OrderedDict()
 _FNS_CACHE_SIZE = 8
@@ -66,7 +67,10 @@ class Trainer:
         self._has_other = bool(jax.tree.leaves(other))
         self._tx = make_optimizer(cfg, schedule_steps)
         self._schedule = make_schedule(cfg, schedule_steps)
-        self.state, self._shardings = create_train_state(params, self._tx, mesh)
+        value_head = None
+        if cfg.critic == "value_head":
+            value_head = init_value_head(int(nnx.merge(self._graphdef, params, other).unembed_matrix().shape[0]))
+        self.state, self._shardings = create_train_state(params, self._tx, mesh, value_head=value_head)
         self._other_sharding = logical_to_mesh_sharding(other, mesh)  # frozen weights shard like params
         self._other = copy_to(other, self._other_sharding)
         self._fns = self._compiled_fns(other)
@@ -128,9 +132,36 @@ class Trainer:
         masks = [np.ones(t.completion_len, np.float32) for t in trajs]
         out = [np.zeros(t.completion_len, np.float32) for t in trajs]
         for step in self._steps(trajs, range(len(trajs)), masks, None, 0):
-            logp = _fetch(self._fns.forward(self.state.params, self._other, self._place(step, MODEL_FIELDS)))
-            _scatter(out, logp, step)
+            logp = self._fns.forward(self.state.trainable(), self._other, self._place(step, MODEL_FIELDS))
+            _scatter(out, _fetch(logp[0] if self._critic else logp), step)
         return out
+
+    @property
+    def _critic(self) -> bool:
+        return self.state.value_head is not None
+
+    def critic_targets(self, trajectories: Sequence[Trajectory]) -> tuple[list[np.ndarray], ...]:
+        """What the next update trains the critic and policy on (train.critic=value_head): per
+        trajectory (values, advantages, returns), float32 [L - prompt_len] each, from the current params
+        and value head (batching.gae_targets over the staleness-filtered masks)."""
+        if not self._critic:
+            raise ValueError("critic_targets needs a value head: set --config.train.critic=value_head.")
+        trajs = list(trajectories)
+        masks, _ = batching.effective_masks(trajs, self.version, self.max_staleness)
+        steps = self._steps(trajs, range(len(trajs)), masks, None, self.version)
+        values, _ = self._values(trajs, steps)
+        return (values, *batching.gae_targets(trajs, masks, values, gamma=self.cfg.gamma, lam=self.cfg.lam))
+
+    def _values(self, trajs, steps) -> tuple[list[np.ndarray], list[jax.Array]]:
+        """Per-trajectory values at the completion tokens and each step's (placed) log-probs, from one
+        forward pass of the current params and value head over the packed steps."""
+        values = [np.zeros(t.completion_len, np.float32) for t in trajs]
+        logps = []
+        for step in steps:
+            logp, v = self._fns.forward(self.state.trainable(), self._other, self._place(step, MODEL_FIELDS))
+            _scatter(values, _fetch(v), step)
+            logps.append(logp)
+        return values, logps
 
     # ------------------------------------------------------------------ the update
     def _prepare(self, trajs: list[Trajectory], version: int):
@@ -143,36 +174,56 @@ class Trainer:
         if not trajs:
             raise ValueError("Trainer.update got no trajectories; pass at least one.")
         masks, staleness = batching.effective_masks(trajs, version, self.max_staleness)
-        need_prox = cfg.loss == "decoupled" and cfg.prox_mode == "recompute"
-        minibatches = []
+        need_prox = cfg.loss in ("decoupled", "gspo") and cfg.prox_mode == "recompute"
+        plan = []  # per minibatch: (host micro-steps, n_valid tokens)
         for indices in batching.split_minibatches(trajs, cfg.ppo_minibatches):
             weights = [None] * len(trajs)
             for i, w in zip(indices, batching.aggregation_weights([masks[i] for i in indices], cfg.loss_agg)):
                 weights[i] = w
             n_valid, _ = batching.count_valid(masks, indices)
+            plan.append((self._steps(trajs, indices, masks, weights, version) if n_valid else [], n_valid))
+        fields = MODEL_FIELDS + LOSS_FIELDS
+        prox = {}
+        if self._critic:  # values and proximal log-probs in one forward, then GAE replaces the advantages
+            fields += CRITIC_FIELDS
+            all_steps = [step for steps, _ in plan for step in steps]
+            values, logps = self._values(trajs, all_steps)
+            prox = {id(step): logp for step, logp in zip(all_steps, logps)}
+            advantages, returns = batching.gae_targets(trajs, masks, values, gamma=cfg.gamma, lam=cfg.lam)
+            for step in all_steps:
+                for name, per_traj in (("advantages", advantages), ("old_values", values), ("returns", returns)):
+                    batching.fill_steps(step, name, per_traj)
+        train = self.state.trainable()
+        minibatches = []
+        for steps, n_valid in plan:
             placed = []
-            for step in self._steps(trajs, indices, masks, weights, version) if n_valid else []:
-                batch = self._place(step, MODEL_FIELDS + LOSS_FIELDS)
+            for step in steps:
+                batch = self._place(step, fields)
                 model_inputs = {k: batch[k] for k in MODEL_FIELDS}
                 if need_prox:
-                    batch["prox_logp"] = fns.forward(self.state.params, self._other, model_inputs)
+                    known = prox.get(id(step))
+                    batch["prox_logp"] = known if known is not None else fns.forward(train, self._other, model_inputs)
                 if self._ref is not None and cfg.kl_coef > 0:
-                    batch["ref_logp"] = fns.forward(self._ref[0], self._ref[1], model_inputs)
+                    ref = (self._ref[0], self.state.value_head) if self._critic else self._ref[0]
+                    out = fns.forward(ref, self._ref[1], model_inputs)
+                    batch["ref_logp"] = out[0] if self._critic else out
                 placed.append(batch)
             minibatches.append((placed, n_valid))
         return minibatches, masks, staleness
 
     def _accumulate(self, placed, version_arr):
-        grads = self._fns.zero_grads(self.state.params)
+        train = self.state.trainable()
+        grads = self._fns.zero_grads(train)
         sums = self._fns.zero_metrics()
         for batch in placed:
-            grads, sums = self._fns.accumulate(self.state.params, self._other, grads, sums, batch, version_arr)
+            grads, sums = self._fns.accumulate(train, self._other, grads, sums, batch, version_arr)
         return grads, sums
 
     def loss_and_grads(self, trajectories: Sequence[Trajectory]) -> tuple[float, nnx.State]:
         """The objective of the batch taken as ONE minibatch and its gradient w.r.t. the params, by the
         same packed micro-step accumulation the update uses (nothing is applied). For tests and
-        diagnostics. Returns (loss, grads) with grads shaped like `Trainer.state.params`."""
+        diagnostics. Returns (loss, grads) with grads shaped like `Trainer.state.trainable()` (the params,
+        or (params, value_head) with a critic)."""
         version = self.version
         minibatches, _, _ = self._prepare(list(trajectories), version)
         if len(minibatches) != 1:
@@ -191,7 +242,9 @@ class Trainer:
 
         Returns metrics (python floats): loss, pg_loss, kl, clip_fraction, behav_weight_mean,
         behav_weight_max, masked_fraction, approx_kl, entropy, grad_norm, n_tokens, n_seqs,
-        staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version.
+        staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version; with a
+        critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
+        value_error (token mean of (V - return)^2), at the params before each optimizer step.
         """
         trajs = list(trajectories)
         version = self.version
@@ -257,5 +310,8 @@ def _metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: Tr
         "lr": float(infos[-1]["lr"]),
         "version": float(jax.device_get(state.version)),
     }
+    if state.value_head is not None:
+        metrics.update(value_loss=float(sums["value_loss"]) / n_minibatches,
+                       value_clip_fraction=per_tok("value_clip"), value_error=per_tok("value_error"))
     metrics.update(batching.staleness_stats(staleness))
     return metrics
