@@ -114,7 +114,9 @@ def gae(rewards: Array, values: Array, mask: Array, *, gamma: float,
 
 def overlong_penalty(lengths: Array, max_len: int, buffer_len: int,
                      penalty_factor: float = 1.0) -> Array:
-    """DAPO's soft overlong punishment, added to the reward.
+    """DAPO's soft overlong punishment, added to the reward (in a job: rollout.overlong_buffer > 0, with
+    max_len = rollout.max_new_tokens and penalty_factor = rollout.overlong_penalty; the controller adds it
+    before the group advantages).
 
     0 for lengths up to max_len - buffer_len, then linear down to -penalty_factor at max_len, and
     -penalty_factor beyond: penalty = clip((max_len - buffer_len - L) / buffer_len, -1, 0) * factor.

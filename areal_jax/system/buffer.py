@@ -43,6 +43,7 @@ class Group:
     advantages: np.ndarray
     filtered: bool = False
     filter_reason: str = ""
+    shaped_rewards: np.ndarray | None = None  # [group_size] what the advantages used (None: rewards)
 
 
 class TrajectoryBuffer:

@@ -4,8 +4,9 @@ A thread that keeps the sampler busy without ever letting a trained token be mor
   1. admit: while rl.staleness.rollout_capacity allows, draw a prompt and submit one sampler Request of
      n = group_size samples (a GRPO group, prefilled once);
   2. score: send each finished completion's text to the RewardPool (worker processes, timeouts);
-  3. assemble: when a group has all its rewards, compute its advantages, optionally filter it (DAPO:
-     all rewards equal), and hand it to the TrajectoryBuffer, which serves the trainer in admission order.
+  3. assemble: when a group has all its rewards, shape them (DAPO's overlong penalty, if on), compute its
+     advantages, optionally filter it (DAPO: all rewards equal), and hand it to the TrajectoryBuffer,
+     which serves the trainer in admission order.
 Counting is in groups: accepted (cumulative, complete and not filtered) + running (admitted, not
 complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sampler's params version.
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from areal_jax.rl.advantages import group_advantages
+from areal_jax.rl.advantages import group_advantages, overlong_penalty
 from areal_jax.rl.staleness import rollout_capacity
 from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.requests import Request
@@ -206,6 +207,15 @@ class RolloutController:
         return len(results)
 
     # ---- 3. assembly ------------------------------------------------------------------------------
+    def _shaped_rewards(self, rewards: np.ndarray, completions: list) -> np.ndarray:
+        """The rewards the advantages (and a critic) see: plus DAPO's overlong penalty
+        (rl.advantages.overlong_penalty over the completion lengths) when rollout.overlong_buffer > 0."""
+        if self.s.overlong_buffer <= 0:
+            return rewards
+        lengths = np.array([len(c.tokens) for c in completions], np.int32)
+        penalty = overlong_penalty(lengths, self.s.max_new_tokens, self.s.overlong_buffer, self.s.overlong_penalty)
+        return (rewards + np.asarray(penalty, np.float32)).astype(np.float32)
+
     def _record_reward(self, gid: int, idx: int, reward: float, status: str) -> None:
         rec = self._groups[gid]
         rec["rewards"][idx] = reward
@@ -214,10 +224,11 @@ class RolloutController:
         if any(r is None for r in rec["rewards"]) or any(c is None for c in rec["completions"]):
             return
         rewards = np.asarray(rec["rewards"], np.float32)
-        adv = np.asarray(group_advantages(rewards, self.s.group_size, mode=self.s.advantage_mode), np.float32)
+        shaped = self._shaped_rewards(rewards, rec["completions"])
+        adv = np.asarray(group_advantages(shaped, self.s.group_size, mode=self.s.advantage_mode), np.float32)
         group = Group(
             gid=gid, example=rec["example"], admit_version=rec["version"], completions=rec["completions"],
-            rewards=rewards, reward_status=rec["status"], advantages=adv,
+            rewards=rewards, reward_status=rec["status"], advantages=adv, shaped_rewards=shaped,
         )
         if any(c.finish_reason == "error" for c in rec["completions"]):
             group.filtered, group.filter_reason = True, "sampler_error"

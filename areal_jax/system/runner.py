@@ -31,7 +31,8 @@ def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
     out = []
     for g in groups:
         prompt = np.asarray(g.example.prompt_tokens, np.int32)
-        for c, reward, adv in zip(g.completions, g.rewards, g.advantages):
+        shaped = g.rewards if g.shaped_rewards is None else g.shaped_rewards  # a critic's terminal reward
+        for c, reward, adv in zip(g.completions, shaped, g.advantages):
             tokens = np.concatenate([prompt, np.asarray(c.tokens, np.int32)])
             out.append(
                 Trajectory(
