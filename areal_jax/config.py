@@ -77,8 +77,9 @@ class JobConfig(Section):
                 f"--config.train.micro_batch_tokens={t.micro_batch_tokens} is smaller than rollout.max_len="
                 f"{r.max_len}: the longest sequence must fit one micro-batch.")
         require(t.schedule != "cosine" or self.optimizer_steps > t.warmup_steps,
-                f"--config.train.schedule=cosine spans total_steps x train.ppo_minibatches = {self.optimizer_steps} "
-                f"optimizer steps, which must exceed --config.train.warmup_steps={t.warmup_steps}.")
+                f"The cosine schedule's total_steps x train.ppo_minibatches = {self.optimizer_steps} optimizer steps "
+                f"must exceed --config.train.warmup_steps={t.warmup_steps}; raise total_steps or use "
+                "--config.train.schedule=constant.")
         task, fn = self.data.task, self.reward.fn
         require(not (task == "code" and fn in ("math", "exact")),
                 f"--config.data.task=code gives hidden tests as answers, which reward.fn={fn!r} cannot score; pass "

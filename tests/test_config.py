@@ -109,7 +109,7 @@ def test_int_is_accepted_for_a_float_and_stored_as_float():
 @pytest.mark.parametrize("overrides, words", [
     ({"data__max_prompt_len": 300}, "data.max_prompt_len (300) + rollout.max_new_tokens (64) exceeds rollout.max_len"),
     ({"train__micro_batch_tokens": 100}, "--config.train.micro_batch_tokens=100 is smaller than rollout.max_len=320"),
-    ({"train__schedule": "cosine", "train__warmup_steps": 100}, "spans total_steps x train.ppo_minibatches = 100"),
+    ({"train__schedule": "cosine", "train__warmup_steps": 100}, "total_steps x train.ppo_minibatches = 100 optimizer steps must exceed"),
     ({"data__task": "code"}, "--config.reward.fn=code"),
     ({"reward__fn": "nomodule"}, "--config.reward.fn='nomodule' is neither a built-in"),
     ({"rollout__max_staleness": -1}, "both unset"),

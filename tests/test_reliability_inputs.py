@@ -152,17 +152,18 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
     res = json.loads(out_path.read_text())
 
     expected = {  # case -> (error type, phrases the sentence must contain)
-        "unknown_key": ("ConfigError", ["Unknown config key 'train.lrr'", "Did you mean 'train.lr'"]),
+        "unknown_key": ("ConfigError", ["Unknown config key 'train.lrr'", "Did you mean '--config.train.lr'"]),
         "mesh_too_many_devices": ("ConfigError", ["exceeds the 4 local devices", "lower one of them"]),
         "mesh_axis_does_not_divide": ("ConfigError", ["fsdp*tensor=3 does not equal the 2 train devices",
                                                         "set fsdp=-1 to fill"]),
-        "minibatches_do_not_divide_batch": ("ConfigError", ["train.batch_groups=3 is not divisible by "
-                                                            "train.ppo_minibatches=2"]),
+        "minibatches_do_not_divide_batch": ("ConfigError", ["--config.train.batch_groups=3 is not divisible by "
+                                                            "--config.train.ppo_minibatches=2"]),
         "micro_batch_below_max_len": ("ConfigError", ["train.micro_batch_tokens=64 is smaller than "
                                                       "rollout.max_len=80", "must fit one micro-batch"]),
-        "group_larger_than_slots": ("ConfigError", ["rollout.num_slots=8 is smaller than rollout.group_size=16",
+        "group_larger_than_slots": ("ConfigError", ["rollout.num_slots=8 is smaller than --config.rollout.group_size=16",
                                                     "Raise num_slots or lower group_size"]),
-        "cosine_warmup_past_the_end": ("ConfigError", ["must exceed warmup_steps=5", "use schedule='constant'"]),
+        "cosine_warmup_past_the_end": ("ConfigError", ["must exceed --config.train.warmup_steps=5",
+                                                      "--config.train.schedule=constant"]),
         "timeline_cap_not_positive": ("ConfigError", ["log.timeline_max_events=0 must be >= 1",
                                                       "log.timeline=False"]),
         "malformed_jsonl_row": ("ConfigError", [f"{bad_jsonl}, line 3: invalid JSON",
