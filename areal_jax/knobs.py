@@ -119,6 +119,8 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
         require(isinstance(value, (list, tuple)), f"{key}={value!r} is {_a(type(value))}, not a list.")
         for i, v in enumerate(value):
+            require(isinstance(v, args[0]) or _items(v) is not None,
+                    f"{key}[{i}]={v!r} is {_a(type(v))}, not a section of keys.")
             bad = [] if isinstance(v, args[0]) else unknown_keys(args[0], v)
             require(not bad, f"{key}[{i}] has no key {bad[0] if bad else ''!r}; its keys are "
                     f"{', '.join(f.name for f in dataclasses.fields(args[0]))}.")
