@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from areal_jax.testing.processes import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ETA = 1
 STEPS = 10
@@ -94,15 +96,6 @@ PHASE_AFTER = {"launch": "startup", "run_start": "decode", "save_end": "decode",
                "exit": "finished"}
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -126,7 +119,7 @@ class Launch:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, driver, run_dir, self.markers, str(steps), assets, str(ETA)],
-            env=_env(), cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=cpu_env(1, unbuffered=True), cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def events(self) -> list[dict]:
         return _read_jsonl(self.markers)

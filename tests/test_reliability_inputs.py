@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from areal_jax.testing.processes import cpu_env
 from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,14 +71,6 @@ def main():
 if __name__ == "__main__":
     main()
 '''
-
-
-def _env(devices: int = 4) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _lines(path, lines) -> str:
@@ -147,7 +140,7 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
     cases_path.write_text(json.dumps(cases))
     driver.write_text(NO_COMPILE_DRIVER)
     proc = subprocess.run([sys.executable, str(driver), assets, str(cases_path), str(out_path)],
-                          env=_env(4), cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out_path.read_text())
 
@@ -197,7 +190,7 @@ def test_cli_turns_an_impossible_mesh_into_exit_code_2_and_one_sentence(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "areal_jax.main", f"--config={ROOT}/configs/tiny.py:{assets}",
          "--config.mesh.train_devices=3", "--config.mesh.rollout_devices=3"],
-        env=_env(4), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Config error: train_devices=3 + rollout_devices=3 exceeds the 4 local devices" in proc.stderr
     assert "Traceback" not in proc.stderr

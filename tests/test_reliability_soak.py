@@ -20,14 +20,15 @@ import sys
 import numpy as np
 import pytest
 
+from areal_jax.testing.processes import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_soak_600_steps_holds_bounded_state(tmp_path):
     steps, eta, batch_groups, group_size = 600, 1, 2, 2  # tiny_config's B and group size
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_env(1)
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"), "--steps", str(steps), "--eta", str(eta),
          "--interval", "0.25", "--dir", str(tmp_path)],

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from areal_jax.system.job import RLJob
+from areal_jax.testing.processes import cpu_env
 from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,22 +108,14 @@ def _main_cmd(assets, run_dir, steps):
             f"--config.run_dir={run_dir}", f"--config.total_steps={steps}", "--config.checkpoint.every_steps=2"]
 
 
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 @pytest.mark.slow
 def test_sigkill_after_checkpoint_then_resume_continues_with_same_data_order(tmp_path):
     assets, steps = str(tmp_path / "assets"), 6
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     write_tiny_assets(assets)
-    subprocess.run(_main_cmd(assets, ref_dir, steps), env=_env(), check=True, cwd=ROOT, timeout=600,
+    subprocess.run(_main_cmd(assets, ref_dir, steps), env=cpu_env(1), check=True, cwd=ROOT, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc = subprocess.Popen(_main_cmd(assets, run_dir, steps), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(_main_cmd(assets, run_dir, steps), env=cpu_env(1), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt2 = os.path.join(run_dir, "checkpoints", "2")
     deadline = time.time() + 300
@@ -131,7 +124,7 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_same_data_order(tmp
     assert os.path.isdir(ckpt2), "no checkpoint appeared"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(_main_cmd(assets, run_dir, steps), env=_env(), cwd=ROOT, timeout=600,
+    resumed = subprocess.run(_main_cmd(assets, run_dir, steps), env=cpu_env(1), cwd=ROOT, timeout=600,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from checkpoint step" in resumed.stdout + resumed.stderr

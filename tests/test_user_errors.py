@@ -13,21 +13,14 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax.config import ConfigError
 from areal_jax.system.job import RLJob
+from areal_jax.testing.processes import cpu_env
 from areal_jax.testing.tiny import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _main(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "areal_jax.main", *args], env=_env(), cwd=ROOT, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "areal_jax.main", *args], env=cpu_env(1), cwd=ROOT, timeout=timeout,
                           capture_output=True, text=True)
 
 

@@ -1,0 +1,24 @@
+"""Environments for tests that run a program of this checkout in a child process on the CPU."""
+from __future__ import annotations
+
+import os
+
+import areal_jax
+
+# The checkout that holds the package (tests/, benchmarks/ and the configs sit beside it).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(areal_jax.__file__)))
+
+
+def cpu_env(devices: int = 1, *, unbuffered: bool = False) -> dict[str, str]:
+    """This process's environment for a child that runs JAX on ``devices`` CPU devices (JAX_PLATFORMS=cpu,
+    XLA_FLAGS forcing the host device count) and imports this checkout first (REPO_ROOT ahead of any
+    PYTHONPATH). ``unbuffered``: PYTHONUNBUFFERED=1, so a killed child's log has every line it printed."""
+    if devices < 1:
+        raise ValueError(f"cpu_env needs at least one device, got devices={devices}.")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return env
