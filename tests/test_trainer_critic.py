@@ -158,3 +158,25 @@ def test_value_head_is_checkpointed_and_kept_from_the_sampler(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     m1, m2 = first.update(trajs), second.update(trajs)
     assert m1["value_loss"] == m2["value_loss"] and m1["loss"] == m2["loss"]
+
+
+def test_critic_advantages_drive_the_policy_like_given_token_advantages():
+    """value_coef 0: a critic update (two minibatches, KL to a reference) moves the policy exactly as a
+    plain update given the critic's GAE advantages as token advantages."""
+    base = dict(lr=1e-3, micro_batch_tokens=40, logits_chunk=8, ppo_minibatches=2, kl_coef=0.1, gamma=0.95, lam=0.9)
+    model, ref = random_model(tiny_config(), seed=8), random_model(tiny_config(), seed=9)
+    critic = Trainer(model, TrainerConfig(critic="value_head", value_coef=0.0, **base), mesh_4(), ref_model=ref)
+    rng = np.random.default_rng(1)
+    d = critic.state.value_head["kernel"].shape[0]
+    head = {"kernel": rng.normal(0, 0.3, (d, 1)).astype(np.float32), "bias": np.zeros((1,), np.float32)}
+    critic.state = dataclasses.replace(critic.state, value_head=jax.device_put(head, replicated(critic.mesh)))
+    trajs = with_rewards(make_trajs(8, seed=6), seed=2)
+    _, advantages, _ = critic.critic_targets(trajs)
+    given = [dataclasses.replace(t, token_advantages=a) for t, a in zip(with_rewards(make_trajs(8, seed=6), seed=2),
+                                                                         advantages)]
+    plain = Trainer(model, TrainerConfig(**base), mesh_4(), ref_model=ref)
+    m_critic, m_plain = critic.update(trajs), plain.update(given)
+    assert m_critic["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-7)
+    assert m_critic["kl"] == pytest.approx(m_plain["kl"], rel=1e-5, abs=1e-9) and m_plain["kl"] > 0
+    assert tree_rel_err(jax.device_get(critic.params), jax.device_get(plain.params)) < 1e-5
+    np.testing.assert_array_equal(jax.device_get(critic.state.value_head)["kernel"], head["kernel"])
