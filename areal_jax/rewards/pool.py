@@ -36,9 +36,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
-from areal_jax.knobs import Section, knob, require
+from areal_jax.rewards.config import REWARD_FUNCTIONS, RewardConfig  # the `reward` section; imported from here too
 from areal_jax.rewards.worker import (
     STATUSES,
     RewardFn,
@@ -48,7 +48,7 @@ from areal_jax.rewards.worker import (
     worker_main,
 )
 
-__all__ = ["RewardResult", "RewardPool", "resolve_reward_fn", "classify_reward"]
+__all__ = ["REWARD_FUNCTIONS", "RewardConfig", "RewardResult", "RewardPool", "resolve_reward_fn", "classify_reward"]
 
 
 @dataclass
@@ -384,49 +384,3 @@ class RewardPool:
                         self._emit(task, 0.0, "timeout",
                                    f"reward function ran past timeout_s={self._timeout_s} s; "
                                    "its worker was killed", now - w.started_at)
-
-
-REWARD_FUNCTIONS = {
-    "math": "areal_jax.rewards.math:math_reward",
-    "exact": "areal_jax.rewards.exact:exact_match_reward",
-}
-
-
-@dataclass(frozen=True)
-class RewardConfig(Section):
-    """What scores a completion and the pool that runs it (the config's `reward` section)."""
-
-    section: ClassVar[str] = "reward"
-
-    fn: str = knob("math", "math | exact | code | module:function (a function (completion, answer) -> float)")
-    num_workers: int = knob(2, "reward worker processes")
-    timeout_s: float = knob(5.0, "wall-clock limit per sample; a worker past it is killed and the sample scores 0")
-    memory_mb: int = knob(4096, "address-space limit per reward worker; 0 = none")
-    code_mode: str = knob("all_pass", "reward.fn=code: all_pass (1 iff every test passes) | pass_rate",
-                          choices=("all_pass", "pass_rate"))
-    code_case_timeout_s: float = knob(4.0, "reward.fn=code: wall-clock limit per test case")
-    code_sample_timeout_s: float = knob(20.0, "reward.fn=code: limit for all cases of one sample")
-
-    def check(self) -> None:
-        k = self.key
-        require(self.timeout_s > 0, f"{k('timeout_s')}={self.timeout_s} must be positive.")
-        require(self.num_workers >= 1, f"{k('num_workers')}={self.num_workers} must be >= 1.")
-        require(self.memory_mb >= 0, f"{k('memory_mb')}={self.memory_mb} must be >= 0 (0 = no limit).")
-        require(self.fn in REWARD_FUNCTIONS or self.fn == "code" or ":" in self.fn,
-                f"{k('fn')}={self.fn!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code) nor an "
-                "importable 'module:function' path.")
-        if self.fn == "code":
-            require(self.code_case_timeout_s > 0 and self.code_sample_timeout_s > 0,
-                    f"{k('code_case_timeout_s')} and {k('code_sample_timeout_s')} must be positive.")
-            require(self.timeout_s > self.code_sample_timeout_s,
-                    f"{k('timeout_s')}={self.timeout_s} must exceed {k('code_sample_timeout_s')}="
-                    f"{self.code_sample_timeout_s} (the pool kills a sample at timeout_s, before its tests can finish).")
-
-    def scorer(self) -> Any:
-        """What the RewardPool runs: an importable "module:function" string, or for fn=code the sandboxed
-        test reward (rewards/code.py) with code_mode and its time limits bound in."""
-        if self.fn == "code":
-            from areal_jax.rewards.code import make_code_reward
-
-            return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s)
-        return REWARD_FUNCTIONS.get(self.fn, self.fn)
