@@ -11,8 +11,9 @@ its module attribute ``ts`` and its function ``get_tensorstore_raw_bytes``) with
    per metric). orbax calls it before and after every array save and restore, only to log a raw-throughput
    figure. Workaround: ``get_tensorstore_raw_bytes`` returns None, which makes orbax skip that log record.
 
-Unpatched, a 61-array state left ~265 blocks per save (tests/test_reliability_recovery.py), which adds up
-over a long run that saves often. The patches are applied only while a checkpoint is saved or restored
+Measured on a 61-array state (30 saves after 10 warm-up saves): about 517 blocks left per save unpatched,
+23 with this workaround (tests/test_reliability_recovery.py bounds it), which adds up over a long run that
+saves often. The patches are applied only while a checkpoint is saved or restored
 (:func:`tensorstore_leak_workarounds`, used by ``areal_jax.checkpoint.Checkpointer``) and undone after, so
 no other user of orbax in the process sees them. When the private names above are missing (another orbax
 version) nothing is patched. tests/test_orbax_compat.py reproduces both leaks with the workaround off and

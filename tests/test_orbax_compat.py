@@ -36,7 +36,7 @@ def blocks_per_call(fn) -> float:
 
 def test_upstream_still_leaks_in_kvstore_spec_to_json(tmp_path):
     spec = {"driver": "file", "path": str(tmp_path) + "/"}
-    assert blocks_per_call(lambda: dict(spec)) < 0.5  # the measure itself leaks nothing
+    assert blocks_per_call(lambda: dict(spec)) < 1  # the measure itself leaks nothing
     leaked = blocks_per_call(lambda: ts.KvStore.Spec(spec).to_json())
     assert leaked > 2, (
         f"tensorstore {ts.__version__} no longer leaks in KvStore.Spec(json).to_json() ({leaked:.2f} blocks per "
@@ -94,7 +94,7 @@ def test_patched_specs_resolve_like_tensorstore_without_leaking(tmp_path):
         assert patched.KvStore.Spec(spec).to_json() == ts.KvStore.Spec(spec).to_json()
         assert patched.KvStore.Spec(spec).to_json(include_defaults=True) == ts.KvStore.Spec(spec).to_json(
             include_defaults=True)
-        assert blocks_per_call(lambda: patched.KvStore.Spec(spec).to_json()) < 0.5
+        assert blocks_per_call(lambda: patched.KvStore.Spec(spec).to_json()) < 1
         kv = patched.KvStore.open(patched.KvStore.Spec(spec)).result()  # the real Spec reaches tensorstore
         kv.write("k", b"v").result()
     assert os.path.exists(tmp_path / "k")
