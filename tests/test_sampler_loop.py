@@ -145,6 +145,10 @@ def test_pause_resume_stop_and_abort(models):
     assert aborted.request_id == "a" and aborted.finish_reason == "interrupted"
     assert 2 <= len(aborted.tokens) < 60 and len(aborted.logprobs) == len(aborted.tokens)
     wait_until(lambda: loop.stats()["running"] == 2)  # the queued group took the freed slot
+    # ... and decoded: a dispatch issued after its admission has been fetched. At most one dispatch (one
+    # token, b's) was in flight when it was admitted, so three more tokens mean a later one came back.
+    generated = loop.stats()["generated_tokens"]
+    wait_until(lambda: loop.stats()["generated_tokens"] >= generated + 3)
     loop.stop(graceful=False)
     rest = collect_completions(loop, 3)
     assert {c.finish_reason for c in rest} == {"interrupted"}
