@@ -180,3 +180,18 @@ def test_critic_advantages_drive_the_policy_like_given_token_advantages():
     assert m_critic["kl"] == pytest.approx(m_plain["kl"], rel=1e-5, abs=1e-9) and m_plain["kl"] > 0
     assert tree_rel_err(jax.device_get(critic.params), jax.device_get(plain.params)) < 1e-5
     np.testing.assert_array_equal(jax.device_get(critic.state.value_head)["kernel"], head["kernel"])
+
+
+def test_critic_options_are_checked_with_the_key_to_fix():
+    from areal_jax.knobs import ConfigError
+
+    for bad, pattern in [(dict(critic="gae"), r"--config\.train\.critic"), (dict(lam=1.5), r"--config\.train\.lam=1\.5"),
+                         (dict(gamma=-0.1), r"--config\.train\.gamma=-0\.1"),
+                         (dict(value_coef=-1.0), r"--config\.train\.value_coef=-1\.0"),
+                         (dict(value_clip=0.0), r"--config\.train\.value_clip=0\.0")]:
+        with pytest.raises(ConfigError, match=pattern):
+            TrainerConfig(**bad)
+    trainer = Trainer(random_model(tiny_config(), seed=0), TrainerConfig(micro_batch_tokens=40), mesh_4())
+    assert trainer.state.value_head is None  # critic="none" (the default) adds nothing to the state
+    with pytest.raises(ValueError, match="train.critic=value_head"):
+        trainer.critic_targets(make_trajs(2))
