@@ -23,6 +23,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from areal_jax.rl.advantages import gae
@@ -150,6 +151,11 @@ def aggregation_weights(masks: Sequence[np.ndarray], agg: str) -> list[np.ndarra
     return [weights[i, : m.size].astype(np.float32) for i, m in enumerate(masks)]
 
 
+# Compiled once per padded shape and (gamma, lam): called eagerly, gae's scan would be traced and
+# compiled again on every update (measured: 0.19 s per update on a 32 x 128-token batch, loaded CPU).
+_gae_jit = jax.jit(gae, static_argnames=("gamma", "lam"))
+
+
 def gae_targets(
     trajs: Sequence[Trajectory], masks: Sequence[np.ndarray], values: Sequence[np.ndarray], *, gamma: float,
     lam: float,
@@ -174,7 +180,7 @@ def gae_targets(
     n = len(trajs)
     rows = max(1, 1 << (n - 1).bit_length())  # padded shapes: gae's scan compiles for few of them
     pad = lambda arrays: np.pad(_padded(arrays, 0.0, np.float32), ((0, rows - n), (0, 0)))  # noqa: E731
-    adv, ret = gae(pad(rewards), pad(values), pad(masks), gamma=gamma, lam=lam)
+    adv, ret = _gae_jit(pad(rewards), pad(values), pad(masks), gamma=gamma, lam=lam)
     adv, ret = np.asarray(adv), np.asarray(ret)
     return ([adv[i, : t.completion_len].copy() for i, t in enumerate(trajs)],
             [ret[i, : t.completion_len].copy() for i, t in enumerate(trajs)])
