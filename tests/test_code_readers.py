@@ -96,3 +96,80 @@ def test_prompts_use_the_chat_template_and_never_show_hidden_tests(tmp_path):
         assert not any(h in text for h in hidden), text
     with pytest.raises(ValueError, match="task='nope'"):
         load_prompt_source(path, tokenizer, task="nope")
+
+
+# DeepCoder: "problem", "tests" as a JSON list of cases, "metadata" naming the function of functional ones.
+DEEPCODER_STDIN = {"problem": "Print the sum of two integers.", "metadata": "{}",
+                   "tests": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
+                                        {"input": "5 5\n", "output": "10\n", "testtype": "stdin"}])}
+DEEPCODER_CALL = {"problem": "Given nums and k, count the elements above k.",
+                  "metadata": json.dumps({"func_name": "countAbove"}),
+                  "tests": json.dumps([{"input": "[1, 5, 7]\n4", "output": "2", "testtype": "functional"},
+                                       {"input": "[]\n0", "output": "0", "testtype": "functional"}])}
+PRIME_CALL = {"problem": "Double it.",
+              "tests": [{"type": "function_call", "fn_name": "double", "input": [4], "output": [8]}]}
+DEEPCODER_TACO = {"problem": "Print n squared.", "tests": {"inputs": ["3\n"], "outputs": ["9\n"]}}
+LCB = {"question_content": "Print the maximum of the numbers.", "metadata": "{}",
+       "public_test_cases": json.dumps([{"input": "3\n1 9 4\n", "output": "9\n", "testtype": "stdin"}]),
+       "private_test_cases": json.dumps([{"input": "1\n-2\n", "output": "-2\n", "testtype": "stdin"}])}
+
+
+def test_deepcoder_and_livecodebench_case_lists(tmp_path):
+    rows = [DEEPCODER_STDIN, DEEPCODER_CALL, PRIME_CALL, DEEPCODER_TACO, LCB]
+    records, stats = read_code_records(_write_jsonl(tmp_path / "d.jsonl", rows))
+    assert stats.rows_kept == 5
+    stdin, call, prime, taco, lcb = (parse_tests(r.answer) for r in records)
+    assert stdin.stdio == (("1 2\n", "3\n"), ("5 5\n", "10\n")) and not stdin.calls
+    # One JSON argument a line; the expected value is the output's JSON.
+    assert call.calls == (("(globals().get('countAbove') or Solution().countAbove)(*[[1, 5, 7], 4])", 2),
+                          ("(globals().get('countAbove') or Solution().countAbove)(*[[], 0])", 0))
+    assert prime.calls == (("(globals().get('double') or Solution().double)(*[4])", [8]),)
+    assert taco.stdio == (("3\n", "9\n"),)
+    assert lcb.stdio == (("3\n1 9 4\n", "9\n"), ("1\n-2\n", "-2\n"))  # public then private cases
+    assert records[1].question.endswith("named countAbove.") and records[2].question.endswith("named double.")
+    assert records[0].question == DEEPCODER_STDIN["problem"] and records[4].question == LCB["question_content"]
+    for record in records:  # hidden tests never reach the prompt
+        assert "10\n" not in record.question and "-2" not in record.question
+
+
+def test_deepcoder_functional_rows_score_a_leetcode_solution(tmp_path):
+    from areal_jax.rewards.code import code_tests_reward
+
+    answer = read_code_records(_write_jsonl(tmp_path / "d.jsonl", [DEEPCODER_CALL]))[0][0].answer
+    good = ("class Solution:\n    def countAbove(self, nums, k):\n        return sum(x > k for x in nums)")
+    assert code_tests_reward(good, answer, case_timeout_s=2.0) == 1.0
+    wrong = "def countAbove(nums, k):\n    return len(nums)"  # right only for the empty list
+    assert code_tests_reward(wrong, answer, case_timeout_s=2.0, mode="pass_rate") == 0.5
+
+
+CASE_LIST_BAD_ROWS = [
+    ({"problem": "p", "tests": "[]"}, "'tests' holds no test case"),
+    ({"problem": "p", "tests": [{"input": "1"}]}, "must be an object with 'input' and 'output'"),
+    ({"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "functional"}]}, "names no function"),
+    ({"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "checker"}]}, "not stdin or functional"),
+    ({"problem": "p", "metadata": '{"func_name": "f"}',
+      "tests": [{"input": "[1,", "output": "1", "testtype": "functional"}]}, "is not JSON"),
+    ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "eJzLSM3JyVcozy/KSQEAGgQEXQ=="},
+     "compressed .* never unpickled"),
+    ({"prompt_text": "p", "test_list": ["assert f(1) == 1"], "task_id": 3}, "text fields: 'prompt_text'"),
+]
+
+
+@pytest.mark.parametrize("row, message", CASE_LIST_BAD_ROWS)
+def test_malformed_case_lists_are_named_or_skipped(tmp_path, row, message):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [DEEPCODER_STDIN, row])
+    with pytest.raises(ValueError, match=f"bad.jsonl, line 2: .*{message}"):
+        read_code_records(path)
+    records, stats = read_code_records(path, on_bad_row="skip")
+    assert len(records) == 1 and stats.bad_rows_skipped == 1
+
+
+def test_auto_question_field_picks_the_layouts_statement(tmp_path):
+    # MBPP (text), sanitized MBPP (prompt), HumanEval (prompt), APPS (question), DeepCoder (problem):
+    # each row also carries a decoy text field another layout would use.
+    rows = [dict(MBPP, prompt="decoy"), {"prompt": "Remove chars.", "test_list": MBPP["test_list"]},
+            dict(HUMANEVAL, text="decoy"), dict(APPS_STDIO, problem="decoy"), dict(DEEPCODER_STDIN, question="decoy")]
+    records, _ = read_code_records(_write_jsonl(tmp_path / "a.jsonl", rows), question_field="auto")
+    assert [r.question.split("\n")[0] for r in records] == [
+        MBPP["text"], "Remove chars.", HUMANEVAL["prompt"].split("\n")[0], APPS_STDIO["question"],
+        DEEPCODER_STDIN["problem"]]

@@ -9,9 +9,16 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     each input is the list of arguments and each output the return value.
   * assert lists (MBPP): ``test_list`` (assert statements), optional ``test_setup_code``.
   * a test program (HumanEval): ``test`` (defining ``check(candidate)``) plus ``entry_point``.
+  * a case list (DeepCoder ``tests``, LiveCodeBench ``public_test_cases`` / ``private_test_cases``): a
+    JSON list of {"input", "output", "testtype": "stdin" | "functional"} (PrimeIntellect rows say
+    "type": "stdin_stdout" | "function_call"); functional cases call ``func_name`` from ``metadata`` (or
+    the case's ``fn_name``) with one JSON argument per input line and compare the JSON output. A
+    DeepCoder ``tests`` object with ``inputs`` / ``outputs`` (its TACO part) reads as ``input_output``.
+    LiveCodeBench's compressed private tests (base64 of zlib of a pickle) are refused, never unpickled.
 
-The statement comes from ``question_field`` ("auto": the first of question, problem, prompt, text,
-description). When the tests call a function whose name the statement never mentions, one sentence
+The statement comes from ``question_field``; "auto" picks per layout (APPS / TACO: question, DeepCoder:
+problem, LiveCodeBench: question_content, MBPP: text then prompt, HumanEval: prompt), then the first of
+question, problem, prompt, text, description. When the tests call a function whose name the statement never mentions, one sentence
 naming it is appended. A malformed row (missing tests, unparsable JSON, empty or mismatched cases)
 raises a ValueError naming the file and row, or is skipped and counted with ``on_bad_row="skip"``.
 """
@@ -30,6 +37,12 @@ __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_ro
            "CODE_TASK_OPTIONS", "QUESTION_FIELDS"]
 
 QUESTION_FIELDS = ("question", "problem", "prompt", "text", "description")
+# "auto" statement fields per layout, tried before QUESTION_FIELDS; keyed by _spec_for_row's layout.
+LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "question"),
+                          "test_cases": ("question_content",), "test_list": ("text", "prompt"),
+                          "test": ("prompt",)}
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
+_STDIN_TYPES, _CALL_TYPES = ("stdin", "stdin_stdout"), ("functional", "function_call")
 # load_prompt_source / load_eval_split options for the synthetic code tasks (data/code_synthetic.py).
 CODE_TASK_OPTIONS = {"task": "code", "question_field": "text"}
 
@@ -73,9 +86,81 @@ def _io_spec(row: dict) -> TestSpec:
     for args, expected in zip(inputs, outputs):
         if not isinstance(args, list):
             raise _BadRow(f"a call-based input must be the list of arguments, got {type(args).__name__}")
-        # A top-level function, else a LeetCode-style method of class Solution (TACO's call-based rows).
-        calls.append((f"(globals().get({fn_name!r}) or Solution().{fn_name})(*{args!r})", expected))
+        calls.append((_call_source(fn_name, args), expected))
     return TestSpec(calls=tuple(calls))
+
+
+def _call_source(fn_name: str, args: list) -> str:
+    # A top-level function, else a LeetCode-style method of class Solution (TACO's and LiveCodeBench's rows).
+    return f"(globals().get({fn_name!r}) or Solution().{fn_name})(*{args!r})"
+
+
+def _json_value(text: Any, what: str) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _BadRow(f"{what} {text!r:.60} is not JSON ({e.msg})") from None
+
+
+def _func_name(row: dict) -> str | None:
+    """``func_name`` of the row's ``metadata`` (a JSON string or an object), None when absent."""
+    meta = row.get("metadata")
+    if isinstance(meta, str) and meta.strip():
+        meta = _parse_json_field(row, "metadata")
+    return meta.get("func_name") if isinstance(meta, dict) else None
+
+
+def _case_list_spec(cases: Any, field: str, fn_name: str | None) -> tuple[TestSpec, str | None]:
+    """DeepCoder / LiveCodeBench case lists: stdin cases and functional calls (one JSON argument a line);
+    also the function's name when every functional case calls the same one."""
+    if not isinstance(cases, list):
+        raise _BadRow(f"{field!r} must be a list of test cases, got {type(cases).__name__}")
+    if not cases:
+        raise _BadRow(f"{field!r} holds no test case")
+    stdio, calls, names = [], [], set()
+    for n, case in enumerate(cases):
+        if not isinstance(case, dict) or "input" not in case or "output" not in case:
+            raise _BadRow(f"case {n} of {field!r} must be an object with 'input' and 'output'")
+        kind = case.get("testtype", case.get("type", "functional" if fn_name else "stdin"))
+        if kind in _STDIN_TYPES:
+            stdio.append((_as_text(case["input"], "an input"), _as_text(case["output"], "an output")))
+        elif kind in _CALL_TYPES:
+            name = case.get("fn_name") or fn_name
+            if not isinstance(name, str) or not name.isidentifier():
+                raise _BadRow(f"case {n} of {field!r} is functional but the row names no function (metadata "
+                              f"'func_name' or the case's 'fn_name', got {name!r:.60})")
+            names.add(name)
+            args = case["input"]
+            if isinstance(args, str):
+                args = [_json_value(line, f"argument line of case {n}") for line in args.split("\n") if line.strip()]
+            if not isinstance(args, list):
+                raise _BadRow(f"case {n} of {field!r}: the input must be argument lines or a list of arguments")
+            calls.append((_call_source(name, args), _json_value(case["output"], f"the output of case {n}")))
+        else:
+            raise _BadRow(f"case {n} of {field!r} has test type {kind!r:.40}, not stdin or functional")
+    return TestSpec(stdio=tuple(stdio), calls=tuple(calls)), names.pop() if len(names) == 1 else None
+
+
+def _private_cases(value: Any) -> Any:
+    """LiveCodeBench's private_test_cases: a JSON list is read; the compressed form is refused."""
+    if isinstance(value, str) and _BASE64.fullmatch(value.strip()):
+        raise _BadRow("field 'private_test_cases' is compressed (base64 of zlib of a pickle), which is never "
+                      "unpickled here; decode it offline to a JSON list, or drop the field to use "
+                      "'public_test_cases' only")
+    return _json_value(value, "field 'private_test_cases'")
+
+
+def _lcb_spec(row: dict) -> tuple[TestSpec, str | None]:
+    cases = []
+    for field in ("public_test_cases", "private_test_cases"):
+        if row.get(field) not in (None, "", []):
+            value = _private_cases(row[field]) if field == "private_test_cases" else _parse_json_field(row, field)
+            if not isinstance(value, list):
+                raise _BadRow(f"{field!r} must be a list of test cases, got {type(value).__name__}")
+            cases += value
+    return _case_list_spec(cases, "public_test_cases", _func_name(row))
 
 
 def _called_names(spec: TestSpec) -> set[str]:
@@ -90,12 +175,29 @@ def _called_names(spec: TestSpec) -> set[str]:
                     "round", "str", "int", "float"}
 
 
-def _spec_for_row(row: dict) -> tuple[TestSpec, str | None]:
-    """The row's tests and the function name the solution must define (None for stdin programs)."""
+def _spec_for_row(row: dict) -> tuple[TestSpec, str | None, str]:
+    """The row's tests, the function name the solution must define (None for stdin programs) and the
+    layout (a LAYOUT_QUESTION_FIELDS key)."""
+    spec, name, layout = _layout_spec(row)
+    if layout == "test_list":
+        called = sorted(_called_names(spec))
+        name = called[0] if len(called) == 1 else None
+    return spec, name, layout
+
+
+def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
     if "input_output" in row and row["input_output"] is not None:
         spec = _io_spec(row)
         fn_name = row.get("fn_name") or _parse_json_field(row, "input_output").get("fn_name")
-        return spec, fn_name if spec.calls else None
+        return spec, fn_name if spec.calls else None, "input_output"
+    if row.get("tests") is not None:  # DeepCoder
+        tests = _parse_json_field(row, "tests")
+        if isinstance(tests, dict):  # its TACO part keeps the input_output object
+            spec = _io_spec({"input_output": tests, "fn_name": row.get("fn_name")})
+            return spec, tests.get("fn_name") if spec.calls else None, "tests"
+        return (*_case_list_spec(tests, "tests", _func_name(row)), "tests")
+    if row.get("public_test_cases") is not None or row.get("private_test_cases") is not None:
+        return (*_lcb_spec(row), "test_cases")
     if "test_list" in row and row["test_list"] is not None:
         tests = _parse_json_field(row, "test_list") if isinstance(row["test_list"], str) else row["test_list"]
         if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
@@ -107,8 +209,7 @@ def _spec_for_row(row: dict) -> tuple[TestSpec, str | None]:
             spec = asserts_to_spec(list(tests), setup=setup if isinstance(setup, str) else "")
         except ValueError as e:
             raise _BadRow(str(e)) from None
-        names = sorted(_called_names(spec))
-        return spec, names[0] if len(names) == 1 else None
+        return spec, None, "test_list"
     if row.get("test") is not None and row.get("entry_point") is not None:
         test, entry = row["test"], row["entry_point"]
         if not isinstance(test, str) or not test.strip():
@@ -116,23 +217,28 @@ def _spec_for_row(row: dict) -> tuple[TestSpec, str | None]:
         if not isinstance(entry, str) or not entry.isidentifier():
             raise _BadRow(f"'entry_point' must be a Python identifier, got {entry!r:.60}")
         try:
-            return asserts_to_spec(test, entry_point=entry), entry
+            return asserts_to_spec(test, entry_point=entry), entry, "test"
         except ValueError as e:
             raise _BadRow(str(e)) from None
-    raise _BadRow("no tests: expected 'input_output' (APPS / TACO / DeepCoder), 'test_list' (MBPP) or "
-                  "'test' with 'entry_point' (HumanEval)")
+    raise _BadRow("no tests: expected 'input_output' (APPS / TACO), 'tests' (DeepCoder), 'public_test_cases' "
+                  "(LiveCodeBench), 'test_list' (MBPP) or 'test' with 'entry_point' (HumanEval)")
 
 
 def code_row_to_record(path: str, number: int, row: Any, question_field: str = "auto") -> Record:
     """One row as a Record (question: statement, answer: tests JSON); raises _BadRow when malformed."""
     if not isinstance(row, dict):
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
-    fields = QUESTION_FIELDS if question_field == "auto" else (question_field,)
+    spec, name, layout = _spec_for_row(row)
+    if question_field == "auto":
+        fields = tuple(dict.fromkeys(LAYOUT_QUESTION_FIELDS[layout] + QUESTION_FIELDS))
+    else:
+        fields = (question_field,)
     field = next((f for f in fields if isinstance(row.get(f), str) and row[f].strip()), None)
     if field is None:
-        raise _BadRow(f"no problem statement: field {' / '.join(map(repr, fields))} is missing or empty; pass "
-                      f"--config.data.question_field=... to name it")
-    spec, name = _spec_for_row(row)
+        texts = [k for k, v in row.items() if isinstance(v, str) and v.strip()]
+        raise _BadRow(f"no problem statement: field {' / '.join(map(repr, fields))} is missing or empty (the row's "
+                      f"text fields: {', '.join(map(repr, texts)) or 'none'}); pass "
+                      f"--config.data.question_field=<one of them>, or auto to pick per layout")
     question = row[field]
     if name is not None and not re.search(rf"\b{re.escape(name)}\b", question):
         question = f"{question.rstrip()}\nWrite it as a Python function named {name}."
@@ -197,5 +303,5 @@ def read_code_records(paths: str | Sequence[str], *, question_field: str = "auto
     if not records:
         skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
         raise ValueError(f"The code dataset {paths} has no usable rows{skipped}; check the files and the test "
-                         "fields (input_output, test_list, or test + entry_point).")
+                         "fields (input_output, tests, public_test_cases, test_list, or test + entry_point).")
     return records, stats
