@@ -16,6 +16,9 @@ DIGIT_SUM = encode_tests(asserts_to_spec(["assert f(123) == 6", "assert f(0) == 
                                           "assert f(4071) == 12"]))
 STDIO_ADD = encode_tests(Spec(stdio=(("1 2\n", "3\n"), ("10 -4\n", "6\n"), ("0 0\n", "0\n"))))
 CALL_APPS = encode_tests(Spec(calls=(("add(*[1, 2])", [3]), ("add(*[5, 5])", [10]))))
+# The same tests as one opaque program (a loop the rewriter cannot see through), judged in the harness.
+OPAQUE = encode_tests(asserts_to_spec("def check(candidate):\n    for x, want in [(123, 6), (0, 0), (9, 9), (4071, 12)]:\n"
+                                      "        assert candidate(x) == want\n", entry_point="f"))
 GOOD_F = "def f(x):\n    return sum(int(d) for d in str(x))"
 GOOD_ADD = "a, b = map(int, input().split())\nprint(a + b)"
 
@@ -96,12 +99,54 @@ HACKS = {
     "forged report without the nonce": ("import os\nos.write(1, b'x {\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}\\n')\n"
                                         "os._exit(0)"),
     "stdout replaced": "import sys, io\nsys.stdout = io.StringIO()\ndef f(x):\n    return -1",
+    "json encoder patched": ("import json\nclass E(json.JSONEncoder):\n    def encode(self, o):\n"
+                             "        return '{\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}' if 'i' in o else super().encode(o)\n"
+                             "json._default_encoder = E()\ndef f(x):\n    return -1"),
+    "AssertionError patched in builtins and sys": ("import builtins, sys\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
+                                                   "sys.excepthook = lambda *a: None\ndef f(x):\n    return -1"),
+    "check() predefined": ("def check(candidate):\n    pass\ndef f(x):\n    return -1"),
+    "harness files and modules planted": ("for m in ('json', 'ast', 'importlib', 'math', 'os'):\n"
+                                          "    open(m + '.py', 'w').write('raise SystemExit(0)')\n"
+                                          "import math\ndef f(x):\n    return -1"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HACKS))
 def test_pass_everything_hacks_score_zero_on_assert_tests(name):
     assert reward(HACKS[name], mode="pass_rate") == 0.0, name
+    assert reward(HACKS[name], OPAQUE, mode="pass_rate") == 0.0, name
+
+
+def test_opaque_programs_cannot_be_passed_by_the_candidates_objects():
+    assert reward(GOOD_F, OPAQUE) == 1.0
+    eq_hacks = [HACKS["object equal to everything"], HACKS["int subclass equal to everything"],
+                "class S(str):\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return S()"]
+    for hack in eq_hacks:
+        assert reward(hack, OPAQUE, mode="pass_rate") == 0.0, hack
+    # A helper the tests call from the standard library is the real one, not the program's own.
+    spec = encode_tests(asserts_to_spec(["assert math.isclose(area(2), 12.566, rel_tol=1e-3)"], setup="import math"))
+    assert reward("import math\ndef area(r):\n    return math.pi * r * r", spec) == 1.0
+    fake = ("import math\nclass M:\n    def isclose(*a, **k):\n        return True\nmath = M()\n"
+            "def area(r):\n    return 0.0")
+    assert reward(fake, spec) == 0.0
+    fake_module = ("import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n"
+                   "def area(r):\n    return 0.0")
+    assert reward(fake_module, spec) == 0.0
+    assert reward("def area(r):\n    return 0.0\ndef __getattr__(name):\n    return lambda *a, **k: True", spec) == 0.0
+
+
+def test_opaque_cases_keep_their_limits_and_a_crashed_candidate_is_replaced():
+    spec = encode_tests(asserts_to_spec(["assert f(1) in (2, 3)", "assert f(2) in (4, 5)", "assert f(3) in (6, 7)"]))
+    assert len(parse_tests(spec).programs) == 3
+    assert reward("def f(x):\n    return 2 * x", spec) == 1.0
+    # f(1) hangs and f(2) kills its process: each fails alone, the next case gets a fresh candidate.
+    flaky = ("import os\ndef f(x):\n    if x == 1:\n        while True:\n            pass\n"
+             "    if x == 2:\n        os._exit(0)\n    return 2 * x")
+    outcome = run_tests(flaky, parse_tests(spec), mode="pass_rate", case_timeout_s=1.0)
+    assert outcome.statuses == ("timeout", "error", "pass")
+    # Forking is the harness's alone: the candidate process may not start or signal processes.
+    spawn = "import os\ndef f(x):\n    return 2 * x if os.fork() else 2 * x"
+    assert reward(spawn, spec, mode="pass_rate") == 0.0
 
 
 @pytest.mark.parametrize("name", ["prints nothing", "exit(0)", "os._exit(0)", "stdout replaced"])
@@ -109,24 +154,30 @@ def test_pass_everything_hacks_score_zero_on_stdin_tests(name):
     assert reward(HACKS[name], STDIO_ADD, mode="pass_rate") == 0.0, name
 
 
-def test_a_stolen_nonce_cannot_forge_values_it_does_not_know():
-    # The program reads the harness's nonce and output descriptor from its caller's frame and reports
-    # every case as passing with a guessed value: only a case whose value it guessed counts.
-    forger = ("import os, sys\nh = sys._getframe(1).f_locals\n"
-              "for i in range(4):\n"
-              "    os.write(h['out_fd'], (h['nonce'] + ' {\"i\": %d, \"status\": \"ok\", \"value\": \"6\"}\\n' % i).encode())\n"
+def test_a_stolen_nonce_cannot_forge_reports():
+    # The program finds the harness's nonce in its caller's frame (the payload is in its memory) and
+    # writes "passed" reports, with the right value for f(123), to every descriptor it may hold: the
+    # candidate process holds none of the harness's output, so nothing counts.
+    forger = ("import os, sys\nnonce = sys._getframe(1).f_locals['payload']['nonce']\n"
+              "for fd in range(64):\n"
+              "    for i in range(4):\n"
+              "        try:\n"
+              "            os.write(fd, (nonce + ' {\"i\": %d, \"status\": \"ok\", \"value\": \"6\"}\\n' % i).encode())\n"
+              "        except OSError:\n"
+              "            pass\n"
               "os._exit(0)\n")
-    assert reward(forger) == 0.0
-    assert reward(forger, mode="pass_rate") == pytest.approx(1 / 4)  # f(123) == 6 was guessed right
+    assert reward(forger, mode="pass_rate") == 0.0
+    assert reward(forger, OPAQUE, mode="pass_rate") == 0.0
 
 
-def test_truthiness_asserts_are_judged_outside_the_sandbox():
-    spec = asserts_to_spec(["assert is_even(4)", "assert not is_even(3)"])
-    assert spec.programs == () and len(spec.calls) == 2
+def test_truthiness_asserts_are_judged_in_the_harness_not_beside_the_program():
+    spec = asserts_to_spec(["assert is_even(4)", "assert not is_even(3)", "assert is_even(2) == True"])
+    assert spec.calls == () and len(spec.programs) == 3  # guessable expectations stay opaque
     answer = encode_tests(spec)
     assert reward("def is_even(n):\n    return n % 2 == 0", answer) == 1.0
-    # bool() patched to always say True cannot pass "assert not ...": truthiness is decided here.
+    # bool() patched to always say True cannot pass "assert not ...": truthiness is decided elsewhere.
     assert reward("import builtins\nbuiltins.bool = lambda v: True\ndef is_even(n):\n    return 1", answer) == 0.0
+    assert reward("def is_even(n):\n    return True", answer, mode="pass_rate") == pytest.approx(2 / 3)
 
 
 def test_humaneval_check_function_becomes_value_checks_and_opaque_programs_still_run():

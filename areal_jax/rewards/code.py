@@ -7,13 +7,14 @@ How cases run (rewards/sandbox.py contains every process):
     compared outside the sandbox with ``outputs_match`` (trailing whitespace ignored). A program that
     exits early, prints nothing or crashes fails the case.
   * call cases (APPS ``fn_name``, rewritten asserts) and opaque assert programs: one sandboxed process
-    runs the harness (``_code_harness.py``), which loads the program and evaluates every case with its
-    own time limit. Call values come back as ``repr`` and are compared here, against expected values
-    that never enter the sandbox, so ``exit(0)``, ``os._exit``, ``raise SystemExit``, patched builtins
-    or objects whose ``__eq__`` is always true all fail. Reports are authenticated by a random nonce
-    the program never sees unless it inspects the harness's frames; opaque programs (asserts that are
-    not ``<call> == <literal>``) rely on that, so a program that deliberately impersonates the harness
-    can pass them: prefer datasets whose asserts compare values.
+    runs the harness (``_code_harness.py``), which forks a candidate process that loads the program
+    and holds no descriptor but two pipes to the harness; every case has its own time limit. Call
+    values come back as ``repr`` and are compared here, against expected values that never enter the
+    sandbox. Opaque programs (asserts that are not ``<call> == <literal>``) run in the harness process,
+    never beside the program, calling it through proxies that pass plain values only. So ``exit(0)``,
+    ``os._exit``, ``raise SystemExit``, patched builtins or encoders, objects whose ``__eq__`` is always
+    true, stolen report nonces and rewritten files all fail, for both kinds. Opaque tests that need the
+    program's own objects (instances, arguments mutated in place, functions passed in) fail too.
 Limits: ``case_timeout_s`` per case and ``sample_timeout_s`` for all cases of one sample; with
 ``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample.
 """
@@ -104,8 +105,9 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     budget = min(deadline - time.monotonic(), case_timeout_s * (len(cases) + 1) + _STARTUP_ALLOWANCE_S)
     if budget <= 0.05:
         return ["not_run"] * len(cases)
+    # Process creation is allowed for the harness's fork only: the candidate process denies it itself.
     result = run_python_sandboxed(_harness_source(), stdin=json.dumps(payload), timeout_s=budget,
-                                  memory_mb=memory_mb, max_output_bytes=4 << 20)
+                                  memory_mb=memory_mb, max_output_bytes=4 << 20, allow_subprocess=True)
     reports: dict[int, dict] = {}
     prefix = nonce + " "
     for line in result.stdout.splitlines():

@@ -7,11 +7,13 @@ A task's tests travel through the data pipeline as the example's ``answer`` stri
     {"format": "code_tests/1", "setup": "", "programs": [src, ...]}                   # opaque assert code
 
 A "calls" case is an expression such as ``"f(123)"`` and the expected value as JSON text (tuples become
-lists); the sandbox returns the value's ``repr`` and the comparison happens outside the sandbox, so a
-program cannot pass without computing the right values. Assert tests of the form ``assert <expr> ==
-<literal>`` (also ``<literal> == <expr>``, ``assert <call>`` and ``assert not <call>``, and the same
-inside HumanEval's ``def check(candidate)``) are rewritten into calls; anything else stays an opaque
-program whose verdict comes from inside the sandbox.
+lists); the program's own process evaluates it and returns the value's ``repr``, and the comparison
+happens outside the sandbox, so a program cannot pass without computing the right values. Assert tests
+of the form ``assert <expr> == <literal>`` (also ``<literal> == <expr>``, and the same inside HumanEval's
+``def check(candidate)``) are rewritten into calls, unless the literal is True, False or None: a value a
+program could guess while it rebinds the names the expression uses (``assert isclose(f(2), 4.0) ==
+True`` with its own ``isclose``). Anything else, ``assert <call>`` included, stays an opaque program,
+judged by the sandbox's harness process, which calls the program only through plain-value proxies.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ __all__ = ["TestSpec", "encode_tests", "parse_tests", "asserts_to_spec", "values
            "outputs_match", "TESTS_FORMAT"]
 
 TESTS_FORMAT = "code_tests/1"
-TRUTH_KEY = "__truth__"  # expected {"__truth__": b}: the value's truthiness must be b
+TRUTH_KEY = "__truth__"  # expected {"__truth__": b}: the value's truthiness must be b (hand-made specs)
 _SAFE_WRAPPERS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "sorted": sorted}
 
 
@@ -159,18 +161,11 @@ def _assert_to_call(stmt: ast.stmt) -> tuple[str, Any] | None:
     test = stmt.test
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
         left, right = test.left, test.comparators[0]
-        ok, value = _literal(right)
-        if ok and not _literal(left)[0]:
-            return ast.unparse(left), value
-        ok, value = _literal(left)
-        if ok and not _literal(right)[0]:
-            return ast.unparse(right), value
-        return None
-    # Truthiness of a call's value is judged outside the sandbox too (never through the sandbox's bool).
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Call):
-        return ast.unparse(test.operand), {TRUTH_KEY: False}
-    if isinstance(test, ast.Call):
-        return ast.unparse(test), {TRUTH_KEY: True}
+        for literal, expr in ((right, left), (left, right)):
+            ok, value = _literal(literal)
+            if ok and not _literal(expr)[0]:
+                # A guessable expected value stays opaque (the program controls the expression's names).
+                return None if value is None or isinstance(value, bool) else (ast.unparse(expr), value)
     return None
 
 
