@@ -6,9 +6,10 @@
 
 Nothing is downloaded: point model.path at an HF directory (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json) and the data paths at JSONL or Parquet files in one of the layouts
-data/code_readers.py reads: APPS / TACO / DeepCoder rows ("question" plus "input_output" with inputs,
-outputs and optionally fn_name), MBPP rows ("text" / "test_list") or HumanEval rows ("prompt" / "test" /
-"entry_point"). The hidden tests never reach the prompt; each completion's last ```python block runs
+data/code_readers.py reads: APPS / TACO rows ("question" plus "input_output" with inputs, outputs and
+optionally fn_name), DeepCoder rows ("problem" / "tests" / "metadata"), LiveCodeBench rows
+("question_content" / "public_test_cases"), MBPP rows ("text" / "test_list") or HumanEval rows ("prompt" /
+"test" / "entry_point"). The hidden tests never reach the prompt; each completion's last ```python block runs
 against them in the sandbox (rewards/code.py), reward 1 when every case passes
 (`--config.reward.code_mode=pass_rate` for the fraction). Rows without usable tests are skipped and
 counted. Sandboxed tests run in `reward.num_workers` processes: size it to the host's spare CPU cores
@@ -30,7 +31,7 @@ def get_config():
     c.data.task = "code"
     c.data.train_path = "/data/taco/train.parquet"
     c.data.test_path = "/data/taco/test.parquet"
-    c.data.question_field = "auto"  # question / problem / prompt / text / description, the first present
+    c.data.question_field = "auto"  # each layout's statement field (question, problem, question_content, text, prompt)
     c.data.use_chat_template = True
     c.data.system_prompt = ("You are an expert Python programmer. Reason about the problem, then give the "
                             "complete solution in one ```python code block. Read from standard input and "
