@@ -17,7 +17,8 @@ DIGIT_SUM = encode_tests(asserts_to_spec(["assert f(123) == 6", "assert f(0) == 
 STDIO_ADD = encode_tests(Spec(stdio=(("1 2\n", "3\n"), ("10 -4\n", "6\n"), ("0 0\n", "0\n"))))
 CALL_APPS = encode_tests(Spec(calls=(("add(*[1, 2])", [3]), ("add(*[5, 5])", [10]))))
 # The same tests as one opaque program (a loop the rewriter cannot see through), judged in the harness.
-OPAQUE = encode_tests(asserts_to_spec("def check(candidate):\n    for x, want in [(123, 6), (0, 0), (9, 9), (4071, 12)]:\n"
+OPAQUE = encode_tests(asserts_to_spec("def check(candidate):\n"
+                                      "    for x, want in [(123, 6), (0, 0), (9, 9), (4071, 12)]:\n"
                                       "        assert candidate(x) == want\n", entry_point="f"))
 GOOD_F = "def f(x):\n    return sum(int(d) for d in str(x))"
 GOOD_ADD = "a, b = map(int, input().split())\nprint(a + b)"
@@ -100,9 +101,11 @@ HACKS = {
                                         "os._exit(0)"),
     "stdout replaced": "import sys, io\nsys.stdout = io.StringIO()\ndef f(x):\n    return -1",
     "json encoder patched": ("import json\nclass E(json.JSONEncoder):\n    def encode(self, o):\n"
-                             "        return '{\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}' if 'i' in o else super().encode(o)\n"
+                             "        ok = '{\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}'\n"
+                             "        return ok if 'i' in o else super().encode(o)\n"
                              "json._default_encoder = E()\ndef f(x):\n    return -1"),
-    "AssertionError patched in builtins and sys": ("import builtins, sys\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
+    "AssertionError patched in builtins and sys": ("import builtins, sys\n"
+                                                   "builtins.AssertionError = type('E', (BaseException,), {})\n"
                                                    "sys.excepthook = lambda *a: None\ndef f(x):\n    return -1"),
     "check() predefined": ("def check(candidate):\n    pass\ndef f(x):\n    return -1"),
     "harness files and modules planted": ("for m in ('json', 'ast', 'importlib', 'math', 'os'):\n"
@@ -162,7 +165,8 @@ def test_a_stolen_nonce_cannot_forge_reports():
               "for fd in range(64):\n"
               "    for i in range(4):\n"
               "        try:\n"
-              "            os.write(fd, (nonce + ' {\"i\": %d, \"status\": \"ok\", \"value\": \"6\"}\\n' % i).encode())\n"
+              "            line = nonce + ' {\"i\": %d, \"status\": \"ok\", \"value\": \"6\"}\\n' % i\n"
+              "            os.write(fd, line.encode())\n"
               "        except OSError:\n"
               "            pass\n"
               "os._exit(0)\n")

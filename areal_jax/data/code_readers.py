@@ -18,9 +18,10 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
 
 The statement comes from ``question_field``; "auto" picks per layout (APPS / TACO: question, DeepCoder:
 problem, LiveCodeBench: question_content, MBPP: text then prompt, HumanEval: prompt), then the first of
-question, problem, prompt, text, description. When the tests call a function whose name the statement never mentions, one sentence
-naming it is appended. A malformed row (missing tests, unparsable JSON, empty or mismatched cases)
-raises a ValueError naming the file and row, or is skipped and counted with ``on_bad_row="skip"``.
+question, problem, prompt, text, description. When the tests call a function whose name the statement
+never mentions, one sentence naming it is appended. A malformed row (missing tests, unparsable JSON,
+empty or mismatched cases) raises a ValueError naming the file and row, or is skipped and counted with
+``on_bad_row="skip"``.
 """
 from __future__ import annotations
 
