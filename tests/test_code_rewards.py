@@ -11,6 +11,7 @@ from areal_jax.rewards.code import code_tests_reward, extract_program, make_code
 from areal_jax.rewards.code_tests import TestSpec as Spec
 from areal_jax.rewards.code_tests import asserts_to_spec, encode_tests, outputs_match, parse_tests, values_equal
 from areal_jax.rewards.pool import RewardPool
+from areal_jax.testing.hostile_code import HOSTILE_PROGRAMS
 
 DIGIT_SUM = encode_tests(asserts_to_spec(["assert f(123) == 6", "assert f(0) == 0", "assert f(9) == 9",
                                           "assert f(4071) == 12"]))
@@ -82,36 +83,7 @@ def test_all_pass_stops_at_the_first_failing_stdin_case():
     assert outcome.statuses == ("fail", "fail", "pass")
 
 
-HACKS = {
-    "prints nothing": "pass",
-    "exit(0)": "exit(0)",
-    "sys.exit at import": "import sys\nsys.exit(0)",
-    "os._exit(0)": "import os\nos._exit(0)",
-    "SystemExit inside the tested function": "def f(x):\n    raise SystemExit(0)",
-    "os._exit inside the tested function": "import os\ndef f(x):\n    os._exit(0)",
-    "object equal to everything": ("class Any:\n    def __eq__(self, other):\n        return True\n"
-                                   "    __hash__ = None\ndef f(x):\n    return Any()"),
-    "int subclass equal to everything": ("class I(int):\n    def __eq__(self, other):\n        return True\n"
-                                         "def f(x):\n    return I(-1)"),
-    "patched builtins": ("import builtins\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
-                         "builtins.repr = lambda v: '6'\nbuiltins.isinstance = lambda *a: True\n"
-                         "def f(x):\n    return -1"),
-    "harness file edited": ("open('main.py', 'w').write('print(1)')\ndef f(x):\n    return -1"),
-    "forged report without the nonce": ("import os\nos.write(1, b'x {\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}\\n')\n"
-                                        "os._exit(0)"),
-    "stdout replaced": "import sys, io\nsys.stdout = io.StringIO()\ndef f(x):\n    return -1",
-    "json encoder patched": ("import json\nclass E(json.JSONEncoder):\n    def encode(self, o):\n"
-                             "        ok = '{\"i\": 0, \"status\": \"ok\", \"value\": \"6\"}'\n"
-                             "        return ok if 'i' in o else super().encode(o)\n"
-                             "json._default_encoder = E()\ndef f(x):\n    return -1"),
-    "AssertionError patched in builtins and sys": ("import builtins, sys\n"
-                                                   "builtins.AssertionError = type('E', (BaseException,), {})\n"
-                                                   "sys.excepthook = lambda *a: None\ndef f(x):\n    return -1"),
-    "check() predefined": ("def check(candidate):\n    pass\ndef f(x):\n    return -1"),
-    "harness files and modules planted": ("for m in ('json', 'ast', 'importlib', 'math', 'os'):\n"
-                                          "    open(m + '.py', 'w').write('raise SystemExit(0)')\n"
-                                          "import math\ndef f(x):\n    return -1"),
-}
+HACKS = HOSTILE_PROGRAMS
 
 
 @pytest.mark.parametrize("name", sorted(HACKS))

@@ -150,3 +150,29 @@ def test_hostile_completions_through_the_system_execute_nothing_and_stall_nothin
     assert last["rollout/reward_ok"] > 0
     with open(os.path.join(c.run_dir, "samples.jsonl")) as f:  # (a digit in the marker's path may match)
         assert {r for line in f for r in json.loads(line)["rewards"]} <= {0.0, 1.0}
+
+
+def test_hostile_programs_score_zero_through_the_reward_pool_and_touch_nothing_outside(tmp_path):
+    # The pass-everything hacks of tests/test_code_rewards.py plus escapes aimed at the trainer's files,
+    # against value tests and the same tests as an opaque program, scored as the RL job scores them.
+    from areal_jax.rewards.code import make_code_reward
+    from areal_jax.rewards.code_tests import asserts_to_spec, encode_tests
+    from areal_jax.testing.hostile_code import HOSTILE_PROGRAMS
+
+    good = "def f(x):\n    return sum(int(d) for d in str(x))"
+    marker = str(tmp_path / "PWNED")
+    escapes = [f"open({marker!r}, 'w').write('x')\ndef f(x):\n    return 6",
+               f"import os\nos.system('touch {marker}')\ndef f(x):\n    return 6",
+               f"def f(x):\n    open({marker!r}, 'w').write('x')\n    return 6"]
+    values = encode_tests(asserts_to_spec(["assert f(123) == 6", "assert f(4071) == 12"]))
+    opaque = encode_tests(asserts_to_spec("def check(candidate):\n    for x, want in [(123, 6), (4071, 12)]:\n"
+                                          "        assert candidate(x) == want\n", entry_point="f"))
+    programs = list(HOSTILE_PROGRAMS.values()) + escapes + [good]
+    items = [(i, f"```python\n{p}\n```", tests) for i, (p, tests) in
+             enumerate((p, t) for p in programs for t in (values, opaque))]
+    with RewardPool(make_code_reward("pass_rate", case_timeout_s=2.0, sample_timeout_s=8.0), num_workers=2,
+                    timeout_s=20.0) as pool:
+        results = pool.score_batch(items)
+    assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
+    assert [r.reward for r in results] == [0.0] * (len(programs) - 1) * 2 + [1.0, 1.0]
+    assert not os.path.exists(marker)
