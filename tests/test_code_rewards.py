@@ -119,6 +119,14 @@ def test_opaque_cases_keep_their_limits_and_a_crashed_candidate_is_replaced():
              "    if x == 2:\n        os._exit(0)\n    return 2 * x")
     outcome = run_tests(flaky, parse_tests(spec), mode="pass_rate", case_timeout_s=1.0)
     assert outcome.statuses == ("timeout", "error", "pass")
+    # A built-in exception the program raises reaches a test that expects it; a SystemExit does not.
+    raises = encode_tests(asserts_to_spec(["try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False",
+                                           "assert f(3) in (6, 7)"]))
+    assert len(parse_tests(raises).programs) == 2
+    assert reward("def f(x):\n    if x < 0:\n        raise ValueError(x)\n    return 2 * x", raises) == 1.0
+    assert reward("def f(x):\n    return 2 * x", raises, mode="pass_rate") == 0.5
+    assert reward("def f(x):\n    if x < 0:\n        raise SystemExit(0)\n    return 2 * x", raises,
+                  mode="pass_rate") == 0.5
     # Forking is the harness's alone: the candidate process may not start or signal processes.
     spawn = "import os\ndef f(x):\n    return 2 * x if os.fork() else 2 * x"
     assert reward(spawn, spec, mode="pass_rate") == 0.0

@@ -8,7 +8,8 @@
 * Through the whole system: a run whose completions are such texts finishes its steps, scores
   nothing in the trainer's own process, and executes none of them.
 The code sandbox (rewards/sandbox.py), which does run code on purpose, has its hostile-program
-tests in tests/test_sandbox.py.
+tests in tests/test_sandbox.py and tests/test_code_rewards.py; here the pass-everything programs and
+escapes go through the reward pool as the RL job scores them.
 """
 from __future__ import annotations
 

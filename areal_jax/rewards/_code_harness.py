@@ -15,8 +15,9 @@ set; anything else is an error. For each case:
     solution imported, its plain-valued globals, and a proxy for each of its callables that sends plain
     arguments to the child and returns the decoded value. The asserts are judged here, where the
     solution cannot patch builtins, override ``__eq__``, exit early or write reports: it only ever hands
-    back data. Tests that need the solution's objects themselves (instances, mutated arguments, functions
-    passed in) fail under this scheme.
+    back data; a built-in exception the solution raises is raised again by the proxy (by type, without
+    its arguments). Tests that need the solution's objects themselves (instances, mutated arguments,
+    functions passed in, its own exception classes) fail under this scheme.
 Each report is one stdout line "<nonce> <json>"; the child holds no descriptor of this stdout. Each case
 gets ``case_timeout_s`` of wall time; a child that overruns, dies or answers garbage fails the case and
 is replaced (killed, forked again, the solution reloaded) for the next one.
@@ -195,9 +196,13 @@ def _harness() -> None:
 
     def value_of(record: dict):
         text = record.get("value")
-        if not isinstance(text, str):
-            raise CandidateFailed(str(record.get("error", "no value"))[:200])
-        return ast.literal_eval(text)
+        if isinstance(text, str):
+            return ast.literal_eval(text)
+        error = str(record.get("error", "no value"))[:200]
+        raised = getattr(builtins, error, None)  # a built-in exception reaches tests that expect it
+        if isinstance(raised, type) and issubclass(raised, Exception):
+            raise raised("raised by the solution")
+        raise CandidateFailed(error)
 
     def proxy(name: str):
         def call(*args, **kwargs):
