@@ -173,3 +173,17 @@ def test_auto_question_field_picks_the_layouts_statement(tmp_path):
     assert [r.question.split("\n")[0] for r in records] == [
         MBPP["text"], "Remove chars.", HUMANEVAL["prompt"].split("\n")[0], APPS_STDIO["question"],
         DEEPCODER_STDIN["problem"]]
+
+
+def test_deepcoder_and_livecodebench_parquet_rows_match_their_jsonl_rows(tmp_path):
+    # In one Parquet table every row has every column: the fields of the other layout are null.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [DEEPCODER_STDIN, DEEPCODER_CALL, LCB]
+    columns = {key: [row.get(key) for row in rows] for row in rows for key in row}
+    pq.write_table(pa.table(columns), str(tmp_path / "d.parquet"))
+    from_parquet, stats = read_code_records(str(tmp_path / "d.parquet"))
+    from_jsonl, _ = read_code_records(_write_jsonl(tmp_path / "d.jsonl", rows))
+    assert stats.rows_kept == 3 and [r.row for r in from_parquet] == [0, 1, 2]
+    assert [(r.question, r.answer) for r in from_parquet] == [(r.question, r.answer) for r in from_jsonl]
