@@ -132,6 +132,16 @@ def test_deepcoder_and_livecodebench_case_lists(tmp_path):
         assert "10\n" not in record.question and "-2" not in record.question
 
 
+def test_livecodebench_starter_code_joins_the_statement(tmp_path):
+    starter = "class Solution:\n    def countAbove(self, nums: List[int], k: int) -> int:\n        "
+    row = {"question_content": "Count the elements above k.", "starter_code": starter,
+           "metadata": DEEPCODER_CALL["metadata"], "public_test_cases": DEEPCODER_CALL["tests"]}
+    record = read_code_records(_write_jsonl(tmp_path / "l.jsonl", [row]))[0][0]
+    assert record.question == ("Count the elements above k.\n\nStart from:\n```python\n" + starter.strip() + "\n```")
+    assert parse_tests(record.answer) == parse_tests(read_code_records(
+        _write_jsonl(tmp_path / "d.jsonl", [DEEPCODER_CALL]))[0][0].answer)
+
+
 def test_deepcoder_functional_rows_score_a_leetcode_solution(tmp_path):
     from areal_jax.rewards.code import code_tests_reward
 

@@ -15,6 +15,7 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     the case's ``fn_name``) with one JSON argument per input line and compare the JSON output. A
     DeepCoder ``tests`` object with ``inputs`` / ``outputs`` (its TACO part) reads as ``input_output``.
     LiveCodeBench's compressed private tests (base64 of zlib of a pickle) are refused, never unpickled.
+    A ``starter_code`` (the class and method signature) is appended to the statement.
 
 The statement comes from ``question_field``; "auto" picks per layout (APPS / TACO: question, DeepCoder:
 problem, LiveCodeBench: question_content, MBPP: text then prompt, HumanEval: prompt), then the first of
@@ -241,6 +242,9 @@ def code_row_to_record(path: str, number: int, row: Any, question_field: str = "
                       f"text fields: {', '.join(map(repr, texts)) or 'none'}); pass "
                       f"--config.data.question_field=<one of them>, or auto to pick per layout")
     question = row[field]
+    starter = row.get("starter_code")  # LiveCodeBench / DeepCoder: the signature a functional task expects
+    if isinstance(starter, str) and starter.strip() and starter.strip() not in question:
+        question = f"{question.rstrip()}\n\nStart from:\n```python\n{starter.strip()}\n```"
     if name is not None and not re.search(rf"\b{re.escape(name)}\b", question):
         question = f"{question.rstrip()}\nWrite it as a Python function named {name}."
     return Record(source=path, row=number, question=question, answer=encode_tests(spec))
