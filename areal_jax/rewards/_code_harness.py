@@ -11,8 +11,9 @@ answers requests: evaluate an expression, or call one of its names with plain ar
 set; anything else is an error. For each case:
   * "expr": the child evaluates the expression (a call of the solution); its ``repr`` is reported and the
     parent process of the sandbox compares it with the expected value, which never enters the sandbox;
-  * "exec": an opaque test program runs here, in a fresh namespace holding the setup, the modules the
-    solution imported, its plain-valued globals, and a proxy for each of its callables that sends plain
+  * "exec": an opaque test program runs here, in a fresh namespace holding the setup, this process's own
+    copy of each standard-library module the solution imported (others stay undefined), the solution's
+    plain-valued globals, and a proxy for each of its callables that sends plain
     arguments to the child and returns the decoded value. The asserts are judged here, where the
     solution cannot patch builtins, override ``__eq__``, exit early or write reports: it only ever hands
     back data; a built-in exception the solution raises is raised again by the proxy (by type, without
