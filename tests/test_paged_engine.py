@@ -42,16 +42,20 @@ def test_paged_loop_gives_the_dense_tokens_with_fewer_pages_than_slots_need(mode
 def test_group_prompt_pages_are_shared_while_the_samples_run(models):
     engine = PagedEngine(models[0], num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=30)
     params = nnx.split(models[0])[1]
+    tables = []  # the page table at each dispatch: what the running samples read (no race with a pause)
+    dispatch = engine.generate_steps
+
+    def recording_generate_steps(*args, **kwargs):
+        tables.append(engine.allocator.table.copy())
+        return dispatch(*args, **kwargs)
+
+    engine.generate_steps = recording_generate_steps
     loop = SamplerLoop(engine, params, decode_steps=2)
-    loop.pause()
     loop.submit(Request(id="g", prompt=list(range(5, 18)), max_new_tokens=20, n=3, temperature=1.0))
-    loop.resume()
-    wait_until(lambda: loop.stats()["steps"] >= 4)
-    loop.pause()
-    table = engine.allocator.table.copy()
-    loop.resume()
     done = [loop.get_completion(timeout=120) for _ in range(3)]
     loop.stop()
+    assert len(tables) >= 2
+    table = tables[1]  # the second dispatch: all three samples decoding
     # 13 prompt positions = 3 full pages shared by the 3 samples, then a page of their own each
     assert (table[0, :3] == table[1, :3]).all() and (table[1, :3] == table[2, :3]).all()
     assert len({int(table[s, 3]) for s in range(3)}) == 3
