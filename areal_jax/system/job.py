@@ -26,7 +26,7 @@ from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.config import JobConfig
 from areal_jax.models.hf_io import DTYPES
 from areal_jax.runtime import multihost
-from areal_jax.system import runner, user_errors
+from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 
@@ -323,7 +323,7 @@ class RLJob:
             t_wait = time.perf_counter() - t0
             version = self.trainer.version
             summary = runner.batch_summary(groups, version)
-            trajectories = multihost.allgather_trajectories(runner.groups_to_trajectories(groups))
+            trajectories = gather.allgather_trajectories(runner.groups_to_trajectories(groups))
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)
             with self.timeline.span("publish", lane="trainer"):
