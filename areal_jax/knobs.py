@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
 
 class ConfigError(ValueError):
@@ -184,32 +184,32 @@ def defaults_dict(cls: type) -> dict[str, Any]:
     return out
 
 
-def field_types(cls: type, prefix: str = "") -> dict[str, Any]:
-    """{"train.lr": float, ...}: the annotation of every leaf option of a section tree."""
-    out: dict[str, Any] = {}
+def leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """("train.lr", field, annotation) for every leaf option of a section tree, in field order."""
     hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            out.update(field_types(hints[f.name], f"{prefix}{f.name}."))
+            yield from leaf_fields(hints[f.name], f"{prefix}{f.name}.")
         else:
-            out[prefix + f.name] = hints[f.name]
-    return out
+            yield prefix + f.name, f, hints[f.name]
+
+
+def field_types(cls: type, prefix: str = "") -> dict[str, Any]:
+    """{"train.lr": float, ...}: the annotation of every leaf option of a section tree."""
+    return {key: hint for key, _, hint in leaf_fields(cls, prefix)}
+
+
+def _doc(f: dataclasses.Field) -> str:
+    doc = f.metadata.get("doc", "")
+    choices = f.metadata.get("choices", ())
+    if choices and not any(str(c) in doc for c in choices if c):
+        doc = f"{doc} ({' | '.join(repr(c) if c == '' else str(c) for c in choices)})".strip()
+    return doc
 
 
 def docs(cls: type, prefix: str = "") -> dict[str, str]:
     """{"train.lr": "Adam learning rate", ...}: the doc of every leaf option, in field order."""
-    out: dict[str, str] = {}
-    hints = type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.update(docs(hints[f.name], f"{prefix}{f.name}."))
-        else:
-            doc = f.metadata.get("doc", "")
-            choices = f.metadata.get("choices", ())
-            if choices and not any(str(c) in doc for c in choices if c):
-                doc = f"{doc} ({' | '.join(repr(c) if c == '' else str(c) for c in choices)})".strip()
-            out[prefix + f.name] = doc
-    return out
+    return {key: _doc(f) for key, f, _ in leaf_fields(cls, prefix)}
 
 
 def from_mapping(cls: type, mapping: Mapping[str, Any], prefix: str = ""):
