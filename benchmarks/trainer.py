@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
             def build():
                 step, trainer = trainer_step(model, base.replace(prox_mode=prox_mode), trajs)
                 if args.profile and prox_mode == "loglinear":  # after the warm-up: no compilation in the trace
-                    with jax.profiler.trace(args.profile):
+                    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                         step()
 
                 def cleanup():
