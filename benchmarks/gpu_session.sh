@@ -85,12 +85,12 @@ EOF
     ;;
   trainer05)
     rm -rf "$WORK/prof05"
-    step trainer05 200 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute \
+    step trainer05 190 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute \
       --repeats 2 --attention "$ATTN" --profile "$WORK/prof05"
     step trace05 40 $PY benchmarks/trace_top.py "$WORK/prof05" --top 30
     ;;
   sampler05)
-    step sampler05 220 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
+    step sampler05 200 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
       --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   trainer15)
