@@ -20,7 +20,7 @@ OUT=${OUT:-runs/gpu_session}
 PY=${PY:-python3}
 WORK=runs/gpu_work  # traces and caches that are not sent back
 mkdir -p "$OUT" "$WORK"
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export AREAL_JAX_COMPILE_CACHE="$WORK/xla-cache"
 PHASES=("$@")
 [ ${#PHASES[@]} -eq 0 ] && PHASES=(flash trainer05 sampler05)
@@ -85,8 +85,12 @@ EOF
     ;;
   trainer05)
     rm -rf "$WORK/prof05"
-    step trainer05 190 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute \
-      --repeats 2 --attention "$ATTN" --profile "$WORK/prof05"
+    # JAX and PyTorch each in its own process (the two CUDA runtimes in one process were seen to crash)
+    step trainer05 150 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute \
+      --repeats 3 --attention "$ATTN" --skip-hf --profile "$WORK/prof05"
+    step trainer05_torch 100 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-jax --repeats 3 ||
+      JAX_PLATFORMS=cpu BENCH_TORCH_DEVICE=cuda step trainer05_torch_nojax 100 $PY benchmarks/trainer.py \
+        --preset qwen2.5-0.5b --dtype bfloat16 --skip-jax --repeats 3
     step trace05 40 $PY benchmarks/trace_top.py "$WORK/prof05" --top 30
     ;;
   sampler05)
@@ -94,8 +98,9 @@ EOF
       --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   trainer15)
-    step trainer15 200 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute \
-      --repeats 2 --attention "$ATTN"
+    step trainer15 150 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute \
+      --repeats 2 --attention "$ATTN" --skip-hf
+    step trainer15_torch 100 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-jax --repeats 2
     ;;
   loop05)
     step loop05 240 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 3 --warmup_steps 1 \

@@ -19,6 +19,9 @@ def torch_device() -> str | None:
     """The torch device on which JAX's default device sits: "cpu", "cuda", or None (not reachable)."""
     import torch
 
+    forced = os.environ.get("BENCH_TORCH_DEVICE")  # e.g. "cuda" with JAX_PLATFORMS=cpu: PyTorch alone on the GPU
+    if forced:
+        return forced
     platform = jax.default_backend()
     if platform == "cpu":
         return "cpu"

@@ -99,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="leave out (c)")
     p.add_argument("--skip-recompute", action="store_true", help="leave out (b)")
+    p.add_argument("--skip-jax", action="store_true",
+                   help="leave out (a) and (b): the PyTorch step alone, e.g. in its own process on a GPU")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of one update of (a) to DIR")
     p.add_argument("--toy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)  # the accelerator order on CPU
@@ -276,8 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
                 return used
             return step, cleanup
 
-        engines = {"a": jax_engine("loglinear")}
-        if not args.skip_recompute:
+        engines = {} if args.skip_jax else {"a": jax_engine("loglinear")}
+        if not args.skip_recompute and not args.skip_jax:
             engines["b"] = jax_engine("recompute")
         if hf_device is not None:
             engines["c"] = hf_engine
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         "jax_recompute": row("(b) areal_jax update, prox recompute", "b", 4 * fwd),
         "hf_torch": row(f"(c) HF transformers + PyTorch ({hf_device or '-'})", "c", 3 * fwd),
     }
-    ratio = medians["c"] / medians["a"] if "c" in medians else None
+    ratio = medians["c"] / medians["a"] if "c" in medians and "a" in medians else None
     if ratio is not None:
         print(f"speed-up a/c: {ratio:.2f}x")
     rss = rss_peak_bytes()
