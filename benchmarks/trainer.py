@@ -202,11 +202,13 @@ def run_engines(engines: dict, repeats: int, on_cpu: bool, dtype: str, peak: flo
     builder returning (step, cleanup). Returns (seconds per name, peak memory bytes per name, peak)."""
     times, memory = {k: [] for k in engines}, {}
     if on_cpu:  # round-robin so every engine (and the peak) sees the same machine load
-        steps = {k: build()[0] for k, build in engines.items()}
+        built = {k: build() for k, build in engines.items()}
         for _ in range(repeats):
             peak = max(peak, matmul_peak(dtype, repeats=2))
-            for k, fn in steps.items():
+            for k, (fn, _) in built.items():
                 times[k].append(timed(fn))
+        for _, cleanup in built.values():
+            cleanup()
         memory = {k: None for k in engines}
         return times, memory, peak
     for k, build in engines.items():  # one after another, each freed before the next
@@ -253,12 +255,14 @@ def main(argv: list[str] | None = None) -> dict:
         def jax_engine(prox_mode):
             def build():
                 step, trainer = trainer_step(model, base.replace(prox_mode=prox_mode), trajs)
-                if args.profile and prox_mode == "loglinear":  # after the warm-up: no compilation in the trace
-                    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-                        step()
 
                 def cleanup():
                     used = jax_peak_bytes()
+                    if args.profile and prox_mode == "loglinear":
+                        # After the timed updates (a profiler failure cannot cost the timing) and after the
+                        # warm-up (no compilation in the trace).
+                        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+                            step()
                     trainer.state = None
                     return used
                 return step, cleanup

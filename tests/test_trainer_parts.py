@@ -131,6 +131,38 @@ def test_chunked_logprobs_match_full_logits_and_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_logits_backward_stays_in_bf16_and_matches_float32():
+    """In bf16 compute the vocabulary projection's two backward products take bf16 operands (float32
+    accumulation) instead of being promoted to float32 by the float32 cotangent, and the gradients stay
+    within bf16 rounding of the float32 computation."""
+    from areal_jax.trainer.logprobs import logits_matmul
+
+    h32 = jax.random.normal(jax.random.key(0), (2, 24, 16))
+    w32 = jax.random.normal(jax.random.key(1), (16, 64)) * 0.3
+    targets = jax.random.randint(jax.random.key(2), (2, 24), 0, 64)
+    loss = lambda h, w: chunked_logprobs(h, w, targets, chunk=8)[0].sum()  # noqa: E731
+    g16 = jax.grad(loss, argnums=(0, 1))(h32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16))
+    g32 = jax.grad(loss, argnums=(0, 1))(h32, w32)
+    for a, b in zip(g16, g32):
+        assert a.dtype == jnp.bfloat16
+        rel = float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+        assert rel < 2e-2, rel
+    # Every dot in the backward program has bf16 operands (float32 would mean the cotangent promoted them).
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)).as_text()
+    dots = [ln for ln in hlo.splitlines() if "stablehlo.dot_general" in ln]
+    assert len(dots) >= 3, hlo  # the forward (twice: checkpointed) and two backward products
+    for ln in dots:
+        operand_types = ln.rsplit("(", 1)[1].split(")")[0]
+        assert "f32" not in operand_types, ln
+    # The custom product equals the plain one, value and float32 gradients.
+    h, w = jax.random.normal(jax.random.key(3), (5, 7)), jax.random.normal(jax.random.key(4), (7, 3))
+    np.testing.assert_array_equal(logits_matmul(h, w), h @ w)
+    ga = jax.grad(lambda h, w: jnp.sum(jnp.sin(logits_matmul(h, w))), argnums=(0, 1))(h, w)
+    gb = jax.grad(lambda h, w: jnp.sum(jnp.sin(h @ w)), argnums=(0, 1))(h, w)
+    for a, b in zip(ga, gb):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_staleness_filter_and_metrics():
     fresh = traj([1, 2, 3, 4], 1, version=4)
     mixed = traj([1, 2, 3, 4, 5], 2, versions=np.array([1, 3, 4]))
