@@ -119,3 +119,18 @@ def test_cpu_cache_chunks_split_the_cache_evenly():
         assert -(-max_len // c) == -(-max_len // CPU_CACHE_CHUNK)  # no more loop steps than 128-position chunks
     assert cache_chunk_size(176, backend="cpu") == 88 and cache_chunk_size(1024, backend="cpu") == 128
     assert cache_chunk_size(176, backend="gpu") == 176
+
+
+def test_one_pass_cache_attention_has_no_loop():
+    """A chunk covering the whole cache (the accelerator default up to 8192 positions) reads the layer in one
+    pass with no loop in the program: on GPUs each trip of a data-dependent loop is a device -> host round
+    trip, once per layer per decode step. A smaller chunk keeps the loop."""
+    import jax
+
+    q = jnp.zeros((2, 1, 4, 8))
+    kc = jnp.zeros((2, 2, 16, 2, 8))
+    pos = jnp.array([[3], [9]], jnp.int32)
+    lower = lambda chunk: jax.jit(lambda q, k, v, p: cached_attention(q, k, v, 0, p, chunk_size=chunk)).lower(  # noqa: E731
+        q, kc, kc, pos).as_text()
+    assert "stablehlo.while" not in lower(16)
+    assert "stablehlo.while" in lower(8)

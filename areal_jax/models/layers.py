@@ -236,8 +236,14 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
     init = (jnp.full((b, kv, group, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kv, group, t), jnp.float32),
             jnp.zeros((b, kv, group, t, dh), jnp.float32))
-    last = jnp.clip(jnp.max(positions), 0, s - 1)
-    _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)
+    if chunk >= s:
+        # One pass over the layer (the accelerator default up to 8192 positions): no loop at all. A
+        # data-dependent loop costs a device -> host round trip per trip on GPUs (the loop condition is
+        # read by the host), once per layer per decode step.
+        _, run_sum, acc = step(jnp.int32(0), init)
+    else:
+        last = jnp.clip(jnp.max(positions), 0, s - 1)
+        _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)
     out = jnp.where(run_sum[..., None] > 0, acc / jnp.maximum(run_sum, 1e-30)[..., None], 0.0)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
