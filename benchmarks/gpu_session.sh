@@ -12,7 +12,13 @@
 #              GPU at the same batch (256 prompts in one batch), then 8 s of never-empty steady state (~3 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
-#   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape.
+#   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
+#   sampler_more  the sampler at k = 8 and without fetch-behind, the paged KV cache (Pallas kernel) in the same
+#              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
+#              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
+#   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
+# The 0.5B update crashed (segmentation fault) on the first call after a jax.profiler trace with jax 0.11.2,
+# so benchmarks/trainer.py now traces after its timed updates.
 # OUT defaults to runs/gpu_session. Python is $PY (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,11 +111,33 @@ EOF
   loop05)
     step loop05 240 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 3 --warmup_steps 1 \
       --median 512 --cap 4096 --out "$WORK/loop05"
+    mkdir -p "$OUT/timeline_eta4"  # the README's picture of where each lane's time went
+    step report05 60 $PY -m areal_jax.programs.report "$WORK/loop05/eta4" --out "$OUT/timeline_eta4"
     ;;
   lora15)
     step lora15 150 $PY benchmarks/lora.py --preset 1.5b --train-memory --skip-decode --repeats 2
+    step lora05 90 $PY benchmarks/lora.py --preset 0.5b --base-dtype bfloat16 --sampler-dtype bfloat16 \
+      --skip-decode --repeats 3
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 trainer15 loop05 lora15)"; exit 2 ;;
+  sampler_more)
+    common=(--preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
+            --warmup-seconds 5 --steady-seconds 10)
+    step sampler05_k8 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 8
+    step sampler05_sync 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --no-fetch-behind
+    step sampler05_paged 90 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --kv-cache paged
+    step decode_attention 60 $PY benchmarks/decode_attention.py --dtype bfloat16 --rows 64 --cache-lens 1024 8192 \
+      --paged --prefill-rows 0 --repeats 10
+    step sampler15_long 110 $PY benchmarks/sampler.py --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 \
+      --max-new-tokens 16384 --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 45 --skip-hf
+    ;;
+  trainer_long)
+    step trainer05_mbt65536 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
+      --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
+    step trainer05_traj32k 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
+      --trajectory-len 32768 --micro-batch-tokens 32768 --remat full --skip-recompute --skip-hf --repeats 2
+    ;;
+  *) echo "unknown phase $phase (flash trainer05 sampler05 trainer15 loop05 lora15 sampler_more trainer_long)"
+     exit 2 ;;
   esac
 done
 echo "== results ($OUT/results.jsonl)"

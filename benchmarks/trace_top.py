@@ -22,6 +22,9 @@ import os
 import re
 
 SKIP_THREADS = re.compile(r"XLA Modules|Steps|Framework|Source|TraceMe|python|Launch Stats", re.I)
+# Host-side spans that wrap the ops of a CPU trace (counting them would count the ops twice), and loop /
+# conditional ops whose bodies are listed op by op.
+WRAPPERS = re.compile(r"^(ThunkExecutor|SlinkyThreadPool|ThreadpoolListener|end: |while|conditional|call)", re.I)
 KINDS = (
     ("attention", re.compile(r"flash|attention|_fwd_kernel|_bwd_kernel|mha|paged|fmha|sdpa|cudnn", re.I)),
     ("matmul", re.compile(r"gemm|cublas|cutlass|xmma|dot|matmul|sm90_|nvjet", re.I)),
@@ -78,6 +81,8 @@ def summarize(path: str, top: int = 25, lanes_like: str = "") -> dict:
         if SKIP_THREADS.search(lane) or (not on_device and "XLA" not in lane and "Eigen" not in lane):
             continue
         name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
+        if WRAPPERS.search(name):
+            continue
         lanes[f"{procs.get(e['pid'], e['pid'])} / {lane}"] += dur
         op = ops[name]
         op[0] += dur
