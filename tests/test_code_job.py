@@ -44,6 +44,8 @@ def _code_config(tmp_path):
 @pytest.mark.slow
 def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
     c, paths = _code_config(tmp_path)
+    # A greedy-only start evaluation (the before-training baseline) and a sampled end evaluation.
+    c.eval.at_start, c.eval.start_samples, c.eval.samples = True, 0, 2
     with open(paths["train"]) as f:
         solutions = {json.loads(line)["text"]: json.loads(line)["code"] for line in f}
     job = RLJob(c, log_fn=lambda *a, **k: None)
@@ -73,6 +75,9 @@ def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
     assert code_tests_reward(text, answer) == (1.0 if key[1] % 2 == 0 else 0.0)
     assert json.loads(answer)["format"] == "code_tests/1"
     assert summary is not None and job.evaluations["end"]["n"] == 4
+    start, end = job.evaluations["start"], job.evaluations["end"]
+    assert start["n"] == 4 and "sampled_pass@1" not in start and "pass@2" not in start
+    assert "sampled_pass@1" in end and "pass@2" in end
 
 
 def test_code_task_config_mistakes_are_one_sentence_errors(tmp_path):

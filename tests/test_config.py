@@ -42,7 +42,7 @@ PREVIOUS_DEFAULTS = {
     "reward.fn": "math", "reward.num_workers": 2, "reward.timeout_s": 5.0, "reward.memory_mb": 4096,
     "reward.code_mode": "all_pass", "reward.code_case_timeout_s": 4.0, "reward.code_sample_timeout_s": 20.0,
     "eval.n_test": 500, "eval.at_start": True, "eval.at_end": True, "eval.every_steps": 0,
-    "eval.max_new_tokens": 64, "eval.samples": 8, "eval.num_slots": 256,
+    "eval.max_new_tokens": 64, "eval.samples": 8, "eval.start_samples": -1, "eval.num_slots": 256,
     "checkpoint.every_steps": 10, "checkpoint.keep": 2, "checkpoint.resume": True,
     "log.every_steps": 1, "log.tensorboard": True, "log.timeline": True, "log.timeline_max_events": 1_000_000,
     "log.console": True, "log.param_digests": False,
@@ -115,6 +115,7 @@ def test_int_is_accepted_for_a_float_and_stored_as_float():
     ({"rollout__max_staleness": -1}, "both unset"),
     ({"train__ppo_minibatches": 3}, "--config.train.batch_groups=16 is not divisible by --config.train.ppo_minibatches=3"),
     ({"eval__samples": -1}, "--config.eval.samples=-1 must be >= 0"),
+    ({"eval__start_samples": -2}, "--config.eval.start_samples=-2 must be -1"),
     ({"checkpoint__keep": 0}, "--config.checkpoint.keep=0 must be at least 1"),
 ])
 def test_ranges_and_relations_name_the_keys(overrides, words):

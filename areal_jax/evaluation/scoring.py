@@ -146,6 +146,8 @@ class EvalConfig(Section):
     every_steps: int = knob(0, "also evaluate every this many steps; 0 = never in between")
     max_new_tokens: int = knob(64, "completion tokens at most per evaluation sample")
     samples: int = knob(8, "sampled completions per problem (sampled pass@1, pass@k); 0 = greedy only")
+    start_samples: int = knob(-1, "sampled completions per problem at the start evaluation; -1 = eval.samples, "
+                                  "0 = greedy pass@1 only (the before-training baseline at a ninth of the cost)")
     num_slots: int = knob(256, "decode slots of the evaluation's sampler (all greedy + sampled sequences in one pass)")
 
     @property
@@ -159,3 +161,11 @@ class EvalConfig(Section):
         require(self.max_new_tokens >= 1, f"{k('max_new_tokens')}={self.max_new_tokens} must be at least 1.")
         require(self.samples >= 0, f"{k('samples')}={self.samples} must be >= 0 (0 = greedy pass@1 only).")
         require(self.num_slots >= 1, f"{k('num_slots')}={self.num_slots} must be at least 1.")
+        require(self.start_samples >= -1,
+                f"{k('start_samples')}={self.start_samples} must be -1 (same as eval.samples), 0 (greedy only) or more.")
+
+    def samples_for(self, tag: str) -> int:
+        """Sampled completions per problem of the evaluation named `tag` ("start", "end", "step_N")."""
+        if tag == "start" and self.start_samples >= 0:
+            return self.start_samples
+        return self.samples

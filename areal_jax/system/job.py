@@ -278,13 +278,13 @@ class RLJob:
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
-        k = c.eval.samples
+        k = c.eval.samples_for(tag)
         if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
             from areal_jax.evaluation.batch import eval_engine
 
-            self._eval_engine = eval_engine(
+            self._eval_engine = eval_engine(  # sized for the largest evaluation of the run
                 self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
-                max_len=c.rollout.max_len, num_sequences=len(self.eval_examples) * (1 + k),
+                max_len=c.rollout.max_len, num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
                 mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
