@@ -5,8 +5,6 @@ tags each token with the version current when it was "generated". The property c
 no trained token is more than eta versions older than the trainer that trains it; plus every group is
 trained exactly once, in admission order, and filtered groups are never trained.
 """
-import dataclasses
-import queue
 import random
 import threading
 
@@ -16,36 +14,19 @@ import pytest
 from areal_jax.sampler.config import RolloutConfig
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
+from areal_jax.testing.fakes import FakeCompletion, FakeExample, QueuedCompletions, RuleRewards
 from areal_jax.testing.prompts import ListPrompts
 
 
-@dataclasses.dataclass
-class FakeExample:
-    uid: str
-    prompt_tokens: list
-    answer: str
-    question: str = ""
-
-
-@dataclasses.dataclass
-class FakeCompletion:
-    request_id: int
-    sample_index: int
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str = "stop"
-
-
-class FakeSampler:
+class FakeSampler(QueuedCompletions):
     """Generates each sample's tokens one per tick at the current version; some requests stall."""
 
     def __init__(self, rng):
+        super().__init__()
         self.rng = rng
         self.current_version = 0
         self.lock = threading.Lock()
         self.active = []  # [request, sample_index, tokens_so_far(list of versions), target_len]
-        self.out = queue.Queue()
 
     def submit(self, req):
         with self.lock:
@@ -65,39 +46,11 @@ class FakeSampler:
                     self.out.put(FakeCompletion(req.id, i, np.arange(len(versions)), np.zeros(len(versions)),
                                                 np.asarray(versions)))
 
-    def get_completion(self, timeout=None):
-        try:
-            return self.out.get(timeout=timeout) if timeout else self.out.get_nowait()
-        except queue.Empty:
-            return None
 
-
-@dataclasses.dataclass
-class FakeResult:
-    key: tuple
-    reward: float
-    status: str = "ok"
-
-
-class FakeRewards:
-    def __init__(self, rng, uniform_share=0.0):
-        self.q = queue.Queue()
-        self.rng = rng
-        self.uniform_share = uniform_share
-
-    def submit(self, key, text, answer):
-        gid, _ = key
-        # groups whose gid % 5 == 0 get all-equal rewards (filtered when filtering is on)
-        reward = 1.0 if gid % 5 == 0 and self.uniform_share else float(self.rng.random() < 0.5)
-        self.q.put(FakeResult(key, reward))
-
-    def results(self, timeout=None):
-        out = []
-        while True:
-            try:
-                out.append(self.q.get_nowait())
-            except queue.Empty:
-                return out
+def FakeRewards(rng, uniform_share=0.0):  # noqa: N802 (stands in for a class)
+    # groups whose gid % 5 == 0 get all-equal rewards (filtered when filtering is on)
+    return RuleRewards(lambda key, text, answer: 1.0 if key[0] % 5 == 0 and uniform_share
+                       else float(rng.random() < 0.5))
 
 
 def _run(eta, batch_groups=3, group_size=2, steps=12, seed=0, filter_uniform=False):

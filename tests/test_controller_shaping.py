@@ -11,69 +11,28 @@ from areal_jax.sampler.config import RolloutConfig
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.runner import groups_to_trajectories
+from areal_jax.testing.fakes import FakeCompletion, FakeExample, QueuedCompletions, RuleRewards
 from areal_jax.testing.prompts import ListPrompts
 
 
-@dataclasses.dataclass
-class Example:
-    uid: str
-    prompt_tokens: list
-    answer: str
-    question: str = ""
-
-
-@dataclasses.dataclass
-class Completion:
-    request_id: int
-    sample_index: int
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str = "stop"
-
-
-class LengthSampler:
+class LengthSampler(QueuedCompletions):
     """Answers every request at once with completions of the given lengths."""
 
-    current_version = 0
-
     def __init__(self, lengths):
-        self.lengths, self.out = lengths, []
+        super().__init__()
+        self.lengths = lengths
 
     def submit(self, req):
         for i, n in enumerate(self.lengths[: req.n]):
             reason = "length" if n == req.max_new_tokens else "stop"
-            self.out.append(Completion(req.id, i, np.arange(3, 3 + n), np.full(n, -1.0), np.zeros(n, np.int32), reason))
-
-    def get_completion(self, timeout=None):
-        return self.out.pop(0) if self.out else None
-
-
-@dataclasses.dataclass
-class Result:
-    key: tuple
-    reward: float
-    status: str = "ok"
-    seconds: float = 0.0
-
-
-class ScorePool:
-    """Scores sample i of every group with scores[i]."""
-
-    def __init__(self, scores):
-        self.scores, self.done = scores, []
-
-    def submit(self, key, text, answer):
-        self.done.append(Result(key, self.scores[key[1]]))
-
-    def results(self, timeout=0.0):
-        out, self.done = self.done, []
-        return out
+            self.out.put(FakeCompletion(req.id, i, np.arange(3, 3 + n), np.full(n, -1.0), np.zeros(n, np.int32),
+                                        reason))
 
 
 def run_one_group(config, lengths, scores):
     buffer = TrajectoryBuffer()
-    ctl = RolloutController(config, LengthSampler(lengths), ScorePool(scores), ListPrompts([Example("u0", [1, 2], "x")]),
+    ctl = RolloutController(config, LengthSampler(lengths), RuleRewards(lambda key, text, answer: scores[key[1]]),
+                            ListPrompts([FakeExample("u0", [1, 2], "x")]),
                             lambda ids: "text", buffer, batch_groups=1)
     assert ctl._admit() == 1
     ctl._drain_sampler()

@@ -8,11 +8,9 @@ The whole loop of kills and resumes: tests/test_reliability_crash.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
-import queue
 import shutil
 import sys
 import threading
@@ -27,62 +25,20 @@ from areal_jax.system import controller as controller_mod
 from areal_jax.system.buffer import Group, TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.runner import SampleLog
+from areal_jax.testing.fakes import FakeCompletion, FakeExample, QueuedCompletions, RuleRewards
 from areal_jax.testing.prompts import ListPrompts
 
 
-@dataclasses.dataclass
-class Example:
-    uid: str
-    prompt_tokens: list
-    answer: str = "1"
-
-
-@dataclasses.dataclass
-class Done:
-    request_id: int
-    sample_index: int
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str = "stop"
-
-
-class InstantSampler:
+class InstantSampler(QueuedCompletions):
     """Finishes every sample of a request at once, at version 0."""
-
-    current_version = 0
-
-    def __init__(self):
-        self.out = queue.Queue()
 
     def submit(self, req):
         for i in range(req.n):
-            self.out.put(Done(req.id, i, np.array([5]), np.zeros(1, np.float32), np.zeros(1, np.int32)))
-
-    def get_completion(self, timeout=None):
-        try:
-            return self.out.get(timeout=timeout) if timeout else self.out.get_nowait()
-        except queue.Empty:
-            return None
+            self.out.put(FakeCompletion(req.id, i, np.array([5]), np.zeros(1, np.float32), np.zeros(1, np.int32)))
 
 
-@dataclasses.dataclass
-class Scored:
-    key: tuple
-    reward: float
-    status: str = "ok"
-
-
-class InstantRewards:
-    def __init__(self):
-        self.ready = []
-
-    def submit(self, key, text, answer):
-        self.ready.append(Scored(key, 1.0))
-
-    def results(self, timeout=None):
-        out, self.ready = self.ready, []
-        return out
+def InstantRewards():  # noqa: N802 (stands in for a class)
+    return RuleRewards(lambda key, text, answer: 1.0)
 
 
 def test_snapshot_while_a_group_completes_keeps_its_prompt(monkeypatch):
@@ -97,7 +53,7 @@ def test_snapshot_while_a_group_completes_keeps_its_prompt(monkeypatch):
     monkeypatch.setattr(controller_mod, "group_advantages", slow_advantages)
     buffer = TrajectoryBuffer()
     settings = RolloutConfig(group_size=2, max_new_tokens=4, max_staleness=0)
-    prompts = ListPrompts([Example("a", [1, 2]), Example("b", [3])])
+    prompts = ListPrompts([FakeExample("a", [1, 2]), FakeExample("b", [3])])
     ctl = RolloutController(settings, InstantSampler(), InstantRewards(), prompts, lambda t: "x", buffer,
                             batch_groups=1).start()
     try:
@@ -115,8 +71,8 @@ def test_snapshot_while_a_group_completes_keeps_its_prompt(monkeypatch):
 
 
 def _group(gid: int, uid: str) -> Group:
-    done = Done(gid, 0, np.array([1, 2]), np.zeros(2, np.float32), np.array([0, 1], np.int32))
-    return Group(gid=gid, example=Example(uid, [1]), admit_version=0, completions=[done],
+    done = FakeCompletion(gid, 0, np.array([1, 2]), np.zeros(2, np.float32), np.array([0, 1], np.int32))
+    return Group(gid=gid, example=FakeExample(uid, [1]), admit_version=0, completions=[done],
                  rewards=np.array([1.0], np.float32), reward_status=["ok"], advantages=np.zeros(1, np.float32))
 
 
