@@ -35,10 +35,6 @@ from areal_jax.models import logical_to_mesh_sharding
 from areal_jax.system.interfaces import ParamsSink
 
 
-def _is_fully_addressable(tree: Any) -> bool:
-    return all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
-
-
 def _index_key(index: tuple) -> tuple:
     return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
 
@@ -96,7 +92,7 @@ class ParamChannel:
         self._gather = None
         self._copy = None
         self._cast = None
-        self._targets: list | None = None  # the rollout shardings, flat
+        self._targets = jax.tree.leaves(rollout_shardings)  # the rollout shardings, flat
         self._plans: dict = {}  # (treedef, source shardings) -> (addressable, colocated, bytes written)
         self.last_bytes = 0  # bytes written on the rollout slice by the last reshard
 
@@ -124,7 +120,7 @@ class ParamChannel:
         target's, device_put assembles the whole array on the host and uploads it again.) The staging
         layout is the rollout mesh's shape and specs on the first source devices, or one source
         device when the source has fewer devices than the rollout mesh."""
-        targets = jax.tree.leaves(self.rollout_shardings)
+        targets = self._targets
         if self.dtype is None and all(_shards_cover(x, t) for x, t in zip(leaves, targets)):
             return params  # device_put already copies (or slices) each shard on the device
         if not all(isinstance(t, NamedSharding) for t in targets):
@@ -151,10 +147,8 @@ class ParamChannel:
         if plan is None:
             addressable = all(getattr(x, "is_fully_addressable", True) for x in leaves)
             colocated = all(x.sharding.device_set == t.device_set for x, t in zip(leaves, self._targets))
-            dtype = self.dtype
-            nbytes = sum(x.size * (dtype.itemsize if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-                                   else jnp.dtype(x.dtype).itemsize) for x in leaves)
-            plan = self._plans[key] = (addressable, colocated, int(nbytes))
+            written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), leaves)
+            plan = self._plans[key] = (addressable, colocated, tree_nbytes(written))
         return plan
 
     def reshard(self, params: nnx.State) -> nnx.State:
@@ -163,9 +157,6 @@ class ParamChannel:
         # The params are flattened once per call: at a few hundred leaves, each pass over an nnx.State
         # costs about a millisecond of Python, which used to be most of a colocated hand-off.
         leaves, treedef = jax.tree.flatten(params)
-        if self._targets is None:
-            self._targets = jax.tree.leaves(self.rollout_shardings)
-        targets = self._targets
         plan = self._plan(leaves, treedef)
         if not plan[0]:  # spans several processes
             params = self._replicate_on_train_mesh(params)
@@ -181,7 +172,7 @@ class ParamChannel:
             # params. One jitted copy over the flat leaves always writes fresh buffers.
             if self._copy is None:
                 self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in cast_floating(xs, self.dtype)],
-                                     out_shardings=targets)
+                                     out_shardings=self._targets)
             return treedef.unflatten(self._copy(leaves))
         params = self._stage(params, leaves)
         return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings)
