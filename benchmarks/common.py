@@ -6,6 +6,15 @@ import argparse
 from areal_jax.metrics import matmul_peak_gflops  # noqa: F401  (shared with the entry points)
 
 
+def device_peak_gflops(dtype: str, repeats: int = 5) -> float:
+    """The matmul peak a benchmark's figures are quoted against: a jitted n^3 product in `dtype`, n = 2048
+    on a CPU and 8192 on accelerators (a smaller product leaves most of a GPU idle)."""
+    import jax
+
+    n = 2048 if jax.default_backend() == "cpu" else 8192
+    return matmul_peak_gflops(n, repeats=repeats, dtype=dtype)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The benchmark model's size: the same defaults (5.25M parameters) in every benchmark."""
     p.add_argument("--hidden", type=int, default=256, help="model width")

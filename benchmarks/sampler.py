@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import add_model_args, matmul_peak_gflops, model_config
+from common import add_model_args, device_peak_gflops, model_config
 from flax import nnx
 
 from areal_jax.models import load_hf_checkpoint
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, lengths = make_workload(args, cfg.vocab_size)
     total_tokens = sum(lengths)
     backend = jax.default_backend()
-    # The peak in the compute dtype; on accelerators at 8192 (a 2048 float32 product reads ~1/9 of an H200's bf16 peak).
-    peak = matmul_peak_gflops(2048, dtype="float32") if backend == "cpu" else matmul_peak_gflops(8192, dtype=args.dtype)
+    # float32 on a CPU; the compute dtype elsewhere (a 2048 float32 product reads ~1/9 of an H200's bf16 peak).
+    peak = device_peak_gflops("float32" if backend == "cpu" else args.dtype)
     bandwidth = copy_bandwidth_gbs(1 << 30 if backend != "cpu" else 1 << 28)
     max_len = args.prompt_len[1] + args.max_new_tokens
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import add_model_args, model_config  # noqa: E402
+from common import add_model_args, device_peak_gflops, model_config  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from torch_baseline import hf_step, torch_device  # noqa: E402
@@ -132,16 +132,6 @@ def bench_model_config(args: argparse.Namespace) -> ModelConfig:
                                eos_token_id=None, dtype=dtype, param_dtype=jnp.float32)
 
 
-def matmul_peak(dtype: str, repeats: int = 5) -> float:
-    """Best GFLOP/s of a jitted [n, n] @ [n, n] in `dtype` (n 2048 on CPU, 8192 on accelerators)."""
-    n = 2048 if jax.default_backend() == "cpu" else 8192
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = min(timed(lambda: f(a, a).block_until_ready()) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
 def make_batch(args: argparse.Namespace, vocab: int) -> list[Trajectory]:
     """Trajectories with long-tailed completion lengths (clipped log-normal, sigma 1) and GRPO-like
     advantages; behaviour log-probs near uniform so importance weights stay moderate. With
@@ -204,7 +194,7 @@ def run_engines(engines: dict, repeats: int, on_cpu: bool, dtype: str, peak: flo
     if on_cpu:  # round-robin so every engine (and the peak) sees the same machine load
         built = {k: build() for k, build in engines.items()}
         for _ in range(repeats):
-            peak = max(peak, matmul_peak(dtype, repeats=2))
+            peak = max(peak, device_peak_gflops(dtype, repeats=2))
             for k, (fn, _) in built.items():
                 times[k].append(timed(fn))
         for _, cleanup in built.values():
@@ -227,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     fwd = forward_flops(cfg, trajs)
     platform = jax.default_backend()
     on_cpu = platform == "cpu" and not args.sequential
-    peak = matmul_peak(args.dtype)
+    peak = device_peak_gflops(args.dtype)
     base = TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, logits_chunk=args.logits_chunk,
                          remat=args.remat, attention=args.attention)
     hf_device, hf_note = None, None
