@@ -17,7 +17,7 @@ def _write_lines(path, lines):
 
 @pytest.mark.parametrize("bad_line, reason", [
     ('{"question": "q", "answer": "#### 1"', "invalid JSON"),
-    ('{"answer": "#### 1"}', "field 'question' is missing"),
+    ('{"answer": "#### 1"}', "no question field: none of 'question', 'problem', 'prompt' is present"),
     ('{"question": null, "answer": "#### 1"}', "field 'question' is null"),
     ('{"question": 17, "answer": "#### 1"}', "field 'question' must be a string, got int"),
     ('{"question": "q", "answer": ["#### 1"]}', "field 'answer' must be a string or a number, got list"),
@@ -60,7 +60,9 @@ def test_parquet_errors_and_skip(tmp_path):
     records, stats = read_parquet(path, question_field="problem", answer_field="solution", on_bad_row="skip")
     assert [(r.row, r.answer) for r in records] == [(0, "1"), (1, "2000")] and stats.bad_rows_skipped == 2
     with pytest.raises(ValueError, match=r"column\(s\) \['question'\] missing .*'problem', 'solution'"):
-        read_parquet(path, answer_field="solution")
+        read_parquet(path, question_field="question", answer_field="solution")
+    auto, _ = read_parquet(path, answer_field="solution", on_bad_row="skip")  # auto finds the 'problem' column
+    assert [r.question for r in auto] == ["a?", "b?"]
     typed = str(tmp_path / "t.parquet")
     pq.write_table(pa.table({"question": [1, 2], "answer": ["#### 1", "#### 2"]}), typed)
     with pytest.raises(ValueError, match=r"row index 0: field 'question' must be a string, got int"):
@@ -109,3 +111,16 @@ def test_raw_answer_extraction():
         extract_reference_answer("42", "gsm8k")
     with pytest.raises(ValueError, match="answer_format"):
         extract_reference_answer("42", "boxed")
+
+
+def test_auto_question_field_takes_the_first_known_field_per_row(tmp_path):
+    rows = [{"question": "gsm?", "problem": "not this", "answer": "#### 1"},  # question wins over problem
+            {"problem": "math?", "answer": "2"},                             # MATH / DeepScaleR
+            {"prompt": "p?", "answer": "3"},
+            {"problem": None, "prompt": "p?", "answer": "4"}]                 # present but null: named, not skipped over
+    path = _write_lines(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])
+    records, stats = read_jsonl(path, on_bad_row="skip")
+    assert [(r.question, r.answer) for r in records] == [("gsm?", "1"), ("math?", "2"), ("p?", "3")]
+    assert stats.bad_row_messages == [f"{path}, line 4: field 'problem' is null; give it a value or drop the row."]
+    named, _ = read_jsonl(path, question_field="problem", on_bad_row="skip")
+    assert [r.question for r in named] == ["not this", "math?"]

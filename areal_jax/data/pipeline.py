@@ -52,7 +52,7 @@ class PromptSource:
         return self.items[index]
 
 
-def load_prompt_source(paths: str | Sequence[str], tokenizer: Tokenizer, *, question_field: str = "question",
+def load_prompt_source(paths: str | Sequence[str], tokenizer: Tokenizer, *, question_field: str = "auto",
                        answer_field: str = "answer", answer_format: str = "auto", on_bad_row: str = "error",
                        prompt_template: str = DEFAULT_PROMPT_TEMPLATE, use_chat_template: bool = False,
                        system_prompt: str | None = None, max_prompt_len: int | None = None,
@@ -236,7 +236,8 @@ class DataConfig(Section):
 
     train_path: str = knob("", "training prompts: JSONL or Parquet with question / answer fields")
     test_path: str = knob("", "evaluation split (same layout); empty = no evaluation")
-    question_field: str = knob("question", "field of a row holding the question")
+    question_field: str = knob("auto", "field of a row holding the question; auto: math rows take question / "
+                               "problem / prompt, code rows their layout's statement field")
     answer_field: str = knob("answer", "field of a row holding the reference answer (code: the hidden tests)")
     prompt_template: str = knob(DEFAULT_PROMPT_TEMPLATE, "prompt text around {question}")
     use_chat_template: bool = knob(False, "wrap the prompt in the tokenizer's chat template")

@@ -14,9 +14,12 @@ import re
 from typing import Any, Iterator, Sequence
 
 __all__ = ["BadRowError", "Record", "ReadStats", "extract_reference_answer", "read_jsonl", "read_parquet",
-           "read_records", "ANSWER_FORMATS"]
+           "read_records", "ANSWER_FORMATS", "MATH_QUESTION_FIELDS"]
 
 ANSWER_FORMATS = ("auto", "gsm8k", "raw")
+# question_field="auto": the first of these a row (or a Parquet file's columns) has; GSM8K names its
+# statement "question", MATH / DeepScaleR / AIME sets "problem", many instruction sets "prompt".
+MATH_QUESTION_FIELDS = ("question", "problem", "prompt")
 _THOUSANDS_SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _MAX_KEPT_MESSAGES = 20
 
@@ -96,10 +99,21 @@ def _text_field(row: dict[str, Any], field: str, *, numbers_ok: bool) -> str:
     raise _BadRow(f"field {field!r} must be {kind}, got {type(value).__name__} {value!r:.60}")
 
 
+def _auto_question_field(present: Sequence[str]) -> str | None:
+    """The first of MATH_QUESTION_FIELDS among ``present``, or None."""
+    return next((f for f in MATH_QUESTION_FIELDS if f in present), None)
+
+
 def _make_record(path: str, row_number: int, row: Any, question_field: str, answer_field: str,
                  answer_format: str) -> Record:
     if not isinstance(row, dict):
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+    if question_field == "auto":
+        question_field = _auto_question_field(list(row))
+        if question_field is None:
+            present = ", ".join(repr(k) for k in list(row)[:10])
+            raise _BadRow(f"no question field: none of {', '.join(map(repr, MATH_QUESTION_FIELDS))} is present "
+                          f"(fields present: {present or 'none'}); pass question_field to name the right one")
     question = _text_field(row, question_field, numbers_ok=False)
     raw_answer = _text_field(row, answer_field, numbers_ok=True)
     try:
@@ -144,10 +158,12 @@ def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_fi
     return records
 
 
-def read_jsonl(path: str, *, question_field: str = "question", answer_field: str = "answer",
+def read_jsonl(path: str, *, question_field: str = "auto", answer_field: str = "answer",
                answer_format: str = "auto", on_bad_row: str = "error",
                stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
-    """Reads a JSONL file (one JSON object per line; blank lines are ignored)."""
+    """Reads a JSONL file (one JSON object per line; blank lines are ignored).
+
+    question_field "auto" takes, per row, the first of MATH_QUESTION_FIELDS the row has."""
     _check_on_bad_row(on_bad_row)
     stats = ReadStats() if stats is None else stats
 
@@ -155,15 +171,19 @@ def read_jsonl(path: str, *, question_field: str = "question", answer_field: str
     return records, stats
 
 
-def read_parquet(path: str, *, question_field: str = "question", answer_field: str = "answer",
+def read_parquet(path: str, *, question_field: str = "auto", answer_field: str = "answer",
                  answer_format: str = "auto", on_bad_row: str = "error",
                  stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
-    """Reads a Parquet file; rows are numbered by their 0-based index in the file."""
+    """Reads a Parquet file; rows are numbered by their 0-based index in the file.
+
+    question_field "auto" takes the first of MATH_QUESTION_FIELDS among the file's columns."""
     import pyarrow.parquet as pq
 
     _check_on_bad_row(on_bad_row)
     stats = ReadStats() if stats is None else stats
     table = pq.read_table(path)
+    if question_field == "auto":
+        question_field = _auto_question_field(table.column_names) or MATH_QUESTION_FIELDS[0]
     missing = [f for f in (question_field, answer_field) if f not in table.column_names]
     if missing:
         raise ValueError(f"{path}: column(s) {missing} missing from the Parquet file (columns: "
@@ -175,7 +195,7 @@ def read_parquet(path: str, *, question_field: str = "question", answer_field: s
     return records, stats
 
 
-def read_records(paths: str | Sequence[str], *, question_field: str = "question",
+def read_records(paths: str | Sequence[str], *, question_field: str = "auto",
                  answer_field: str = "answer", answer_format: str = "auto",
                  on_bad_row: str = "error") -> tuple[list[Record], ReadStats]:
     """Reads one or more .jsonl / .parquet files in order; an empty result is a ValueError."""
