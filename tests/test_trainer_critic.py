@@ -67,12 +67,17 @@ def hand_targets(model, head, trajs, cfg):
         valid = np.flatnonzero(a["mask"][i])
         rewards[i, valid[-1]] = t.reward
     adv, ret = gae_loop(rewards, values, a["mask"], cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:  # over every valid token of the batch; the returns keep their scale
+        valid = adv[a["mask"] > 0]
+        adv = np.where(a["mask"] > 0, (adv - valid.mean()) / (valid.std() + 1e-8), 0.0)
     return a, values, adv, ret, values_of
 
 
-def test_trainer_gae_targets_and_objective_match_hand_computation():
+@pytest.mark.parametrize("whiten", [True, False])
+def test_trainer_gae_targets_and_objective_match_hand_computation(whiten):
     cfg = TrainerConfig(critic="value_head", gamma=0.9, lam=0.8, value_coef=0.7, value_clip=0.05,
-                        micro_batch_tokens=40, logits_chunk=8, loss_agg="seq-mean-token-mean")
+                        micro_batch_tokens=40, logits_chunk=8, loss_agg="seq-mean-token-mean",
+                        whiten_advantages=whiten)
     model, trainer = critic_trainer(cfg)
     trajs = with_rewards(make_trajs(9, seed=2), seed=3)
     head = jax.device_get(trainer.state.value_head)
@@ -195,3 +200,32 @@ def test_critic_options_are_checked_with_the_key_to_fix():
     assert trainer.state.value_head is None  # critic="none" (the default) adds nothing to the state
     with pytest.raises(ValueError, match="train.critic=value_head"):
         trainer.critic_targets(make_trajs(2))
+
+
+def test_critic_with_lora_trains_adapters_and_head_and_leaves_the_base_frozen():
+    """train.critic=value_head beside LoRA: the head trains with the adapters, the frozen base stays bit-equal,
+    the value loss falls, and the targets are still GAE over the adapted model's values."""
+    from areal_jax.models.lora import LoRAConfig, apply_lora
+
+    model = random_model(tiny_config(), seed=5)
+    apply_lora(model, LoRAConfig(enabled=True, rank=4, alpha=8.0), rngs=nnx.Rngs(0))
+    base_before = jax.device_get(nnx.split(model, nnx.LoRAParam, ...)[2])
+    cfg = TrainerConfig(critic="value_head", lr=3e-3, micro_batch_tokens=40, logits_chunk=8, gamma=1.0, lam=1.0)
+    trainer = Trainer(model, cfg, mesh_4(), wrt=nnx.LoRAParam)
+    trajs = with_rewards(make_trajs(6, seed=1), seed=1)
+    head0 = jax.device_get(trainer.state.value_head)
+    lora0 = jax.device_get(trainer.state.params)
+    losses = [trainer.update(trajs)["value_loss"] for _ in range(6)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.6 * losses[0], losses
+    head1, lora1 = jax.device_get(trainer.state.value_head), jax.device_get(trainer.state.params)
+    assert not np.array_equal(head0["kernel"], head1["kernel"])
+    assert jax.tree.structure(lora0) == jax.tree.structure(lora1)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(lora0), jax.tree.leaves(lora1)))
+    assert jax.tree.structure(base_before) == jax.tree.structure(jax.device_get(trainer._other))
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(jax.device_get(trainer._other))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # gamma = lam = 1 and a single terminal reward: every valid token's return is the trajectory's reward.
+    _, _, returns = trainer.critic_targets(trajs)
+    for t, r in zip(trajs, returns):
+        np.testing.assert_allclose(r[np.asarray(t.loss_mask, bool) if t.loss_mask is not None else slice(None)],
+                                   t.reward, atol=1e-6)

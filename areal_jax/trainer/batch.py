@@ -186,6 +186,20 @@ def gae_targets(
             [ret[i, : t.completion_len].copy() for i, t in enumerate(trajs)])
 
 
+def whiten(values: Sequence[np.ndarray], masks: Sequence[np.ndarray], eps: float = 1e-8) -> list[np.ndarray]:
+    """Per-trajectory arrays shifted and scaled to mean 0, std 1 over every valid (mask > 0) token of the
+    batch together (float64 statistics); masked tokens are 0. A batch with fewer than two valid tokens
+    is only centred."""
+    valid = np.concatenate([np.asarray(v, np.float64)[np.asarray(m) > 0] for v, m in zip(values, masks)] or
+                           [np.zeros(0)])
+    if valid.size == 0:
+        return [np.zeros_like(np.asarray(v, np.float32)) for v in values]
+    mean = valid.mean()
+    scale = 1.0 / (valid.std() + eps) if valid.size > 1 else 1.0
+    return [np.where(np.asarray(m) > 0, (np.asarray(v, np.float64) - mean) * scale, 0.0).astype(np.float32)
+            for v, m in zip(values, masks)]
+
+
 def fill_steps(step: dict[str, np.ndarray], name: str, per_traj: Sequence[np.ndarray]) -> None:
     """Lay per-trajectory completion values out in a packed step's layout, as step[name] (float32
     [rows, T]; 0 at masked and non-completion positions)."""

@@ -62,6 +62,8 @@ class TrainerConfig(Section):
                        choices=("none", "value_head"))
     gamma: float = knob(1.0, "critic: GAE discount in [0, 1]")
     lam: float = knob(0.95, "critic: GAE lambda in [0, 1]")
+    whiten_advantages: bool = knob(True, "critic: shift and scale the GAE advantages to mean 0, std 1 over the "
+                                   "update's valid tokens (the returns the value head learns stay unscaled)")
     value_coef: float = knob(0.5, "critic: weight of the value loss added to the policy loss")
     value_clip: float | None = knob(0.2, "critic: clip of the value change around the update-start values "
                                     "(None: plain squared error)")

@@ -143,14 +143,22 @@ class Trainer:
     def critic_targets(self, trajectories: Sequence[Trajectory]) -> tuple[list[np.ndarray], ...]:
         """What the next update trains the critic and policy on (train.critic=value_head): per
         trajectory (values, advantages, returns), float32 [L - prompt_len] each, from the current params
-        and value head (batching.gae_targets over the staleness-filtered masks)."""
+        and value head (batching.gae_targets over the staleness-filtered masks; the advantages whitened
+        over the batch with cfg.whiten_advantages)."""
         if not self._critic:
             raise ValueError("critic_targets needs a value head: set --config.train.critic=value_head.")
         trajs = list(trajectories)
         masks, _ = batching.effective_masks(trajs, self.version, self.max_staleness)
         steps = self._steps(trajs, range(len(trajs)), masks, None, self.version)
         values, _ = self._values(trajs, steps)
-        return (values, *batching.gae_targets(trajs, masks, values, gamma=self.cfg.gamma, lam=self.cfg.lam))
+        return (values, *self._gae(trajs, masks, values))
+
+    def _gae(self, trajs, masks, values) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(advantages as the policy loss takes them, returns) from GAE, whitened per cfg."""
+        advantages, returns = batching.gae_targets(trajs, masks, values, gamma=self.cfg.gamma, lam=self.cfg.lam)
+        if self.cfg.whiten_advantages:
+            advantages = batching.whiten(advantages, masks)
+        return advantages, returns
 
     def _values(self, trajs, steps) -> tuple[list[np.ndarray], list[jax.Array]]:
         """Per-trajectory values at the completion tokens and each step's (placed) log-probs, from one
@@ -189,7 +197,7 @@ class Trainer:
             all_steps = [step for steps, _ in plan for step in steps]
             values, logps = self._values(trajs, all_steps)
             prox = {id(step): logp for step, logp in zip(all_steps, logps)}
-            advantages, returns = batching.gae_targets(trajs, masks, values, gamma=cfg.gamma, lam=cfg.lam)
+            advantages, returns = self._gae(trajs, masks, values)
             for step in all_steps:
                 for name, per_traj in (("advantages", advantages), ("old_values", values), ("returns", returns)):
                     batching.fill_steps(step, name, per_traj)
