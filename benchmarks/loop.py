@@ -162,7 +162,7 @@ def measure_handoff(job) -> dict:
     handoff = best_seconds(lambda: job.channel.reshard(params))
     moved, source = job.channel.last_bytes, tree_nbytes(params)
     src = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
-    dst = next(iter(jax.tree.leaves(job.sampler.params)[0].sharding.device_set))
+    dst = next(iter(jax.tree.leaves(job.sampler.versioned_params()[1])[0].sharding.device_set))
     raw = raw_copy_seconds(moved, src, dst)
     raw_source = raw_copy_seconds(source, src, dst) if source != moved else raw
     return {"handoff_s": handoff, "bytes_moved": moved, "source_bytes": source, "raw_copy_s": raw,
@@ -197,7 +197,7 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         from areal_jax.system.params import tree_nbytes
 
         actual = {"params": tree_nbytes(job.trainer.state.params), "optimizer": tree_nbytes(job.trainer.state.opt_state),
-                  "sampler_params": tree_nbytes(job.sampler.params)}
+                  "sampler_params": tree_nbytes(job.sampler.versioned_params()[1])}
         mem_end = device_memory()
     finally:
         job.close()

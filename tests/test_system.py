@@ -60,7 +60,7 @@ def test_staleness_bound_and_exactly_once(tmp_path, eta):
     deadline = time.time() + 10
     while job.sampler.current_version != steps and time.time() < deadline:
         time.sleep(0.05)
-    for a, b in zip(jax.tree.leaves(job.sampler.params), jax.tree.leaves(job.trainer.params)):
+    for a, b in zip(jax.tree.leaves(job.sampler.versioned_params()[1]), jax.tree.leaves(job.trainer.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     rows = _samples(c.run_dir)

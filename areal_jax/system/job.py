@@ -29,6 +29,7 @@ from areal_jax.runtime import multihost
 from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
+from areal_jax.system.interfaces import ManagedSampler
 
 MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
 # The per-step values the end-of-run summary reads; only these are kept for every step.
@@ -180,7 +181,7 @@ class RLJob:
             model if lora_cfg is None else self.graphdef, num_slots=r.num_slots, max_len=r.max_len,
             mesh=self.meshes.rollout_mesh, config=model.cfg, **paged,
         )
-        self.sampler = SamplerLoop(
+        self.sampler: ManagedSampler = SamplerLoop(
             self.engine, rollout_params, version=self.trainer.version, on_update=r.on_update,
             decode_steps=r.decode_steps, seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
             timeline=self.timeline,
