@@ -17,6 +17,9 @@
 #              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
 #              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
+#   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
+#              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
+#              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
 # The 0.5B update crashed (segmentation fault) on the first call after a jax.profiler trace with jax 0.11.2,
 # so benchmarks/trainer.py now traces after its timed updates.
 # OUT defaults to runs/gpu_session. Python is $PY (default python3).
@@ -136,7 +139,12 @@ EOF
     step trainer05_traj32k 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
       --trajectory-len 32768 --micro-batch-tokens 32768 --remat full --skip-recompute --skip-hf --repeats 2
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 trainer15 loop05 lora15 sampler_more trainer_long)"
+  staleness)
+    step staleness 540 $PY benchmarks/staleness_ablation.py --etas 0,16,4,unbounded --seeds 0,1,2 --steps 30 \
+      --n_test 300 --out "$WORK/staleness"
+    mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
+    ;;
+  *) echo "unknown phase $phase (flash trainer05 sampler05 trainer15 loop05 lora15 sampler_more trainer_long staleness)"
      exit 2 ;;
   esac
 done

@@ -243,6 +243,26 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def write_report(args: argparse.Namespace, settings: dict, cells: dict, ran: int, sweep_s: float) -> dict:
+    """table.md, accuracy_vs_eta.png and results.json over the cells finished so far (rewritten after every
+    cell, so a sweep stopped by a time limit still leaves its figures)."""
+    rows = aggregate(cells, args.eta_list, args.loss_list, args.seed_list)
+    header = (f"Staleness ablation: {os.path.relpath(args.config, ROOT)}, {args.steps} steps, "
+              f"{len(args.seed_list)} seed(s), {args.n_test} test problems; overrides: {' '.join(regime_overrides(args)) or 'none'}. "
+              "Ours: held-out pass@1 (%) mean ± sd over seeds; paper: AIME24, 1.5B model.")
+    table = write_table(rows, os.path.join(args.out, "table.md"), header)
+    plot(rows, os.path.join(args.out, "accuracy_vs_eta.png"))
+    report = {"benchmark": "staleness_ablation", "settings": settings, "etas": [eta_name(e) for e in args.eta_list],
+              "losses": args.loss_list, "seeds": args.seed_list, "cells_run": ran, "sweep_s": sweep_s, "rows": rows,
+              "verdict": {m: verdict(rows, m) for m in ("greedy", "sampled")},
+              "cells": {f"{loss}_eta{eta_name(e)}_seed{s}": c for (e, loss, s), c in cells.items()}}
+    with open(os.path.join(args.out, "results.json") + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(os.path.join(args.out, "results.json") + ".tmp", os.path.join(args.out, "results.json"))
+    report["table"] = table
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     os.makedirs(os.path.join(args.out, "cells"), exist_ok=True)
@@ -280,20 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
         ran += 1
         print(f"[{i + 1}/{len(grid)}] {name}: greedy {cell['greedy']}, sampled {cell['sampled']}, "
               f"{cell['process_s']:.0f} s", flush=True)
-    rows = aggregate(cells, args.eta_list, args.loss_list, args.seed_list)
-    header = (f"Staleness ablation: {os.path.relpath(args.config, ROOT)}, {args.steps} steps, "
-              f"{len(args.seed_list)} seed(s), {args.n_test} test problems; overrides: {' '.join(regime_overrides(args)) or 'none'}. "
-              "Ours: held-out pass@1 (%) mean ± sd over seeds; paper: AIME24, 1.5B model.")
-    table = write_table(rows, os.path.join(args.out, "table.md"), header)
-    print(table)
-    plot(rows, os.path.join(args.out, "accuracy_vs_eta.png"))
-    report = {"benchmark": "staleness_ablation", "settings": settings, "etas": [eta_name(e) for e in args.eta_list],
-              "losses": args.loss_list, "seeds": args.seed_list, "cells_run": ran,
-              "sweep_s": time.perf_counter() - t_sweep, "rows": rows,
-              "verdict": {m: verdict(rows, m) for m in ("greedy", "sampled")},
-              "cells": {f"{loss}_eta{eta_name(e)}_seed{s}": c for (e, loss, s), c in cells.items()}}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        write_report(args, settings, cells, ran, time.perf_counter() - t_sweep)
+    report = write_report(args, settings, cells, ran, time.perf_counter() - t_sweep)
+    print(report.pop("table"))
     print(json.dumps(report))
     return report
 

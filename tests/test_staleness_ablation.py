@@ -64,6 +64,25 @@ def test_sweep_writes_table_png_json_and_resumes(tiny_config_file, tmp_path, cap
     bench.run_cell = lambda config, overrides, run_dir: calls.append(run_dir)
     again = bench.main(argv)
     assert calls == [] and again["cells_run"] == 0 and again["rows"] == report["rows"]
+
+    # A sweep stopped mid-way (a time limit) still leaves the figures of every cell it finished.
+    os.remove(tmp_path / "results.json")
+    for name in ("decoupled_eta1_seed0", "ppo_eta1_seed0"):
+        os.remove(tmp_path / "cells" / name / "cell.json")  # the run directories stay: read_cell reads them
+
+    def stopped_at_the_last_cell(config, overrides, run_dir):
+        if run_dir.endswith("ppo_eta1_seed0"):
+            raise KeyboardInterrupt
+    bench.run_cell = stopped_at_the_last_cell
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    saved = json.load(open(tmp_path / "results.json"))
+    assert sorted(saved["cells"]) == ["decoupled_eta0_seed0", "decoupled_eta1_seed0", "ppo_eta0_seed0"]
+    assert saved["cells_run"] == 1 and len(saved["rows"]) == 3
+    assert "| 1 |" in (tmp_path / "table.md").read_text()
+    bench.run_cell = lambda config, overrides, run_dir: calls.append(run_dir)
+    assert bench.main(argv)["cells_run"] == 1 and calls == [str(tmp_path / "cells" / "ppo_eta1_seed0")]
+    calls.clear()
     os.remove(tmp_path / "cells" / "ppo_eta1_seed0" / "cell.json")
     with pytest.raises(FileNotFoundError):  # the stand-in runner wrote nothing, so reading the run fails
         shutil.rmtree(tmp_path / "cells" / "ppo_eta1_seed0")
