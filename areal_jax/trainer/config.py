@@ -40,7 +40,9 @@ class TrainerConfig(Section):
                           "start) | loglinear (AReaL's version-interpolated approximation, no extra forward) | behav "
                           "(proximal = behaviour)", choices=("recompute", "loglinear", "behav"))
     ppo_minibatches: int = knob(1, "optimizer steps per update; the batch splits into this many minibatches of "
-                                "about equal token count")
+                                "about equal token count. With loss=decoupled and prox_mode=recompute, 1 makes the "
+                                "proximal policy the one the single step starts from, so the decoupled clip never "
+                                "acts (pi / pi_prox = 1)")
     micro_batch_tokens: int = knob(4096, "token budget of one device's share of a micro-step (its packed rows "
                                    "together); must hold the longest trajectory")
     kl_coef: float = knob(0.0, "weight of the KL penalty to the starting checkpoint (0 disables it)")
