@@ -116,3 +116,16 @@ def test_pass_at_k_equals_subset_enumeration():
         subsets = list(itertools.combinations(range(n), k))
         hits = sum(any(i < c for i in s) for s in subsets)
         assert pass_at_k(n, c, k) == pytest.approx(hits / len(subsets))
+
+
+def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, prompts):
+    """The job sizes its evaluation engine to the longest test prompt + eval.max_new_tokens (rounded up to 8),
+    not to rollout.max_len: the completions must not change when the cache ends right after them."""
+    tight = -(-(max(len(p) for p in prompts) + MAX_NEW) // 8) * 8
+    assert tight < MAX_LEN
+    engine = eval_engine(model, num_slots=4, max_len=tight, num_sequences=len(prompts))
+    gen = generate_for_eval(engine, nnx.state(model), prompts, k=0, temperature=1.0, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(EOS,), seed=0)
+    logp = full_forward_logp(model, MAX_LEN)
+    for i, p in enumerate(prompts):
+        assert list(gen.greedy[i].tokens) == greedy_reference(logp, p, MAX_NEW, stop=(EOS,))[0], f"prompt {i}"

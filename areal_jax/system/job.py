@@ -283,9 +283,13 @@ class RLJob:
         if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
             from areal_jax.evaluation.batch import eval_engine
 
-            self._eval_engine = eval_engine(  # sized for the largest evaluation of the run
+            # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
+            # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
+            longest = max((len(e.prompt_tokens) for e in self.eval_examples), default=1) + c.eval.max_new_tokens
+            self._eval_engine = eval_engine(
                 self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
-                max_len=c.rollout.max_len, num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
+                max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
+                num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
                 mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
