@@ -1,6 +1,8 @@
 """The sampler over a paged KV cache: the dense engine's tokens, pages limited by memory, groups sharing prompts."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,7 +10,7 @@ from flax import nnx
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import full_forward_logp, serve, wait_until
+from areal_jax.testing.sampler import full_forward_logp, serve
 
 MAX_LEN = 40
 CFG = testing.tiny_config("qwen2")
@@ -71,15 +73,27 @@ def test_group_prompt_pages_are_shared_while_the_samples_run(models):
 def test_recompute_update_over_pages_keeps_version_tags_exact(models):
     old, new = models
     engine = PagedEngine(old, num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=24)
+    # The update is handed over while the loop's third dispatch waits, so it lands mid-generation however
+    # fast or slow the machine is (a pause after a polled step count could be overrun by the samples).
+    dispatch, calls = engine.generate_steps, []
+    reached, go = threading.Event(), threading.Event()
+
+    def held_third_dispatch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            reached.set()
+            assert go.wait(60)
+        return dispatch(*args, **kwargs)
+
+    engine.generate_steps = held_third_dispatch
     loop = SamplerLoop(engine, nnx.split(old)[1], seed=3, decode_steps=2)
     loop.pause()
     loop.submit(Request(id="g", prompt=[5, 17, 23, 42, 8], max_new_tokens=16, n=2))
     loop.submit(Request(id="s", prompt=[6, 17, 23], max_new_tokens=16))
     loop.resume()
-    wait_until(lambda: loop.stats()["steps"] >= 4)
-    loop.pause()
+    assert reached.wait(120)
     loop.update_params(nnx.split(new)[1], version=7)
-    loop.resume()
+    go.set()
     done = [loop.get_completion(timeout=120) for _ in range(3)]
     loop.stop()
     logps = {0: full_forward_logp(old, MAX_LEN), 7: full_forward_logp(new, MAX_LEN)}
@@ -90,7 +104,7 @@ def test_recompute_update_over_pages_keeps_version_tags_exact(models):
         for tok, lp, ver in zip(c.tokens, c.logprobs, c.versions):
             assert abs(logps[int(ver)](seq)[-1][tok] - lp) < 1e-4
             seq.append(int(tok))
-    assert mixed >= 1
+    assert mixed == 3  # every sample: its first tokens of version 0, the rest of version 7
 
 
 def test_a_group_larger_than_the_pool_runs_a_sample_at_a_time(models):
