@@ -28,7 +28,7 @@ import numpy as np
 from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
-from areal_jax.models import KVCache, ModelConfig, Transformer, testing
+from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache, testing
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
 
@@ -65,29 +65,31 @@ def baseline_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
 def baseline_forward(model: Transformer, tokens: jax.Array, positions: jax.Array,
                      cache: KVCache) -> tuple[jax.Array, KVCache]:
     """The previous cache path of `Transformer.__call__`: tokens, positions [B, T] int32 -> (logits [B, T, V]
-    float32, new cache). Each layer scatters its keys / values, then attends the whole [B, S] slice."""
+    float32, new cache). Each layer scatters its keys / values, then attends its whole [B, S] cache with one
+    masked softmax."""
     cfg = model.cfg
     b, _ = tokens.shape
-    s = cache.k.shape[2]
+    s = cache.max_len
     mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
     rows = jnp.arange(b)[:, None]
     write_at = jnp.where((positions >= 0) & (positions < s), positions, s)
-    k_all, v_all = cache.k, cache.v
-    for i, layer in enumerate(model.layers):
+    ks, vs = [], []
+    for layer, k_layer, v_layer in zip(model.layers, cache.k, cache.v):
         q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
-        k_all = k_all.at[i, rows, write_at].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[i, rows, write_at].set(v.astype(v_all.dtype), mode="drop")
-        attn = baseline_attention(q, k_all[i].astype(cfg.dtype), v_all[i].astype(cfg.dtype), mask)
+        ks.append(k_layer.at[rows, write_at].set(k.astype(k_layer.dtype), mode="drop"))
+        vs.append(v_layer.at[rows, write_at].set(v.astype(v_layer.dtype), mode="drop"))
+        attn = baseline_attention(q, ks[-1].astype(cfg.dtype), vs[-1].astype(cfg.dtype), mask)
         x = x + layer.attn.out(attn)
         x = x + layer.mlp(layer.post_attn_norm(x))
-    return model.unembed(model.final_norm(x)), KVCache(k=k_all, v=v_all)
+    return model.unembed(model.final_norm(x)), KVCache(k=tuple(ks), v=tuple(vs))
 
 
 def paged_cache_of(cache: KVCache, page_size: int, seed: int) -> tuple[PagedKVCache, jax.Array]:
     """The same keys / values in shuffled pages: (PagedKVCache [L, K, B * S / ps, ps, Dh], page table [B, S / ps])."""
-    layers, b, s, kv, dh = cache.k.shape
+    stacked_k, stacked_v = cache.stacked()
+    layers, b, s, kv, dh = stacked_k.shape
     per_row = s // page_size
     order = np.random.default_rng(seed).permutation(b * per_row)
     inverse = np.argsort(order)
@@ -96,7 +98,7 @@ def paged_cache_of(cache: KVCache, page_size: int, seed: int) -> tuple[PagedKVCa
         pages = x.reshape(layers, b * per_row, page_size, kv, dh).transpose(0, 3, 1, 2, 4)
         return pages[:, :, inverse]  # page order[i] holds row-page i
 
-    return PagedKVCache(to_pages(cache.k), to_pages(cache.v)), jnp.asarray(order.reshape(b, per_row), jnp.int32)
+    return PagedKVCache(to_pages(stacked_k), to_pages(stacked_v)), jnp.asarray(order.reshape(b, per_row), jnp.int32)
 
 
 def paged_forward(path: str) -> Callable:
@@ -126,11 +128,11 @@ def step_flops(cfg: ModelConfig, rows: int, new_tokens: int, context: int) -> fl
 
 
 def random_cache(cfg: ModelConfig, rows: int, max_len: int, seed: int) -> KVCache:
-    """A cache of O(1) random keys and values [L, rows, max_len, K, Dh] in the compute dtype."""
-    shape = (cfg.num_layers, rows, max_len, cfg.num_kv_heads, cfg.head_dim)
-    kk, kv = jax.random.split(jax.random.key(seed))
-    return KVCache(k=jax.random.normal(kk, shape, jnp.float32).astype(cfg.dtype),
-                   v=jax.random.normal(kv, shape, jnp.float32).astype(cfg.dtype))
+    """A cache of O(1) random keys and values (L layers of [rows, max_len, K, Dh]) in the compute dtype."""
+    shape = (rows, max_len, cfg.num_kv_heads, cfg.head_dim)
+    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
+    layers = [jax.random.normal(key, shape, jnp.float32).astype(cfg.dtype) for key in keys]
+    return KVCache(k=tuple(layers[: cfg.num_layers]), v=tuple(layers[cfg.num_layers:]))
 
 
 def time_pair(fns: dict[str, Callable], make_cache: Callable[[], KVCache], tokens: jax.Array, positions: jax.Array,
@@ -234,9 +236,7 @@ def main() -> None:
         p = max(args.cache_lens)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.prefill_rows, p)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (args.prefill_rows, p))
-        zero = lambda: KVCache(k=jnp.zeros((cfg.num_layers, args.prefill_rows, p, cfg.num_kv_heads, cfg.head_dim),
-                                           dtype), v=jnp.zeros((cfg.num_layers, args.prefill_rows, p,
-                                                                cfg.num_kv_heads, cfg.head_dim), dtype))
+        zero = lambda: init_cache(cfg, args.prefill_rows, p, dtype)  # noqa: E731
         times, logits = time_pair(fns, zero, tokens, positions, max(3, args.repeats // 3), fresh_cache=True)
         err = float(np.max(np.abs(logits["baseline"] - logits["current"])))
         check_agreement(err, logits["baseline"], rel_tol, "prefill")

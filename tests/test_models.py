@@ -50,7 +50,8 @@ def test_kv_cache_decode_matches_full_forward(arch):
             if pos[b] < total:
                 np.testing.assert_allclose(logits[b, 0], ref[b, pos[b]], atol=1e-5, rtol=0)
         pos += 1
-    assert isinstance(cache, KVCache) and cache.k.shape == (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.num_layers
+    assert {x.shape for x in (*cache.k, *cache.v)} == {(2, 16, cfg.num_kv_heads, cfg.head_dim)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -124,9 +125,9 @@ def test_cache_writes_beyond_length_are_dropped():
     model = random_model(cfg)
     cache = init_cache(cfg, 1, 4)
     _, cache = model(jnp.asarray([[3, 4]], jnp.int32), jnp.asarray([[0, 1]], jnp.int32), cache=cache)
-    before = np.asarray(cache.k)
+    before = np.stack(cache.k)
     logits, after = model(jnp.asarray([[7]], jnp.int32), jnp.asarray([[9]], jnp.int32), cache=cache)
-    np.testing.assert_array_equal(after.k, before)
+    np.testing.assert_array_equal(np.stack(after.k), before)
     assert np.isfinite(np.asarray(logits)).all()
     # Cache indices 2..3 are zero; a query at position 9 attends them like any other index.
     assert not np.any(before[:, :, 2:])

@@ -36,7 +36,7 @@ def test_chunked_cache_attention_matches_reference(chunk, t, kv):
     vc = rng.normal(size=(layers, b, s, kv, d)).astype(np.float32)
     positions = np.stack([rng.integers(-2, s + 3, size=t) for _ in range(b)]).astype(np.int32)
     positions[0] = np.arange(t) + 5  # one ordinary row
-    got = cached_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(positions),
+    got = cached_attention(jnp.asarray(q), jnp.asarray(kc[1]), jnp.asarray(vc[1]), jnp.asarray(positions),
                            chunk_size=chunk)
     want = reference(q, kc, vc, 1, positions)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
@@ -128,9 +128,9 @@ def test_one_pass_cache_attention_has_no_loop():
     import jax
 
     q = jnp.zeros((2, 1, 4, 8))
-    kc = jnp.zeros((2, 2, 16, 2, 8))
+    kc = jnp.zeros((2, 16, 2, 8))
     pos = jnp.array([[3], [9]], jnp.int32)
-    lower = lambda chunk: jax.jit(lambda q, k, v, p: cached_attention(q, k, v, 0, p, chunk_size=chunk)).lower(  # noqa: E731
+    lower = lambda chunk: jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, chunk_size=chunk)).lower(  # noqa: E731
         q, kc, kc, pos).as_text()
     assert "stablehlo.while" not in lower(16)
     assert "stablehlo.while" in lower(8)

@@ -51,7 +51,7 @@ def test_gather_and_kernel_attention_equal_dense_cache_attention():
     q = jax.random.normal(jax.random.key(1), (b, 1, H, DH), jnp.float32)
     positions = jnp.asarray(POSITIONS)[:, None]
     for layer in range(L):
-        want = np.asarray(cached_attention(q, dk, dv, layer, positions))
+        want = np.asarray(cached_attention(q, dk[layer], dv[layer], positions))
         got = np.asarray(gather_attention(q, paged, layer, jnp.asarray(owned), positions))
         np.testing.assert_allclose(got, want, atol=2e-5)
         got = np.asarray(kernel_attention(q, paged, layer, jnp.asarray(owned), positions, interpret=True))
@@ -60,7 +60,7 @@ def test_gather_and_kernel_attention_equal_dense_cache_attention():
     q3 = jax.random.normal(jax.random.key(2), (b, 3, H, DH), jnp.float32)
     pos3 = jnp.asarray(np.maximum(POSITIONS[:, None] - np.array([2, 1, 0]), 0))
     np.testing.assert_allclose(np.asarray(gather_attention(q3, paged, 1, jnp.asarray(table), pos3)),
-                               np.asarray(cached_attention(q3, dk, dv, 1, pos3)), atol=2e-5)
+                               np.asarray(cached_attention(q3, dk[1], dv[1], pos3)), atol=2e-5)
 
 
 @pytest.fixture(scope="module")

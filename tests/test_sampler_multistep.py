@@ -56,7 +56,7 @@ def test_k_steps_in_one_dispatch_equal_k_single_steps(models):
     np.testing.assert_array_equal(np.where(valid, tokens, -1), np.where(want_valid, np.stack([s.tokens for s in steps]), -1))
     np.testing.assert_allclose(logprobs[valid], np.stack([s.logprobs for s in steps])[want_valid], atol=1e-5)
     np.testing.assert_array_equal(got[-1].done, steps[-1].done)
-    np.testing.assert_allclose(np.asarray(multi.cache.k), np.asarray(single.cache.k), atol=1e-5)
+    np.testing.assert_allclose(np.stack(multi.cache.k), np.stack(single.cache.k), atol=1e-5)
     # Each slot's valid steps are a prefix; slot 1 (budget 3) stops inside the first dispatch and slot 3 never ran.
     assert valid[:, 1].tolist() == [True] * 3 + [False] * 9 and not valid[:, 3].any()
 

@@ -114,7 +114,7 @@ def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
-# Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the stacked cache before its
+# Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the layer's cache before its
 # matrix products; at 128 positions that copy stays in the core's L2 cache (decode at 1024 positions took 67 ms
 # against 92 ms in one pass, benchmarks/decode_attention.py). On an H200 one pass over up to 8192 was fastest.
 CPU_CACHE_CHUNK = 128
@@ -180,26 +180,27 @@ def _chunk_attention_block_diagonal(qbd: jax.Array, k: jax.Array, v: jax.Array, 
     return scores, weigh_values
 
 
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, positions: jax.Array,
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                      chunk_size: int | None = None) -> jax.Array:
-    """Grouped-query attention of new queries over one layer of a stacked KV cache, chunk by chunk.
+    """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
 
-    q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [L, B, S, K, Dh], already holding this call's keys and
-    values; layer: which of the L layers to read; positions: [B, T] int32. Query (b, t) attends cache
-    indices 0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0:
-    such a query gets zeros). Returns [B, T, H, Dh] in q's dtype.
+    q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
+    holding this call's keys and values; positions: [B, T] int32. Query (b, t) attends cache indices
+    0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0: such a query
+    gets zeros). Returns [B, T, H, Dh] in q's dtype.
 
     The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
-    softmax: the whole [B, S] layer is never copied, transposed or repeated per kv head, and the loop stops
-    after the chunk holding the largest position in the batch, so the cost follows the longest live context
-    rather than S. The trip count depends on the data: this path is for forward evaluation (no reverse-mode
-    gradients); training uses `dot_attention`.
+    softmax: the layer is never transposed or repeated per kv head (and, in one chunk, never copied), and the
+    loop stops after the chunk holding the largest position in the batch, so the cost follows the longest live
+    context rather than S. The trip count depends on the data: this path is for forward evaluation (no
+    reverse-mode gradients); training uses `dot_attention`.
     """
     b, t, h, dh = q.shape
-    _, cb, s, kv, _ = k_cache.shape
-    if cb != b or positions.shape != (b, t) or v_cache.shape != k_cache.shape:
+    if (k_cache.ndim != 4 or k_cache.shape[0] != b or positions.shape != (b, t)
+            or v_cache.shape != k_cache.shape):
         raise ValueError(f"cached_attention got q {q.shape}, caches {k_cache.shape} / {v_cache.shape} and positions "
-                         f"{positions.shape}; expected q [B, T, H, Dh], caches [L, B, S, K, Dh] and positions [B, T].")
+                         f"{positions.shape}; expected q [B, T, H, Dh], caches [B, S, K, Dh] and positions [B, T].")
+    s, kv = k_cache.shape[1], k_cache.shape[2]
     chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
@@ -220,8 +221,11 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
         run_max, run_sum, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Dh] float32
         first = c * chunk
         start = jnp.minimum(first, s - chunk)  # the last chunk is shifted back to stay inside the cache ...
-        k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, b, chunk, kv, dh))[0]
-        v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, b, chunk, kv, dh))[0]
+        if chunk >= s:
+            k, v = k_cache, v_cache
+        else:
+            k = jax.lax.dynamic_slice(k_cache, (0, start, 0, 0), (b, chunk, kv, dh))
+            v = jax.lax.dynamic_slice(v_cache, (0, start, 0, 0), (b, chunk, kv, dh))
         index = start + offsets
         # ... and masks the indices that an earlier chunk covered.
         visible = (index[None, None, :] <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]

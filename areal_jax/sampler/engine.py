@@ -117,7 +117,7 @@ class Engine:
     def _cache_spec(self) -> PartitionSpec:
         tensor = self.mesh.shape.get("tensor", 1)
         if tensor > 1 and self.config.num_kv_heads % tensor == 0:
-            return PartitionSpec(None, None, None, "tensor", None)
+            return PartitionSpec(None, None, "tensor", None)
         return PartitionSpec()
 
     def _setup_shardings(self, state: nnx.State | None) -> None:
@@ -126,10 +126,10 @@ class Engine:
         cache = NamedSharding(self.mesh, self._cache_spec())
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
-        def pick(x: Any) -> NamedSharding:
-            return cache if getattr(x, "ndim", 0) == 5 else replicated
-
-        self._state_sharding = jax.tree.map(pick, jax.eval_shape(self._init_fn))
+        shapes = jax.eval_shape(self._init_fn)
+        self._state_sharding = dataclasses.replace(
+            jax.tree.map(lambda _: replicated, shapes),
+            cache=jax.tree.map(lambda _: cache, shapes.cache))
         self._prefix_sharding = Prefix(KVCache(k=cache, v=cache), replicated, replicated, replicated, replicated)
 
     def place_params(self, params: nnx.State) -> nnx.State:
@@ -147,7 +147,7 @@ class Engine:
 
     def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
                       lengths: jax.Array) -> tuple[KVCache, jax.Array]:
-        """tokens [R, P] int32 (tail padded), lengths [R] -> (cache [L, R, P, ...], logits [R, V] f32)."""
+        """tokens [R, P] int32 (tail padded), lengths [R] -> (cache of L layers [R, P, ...], logits [R, V] f32)."""
         model = nnx.merge(self.graphdef, params)
         r, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
@@ -170,7 +170,7 @@ class Engine:
     def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array,
                    settings: SlotSettings) -> DecodeState:
         def write(dst: jax.Array, src: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (0, slot, 0, 0, 0))
+            return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))
 
         cache = jax.tree.map(write, state.cache, prefix.cache)
         state = dataclasses.replace(state, cache=cache)
@@ -182,9 +182,9 @@ class Engine:
         n = slots.shape[0]
 
         def write(dst: jax.Array, src: jax.Array) -> jax.Array:
-            p = src.shape[2]
-            rows = jnp.broadcast_to(src.astype(dst.dtype), (src.shape[0], n) + src.shape[2:])
-            return dst.at[:, slots, :p].set(rows, mode="drop")
+            p = src.shape[1]
+            rows = jnp.broadcast_to(src.astype(dst.dtype), (n,) + src.shape[1:])
+            return dst.at[slots, :p].set(rows, mode="drop")
 
         cache = jax.tree.map(write, state.cache, prefix.cache)
         state = dataclasses.replace(state, cache=cache)
@@ -197,7 +197,7 @@ class Engine:
         p = tokens.shape[1]
 
         def write(dst: jax.Array, src: jax.Array) -> jax.Array:
-            return dst.at[:, slots, :p].set(src.astype(dst.dtype), mode="drop")
+            return dst.at[slots, :p].set(src.astype(dst.dtype), mode="drop")
 
         state = dataclasses.replace(state, cache=jax.tree.map(write, state.cache, cache))
         last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]

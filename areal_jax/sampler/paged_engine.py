@@ -51,8 +51,9 @@ class PagedCacheState:
 
 
 def _write_rows(pages: PagedKVCache, table: jax.Array, cache: Any) -> PagedKVCache:
-    """Write a dense prefill cache (k, v [L, R, T, K, Dh], positions 0..T-1) into the pages of table [R, P]."""
-    r, t = cache.k.shape[1], cache.k.shape[2]
+    """Write a dense prefill cache (a KVCache of L layers [R, T, K, Dh], positions 0..T-1) into the pages of
+    table [R, P]."""
+    r, t = cache.k[0].shape[0], cache.k[0].shape[1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (r, t))
     page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
     layers = jnp.arange(pages.k.shape[0])[:, None, None, None]
@@ -62,7 +63,8 @@ def _write_rows(pages: PagedKVCache, table: jax.Array, cache: Any) -> PagedKVCac
     def put(dst: jax.Array, src: jax.Array) -> jax.Array:  # src [L, R, T, K, Dh]
         return dst.at[idx].set(src.astype(dst.dtype), mode="drop")
 
-    return PagedKVCache(k=put(pages.k, cache.k), v=put(pages.v, cache.v))
+    k, v = cache.stacked()
+    return PagedKVCache(k=put(pages.k, k), v=put(pages.v, v))
 
 
 class PagedEngine(Engine):
@@ -123,7 +125,7 @@ class PagedEngine(Engine):
     def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
                         settings: SlotSettings) -> DecodeState:
         n = slots.shape[0]
-        rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (x.shape[0], n) + x.shape[2:]), prefix.cache)
+        rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), prefix.cache)
         pages = _write_rows(state.cache.pages, self._rows_of(state, slots), rows)
         state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
         return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slots,

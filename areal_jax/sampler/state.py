@@ -14,7 +14,7 @@ class DecodeState:
     """Everything the decode step reads and writes, one row per slot (S = num_slots).
 
     Attributes:
-      cache: KVCache with k, v [L, S, max_len, kv_heads, head_dim] (compute dtype).
+      cache: KVCache with k, v: L layers of [S, max_len, kv_heads, head_dim] (compute dtype).
       logits: [S, V] float32 logits of the next token each slot will sample.
       lengths: [S] int32 tokens already in the cache (prompt + generated); the next token is
         written at this index.
@@ -45,7 +45,7 @@ class Prefix:
     """A prefilled prompt, ready to be inserted into one or more slots.
 
     Attributes:
-      cache: KVCache with k, v [L, 1, P, kv_heads, head_dim], P = the prompt's bucket; rows at
+      cache: KVCache with k, v: L layers of [1, P, kv_heads, head_dim], P = the prompt's bucket; rows at
         index >= true_length hold padding junk that decoding overwrites before reading.
       logits: [V] float32 logits of the first token to generate.
       logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
