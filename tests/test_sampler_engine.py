@@ -57,6 +57,27 @@ def test_insert_and_generate_equal_full_forward(model):
     assert engine.compile_count <= 6
 
 
+def test_prefill_many_equals_prefill_one_by_one(model):
+    """Batched prefills (full calls of prefill_batch rows, a one-row call, rows of different buckets) give
+    each prompt the prefix a lone prefill gives it: same logits, length, last token and cache rows."""
+    engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=4)
+    _, params = nnx.split(model)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, 60, n)) for n in (3, 17, 5, 9, 30, 1)]  # 4 + 2 rows; buckets 16 and 32
+    for batch in (prompts, prompts[:1]):
+        got = engine.prefill_many(params, batch)
+        assert len(got) == len(batch)
+        for prompt, prefix in zip(batch, got):
+            want = engine.prefill(params, prompt)
+            n = len(prompt)
+            assert int(prefix.true_length) == n and int(prefix.last_token) == prompt[-1]
+            np.testing.assert_allclose(np.asarray(prefix.logprobs), np.asarray(want.logprobs), atol=1e-5)
+            for a, b in zip((*prefix.cache.k, *prefix.cache.v), (*want.cache.k, *want.cache.v)):
+                np.testing.assert_allclose(np.asarray(a)[:, :n], np.asarray(b)[:, :n], atol=1e-5)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.prefill_many(params, [[1, 2], []])
+
+
 def test_bulk_insert_copies_one_prefix_into_a_group(model):
     engine = Engine(model, num_slots=4, max_len=MAX_LEN)
     _, params = nnx.split(model)

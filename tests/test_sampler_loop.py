@@ -84,6 +84,35 @@ def test_group_samples_share_a_prefill_and_overflow_the_slots(models):
             seq.append(int(tok))
 
 
+def test_queued_prompts_are_prefilled_together_once_each(models):
+    """Admission prefills the queue head's prompts in batched calls, one row per distinct prompt: a greedy
+    and a sampled request of the same prompt share it, and prompts queued behind full slots are prefilled
+    ahead. The greedy sequences still equal greedy decoding by full forwards."""
+    engine = Engine(models[0], num_slots=6, max_len=MAX_LEN, prefill_batch=4)
+    calls = []
+    prefill_many = engine.prefill_many
+    engine.prefill_many = lambda params, prompts: calls.append([tuple(p) for p in prompts]) or prefill_many(
+        params, prompts)
+    logp = full_forward_logp(models[0], MAX_LEN)
+    prompts = [[8 + i, 9, 10 + 2 * i] + [11] * i for i in range(5)]
+    with SamplerLoop(engine, nnx.split(models[0])[1], seed=0) as loop:
+        loop.pause()
+        for i, prompt in enumerate(prompts):
+            loop.submit(Request(id=("greedy", i), prompt=prompt, max_new_tokens=5, n=1, temperature=0.0))
+            loop.submit(Request(id=("sampled", i), prompt=prompt, max_new_tokens=5, n=3, temperature=1.0))
+        loop.resume()
+        done = collect_completions(loop, 5 * 4)
+    rows = [row for call in calls for row in call]
+    assert sorted(rows) == sorted(tuple(p) for p in prompts), "each distinct prompt is prefilled exactly once"
+    assert [len(call) for call in calls] == [4, 1], "the first call fills its rows past the 6 free slots"
+    for c in done:
+        if c.request_id[0] == "greedy":
+            seq = list(c.prompt)
+            for tok in c.tokens:
+                assert tok == int(np.argmax(logp(seq)[-1]))
+                seq.append(int(tok))
+
+
 def test_too_long_prompt_is_an_error_for_that_request_only(models):
     engine = Engine(models[0], num_slots=2, max_len=32)
     with SamplerLoop(engine, nnx.split(models[0])[1]) as loop:

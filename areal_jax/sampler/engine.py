@@ -1,7 +1,7 @@
 """The decode engine: JetStream's engine API shape (prefill / insert / generate), pure and jitted.
 
-A fixed number of *slots* decode together. Each slot owns one row of a KV cache
-``[L, num_slots, max_len, kv_heads, head_dim]`` plus its next-token logits and sampling settings.
+A fixed number of *slots* decode together. Each slot owns one row of a KV cache (per layer
+``[num_slots, max_len, kv_heads, head_dim]``) plus its next-token logits and sampling settings.
 One call of :meth:`Engine.generate` advances every slot by one token with a single compiled program:
 
 1. sample a token per slot from the slot's stored logits (its behaviour logprob comes with it);
@@ -12,9 +12,10 @@ Storing the logits in the state means a prefilled prompt only has to be *inserte
 holding the same prefix (a GRPO group, :meth:`Engine.bulk_insert`) then draw different first tokens.
 All functions take ``params`` = the ``nnx.State`` of ``nnx.split(model)``; the decode state is
 donated so a step rewrites the cache in place. Prompts are padded to power-of-two buckets so a run
-compiles a handful of programs. :meth:`Engine.insert_sequences` prefills many sequences in batched
-calls (admission of single-sample requests, and the re-prefill of in-flight sequences after a
-weight update). The per-slot fields (settings, arming and freeing slots) are in ``sampler.slots``.
+compiles a handful of programs. :meth:`Engine.prefill_many` prefills many prompts in batched calls
+(admission: the sampler loop prefills the prompts at the head of its queue together, once per
+distinct prompt), and :meth:`Engine.insert_sequences` prefills and inserts many sequences at once
+(the re-prefill of in-flight sequences after a weight update). The per-slot fields (settings, arming and freeing slots) are in ``sampler.slots``.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class Engine:
             two from ``min_bucket`` plus max_len.
           config: the ModelConfig, needed when a graphdef is given.
           max_stop_tokens: the most stop token ids one request may carry.
-          prefill_batch: rows per batched prefill call of :meth:`insert_sequences`.
+          prefill_batch: rows per batched prefill call of :meth:`insert_sequences` and
+            :meth:`prefill_many`.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -97,6 +99,7 @@ class Engine:
         if mesh is not None:
             self._setup_shardings(abstract)
         self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
+        self._jit_prefill_many: dict[int, Callable[..., Any]] = {}  # rows -> program (one output tree per row)
         self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
         self._jit_bulk_insert = jax.jit(
             self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
@@ -164,6 +167,16 @@ class Engine:
             true_length=true_length.astype(jnp.int32),
             last_token=tokens[0, true_length - 1],
         )
+
+    def _prefill_many_fn(self, params: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[Prefix, ...]:
+        """tokens [R, P] (tail padded), lengths [R] -> R one-row Prefixes (each its own buffers)."""
+        cache, logits = self._prefill_rows(params, tokens, lengths)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return tuple(
+            Prefix(cache=jax.tree.map(lambda x, r=r: x[r : r + 1], cache), logits=logits[r], logprobs=logprobs[r],
+                   true_length=lengths[r].astype(jnp.int32), last_token=last[r])
+            for r in range(tokens.shape[0]))
 
     _set_slot_fields = staticmethod(arm_slots)
 
@@ -275,6 +288,31 @@ class Engine:
         padded = np.zeros((1, self.bucket_for(n)), np.int32)
         padded[0, :n] = tokens[:n]
         return self._call(self._jit_prefill, params, padded, np.int32(n))
+
+    def prefill_many(self, params: nnx.State, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
+        """:meth:`prefill` of several prompts in batched calls: one Prefix per prompt, in order.
+
+        A call holds ``prefill_batch`` rows (one row when a single prompt is given), padded to the
+        bucket of its longest prompt, so admitting many prompts costs a few full matrix products
+        instead of one thin product per prompt; a bucket compiles at most two programs.
+        """
+        lengths = [len(p) for p in prompts]
+        if any(n < 1 for n in lengths):
+            raise ValueError(f"prefill_many got an empty prompt (lengths {lengths}).")
+        out: list[Prefix] = []
+        for start in range(0, len(prompts), self.prefill_batch):
+            chunk = prompts[start : start + self.prefill_batch]
+            rows = 1 if len(chunk) == 1 else self.prefill_batch
+            tokens = np.zeros((rows, self.bucket_for(max(len(p) for p in chunk))), np.int32)
+            n = np.ones((rows,), np.int32)
+            for r, prompt in enumerate(chunk):
+                tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
+                n[r] = len(prompt)
+            if rows not in self._jit_prefill_many:
+                shardings = None if self._prefix_sharding is None else (self._prefix_sharding,) * rows
+                self._jit_prefill_many[rows] = jax.jit(self._prefill_many_fn, out_shardings=shardings)
+            out.extend(self._call(self._jit_prefill_many[rows], params, tokens, n)[: len(chunk)])
+        return out
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:

@@ -143,9 +143,9 @@ class LoopThread:
         self._release(slots)
 
     def _admit(self) -> None:
-        """Fill free slots from the queue: single samples in batched prefills, groups (n > 1)
-        with one prefill copied into their slots."""
-        singles: list[tuple[int, _Queued]] = []
+        """Fill free slots from the queue. Each queued request's prompt is prefilled once (several
+        requests' prompts per call, see :meth:`_prefill_ahead`) and its prefix copied into the slots of
+        its samples."""
         while self._free:
             with self._cond:
                 if not self._queue or self._stop_mode == "now":
@@ -154,12 +154,8 @@ class LoopThread:
             k = self._admissible(q)
             if k == 0:
                 break
-            if q.request.n == 1:
-                singles.append((self._free.pop(), q))
-                self._advance(q, 1)
-                continue
             if q.prefix is None or q.prefix_version != self._version:
-                q.prefix, q.prefix_version = self.engine.prefill(self._params, q.request.prompt), self._version
+                self._prefill_ahead()
             slots = [self._free.pop() for _ in range(k)]
             if k == 1:
                 self._state = self.engine.insert(q.prefix, self._state, slots[0], q.sampling)
@@ -168,12 +164,28 @@ class LoopThread:
             for i, slot in enumerate(slots):
                 self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
             self._advance(q, k)
-        if singles:
-            self._state = self.engine.insert_sequences(
-                self._params, self._state, [slot for slot, _ in singles],
-                [q.request.prompt for _, q in singles], [q.sampling for _, q in singles])
-            for slot, q in singles:
-                self._running[slot] = _Running(q.request, 0, q.sampling, self._version)
+
+    def _prefill_ahead(self) -> None:
+        """Prefill, in one batched call, the prompts of the first queued requests that have no prefix at
+        the current version: up to ``engine.prefill_batch`` distinct prompts, requests with the same prompt
+        (an evaluation's greedy and sampled requests of one problem) sharing one prefix. Prefilling past
+        the free slots keeps the calls full; a weight update before admission only costs a re-prefill."""
+        limit = self.engine.prefill_batch
+        rows: dict[tuple, int] = {}
+        take: list[tuple[_Queued, int]] = []
+        with self._cond:
+            for q in self._queue:
+                if q.prefix is not None and q.prefix_version == self._version:
+                    continue
+                key = tuple(int(t) for t in q.request.prompt)
+                if key not in rows:
+                    if len(rows) == limit:
+                        break
+                    rows[key] = len(rows)
+                take.append((q, rows[key]))
+        prefixes = self.engine.prefill_many(self._params, [list(key) for key in rows])
+        for q, row in take:
+            q.prefix, q.prefix_version = prefixes[row], self._version
 
     def _admissible(self, q: _Queued) -> int:
         """Samples of the queue head that free slots and the cache's memory (a paged cache) take now. The
