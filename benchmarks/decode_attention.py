@@ -28,9 +28,10 @@ import numpy as np
 from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
-from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache, testing
+from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
+from areal_jax.testing import models as testing
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,18 +88,19 @@ def baseline_forward(model: Transformer, tokens: jax.Array, positions: jax.Array
 
 
 def paged_cache_of(cache: KVCache, page_size: int, seed: int) -> tuple[PagedKVCache, jax.Array]:
-    """The same keys / values in shuffled pages: (PagedKVCache [L, K, B * S / ps, ps, Dh], page table [B, S / ps])."""
-    stacked_k, stacked_v = cache.stacked()
-    layers, b, s, kv, dh = stacked_k.shape
+    """The same keys / values in shuffled pages: (PagedKVCache of L layers [K, B * S / ps, ps, Dh], page table
+    [B, S / ps])."""
+    b, s, kv, dh = cache.k[0].shape
     per_row = s // page_size
     order = np.random.default_rng(seed).permutation(b * per_row)
     inverse = np.argsort(order)
 
     def to_pages(x: jax.Array) -> jax.Array:
-        pages = x.reshape(layers, b * per_row, page_size, kv, dh).transpose(0, 3, 1, 2, 4)
-        return pages[:, :, inverse]  # page order[i] holds row-page i
+        pages = x.reshape(b * per_row, page_size, kv, dh).transpose(2, 0, 1, 3)
+        return pages[:, inverse]  # page order[i] holds row-page i
 
-    return PagedKVCache(to_pages(stacked_k), to_pages(stacked_v)), jnp.asarray(order.reshape(b, per_row), jnp.int32)
+    return (PagedKVCache(tuple(map(to_pages, cache.k)), tuple(map(to_pages, cache.v))),
+            jnp.asarray(order.reshape(b, per_row), jnp.int32))
 
 
 def paged_forward(path: str) -> Callable:

@@ -36,7 +36,8 @@ def random_pages(b, s, num_pages, seed=0):
         for j in range(per_row):
             pk[:, :, table[row, j]] = dense_k[:, row, j * PS:(j + 1) * PS].transpose(0, 2, 1, 3)
             pv[:, :, table[row, j]] = dense_v[:, row, j * PS:(j + 1) * PS].transpose(0, 2, 1, 3)
-    return (jnp.asarray(dense_k), jnp.asarray(dense_v)), table, PagedKVCache(jnp.asarray(pk), jnp.asarray(pv))
+    return (jnp.asarray(dense_k), jnp.asarray(dense_v)), table, PagedKVCache(tuple(jnp.asarray(x) for x in pk),
+                                                                               tuple(jnp.asarray(x) for x in pv))
 
 
 # positions at the start, end and middle of pages, and the last position of the cache

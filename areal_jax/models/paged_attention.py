@@ -1,8 +1,9 @@
 """A paged KV cache: fixed-size pages shared by every sequence, one page table per row.
 
 A dense cache gives every decode slot [max_len] positions whether it uses them or not, so slots x max_len
-bounds the batch. Here keys and values live in a pool of pages, ``[L, K, num_pages, page_size, Dh]`` (the
-layout JAX's Pallas paged-attention kernels read per layer), and row b's position p lives at offset
+bounds the batch. Here keys and values live in a pool of pages, per layer ``[K, num_pages, page_size, Dh]``
+(the layout JAX's Pallas paged-attention kernels read; one buffer per layer, so a kernel reads its layer in
+place rather than a slice copied out of a stack), and row b's position p lives at offset
 ``p % page_size`` of page ``page_table[b, p // page_size]``. Pages are handed out as a sequence grows
 and returned when it finishes (``sampler.pages.PageAllocator``); a group's samples can point at the same
 prompt pages.
@@ -35,27 +36,35 @@ PagedPath = Literal["gather", "kernel"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedKVCache:
-    """Keys and values of every layer in pages. k, v: [L, K, num_pages, page_size, Dh] (compute dtype)."""
+    """Keys and values of every layer in pages. k, v: tuples of L arrays [K, num_pages, page_size, Dh]
+    (compute dtype)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, list):
+            self.k = tuple(self.k)
+        if isinstance(self.v, list):
+            self.v = tuple(self.v)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
     """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to cfg.dtype."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     dtype = cfg.dtype if dtype is None else dtype
-    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return PagedKVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
 def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int,
@@ -71,29 +80,29 @@ def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int
     return jnp.where(ok, page, num_pages).astype(jnp.int32), (positions % page_size).astype(jnp.int32)
 
 
-def write_pages(pages: jax.Array, layer: int, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
-    """pages [L, K, N, ps, Dh]; page, offset [B, T] (``page_coordinates``); new [B, T, K, Dh] -> pages with
-    ``new[b, t]`` stored at (layer, :, page[b, t], offset[b, t]); out-of-range pages are dropped."""
-    heads = jnp.arange(pages.shape[1], dtype=jnp.int32)
-    return pages.at[layer, heads[None, None, :], page[..., None], offset[..., None]].set(
-        new.astype(pages.dtype), mode="drop")
+def write_pages(pages: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
+    """One layer's pages [K, N, ps, Dh]; page, offset [B, T] (``page_coordinates``); new [B, T, K, Dh] -> pages
+    with ``new[b, t]`` stored at (:, page[b, t], offset[b, t]); out-of-range pages are dropped."""
+    heads = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    return pages.at[heads[None, None, :], page[..., None], offset[..., None]].set(new.astype(pages.dtype),
+                                                                                  mode="drop")
 
 
 def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Copy page src[i] into page dst[i] in every layer and head (src, dst: [n] int32; a dst out of range is
     dropped, so callers can pad to a fixed n). The copy on write of a shared prompt's partial last page."""
     def copy(pages: jax.Array) -> jax.Array:
-        return pages.at[:, :, dst].set(pages[:, :, jnp.clip(src, 0, pages.shape[2] - 1)], mode="drop")
+        return pages.at[:, dst].set(pages[:, jnp.clip(src, 0, pages.shape[1] - 1)], mode="drop")
 
-    return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
+    return PagedKVCache(k=tuple(copy(x) for x in cache.k), v=tuple(copy(x) for x in cache.v))
 
 
-def gather_rows(pages: jax.Array, layer: int, page_table: jax.Array) -> jax.Array:
-    """pages [L, K, N, ps, Dh], page_table [B, P] -> [B, P * ps, K, Dh]: each row's positions in order
+def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """One layer's pages [K, N, ps, Dh], page_table [B, P] -> [B, P * ps, K, Dh]: each row's positions in order
     (missing pages read page 0; attention masks those positions)."""
-    _, kv, _, ps, dh = pages.shape
+    kv, _, ps, dh = pages.shape
     b, p = page_table.shape
-    rows = pages[layer][:, jnp.maximum(page_table, 0)]  # [K, B, P, ps, Dh]
+    rows = pages[:, jnp.maximum(page_table, 0)]  # [K, B, P, ps, Dh]
     return rows.transpose(1, 2, 3, 0, 4).reshape(b, p * ps, kv, dh)
 
 
@@ -105,7 +114,7 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
     zeros). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
     b, t, h, dh = q.shape
-    k, v = gather_rows(cache.k, layer, page_table), gather_rows(cache.v, layer, page_table)
+    k, v = gather_rows(cache.k[layer], page_table), gather_rows(cache.v[layer], page_table)
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
@@ -172,15 +181,15 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
-    k_all, v_all = cache.k, cache.v
+    k_all, v_all = list(cache.k), list(cache.v)
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
-        k_all, v_all = write_pages(k_all, i, page, offset, k), write_pages(v_all, i, page, offset, v)
-        current = PagedKVCache(k=k_all, v=v_all)
+        k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
+        current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
         if path == "kernel":
             attn = kernel_attention(q, current, i, page_table, positions, interpret=interpret)
         else:
             attn = gather_attention(q, current, i, page_table, positions)
         x = x + layer.attn.out(attn)
         x = x + layer.mlp(layer.post_attn_norm(x))
-    return model.final_norm(x), PagedKVCache(k=k_all, v=v_all)
+    return model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))

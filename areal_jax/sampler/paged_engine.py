@@ -33,6 +33,7 @@ from areal_jax.models.paged_attention import (
     init_paged_cache,
     page_coordinates,
     paged_hidden,
+    write_pages,
 )
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
@@ -44,7 +45,8 @@ from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSe
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedCacheState:
-    """The cache field of a paged DecodeState: pages [L, K, N, page_size, Dh] and table [S, P] int32 (-1 = none)."""
+    """The cache field of a paged DecodeState: pages (L layers of [K, N, page_size, Dh]) and table [S, P] int32
+    (-1 = none)."""
 
     pages: PagedKVCache
     table: jax.Array
@@ -56,15 +58,8 @@ def _write_rows(pages: PagedKVCache, table: jax.Array, cache: Any) -> PagedKVCac
     r, t = cache.k[0].shape[0], cache.k[0].shape[1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (r, t))
     page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
-    layers = jnp.arange(pages.k.shape[0])[:, None, None, None]
-    heads = jnp.arange(pages.k.shape[1])[None, None, None, :]
-    idx = (layers, heads, page[None, :, :, None], offset[None, :, :, None])
-
-    def put(dst: jax.Array, src: jax.Array) -> jax.Array:  # src [L, R, T, K, Dh]
-        return dst.at[idx].set(src.astype(dst.dtype), mode="drop")
-
-    k, v = cache.stacked()
-    return PagedKVCache(k=put(pages.k, k), v=put(pages.v, v))
+    return PagedKVCache(k=tuple(write_pages(dst, page, offset, src) for dst, src in zip(pages.k, cache.k)),
+                        v=tuple(write_pages(dst, page, offset, src) for dst, src in zip(pages.v, cache.v)))
 
 
 class PagedEngine(Engine):
