@@ -58,13 +58,14 @@ def test_insert_and_generate_equal_full_forward(model):
 
 
 def test_prefill_many_equals_prefill_one_by_one(model):
-    """Batched prefills (full calls of prefill_batch rows, a one-row call, rows of different buckets) give
+    """Batched prefills (full calls of prefill_batch rows, one-row calls, rows of different buckets) give
     each prompt the prefix a lone prefill gives it: same logits, length, last token and cache rows."""
     engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=4)
     _, params = nnx.split(model)
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, 60, n)) for n in (3, 17, 5, 9, 30, 1)]  # 4 + 2 rows; buckets 16 and 32
-    for batch in (prompts, prompts[:1]):
+    # all six; a lone prompt of a new bucket (one row); a lone prompt of a bucket whose full-width program exists
+    for batch in (prompts, prompts[:1], prompts[1:2]):
         got = engine.prefill_many(params, batch)
         assert len(got) == len(batch)
         for prompt, prefix in zip(batch, got):

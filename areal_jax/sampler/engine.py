@@ -100,6 +100,7 @@ class Engine:
             self._setup_shardings(abstract)
         self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
         self._jit_prefill_many: dict[int, Callable[..., Any]] = {}  # rows -> program (one output tree per row)
+        self._prefill_many_shapes: set[tuple[int, int]] = set()  # (rows, bucket) already compiled
         self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
         self._jit_bulk_insert = jax.jit(
             self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
@@ -292,9 +293,10 @@ class Engine:
     def prefill_many(self, params: nnx.State, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
         """:meth:`prefill` of several prompts in batched calls: one Prefix per prompt, in order.
 
-        A call holds ``prefill_batch`` rows (one row when a single prompt is given), padded to the
-        bucket of its longest prompt, so admitting many prompts costs a few full matrix products
-        instead of one thin product per prompt; a bucket compiles at most two programs.
+        A call holds ``prefill_batch`` rows (one row for a single prompt, unless only the full-width
+        program of its bucket is compiled yet), padded to the bucket of its longest prompt, so admitting
+        many prompts costs a few full matrix products instead of one thin product per prompt; a bucket
+        compiles at most two programs.
         """
         lengths = [len(p) for p in prompts]
         if any(n < 1 for n in lengths):
@@ -302,8 +304,12 @@ class Engine:
         out: list[Prefix] = []
         for start in range(0, len(prompts), self.prefill_batch):
             chunk = prompts[start : start + self.prefill_batch]
-            rows = 1 if len(chunk) == 1 else self.prefill_batch
-            tokens = np.zeros((rows, self.bucket_for(max(len(p) for p in chunk))), np.int32)
+            bucket = self.bucket_for(max(len(p) for p in chunk))
+            full = (self.prefill_batch, bucket)
+            rows = 1 if len(chunk) == 1 and (full not in self._prefill_many_shapes
+                                             or (1, bucket) in self._prefill_many_shapes) else self.prefill_batch
+            self._prefill_many_shapes.add((rows, bucket))
+            tokens = np.zeros((rows, bucket), np.int32)
             n = np.ones((rows,), np.int32)
             for r, prompt in enumerate(chunk):
                 tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
