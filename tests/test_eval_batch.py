@@ -118,14 +118,29 @@ def test_pass_at_k_equals_subset_enumeration():
         assert pass_at_k(n, c, k) == pytest.approx(hits / len(subsets))
 
 
-def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, prompts):
+@pytest.mark.parametrize("fit_buckets,decode_steps", [(False, 1), (True, 3)])
+def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, prompts, fit_buckets, decode_steps):
     """The job sizes its evaluation engine to the longest test prompt + eval.max_new_tokens (rounded up to 8),
-    not to rollout.max_len: the completions must not change when the cache ends right after them."""
-    tight = -(-(max(len(p) for p in prompts) + MAX_NEW) // 8) * 8
+    not to rollout.max_len, and prefills every prompt in one bucket of the longest prompt rounded up to 8: the
+    completions must not change when the cache ends right after them, with one or several decode steps per
+    dispatch."""
+    longest = max(len(p) for p in prompts)
+    tight = -(-(longest + MAX_NEW) // 8) * 8
     assert tight < MAX_LEN
-    engine = eval_engine(model, num_slots=4, max_len=tight, num_sequences=len(prompts))
+    engine = eval_engine(model, num_slots=4, max_len=tight, num_sequences=len(prompts),
+                         longest_prompt=longest if fit_buckets else None)
+    if fit_buckets:
+        assert engine.prefill_buckets == (24, tight)  # prompts of 3..20 tokens: one bucket of 24
     gen = generate_for_eval(engine, nnx.state(model), prompts, k=0, temperature=1.0, max_new_tokens=MAX_NEW,
-                            stop_token_ids=(EOS,), seed=0)
+                            stop_token_ids=(EOS,), seed=0, decode_steps=decode_steps)
     logp = full_forward_logp(model, MAX_LEN)
     for i, p in enumerate(prompts):
         assert list(gen.greedy[i].tokens) == greedy_reference(logp, p, MAX_NEW, stop=(EOS,))[0], f"prompt {i}"
+
+
+def test_evaluation_decode_steps_default_follows_the_backend():
+    from areal_jax.evaluation.scoring import EvalConfig
+
+    assert EvalConfig().decode_steps_for(4, "cpu") == 1
+    assert EvalConfig().decode_steps_for(16, "gpu") == 16
+    assert EvalConfig(decode_steps=2).decode_steps_for(16, "cpu") == 2

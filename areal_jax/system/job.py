@@ -285,19 +285,21 @@ class RLJob:
 
             # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
             # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
-            longest = max((len(e.prompt_tokens) for e in self.eval_examples), default=1) + c.eval.max_new_tokens
+            prompt = max((len(e.prompt_tokens) for e in self.eval_examples), default=1)
+            longest = prompt + c.eval.max_new_tokens
             self._eval_engine = eval_engine(
                 self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
                 max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
                 num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
-                mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)))
+                mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)),
+                longest_prompt=prompt)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
                 max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
                 temperature=c.rollout.temperature or 1.0, examples=self.eval_examples,
                 engine=self._eval_engine, pool=self.reward_pool,
-                decode_steps=c.rollout.decode_steps,
+                decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()),
             )
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
