@@ -2,6 +2,7 @@
 
     python benchmarks/staleness_ablation.py                       # 7 etas x 2 losses x 3 seeds
     python benchmarks/staleness_ablation.py --etas 0,4,16 --seeds 2 --steps 30 --lr 3e-4
+    python benchmarks/staleness_ablation.py --report_only         # the figures of the cells finished so far
 
 Every cell (eta, loss, seed) is one run of `python -m areal_jax.main --config=CONFIG` in its own process
 (the same command on a CPU or an accelerator), written to OUT/cells/<loss>_eta<k>_seed<s>/. A cell that
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config override, e.g. --set train.batch_groups=8 (repeatable)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "staleness_ablation"))
+    p.add_argument("--report_only", action="store_true",
+                   help="run no cell: rewrite the table, figure and JSON over the cells already finished")
     args = p.parse_args(argv)
     try:
         args.eta_list = [None if e.strip() in ("unbounded", "inf", "-1") else int(e) for e in args.etas.split(",")]
@@ -289,6 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
             with open(done) as f:
                 cells[(eta, loss, seed)] = json.load(f)
             print(f"[{i + 1}/{len(grid)}] {name}: finished earlier, skipped", flush=True)
+            continue
+        if args.report_only:
+            print(f"[{i + 1}/{len(grid)}] {name}: not run yet (--report_only)", flush=True)
             continue
         t0 = time.perf_counter()
         run_cell(args.config, shared + cell_overrides(eta, loss, seed, args.unbounded_concurrent), run_dir)

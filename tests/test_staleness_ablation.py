@@ -88,6 +88,10 @@ def test_sweep_writes_table_png_json_and_resumes(tiny_config_file, tmp_path, cap
         shutil.rmtree(tmp_path / "cells" / "ppo_eta1_seed0")
         bench.main(argv)
     assert calls == [str(tmp_path / "cells" / "ppo_eta1_seed0")]
+    # --report_only runs nothing and reports the finished cells (ppo_eta1_seed0 has none now).
+    report_only = bench.main(argv + ["--report_only"])
+    assert calls == [str(tmp_path / "cells" / "ppo_eta1_seed0")] and report_only["cells_run"] == 0
+    assert sorted(report_only["cells"]) == ["decoupled_eta0_seed0", "decoupled_eta1_seed0", "ppo_eta0_seed0"]
     with pytest.raises(SystemExit, match="holds a sweep with other settings"):
         bench.main(argv[:-2] + ["--steps", "3", "--out", str(tmp_path)])
 
