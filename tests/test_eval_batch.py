@@ -144,3 +144,20 @@ def test_evaluation_decode_steps_default_follows_the_backend():
     assert EvalConfig().decode_steps_for(4, "cpu") == 1
     assert EvalConfig().decode_steps_for(16, "gpu") == 16
     assert EvalConfig(decode_steps=2).decode_steps_for(16, "cpu") == 2
+
+
+def test_eval_pass_benchmark_prefills_each_problem_once():
+    """benchmarks/eval_pass.py at toy size: its JSON line has the cold / warm times and a per-program
+    breakdown in which 8 problems (greedy + sampled requests sharing a prompt) take one 8-row prefill."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "eval_pass.py"), "--n", "8", "--k", "2",
+                          "--slots", "8"], capture_output=True, text=True, timeout=600, check=True).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["benchmark"] == "eval_pass" and report["n"] == 8 and report["cold_s"] > 0 and report["warm_s"] > 0
+    assert report["breakdown_calls"]["prefill_many_fn"] == 1
+    assert report["breakdown_calls"]["generate_steps_fn"] >= 1
