@@ -11,6 +11,8 @@ Bernoulli reward (a hash of the completion) keeps the advantages non-zero. Per e
 generated tokens/s (trained counts prompt + completion tokens), mean slot occupancy over decode steps,
 the share of wall time the trainer waited for data, staleness mean / max (from samples.jsonl), the
 weight hand-off (publish time, publish -> first token generated at the new version, bytes), and
+the seconds the run still spent tracing, compiling or loading programs from the
+persistent cache (from JAX's monitoring events: read a ratio between etas with it), and
 timeline.json in OUT/eta<k>/ (`python -m areal_jax.programs.report OUT/eta4` draws it). After the runs, the
 hand-off of the same params is timed against a raw device copy of the same bytes. Memory per part is
 computed from shapes before anything is allocated (with a clear error when it cannot fit) and read
@@ -35,6 +37,21 @@ from areal_jax.system import loadgen  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_PROMPT_LEN = 64
+# Time JAX spends tracing, lowering, compiling or fetching a program from the persistent cache, from its
+# monitoring events: each measured run reports what it still compiled, so a ratio between etas can be
+# read for what it is.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+_COMPILE = {"s": 0.0, "backend_compiles": 0}
+
+
+def _on_compile_event(event: str, duration: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+        _COMPILE["s"] += duration
+        _COMPILE["backend_compiles"] += event == "/jax/core/compile/backend_compile_duration"
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup_steps", type=int, default=3,
-                   help="steps of an unmeasured first run, so the measured runs compile little (0: none)")
+                   help="steps of the unmeasured runs that compile first: the least asynchronous eta of the list "
+                        "runs max(--warmup_steps, --steps) steps (being synchronous, it replays the measured run's "
+                        "packed shapes), the most asynchronous one --warmup_steps (0: no warm-up)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "loop"))
     args = p.parse_args(argv)
     preset = loadgen.PRESETS[args.preset]
@@ -191,7 +210,10 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         job.controller.decode = loadgen.ids_as_text
         job.save_checkpoint = lambda: None  # the loop is measured, not checkpoint writes
         mem_built = device_memory()
+        compile_before = dict(_COMPILE)
         summary = job.run()
+        compile_s = _COMPILE["s"] - compile_before["s"]
+        backend_compiles = _COMPILE["backend_compiles"] - compile_before["backend_compiles"]
         stats = job.sampler.stats()
         handoff = measure_handoff(job) if measure else None
         from areal_jax.system.params import tree_nbytes
@@ -217,6 +239,7 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         "decode_busy_share": busy.get("sampler", {}).get("decode_step", 0.0) / wall,
         "train_busy_share": busy.get("trainer", {}).get("train_step", 0.0) / wall,
         "recomputes": stats["recomputes"], "sampler_compiles": stats["compile_count"],
+        "compile_s": compile_s, "compile_share": compile_s / wall, "backend_compiles": backend_compiles,
         **staleness_of(run_dir, eta),
         "publish_s_mean": busy.get("trainer", {}).get("publish", 0.0) / max(1, summary["steps"]),
         "handoff_first_token_s_mean": float(np.mean([x["first_token_s"] for x in lat])) if lat else None,
@@ -258,11 +281,15 @@ def main(argv: list[str] | None = None) -> dict:
           + f"; {plan.n_params / 1e6:.1f}M params", flush=True)
     paths = prepare_assets(args)
     if args.warmup_steps:
-        # The most asynchronous eta of the list, so the re-prefill after a weight update compiles too.
+        # The least asynchronous eta replays its measured run's packed shapes (its batches do not depend on
+        # timing); the most asynchronous one compiles the re-prefill after a weight update.
+        least = min(e for e in args.eta_list if e is not None) if any(e is not None for e in args.eta_list) else None
         most = None if None in args.eta_list else max(args.eta_list)
-        print(f"warm-up (eta {'unbounded' if most is None else most}, {args.warmup_steps} steps: compiles) ...",
-              flush=True)
-        run_eta(args, most, args.warmup_steps, paths, os.path.join(args.out, "warmup"), False)
+        warm = [(least, max(args.warmup_steps, args.steps))] + ([(most, args.warmup_steps)] if most != least else [])
+        for eta, steps in warm:
+            name = "unbounded" if eta is None else eta
+            print(f"warm-up (eta {name}, {steps} steps: compiles) ...", flush=True)
+            run_eta(args, eta, steps, paths, os.path.join(args.out, f"warmup_eta{name}"), False)
     results = []
     for i, eta in enumerate(args.eta_list):
         name = "eta_unbounded" if eta is None else f"eta{eta}"
@@ -279,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise
     base = results[0]
     print(f"{'eta':>9} {'wall s':>7} {'train tok/s':>11} {'x eta0':>6} {'gen tok/s':>9} {'x eta0':>6} "
-          f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10}")
+          f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10} {'compile s':>9}")
     for r in results:
         r["trained_ratio_vs_first"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
         r["generated_ratio_vs_first"] = r["generated_tokens_per_s"] / base["generated_tokens_per_s"]
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['eta']!s:>9} {r['wall_s']:>7.1f} {r['trained_tokens_per_s']:>11.0f} {r['trained_ratio_vs_first']:>6.2f} "
               f"{r['generated_tokens_per_s']:>9.0f} {r['generated_ratio_vs_first']:>6.2f} {r['slot_occupancy']:>5.2f} "
               f"{r['trainer_wait_share']:>5.2f} {r['staleness_mean']:>4.2f}/{r['staleness_max']:<4d} "
-              f"{1e3 * r['publish_s_mean']:>10.1f} {'-' if tok is None else format(1e3 * tok, '>10.1f')}")
+              f"{1e3 * r['publish_s_mean']:>10.1f} {'-' if tok is None else format(1e3 * tok, '>10.1f')} "
+              f"{r['compile_s']:>9.1f}")
     h = results[-1].get("handoff")
     if h:
         print(f"hand-off: {h['bytes_moved'] / 1e6:.1f} MB in {1e3 * h['handoff_s']:.2f} ms; raw copy of the same bytes "

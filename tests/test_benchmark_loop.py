@@ -114,6 +114,9 @@ def test_loop_benchmark_at_toy_size(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(report))  # the last line is the JSON report
     assert [r["eta"] for r in report["results"]] == [0, 1]
+    # With no warm-up the first run traces (and compiles or loads) every program it runs.
+    first = report["results"][0]
+    assert first["compile_s"] > 0 and first["compile_share"] == pytest.approx(first["compile_s"] / first["wall_s"])
     lengths = loadgen.long_tail_lengths(4096, 6, 16, seed=0)
     for r in report["results"]:
         for key in ("trained_tokens_per_s", "generated_tokens_per_s", "slot_occupancy", "trainer_wait_share",
