@@ -30,8 +30,11 @@ def torch_device() -> str | None:
     return None
 
 
-def hf_step(path: str, trajs: list[Trajectory], micro_batch_tokens: int, seed: int, dtype: str, device: str):
-    """A warmed-up callable running one HF transformers + PyTorch AdamW training step on `device`."""
+def hf_step(path: str, trajs: list[Trajectory], micro_batch_tokens: int, seed: int, dtype: str, device: str,
+            minibatches: list[list[int]] | None = None):
+    """A warmed-up callable running one HF transformers + PyTorch AdamW update on `device`: one optimizer
+    step per minibatch (lists of trajectory indices; None: the whole batch as one), like
+    Trainer.update with ppo_minibatches."""
     import torch
     import transformers
 
@@ -40,16 +43,17 @@ def hf_step(path: str, trajs: list[Trajectory], micro_batch_tokens: int, seed: i
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    order = sorted(range(len(trajs)), key=lambda i: trajs[i].packed_len)
-    micro, cur = [], []
-    for i in order:  # rows sorted by length; a micro-batch holds <= micro_batch_tokens padded tokens
-        width = trajs[i].packed_len
-        if cur and width * (len(cur) + 1) > micro_batch_tokens:
-            micro.append(cur)
-            cur = []
-        cur.append(i)
-    micro.append(cur)
-    n_valid = sum(t.completion_len for t in trajs)
+    def micro_batches(indices):
+        order = sorted(indices, key=lambda i: trajs[i].packed_len)
+        micro, cur = [], []
+        for i in order:  # rows sorted by length; a micro-batch holds <= micro_batch_tokens padded tokens
+            width = trajs[i].packed_len
+            if cur and width * (len(cur) + 1) > micro_batch_tokens:
+                micro.append(cur)
+                cur = []
+            cur.append(i)
+        micro.append(cur)
+        return micro
 
     def tensors(rows):
         width = max(trajs[i].packed_len for i in rows)
@@ -67,21 +71,23 @@ def hf_step(path: str, trajs: list[Trajectory], micro_batch_tokens: int, seed: i
             mask[r, comp], behav[r, comp], adv[r, comp] = 1.0, t.behav_logp, t.advantage
         return [torch.from_numpy(a).to(device) for a in (ids, tgt, att, mask, behav, adv)]
 
-    batches = [tensors(rows) for rows in micro]
+    plan = [([tensors(rows) for rows in micro_batches(mb)], sum(trajs[i].completion_len for i in mb))
+            for mb in (minibatches or [list(range(len(trajs)))])]
     autocast = dtype == "bfloat16"
 
     def step():
-        for ids, tgt, att, mask, behav, adv in batches:
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(input_ids=ids, attention_mask=att).logits
-            logp = torch.log_softmax(logits.float(), -1).gather(-1, tgt[..., None])[..., 0]
-            ratio = torch.exp(logp - behav)
-            surr = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
-            loss = -(surr * mask).sum() / n_valid
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for batches, n_valid in plan:
+            for ids, tgt, att, mask, behav, adv in batches:
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(input_ids=ids, attention_mask=att).logits
+                logp = torch.log_softmax(logits.float(), -1).gather(-1, tgt[..., None])[..., 0]
+                ratio = torch.exp(logp - behav)
+                surr = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+                loss = -(surr * mask).sum() / n_valid
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
 

@@ -7,7 +7,7 @@ One run, same weights and the same batch of trajectories for both:
       left out when PyTorch cannot reach that device): per micro-batch of padded rows (sorted by length
       to limit padding) forward (under torch.autocast(bfloat16) when --dtype bfloat16; float32
       params either way, like ours), the same clipped objective with a float32 log-softmax, backward;
-      then clip the gradient norm and one torch.optim.AdamW step.
+      then clip the gradient norm and one torch.optim.AdamW step (per minibatch with --minibatches).
 On the CPU the engines run round-robin (a, b, c, a, b, c, ...) after one warm-up each, so they share the
 machine's load; on an accelerator one after another, each freed before the next (so each engine's peak
 device memory is its own). Each reports its median. Prints tokens/s (trained tokens: prompt + completion),
@@ -51,6 +51,7 @@ from areal_jax.models import load_hf_checkpoint  # noqa: E402
 from areal_jax.models.config import ModelConfig  # noqa: E402
 from areal_jax.testing import models as testing  # noqa: E402
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory  # noqa: E402
+from areal_jax.trainer.batch import split_minibatches  # noqa: E402
 
 # Model shapes of the Hugging Face configs of Qwen/Qwen2.5-{0.5B,1.5B,7B} (q/k/v bias, RoPE theta 1e6;
 # the two small ones tie their embeddings) and the workload of the trainer issue for each: trajectories,
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trajectory-len", type=int, help="instead: ONE trajectory of this many tokens (64-token prompt)")
     p.add_argument("--micro-batch-tokens", type=int)
     p.add_argument("--logits-chunk", type=int)
+    p.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer steps per update (TrainerConfig.ppo_minibatches; the PyTorch step takes the same "
+                        "minibatches); the default job uses 4")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per engine (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="leave out (c)")
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     on_cpu = platform == "cpu" and not args.sequential
     peak = device_peak_gflops(args.dtype)
     base = TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, logits_chunk=args.logits_chunk,
-                         remat=args.remat, attention=args.attention)
+                         remat=args.remat, attention=args.attention, ppo_minibatches=args.minibatches)
     hf_device, hf_note = None, None
     if not args.skip_hf:
         try:
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
             return build
 
         def hf_engine():
-            step = hf_step(path, trajs, args.micro_batch_tokens, args.seed, args.dtype, hf_device)
+            step = hf_step(path, trajs, args.micro_batch_tokens, args.seed, args.dtype, hf_device,
+                           minibatches=split_minibatches(trajs, args.minibatches))
 
             def cleanup():
                 import torch
@@ -310,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = {"a": "jax_loglinear", "b": "jax_recompute", "c": "hf_torch"}
     report = {
         "benchmark": "trainer", "params": int(n_params), "tokens": tokens, "peak_gflops": round(peak, 1),
-        "micro_batch_tokens": args.micro_batch_tokens,
+        "micro_batch_tokens": args.micro_batch_tokens, "minibatches": args.minibatches,
         "tokens_per_s": {k: v["tokens_per_s"] for k, v in res.items()},
         "mfu": {k: v["mfu"] for k, v in res.items()},
         "speedup_vs_hf": None if ratio is None else round(ratio, 3),

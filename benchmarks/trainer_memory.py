@@ -34,7 +34,7 @@ from trainer import PRESETS, bench_model_config, make_batch
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.trainer import TrainerConfig
-from areal_jax.trainer.batch import row_length, rows_per_device
+from areal_jax.trainer.batch import attention_weight, step_layout
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import replicated, train_state_shardings
 from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns, micro_step_objective
@@ -61,10 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def step_shape(lengths: list[int], budget: int) -> tuple[int, int]:
-    """[rows, row_length] of the first micro-step trainer.batch builds on one device."""
-    t = row_length(max(lengths), budget)
-    return rows_per_device(sum(lengths), t, 1, budget), t
+def step_shape(cfg, lengths: list[int], budget: int) -> tuple[int, int]:
+    """[rows, row_length] of the micro-steps trainer.batch builds on one device for the model `cfg`."""
+    shapes = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+    t, rows, _ = step_layout(lengths, 1, budget, attention_weight(cfg, n_params))
+    return rows, t
 
 
 def abstract_batch(rows: int, t: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         if max(lengths) > budget:
             print(f"micro_batch_tokens={budget}: the longest trajectory ({max(lengths)}) does not fit; skipped")
             continue
-        rows, t = step_shape(lengths, budget)
+        rows, t = step_shape(cfg, lengths, budget)
         tcfg = TrainerConfig(micro_batch_tokens=budget, logits_chunk=args.logits_chunk, remat=remat, prox_mode="loglinear",
                              attention=attention)
         r = {"micro_batch_tokens": budget, "remat": remat, "attention": attention,

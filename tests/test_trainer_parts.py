@@ -7,15 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from areal_jax.rl.packing import balanced_microbatches
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory, make_schedule
 from areal_jax.trainer.batch import (
+    _row_sizes,
     aggregation_weights,
     effective_masks,
     pack_steps,
     row_length,
     rows_per_device,
     split_minibatches,
+    step_layout,
 )
 from areal_jax.trainer.logprobs import chunked_logprobs
 from areal_jax.trainer.update import loglinear_prox
@@ -74,9 +77,12 @@ def test_microsteps_are_balanced_and_lengths_bucketed():
     steps = pack_steps(trajs, range(23), masks, None, n_devices=2, micro_batch_tokens=64, trainer_version=0)
     seen = sorted(int(i) for s in steps for i in np.unique(s["seq_index"]) if i >= 0)
     assert seen == list(range(23))  # every trajectory exactly once
-    assert {s["tokens"].shape for s in steps} == {(4, 32)}  # 2 devices x 2 rows of 32 (longest is 28)
+    # 2 devices x 1 row of 48 (longest is 28): 384 positions for 374 tokens; the shortest rows that hold the
+    # longest (32) would take 4 steps of 2 x 2 rows, 512 positions.
+    assert {s["tokens"].shape for s in steps} == {(2, 48)} and len(steps) == 4
     total = sum(t.packed_len for t in trajs)
-    per_device = [sum(int((s["segment_ids"][d * 2:(d + 1) * 2] > 0).sum()) for s in steps) for d in range(2)]
+    rows = steps[0]["tokens"].shape[0] // 2
+    per_device = [sum(int((s["segment_ids"][d * rows:(d + 1) * rows] > 0).sum()) for s in steps) for d in range(2)]
     assert sum(per_device) == total and abs(per_device[0] - per_device[1]) <= 0.2 * total
     assert row_length(1, 4096) == 16 and row_length(200, 4096) == 256 and row_length(300, 4096) == 384 and row_length(300, 260) == 264
     assert rows_per_device(1000, 256, 2, 1024) == 2 and rows_per_device(9000, 256, 2, 1024) == 4
@@ -180,6 +186,10 @@ def test_compute_logprobs_match_model_and_staleness_in_update():
     model = random_model(tiny_config(), seed=2)
     cfg = TrainerConfig(micro_batch_tokens=32, logits_chunk=8, ppo_minibatches=2)
     trainer = Trainer(model, cfg, mesh_4(), max_staleness=0)
+    # Row lengths are chosen with attention's cost per row position: layers x heads x head_dim / params.
+    mc = tiny_config()
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    assert trainer._attention_weight == pytest.approx(mc.num_layers * mc.num_heads * mc.head_dim / n_params)
     rng = np.random.default_rng(1)
     trajs = [traj(rng.integers(3, 97, n), 2, version=v) for n, v in [(9, 0), (14, 0), (7, 0), (20, 0)]]
     got = trainer.compute_logprobs(trajs)
@@ -211,3 +221,44 @@ def test_config_and_input_errors():
         Trajectory(tokens=np.arange(5), prompt_len=2, behav_logp=np.zeros(2), versions=np.zeros(3))
     with pytest.raises(ValueError, match="at least one prompt token"):
         Trajectory(tokens=np.arange(3), prompt_len=3, behav_logp=np.zeros(0), versions=np.zeros(0))
+
+
+def _layout_cost(lengths, row_len, n_devices, budget, attention_weight):
+    per_step = n_devices * rows_per_device(sum(lengths), row_len, n_devices, budget)
+    rows = balanced_microbatches(lengths, row_len, per_step)
+    return len(rows) * row_len * (1 + attention_weight * row_len)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_layout_takes_the_cheapest_row_length(seed):
+    """Against every candidate packed by hand: the chosen layout costs the least, holds each trajectory
+    once, within its rows and a whole number of micro-steps within the budget."""
+    rng = np.random.default_rng(seed)
+    n_devices = int(rng.choice([1, 2]))
+    budget = int(rng.choice([256, 512, 2048]))
+    lengths = [int(x) for x in rng.integers(8, 100, int(rng.integers(5, 60)))]
+    weight = float(rng.choice([0.0, 1e-3, 1e-2]))
+    row_len, per_device, rows = step_layout(lengths, n_devices, budget, weight)
+    costs = {r: _layout_cost(lengths, r, n_devices, budget, weight) for r in _row_sizes(max(lengths), budget)}
+    assert row_len in costs and costs[row_len] == min(costs.values())
+    assert row_len == min(r for r, c in costs.items() if c == costs[row_len])  # the shorter on a tie
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= row_len for row in rows)
+    assert len(rows) % (n_devices * per_device) == 0 and per_device * row_len <= budget
+
+
+def test_step_layout_packs_the_default_jobs_minibatch_in_one_step():
+    """A minibatch like the default job's (32 trajectories of 30-84 tokens, budget 2,048): rows of 96 (the
+    shortest holding the longest) fit 21 per micro-step, 2,016 positions, too few for its ~1,950 tokens
+    once packed, so it took two micro-steps; rows of 128 take one of 16 x 128."""
+    rng = np.random.default_rng(0)
+    lengths = [int(p + c - 1) for p, c in zip(rng.integers(29, 38, 32),
+                                              np.clip(np.ceil(np.exp(rng.normal(np.log(24), 1.0, 32))), 2, 48))]
+    assert max(lengths) > 64 and 1900 < sum(lengths) <= 2048
+    shortest = row_length(max(lengths), 2048)
+    assert shortest == 96
+    old_rows = balanced_microbatches(lengths, 96, rows_per_device(sum(lengths), 96, 1, 2048))
+    assert len(old_rows) * 96 == 2 * 21 * 96  # two micro-steps of 21 x 96
+    row_len, per_device, rows = step_layout(lengths, 1, 2048, attention_weight=1024 / 3.2e6)
+    assert (row_len, per_device, len(rows)) == (128, 16, 16)
+

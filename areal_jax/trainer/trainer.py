@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models import logical_to_mesh_sharding
+from areal_jax.models import ModelConfig, logical_to_mesh_sharding
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
@@ -65,6 +65,7 @@ class Trainer:
             raise ValueError(f"The model has no variables of {wrt} to train; apply LoRA adapters first "
                              "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
+        self._attention_weight = _attention_weight(model, params, other)
         self._tx = make_optimizer(cfg, schedule_steps)
         self._schedule = make_schedule(cfg, schedule_steps)
         value_head = None
@@ -119,6 +120,7 @@ class Trainer:
         return batching.pack_steps(
             trajs, indices, masks, weights, n_devices=self.n_devices,
             micro_batch_tokens=self.cfg.micro_batch_tokens, trainer_version=version,
+            attention_weight=self._attention_weight,
         )
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
@@ -272,6 +274,14 @@ class Trainer:
         return _metrics(
             jax.device_get(sums_total), jax.device_get(infos), masks, trajs, staleness, len(minibatches), self.state
         )
+
+
+def _attention_weight(model: nnx.Module, *states: nnx.State) -> float:
+    """batch.attention_weight of the model (0 without a ModelConfig: row lengths by positions only)."""
+    cfg = next((c for c in (getattr(model, "config", None), getattr(model, "cfg", None))
+                if isinstance(c, ModelConfig)), None)
+    n_params = sum(int(x.size) for state in states for x in jax.tree.leaves(state))
+    return batching.attention_weight(cfg, n_params) if cfg is not None and n_params else 0.0
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
