@@ -67,6 +67,37 @@ def test_greedy_does_not_depend_on_slot_count(model, prompts):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("streams", [2, 3])
+def test_streams_share_the_slots_and_give_the_reference_completions(model, prompts, streams):
+    """Several sampler loops on one engine (the job's evaluation on CPU): the engine holds
+    ceil(slots / streams) slots per stream, every greedy completion equals the one-by-one reference, every
+    sampled completion is there once with the model's log-probabilities, and on_completion sees each
+    sequence once."""
+    k = 2
+    engine = eval_engine(model, num_slots=8, max_len=MAX_LEN, num_sequences=len(prompts) * (1 + k), streams=streams)
+    assert engine.num_slots == -(-8 // streams)
+    seen = []
+    gen = generate_for_eval(engine, nnx.state(model), prompts, k=k, temperature=1.0, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(EOS,), seed=4, streams=streams,
+                            on_completion=lambda kind, i, j, c: seen.append((kind, i, j)))
+    assert sorted(seen) == sorted([("greedy", i, 0) for i in range(len(prompts))]
+                                  + [("sampled", i, j) for i in range(len(prompts)) for j in range(k)])
+    logp = full_forward_logp(model, MAX_LEN)
+    for i, p in enumerate(prompts):
+        assert list(gen.greedy[i].tokens) == greedy_reference(logp, p, MAX_NEW, stop=(EOS,))[0], f"prompt {i}"
+        assert [c.sample_index for c in gen.sampled[i]] == list(range(k))
+        for c in gen.sampled[i]:
+            seq = list(p)
+            for tok, lp in zip(c.tokens, c.logprobs):
+                np.testing.assert_allclose(lp, logp(seq)[-1][tok], atol=2e-4)
+                seq.append(int(tok))
+    assert gen.generated_tokens == sum(len(c.tokens) for c in gen.greedy) + sum(
+        len(c.tokens) for row in gen.sampled for c in row)
+    assert 0 < gen.occupancy <= 1
+    with pytest.raises(ValueError, match="streams=0"):
+        generate_for_eval(engine, nnx.state(model), prompts, k=0, temperature=1.0, max_new_tokens=MAX_NEW, streams=0)
+
+
 class _Tokenizer:
     eos_token_ids = (EOS,)
 
@@ -144,6 +175,8 @@ def test_evaluation_decode_steps_default_follows_the_backend():
     assert EvalConfig().decode_steps_for(4, "cpu") == 1
     assert EvalConfig().decode_steps_for(16, "gpu") == 16
     assert EvalConfig(decode_steps=2).decode_steps_for(16, "cpu") == 2
+    assert EvalConfig().streams_for("cpu") == 2 and EvalConfig().streams_for("gpu") == 1
+    assert EvalConfig(streams=3).streams_for("gpu") == 3
 
 
 def test_eval_pass_benchmark_prefills_each_problem_once():
@@ -156,7 +189,8 @@ def test_eval_pass_benchmark_prefills_each_problem_once():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "eval_pass.py"), "--n", "8", "--k", "2",
-                          "--slots", "8"], capture_output=True, text=True, timeout=600, check=True).stdout
+                          "--slots", "8", "--streams", "1"], capture_output=True, text=True, timeout=600,
+                         check=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["benchmark"] == "eval_pass" and report["n"] == 8 and report["cold_s"] > 0 and report["warm_s"] > 0
     assert report["breakdown_calls"]["prefill_many_fn"] == 1

@@ -51,14 +51,20 @@ class EvalGeneration:
 
 def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
                 mesh: Any = None, config: Any = None, max_stop_tokens: int = 8,
-                longest_prompt: int | None = None) -> Engine:
+                longest_prompt: int | None = None, streams: int = 1) -> Engine:
     """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
     (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling.
+
+    streams: the ``generate_for_eval`` streams that will share it; the engine then has
+    ceil(num_slots / streams) slots (each stream its own decode state), so all streams together hold
+    num_slots sequences.
 
     longest_prompt: the evaluation's longest prompt, when known: prompts are then prefilled in one bucket
     of that length rounded up to 8 (the default job's 29-37-token prompts: one program and rows of 40,
     instead of the power-of-two buckets 32 and 64)."""
+    streams = max(1, int(streams))
     slots = int(num_slots) if num_sequences is None else max(1, min(int(num_slots), int(num_sequences)))
+    slots = -(-slots // streams)
     buckets = None
     if longest_prompt is not None and -(-int(longest_prompt) // 8) * 8 < int(max_len):
         buckets = (max(1, -(-int(longest_prompt) // 8) * 8), int(max_len))
@@ -68,54 +74,88 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
                       temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                      seed: int = 0, decode_steps: int = 1,
+                      seed: int = 0, decode_steps: int = 1, streams: int = 1,
                       on_completion: Callable[[str, int, int, Completion], None] | None = None) -> EvalGeneration:
-    """Greedy and k sampled completions of every prompt through one sampler loop.
+    """Greedy and k sampled completions of every prompt through one sampler loop per stream.
 
     Args:
       engine: the Engine to decode with (see :func:`eval_engine`); params: its model state.
       prompts: n token-id lists.
       k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0).
+      streams: sampler loops run side by side on the engine, each with its own decode state of
+        ``engine.num_slots`` slots and every streams-th problem (seed + stream index). On a CPU a
+        decode step leaves one of two XLA threads idle most of the time (one thread per matrix
+        product), and a second stream's step fills it: a 500 x 9 evaluation of the default job took
+        15.3 s in two streams of 128 slots against 18.7 s in one of 256 (2-core CPU).
       on_completion: called as ``on_completion(kind, i, j, completion)`` (kind "greedy" or "sampled",
-        problem i, sample j) as each finishes, from this thread, e.g. to start scoring it.
+        problem i, sample j) as each finishes, one call at a time, e.g. to start scoring it.
 
     Raises:
-      RuntimeError when a prompt does not fit the engine or the loop stops early.
+      RuntimeError when a prompt does not fit the engine or a loop stops early.
     """
     if k < 0:
         raise ValueError(f"k={k} must be >= 0 (sampled completions per problem).")
     if k > 0 and not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0 for the sampled completions.")
+    if streams < 1:
+        raise ValueError(f"streams={streams} must be at least 1.")
     n = len(prompts)
     greedy: list[Completion | None] = [None] * n
     sampled: list[list[Completion | None]] = [[None] * k for _ in range(n)]
     stop = tuple(int(t) for t in stop_token_ids)
+    lock = threading.Lock()
+    occupancy: list[float] = []
+    errors: list[BaseException] = []
+
+    def run_stream(s: int, problems: Sequence[int]) -> None:
+        with SamplerLoop(engine, params, seed=seed + s, decode_steps=decode_steps) as loop:
+            for i in problems:  # a problem's greedy and sampled requests side by side
+                loop.submit(Request(id=("greedy", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens, n=1,
+                                    temperature=0.0, stop_token_ids=stop))
+                if k:
+                    loop.submit(Request(id=("sampled", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens,
+                                        n=k, temperature=temperature, stop_token_ids=stop))
+            for _ in range(len(problems) * (1 + k)):
+                if errors:  # another stream failed: stop early
+                    return
+                c = loop.get_completion()
+                if c is None:
+                    raise RuntimeError("the evaluation's sampler loop stopped before every sequence was generated.")
+                if c.finish_reason == "error":
+                    raise RuntimeError(f"evaluation prompt {c.request_id[1]} could not be generated: {c.error}")
+                kind, i = c.request_id
+                with lock:
+                    if kind == "greedy":
+                        greedy[i] = c
+                    else:
+                        sampled[i][c.sample_index] = c
+                    if on_completion is not None:
+                        on_completion(kind, i, c.sample_index, c)
+            occupancy.append(float(loop.stats().get("mean_slot_occupancy", 0.0)))
+
+    def guarded(s: int, problems: Sequence[int]) -> None:
+        try:
+            run_stream(s, problems)
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
     t0 = time.perf_counter()
-    with SamplerLoop(engine, params, seed=seed, decode_steps=decode_steps) as loop:
-        for i, prompt in enumerate(prompts):  # a problem's greedy and sampled requests side by side
-            loop.submit(Request(id=("greedy", i), prompt=list(prompt), max_new_tokens=max_new_tokens, n=1,
-                                temperature=0.0, stop_token_ids=stop))
-            if k:
-                loop.submit(Request(id=("sampled", i), prompt=list(prompt), max_new_tokens=max_new_tokens, n=k,
-                                    temperature=temperature, stop_token_ids=stop))
-        for _ in range(n * (1 + k)):
-            c = loop.get_completion()
-            if c is None:
-                raise RuntimeError("the evaluation's sampler loop stopped before every sequence was generated.")
-            if c.finish_reason == "error":
-                raise RuntimeError(f"evaluation prompt {c.request_id[1]} could not be generated: {c.error}")
-            kind, i = c.request_id
-            if kind == "greedy":
-                greedy[i] = c
-            else:
-                sampled[i][c.sample_index] = c
-            if on_completion is not None:
-                on_completion(kind, i, c.sample_index, c)
-        stats = loop.stats()
+    groups = [range(s, n, streams) for s in range(min(streams, max(n, 1)))]
+    if len(groups) == 1:
+        run_stream(0, groups[0])
+    else:
+        threads = [threading.Thread(target=guarded, args=(s, g), name=f"eval-stream-{s}", daemon=True)
+                   for s, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.tokens) for c in greedy) + sum(len(c.tokens) for row in sampled for c in row)
     return EvalGeneration(greedy, sampled, tokens, seconds,  # type: ignore[arg-type]
-                          float(stats.get("mean_slot_occupancy", 0.0)))
+                          float(np.mean(occupancy)) if occupancy else 0.0)
 
 
 class StreamingScorer:

@@ -314,9 +314,9 @@ class Engine:
             for r, prompt in enumerate(chunk):
                 tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
                 n[r] = len(prompt)
-            if rows not in self._jit_prefill_many:
+            if rows not in self._jit_prefill_many:  # setdefault: loops sharing the engine get one program
                 shardings = None if self._prefix_sharding is None else (self._prefix_sharding,) * rows
-                self._jit_prefill_many[rows] = jax.jit(self._prefill_many_fn, out_shardings=shardings)
+                self._jit_prefill_many.setdefault(rows, jax.jit(self._prefill_many_fn, out_shardings=shardings))
             out.extend(self._call(self._jit_prefill_many[rows], params, tokens, n)[: len(chunk)])
         return out
 

@@ -292,7 +292,7 @@ class RLJob:
                 max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
                 num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
                 mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)),
-                longest_prompt=prompt)
+                longest_prompt=prompt, streams=c.eval.streams_for(jax.default_backend()))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
@@ -300,6 +300,7 @@ class RLJob:
                 temperature=c.rollout.temperature or 1.0, examples=self.eval_examples,
                 engine=self._eval_engine, pool=self.reward_pool,
                 decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()),
+                streams=c.eval.streams_for(jax.default_backend()),
             )
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
