@@ -3,9 +3,8 @@
 The warm-started 3.2M-parameter math reasoner (assets/math_reasoner, made by
 `python -m areal_jax.programs.sft --config=configs/sft_math.py`) learns by asynchronous GRPO with the decoupled
 PPO objective (eta = 4) on synthetic arithmetic word problems: 30 updates of 16 groups x 8 samples, each update
-four optimizer steps (minibatches). On a 2-core CPU measuring 69-71 GFLOP/s it took 4 min 19 s - 4 min 42 s from a
-cold compile cache (greedy pass@1 40.8% -> 85.6-86.8%; evaluation 15-16% of it) and ends with a before / after table of
-test accuracy.
+four optimizer steps (minibatches). On a 2-core CPU measuring 70 GFLOP/s it took 4 min 36 s from a cold compile
+cache (greedy pass@1 40.8% -> 85.0%; evaluation 13% of it) and ends with a before / after table of test accuracy.
 """
 from areal_jax.config import base_config
 

@@ -13,10 +13,11 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    import jax
     from absl import flags
 
     from areal_jax.data import load_eval_split
-    from areal_jax.evaluation.scoring import evaluate_examples
+    from areal_jax.evaluation.scoring import EvalConfig, evaluate_examples
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 
@@ -26,7 +27,8 @@ def main(argv: list[str]) -> None:
     examples = load_eval_split(f.data, tokenizer, prompt_template=f.prompt_template,
                                use_chat_template=f.chat_template, max_prompt_len=f.max_prompt_len)[: f.n]
     res = evaluate_examples(model, tokenizer, examples, max_new_tokens=f.max_new_tokens, k=f.k,
-                            num_slots=f.num_slots, seed=f.seed, reward_fn=f.reward_fn)
+                            num_slots=f.num_slots, seed=f.seed, reward_fn=f.reward_fn,
+                            streams=EvalConfig(streams=f.streams).streams_for(jax.default_backend()))
     print(f"{f.model} on {f.data} ({res['n']} problems): greedy pass@1 {res['greedy_pass@1']:.3f}"
           + (f", sampled pass@1 {res['sampled_pass@1']:.3f}, pass@{f.k} {res[f'pass@{f.k}']:.3f}" if f.k else ""))
     print(json.dumps({k: v for k, v in res.items() if k != "sample_greedy"}))
@@ -43,6 +45,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("max_new_tokens", 64, "Completion budget.")
     flags.DEFINE_integer("max_prompt_len", 256, "Longer prompts are skipped.")
     flags.DEFINE_integer("num_slots", 256, "Sampler slots (all greedy and sampled sequences share them).")
+    flags.DEFINE_integer("streams", 0, "Sampler loops side by side sharing the slots (0: 2 on CPU, 1 elsewhere).")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_string("prompt_template", "Question: {question}\nAnswer:", "Prompt template.")
     flags.DEFINE_bool("chat_template", False, "Use the tokenizer's chat template.")
