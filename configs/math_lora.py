@@ -20,7 +20,7 @@ def math_config():
 def get_config():
     c = math_config()
     c.run_dir = "runs/math_lora"
-    c.total_steps = 24  # 40.8% -> 87.8% greedy pass@1 in 24 steps (README, "Measured")
+    c.total_steps = 24  # 40.8% -> 88.8% greedy pass@1 in 24 steps, 3 min 25 s cold on a 2-core CPU (README, "Measured")
     c.train.ppo_minibatches = 1  # the setting that figure was measured with (configs/math.py now takes 4)
     c.lora.enabled = True
     c.lora.rank = 16
