@@ -34,7 +34,7 @@ from trainer import PRESETS, bench_model_config, make_batch
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.trainer import TrainerConfig
-from areal_jax.trainer.batch import attention_weight, step_layout
+from areal_jax.trainer.layout import attention_weight, step_layout
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import replicated, train_state_shardings
 from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns, micro_step_objective

@@ -12,8 +12,7 @@ from areal_jax.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, token
 from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.testing.trajectories import random_trajectories
-from areal_jax.trainer import Trainer, TrainerConfig
-from areal_jax.trainer import batch as batching
+from areal_jax.trainer import Trainer, TrainerConfig, layout
 
 VOCAB = 97
 # 5-23 tokens, 15% of completion tokens out of the loss
@@ -64,7 +63,7 @@ def test_update_with_blocked_attention_rows_on_4_devices_matches_one_device():
 
     cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=768, logits_chunk=64)
     trajs = make_trajs(12, seed=5, max_len=300)
-    assert attention_block(batching.row_length(max(t.packed_len for t in trajs), 768)) == 128
+    assert attention_block(layout.row_length(max(t.packed_len for t in trajs), 768)) == 128
     model = random_model(tiny_config(), seed=4)
     one, four = Trainer(model, cfg, mesh_1()), Trainer(model, cfg, mesh_4())
     before = jax.device_get(one.params)

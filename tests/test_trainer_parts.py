@@ -10,16 +10,8 @@ import pytest
 from areal_jax.rl.packing import balanced_microbatches
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory, make_schedule
-from areal_jax.trainer.batch import (
-    _row_sizes,
-    aggregation_weights,
-    effective_masks,
-    pack_steps,
-    row_length,
-    rows_per_device,
-    split_minibatches,
-    step_layout,
-)
+from areal_jax.trainer.batch import aggregation_weights, effective_masks, pack_steps, split_minibatches
+from areal_jax.trainer.layout import _row_sizes, row_length, rows_per_device, step_layout
 from areal_jax.trainer.logprobs import chunked_logprobs
 from areal_jax.trainer.update import loglinear_prox
 

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import KVCache, ModelConfig, init_cache, logical_to_mesh_sharding
 from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
 from areal_jax.sampler.multistep import run_decode_steps
+from areal_jax.sampler.prefill import last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, free_slots, slot_settings
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
@@ -151,33 +152,14 @@ class Engine:
 
     def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
                       lengths: jax.Array) -> tuple[KVCache, jax.Array]:
-        """tokens [R, P] int32 (tail padded), lengths [R] -> (cache of L layers [R, P, ...], logits [R, V] f32)."""
-        model = nnx.merge(self.graphdef, params)
-        r, p = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
-        h, cache = model.hidden(tokens, positions, cache=init_cache(self.config, r, p))
-        last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [R, 1, D]
-        return cache, model.unembed(last)[:, 0].astype(jnp.float32)
+        return prefill_rows(nnx.merge(self.graphdef, params), self.config, tokens, lengths)
 
     def _prefill_fn(self, params: nnx.State, tokens: jax.Array, true_length: jax.Array) -> Prefix:
-        cache, logits = self._prefill_rows(params, tokens, true_length[None])
-        return Prefix(
-            cache=cache,
-            logits=logits[0],
-            logprobs=jax.nn.log_softmax(logits[0]),
-            true_length=true_length.astype(jnp.int32),
-            last_token=tokens[0, true_length - 1],
-        )
+        return row_prefixes(*self._prefill_rows(params, tokens, true_length[None]), tokens, true_length[None])[0]
 
     def _prefill_many_fn(self, params: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[Prefix, ...]:
         """tokens [R, P] (tail padded), lengths [R] -> R one-row Prefixes (each its own buffers)."""
-        cache, logits = self._prefill_rows(params, tokens, lengths)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        return tuple(
-            Prefix(cache=jax.tree.map(lambda x, r=r: x[r : r + 1], cache), logits=logits[r], logprobs=logprobs[r],
-                   true_length=lengths[r].astype(jnp.int32), last_token=last[r])
-            for r in range(tokens.shape[0]))
+        return row_prefixes(*self._prefill_rows(params, tokens, lengths), tokens, lengths)
 
     _set_slot_fields = staticmethod(arm_slots)
 
@@ -186,36 +168,22 @@ class Engine:
         def write(dst: jax.Array, src: jax.Array) -> jax.Array:
             return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))
 
-        cache = jax.tree.map(write, state.cache, prefix.cache)
-        state = dataclasses.replace(state, cache=cache)
+        state = dataclasses.replace(state, cache=jax.tree.map(write, state.cache, prefix.cache))
         return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slot,
                                      settings, mode=None)
 
     def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
                         settings: SlotSettings) -> DecodeState:
-        n = slots.shape[0]
-
-        def write(dst: jax.Array, src: jax.Array) -> jax.Array:
-            p = src.shape[1]
-            rows = jnp.broadcast_to(src.astype(dst.dtype), (n,) + src.shape[1:])
-            return dst.at[slots, :p].set(rows, mode="drop")
-
-        cache = jax.tree.map(write, state.cache, prefix.cache)
-        state = dataclasses.replace(state, cache=cache)
+        state = dataclasses.replace(state, cache=write_rows(state.cache, prefix.cache, slots))
         return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slots,
                                      settings, mode="drop")
 
     def _prefill_insert_fn(self, params: nnx.State, state: DecodeState, tokens: jax.Array,
                            lengths: jax.Array, slots: jax.Array, settings: SlotSettings) -> DecodeState:
         cache, logits = self._prefill_rows(params, tokens, lengths)
-        p = tokens.shape[1]
-
-        def write(dst: jax.Array, src: jax.Array) -> jax.Array:
-            return dst.at[slots, :p].set(src.astype(dst.dtype), mode="drop")
-
-        state = dataclasses.replace(state, cache=jax.tree.map(write, state.cache, cache))
-        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        return self._set_slot_fields(state, logits, lengths, last, slots, settings, mode="drop")
+        state = dataclasses.replace(state, cache=write_rows(state.cache, cache, slots))
+        return self._set_slot_fields(state, logits, lengths, last_tokens(tokens, lengths), slots, settings,
+                                     mode="drop")
 
     def _generate_fn(self, params: nnx.State, state: DecodeState,
                      rng: jax.Array) -> tuple[DecodeState, StepResult]:

@@ -37,6 +37,7 @@ from areal_jax.models.paged_attention import (
 )
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
+from areal_jax.sampler.prefill import last_tokens
 from areal_jax.sampler.sampling import SamplingParams
 from areal_jax.sampler.slots import empty_decode_state
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings
@@ -131,8 +132,8 @@ class PagedEngine(Engine):
         cache, logits = self._prefill_rows(params, tokens, lengths)
         pages = _write_rows(state.cache.pages, self._rows_of(state, slots), cache)
         state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
-        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        return self._set_slot_fields(state, logits, lengths, last, slots, settings, mode="drop")
+        return self._set_slot_fields(state, logits, lengths, last_tokens(tokens, lengths), slots, settings,
+                                     mode="drop")
 
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
                         cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from areal_jax.models import ModelConfig, logical_to_mesh_sharding
 from areal_jax.trainer import batch as batching
+from areal_jax.trainer import layout
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
@@ -277,11 +278,11 @@ class Trainer:
 
 
 def _attention_weight(model: nnx.Module, *states: nnx.State) -> float:
-    """batch.attention_weight of the model (0 without a ModelConfig: row lengths by positions only)."""
+    """layout.attention_weight of the model (0 without a ModelConfig: row lengths by positions only)."""
     cfg = next((c for c in (getattr(model, "config", None), getattr(model, "cfg", None))
                 if isinstance(c, ModelConfig)), None)
     n_params = sum(int(x.size) for state in states for x in jax.tree.leaves(state))
-    return batching.attention_weight(cfg, n_params) if cfg is not None and n_params else 0.0
+    return layout.attention_weight(cfg, n_params) if cfg is not None and n_params else 0.0
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
