@@ -28,7 +28,8 @@ class KVCache:
     v: tuple[jax.Array, ...]
 
     def __post_init__(self) -> None:
-        # jax.tree_util rebuilds the dataclass with placeholder leaves; only real sequences are normalised.
+        # jax.tree_util also rebuilds the dataclass around non-array leaves (e.g. shardings, None); only
+        # lists are turned into tuples.
         if isinstance(self.k, list):
             self.k = tuple(self.k)
         if isinstance(self.v, list):
