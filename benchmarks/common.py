@@ -36,3 +36,31 @@ def model_config(args: argparse.Namespace, **overrides):
                   head_dim=args.hidden // args.heads, max_position_embeddings=4096, eos_token_id=None)
     fields.update(overrides)
     return testing.tiny_config("qwen2", **fields)
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    """Best wall time of `fn()` (its result waited for) over `repeats` runs, after one untimed run."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def raw_copy_seconds(nbytes: int, src, dst, repeats: int = 5) -> float:
+    """Best time to copy one buffer of `nbytes` from device `src` to `dst` (a fresh buffer when they are
+    the same): the floor a weight hand-off of those bytes is compared with."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(jnp.zeros((max(1, nbytes // 4),), jnp.float32), src)
+    if src == dst:
+        copy = jax.jit(jnp.copy)
+        return best_seconds(lambda: copy(x), repeats)
+    return best_seconds(lambda: jax.device_put(x, dst, may_alias=False), repeats)

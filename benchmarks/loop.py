@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import matmul_peak_gflops  # noqa: E402
+from common import best_seconds, matmul_peak_gflops, raw_copy_seconds  # noqa: E402
 
 from areal_jax.system import loadgen  # noqa: E402
 
@@ -152,25 +151,6 @@ def device_memory() -> dict | None:
     if not stats:
         return None
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
-
-
-def best_seconds(fn, repeats: int = 5) -> float:
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def raw_copy_seconds(nbytes: int, src: jax.Device, dst: jax.Device) -> float:
-    """Best time to copy one buffer of `nbytes` from `src` to `dst` (a fresh buffer when they are the same)."""
-    x = jax.device_put(jnp.zeros((max(1, nbytes // 4),), jnp.float32), src)
-    if src == dst:
-        copy = jax.jit(jnp.copy)
-        return best_seconds(lambda: copy(x))
-    return best_seconds(lambda: jax.device_put(x, dst, may_alias=False))
 
 
 def measure_handoff(job) -> dict:

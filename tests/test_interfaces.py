@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import queue
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -85,7 +86,10 @@ def test_sampler_loop_is_a_managed_sampler(paged):
         assert isinstance(c, interfaces.SampledCompletion) and len(c.tokens) == len(c.versions) == 3
         loop.check()  # a healthy loop raises nothing
         version, params = loop.versioned_params()
-        assert version == loop.current_version == 0 and params is loop.params
+        assert version == loop.current_version == 0
+        # The same buffers the loop decodes with (not copies), rebuilt as the model's nnx.State.
+        assert jax.tree.structure(params) == jax.tree.structure(nnx.split(model)[1])
+        assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loop.params)))
         assert loop.stats()["generated_tokens"] == 3
     finally:
         loop.stop(graceful=False)

@@ -74,3 +74,67 @@ def test_handoff_equals_host_cast_bit_for_bit_and_never_touches_the_host(split, 
         assert got.dtype == want.dtype and got.sharding.device_set <= rollout_devices
         bits = np.uint16 if dtype else np.uint32
         np.testing.assert_array_equal(np.asarray(got).view(bits), want.view(bits))
+
+
+def test_flat_params_round_trip_and_decode_like_the_state():
+    """FlatParams holds the same leaves in the same order, rebuilds the very nnx.State, and an engine
+    given it decodes exactly as one given the State."""
+    from areal_jax.models import FlatParams, as_tree
+    from areal_jax.sampler import Engine, SamplingParams
+
+    model = random_model(tiny_config())
+    params = nnx.split(model)[1]
+    flat = FlatParams.of(params)
+    assert FlatParams.of(flat) is flat
+    assert all(a is b for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(params)))
+    assert jax.tree.structure(flat.tree()) == jax.tree.structure(params) and as_tree(params) is params
+    doubled = jax.jit(lambda p: jax.tree.map(lambda x: 2 * x, p))(flat)
+    assert isinstance(doubled, FlatParams) and doubled.treedef == flat.treedef
+    for got, x in zip(doubled.leaves, flat.leaves):
+        np.testing.assert_array_equal(np.asarray(got), 2 * np.asarray(x))
+    with pytest.raises(ValueError, match="2 leaves for a tree of"):
+        FlatParams(flat.leaves[:2], flat.treedef)
+
+    engine = Engine(model, num_slots=2, max_len=32)
+    outs = []
+    for p in (params, flat):
+        state = engine.init_decode_state()
+        state = engine.insert(engine.prefill(p, [5, 6, 7]), state, 0, SamplingParams(temperature=0.0, max_new_tokens=6))
+        tokens = []
+        for step in range(6):
+            state, result = engine.generate(p, state, jax.random.key(step))
+            tokens.append((int(result.tokens[0]), float(result.logprobs[0])))
+        outs.append(tokens)
+    assert outs[0] == outs[1]
+
+
+def test_layout_check_names_the_leaf_that_differs():
+    from areal_jax.models import FlatParams
+    from areal_jax.models.flat_params import check_same_layout
+
+    params = nnx.split(random_model(tiny_config()))[1]
+    wider = nnx.split(random_model(tiny_config(intermediate_size=40)))[1]
+    check_same_layout(params, FlatParams.of(params))  # the same layout, either form: no error
+    with pytest.raises(ValueError, match=r"mlp.*has shape .* the sampler's model has"):
+        check_same_layout(FlatParams.of(params), wider)
+    with pytest.raises(ValueError, match="different tree structure"):
+        check_same_layout(params, nnx.split(random_model(tiny_config(num_layers=3)))[1])
+
+
+def test_handoff_benchmark_at_toy_size(capsys):
+    """benchmarks/handoff.py runs end to end and reports the bytes a bf16 hand-off writes (half the
+    float32 source) and positive timings, in its last line of JSON."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "handoff.py")
+    spec = importlib.util.spec_from_file_location("handoff_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    report = mod.main(["--preset", "tiny", "--host-only", "--repeats", "2"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(report))
+    assert report["leaves"] == 26 and report["bytes_written"] * 2 == report["source_bytes"]
+    for key in ("reshard_s", "publish_to_swap_s", "raw_copy_s", "dispatch_state_s", "dispatch_flat_s"):
+        assert report[key] > 0

@@ -120,16 +120,18 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                     seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                     reward_timeout_s: float = 5.0, examples: list | None = None, engine: Any = None,
                     pool: Any = None, decode_steps: int = 1, temperature: float = 1.0, streams: int = 1) -> dict:
-    """Evaluate params (an nnx.State) on the first n problems of a split, formatted like training
+    """Evaluate params (an nnx.State, or a FlatParams) on the first n problems of a split, formatted like training
     (or on `examples`, already loaded by load_eval_examples). engine / pool: see evaluate_examples.
 
     data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
     from flax import nnx
 
+    from areal_jax.models import as_tree
+
     if examples is None:
         examples = load_eval_examples(path, tokenizer, data_config, n)
     examples = examples[:n]
-    model = nnx.merge(graphdef, params) if engine is None else None
+    model = nnx.merge(graphdef, as_tree(params)) if engine is None else None
     return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
                              reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,

@@ -27,6 +27,7 @@ from typing import Any, Hashable, Literal
 
 from flax import nnx
 
+from areal_jax.models.flat_params import FlatParams, check_same_layout
 from areal_jax.sampler.dispatch import Dispatch, KeyStream
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop_thread import LoopThread
@@ -36,7 +37,6 @@ from areal_jax.sampler.requests import (
     SamplerLoopError,
     _Queued,
     _Running,
-    check_same_layout,
     make_completion,
 )
 from areal_jax.sampler.sampling import SamplingParams
@@ -93,7 +93,7 @@ class SamplerLoop(LoopThread):
         self._out: collections.deque[Completion] = collections.deque()
         self._running: dict[int, _Running] = {}
         self._free = list(range(engine.num_slots))[::-1]
-        self._pending_update: tuple[nnx.State, int, float] | None = None
+        self._pending_update: tuple[FlatParams, int, float] | None = None
         self._aborts: set[Hashable] = set()
         self._paused = self._idle = False
         self._stop_mode: str | None = None
@@ -159,12 +159,13 @@ class SamplerLoop(LoopThread):
                     return None
                 self._cond.wait(remaining)
 
-    def update_params(self, params: nnx.State, version: int) -> None:
+    def update_params(self, params: nnx.State | FlatParams, version: int) -> None:
         """Swap in new params at the next step boundary (non-blocking; the latest call wins).
 
         Raises ValueError at once when ``params`` does not have the structure, shapes and dtypes
         of the params the loop was built with."""
         self._raise_if_failed()
+        params = FlatParams.of(params)
         check_same_layout(self._params, params)
         with self._cond:
             self._pending_update = (params, int(version), time.monotonic())
@@ -173,12 +174,13 @@ class SamplerLoop(LoopThread):
     @property
     def params(self) -> nnx.State:
         """The params the loop decodes with now (on the engine's mesh)."""
-        return self._params
+        return self._params.tree()
 
     def versioned_params(self) -> tuple[int, nnx.State]:
         """(version, params) the loop decodes with now, read together."""
         with self._cond:
-            return self._version, self._params
+            version, params = self._version, self._params
+        return version, params.tree()
 
     @property
     def current_version(self) -> int:

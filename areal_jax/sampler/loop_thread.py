@@ -18,8 +18,8 @@ import time
 from typing import Any, ContextManager, Hashable
 
 import numpy as np
-from flax import nnx
 
+from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
 
@@ -107,7 +107,7 @@ class LoopThread:
         if slots:
             self._state = self.engine.release(self._state, slots)
 
-    def _apply_update(self, params: nnx.State, version: int) -> None:
+    def _apply_update(self, params: FlatParams, version: int) -> None:
         placed = self.engine.place_params(params)
         with self._cond:  # params and version change together (see versioned_params)
             self._params, self._version = placed, version

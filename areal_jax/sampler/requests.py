@@ -4,9 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Literal, Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from areal_jax.sampler.sampling import SamplingParams
 from areal_jax.sampler.state import Prefix
@@ -58,19 +56,6 @@ def make_completion(request: Request, index: int, tokens: Sequence[int] = (), lo
                 error: str | None = None) -> Completion:
     return Completion(request.id, index, list(request.prompt), np.asarray(tokens, np.int32),
                       np.asarray(logprobs, np.float32), np.asarray(versions, np.int32), reason, error)
-
-
-def check_same_layout(current: nnx.State, new: nnx.State) -> None:
-    want, got = jax.tree.structure(current), jax.tree.structure(new)
-    if want != got:
-        raise ValueError("update_params got params with a different tree structure than the sampler's "
-                         "model; publish the nnx.State of the same architecture (nnx.split(model)[1]).")
-    for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(current)[0],
-                               jax.tree.leaves(current), jax.tree.leaves(new)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            name = jax.tree_util.keystr(path_leaf[0])
-            raise ValueError(f"update_params: {name} has shape {b.shape} {b.dtype}, the sampler's model has "
-                             f"{a.shape} {a.dtype}; publish params of the same model configuration.")
 
 
 @dataclasses.dataclass

@@ -28,13 +28,14 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from areal_jax.data.prompts import PromptExample
+    from areal_jax.models import FlatParams
     from areal_jax.sampler.requests import Request
 
 __all__ = ["ManagedSampler", "ParamsSink", "PromptStream", "RewardService", "RolloutSampler", "SampledCompletion",
            "ScoredSample"]
 
 # Where a ParamChannel delivers each published version: called as sink(params_on_rollout, version),
-# typically ManagedSampler.update_params.
+# typically ManagedSampler.update_params; the params come held flat (areal_jax.models.FlatParams).
 ParamsSink = Callable[["nnx.State", int], None]
 
 
@@ -86,8 +87,8 @@ class RolloutSampler(Protocol):
 class ManagedSampler(RolloutSampler, Protocol):
     """A RolloutSampler run by a job: it takes new weights, reports failures and counters, and stops."""
 
-    def update_params(self, params: nnx.State, version: int) -> None:
-        """Swap in ``params`` (already on the sampler's devices, same structure, shapes and dtypes as the
+    def update_params(self, params: nnx.State | FlatParams, version: int) -> None:
+        """Swap in ``params`` (an nnx.State or the same held flat; already on the sampler's devices, same structure, shapes and dtypes as the
         current ones) as ``version`` at the next step boundary; non-blocking, the latest call wins."""
         ...
 

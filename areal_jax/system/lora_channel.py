@@ -70,7 +70,7 @@ class AdapterChannel:
         self.mode, self.scale, self.dtype = mode, float(scale), dtype
         self.deliver = deliver
         self._adapters = ParamChannel(logical_to_mesh_sharding(adapters, rollout_mesh), train_mesh=train_mesh)
-        self.base = ParamChannel(logical_to_mesh_sharding(base, rollout_mesh), train_mesh=train_mesh).reshard(base)
+        self.base = ParamChannel(logical_to_mesh_sharding(base, rollout_mesh), train_mesh=train_mesh).reshard(base).tree()
         self.base_bytes = tree_bytes(self.base)
         self._merge = None
         if mode == "merged":
@@ -88,7 +88,7 @@ class AdapterChannel:
         """The sampler's params for `params` (a full adapted state, or the adapters alone): only the
         adapters are copied to the rollout slice; never aliases the input buffers."""
         adapters, _ = split_adapters(params)
-        on_rollout = self._adapters.reshard(adapters)
+        on_rollout = self._adapters.reshard(adapters).tree()
         self.last_bytes = tree_bytes(on_rollout)
         if self._merge is not None:
             return self._merge(self.base, on_rollout)

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from areal_jax.models import logical_to_mesh_sharding
+from areal_jax.models import FlatParams, logical_to_mesh_sharding
 from areal_jax.system.interfaces import ParamsSink
 
 
@@ -86,7 +86,7 @@ class ParamChannel:
         self.train_mesh = train_mesh
         self.deliver = deliver
         self._lock = threading.Lock()
-        self._latest: tuple[int, nnx.State] | None = None
+        self._latest: tuple[int, FlatParams] | None = None
         self.publish_count = 0
         self.last_publish_s = 0.0
         self._gather = None
@@ -101,7 +101,7 @@ class ParamChannel:
         """Build a channel whose rollout layout follows the model's logical axis rules."""
         return cls(logical_to_mesh_sharding(model_or_state, rollout_mesh), **kw)
 
-    def _replicate_on_train_mesh(self, params: nnx.State) -> nnx.State:
+    def _replicate_on_train_mesh(self, leaves: tuple[jax.Array, ...]) -> list[jax.Array]:
         if self._gather is None:
             if self.train_mesh is None:
                 raise ValueError(
@@ -109,12 +109,11 @@ class ParamChannel:
                     "pass train_mesh= so it can gather them with the train mesh's collectives."
                 )
             replicated = NamedSharding(self.train_mesh, PartitionSpec())
-            self._gather = jax.jit(lambda p: cast_floating(p, self.dtype),
-                                   out_shardings=jax.tree.map(lambda _: replicated, params))
-        return self._gather(params)
+            self._gather = jax.jit(lambda xs: cast_floating(xs, self.dtype), out_shardings=[replicated] * len(leaves))
+        return self._gather(list(leaves))
 
-    def _stage(self, params: nnx.State, leaves: list[jax.Array]) -> nnx.State:
-        """Cast (when `dtype` is set) and lay out `params` on their own devices so that every shard the
+    def _stage(self, leaves: tuple[jax.Array, ...]) -> list[jax.Array]:
+        """Cast (when `dtype` is set) and lay out the leaves on their own devices so that every shard the
         rollout layout needs already exists as one buffer; the following device_put is then one
         device-to-device copy per shard. (When the source's shard index map differs from the
         target's, device_put assembles the whole array on the host and uploads it again.) The staging
@@ -122,49 +121,52 @@ class ParamChannel:
         device when the source has fewer devices than the rollout mesh."""
         targets = self._targets
         if self.dtype is None and all(_shards_cover(x, t) for x, t in zip(leaves, targets)):
-            return params  # device_put already copies (or slices) each shard on the device
+            return list(leaves)  # device_put already copies (or slices) each shard on the device
         if not all(isinstance(t, NamedSharding) for t in targets):
-            return jax.tree.map(lambda x: cast_floating(x, self.dtype), params) if self.dtype else params
+            return cast_floating(list(leaves), self.dtype)
         if self._cast is None:
             rollout_mesh = targets[0].mesh
             source = sorted(set().union(*(x.sharding.device_set for x in leaves)), key=lambda d: d.id)
             if len(source) >= rollout_mesh.size:
                 devices = np.array(source[: rollout_mesh.size]).reshape(rollout_mesh.devices.shape)
                 mirror = Mesh(devices, rollout_mesh.axis_names, axis_types=rollout_mesh.axis_types)
-                staging = jax.tree.map(lambda t: NamedSharding(mirror, t.spec), self.rollout_shardings)
+                staging = [NamedSharding(mirror, t.spec) for t in targets]
             else:
                 one = Mesh(np.array(source[:1]).reshape((1,) * rollout_mesh.devices.ndim), rollout_mesh.axis_names)
-                staging = jax.tree.map(lambda _: NamedSharding(one, PartitionSpec()), self.rollout_shardings)
-            self._cast = jax.jit(lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.dtype)),
+                staging = [NamedSharding(one, PartitionSpec())] * len(targets)
+            self._cast = jax.jit(lambda xs: [jnp.copy(x) for x in cast_floating(xs, self.dtype)],
                                  out_shardings=staging)
-        return self._cast(params)
+        return self._cast(list(leaves))
 
-    def _plan(self, leaves: list, treedef: Any) -> tuple[bool, bool, int]:
+    def _plan(self, leaves: tuple, treedef: Any) -> tuple[bool, bool, int]:
         """(fully addressable, colocated with the rollout shardings, bytes written), cached per tree
         structure and source shardings."""
         key = (treedef, tuple(x.sharding for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
+            if len(leaves) != len(self._targets):
+                raise ValueError(f"ParamChannel got params with {len(leaves)} leaves; its rollout shardings have "
+                                 f"{len(self._targets)}. Publish the params of the model the channel was built for.")
             addressable = all(getattr(x, "is_fully_addressable", True) for x in leaves)
             colocated = all(x.sharding.device_set == t.device_set for x, t in zip(leaves, self._targets))
-            written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), leaves)
+            written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), list(leaves))
             plan = self._plans[key] = (addressable, colocated, tree_nbytes(written))
         return plan
 
-    def reshard(self, params: nnx.State) -> nnx.State:
-        """Return a copy of `params` laid out on the rollout mesh (floating leaves in `dtype` when set);
-        never aliases the input buffers and never moves them through the host."""
-        # The params are flattened once per call: at a few hundred leaves, each pass over an nnx.State
-        # costs about a millisecond of Python, which used to be most of a colocated hand-off.
-        leaves, treedef = jax.tree.flatten(params)
-        plan = self._plan(leaves, treedef)
+    def reshard(self, params: nnx.State | FlatParams) -> FlatParams:
+        """Return a copy of `params` laid out on the rollout mesh (floating leaves in `dtype` when set),
+        held flat (FlatParams: `.tree()` gives the nnx.State); never aliases the input buffers and never
+        moves them through the host."""
+        # The params are flattened once per call and the copy is never rebuilt into an nnx.State: at a
+        # few hundred leaves, each pass over an nnx.State costs about a millisecond of Python, which used
+        # to be most of a colocated hand-off.
+        flat = FlatParams.of(params)
+        leaves = flat.leaves
+        plan = self._plan(leaves, flat.treedef)
         if not plan[0]:  # spans several processes
-            params = self._replicate_on_train_mesh(params)
-            # Every process now holds a full replica locally; take one and copy it to the rollout slice.
-            leaves, treedef = jax.tree.flatten(params)
-            leaves = [x.addressable_shards[0].data for x in leaves]
-            params = treedef.unflatten(leaves)
-            plan = self._plan(leaves, treedef)
+            # Every process gathers a full replica locally; take one and copy it to the rollout slice.
+            leaves = tuple(x.addressable_shards[0].data for x in self._replicate_on_train_mesh(leaves))
+            plan = self._plan(leaves, flat.treedef)
         _, colocated, self.last_bytes = plan
         if colocated:
             # Same devices: `device_put` may hand back the source buffer for a shard even with
@@ -173,11 +175,11 @@ class ParamChannel:
             if self._copy is None:
                 self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in cast_floating(xs, self.dtype)],
                                      out_shardings=self._targets)
-            return treedef.unflatten(self._copy(leaves))
-        params = self._stage(params, leaves)
-        return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, self.rollout_shardings)
+            return flat.replace_leaves(self._copy(list(leaves)))
+        staged = self._stage(leaves)
+        return flat.replace_leaves(jax.device_put(staged, self._targets, may_alias=False))
 
-    def publish(self, version: int, params: nnx.State) -> nnx.State:
+    def publish(self, version: int, params: nnx.State | FlatParams) -> FlatParams:
         """Reshard `params` (version `version`) and deliver them; returns the rollout copy."""
         t0 = time.perf_counter()
         on_rollout = self.reshard(params)
@@ -190,7 +192,7 @@ class ParamChannel:
         self.last_publish_s = time.perf_counter() - t0
         return on_rollout
 
-    def latest(self) -> tuple[int, nnx.State] | None:
+    def latest(self) -> tuple[int, FlatParams] | None:
         """The most recent (version, params on the rollout mesh), or None before the first publish."""
         with self._lock:
             return self._latest

@@ -1,0 +1,73 @@
+"""FlatParams: a model's parameter tree held as its flat leaves plus the tree structure.
+
+Passing an ``nnx.State`` to a jitted function flattens it on every call, and each of its Variables is
+flattened by a Python callback: at a few hundred leaves (290 for a 24-layer Qwen2) that is about 0.8 ms
+of host time per dispatch, and rebuilding the State from leaves costs about 2 ms. The sampler
+dispatches many small programs (k decode steps, prefills, inserts) and receives a new copy of the
+weights after every update, so it holds its weights as a :class:`FlatParams` instead: a pytree node
+whose children are the leaves (flattened by JAX's C++ code) and whose static part is the State's
+treedef. Inside a traced function :func:`as_tree` rebuilds the State from tracers, at trace time only.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+
+@jax.tree_util.register_pytree_node_class
+class FlatParams:
+    """The leaves of a parameter tree and its treedef; a pytree with the same leaves, in the same order."""
+
+    __slots__ = ("leaves", "treedef")
+
+    def __init__(self, leaves: Sequence[Any], treedef: Any) -> None:
+        self.leaves = tuple(leaves)
+        self.treedef = treedef
+        if treedef.num_leaves != len(self.leaves):
+            raise ValueError(f"FlatParams got {len(self.leaves)} leaves for a tree of {treedef.num_leaves}.")
+
+    @classmethod
+    def of(cls, tree: Any) -> "FlatParams":
+        """``tree`` (an nnx.State or any pytree) flattened once; a FlatParams is returned as it is."""
+        if isinstance(tree, FlatParams):
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(leaves, treedef)
+
+    def tree(self) -> Any:
+        """The parameter tree (e.g. the nnx.State) these leaves came from."""
+        return self.treedef.unflatten(self.leaves)
+
+    def replace_leaves(self, leaves: Sequence[Any]) -> "FlatParams":
+        """The same structure over other leaves (e.g. copies on another device)."""
+        return FlatParams(leaves, self.treedef)
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], Any]:
+        return self.leaves, self.treedef
+
+    @classmethod
+    def tree_unflatten(cls, treedef: Any, leaves: Sequence[Any]) -> "FlatParams":
+        return cls(leaves, treedef)
+
+    def __repr__(self) -> str:
+        return f"FlatParams({len(self.leaves)} leaves)"
+
+
+def as_tree(params: Any) -> Any:
+    """The parameter tree of ``params``: rebuilt from a FlatParams, anything else unchanged."""
+    return params.tree() if isinstance(params, FlatParams) else params
+
+
+def check_same_layout(current: Any, new: Any, what: str = "update_params") -> None:
+    """Raise ValueError naming the first leaf whose structure, shape or dtype differs between two
+    parameter trees (nnx.State or FlatParams, in any mix)."""
+    cur, got = FlatParams.of(current), FlatParams.of(new)
+    if cur.treedef != got.treedef:
+        raise ValueError(f"{what} got params with a different tree structure than the sampler's model; publish "
+                         "the nnx.State of the same architecture (nnx.split(model)[1]).")
+    for i, (a, b) in enumerate(zip(cur.leaves, got.leaves)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            path = jax.tree_util.tree_flatten_with_path(cur.tree())[0][i][0]
+            raise ValueError(f"{what}: {jax.tree_util.keystr(path)} has shape {b.shape} {b.dtype}, the sampler's "
+                             f"model has {a.shape} {a.dtype}; publish params of the same model configuration.")
