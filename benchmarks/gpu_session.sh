@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The accelerator figures of the scale issues, in phases that fit a short GPU lease (one H100 / H200).
-#   bash benchmarks/gpu_session.sh [PHASE...]      (default: flash trainer05 sampler05)
+#   bash benchmarks/gpu_session.sh [PHASE...]      (default: flash trainer05 sampler05 handoff)
 # Phases, in the order given (each has its own time limit; its log and last JSON line land in $OUT):
 #   flash      the Pallas flash kernel compiled for the GPU against dense attention, values and gradients,
 #              f32 and bf16, packed rows with GQA (~1 min). If it fails, trainer05 uses --attention dense.
@@ -10,6 +10,8 @@
 #   sampler05  Qwen2.5-0.5B bf16, 256 slots, 512 prompts (64-128 tokens, log-normal lengths median 256, cap
 #              1024), k = 16 decode steps per dispatch: continuous batching against HF generate on the same
 #              GPU at the same batch (256 prompts in one batch), then 8 s of never-empty steady state (~3 min).
+#   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
+#              same bytes, and the host's share of it (--host-only: the same 290 leaves, tiny) (~40 s).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
 #   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
@@ -32,7 +34,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONFAULTHANDLER=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export AREAL_JAX_COMPILE_CACHE="$WORK/xla-cache"
 PHASES=("$@")
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(flash trainer05 sampler05)
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(flash trainer05 sampler05 handoff)
 
 step() {  # step NAME LIMIT_S COMMAND...: run it, keep its log in $OUT, print the tail, keep the last line as JSON
   local name=$1 limit=$2 rc t0=$SECONDS; shift 2
@@ -106,6 +108,10 @@ EOF
     step sampler05 200 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
       --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
+  handoff)
+    step handoff05 60 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
+    step handoff05_host 40 $PY benchmarks/handoff.py --preset qwen2.5-0.5b --host-only
+    ;;
   trainer15)
     step trainer15 150 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute \
       --repeats 2 --attention "$ATTN" --skip-hf
@@ -144,7 +150,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 trainer15 loop05 lora15 sampler_more trainer_long staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more trainer_long staleness)"
      exit 2 ;;
   esac
 done

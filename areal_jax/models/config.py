@@ -238,3 +238,18 @@ class ModelConfig:
             d["use_sliding_window"] = False
             d["sliding_window"] = None
         return d
+
+
+def model_config_of(model: Any, *, required: bool = True) -> ModelConfig | None:
+    """The ModelConfig a Transformer carries (as `config` or `cfg`). Without one: a TypeError, or None
+    when not `required`."""
+    for name in ("config", "cfg"):
+        cfg = getattr(model, name, None)
+        if isinstance(cfg, ModelConfig):
+            return cfg
+    if not required:
+        return None
+    raise TypeError(
+        "Could not find the ModelConfig on the model (expected a `config` or `cfg` attribute); pass a "
+        "Transformer, or a graphdef together with config=..."
+    )

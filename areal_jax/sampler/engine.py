@@ -31,7 +31,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
-from areal_jax.sampler.introspect import compiles_counted_for, model_config_of
+from areal_jax.models.config import model_config_of
+from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens

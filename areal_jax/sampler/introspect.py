@@ -1,4 +1,4 @@
-"""What the engine learns about its surroundings: the model's config, and which engine compiled what.
+"""Which engine compiled what.
 
 Compilations are attributed through JAX's monitoring events: while an engine runs one of its jitted
 functions (`compiles_counted_for(engine)`), every backend compile on that thread adds one to its
@@ -11,9 +11,6 @@ import threading
 from typing import Any, Iterator
 
 import jax
-from flax import nnx
-
-from areal_jax.models import ModelConfig
 
 _CALLER = threading.local()  # the engine whose jitted function runs on this thread
 
@@ -35,15 +32,3 @@ def compiles_counted_for(engine: Any) -> Iterator[None]:
         yield
     finally:
         _CALLER.engine = None
-
-
-def model_config_of(model: nnx.Module) -> ModelConfig:
-    """The ModelConfig a Transformer carries (as `config` or `cfg`)."""
-    for name in ("config", "cfg"):
-        cfg = getattr(model, name, None)
-        if isinstance(cfg, ModelConfig):
-            return cfg
-    raise TypeError(
-        "Engine could not find the ModelConfig on the model (expected a `config` or `cfg` "
-        "attribute); pass a Transformer or a graphdef together with config=..."
-    )

@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models import ModelConfig, logical_to_mesh_sharding
+from areal_jax.models import logical_to_mesh_sharding
+from areal_jax.models.config import model_config_of
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer import layout
 from areal_jax.trainer.batch import Trajectory
@@ -279,8 +280,7 @@ class Trainer:
 
 def _attention_weight(model: nnx.Module, *states: nnx.State) -> float:
     """layout.attention_weight of the model (0 without a ModelConfig: row lengths by positions only)."""
-    cfg = next((c for c in (getattr(model, "config", None), getattr(model, "cfg", None))
-                if isinstance(c, ModelConfig)), None)
+    cfg = model_config_of(model, required=False)
     n_params = sum(int(x.size) for state in states for x in jax.tree.leaves(state))
     return layout.attention_weight(cfg, n_params) if cfg is not None and n_params else 0.0
 
