@@ -178,3 +178,50 @@ def test_memory_limit_turns_a_runaway_allocation_into_an_error_for_that_sample()
         results = pool.score_batch([("a", "fine", "1"), ("b", "hungry", "1"), ("c", "fine", "1")])
     assert [r.status for r in results] == ["ok", "error", "ok"]
     assert "MemoryError" in results[1].error and results[1].reward == 0.0
+
+
+def counting_reward(completion: str, answer: str) -> float:
+    """Appends each call to the file named by $AREAL_TEST_REWARD_CALLS; "hang" sleeps past any timeout."""
+    with open(os.environ["AREAL_TEST_REWARD_CALLS"], "a") as f:
+        f.write(f"{completion}|{answer}\n")
+    if completion == "hang":
+        time.sleep(120)
+    return float(len(completion)) + float(answer)
+
+
+def test_identical_pairs_are_scored_once_and_only_answers_are_cached(tmp_path, monkeypatch):
+    calls_file = tmp_path / "calls"
+    monkeypatch.setenv("AREAL_TEST_REWARD_CALLS", str(calls_file))
+
+    def calls() -> list[str]:
+        return calls_file.read_text().split() if calls_file.exists() else []
+
+    with RewardPool("test_rewards_pool:counting_reward", num_workers=1, timeout_s=1.0, cache_size=3) as pool:
+        got = pool.score_batch([("a", "abc", "1"), ("b", "abc", "1"), ("c", "abc", "2"), ("d", "xy", "0")])
+        assert [(r.key, r.reward, r.status) for r in got] == [
+            ("a", 4.0, "ok"), ("b", 4.0, "ok"), ("c", 5.0, "ok"), ("d", 2.0, "ok")]
+        assert sorted(calls()) == ["abc|1", "abc|2", "xy|0"]  # the repeat waited for the first's result
+        # Scored earlier: answered at once from the cache, by either entry point.
+        (again,) = pool.score_batch([("e", "abc", "1")])
+        assert (again.reward, again.status, again.seconds) == (4.0, "ok", 0.0)
+        pool.submit("f", "xy", "0")
+        assert [(r.key, r.reward) for r in pool.results(timeout=10)] == [("f", 2.0)]
+        assert len(calls()) == 3
+        c = pool.counters()
+        assert (c["submitted"], c["ok"], c["cached"]) == (6, 6, 3)
+        # A kill is not the reward's answer: the pair waiting on it shares the timeout, a later one runs again.
+        got = pool.score_batch([("h1", "hang", "0"), ("h2", "hang", "0")])
+        assert [r.status for r in got] == ["timeout", "timeout"]
+        assert pool.score_batch([("h3", "hang", "0")])[0].status == "timeout"
+        assert calls().count("hang|0") == 2
+        # Least recently used first out: three new pairs push "abc|1" out of a cache of 3.
+        pool.score_batch([("p", "p", "0"), ("q", "q", "0"), ("r", "r", "0")])
+        before = len(calls())
+        assert pool.score_batch([("a2", "abc", "1")])[0].reward == 4.0
+        assert len(calls()) == before + 1
+    calls_file.unlink()
+    with RewardPool("test_rewards_pool:counting_reward", num_workers=1, timeout_s=5.0) as pool:  # no cache
+        pool.score_batch([("a", "abc", "1"), ("b", "abc", "1")])
+        assert calls() == ["abc|1", "abc|1"] and pool.counters()["cached"] == 0
+    with pytest.raises(ValueError, match="cache_size"):
+        RewardPool(misbehaving_reward, cache_size=-1)

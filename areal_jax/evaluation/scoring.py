@@ -38,14 +38,16 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
                       temperature: float = 1.0, num_slots: int = 256, max_len: int | None = None,
                       seed: int = 0, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                       reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
-                      pool: Any = None, decode_steps: int = 1, streams: int = 1) -> dict:
+                      pool: Any = None, decode_steps: int = 1, streams: int = 1,
+                      reward_cache_size: int = 16384) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
     data.PromptExample list. k = 0 skips sampling. All n x (1 + k) sequences go through one sampler
     loop (areal_jax.evaluation.batch) and are scored while it runs.
     reward_fn: a "module:function" string or picklable callable (see RewardPool); pool: an open
-    RewardPool to score with instead (e.g. the job's), reward_fn is then unused.
+    RewardPool to score with instead (e.g. the job's), reward_fn is then unused; reward_cache_size: its own
+    pool scores identical completions of a problem once (RewardPool's cache_size; 0 for rewards with randomness).
     engine / params: an Engine (evaluation.batch.eval_engine) and the state to decode with, to evaluate
     again without recompiling; by default built from `model` with `num_slots` slots in all.
     streams: sampler loops side by side (evaluation.batch.generate_for_eval), sharing the slots.
@@ -72,7 +74,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
         params = nnx.state(model)
     own_pool = pool is None
     if own_pool:
-        pool = RewardPool(reward_fn, num_workers=2, timeout_s=reward_timeout_s)
+        pool = RewardPool(reward_fn, num_workers=2, timeout_s=reward_timeout_s, cache_size=reward_cache_size)
     texts: dict[tuple, str] = {}
     try:
         scorer = StreamingScorer(pool)

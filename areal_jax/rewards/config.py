@@ -26,6 +26,9 @@ class RewardConfig(Section):
     num_workers: int = knob(2, "reward worker processes")
     timeout_s: float = knob(5.0, "wall-clock limit per sample; a worker past it is killed and the sample scores 0")
     memory_mb: int = knob(4096, "address-space limit per reward worker; 0 = none")
+    cache_size: int = knob(16384, "identical (completion, answer) pairs are scored once: an LRU of this many scored "
+                           "pairs, and repeats of a pair being scored wait for its result; 0 = score every "
+                           "sample (for rewards with randomness)")
     code_mode: str = knob("all_pass", "reward.fn=code: all_pass (1 iff every test passes) | pass_rate",
                           choices=("all_pass", "pass_rate"))
     code_case_timeout_s: float = knob(4.0, "reward.fn=code: wall-clock limit per test case")
@@ -35,6 +38,7 @@ class RewardConfig(Section):
         k = self.key
         require(self.timeout_s > 0, f"{k('timeout_s')}={self.timeout_s} must be positive.")
         require(self.num_workers >= 1, f"{k('num_workers')}={self.num_workers} must be >= 1.")
+        require(self.cache_size >= 0, f"{k('cache_size')}={self.cache_size} must be >= 0 (0 = no cache).")
         require(self.memory_mb >= 0, f"{k('memory_mb')}={self.memory_mb} must be >= 0 (0 = no limit).")
         require(self.fn in REWARD_FUNCTIONS or self.fn == "code" or ":" in self.fn,
                 f"{k('fn')}={self.fn!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code) nor an "

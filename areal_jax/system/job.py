@@ -192,6 +192,7 @@ class RLJob:
         self.reward_pool = RewardPool(
             c.reward.scorer(), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
             warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None, memory_mb=c.reward.memory_mb or None,
+            cache_size=c.reward.cache_size,
         )
         close_later.callback(self.reward_pool.close)
         resubmit, accepted, first_gid = [], 0, 0
