@@ -32,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import collections
+import hashlib
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
@@ -63,6 +64,7 @@ class _Task:
     completion: str
     answer: str
     sink: queue.Queue
+    pair: bytes = b""  # _pair_digest(completion, answer) when the pool caches
 
 
 class _Worker:
@@ -74,6 +76,16 @@ class _Worker:
         self.task: _Task | None = None
         self.started_at = 0.0
         self.dead = False  # exited and not replaced (only after a fatal start-up error)
+
+
+def _pair_digest(completion: str, answer: str) -> bytes:
+    """A 128-bit digest of a (completion, answer) pair (the reward cache's key)."""
+    h = hashlib.blake2b(digest_size=16)
+    for text in (completion, answer):
+        data = str(text).encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
 
 
 def _kill_processes(processes: list) -> None:
@@ -136,9 +148,10 @@ class RewardPool:
         self._counters = collections.Counter({s: 0 for s in STATUSES})
         self._counters.update(submitted=0, worker_restarts=0, cached=0)
         self._cache_size = cache_size
-        self._cache: collections.OrderedDict[tuple[str, str], tuple[float, str, str | None]] = \
-            collections.OrderedDict()  # (completion, answer) -> (reward, status, error), least recent first
-        self._leaders: dict[tuple[str, str], _Task] = {}  # pair -> the task waiting or being scored for it
+        # Keyed by a digest of the pair, so the cache holds a few dozen bytes per pair however long the
+        # completions and the tests are: (reward, status, error), least recently used first.
+        self._cache: collections.OrderedDict[bytes, tuple[float, str, str | None]] = collections.OrderedDict()
+        self._leaders: dict[bytes, _Task] = {}  # pair digest -> the task waiting or being scored for it
         self._followers: dict[int, list[_Task]] = {}  # leader task_id -> tasks of the same pair
         self._fatal: str | None = None
         self._startup_failures = 0  # consecutive worker deaths before "ready"
@@ -278,7 +291,7 @@ class RewardPool:
                 self._next_id += 1
                 ids.append(task.task_id)
                 if self._cache_size:
-                    pair = (completion, answer)
+                    pair = task.pair = _pair_digest(completion, answer)
                     if pair in self._cache:
                         self._cache.move_to_end(pair)
                         hits.append((task, self._cache[pair]))
@@ -325,7 +338,7 @@ class RewardPool:
             task.sink.put((task.task_id, result))
         if not self._cache_size:
             return
-        pair = (task.completion, task.answer)
+        pair = task.pair
         if self._leaders.get(pair) is task:
             del self._leaders[pair]
             if status in ("ok", "nan"):  # the reward function's own answer, not a kill or a crash
