@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import add_model_args, matmul_peak_gflops, model_config  # noqa: E402
+from benchmarks.common import add_model_args, best_seconds, matmul_peak_gflops, model_config  # noqa: E402
 
 # Qwen2.5 shapes (config.json of the instruct checkpoints); tied embeddings.
 QWEN = {
@@ -47,16 +47,6 @@ def byte_table(cfg, lcfg) -> dict:
             "share_of_f32": adapters / full_f32, "share_of_bf16": adapters / full_bf16}
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
     from areal_jax.models import lora
     from areal_jax.system.lora_channel import AdapterChannel
@@ -67,7 +57,7 @@ def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
         # Its own scope, so the merged copy is freed before the adapter channels are timed.
         plain_params = nnx.state(lora.merged_model(model, lcfg.scale), nnx.Param)
         full = ParamChannel.for_model(plain_params, meshes.rollout_mesh, dtype=sampler_dtype)
-        seconds = timed(lambda: full.publish(1, plain_params), repeats)
+        seconds = best_seconds(lambda: full.publish(1, plain_params), repeats)
         return seconds, sum(x.nbytes for x in jax.tree.leaves(full.latest()[1]))
 
     out = {}
@@ -75,7 +65,7 @@ def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
     trainer = Trainer(model, TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
     for mode in ("merged", "unmerged"):
         ch = AdapterChannel(trainer.params, meshes.rollout_mesh, scale=lcfg.scale, mode=mode, dtype=sampler_dtype)
-        out[f"{mode}_s"] = timed(lambda: ch.publish(1, trainer.params), repeats)
+        out[f"{mode}_s"] = best_seconds(lambda: ch.publish(1, trainer.params), repeats)
         out["adapter_bytes"] = ch.last_bytes
     return out
 
