@@ -74,11 +74,11 @@ class Engine:
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
-            self.graphdef, abstract = nnx.split(model_graphdef_or_model)
+            self.graphdef = nnx.graphdef(model_graphdef_or_model)
         else:
             if config is None:
                 raise ValueError("Engine was given a graphdef without config=: pass the ModelConfig too.")
-            self.config, self.graphdef, abstract = config, model_graphdef_or_model, None
+            self.config, self.graphdef = config, model_graphdef_or_model
         if num_slots < 1 or max_len < 2:
             raise ValueError(f"Engine needs num_slots >= 1 and max_len >= 2, got {num_slots} and {max_len}.")
         limit = getattr(self.config, "max_position_embeddings", None)
@@ -96,11 +96,11 @@ class Engine:
             )
         self.prefill_buckets = buckets
         self._compiles = 0
-        self._param_sharding = None
+        self._placement: tuple[Any, list] | None = None  # (params treedef, its leaves' shardings on the mesh)
         self._state_sharding = None
         self._prefix_sharding = None
         if mesh is not None:
-            self._setup_shardings(abstract)
+            self._setup_shardings()
         self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
         self._jit_prefill_many: dict[int, Callable[..., Any]] = {}  # rows -> program (one output tree per row)
         self._prefill_many_shapes: set[tuple[int, int]] = set()  # (rows, bucket) already compiled
@@ -127,9 +127,7 @@ class Engine:
             return PartitionSpec(None, None, "tensor", None)
         return PartitionSpec()
 
-    def _setup_shardings(self, state: nnx.State | None) -> None:
-        if state is not None:
-            self._param_sharding = logical_to_mesh_sharding(state, self.mesh)
+    def _setup_shardings(self) -> None:
         cache = NamedSharding(self.mesh, self._cache_spec())
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
@@ -145,11 +143,10 @@ class Engine:
         flat = FlatParams.of(params)
         if self.mesh is None:
             return flat
-        if self._param_sharding is None:
-            self._param_sharding = logical_to_mesh_sharding(flat.tree(), self.mesh)
-        targets = self._param_sharding
-        if not isinstance(targets, list):
-            targets = self._param_sharding = jax.tree.leaves(targets)
+        if self._placement is None or self._placement[0] != flat.treedef:
+            # From the params' own logical axes, so the shardings line up leaf by leaf with these params.
+            self._placement = (flat.treedef, jax.tree.leaves(logical_to_mesh_sharding(flat.tree(), self.mesh)))
+        targets = self._placement[1]
         move = [i for i, (x, s) in enumerate(zip(flat.leaves, targets)) if x.sharding != s]
         if not move:
             return flat
