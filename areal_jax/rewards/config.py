@@ -1,7 +1,6 @@
 """RewardConfig: the `reward` section of a job's config (what scores a completion, and the pool that runs it).
 
-The job builds its RewardPool (rewards/pool.py) from it: ``RewardPool(config.scorer(), num_workers=...,
-timeout_s=..., memory_mb=...)``.
+The job builds its RewardPool (rewards/pool.py) from it with ``config.make_pool()``.
 """
 from __future__ import annotations
 
@@ -14,6 +13,10 @@ REWARD_FUNCTIONS = {
     "math": "areal_jax.rewards.math:math_reward",
     "exact": "areal_jax.rewards.exact:exact_match_reward",
 }
+
+
+# What a new math-reward worker scores first (see RewardConfig.make_pool).
+MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,16 @@ class RewardConfig(Section):
             require(self.timeout_s > self.code_sample_timeout_s,
                     f"{k('timeout_s')}={self.timeout_s} must exceed {k('code_sample_timeout_s')}="
                     f"{self.code_sample_timeout_s} (the pool kills a sample at timeout_s, before its tests can finish).")
+
+    def make_pool(self) -> Any:
+        """The RewardPool these options describe. With fn=math every new worker (also one replacing a
+        worker killed at a timeout) scores a LaTeX answer before it takes samples, so sympy's import
+        never counts against a sample's timeout."""
+        from areal_jax.rewards.pool import RewardPool
+
+        return RewardPool(self.scorer(), num_workers=self.num_workers, timeout_s=self.timeout_s,
+                          warmup=MATH_REWARD_WARMUP if self.fn == "math" else None,
+                          memory_mb=self.memory_mb or None, cache_size=self.cache_size)
 
     def scorer(self) -> Any:
         """What the RewardPool runs: an importable "module:function" string, or for fn=code the sandboxed

@@ -7,12 +7,8 @@ runs JAX threads), one sample per worker at a time:
   * it runs past ``timeout_s``        -> the worker is SIGKILLed and replaced, reward 0.0, "timeout";
   * it returns NaN, inf or a non-number -> reward 0.0, status "nan";
   * the worker process dies           -> reward 0.0, status "error", and it is replaced.
-Other samples are unaffected. With ``cache_size`` > 0, identical (completion, answer) pairs are scored
-once: a pair already scored with status "ok" or "nan" (the reward function's own answer) is answered
-from an LRU cache of that many pairs, and a pair submitted while the same pair is waiting or being
-scored gets that result when it arrives, whatever its status (counted under "cached"). A policy that
-has sharpened repeats itself: 29% of the code default's 1,800 evaluation completions repeat one
-already seen, before any training. Leave it at 0 for rewards with randomness. ``timeout_s`` counts from the moment a sample reaches a worker, not from
+Other samples are unaffected. With ``cache_size`` > 0 identical (completion, answer) pairs are scored
+once (rewards/pair_cache.py; leave it at 0 for rewards with randomness). ``timeout_s`` counts from the moment a sample reaches a worker, not from
 ``submit``; a new worker takes samples only once it has imported the reward function (and scored the
 optional ``warmup`` sample), so start-up cost never counts as a timeout.
 
@@ -32,7 +28,6 @@ Usage::
 from __future__ import annotations
 
 import collections
-import hashlib
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
@@ -45,14 +40,15 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 from areal_jax.rewards.config import REWARD_FUNCTIONS, RewardConfig  # the `reward` section; imported from here too
+from areal_jax.rewards.pair_cache import PairCache, pair_digest
 from areal_jax.rewards.worker import (
     STATUSES,
     RewardFn,
     RewardResult,
     classify_reward,
     resolve_reward_fn,
-    worker_main,
 )
+from areal_jax.rewards.worker_handles import WorkerHandle, kill_processes, start_worker, stop_workers
 
 __all__ = ["REWARD_FUNCTIONS", "RewardConfig", "RewardResult", "RewardPool", "resolve_reward_fn", "classify_reward"]
 
@@ -64,38 +60,7 @@ class _Task:
     completion: str
     answer: str
     sink: queue.Queue
-    pair: bytes = b""  # _pair_digest(completion, answer) when the pool caches
-
-
-class _Worker:
-    def __init__(self, process: multiprocessing.process.BaseProcess,
-                 conn: mp_connection.Connection) -> None:
-        self.process = process
-        self.conn = conn
-        self.ready = False
-        self.task: _Task | None = None
-        self.started_at = 0.0
-        self.dead = False  # exited and not replaced (only after a fatal start-up error)
-
-
-def _pair_digest(completion: str, answer: str) -> bytes:
-    """A 128-bit digest of a (completion, answer) pair (the reward cache's key)."""
-    h = hashlib.blake2b(digest_size=16)
-    for text in (completion, answer):
-        data = str(text).encode("utf-8", "surrogatepass")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.digest()
-
-
-def _kill_processes(processes: list) -> None:
-    for p in list(processes):
-        try:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=1.0)
-        except (OSError, ValueError, AssertionError):
-            pass
+    pair: bytes = b""  # pair_digest(completion, answer) when the pool caches
 
 
 class RewardPool:
@@ -111,6 +76,8 @@ class RewardPool:
         import sympy before the clock starts).
       memory_mb: address-space limit (RLIMIT_AS) of each worker; a reward that allocates past it gets
         MemoryError, scored as an "error" for that sample only. None: no limit.
+      cache_size: identical (completion, answer) pairs scored once, an LRU of this many answered pairs
+        (rewards/pair_cache.py); 0: every sample is scored.
     """
 
     def __init__(self, reward_fn: RewardFn | str, *, num_workers: int = 2, timeout_s: float = 5.0,
@@ -147,12 +114,7 @@ class RewardPool:
         self._next_id = 0
         self._counters = collections.Counter({s: 0 for s in STATUSES})
         self._counters.update(submitted=0, worker_restarts=0, cached=0)
-        self._cache_size = cache_size
-        # Keyed by a digest of the pair, so the cache holds a few dozen bytes per pair however long the
-        # completions and the tests are: (reward, status, error), least recently used first.
-        self._cache: collections.OrderedDict[bytes, tuple[float, str, str | None]] = collections.OrderedDict()
-        self._leaders: dict[bytes, _Task] = {}  # pair digest -> the task waiting or being scored for it
-        self._followers: dict[int, list[_Task]] = {}  # leader task_id -> tasks of the same pair
+        self._cache = PairCache(cache_size) if cache_size else None  # rewards/pair_cache.py
         self._fatal: str | None = None
         self._startup_failures = 0  # consecutive worker deaths before "ready"
         self._closed = False
@@ -161,7 +123,7 @@ class RewardPool:
         os.set_blocking(self._wake_w, False)
         self._processes: list = []  # shared with the finalizer, which kills leftovers at exit
         self._workers = [self._start_worker() for _ in range(num_workers)]
-        self._finalizer = weakref.finalize(self, _kill_processes, self._processes)
+        self._finalizer = weakref.finalize(self, kill_processes, self._processes)
         self._thread = threading.Thread(target=self._run, daemon=True, name="reward-pool")
         self._thread.start()
 
@@ -250,20 +212,7 @@ class RewardPool:
         for task in leftovers:
             self._emit(task, 0.0, "error", "reward pool closed before this sample was scored", 0.0,
                        count=False)
-        for w in workers:
-            if w.task is not None or not w.ready or w.dead:
-                w.process.kill()
-            else:
-                try:
-                    w.conn.send(None)
-                except OSError:
-                    pass
-        for w in workers:
-            w.process.join(timeout=2.0)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(timeout=2.0)
-            w.conn.close()
+        stop_workers(workers)
         self._processes.clear()
         self._lifeline_w.close()
         self._lifeline_r.close()
@@ -290,17 +239,13 @@ class RewardPool:
                 task = _Task(self._next_id, key, completion, answer, sink)
                 self._next_id += 1
                 ids.append(task.task_id)
-                if self._cache_size:
-                    pair = task.pair = _pair_digest(completion, answer)
-                    if pair in self._cache:
-                        self._cache.move_to_end(pair)
-                        hits.append((task, self._cache[pair]))
+                if self._cache is not None:
+                    task.pair = pair_digest(completion, answer)
+                    cached, score = self._cache.admit(task.pair, task)
+                    if cached is not None:
+                        hits.append((task, cached))
+                    if not score:
                         continue
-                    leader = self._leaders.get(pair)
-                    if leader is not None:
-                        self._followers.setdefault(leader.task_id, []).append(task)
-                        continue
-                    self._leaders[pair] = task
                 self._pending.append(task)
             self._counters["submitted"] += len(ids)
             if count_outstanding:
@@ -317,15 +262,10 @@ class RewardPool:
         except (BlockingIOError, OSError):
             pass  # pipe full (a wake-up is already pending) or closed
 
-    def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=worker_main, args=(child_conn, self._lifeline_r, self._spec, self._warmup, self._memory_mb),
-            daemon=True, name="reward-worker")
-        process.start()
-        child_conn.close()
-        self._processes.append(process)
-        return _Worker(process, parent_conn)
+    def _start_worker(self) -> WorkerHandle:
+        worker = start_worker(self._ctx, self._lifeline_r, self._spec, self._warmup, self._memory_mb)
+        self._processes.append(worker.process)
+        return worker
 
     def _emit(self, task: _Task, reward: float, status: str, error: str | None, seconds: float,
               count: bool = True) -> None:
@@ -336,21 +276,14 @@ class RewardPool:
             task.sink.put(result)
         else:
             task.sink.put((task.task_id, result))
-        if not self._cache_size:
+        if self._cache is None:
             return
-        pair = task.pair
-        if self._leaders.get(pair) is task:
-            del self._leaders[pair]
-            if status in ("ok", "nan"):  # the reward function's own answer, not a kill or a crash
-                self._cache[pair] = (reward, status, error)
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-        for follower in self._followers.pop(task.task_id, ()):
+        for follower in self._cache.settle(task.pair, task, (reward, status, error)):
             if count:
                 self._counters["cached"] += 1
             self._emit(follower, reward, status, error, 0.0, count=count)
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: WorkerHandle) -> None:
         """Kill a worker (if still alive) and start a new one in its slot (lock held)."""
         if worker.process.is_alive():
             worker.process.kill()
@@ -367,7 +300,7 @@ class RewardPool:
         while self._pending:
             self._emit(self._pending.popleft(), 0.0, "error", message, 0.0)
 
-    def _handle_message(self, worker: _Worker) -> None:
+    def _handle_message(self, worker: WorkerHandle) -> None:
         try:
             msg = worker.conn.recv()
         except (EOFError, OSError):

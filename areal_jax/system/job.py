@@ -25,13 +25,13 @@ from areal_jax import paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.config import JobConfig
 from areal_jax.models.hf_io import DTYPES
+from areal_jax.rewards.config import MATH_REWARD_WARMUP  # noqa: F401  (re-exported: what a math worker scores first)
 from areal_jax.runtime import multihost
 from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.interfaces import ManagedSampler
 
-MATH_REWARD_WARMUP = ("\\boxed{\\frac{1}{2}}", "0.5")
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
                 "trained_tokens_per_s")
@@ -69,7 +69,6 @@ class RLJob:
         from areal_jax import metrics
         from areal_jax.data import make_prompt_iterator
         from areal_jax.models import load_hf_checkpoint
-        from areal_jax.rewards.pool import RewardPool
         from areal_jax.runtime.distributed import is_primary
         from areal_jax.runtime.mesh import build_meshes
         from areal_jax.sampler import Engine, SamplerLoop
@@ -187,13 +186,7 @@ class RLJob:
             timeline=self.timeline,
         )
         close_later.callback(self.sampler.stop, graceful=False)
-        # Every new worker (also one replacing a worker killed at a timeout) scores a LaTeX answer
-        # before it takes samples, so sympy's import never counts against a sample's timeout.
-        self.reward_pool = RewardPool(
-            c.reward.scorer(), num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
-            warmup=MATH_REWARD_WARMUP if c.reward.fn == "math" else None, memory_mb=c.reward.memory_mb or None,
-            cache_size=c.reward.cache_size,
-        )
+        self.reward_pool = c.reward.make_pool()
         close_later.callback(self.reward_pool.close)
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
