@@ -43,6 +43,17 @@ class FlatParams:
         """The same structure over other leaves (e.g. copies on another device)."""
         return FlatParams(leaves, self.treedef)
 
+    def laid_out(self, shardings: Sequence[Any]) -> "FlatParams":
+        """The same params with leaf i laid out by shardings[i]: leaves already so stay as they are, the
+        others move in one device_put."""
+        move = [i for i, (x, s) in enumerate(zip(self.leaves, shardings)) if x.sharding != s]
+        if not move:
+            return self
+        leaves = list(self.leaves)
+        for i, x in zip(move, jax.device_put([leaves[i] for i in move], [shardings[i] for i in move])):
+            leaves[i] = x
+        return self.replace_leaves(leaves)
+
     def tree_flatten(self) -> tuple[tuple[Any, ...], Any]:
         return self.leaves, self.treedef
 

@@ -12,11 +12,11 @@ Storing the logits in the state means a prefilled prompt only has to be *inserte
 holding the same prefix (a GRPO group, :meth:`Engine.bulk_insert`) then draw different first tokens.
 All functions take ``params`` = the ``nnx.State`` of ``nnx.split(model)``, or the same held flat
 (:class:`~areal_jax.models.FlatParams`, what :meth:`Engine.place_params` returns: about 0.8 ms less host
-time per dispatch at a few hundred leaves); the decode state is donated so a step rewrites the cache in place. Prompts are padded to power-of-two buckets so a run
-compiles a handful of programs. :meth:`Engine.prefill_many` prefills many prompts in batched calls
-(admission: the sampler loop prefills the prompts at the head of its queue together, once per
-distinct prompt), and :meth:`Engine.insert_sequences` prefills and inserts many sequences at once
-(the re-prefill of in-flight sequences after a weight update). The per-slot fields (settings, arming and freeing slots) are in ``sampler.slots``.
+time per dispatch at a few hundred leaves); the decode state is donated so a step rewrites the cache in
+place. Prompts are padded to power-of-two buckets so a run compiles a handful of programs.
+:meth:`Engine.prefill_many` prefills the prompts at the head of the loop's queue in batched calls, once
+per distinct prompt; :meth:`Engine.insert_sequences` prefills and inserts many sequences at once (the
+re-prefill of in-flight sequences after a weight update). The per-slot fields are in ``sampler.slots``.
 """
 from __future__ import annotations
 
@@ -146,14 +146,7 @@ class Engine:
         if self._placement is None or self._placement[0] != flat.treedef:
             # From the params' own logical axes, so the shardings line up leaf by leaf with these params.
             self._placement = (flat.treedef, jax.tree.leaves(logical_to_mesh_sharding(flat.tree(), self.mesh)))
-        targets = self._placement[1]
-        move = [i for i, (x, s) in enumerate(zip(flat.leaves, targets)) if x.sharding != s]
-        if not move:
-            return flat
-        leaves = list(flat.leaves)
-        for i, x in zip(move, jax.device_put([leaves[i] for i in move], [targets[i] for i in move])):
-            leaves[i] = x
-        return flat.replace_leaves(leaves)
+        return flat.laid_out(self._placement[1])
 
     # ----------------------------------------------------------------------------- pure functions
     def _init_fn(self) -> DecodeState:

@@ -81,7 +81,6 @@ class ParamChannel:
         deliver: ParamsSink | None = None,
         dtype: DTypeLike | None = None,
     ):
-        self.rollout_shardings = rollout_shardings
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.train_mesh = train_mesh
         self.deliver = deliver
