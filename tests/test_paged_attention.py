@@ -11,6 +11,7 @@ from areal_jax.models.layers import cached_attention
 from areal_jax.models.paged_attention import (
     PagedKVCache,
     copy_pages,
+    default_path,
     gather_attention,
     init_paged_cache,
     kernel_attention,
@@ -62,6 +63,47 @@ def test_gather_and_kernel_attention_equal_dense_cache_attention():
     pos3 = jnp.asarray(np.maximum(POSITIONS[:, None] - np.array([2, 1, 0]), 0))
     np.testing.assert_allclose(np.asarray(gather_attention(q3, paged, 1, jnp.asarray(table), pos3)),
                                np.asarray(cached_attention(q3, dk[1], dv[1], pos3)), atol=2e-5)
+
+
+def test_tpu_kernel_attention_equals_dense_cache_attention():
+    """JAX's Pallas TPU paged-attention kernel (interpreted) against the dense cache: rows at page starts, ends and
+    middles, an empty row (position -1: zeros), junk in every page a row does not own. The kernel multiplies at
+    the TPU's default (bf16) precision, so the cache and queries are bf16 and the reference is float32."""
+    kv, h, dh, ps, per_row, num_pages = 2, 4, 128, 8, 4, 40
+    positions = np.array([0, 7, 8, 19, 31, -1], np.int32)
+    b, s = len(positions), per_row * ps
+    rng = np.random.default_rng(3)
+    dense_k, dense_v = (rng.normal(size=(b, s, kv, dh)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(num_pages)[: b * per_row].reshape(b, per_row).astype(np.int32)
+    pk, pv = np.full((kv, num_pages, ps, dh), 30.0, np.float32), np.full((kv, num_pages, ps, dh), -30.0, np.float32)
+    for row in range(b):
+        for j in range(per_row):
+            pk[:, table[row, j]] = dense_k[row, j * ps:(j + 1) * ps].transpose(1, 0, 2)
+            pv[:, table[row, j]] = dense_v[row, j * ps:(j + 1) * ps].transpose(1, 0, 2)
+    owned = np.where(np.arange(per_row)[None] <= (positions // ps)[:, None], table, -1)
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    paged = PagedKVCache((bf16(pk),), (bf16(pv),))
+    q = bf16(rng.normal(size=(b, 1, h, dh)))
+    pos = jnp.asarray(positions)[:, None]
+    f32 = lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    want = np.asarray(cached_attention(q.astype(jnp.float32), f32(dense_k), f32(dense_v), pos))
+    got = np.asarray(kernel_attention(q, paged, 0, jnp.asarray(owned), pos, interpret=True, platform="tpu"))
+    assert got.dtype == np.dtype(jnp.bfloat16) and got.shape == (b, 1, h, dh)
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=3e-2, rtol=3e-2)
+    assert not np.any(np.asarray(got[-1], np.float32))  # the empty row
+    # The same queries through the GPU kernel agree with it too.
+    gpu = np.asarray(kernel_attention(q, paged, 0, jnp.asarray(owned), pos, interpret=True, platform="gpu"))
+    np.testing.assert_allclose(gpu.astype(np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_tpu_kernel_needs_head_dim_a_multiple_of_128_and_the_default_path_knows():
+    paged = init_paged_cache(testing.tiny_config(), num_pages=8, page_size=PS)  # head_dim 16
+    q = jnp.zeros((2, 1, H, DH), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 128.*gather"):
+        kernel_attention(q, paged, 0, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+                         interpret=True, platform="tpu")
+    assert default_path(64, "gpu") == "kernel" and default_path(128, "tpu") == "kernel"
+    assert default_path(64, "tpu") == "gather" and default_path(128, "cpu") == "gather"
 
 
 @pytest.fixture(scope="module")

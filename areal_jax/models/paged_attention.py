@@ -12,9 +12,10 @@ Attention over pages has two paths with the semantics of ``layers.cached_attenti
 position p attends positions 0..p of its row; p < 0 gives zeros):
 - ``gather_attention``: gathers each row's pages into a contiguous [B, P * page_size] view (any backend,
   any number of queries per row; the CPU path);
-- ``kernel_attention``: one query per row through JAX's Pallas paged-attention kernel for GPUs
-  (``jax.experimental.pallas.ops.gpu.paged_attention``, Triton), which reads pages in place;
-  ``interpret=True`` runs the same kernel on the CPU.
+- ``kernel_attention``: one query per row through JAX's Pallas paged-attention kernels, which read pages in
+  place: on GPUs ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton), on TPUs
+  ``jax.experimental.pallas.ops.tpu.paged_attention`` (Mosaic; head_dim a multiple of 128);
+  ``interpret=True`` runs either kernel on the CPU.
 ``paged_hidden`` runs a ``Transformer``'s layers over a paged cache (the decode path of the model).
 """
 from __future__ import annotations
@@ -134,48 +135,81 @@ def _largest_power_of_two_divisor(n: int, cap: int) -> int:
 
 
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
-                     *, interpret: bool = False) -> jax.Array:
-    """``gather_attention`` for one query per row through the Pallas GPU paged-attention kernel.
+                     *, interpret: bool = False, platform: str | None = None) -> jax.Array:
+    """``gather_attention`` for one query per row through a Pallas paged-attention kernel.
 
-    q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). The kernel splits each
-    row's pages into up to 16 partitions (a power of two dividing P) combined by an online softmax.
-    interpret=True runs it on any backend (the CPU tests)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
+    q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). platform (default: JAX's
+    default backend) picks the kernel: "tpu" the Mosaic kernel (head_dim a multiple of 128; blocks of up to
+    512 positions), anything else the GPU kernel, which splits each row's pages into up to 16 partitions
+    combined by an online softmax. interpret=True runs the chosen kernel on any backend (the CPU tests)."""
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
+    platform = jax.default_backend() if platform is None else platform
     per_row = page_table.shape[1]
-    splits = _largest_power_of_two_divisor(per_row, 16)
-    block = _largest_power_of_two_divisor(per_row // splits, 8)
     lengths = jnp.clip(positions[:, 0] + 1, 0, per_row * cache.page_size).astype(jnp.int32)
     scaled = (q[:, 0].astype(jnp.float32) * np.float32(1.0 / math.sqrt(dh))).astype(q.dtype)
-    out = paged_attention(scaled, cache.k[layer], cache.v[layer], jnp.maximum(page_table, 0), lengths,
-                          k_splits=splits, pages_per_compute_block=block, interpret=interpret)
+    table = jnp.maximum(page_table, 0)
+    if platform == "tpu":
+        out = _tpu_kernel(scaled, cache.k[layer], cache.v[layer], lengths, table, interpret)
+    else:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        splits = _largest_power_of_two_divisor(per_row, 16)
+        block = _largest_power_of_two_divisor(per_row // splits, 8)
+        out = paged_attention(scaled, cache.k[layer], cache.v[layer], table, lengths,
+                              k_splits=splits, pages_per_compute_block=block, interpret=interpret)
     out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
     return out[:, None].astype(q.dtype)
 
 
-def default_path() -> PagedPath:
-    """"kernel" on GPUs (the Pallas kernel reads pages in place), "gather" elsewhere."""
-    return "kernel" if jax.default_backend() == "gpu" else "gather"
+def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array,
+                interpret: bool) -> jax.Array:
+    """The TPU kernel on q [B, H, Dh] (already scaled): blocks of the largest power-of-two count of pages
+    dividing the row's pages and holding at most 512 positions."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    dh, page_size = q.shape[-1], k_pages.shape[2]
+    if dh % 128:
+        raise ValueError(f"the TPU paged-attention kernel needs head_dim a multiple of 128, got {dh}; use the "
+                         "gather path (PagedEngine(attention='gather'), the default on TPUs for such models).")
+    block = _largest_power_of_two_divisor(table.shape[1], max(1, 512 // page_size))
+    call = lambda: paged_attention(q, k_pages, v_pages, lengths, table,  # noqa: E731
+                                   pages_per_compute_block=block)
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            return call()
+    return call()
+
+
+def default_path(head_dim: int | None = None, platform: str | None = None) -> PagedPath:
+    """"kernel" where a Pallas kernel reads pages in place: GPUs, and TPUs when head_dim (if given) is a
+    multiple of 128; "gather" elsewhere (CPU)."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "gpu":
+        return "kernel"
+    if platform == "tpu" and (head_dim is None or head_dim % 128 == 0):
+        return "kernel"
+    return "gather"
 
 
 def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
-                 path: PagedPath | None = None, interpret: bool = False) -> tuple[jax.Array, PagedKVCache]:
+                 path: PagedPath | None = None, interpret: bool = False,
+                 platform: str | None = None) -> tuple[jax.Array, PagedKVCache]:
     """The cache branch of ``Transformer.hidden`` over a paged cache.
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
     token's key / value is written at its position (through the page table; writes to missing pages are
     dropped), then attention reads positions 0..p of the row. Returns (final-norm hidden states [B, T, D]
-    in the compute dtype, the new cache). path: "gather" or "kernel" (T must be 1), default ``default_path()``.
-    """
+    in the compute dtype, the new cache). path: "gather" or "kernel" (T must be 1), default
+    ``default_path(head_dim)``; platform: whose kernel "kernel" runs (``kernel_attention``)."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
         raise ValueError(f"paged_hidden got tokens {tokens.shape}, positions {positions.shape} and page_table "
                          f"{page_table.shape}; expected [B, T], [B, T] and [B, P].")
-    path = default_path() if path is None else path
+    path = default_path(cfg.head_dim) if path is None else path
     if path == "kernel" and t != 1:
         path = "gather"  # prefill-style calls read through the gathered view
     page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)
@@ -187,7 +221,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
         k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
         current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
         if path == "kernel":
-            attn = kernel_attention(q, current, i, page_table, positions, interpret=interpret)
+            attn = kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform)
         else:
             attn = gather_attention(q, current, i, page_table, positions)
         x = x + layer.attn.out(attn)

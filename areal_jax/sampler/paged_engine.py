@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from areal_jax.models.config import model_config_of
 from areal_jax.models.paged_attention import (
     PagedKVCache,
     PagedPath,
@@ -69,7 +70,8 @@ class PagedEngine(Engine):
     Args (besides Engine's):
       page_size: positions per page.
       num_pages: pages in the pool; default the dense cache's memory (num_slots x max_len positions).
-      attention: "gather" or "kernel" (Pallas GPU paged attention); default ``default_path()``.
+      attention: "gather" or "kernel" (the Pallas paged-attention kernel of the backend: GPU, or TPU when
+        head_dim is a multiple of 128); default ``default_path(head_dim)``.
     """
 
     def __init__(self, model_graphdef_or_model: nnx.Module | nnx.GraphDef, *, num_slots: int, max_len: int,
@@ -78,7 +80,8 @@ class PagedEngine(Engine):
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
         self.page_size = int(page_size)
-        self.attention = attention or default_path()
+        cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
+        self.attention = attention or default_path(cfg.head_dim if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
         self.pages_per_slot = per_sequence  # the page table's width
         if self.attention == "kernel":  # the kernel splits a row's pages into power-of-two partitions and blocks
@@ -138,7 +141,7 @@ class PagedEngine(Engine):
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
                         cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
         h, pages = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
-                                interpret=jax.default_backend() != "gpu")  # the kernel is Triton: interpreted elsewhere
+                                interpret=jax.default_backend() not in ("gpu", "tpu"))  # kernels interpreted elsewhere
         return model.unembed(h), PagedCacheState(pages, cache.table)
 
     # ----------------------------------------------------------------------------- host-side pages

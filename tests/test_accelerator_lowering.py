@@ -1,0 +1,62 @@
+"""The accelerator kernels lower for their real targets, checked on the CPU.
+
+`jax.export` lowers a program for a platform the host does not have: Pallas kernels go through their real
+lowering (Triton for "cuda", Mosaic for "tpu") instead of the interpreter the other tests run on the CPU.
+A kernel whose block shapes, dtypes or ops a target rejects fails here, before it reaches a GPU or a TPU.
+Shapes are the Qwen2.5 ones in bfloat16 (0.5B: 14 / 2 heads of 64; 1.5B: 12 / 2 heads of 128)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from areal_jax.models.flash_attention import flash_attention
+from areal_jax.models.paged_attention import PagedKVCache, kernel_attention
+from areal_jax.models.splash import splash_attention
+
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "tpu_custom_call"
+
+
+def lowered(fn, platform: str, *shapes) -> str:
+    """The StableHLO text of jit(fn) lowered for `platform` (Triton calls allowed: they have no stable ABI,
+    which only matters for serialising, not for this check)."""
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*shapes).mlir_module()
+
+
+def spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("platform,heads,head_dim", [("cuda", (14, 2), 64), ("cuda", (12, 2), 128),
+                                                    ("tpu", (14, 2), 64), ("tpu", (12, 2), 128)])
+def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head_dim):
+    (h, kv), t = heads, 2048
+    attend = flash_attention if platform == "cuda" else splash_attention
+
+    def loss(q, k, v, seg):
+        return attend(q, k, v, seg, interpret=False).astype(jnp.float32).sum()
+
+    shapes = (spec((2, t, h, head_dim)), spec((2, t, kv, head_dim)), spec((2, t, kv, head_dim)),
+              spec((2, t), jnp.int32))
+    text = lowered(jax.grad(loss, argnums=(0, 1, 2)), platform, *shapes)
+    kernel = TRITON if platform == "cuda" else MOSAIC
+    assert text.count(f"@{kernel}") >= 3  # the forward (recomputed for residuals) and the backward kernels
+    assert f"{t}x{t}x" not in text  # no [.., T, T] tensor anywhere: memory linear in the row length
+
+
+@pytest.mark.parametrize("platform,head_dim", [("cuda", 64), ("cuda", 128), ("tpu", 128)])
+def test_paged_decode_attention_lowers(platform, head_dim):
+    rows, h, kv, page_size, per_row, pages = 256, 14, 2, 16, 80, 256 * 80
+
+    def attend(q, k_pages, v_pages, table, positions):
+        cache = PagedKVCache((k_pages,), (v_pages,))
+        return kernel_attention(q, cache, 0, table, positions, platform="gpu" if platform == "cuda" else "tpu")
+
+    text = lowered(attend, platform, spec((rows, 1, h, head_dim)), spec((kv, pages, page_size, head_dim)),
+                   spec((kv, pages, page_size, head_dim)), spec((rows, per_row), jnp.int32),
+                   spec((rows, 1), jnp.int32))
+    assert f"@{TRITON if platform == 'cuda' else MOSAIC}" in text
+    assert "stablehlo.gather" not in text  # pages are read in place, never gathered into a copy
