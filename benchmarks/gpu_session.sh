@@ -15,7 +15,7 @@
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
 #   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
-#   sampler_more  the sampler at k = 8 and without fetch-behind, the paged KV cache (Pallas kernel) in the same
+#   sampler_more  the sampler at k = 8, without standby rows and without fetch-behind, the paged KV cache (Pallas kernel) in the same
 #              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
 #              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
@@ -132,6 +132,7 @@ EOF
     common=(--preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10)
     step sampler05_k8 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 8
+    step sampler05_nostandby 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --standby-rows 0
     step sampler05_sync 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --no-fetch-behind
     step sampler05_paged 90 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --kv-cache paged
     step decode_attention 60 $PY benchmarks/decode_attention.py --dtype bfloat16 --rows 64 --cache-lens 1024 8192 \

@@ -250,8 +250,12 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = ModelConfig.from_pretrained(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     else:
         cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
+    from areal_jax.config import from_config_dict
+
+    rollout = from_config_dict(job_config(args, 0, 1, ("", "", ""), "")).rollout  # the job's standby rows
     plan = loadgen.memory_plan(cfg, slots=args.slots, max_len=args.max_len,
-                               sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32)
+                               sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32,
+                               standby_positions=rollout.standby * min(args.max_len, rollout.standby_len or 512))
     limit = (device_memory() or {}).get("bytes_limit")
     try:
         loadgen.check_fits(plan, limit, preset=args.model or args.preset)

@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fetch-behind", action="store_true", help="fetch each dispatch before issuing the next")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop (a) after this long and report what it generated (long generations)")
+    p.add_argument("--standby-rows", type=int, default=None,
+                   help="prefilled requests waiting on the device for a slot (sampler/standby.py); default as the "
+                        "job's rollout.standby_rows: num_slots / 2 with the dense cache and k > 1, else 0")
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (paged)")
     p.add_argument("--kv-pages", type=int, default=None, help="pages in the pool (paged; default slots x max_len)")
@@ -87,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, flag, preset[key])
     if args.decode_steps < 1:
         p.error(f"--decode-steps must be at least 1, got {args.decode_steps}.")
+    if args.standby_rows is None:
+        args.standby_rows = args.num_slots // 2 if args.decode_steps > 1 and args.kv_cache == "dense" else 0
+    if args.standby_rows and args.kv_cache == "paged":
+        p.error("--standby-rows needs the dense cache (--kv-cache dense).")
     if not 1 <= args.median_new_tokens <= args.max_new_tokens:
         p.error(f"--median-new-tokens ({args.median_new_tokens}) must lie in [1, --max-new-tokens].")
     return args
@@ -153,16 +160,30 @@ def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: flo
 
 
 def warm_up(engine: Engine, params, prompt_len: tuple[int, int], k: int, seed: int) -> int:
-    """Compile every program the timed runs use (batched and single prefill for each bucket the prompt
-    lengths reach, a k-step dispatch); returns the number of programs compiled."""
+    """Compile every program the timed runs use, for each bucket the prompt lengths reach: the static run's
+    prefill, insert and k-step dispatch, and what a SamplerLoop runs (batched prefill, insert, standby
+    staging, the dispatch with flat params, its key stream), by running a loop over more prompts of each
+    bucket than its slots and standby rows hold. Returns the number of programs compiled."""
     low, top = engine.bucket_for(prompt_len[0]), engine.bucket_for(prompt_len[1])
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), k)))
-    for b in (b for b in engine.prefill_buckets if low <= b <= top):
+    buckets = [b for b in engine.prefill_buckets if low <= b <= top]
+    for b in buckets:
         sp = SamplingParams(temperature=1.0, max_new_tokens=2)
         state = engine.insert_sequences(params, engine.init_decode_state(), [0], [[5] * b], [sp])
         state = engine.insert(engine.prefill(params, [5] * b), state, 1, sp)
         state, result = engine.generate_steps(params, state, keys)
         result.to_host()
+    loop = SamplerLoop(engine, params, seed=seed, decode_steps=k)
+    per_bucket = engine.num_slots + getattr(engine, "standby_rows", 0) + engine.prefill_batch + 1
+    for b in buckets:
+        loop.pause()
+        for i in range(per_bucket):  # distinct prompts: one batched prefill row each
+            loop.submit(Request(id=(b, i), prompt=[5 + i % 50] * (b - 1) + [6 + i // 50], max_new_tokens=k + 1,
+                                temperature=1.0))
+        loop.resume()
+        for _ in range(per_bucket):
+            loop.get_completion(timeout=600)
+    loop.stop()
     return engine.compile_count
 
 
@@ -332,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine = PagedEngine(model, num_slots=args.num_slots, max_len=max_len, page_size=args.page_size,
                                  num_pages=args.kv_pages, attention=args.paged_attention)
         else:
-            engine = Engine(model, num_slots=args.num_slots, max_len=max_len)
+            engine = Engine(model, num_slots=args.num_slots, max_len=max_len, standby_rows=args.standby_rows)
         _, params = nnx.split(model)
         del model
         compiled = warm_up(engine, params, tuple(args.prompt_len), args.decode_steps, args.seed)
@@ -377,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "sampler", "preset": args.preset, "dtype": args.dtype, "device": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "params": int(n_params),
         "num_slots": args.num_slots, "num_prompts": len(prompts), "decode_steps": args.decode_steps,
+        "standby_rows": args.standby_rows,
         "kv_cache": args.kv_cache, "kv_pages": getattr(engine, "num_pages", None),
         "paged_attention": getattr(engine, "attention", None),
         "fetch_behind": not args.no_fetch_behind, "generated_tokens": int(tokens_a),

@@ -74,7 +74,10 @@ def test_memory_plan_matches_the_real_model_and_the_published_qwen_size():
     big = loadgen.memory_plan(loadgen.model_config("qwen2.5-0.5b", 8256, "bfloat16"), slots=64, max_len=8256,
                               sampler_dtype=jnp.bfloat16)
     assert big.n_params == 494_032_768
-    assert big.kv_cache == 64 * 8256 * 24 * 2 * 2 * 64 * 2
+    assert big.kv_cache == 64 * 8256 * 24 * 2 * 2 * 64 * 2 and big.standby_cache == 0
+    with_standby = loadgen.memory_plan(loadgen.model_config("qwen2.5-0.5b", 8256, "bfloat16"), slots=64,
+                                       max_len=8256, sampler_dtype=jnp.bfloat16, standby_positions=32 * 512)
+    assert with_standby.standby_cache == 32 * 512 * 24 * 2 * 2 * 64 * 2
     with pytest.raises(ValueError, match="largest part is kv_cache: lower --slots or --cap"):
         loadgen.check_fits(big, 16 * loadgen.GiB, preset="qwen2.5-0.5b")
     loadgen.check_fits(big, 141 * loadgen.GiB, preset="qwen2.5-0.5b")  # one H200: fits

@@ -19,6 +19,7 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["preset"] == "tiny" and out["dtype"] == "float32" and out["decode_steps"] == 3
+    assert out["standby_rows"] == 2  # the job's default: num_slots / 2 with the dense cache and k > 1
     assert out["tokens_per_s"]["continuous"] > 0 and out["tokens_per_s"]["static"] > 0
     assert out["tokens_per_s"]["hf"] is None and out["ratio_a_b"] > 0
     steady = out["steady"]

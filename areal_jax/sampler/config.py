@@ -33,6 +33,11 @@ class RolloutConfig(Section):
     decode_steps: int = knob(4, "decode steps per sampler dispatch (one jitted while_loop); bounds the latency an "
                              "admission or a weight update adds. Accelerators: 8-32 (per-step host work dominates "
                              "there); CPU: small")
+    standby_rows: int | None = knob(None, "prefilled requests that wait on the device and take a slot the step after "
+                                    "it finishes, inside a dispatch (sampler/standby.py; dense cache only). None: "
+                                    "num_slots // 2 when decode_steps > 1 and kv_cache is dense, else 0 (off)")
+    standby_len: int | None = knob(None, "longest prompt bucket a standby row holds (longer prompts wait for a free "
+                                   "slot); None: min(max_len, 512)")
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
     page_size: int = knob(16, "positions per KV page (paged)")
@@ -51,6 +56,13 @@ class RolloutConfig(Section):
                             choices=("same", "float32", "bfloat16"))
 
     @property
+    def standby(self) -> int:
+        """The standby rows the sampler gets (``standby_rows`` with None resolved)."""
+        if self.standby_rows is not None:
+            return int(self.standby_rows)
+        return self.num_slots // 2 if self.decode_steps > 1 and self.kv_cache == "dense" else 0
+
+    @property
     def eta(self) -> int | None:
         """The staleness bound: None when unbounded (max_staleness None or -1)."""
         return None if self.max_staleness is None or self.max_staleness < 0 else int(self.max_staleness)
@@ -64,6 +76,13 @@ class RolloutConfig(Section):
                 "group must fit in the sampler's slots. Raise num_slots or lower group_size.")
         require(self.decode_steps >= 1, f"{k('decode_steps')}={self.decode_steps} must be at least 1 (decode steps "
                 "per sampler dispatch; 8-32 on accelerators).")
+        require(self.standby_rows is None or self.standby_rows >= 0,
+                f"{k('standby_rows')}={self.standby_rows} must be >= 0 (0 turns the standby off).")
+        require(not (self.standby_rows and self.kv_cache == "paged"),
+                f"{k('standby_rows')}={self.standby_rows} needs the dense cache; set it to 0 with "
+                f"{k('kv_cache')}=paged.")
+        require(self.standby_len is None or 1 <= self.standby_len <= self.max_len,
+                f"{k('standby_len')}={self.standby_len} must lie in [1, {k('max_len')}={self.max_len}].")
         if self.kv_cache == "paged":
             require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
             per_seq = -(-self.max_len // self.page_size)

@@ -46,48 +46,76 @@ class Dispatch:
       result: the device-side MultiStepResult (fetched later).
       runs: slot -> run that occupied the slot when the dispatch was issued.
       version: params version the dispatch decoded with.
+      standby: standby row -> run staged there when the dispatch was issued.
       issued_at: time.monotonic() at issue.
     """
 
     result: MultiStepResult
     runs: dict[int, _Running]
     version: int
+    standby: dict[int, _Running] = dataclasses.field(default_factory=dict)
     issued_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
-def record_dispatch(r: MultiStepResult, runs: dict[int, _Running],
-                    version: int) -> tuple[list[tuple[int, FinishReason]], int]:
+@dataclasses.dataclass
+class Recorded:
+    """What a fetched dispatch did to its runs (``record_dispatch``).
+
+    Attributes:
+      finished: (slot, run, "stop" | "length") for each active run that finished in the dispatch.
+      appended: tokens appended to runs.
+      placed: standby row -> slot, for the rows the dispatch moved into slots.
+      occupants: slot -> the run in it after the dispatch, for the slots a standby row moved into.
+    """
+
+    finished: list[tuple[int, _Running, FinishReason]]
+    appended: int
+    placed: dict[int, int]
+    occupants: dict[int, _Running]
+
+
+def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
+                    standby: dict[int, _Running] | None = None) -> Recorded:
     """Append a fetched dispatch's tokens to the runs that are still active.
 
     Args:
       r: host (numpy) MultiStepResult, [K, S] buffers.
       runs: the dispatch's slot -> run snapshot.
       version: the params version the dispatch decoded with.
+      standby: the dispatch's standby row -> run snapshot; a row the dispatch moved into a slot starts a
+        new span of that slot at its ``placed_step`` (the previous occupant had finished by then).
 
     The first token a run gets here was sampled from logits computed before the dispatch (tagged with
-    ``run.logits_version``); every later one from logits of this dispatch's params (``version``).
-
-    Returns:
-      (finished: [(slot, "stop" | "length")] for active runs whose slot finished in the dispatch,
-       appended: number of tokens appended).
+    ``run.logits_version``: its prefill's version for a run placed from the standby); every later one
+    from logits of this dispatch's params (``version``).
     """
-    counts = np.asarray(r.valid).sum(axis=0)  # the valid steps of a slot are a prefix of the K
-    tokens, logprobs = np.asarray(r.tokens).T, np.asarray(r.logprobs).T
-    finished: list[tuple[int, FinishReason]] = []
-    appended = 0
-    for slot, run in runs.items():
-        if not run.active:
-            continue
-        n = int(counts[slot])
-        if n:
-            new = tokens[slot, :n].tolist()
-            run.tokens.extend(new)
-            run.logprobs.extend(logprobs[slot, :n].tolist())
-            run.versions.append(run.logits_version)
-            run.versions.extend([version] * (n - 1))
-            run.logits_version = version
-            appended += n
-        if r.done[slot]:
-            last = run.tokens[-1] if run.tokens else None
-            finished.append((slot, "stop" if last in run.sampling.stop_token_ids else "length"))
-    return finished, appended
+    k, s = np.asarray(r.valid).shape
+    valid, tokens, logprobs = np.asarray(r.valid).T, np.asarray(r.tokens).T, np.asarray(r.logprobs).T
+    spans: dict[int, list[tuple[int, _Running]]] = {slot: [(0, run)] for slot, run in runs.items()}
+    placed: dict[int, int] = {}
+    for row, run in (standby or {}).items():
+        slot = int(r.placed_slot[row])
+        if slot < s:
+            placed[row] = slot
+            spans.setdefault(slot, []).append((int(r.placed_step[row]), run))
+    out = Recorded([], 0, placed, {})
+    for slot, span in spans.items():
+        span.sort(key=lambda x: x[0])
+        if len(span) > 1 or slot in placed.values():
+            out.occupants[slot] = span[-1][1]
+        for i, (start, run) in enumerate(span):
+            if not run.active:
+                continue
+            end = span[i + 1][0] if i + 1 < len(span) else k
+            n = int(valid[slot, start:end].sum())  # the valid steps of a span are a prefix of it
+            if n:
+                run.tokens.extend(tokens[slot, start:start + n].tolist())
+                run.logprobs.extend(logprobs[slot, start:start + n].tolist())
+                run.versions.append(run.logits_version)
+                run.versions.extend([version] * (n - 1))
+                run.logits_version = version
+                out.appended += n
+            if i + 1 < len(span) or r.done[slot]:
+                last = run.tokens[-1] if run.tokens else None
+                out.finished.append((slot, run, "stop" if last in run.sampling.stop_token_ids else "length"))
+    return out

@@ -34,13 +34,14 @@ from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cac
 from areal_jax.models.config import model_config_of
 from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
-from areal_jax.sampler.prefill import last_tokens, prefill_rows, row_prefixes, write_rows
+from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, free_slots, slot_settings
+from areal_jax.sampler.standby import StandbyRows, standby_size
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
 
 
-class Engine:
+class Engine(StandbyRows):
     """Pure, jitted prefill / insert / generate over a fixed set of decode slots."""
 
     def __init__(
@@ -55,6 +56,8 @@ class Engine:
         max_stop_tokens: int = 8,
         min_bucket: int = 16,
         prefill_batch: int = 8,
+        standby_rows: int = 0,
+        standby_len: int | None = None,
     ) -> None:
         """Build the engine.
 
@@ -71,6 +74,8 @@ class Engine:
           max_stop_tokens: the most stop token ids one request may carry.
           prefill_batch: rows per batched prefill call of :meth:`insert_sequences` and
             :meth:`prefill_many`.
+          standby_rows, standby_len: prefilled requests that can wait on the device for a slot, and the
+            longest prompt bucket each holds (default min(max_len, 512)); see ``sampler.standby``.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -88,6 +93,7 @@ class Engine:
             )
         self.num_slots, self.max_len, self.mesh = int(num_slots), int(max_len), mesh
         self.max_stop_tokens = int(max_stop_tokens)
+        self.standby_rows, self.standby_len = standby_size(standby_rows, standby_len, self.max_len)
         self.prefill_batch = max(1, min(int(prefill_batch), self.num_slots))
         buckets = tuple(int(b) for b in (prefill_buckets or default_buckets(max_len, min_bucket)))
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > max_len:
@@ -119,6 +125,7 @@ class Engine:
         self._jit_prefill_insert = jax.jit(
             self._prefill_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
         )
+        self._jit_standby()
 
     # ----------------------------------------------------------------------------- sharding
     def _cache_spec(self) -> PartitionSpec:
@@ -134,7 +141,8 @@ class Engine:
         shapes = jax.eval_shape(self._init_fn)
         self._state_sharding = dataclasses.replace(
             jax.tree.map(lambda _: replicated, shapes),
-            cache=jax.tree.map(lambda _: cache, shapes.cache))
+            cache=jax.tree.map(lambda _: cache, shapes.cache),
+            standby=self.standby_sharding(shapes, cache, replicated))
         self._prefix_sharding = Prefix(KVCache(k=cache, v=cache), replicated, replicated, replicated, replicated)
 
     def place_params(self, params: nnx.State | FlatParams) -> FlatParams:
@@ -151,7 +159,8 @@ class Engine:
     # ----------------------------------------------------------------------------- pure functions
     def _init_fn(self) -> DecodeState:
         cache = init_cache(self.config, self.num_slots, self.max_len)
-        return empty_decode_state(cache, self.config.vocab_size, self.num_slots, self.max_stop_tokens)
+        return empty_decode_state(cache, self.config.vocab_size, self.num_slots, self.max_stop_tokens,
+                                  self._standby_state())
 
     def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
                       lengths: jax.Array) -> tuple[KVCache, jax.Array]:
@@ -220,7 +229,7 @@ class Engine:
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState,
                            keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
-        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys)
+        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys, self._place_fn)
 
     _release_fn = staticmethod(free_slots)
 
@@ -322,37 +331,9 @@ class Engine:
     def insert_sequences(self, params: nnx.State, decode_state: DecodeState, slots: Sequence[int],
                          sequences: Sequence[Sequence[int]],
                          samplings: Sequence[SamplingParams]) -> DecodeState:
-        """Prefill ``sequences[i]`` and arm ``slots[i]`` with it and ``samplings[i]``, for all i.
-
-        Sequences are sorted by length and prefilled ``prefill_batch`` rows per call (each call
-        padded to the bucket of its longest row; one compiled program per bucket), fused with
-        the insertion. Donates ``decode_state``.
-        """
-        if not (len(slots) == len(sequences) == len(samplings)):
-            raise ValueError("insert_sequences needs one slot and one SamplingParams per sequence.")
-        if len(set(int(s) for s in slots)) != len(slots):
-            raise ValueError(f"insert_sequences needs distinct slots, got {list(slots)}.")
-        for s, seq in zip(slots, sequences):
-            self._check_slot(s)
-            if len(seq) < 1:
-                raise ValueError(f"insert_sequences got an empty sequence for slot {s}.")
-        order = sorted(range(len(slots)), key=lambda i: len(sequences[i]))
-        rows = self.prefill_batch
-        for start in range(0, len(order), rows):
-            chunk = order[start : start + rows]
-            width = self.bucket_for(max(len(sequences[i]) for i in chunk))
-            tokens = np.zeros((rows, width), np.int32)
-            lengths = np.ones((rows,), np.int32)
-            slot_ids = np.full((rows,), self.num_slots, np.int32)  # padding rows: writes dropped
-            per_row = [self.settings(samplings[chunk[0]])] * rows
-            for r, i in enumerate(chunk):
-                tokens[r, : len(sequences[i])] = sequences[i]
-                lengths[r], slot_ids[r] = len(sequences[i]), int(slots[i])
-                per_row[r] = self.settings(samplings[i])
-            settings = jax.tree.map(lambda *xs: np.stack(xs), *per_row)
-            decode_state = self._call(self._jit_prefill_insert, params, decode_state, tokens, lengths, slot_ids,
-                                      settings)
-        return decode_state
+        """Prefill ``sequences[i]`` and arm ``slots[i]`` with it and ``samplings[i]``, for all i; donates
+        ``decode_state`` (``prefill.insert_sequences``: batched calls, one program per bucket)."""
+        return insert_sequences(self, params, decode_state, slots, sequences, samplings)
 
     def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Mark ``slots`` free (done) so later steps leave them alone; donates ``decode_state``."""

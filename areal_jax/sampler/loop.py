@@ -93,6 +93,8 @@ class SamplerLoop(LoopThread):
         self._out: collections.deque[Completion] = collections.deque()
         self._running: dict[int, _Running] = {}
         self._free = list(range(engine.num_slots))[::-1]
+        self._standby: dict[int, _Running] = {}
+        self._standby_free = list(range(getattr(engine, "standby_rows", 0)))[::-1]
         self._pending_update: tuple[FlatParams, int, float] | None = None
         self._aborts: set[Hashable] = set()
         self._paused = self._idle = False
@@ -240,6 +242,8 @@ class SamplerLoop(LoopThread):
                 "mean_slot_occupancy": s.get("busy_slot_steps", 0) / max(1, steps * self.engine.num_slots),
                 "queue_depth": queued,
                 "running": len(self._running),
+                "standby": len(self._standby),
+                "placed_from_standby": s.get("placed", 0),
                 "recomputes": s.get("recomputes", 0),
                 "updates": s.get("updates", 0),
                 "update_latency_s": s.get("update_wait_s", 0.0) / max(1, s.get("updates", 0)),

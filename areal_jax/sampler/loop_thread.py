@@ -6,8 +6,13 @@ the state used here: ``engine``, ``on_update``, ``decode_steps``, ``fetch_behind
 lock-guarded ``_cond``, ``_queue`` (queued requests), ``_out`` (finished completions), ``_pending``,
 ``_pending_update``, ``_aborts``, ``_paused`` / ``_idle``, ``_stop_mode``, ``_error``, ``_stats`` and
 ``_max_update_wait``; and, touched by this thread only, ``_running`` (slot -> sample), ``_free`` (free
-slots), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
+slots), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows free to stage into; see
+``sampler.standby``), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
 ``_version`` (written under ``_cond``) and ``_keys``.
+
+A slot the host believes free may still take a staged sample inside a dispatch in flight, so the host
+inserts into free slots directly only while no dispatch in flight carries staged samples; otherwise it
+stages, and the device places them.
 """
 from __future__ import annotations
 
@@ -40,12 +45,12 @@ class LoopThread:
     def _run(self) -> None:
         try:
             while self._wait_for_work():
-                if self._inflight and (self._paused or not self._running):
+                if self._inflight and (self._paused or not (self._running or self._standby)):
                     self._drain()  # a paused or empty loop owes the caller every result
                     continue
                 self._between_steps()
                 with self._span("decode_step", running=len(self._running), steps=self.decode_steps):
-                    if self._running:
+                    if self._running or self._standby:
                         self._dispatch()
                     while len(self._inflight) > (1 if self.fetch_behind else 0):
                         self._process(self._inflight.popleft())
@@ -68,7 +73,8 @@ class LoopThread:
                     self._cond.notify_all()
                     self._cond.wait()
                     continue
-                if self._running or self._queue or self._pending_update or self._aborts or self._inflight:
+                if (self._running or self._standby or self._queue or self._pending_update or self._aborts
+                        or self._inflight):
                     return True
                 if self._stop_mode == "graceful":
                     return False
@@ -89,15 +95,20 @@ class LoopThread:
                 self._max_update_wait = max(self._max_update_wait, wait)
         if aborts:
             self._apply_aborts(aborts)
-        if self._queue and self._free:
+        if self._queue and (self._free or self._standby_free):
             with self._span("admit_prefill"):
                 self._admit()
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
-        run = self._running.pop(slot)
+        self._finish_run(slot, self._running[slot], reason)
+
+    def _finish_run(self, slot: int, run: _Running, reason: FinishReason) -> None:
+        """Hand ``run`` back; its slot becomes free unless another run has taken it since."""
         run.active = False
-        self.engine.finished(slot)
-        self._free.append(slot)
+        if self._running.get(slot) is run:
+            del self._running[slot]
+            self.engine.finished(slot)
+            self._free.append(slot)
         with self._cond:
             self._pending -= 1
             self._emit_locked(make_completion(run.request, run.sample_index, run.tokens, run.logprobs,
@@ -112,7 +123,17 @@ class LoopThread:
         with self._cond:  # params and version change together (see versioned_params)
             self._params, self._version = placed, version
             self._stats["updates"] += 1
-        if self.on_update != "recompute" or not self._running:
+        if self.on_update != "recompute":
+            return
+        if self._standby:  # staged samples wait with a prefix of the old params: prefill them again
+            staged = list(self._standby.items())
+            prompts = list({tuple(run.request.prompt): None for _, run in staged})
+            prefixes = dict(zip(prompts, self.engine.prefill_many(self._params, [list(p) for p in prompts])))
+            for row, run in staged:
+                prefix = prefixes[tuple(run.request.prompt)]
+                self._state = self.engine.stage(prefix, self._state, [row], run.sampling)
+                run.logits_version = version
+        if not self._running:
             return
         slots = list(self._running)
         runs = [self._running[s] for s in slots]
@@ -141,16 +162,35 @@ class LoopThread:
         for s in slots:
             self._finish(s, "interrupted")
         self._release(slots)
+        rows = [row for row, run in self._standby.items() if run.request.id in ids]
+        for row in rows:
+            self._unstage(row, "interrupted")
+        if rows:
+            self._state = self.engine.release_standby(self._state, rows)
+
+    def _unstage(self, row: int, reason: FinishReason) -> None:
+        """Hand back the sample staged in standby ``row`` (the row becomes free to stage into)."""
+        run = self._standby.pop(row)
+        run.active = False
+        self._standby_free.append(row)
+        with self._cond:
+            self._pending -= 1
+            self._emit_locked(make_completion(run.request, run.sample_index, reason=reason))
 
     def _admit(self) -> None:
-        """Fill free slots from the queue. Each queued request's prompt is prefilled once (several
-        requests' prompts per call, see :meth:`_prefill_ahead`) and its prefix copied into the slots of
-        its samples."""
-        while self._free:
+        """Fill free slots from the queue, then standby rows. Each queued request's prompt is prefilled once
+        (several requests' prompts per call, see :meth:`_prefill_ahead`) and its prefix copied into the
+        slots (or standby rows) of its samples."""
+        direct = not any(d.standby for d in self._inflight)  # no dispatch in flight can take a free slot
+        while (direct and self._free) or self._standby_free:
             with self._cond:
                 if not self._queue or self._stop_mode == "now":
                     break
                 q = self._queue[0]
+            if not (direct and self._free):
+                if not self._stage(q):
+                    break
+                continue
             k = self._admissible(q)
             if k == 0:
                 break
@@ -164,6 +204,19 @@ class LoopThread:
             for i, slot in enumerate(slots):
                 self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
             self._advance(q, k)
+
+    def _stage(self, q: _Queued) -> bool:
+        """Stage samples of the queue head in free standby rows; False when its prompt does not fit one."""
+        if q.prefix is None or q.prefix_version != self._version:
+            self._prefill_ahead()
+        if not self.engine.can_stage(q.prefix):
+            return False
+        rows = [self._standby_free.pop() for _ in range(min(len(self._standby_free), q.request.n - q.next_index))]
+        self._state = self.engine.stage(q.prefix, self._state, rows, q.sampling)
+        for i, row in enumerate(rows):
+            self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, self._version)
+        self._advance(q, len(rows))
+        return True
 
     def _prefill_ahead(self) -> None:
         """Prefill, in one batched call, the prompts of the first queued requests that have no prefix at
@@ -208,26 +261,49 @@ class LoopThread:
         """Issue k decode steps for the running slots (asynchronously; results fetched in _process)."""
         k = self.decode_steps
         self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k))
-        self._inflight.append(Dispatch(result, dict(self._running), self._version))
+        self._inflight.append(Dispatch(result, dict(self._running), self._version, dict(self._standby)))
 
     def _process(self, d: Dispatch) -> None:
         """Fetch one dispatch's results (blocks until it ran), hand tokens to its runs, finish slots."""
         r = d.result.to_host()
-        finished, appended = record_dispatch(r, d.runs, d.version)
+        rec = record_dispatch(r, d.runs, d.version, d.standby)
         with self._cond:
             self._stats["dispatches"] += 1
             self._stats["steps"] += int(r.steps)
             self._stats["busy_slot_steps"] += int(np.asarray(r.valid).sum())
-            self._stats["generated_tokens"] += appended
-        for slot, reason in finished:
-            self._finish(slot, reason)
+            self._stats["generated_tokens"] += rec.appended
+            self._stats["placed"] += len(rec.placed)
+        for row in rec.placed:  # rows the device emptied (unless the host staged or freed them since)
+            if self._standby.get(row) is d.standby[row]:
+                del self._standby[row]
+                self._standby_free.append(row)
+        for slot, run in rec.occupants.items():  # the host learns who holds these slots now
+            self._running[slot] = run
+            if slot in self._free:
+                self._free.remove(slot)
+            for later in self._inflight:  # issued before this was known
+                later.runs[slot] = run
+        for slot, run, reason in rec.finished:
+            self._finish_run(slot, run, reason)
+        dead = [slot for slot, run in rec.occupants.items() if not run.active and self._running.get(slot) is run]
+        for slot in dead:  # placed after its request was aborted: free the slot
+            del self._running[slot]
+            self._free.append(slot)
+        self._release(dead)
 
     def _drain(self) -> None:
         while self._inflight:
             self._process(self._inflight.popleft())
 
     def _interrupt_all(self) -> None:
-        """On a hard stop, hand back everything still queued or running as "interrupted"."""
+        """On a hard stop, hand back everything still queued or running as "interrupted" (and take a weight
+        update still pending, so a stopped loop holds the last params it was given)."""
+        with self._cond:
+            update, self._pending_update = self._pending_update, None
+        if update is not None:
+            placed = self.engine.place_params(update[0])
+            with self._cond:
+                self._params, self._version = placed, update[1]
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             for q in queued:
@@ -236,3 +312,5 @@ class LoopThread:
                     self._emit_locked(make_completion(q.request, i, reason="interrupted"))
         for slot in list(self._running):
             self._finish(slot, "interrupted")
+        for row in list(self._standby):
+            self._unstage(row, "interrupted")

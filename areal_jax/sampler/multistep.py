@@ -5,6 +5,10 @@ a real model on an accelerator: the step itself only reads the weights and the l
 Running k steps inside one compiled program moves the stop-token, length and sampling checks onto the
 device (they already live in the :class:`DecodeState`) and leaves one dispatch and one fetch per k
 tokens. The loop ends early when every slot has finished, so a short tail costs no idle steps.
+
+With a standby (prefilled requests waiting on the device, ``DecodeState.standby``), a slot that finishes
+inside the dispatch takes the next waiting request before the following step, instead of idling until
+the host admits one between dispatches (up to two dispatches later with fetch-behind).
 """
 from __future__ import annotations
 
@@ -16,32 +20,46 @@ import jax.numpy as jnp
 from areal_jax.sampler.state import DecodeState, MultiStepResult, StepResult
 
 StepFn = Callable[[DecodeState, jax.Array], tuple[DecodeState, StepResult]]
+PlaceFn = Callable[[DecodeState], tuple[DecodeState, jax.Array]]
 
 
-def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
-    """Run ``step`` up to K times, stopping once every slot is done.
+def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array,
+                     place: PlaceFn | None = None) -> tuple[DecodeState, MultiStepResult]:
+    """Run ``step`` up to K times, stopping once every slot is done (and the standby is empty).
 
     Args:
       step: one decode step, (state, raw key data [2] uint32) -> (state, StepResult); pure.
       state: the decode state (S slots).
       keys: [K, 2] uint32 raw key data, one key per step (step t uses ``keys[t]``, so K calls of the
         single step with the same keys draw the same tokens).
+      place: with a standby in ``state``: (state) -> (state with standby rows moved into free slots,
+        [R] int32 slot of each row, S where none), run before every step (``slots.place_standby``).
 
     Returns:
       (state after the last step that ran, MultiStepResult with [K, S] buffers; rows of steps that
       did not run are invalid).
     """
     k, s = keys.shape[0], state.done.shape[0]
+    r = 0 if state.standby is None or place is None else state.standby.done.shape[0]
     buffers = (jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32), jnp.zeros((k, s), bool))
+    placed = (jnp.full((r,), s, jnp.int32), jnp.zeros((r,), jnp.int32))
 
     def cond(carry: tuple) -> jax.Array:
-        t, state, _ = carry
-        return (t < k) & ~jnp.all(state.done)
+        t, state, _, _ = carry
+        idle = jnp.all(state.done) & (jnp.all(state.standby.done) if r else True)
+        return (t < k) & ~idle
 
     def body(carry: tuple) -> tuple:
-        t, state, (tokens, logprobs, valid) = carry
-        state, r = step(state, keys[t])
-        return t + 1, state, (tokens.at[t].set(r.tokens), logprobs.at[t].set(r.logprobs), valid.at[t].set(r.valid))
+        t, state, (tokens, logprobs, valid), (slot_of, step_of) = carry
+        if r:
+            state, target = place(state)
+            moved = target < s
+            slot_of, step_of = jnp.where(moved, target, slot_of), jnp.where(moved, t, step_of)
+        state, out = step(state, keys[t])
+        buffers = (tokens.at[t].set(out.tokens), logprobs.at[t].set(out.logprobs), valid.at[t].set(out.valid))
+        return t + 1, state, buffers, (slot_of, step_of)
 
-    steps, state, (tokens, logprobs, valid) = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buffers))
-    return state, MultiStepResult(tokens=tokens, logprobs=logprobs, valid=valid, done=state.done, steps=steps)
+    steps, state, (tokens, logprobs, valid), (slot_of, step_of) = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), state, buffers, placed))
+    return state, MultiStepResult(tokens=tokens, logprobs=logprobs, valid=valid, done=state.done, steps=steps,
+                                  placed_slot=slot_of, placed_step=step_of)

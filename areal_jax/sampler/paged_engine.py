@@ -79,6 +79,8 @@ class PagedEngine(Engine):
                  **kwargs: Any) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
+        if kwargs.get("standby_rows"):
+            raise ValueError("the paged engine takes no standby rows (standby_rows=0; the dense Engine has them).")
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
         self.attention = attention or default_path(cfg.head_dim if cfg is not None else None)

@@ -2,8 +2,11 @@
 into decode slots. The Engine jits them; the paged engine reuses prefill_rows."""
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from areal_jax.models import KVCache, init_cache
@@ -44,3 +47,37 @@ def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
         return dst.at[slots, :p].set(jnp.broadcast_to(src.astype(dst.dtype), (n,) + src.shape[1:]), mode="drop")
 
     return jax.tree.map(write, cache, rows)
+
+
+def insert_sequences(engine: Any, params: Any, decode_state: Any, slots: Sequence[int],
+                     sequences: Sequence[Sequence[int]], samplings: Sequence[Any]) -> Any:
+    """``Engine.insert_sequences``: prefill ``sequences[i]`` and arm ``slots[i]`` with it and ``samplings[i]``.
+
+    Sequences are sorted by length and prefilled ``engine.prefill_batch`` rows per call (each call padded to
+    the bucket of its longest row; one compiled program per bucket), fused with the insertion."""
+    if not (len(slots) == len(sequences) == len(samplings)):
+        raise ValueError("insert_sequences needs one slot and one SamplingParams per sequence.")
+    if len(set(int(s) for s in slots)) != len(slots):
+        raise ValueError(f"insert_sequences needs distinct slots, got {list(slots)}.")
+    for s, seq in zip(slots, sequences):
+        engine._check_slot(s)
+        if len(seq) < 1:
+            raise ValueError(f"insert_sequences got an empty sequence for slot {s}.")
+    order = sorted(range(len(slots)), key=lambda i: len(sequences[i]))
+    rows = engine.prefill_batch
+    for start in range(0, len(order), rows):
+        chunk = order[start : start + rows]
+        width = engine.bucket_for(max(len(sequences[i]) for i in chunk))
+        tokens = np.zeros((rows, width), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        slot_ids = np.full((rows,), engine.num_slots, np.int32)  # padding rows: writes dropped
+        per_row = [engine.settings(samplings[chunk[0]])] * rows
+        for r, i in enumerate(chunk):
+            tokens[r, : len(sequences[i])] = sequences[i]
+            lengths[r], slot_ids[r] = len(sequences[i]), int(slots[i])
+            per_row[r] = engine.settings(samplings[i])
+        settings = jax.tree.map(lambda *xs: np.stack(xs), *per_row)
+        decode_state = engine._call(engine._jit_prefill_insert, params, decode_state, tokens, lengths, slot_ids,
+                                    settings)
+    return decode_state
+

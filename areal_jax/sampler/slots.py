@@ -4,7 +4,7 @@ only in their caches."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,10 @@ def slot_settings(sampling: SamplingParams, max_stop_tokens: int) -> SlotSetting
     )
 
 
-def empty_decode_state(cache: Any, vocab_size: int, num_slots: int, max_stop_tokens: int) -> DecodeState:
-    """A DecodeState around ``cache`` with every one of the ``num_slots`` slots free (done) and zeroed."""
+def empty_decode_state(cache: Any, vocab_size: int, num_slots: int, max_stop_tokens: int,
+                       standby: DecodeState | None = None) -> DecodeState:
+    """A DecodeState around ``cache`` with every one of the ``num_slots`` slots free (done) and zeroed (and
+    ``standby``, an empty DecodeState of its own rows, or None)."""
     s = num_slots
     return DecodeState(
         cache=cache,
@@ -49,6 +51,7 @@ def empty_decode_state(cache: Any, vocab_size: int, num_slots: int, max_stop_tok
         top_k=jnp.zeros((s,), jnp.int32),
         top_p=jnp.ones((s,), jnp.float32),
         stop_ids=jnp.full((s, max_stop_tokens), -1, jnp.int32),
+        standby=standby,
     )
 
 
@@ -79,3 +82,29 @@ def arm_slots(state: DecodeState, logits: jax.Array, lengths: jax.Array, last_to
 def free_slots(state: DecodeState, free: jax.Array) -> DecodeState:
     """Mark the slots where ``free`` ([S] bool) is True as done, so later steps leave them alone."""
     return dataclasses.replace(state, done=state.done | free)
+
+
+def place_standby(state: DecodeState, write_cache: Callable[[Any, Any, jax.Array], Any]) -> tuple[DecodeState, jax.Array]:
+    """Move the standby's waiting rows into free slots: waiting row number i (in row order) takes the i-th
+    free slot (in slot order), as far as free slots go.
+
+    write_cache(cache, standby cache, targets [R]) writes standby row j's cache into slot targets[j] (an
+    out-of-range target is dropped). Returns (state, targets [R] int32: the slot each row moved into, S
+    where it did not). The moved rows are armed exactly as an insert would arm them and leave the standby.
+    """
+    sb = state.standby
+    s, r = state.done.shape[0], sb.done.shape[0]
+    waiting = ~sb.done
+    free = jnp.nonzero(state.done, size=r, fill_value=s)[0].astype(jnp.int32)
+    rank = jnp.cumsum(waiting.astype(jnp.int32)) - 1
+    target = jnp.where(waiting, free[jnp.clip(rank, 0, r - 1)], s).astype(jnp.int32)
+    moved = target < s
+
+    def move(state: DecodeState) -> DecodeState:
+        settings = SlotSettings(temperature=sb.temperature, top_k=sb.top_k, top_p=sb.top_p, max_new=sb.max_new,
+                                stop_ids=sb.stop_ids)
+        armed = arm_slots(dataclasses.replace(state, cache=write_cache(state.cache, sb.cache, target)), sb.logits,
+                          sb.lengths, sb.last_tokens, target, settings, mode="drop")
+        return dataclasses.replace(armed, standby=dataclasses.replace(sb, done=sb.done | moved))
+
+    return jax.lax.cond(jnp.any(moved), move, lambda st: st, state), target

@@ -24,6 +24,9 @@ class DecodeState:
       max_new: [S] int32 budget of new tokens since the slot was (re)inserted.
       temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
       stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
+      standby: None, or a DecodeState of R rows (cache [R, standby_len]; no standby of its own) holding
+        prefilled requests that wait on the device: a multi-step decode moves each into a slot as soon as
+        one is free (``slots.place_standby``), inside the dispatch. ``done`` marks its empty rows.
     """
 
     cache: KVCache
@@ -37,6 +40,7 @@ class DecodeState:
     top_k: jax.Array
     top_p: jax.Array
     stop_ids: jax.Array
+    standby: "DecodeState | None" = None
 
 
 @jax.tree_util.register_dataclass
@@ -120,6 +124,10 @@ class MultiStepResult:
         steps are a prefix of the K (a finished slot stays finished for the rest of the dispatch).
       done: [S] bool after the last step that ran.
       steps: [] int32 steps that ran (< K when every slot finished early).
+      placed_slot: [R] int32, R = standby rows (0 without a standby): the slot standby row j moved into
+        during the dispatch, S where it did not move.
+      placed_step: [R] int32: the step it moved before (its first valid step; the slot's earlier steps
+        belong to the slot's previous occupants). A slot's valid steps are a prefix of each occupant's span.
     """
 
     tokens: jax.Array
@@ -127,7 +135,9 @@ class MultiStepResult:
     valid: jax.Array
     done: jax.Array
     steps: jax.Array
+    placed_slot: jax.Array
+    placed_step: jax.Array
 
     def to_host(self) -> "MultiStepResult":
         """The same result as numpy arrays, in one device-to-host transfer."""
-        return MultiStepResult(*jax.device_get((self.tokens, self.logprobs, self.valid, self.done, self.steps)))
+        return MultiStepResult(*jax.device_get(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))

@@ -171,14 +171,14 @@ class RLJob:
             )
             self.graphdef = sampler_graphdef(model, lora_cfg.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
-        engine_cls, paged = Engine, {}
+        engine_cls, extra = Engine, dict(standby_rows=r.standby, standby_len=r.standby_len)
         if r.kv_cache == "paged":
             from areal_jax.sampler.paged_engine import PagedEngine
 
-            engine_cls, paged = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages)
+            engine_cls, extra = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages)
         self.engine = engine_cls(
             model if lora_cfg is None else self.graphdef, num_slots=r.num_slots, max_len=r.max_len,
-            mesh=self.meshes.rollout_mesh, config=model.cfg, **paged,
+            mesh=self.meshes.rollout_mesh, config=model.cfg, **extra,
         )
         self.sampler: ManagedSampler = SamplerLoop(
             self.engine, rollout_params, version=self.trainer.version, on_update=r.on_update,

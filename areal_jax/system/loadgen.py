@@ -120,6 +120,7 @@ class MemoryPlan:
     gradients: int  # one gradient tree, live during the update
     sampler_params: int  # the sampler's copy (rollout param dtype)
     kv_cache: int  # [L, slots, max_len, kv_heads, head_dim] keys and values (compute dtype)
+    standby_cache: int = 0  # the standby rows' prompt cache, [L, rows, standby_len, ...] (sampler/standby.py)
 
     def parts(self) -> dict[str, int]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "n_params"}
@@ -129,8 +130,10 @@ class MemoryPlan:
         return sum(self.parts().values())
 
 
-def memory_plan(cfg: ModelConfig, *, slots: int, max_len: int, sampler_dtype: DTypeLike) -> MemoryPlan:
-    """The MemoryPlan of model config `cfg` with a `slots` x `max_len` KV cache, from abstract shapes."""
+def memory_plan(cfg: ModelConfig, *, slots: int, max_len: int, sampler_dtype: DTypeLike,
+                standby_positions: int = 0) -> MemoryPlan:
+    """The MemoryPlan of model config `cfg` with a `slots` x `max_len` KV cache (and standby rows holding
+    `standby_positions` positions in all), from abstract shapes."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -146,11 +149,12 @@ def memory_plan(cfg: ModelConfig, *, slots: int, max_len: int, sampler_dtype: DT
     cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
     kv = int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache)))
     return MemoryPlan(n_params=n, params=p_bytes, optimizer=2 * p_bytes, gradients=p_bytes,
-                      sampler_params=s_bytes, kv_cache=kv)
+                      sampler_params=s_bytes, kv_cache=kv, standby_cache=kv * standby_positions // (slots * max_len))
 
 
 SHRINK_HINTS = {
     "kv_cache": "lower --slots or --cap (the KV cache is slots x (prompt + cap) positions)",
+    "standby_cache": "lower rollout.standby_rows or rollout.standby_len",
     "optimizer": "use a smaller preset or shard the trainer over more devices (AdamW keeps two float32 moments)",
     "params": "use a smaller preset or shard the trainer over more devices",
     "gradients": "use a smaller preset or shard the trainer over more devices",

@@ -1,0 +1,116 @@
+"""Standby rows: prefilled requests that wait on the device for a decode slot.
+
+Between dispatches the loop can only fill slots it knows are free, and with fetch-behind it learns that a
+slot finished one dispatch late: a finished slot idles for the rest of its dispatch and all of the next
+(about 1.5 k steps with k steps per dispatch). With standby rows the loop *stages* queued requests on the
+device instead (prefilled, armed with their settings, in ``DecodeState.standby``), and the multi-step
+decode moves each one into a slot the step after that slot finishes (``slots.place_standby``). The
+dispatch result says which row went where and from which step (``MultiStepResult.placed_slot`` /
+``placed_step``), so the host hands every token to the right request.
+
+The dense-cache :class:`~areal_jax.sampler.engine.Engine` takes ``standby_rows`` (R) and ``standby_len``
+(the longest prompt bucket a row holds); the rows' cache costs R x standby_len positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.models import init_cache
+from areal_jax.sampler.sampling import SamplingParams
+from areal_jax.sampler.slots import empty_decode_state, free_slots, place_standby
+from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings
+
+
+def standby_size(rows: int, length: int | None, max_len: int) -> tuple[int, int]:
+    """Checked (rows, length): rows >= 0; length in [1, max_len], default min(max_len, 512)."""
+    rows = int(rows)
+    length = min(int(max_len), 512) if length is None else int(length)
+    if rows < 0:
+        raise ValueError(f"standby_rows must be >= 0 (0 turns the standby off), got {rows}.")
+    if rows and not 1 <= length <= max_len:
+        raise ValueError(f"standby_len must lie in [1, max_len={max_len}], got {length}.")
+    return rows, length
+
+
+def write_moved_rows(cache: Any, rows: Any, targets: jax.Array) -> Any:
+    """Write rows[j] ([standby_len, ...] per layer) into positions 0.. of slot targets[j], for the j whose target
+    is a slot (< S): one in-place row copy per moved row, so a step that moves one row copies one row."""
+    slots = jax.tree.leaves(cache)[0].shape[0]
+    order = jnp.argsort(targets)  # the moved rows first
+    moved = jnp.sum(targets < slots)
+
+    def body(i: jax.Array, cache: Any) -> Any:
+        j = order[i]
+        return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(
+            dst, src[j][None].astype(dst.dtype), (targets[j],) + (0,) * (dst.ndim - 1)), cache, rows)
+
+    return jax.lax.fori_loop(0, moved, body, cache)
+
+
+class StandbyRows:
+    """The Engine's standby: pure functions, jitted calls and the host API (mixed into the Engine, which
+    provides config, max_len, num_slots, max_stop_tokens, _bulk_insert_fn, _call and _state_sharding)."""
+
+    standby_rows: int = 0
+    standby_len: int = 0
+
+    def _standby_state(self) -> DecodeState | None:
+        if not self.standby_rows:
+            return None
+        cache = init_cache(self.config, self.standby_rows, self.standby_len)
+        return empty_decode_state(cache, self.config.vocab_size, self.standby_rows, self.max_stop_tokens)
+
+    def _place_fn(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        return place_standby(state, write_moved_rows)
+
+    def _stage_fn(self, prefix: Prefix, state: DecodeState, rows: jax.Array, settings: SlotSettings) -> DecodeState:
+        return dataclasses.replace(state, standby=self._bulk_insert_fn(prefix, state.standby, rows, settings))
+
+    @staticmethod
+    def _release_standby_fn(state: DecodeState, free: jax.Array) -> DecodeState:
+        return dataclasses.replace(state, standby=free_slots(state.standby, free))
+
+    def _jit_standby(self) -> None:
+        sharding = self._state_sharding
+        self._jit_stage = jax.jit(self._stage_fn, donate_argnums=(1,), out_shardings=sharding)
+        self._jit_release_standby = jax.jit(self._release_standby_fn, donate_argnums=(0,), out_shardings=sharding)
+
+    def can_stage(self, prefix: Prefix) -> bool:
+        """Whether a standby row holds this prefix (its prompt bucket fits standby_len)."""
+        return bool(self.standby_rows) and jax.tree.leaves(prefix.cache)[0].shape[1] <= self.standby_len
+
+    def _rows_mask(self, rows: Sequence[int]) -> np.ndarray:
+        rows = [int(r) for r in rows]
+        if not rows or len(set(rows)) != len(rows) or not all(0 <= r < self.standby_rows for r in rows):
+            raise ValueError(f"standby rows must be distinct indices in [0, {self.standby_rows}), got {rows}.")
+        mask = np.zeros((self.standby_rows,), bool)
+        mask[rows] = True
+        return mask
+
+    def stage(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
+              sampling: SamplingParams | None = None) -> DecodeState:
+        """Copy one prefix into standby ``rows`` (the samples of a group) armed with ``sampling``; the next
+        multi-step dispatch moves them into slots as slots free up. Donates ``decode_state``."""
+        self._rows_mask(rows)
+        if not self.can_stage(prefix):
+            raise ValueError(f"this prefix does not fit a standby row (standby_rows={self.standby_rows}, "
+                             f"standby_len={self.standby_len}); insert it into a free slot instead.")
+        padded = np.full((1 << (len(rows) - 1).bit_length(),), self.standby_rows, np.int32)
+        padded[: len(rows)] = rows
+        return self._call(self._jit_stage, prefix, decode_state, padded, self.settings(sampling or SamplingParams()))
+
+    def release_standby(self, decode_state: DecodeState, rows: Sequence[int]) -> DecodeState:
+        """Empty standby ``rows`` (their requests will not be placed); donates ``decode_state``."""
+        return self._call(self._jit_release_standby, decode_state, self._rows_mask(rows))
+
+    def standby_sharding(self, shapes: DecodeState, cache: Any, replicated: Any) -> DecodeState | None:
+        """Shardings of the standby part of a state of these shapes: the cache like the slots' cache."""
+        if shapes.standby is None:
+            return None
+        sb = shapes.standby
+        return dataclasses.replace(jax.tree.map(lambda _: replicated, sb), cache=jax.tree.map(lambda _: cache, sb.cache))

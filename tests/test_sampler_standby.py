@@ -1,0 +1,184 @@
+"""Standby rows: staged requests move into slots inside a dispatch, with the tokens they would get in a slot."""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.sampler.paged_engine import PagedEngine
+from areal_jax.testing import models as testing
+from areal_jax.testing.sampler import collect_completions, full_forward_logp, greedy_reference, token_logp_errors
+
+MAX_LEN = 64
+CFG = testing.tiny_config("qwen3")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return testing.random_model(CFG, seed=0), testing.random_model(CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def logp(models):
+    return full_forward_logp(models[0], MAX_LEN)
+
+
+def test_staged_rows_take_slots_the_step_after_they_finish(models, logp):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23], [30, 31, 32]]
+    budgets = [3, 7, 2, 5, 4]
+    engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=4, standby_len=16)
+    params = nnx.split(models[0])[1]
+    state = engine.init_decode_state()
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=budget)
+        prefix = engine.prefill(params, prompt)
+        state = engine.insert(prefix, state, i, sampling) if i < 2 else engine.stage(prefix, state, [i - 2], sampling)
+    state, r = engine.generate_steps(params, state, np.zeros((16, 2), np.uint32))
+    r = r.to_host()
+    # Slot 0 runs request 0 (3 tokens), then request 2 from step 3 (2 tokens), then request 3 from step 5; slot 1
+    # runs request 1 (7 tokens), then request 4 from step 7. Row 3 held nothing and stays put (slot index 2 = none).
+    assert r.placed_slot.tolist() == [0, 0, 1, 2] and r.placed_step.tolist()[:3] == [3, 5, 7]
+    spans = {0: [(0, 0), (3, 2), (5, 3)], 1: [(0, 1), (7, 4)]}
+    for slot, span in spans.items():
+        for (start, i), end in zip(span, [s for s, _ in span[1:]] + [16]):
+            want, want_lp, _ = greedy_reference(logp, prompts[i], budgets[i])
+            assert r.valid[start:end, slot].tolist() == [True] * budgets[i] + [False] * (end - start - budgets[i])
+            assert r.tokens[start:start + budgets[i], slot].tolist() == want
+            np.testing.assert_allclose(r.logprobs[start:start + budgets[i], slot], want_lp, atol=1e-4)
+    assert int(r.steps) == 11 and r.done.all() and bool(np.asarray(state.standby.done).all())
+
+
+def run_loop(model, requests, standby_rows, decode_steps=4, fetch_behind=True, num_slots=3):
+    engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN, standby_rows=standby_rows)
+    loop = SamplerLoop(engine, nnx.split(model)[1], decode_steps=decode_steps, fetch_behind=fetch_behind)
+    loop.pause()
+    for r in requests:
+        loop.submit(r)
+    loop.resume()
+    done = collect_completions(loop, sum(r.n for r in requests))
+    stats = loop.stats()
+    loop.stop()
+    return done, stats
+
+
+@pytest.mark.parametrize("fetch_behind", [True, False])
+def test_loop_with_standby_gives_the_same_completions_with_fuller_slots(models, fetch_behind):
+    stop = 40
+    requests = [Request(id=i, prompt=[4 + i, 20, 30 + i], max_new_tokens=n, temperature=0.0,
+                        stop_token_ids=(stop,) if i % 3 == 0 else ())
+                for i, n in enumerate([5, 11, 2, 7, 9, 4, 13, 3, 6, 8])]
+    requests.append(Request(id="g", prompt=[7, 8, 9], max_new_tokens=6, n=3, temperature=0.0))
+    base, base_stats = run_loop(models[0], requests, standby_rows=0, fetch_behind=fetch_behind)
+    got, stats = run_loop(models[0], requests, standby_rows=2, fetch_behind=fetch_behind)
+    for a, b in zip(base, got):
+        assert (a.request_id, a.sample_index, a.finish_reason) == (b.request_id, b.sample_index, b.finish_reason)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert (b.versions == 0).all()
+    assert stats["generated_tokens"] == base_stats["generated_tokens"]
+    assert stats["placed_from_standby"] > 0 and stats["standby"] == 0
+    assert stats["steps"] < base_stats["steps"]  # the same tokens in fewer steps: slots idle less
+    assert stats["mean_slot_occupancy"] > base_stats["mean_slot_occupancy"]
+
+
+class HookAfterDispatch(Engine):
+    """Calls ``hook`` right after issuing dispatch number ``at`` (0-based), while the device runs it."""
+
+    at, hook, calls = 2, None, 0
+
+    def generate_steps(self, params, decode_state, keys):
+        out = super().generate_steps(params, decode_state, keys)
+        if self.calls == self.at and self.hook is not None:
+            self.hook()
+        self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("on_update", ["recompute", "continue"])
+def test_update_with_staged_samples_tags_every_token_with_its_version(models, on_update):
+    old, new = models
+    engine = HookAfterDispatch(old, num_slots=2, max_len=MAX_LEN, standby_rows=2)
+    loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3, decode_steps=3)
+    engine.hook = lambda: loop.update_params(nnx.split(new)[1], version=7)
+    loop.pause()
+    for i, n in enumerate([4, 9, 3, 8, 5, 7]):
+        loop.submit(Request(id=i, prompt=[5 + i, 17, 23], max_new_tokens=n))
+    loop.resume()
+    done = collect_completions(loop, 6)
+    stats = loop.stats()
+    loop.stop()
+    assert stats["updates"] == 1 and stats["placed_from_standby"] > 0
+    logps = {0: full_forward_logp(old, MAX_LEN), 7: full_forward_logp(new, MAX_LEN)}
+    for c in done:
+        assert len(c.tokens) == [4, 9, 3, 8, 5, 7][c.request_id] and c.finish_reason == "length"
+        assert np.all(np.diff(c.versions) >= 0) and set(c.versions.tolist()) <= {0, 7}
+        if on_update == "recompute":  # every token exact under the version it is tagged with
+            assert token_logp_errors(c, logps).max() < 1e-4
+    assert any(7 in c.versions for c in done) and any(0 in c.versions for c in done)
+
+
+def test_aborts_of_queued_staged_and_running_samples(models, logp):
+    engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=2)
+    loop = SamplerLoop(engine, nnx.split(models[0])[1], decode_steps=3)
+    loop.pause()
+    requests = [Request(id=i, prompt=[4 + i, 9, 12], max_new_tokens=n, temperature=0.0)
+                for i, n in enumerate([12, 10, 8, 11, 9, 7, 12, 5])]
+    for r in requests:
+        loop.submit(r)
+    loop.resume()
+    first = collect_completions(loop, 1)
+    for i in (1, 3, 4, 6):  # some are running, some staged, some queued by now
+        loop.abort(i)
+    done = first + collect_completions(loop, len(requests) - 1)
+    loop.stop()
+    assert sorted(c.request_id for c in done) == list(range(len(requests)))
+    for c in done:
+        want, _, _ = greedy_reference(logp, requests[c.request_id].prompt, requests[c.request_id].max_new_tokens)
+        if c.finish_reason == "interrupted":
+            assert c.request_id in (1, 3, 4, 6) and c.tokens.tolist() == want[: len(c.tokens)]
+        else:
+            assert c.finish_reason == "length" and c.tokens.tolist() == want
+    assert sum(c.finish_reason == "interrupted" for c in done) >= 2
+    assert loop.stats()["running"] == loop.stats()["standby"] == 0
+
+
+def test_pause_with_staged_samples_then_resume(models, logp):
+    engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=3)
+    loop = SamplerLoop(engine, nnx.split(models[0])[1], decode_steps=2)
+    requests = [Request(id=i, prompt=[3 + i, 8], max_new_tokens=6 + i % 3, temperature=0.0) for i in range(9)]
+    for r in requests:
+        loop.submit(r)
+    done = collect_completions(loop, 1)
+    loop.pause()  # idle between dispatches: nothing decodes, whatever is staged waits
+    paused = loop.stats()
+    time.sleep(0.3)
+    assert loop.stats()["generated_tokens"] == paused["generated_tokens"]  # nothing decodes while paused
+    loop.resume()
+    done += collect_completions(loop, 8)
+    loop.stop()
+    for c in done:
+        r = requests[c.request_id]
+        assert c.tokens.tolist() == greedy_reference(logp, r.prompt, r.max_new_tokens)[0]
+
+
+def test_standby_arguments_are_checked(models):
+    params = nnx.split(models[0])[1]
+    with pytest.raises(ValueError, match="standby_rows must be >= 0"):
+        Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=-1)
+    with pytest.raises(ValueError, match="standby_len must lie in"):
+        Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=1, standby_len=MAX_LEN + 1)
+    with pytest.raises(ValueError, match="paged engine takes no standby rows"):
+        PagedEngine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=2)
+    engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=2, standby_len=16)
+    state = engine.init_decode_state()
+    long_prefix = engine.prefill(params, list(range(3, 23)))  # bucket 32 > standby_len 16
+    assert not engine.can_stage(long_prefix)
+    with pytest.raises(ValueError, match="does not fit a standby row"):
+        engine.stage(long_prefix, state, [0])
+    with pytest.raises(ValueError, match=r"distinct indices in \[0, 2\)"):
+        engine.stage(engine.prefill(params, [3, 4]), state, [0, 2])
+    assert jax.tree.leaves(state.standby.cache)[0].shape[:2] == (2, 16)
