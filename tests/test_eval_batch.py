@@ -149,8 +149,9 @@ def test_pass_at_k_equals_subset_enumeration():
         assert pass_at_k(n, c, k) == pytest.approx(hits / len(subsets))
 
 
-@pytest.mark.parametrize("fit_buckets,decode_steps", [(False, 1), (True, 3)])
-def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, prompts, fit_buckets, decode_steps):
+@pytest.mark.parametrize("fit_buckets,decode_steps,standby", [(False, 1, False), (True, 3, False), (True, 3, True)])
+def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, prompts, fit_buckets, decode_steps,
+                                                                    standby):
     """The job sizes its evaluation engine to the longest test prompt + eval.max_new_tokens (rounded up to 8),
     not to rollout.max_len, and prefills every prompt in one bucket of the longest prompt rounded up to 8: the
     completions must not change when the cache ends right after them, with one or several decode steps per
@@ -159,7 +160,8 @@ def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, promp
     tight = -(-(longest + MAX_NEW) // 8) * 8
     assert tight < MAX_LEN
     engine = eval_engine(model, num_slots=4, max_len=tight, num_sequences=len(prompts),
-                         longest_prompt=longest if fit_buckets else None)
+                         longest_prompt=longest if fit_buckets else None, standby=standby)
+    assert engine.standby_rows == (2 if standby else 0)
     if fit_buckets:
         assert engine.prefill_buckets == (24, tight)  # prompts of 3..20 tokens: one bucket of 24
     gen = generate_for_eval(engine, nnx.state(model), prompts, k=0, temperature=1.0, max_new_tokens=MAX_NEW,

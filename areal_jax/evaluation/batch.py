@@ -51,7 +51,7 @@ class EvalGeneration:
 
 def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
                 mesh: Any = None, config: Any = None, max_stop_tokens: int = 8,
-                longest_prompt: int | None = None, streams: int = 1) -> Engine:
+                longest_prompt: int | None = None, streams: int = 1, standby: bool = False) -> Engine:
     """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
     (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling.
 
@@ -61,7 +61,10 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 
     longest_prompt: the evaluation's longest prompt, when known: prompts are then prefilled in one bucket
     of that length rounded up to 8 (the default job's 29-37-token prompts: one program and rows of 40,
-    instead of the power-of-two buckets 32 and 64)."""
+    instead of the power-of-two buckets 32 and 64).
+
+    standby: give each stream's slots half as many standby rows (``sampler.standby``: sequences wait prefilled
+    on the device and take a slot inside a dispatch); worth it with several decode steps per dispatch."""
     streams = max(1, int(streams))
     slots = int(num_slots) if num_sequences is None else max(1, min(int(num_slots), int(num_sequences)))
     slots = -(-slots // streams)
@@ -69,7 +72,7 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
     if longest_prompt is not None and -(-int(longest_prompt) // 8) * 8 < int(max_len):
         buckets = (max(1, -(-int(longest_prompt) // 8) * 8), int(max_len))
     return Engine(model_or_graphdef, num_slots=slots, max_len=int(max_len), mesh=mesh, config=config,
-                  max_stop_tokens=max_stop_tokens, prefill_buckets=buckets)
+                  max_stop_tokens=max_stop_tokens, prefill_buckets=buckets, standby_rows=slots // 2 if standby else 0)
 
 
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,

@@ -69,7 +69,8 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
             max_len = max(2, max((len(p) for p in prompts), default=1) + int(max_new_tokens))
         engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
                              max_stop_tokens=max(8, len(stop)),
-                             longest_prompt=max((len(p) for p in prompts), default=1), streams=streams)
+                             longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
+                             standby=decode_steps > 1)
     if params is None:
         params = nnx.state(model)
     own_pool = pool is None
