@@ -9,7 +9,7 @@ from flax import nnx
 from areal_jax import config as config_lib
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import collect_completions, full_forward_logp
+from areal_jax.testing.sampler import HookAfterDispatch, collect_completions, full_forward_logp
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")
@@ -115,25 +115,12 @@ def test_stop_token_inside_a_dispatch_ends_the_sequence_there(models):
     assert stopped.finish_reason == "stop" and stopped.tokens.tolist() == seq[: p + 1]
 
 
-class UpdateMidDispatch(Engine):
-    """Calls ``hook`` right after issuing dispatch number ``at`` (0-based), while the device runs it."""
-
-    at, hook, calls = 1, None, 0
-
-    def generate_steps(self, params, decode_state, keys):
-        out = super().generate_steps(params, decode_state, keys)
-        if self.calls == self.at and self.hook is not None:
-            self.hook()
-        self.calls += 1
-        return out
-
-
 @pytest.mark.parametrize("on_update", ["recompute", "continue"])
 @pytest.mark.parametrize("fetch_behind", [True, False])
 def test_update_arriving_mid_dispatch_applies_before_the_next_dispatch(models, on_update, fetch_behind):
     old, new = models
     k = 4
-    engine = UpdateMidDispatch(old, num_slots=4, max_len=MAX_LEN)
+    engine = HookAfterDispatch(old, num_slots=4, max_len=MAX_LEN)
     loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3, decode_steps=k,
                        fetch_behind=fetch_behind)
     engine.hook = lambda: loop.update_params(nnx.split(new)[1], version=7)

@@ -11,7 +11,13 @@ from flax import nnx
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import collect_completions, full_forward_logp, greedy_reference, token_logp_errors
+from areal_jax.testing.sampler import (
+    HookAfterDispatch,
+    collect_completions,
+    full_forward_logp,
+    greedy_reference,
+    token_logp_errors,
+)
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")
@@ -85,23 +91,11 @@ def test_loop_with_standby_gives_the_same_completions_with_fuller_slots(models, 
     assert stats["mean_slot_occupancy"] > base_stats["mean_slot_occupancy"]
 
 
-class HookAfterDispatch(Engine):
-    """Calls ``hook`` right after issuing dispatch number ``at`` (0-based), while the device runs it."""
-
-    at, hook, calls = 2, None, 0
-
-    def generate_steps(self, params, decode_state, keys):
-        out = super().generate_steps(params, decode_state, keys)
-        if self.calls == self.at and self.hook is not None:
-            self.hook()
-        self.calls += 1
-        return out
-
-
 @pytest.mark.parametrize("on_update", ["recompute", "continue"])
 def test_update_with_staged_samples_tags_every_token_with_its_version(models, on_update):
     old, new = models
     engine = HookAfterDispatch(old, num_slots=2, max_len=MAX_LEN, standby_rows=2)
+    engine.at = 2
     loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3, decode_steps=3)
     engine.hook = lambda: loop.update_params(nnx.split(new)[1], version=7)
     loop.pause()

@@ -93,3 +93,17 @@ def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeou
         return collect_completions(loop, sum(r.n for r in requests), timeout=timeout)
     finally:
         loop.stop(graceful=False)
+
+
+class HookAfterDispatch(Engine):
+    """An Engine that calls ``hook`` right after issuing dispatch number ``at`` (0-based) of
+    ``generate_steps``, while the device runs it (a weight update or an abort arriving mid-dispatch)."""
+
+    at, hook, calls = 1, None, 0
+
+    def generate_steps(self, params, decode_state, keys):
+        out = super().generate_steps(params, decode_state, keys)
+        if self.calls == self.at and self.hook is not None:
+            self.hook()
+        self.calls += 1
+        return out
