@@ -9,7 +9,7 @@ from flax import nnx
 from areal_jax import config as config_lib
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import HookAfterDispatch, collect_completions, full_forward_logp
+from areal_jax.testing.sampler import HookAfterDispatch, collect_completions, full_forward_logp, run_requests
 
 MAX_LEN = 64
 CFG = testing.tiny_config("qwen3")
@@ -73,15 +73,8 @@ def test_dispatch_ends_early_once_every_slot_is_done(models):
 
 def run_loop(model, requests, decode_steps, fetch_behind=True, num_slots=3, seed=0):
     engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN)
-    loop = SamplerLoop(engine, nnx.split(model)[1], seed=seed, decode_steps=decode_steps, fetch_behind=fetch_behind)
-    loop.pause()
-    for r in requests:
-        loop.submit(r)
-    loop.resume()
-    done = collect_completions(loop, sum(r.n for r in requests))
-    stats = loop.stats()
-    loop.stop()
-    return done, stats
+    return run_requests(engine, nnx.split(model)[1], requests, seed=seed, decode_steps=decode_steps,
+                        fetch_behind=fetch_behind)
 
 
 @pytest.mark.parametrize("decode_steps, fetch_behind", [(4, True), (3, False)])

@@ -16,6 +16,7 @@ from areal_jax.testing.sampler import (
     collect_completions,
     full_forward_logp,
     greedy_reference,
+    run_requests,
     token_logp_errors,
 )
 
@@ -60,15 +61,7 @@ def test_staged_rows_take_slots_the_step_after_they_finish(models, logp):
 
 def run_loop(model, requests, standby_rows, decode_steps=4, fetch_behind=True, num_slots=3):
     engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN, standby_rows=standby_rows)
-    loop = SamplerLoop(engine, nnx.split(model)[1], decode_steps=decode_steps, fetch_behind=fetch_behind)
-    loop.pause()
-    for r in requests:
-        loop.submit(r)
-    loop.resume()
-    done = collect_completions(loop, sum(r.n for r in requests))
-    stats = loop.stats()
-    loop.stop()
-    return done, stats
+    return run_requests(engine, nnx.split(model)[1], requests, decode_steps=decode_steps, fetch_behind=fetch_behind)
 
 
 @pytest.mark.parametrize("fetch_behind", [True, False])

@@ -72,6 +72,21 @@ def collect_completions(loop: SamplerLoop, count: int, timeout: float = 120.0) -
     return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
 
 
+def run_requests(engine: Engine, params: nnx.State, requests: Sequence[Request],
+                 **loop_kwargs) -> tuple[list[Completion], dict]:
+    """Submit ``requests`` to a new SamplerLoop on ``engine`` all at once (the loop paused meanwhile), collect
+    every completion (sorted as :func:`collect_completions`) and the loop's final stats; stop the loop."""
+    loop = SamplerLoop(engine, params, **loop_kwargs)
+    loop.pause()
+    for r in requests:
+        loop.submit(r)
+    loop.resume()
+    done = collect_completions(loop, sum(r.n for r in requests))
+    stats = loop.stats()
+    loop.stop()
+    return done, stats
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     """Poll ``predicate`` every 2 ms until it holds; AssertionError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
