@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro_batch_tokens", type=int, help="trainer micro-batch tokens (default: the longest sequence)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--standby_rows", type=int, default=None,
+                   help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup_steps", type=int, default=3,
@@ -137,6 +139,7 @@ def job_config(args: argparse.Namespace, eta: int | None, steps: int, paths: tup
     c.rollout.max_staleness = -1 if eta is None else eta
     c.rollout.max_concurrent = args.max_concurrent if eta is None else None
     c.rollout.param_dtype = args.sampler_dtype
+    c.rollout.standby_rows = args.standby_rows
     c.train.batch_groups, c.train.lr = args.batch_groups, args.lr
     c.train.micro_batch_tokens = args.micro_batch_tokens
     c.reward.fn, c.reward.num_workers = "areal_jax.system.loadgen:bernoulli_reward", 1

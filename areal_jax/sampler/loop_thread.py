@@ -126,13 +126,14 @@ class LoopThread:
         if self.on_update != "recompute":
             return
         if self._standby:  # staged samples wait with a prefix of the old params: prefill them again
-            staged = list(self._standby.items())
-            prompts = list({tuple(run.request.prompt): None for _, run in staged})
-            prefixes = dict(zip(prompts, self.engine.prefill_many(self._params, [list(p) for p in prompts])))
-            for row, run in staged:
-                prefix = prefixes[tuple(run.request.prompt)]
-                self._state = self.engine.stage(prefix, self._state, [row], run.sampling)
+            groups: dict[tuple, list[int]] = {}  # (request, sampling) -> its staged rows: one stage call each
+            for row, run in self._standby.items():
+                groups.setdefault((id(run.request), run.sampling), []).append(row)
                 run.logits_version = version
+            prompts = [list(self._standby[rows[0]].request.prompt) for rows in groups.values()]
+            for (_, sampling), rows, prefix in zip(groups, groups.values(),
+                                                   self.engine.prefill_many(self._params, prompts)):
+                self._state = self.engine.stage(prefix, self._state, rows, sampling)
         if not self._running:
             return
         slots = list(self._running)

@@ -100,7 +100,7 @@ class StandbyRows:
         if not self.can_stage(prefix):
             raise ValueError(f"this prefix does not fit a standby row (standby_rows={self.standby_rows}, "
                              f"standby_len={self.standby_len}); insert it into a free slot instead.")
-        padded = np.full((1 << (len(rows) - 1).bit_length(),), self.standby_rows, np.int32)
+        padded = np.full((self.standby_rows,), self.standby_rows, np.int32)  # one program per prompt bucket
         padded[: len(rows)] = rows
         return self._call(self._jit_stage, prefix, decode_state, padded, self.settings(sampling or SamplingParams()))
 
