@@ -6,9 +6,10 @@ one prefill). Each dispatch runs ``decode_steps`` (k) decode steps on the device
 (:meth:`Engine.generate_steps`; stop tokens and length limits are checked there) and its small
 [k, slots] result is fetched once. With ``fetch_behind`` the loop issues dispatch i+1 before it
 fetches dispatch i, so the host's fetch and bookkeeping overlap the device's work; a slot freed inside
-dispatch i is refilled before dispatch i+2 (it idles for the rest of dispatch i and for dispatch i+1).
-So k bounds the latency an admission, an abort or a weight update adds: about one dispatch (two
-with fetch-behind). Every generated token carries the version of the params whose logits it was
+dispatch i is refilled before dispatch i+2 (it idles for the rest of dispatch i and for dispatch i+1),
+unless the engine has standby rows: queued samples then wait prefilled on the device and take a slot the
+step after it frees (``sampler.standby``). So k bounds the latency an admission, an abort or a weight
+update adds: about one dispatch (two with fetch-behind). Every generated token carries the version of the params whose logits it was
 sampled from.
 
 On ``update_params`` with ``on_update="recompute"`` each in-flight sequence (prompt + tokens so
