@@ -63,7 +63,7 @@ def main() -> dict:
     max_len = -(-(longest + args.max_new_tokens) // 8) * 8
     engine = eval_engine(model, num_slots=args.slots, max_len=max_len, num_sequences=len(prompts) * (1 + args.k),
                          longest_prompt=longest, max_stop_tokens=max(8, len(tok.eos_token_ids)), streams=streams,
-                         standby=args.decode_steps > 1)  # as the job's evaluation engine
+                         decode_steps=args.decode_steps)  # standby rows as the job's evaluation engine
     params = nnx.state(model)
     print(f"device {jax.devices()[0].device_kind}, float32 matmul peak {peak:.0f} GFLOP/s; {len(prompts)} problems x "
           f"(1 greedy + {args.k} sampled), {streams} stream(s) x {engine.num_slots} slots, cache {max_len}, prefill buckets "

@@ -254,11 +254,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
     from areal_jax.config import from_config_dict
+    from areal_jax.sampler.standby import standby_size
 
     rollout = from_config_dict(job_config(args, 0, 1, ("", "", ""), "")).rollout  # the job's standby rows
     plan = loadgen.memory_plan(cfg, slots=args.slots, max_len=args.max_len,
                                sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32,
-                               standby_positions=rollout.standby * min(args.max_len, rollout.standby_len or 512))
+                               standby_positions=rollout.standby * standby_size(rollout.standby, rollout.standby_len,
+                                                                                args.max_len)[1])
     limit = (device_memory() or {}).get("bytes_limit")
     try:
         loadgen.check_fits(plan, limit, preset=args.model or args.preset)

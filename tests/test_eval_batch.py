@@ -160,7 +160,8 @@ def test_a_cache_just_long_enough_gives_the_reference_greedy_tokens(model, promp
     tight = -(-(longest + MAX_NEW) // 8) * 8
     assert tight < MAX_LEN
     engine = eval_engine(model, num_slots=4, max_len=tight, num_sequences=len(prompts),
-                         longest_prompt=longest if fit_buckets else None, standby=standby)
+                         longest_prompt=longest if fit_buckets else None,
+                         decode_steps=decode_steps if standby else 1)
     assert engine.standby_rows == (2 if standby else 0)
     if fit_buckets:
         assert engine.prefill_buckets == (24, tight)  # prompts of 3..20 tokens: one bucket of 24

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.sampler import Completion, Engine, Request, SamplerLoop
+from areal_jax.sampler.config import default_standby_rows
 
 __all__ = ["EvalGeneration", "StreamingScorer", "eval_engine", "generate_for_eval"]
 
@@ -51,7 +52,7 @@ class EvalGeneration:
 
 def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
                 mesh: Any = None, config: Any = None, max_stop_tokens: int = 8,
-                longest_prompt: int | None = None, streams: int = 1, standby: bool = False) -> Engine:
+                longest_prompt: int | None = None, streams: int = 1, decode_steps: int = 1) -> Engine:
     """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
     (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling.
 
@@ -63,8 +64,9 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
     of that length rounded up to 8 (the default job's 29-37-token prompts: one program and rows of 40,
     instead of the power-of-two buckets 32 and 64).
 
-    standby: give each stream's slots half as many standby rows (``sampler.standby``: sequences wait prefilled
-    on the device and take a slot inside a dispatch); worth it with several decode steps per dispatch."""
+    decode_steps: what the evaluation will run per dispatch; with several, each stream's slots get standby rows
+    as the rollout's do (``sampler.config.default_standby_rows``: sequences wait prefilled on the device and
+    take a slot inside a dispatch)."""
     streams = max(1, int(streams))
     slots = int(num_slots) if num_sequences is None else max(1, min(int(num_slots), int(num_sequences)))
     slots = -(-slots // streams)
@@ -72,7 +74,7 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
     if longest_prompt is not None and -(-int(longest_prompt) // 8) * 8 < int(max_len):
         buckets = (max(1, -(-int(longest_prompt) // 8) * 8), int(max_len))
     return Engine(model_or_graphdef, num_slots=slots, max_len=int(max_len), mesh=mesh, config=config,
-                  max_stop_tokens=max_stop_tokens, prefill_buckets=buckets, standby_rows=slots // 2 if standby else 0)
+                  max_stop_tokens=max_stop_tokens, prefill_buckets=buckets, standby_rows=default_standby_rows(slots, decode_steps))
 
 
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,

@@ -70,7 +70,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
         engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
                              max_stop_tokens=max(8, len(stop)),
                              longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
-                             standby=decode_steps > 1)
+                             decode_steps=decode_steps)
     if params is None:
         params = nnx.state(model)
     own_pool = pool is None

@@ -12,6 +12,14 @@ from typing import ClassVar
 from areal_jax.knobs import Section, knob, require
 from areal_jax.rl.advantages import GROUP_MODES
 
+STANDBY_LEN = 512  # standby_len's default (capped at max_len): RL prompts are short, the rows' cache is R x this
+
+
+def default_standby_rows(num_slots: int, decode_steps: int, dense: bool = True) -> int:
+    """Standby rows a sampler gets unless told: half its slots when a slot can finish inside a dispatch
+    (k > 1) and the cache is dense (the paged engine has none), else 0."""
+    return int(num_slots) // 2 if decode_steps > 1 and dense else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(Section):
@@ -60,7 +68,7 @@ class RolloutConfig(Section):
         """The standby rows the sampler gets (``standby_rows`` with None resolved)."""
         if self.standby_rows is not None:
             return int(self.standby_rows)
-        return self.num_slots // 2 if self.decode_steps > 1 and self.kv_cache == "dense" else 0
+        return default_standby_rows(self.num_slots, self.decode_steps, self.kv_cache == "dense")
 
     @property
     def eta(self) -> int | None:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models import init_cache
+from areal_jax.sampler.config import STANDBY_LEN
 from areal_jax.sampler.sampling import SamplingParams
 from areal_jax.sampler.slots import empty_decode_state, free_slots, place_standby
 from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings
@@ -29,7 +30,7 @@ from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings
 def standby_size(rows: int, length: int | None, max_len: int) -> tuple[int, int]:
     """Checked (rows, length): rows >= 0; length in [1, max_len], default min(max_len, 512)."""
     rows = int(rows)
-    length = min(int(max_len), 512) if length is None else int(length)
+    length = min(int(max_len), STANDBY_LEN) if length is None else int(length)
     if rows < 0:
         raise ValueError(f"standby_rows must be >= 0 (0 turns the standby off), got {rows}.")
     if rows and not 1 <= length <= max_len:

@@ -287,7 +287,7 @@ class RLJob:
                 num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
                 mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)),
                 longest_prompt=prompt, streams=c.eval.streams_for(jax.default_backend()),
-                standby=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()) > 1)
+                decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()))
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
