@@ -99,9 +99,10 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
             placed[row] = slot
             spans.setdefault(slot, []).append((int(r.placed_step[row]), run))
     out = Recorded([], 0, placed, {})
+    moved_into = set(placed.values())
     for slot, span in spans.items():
         span.sort(key=lambda x: x[0])
-        if len(span) > 1 or slot in placed.values():
+        if slot in moved_into:
             out.occupants[slot] = span[-1][1]
         for i, (start, run) in enumerate(span):
             if not run.active:

@@ -118,10 +118,14 @@ class LoopThread:
         if slots:
             self._state = self.engine.release(self._state, slots)
 
-    def _apply_update(self, params: FlatParams, version: int) -> None:
+    def _swap_params(self, params: FlatParams, version: int) -> None:
         placed = self.engine.place_params(params)
         with self._cond:  # params and version change together (see versioned_params)
             self._params, self._version = placed, version
+
+    def _apply_update(self, params: FlatParams, version: int) -> None:
+        self._swap_params(params, version)
+        with self._cond:
             self._stats["updates"] += 1
         if self.on_update != "recompute":
             return
@@ -302,9 +306,7 @@ class LoopThread:
         with self._cond:
             update, self._pending_update = self._pending_update, None
         if update is not None:
-            placed = self.engine.place_params(update[0])
-            with self._cond:
-                self._params, self._version = placed, update[1]
+            self._swap_params(update[0], update[1])
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             for q in queued:
