@@ -1,7 +1,8 @@
 """Sampler throughput on a long-tailed completion-length workload (like reasoning RL).
 
 One run, same weights and prompts for every engine:
-  (a) SamplerLoop: continuous batching, finished slots refilled between dispatches of k decode steps;
+  (a) SamplerLoop: continuous batching, dispatches of k decode steps, finished slots refilled from standby
+      rows inside a dispatch (or between dispatches with --standby-rows 0);
   (b) the same Engine in static batches that wait for the longest member (same k);
   (c) HF transformers generate (PyTorch on the same device as JAX, same batch size, same dtype).
 Completion lengths are forced by per-request max_new_tokens drawn from a clipped log-normal (most
@@ -32,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import add_model_args, device_peak_gflops, model_config
+from decode_roofline import copy_bandwidth_gbs, roofline, workload_flops
 from flax import nnx
 
 from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.sampler.config import default_standby_rows
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
 
@@ -91,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.decode_steps < 1:
         p.error(f"--decode-steps must be at least 1, got {args.decode_steps}.")
     if args.standby_rows is None:
-        args.standby_rows = args.num_slots // 2 if args.decode_steps > 1 and args.kv_cache == "dense" else 0
+        args.standby_rows = default_standby_rows(args.num_slots, args.decode_steps, args.kv_cache == "dense")
     if args.standby_rows and args.kv_cache == "paged":
         p.error("--standby-rows needs the dense cache (--kv-cache dense).")
     if not 1 <= args.median_new_tokens <= args.max_new_tokens:
@@ -117,46 +120,6 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
     raw = np.exp(rng.normal(np.log(args.median_new_tokens), args.sigma, size=args.num_prompts))
     lengths = np.clip(np.ceil(raw), 2, args.max_new_tokens).astype(int).tolist()
     return prompts, lengths
-
-
-def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
-    """Model FLOPs of prefilling every prompt and generating every token (real context only)."""
-    d, hq, hd, layers = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
-    per_layer = d * hd * (hq + 2 * cfg.num_kv_heads) + hq * hd * d + 3 * d * cfg.intermediate_size
-    dense = 2 * (layers * per_layer + d * cfg.vocab_size)  # per token, incl. the unembedding
-    total = 0.0
-    for p, n in zip(prompts, lengths):
-        ctx = np.arange(1, len(p) + n + 1, dtype=np.float64)  # context each token attends to
-        total += (len(p) + n) * dense + 4.0 * layers * hq * hd * ctx.sum()
-    return total
-
-
-def copy_bandwidth_gbs(nbytes: int, repeats: int = 5) -> float:
-    """Best read + write GB/s of a jitted elementwise pass over an array of ``nbytes`` (float32)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * x.nbytes / best / 1e9
-
-
-def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: float) -> dict:
-    """Bytes one decode step must read (weights + live KV) and the tokens/s that allows at ``bandwidth_gbs``.
-
-    The live context of a row is time-averaged over its generation: a sequence of prompt P and length L
-    attends P + j positions at its j-th step."""
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    ctx = sum(n * len(p) + n * (n + 1) / 2 for p, n in zip(prompts, lengths)) / max(1, sum(lengths))
-    step_bytes = weight_bytes + live_rows * ctx * kv_per_token
-    step_s = step_bytes / (bandwidth_gbs * 1e9)
-    return {"weight_bytes": int(weight_bytes), "mean_live_context": round(ctx, 1), "live_rows": float(f"{live_rows:.4g}"),
-            "bytes_per_step": int(step_bytes), "step_ms_at_bandwidth": round(1e3 * step_s, 4),
-            "tokens_per_s": round(live_rows / step_s, 1)}
 
 
 def warm_up(engine: Engine, params, prompt_len: tuple[int, int], k: int, seed: int) -> int:
