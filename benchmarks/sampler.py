@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop (a) after this long and report what it generated (long generations)")
     p.add_argument("--standby-rows", type=int, default=None,
                    help="prefilled requests waiting on the device for a slot (sampler/standby.py); default as the "
-                        "job's rollout.standby_rows: num_slots / 2 with the dense cache and k > 1, else 0")
+                        "job's rollout.standby_rows: num_slots / 2 with k > 1, else 0")
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (paged)")
     p.add_argument("--kv-pages", type=int, default=None, help="pages in the pool (paged; default slots x max_len)")
@@ -94,9 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.decode_steps < 1:
         p.error(f"--decode-steps must be at least 1, got {args.decode_steps}.")
     if args.standby_rows is None:
-        args.standby_rows = default_standby_rows(args.num_slots, args.decode_steps, args.kv_cache == "dense")
-    if args.standby_rows and args.kv_cache == "paged":
-        p.error("--standby-rows needs the dense cache (--kv-cache dense).")
+        args.standby_rows = default_standby_rows(args.num_slots, args.decode_steps)
     if not 1 <= args.median_new_tokens <= args.max_new_tokens:
         p.error(f"--median-new-tokens ({args.median_new_tokens}) must lie in [1, --max-new-tokens].")
     return args
@@ -314,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"copy bandwidth {bandwidth:.1f} GB/s")
         if args.kv_cache == "paged":
             engine = PagedEngine(model, num_slots=args.num_slots, max_len=max_len, page_size=args.page_size,
-                                 num_pages=args.kv_pages, attention=args.paged_attention)
+                                 num_pages=args.kv_pages, attention=args.paged_attention, standby_rows=args.standby_rows)
         else:
             engine = Engine(model, num_slots=args.num_slots, max_len=max_len, standby_rows=args.standby_rows)
         _, params = nnx.split(model)

@@ -59,20 +59,31 @@ def test_staged_rows_take_slots_the_step_after_they_finish(models, logp):
     assert int(r.steps) == 11 and r.done.all() and bool(np.asarray(state.standby.done).all())
 
 
-def run_loop(model, requests, standby_rows, decode_steps=4, fetch_behind=True, num_slots=3):
-    engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN, standby_rows=standby_rows)
-    return run_requests(engine, nnx.split(model)[1], requests, decode_steps=decode_steps, fetch_behind=fetch_behind)
+def make_engine(cls, model, **kwargs):
+    """A dense Engine, or a PagedEngine with pages of 4 positions in a pool that holds 2 of its sequences."""
+    if issubclass(cls, PagedEngine):
+        kwargs.update(page_size=4, num_pages=2 * MAX_LEN // 4)
+    return cls(model, max_len=MAX_LEN, **kwargs)
 
 
-@pytest.mark.parametrize("fetch_behind", [True, False])
-def test_loop_with_standby_gives_the_same_completions_with_fuller_slots(models, fetch_behind):
+def run_loop(model, requests, standby_rows, decode_steps=4, fetch_behind=True, num_slots=3, engine_cls=Engine):
+    engine = make_engine(engine_cls, model, num_slots=num_slots, standby_rows=standby_rows)
+    out = run_requests(engine, nnx.split(model)[1], requests, decode_steps=decode_steps, fetch_behind=fetch_behind)
+    if engine_cls is PagedEngine:  # every page came back
+        assert engine.allocator.free_pages == engine.num_pages and not engine.allocator.refcount.any()
+    return out
+
+
+@pytest.mark.parametrize("fetch_behind,engine_cls", [(True, Engine), (False, Engine), (True, PagedEngine),
+                                                     (False, PagedEngine)])
+def test_loop_with_standby_gives_the_same_completions_with_fuller_slots(models, fetch_behind, engine_cls):
     stop = 40
     requests = [Request(id=i, prompt=[4 + i, 20, 30 + i], max_new_tokens=n, temperature=0.0,
                         stop_token_ids=(stop,) if i % 3 == 0 else ())
                 for i, n in enumerate([5, 11, 2, 7, 9, 4, 13, 3, 6, 8])]
     requests.append(Request(id="g", prompt=[7, 8, 9], max_new_tokens=6, n=3, temperature=0.0))
-    base, base_stats = run_loop(models[0], requests, standby_rows=0, fetch_behind=fetch_behind)
-    got, stats = run_loop(models[0], requests, standby_rows=2, fetch_behind=fetch_behind)
+    base, base_stats = run_loop(models[0], requests, standby_rows=0, fetch_behind=fetch_behind, engine_cls=engine_cls)
+    got, stats = run_loop(models[0], requests, standby_rows=2, fetch_behind=fetch_behind, engine_cls=engine_cls)
     for a, b in zip(base, got):
         assert (a.request_id, a.sample_index, a.finish_reason) == (b.request_id, b.sample_index, b.finish_reason)
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -84,10 +95,11 @@ def test_loop_with_standby_gives_the_same_completions_with_fuller_slots(models, 
     assert stats["mean_slot_occupancy"] > base_stats["mean_slot_occupancy"]
 
 
-@pytest.mark.parametrize("on_update", ["recompute", "continue"])
-def test_update_with_staged_samples_tags_every_token_with_its_version(models, on_update):
+@pytest.mark.parametrize("on_update,engine_cls", [("recompute", Engine), ("continue", Engine),
+                                                  ("recompute", PagedEngine)])
+def test_update_with_staged_samples_tags_every_token_with_its_version(models, on_update, engine_cls):
     old, new = models
-    engine = HookAfterDispatch(old, num_slots=2, max_len=MAX_LEN, standby_rows=2)
+    engine = make_engine(type("Hooked", (HookAfterDispatch, engine_cls), {}), old, num_slots=2, standby_rows=2)
     engine.at = 2
     loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3, decode_steps=3)
     engine.hook = lambda: loop.update_params(nnx.split(new)[1], version=7)
@@ -99,6 +111,8 @@ def test_update_with_staged_samples_tags_every_token_with_its_version(models, on
     stats = loop.stats()
     loop.stop()
     assert stats["updates"] == 1 and stats["placed_from_standby"] > 0
+    if engine_cls is PagedEngine:
+        assert engine.allocator.free_pages == engine.num_pages and not engine.allocator.refcount.any()
     logps = {0: full_forward_logp(old, MAX_LEN), 7: full_forward_logp(new, MAX_LEN)}
     for c in done:
         assert len(c.tokens) == [4, 9, 3, 8, 5, 7][c.request_id] and c.finish_reason == "length"
@@ -158,8 +172,6 @@ def test_standby_arguments_are_checked(models):
         Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=-1)
     with pytest.raises(ValueError, match="standby_len must lie in"):
         Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=1, standby_len=MAX_LEN + 1)
-    with pytest.raises(ValueError, match="paged engine takes no standby rows"):
-        PagedEngine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=2)
     engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=2, standby_len=16)
     state = engine.init_decode_state()
     long_prefix = engine.prefill(params, list(range(3, 23)))  # bucket 32 > standby_len 16
@@ -169,3 +181,25 @@ def test_standby_arguments_are_checked(models):
     with pytest.raises(ValueError, match=r"distinct indices in \[0, 2\)"):
         engine.stage(engine.prefill(params, [3, 4]), state, [0, 2])
     assert jax.tree.leaves(state.standby.cache)[0].shape[:2] == (2, 16)
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, PagedEngine])
+def test_abort_of_a_run_that_finished_in_flight_spares_the_row_placed_after_it(models, logp, engine_cls):
+    # One slot, one standby row, 4 steps per dispatch. Dispatch 0 runs A (2 tokens), then places B into the slot.
+    # A's abort reaches the loop while dispatch 0 is in flight, so the host still believes A holds the slot; its
+    # release must not free the slot B now holds: B completes with all of its tokens.
+    engine = make_engine(type("Hooked", (HookAfterDispatch, engine_cls), {}), models[0], num_slots=1, standby_rows=1)
+    loop = SamplerLoop(engine, nnx.split(models[0])[1], decode_steps=4)
+    engine.at, engine.hook = 0, lambda: loop.abort("a")
+    loop.pause()
+    loop.submit(Request(id="a", prompt=[5, 6, 7], max_new_tokens=2, temperature=0.0))
+    loop.submit(Request(id="b", prompt=[9, 10], max_new_tokens=6, temperature=0.0))
+    loop.resume()
+    done = collect_completions(loop, 2)
+    stats = loop.stats()
+    loop.stop()
+    assert stats["placed_from_standby"] == 1
+    if engine_cls is PagedEngine:
+        assert engine.allocator.free_pages == engine.num_pages and not engine.allocator.refcount.any()
+    assert done[0].request_id == "a" and done[0].finish_reason == "interrupted"
+    assert done[1].finish_reason == "length" and done[1].tokens.tolist() == greedy_reference(logp, [9, 10], 6)[0]

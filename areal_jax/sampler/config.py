@@ -15,10 +15,10 @@ from areal_jax.rl.advantages import GROUP_MODES
 STANDBY_LEN = 512  # standby_len's default (capped at max_len): RL prompts are short, the rows' cache is R x this
 
 
-def default_standby_rows(num_slots: int, decode_steps: int, dense: bool = True) -> int:
+def default_standby_rows(num_slots: int, decode_steps: int) -> int:
     """Standby rows a sampler gets unless told: half its slots when a slot can finish inside a dispatch
-    (k > 1) and the cache is dense (the paged engine has none), else 0."""
-    return int(num_slots) // 2 if decode_steps > 1 and dense else 0
+    (k > 1), else 0."""
+    return int(num_slots) // 2 if decode_steps > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,11 @@ class RolloutConfig(Section):
                              "admission or a weight update adds. Accelerators: 8-32 (per-step host work dominates "
                              "there); CPU: small")
     standby_rows: int | None = knob(None, "prefilled requests that wait on the device and take a slot the step after "
-                                    "it finishes, inside a dispatch (sampler/standby.py; dense cache only). None: "
-                                    "num_slots // 2 when decode_steps > 1 and kv_cache is dense, else 0 (off)")
+                                    "it finishes, inside a dispatch (sampler/standby.py). None: num_slots // 2 when "
+                                    "decode_steps > 1, else 0 (off)")
     standby_len: int | None = knob(None, "longest prompt bucket a standby row holds (longer prompts wait for a free "
-                                   "slot); None: min(max_len, 512)")
+                                   "slot; dense cache: the paged cache keeps staged prompts in pages); None: "
+                                   "min(max_len, 512)")
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
     page_size: int = knob(16, "positions per KV page (paged)")
@@ -68,7 +69,7 @@ class RolloutConfig(Section):
         """The standby rows the sampler gets (``standby_rows`` with None resolved)."""
         if self.standby_rows is not None:
             return int(self.standby_rows)
-        return default_standby_rows(self.num_slots, self.decode_steps, self.kv_cache == "dense")
+        return default_standby_rows(self.num_slots, self.decode_steps)
 
     @property
     def eta(self) -> int | None:
@@ -86,9 +87,6 @@ class RolloutConfig(Section):
                 "per sampler dispatch; 8-32 on accelerators).")
         require(self.standby_rows is None or self.standby_rows >= 0,
                 f"{k('standby_rows')}={self.standby_rows} must be >= 0 (0 turns the standby off).")
-        require(not (self.standby_rows and self.kv_cache == "paged"),
-                f"{k('standby_rows')}={self.standby_rows} needs the dense cache; set it to 0 with "
-                f"{k('kv_cache')}=paged.")
         require(self.standby_len is None or 1 <= self.standby_len <= self.max_len,
                 f"{k('standby_len')}={self.standby_len} must lie in [1, {k('max_len')}={self.max_len}].")
         if self.kv_cache == "paged":

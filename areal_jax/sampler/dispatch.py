@@ -64,7 +64,7 @@ class Recorded:
     Attributes:
       finished: (slot, run, "stop" | "length") for each active run that finished in the dispatch.
       appended: tokens appended to runs.
-      placed: standby row -> slot, for the rows the dispatch moved into slots.
+      placed: standby row -> slot, for the rows the dispatch moved into slots, in the order they moved.
       occupants: slot -> the run in it after the dispatch, for the slots a standby row moved into.
     """
 
@@ -93,7 +93,7 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
     valid, tokens, logprobs = np.asarray(r.valid).T, np.asarray(r.tokens).T, np.asarray(r.logprobs).T
     spans: dict[int, list[tuple[int, _Running]]] = {slot: [(0, run)] for slot, run in runs.items()}
     placed: dict[int, int] = {}
-    for row, run in (standby or {}).items():
+    for row, run in sorted((standby or {}).items(), key=lambda item: int(r.placed_step[item[0]])):
         slot = int(r.placed_slot[row])
         if slot < s:
             placed[row] = slot

@@ -36,7 +36,7 @@ from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
-from areal_jax.sampler.slots import arm_slots, empty_decode_state, free_slots, slot_settings
+from areal_jax.sampler.slots import arm_slots, empty_decode_state, release_slots, slot_settings
 from areal_jax.sampler.standby import StandbyRows, standby_size
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
 
@@ -231,7 +231,7 @@ class Engine(StandbyRows):
                            keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
         return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys, self._place_fn)
 
-    _release_fn = staticmethod(free_slots)
+    _release_fn = staticmethod(release_slots)
 
     # ----------------------------------------------------------------------------- public API
     def settings(self, sampling: SamplingParams) -> SlotSettings:
@@ -249,7 +249,9 @@ class Engine(StandbyRows):
         )
 
     def init_decode_state(self) -> DecodeState:
-        """A fresh state: zero cache, every slot free (done)."""
+        """A fresh state: zero cache, every slot free (done). The engine's host bookkeeping (the placements
+        it knows of) starts over too: an engine serves one decode state at a time."""
+        self._reset_placements()
         return self._call(self._jit_init)
 
     def prefill(self, params: nnx.State, tokens: Sequence[int] | np.ndarray,
@@ -336,12 +338,14 @@ class Engine(StandbyRows):
         return insert_sequences(self, params, decode_state, slots, sequences, samplings)
 
     def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """Mark ``slots`` free (done) so later steps leave them alone; donates ``decode_state``."""
+        """Mark ``slots`` free (done) so later steps leave them alone; donates ``decode_state``. A slot a standby
+        row moved into after the last placement reported to :meth:`standby_moved` is spared: it holds another
+        request by now."""
         mask = np.zeros((self.num_slots,), bool)
         for s in slots:
             self._check_slot(s)
             mask[int(s)] = True
-        return self._call(self._jit_release, decode_state, mask)
+        return self._call(self._jit_release, decode_state, mask, self.known_placements())
 
     def generate(self, params: nnx.State, decode_state: DecodeState,
                  rng: jax.Array) -> tuple[DecodeState, StepResult]:

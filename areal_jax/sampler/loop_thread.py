@@ -163,6 +163,10 @@ class LoopThread:
                 else:
                     kept.append(q)
             self._queue = kept
+        if self._inflight and any(run.request.id in ids for run in self._standby.values()):
+            # A dispatch in flight may move these staged samples into slots: learn where first, so a staged row
+            # (and, over pages, its pages) is freed only once no dispatch can place it.
+            self._drain()
         slots = [s for s, run in self._running.items() if run.request.id in ids]
         for s in slots:
             self._finish(s, "interrupted")
@@ -196,7 +200,7 @@ class LoopThread:
                 if not self._stage(q):
                     break
                 continue
-            k = self._admissible(q)
+            k = self._admissible(q, len(self._free))
             if k == 0:
                 break
             if q.prefix is None or q.prefix_version != self._version:
@@ -211,12 +215,16 @@ class LoopThread:
             self._advance(q, k)
 
     def _stage(self, q: _Queued) -> bool:
-        """Stage samples of the queue head in free standby rows; False when its prompt does not fit one."""
+        """Stage samples of the queue head in free standby rows; False when its prompt does not fit one, or the
+        cache's memory (a paged cache) holds none of them now."""
         if q.prefix is None or q.prefix_version != self._version:
             self._prefill_ahead()
         if not self.engine.can_stage(q.prefix):
             return False
-        rows = [self._standby_free.pop() for _ in range(min(len(self._standby_free), q.request.n - q.next_index))]
+        k = self._admissible(q, len(self._standby_free))
+        if k == 0:
+            return False
+        rows = [self._standby_free.pop() for _ in range(k)]
         self._state = self.engine.stage(q.prefix, self._state, rows, q.sampling)
         for i, row in enumerate(rows):
             self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, self._version)
@@ -245,11 +253,12 @@ class LoopThread:
         for q, row in take:
             q.prefix, q.prefix_version = prefixes[row], self._version
 
-    def _admissible(self, q: _Queued) -> int:
-        """Samples of the queue head that free slots and the cache's memory (a paged cache) take now. The
-        memory is held for them until they are inserted; an empty pool always holds one sample."""
+    def _admissible(self, q: _Queued, places: int) -> int:
+        """Samples of the queue head that ``places`` free slots (or standby rows) and the cache's memory (a paged
+        cache) take now. The memory is held for them until they are inserted; an empty pool always holds one
+        sample."""
         length, max_new = len(q.request.prompt), q.sampling.max_new_tokens
-        k = min(len(self._free), q.request.n - q.next_index)
+        k = min(places, q.request.n - q.next_index)
         while k and not self.engine.reserve(length, max_new, k):
             k -= 1
         return k
@@ -278,6 +287,7 @@ class LoopThread:
             self._stats["busy_slot_steps"] += int(np.asarray(r.valid).sum())
             self._stats["generated_tokens"] += rec.appended
             self._stats["placed"] += len(rec.placed)
+        self.engine.standby_moved(list(rec.placed.items()))
         for row in rec.placed:  # rows the device emptied (unless the host staged or freed them since)
             if self._standby.get(row) is d.standby[row]:
                 del self._standby[row]

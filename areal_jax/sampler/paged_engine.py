@@ -14,6 +14,14 @@ positions instead of [num_slots, max_len] rows. The engine keeps the page bookke
 Recompute after a weight update re-prefills each sequence into its own pages; a group's shared prompt
 pages are then rewritten by each sample with the same prompt keys and values (up to rounding of the batch
 shape), never with a sample's generated tokens.
+
+Standby rows (``sampler.standby``) hold pages too: the allocator's table has a row per slot and one per
+standby row. A staged sample takes pages for its prompt plus 2k positions (k steps per dispatch: it may
+decode for the rest of the dispatch it is placed in and all of the next before the host learns where it
+went), and its reservation counts like a running slot's. Placing a row on the device copies its table row
+into the slot's (no cache is copied); the host moves the pages when it learns of the move
+(``standby_moved``). Until then the host's table row of that slot is stale, so an upload keeps the device's
+row wherever the slot's placement count has moved past the host's (``DecodeState.placements``).
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
 from areal_jax.sampler.prefill import last_tokens
 from areal_jax.sampler.sampling import SamplingParams
-from areal_jax.sampler.slots import empty_decode_state
+from areal_jax.sampler.slots import empty_decode_state, place_standby
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings
 
 
@@ -79,8 +87,6 @@ class PagedEngine(Engine):
                  **kwargs: Any) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
-        if kwargs.get("standby_rows"):
-            raise ValueError("the paged engine takes no standby rows (standby_rows=0; the dense Engine has them).")
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
         self.attention = attention or default_path(cfg.head_dim if cfg is not None else None)
@@ -92,9 +98,11 @@ class PagedEngine(Engine):
         if self.num_pages < per_sequence:
             raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
                              f"({per_sequence} pages of {self.page_size}); raise num_pages or lower max_len.")
-        self.allocator = PageAllocator(self.num_pages, self.page_size, int(num_slots), self.pages_per_slot)
-        self._limit: dict[int, int] = {}  # active slot -> most positions its request can reach
-        self._upper: dict[int, int] = {}  # active slot -> upper bound of positions written so far
+        self._rows = int(num_slots) + max(0, int(kwargs.get("standby_rows") or 0))  # allocator rows: slots, standby
+        self.allocator = PageAllocator(self.num_pages, self.page_size, self._rows, self.pages_per_slot)
+        self._limit: dict[int, int] = {}  # active row -> most positions its request can reach
+        self._upper: dict[int, int] = {}  # active row -> upper bound of positions written so far
+        self._staged: dict[int, int] = {}  # allocator row of a staged sample -> its prompt length
         self.peak_active = 0
         self._dirty = False  # the host table changed since the last upload
         self._promised = 0  # pages reserved by admissions not inserted yet
@@ -109,10 +117,36 @@ class PagedEngine(Engine):
         cfg, n = self.config, self.num_slots
         cache = PagedCacheState(init_paged_cache(cfg, self.num_pages, self.page_size),
                                 jnp.full((n, self.pages_per_slot), -1, jnp.int32))
-        return empty_decode_state(cache, cfg.vocab_size, n, self.max_stop_tokens)
+        standby = None
+        if self.standby_rows:  # a standby row's cache is its page-table row (its pages live in the pool)
+            standby = empty_decode_state(jnp.full((self.standby_rows, self.pages_per_slot), -1, jnp.int32),
+                                         cfg.vocab_size, self.standby_rows, self.max_stop_tokens)
+        return empty_decode_state(cache, cfg.vocab_size, n, self.max_stop_tokens, standby)
 
-    def _set_table_fn(self, state: DecodeState, table: jax.Array) -> DecodeState:
-        return dataclasses.replace(state, cache=PagedCacheState(state.cache.pages, table))
+    def _set_table_fn(self, state: DecodeState, table: jax.Array, placements: jax.Array) -> DecodeState:
+        """The host's table [S + R, P]: slot rows where the device has no placement the host has not seen,
+        then the standby rows."""
+        s = self.num_slots
+        rows = jnp.where((state.placements == placements)[:, None], table[:s], state.cache.table)
+        state = dataclasses.replace(state, cache=PagedCacheState(state.cache.pages, rows))
+        if state.standby is None:
+            return state
+        return dataclasses.replace(state, standby=dataclasses.replace(state.standby, cache=table[s:]))
+
+    def _place_fn(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        def move_rows(cache: PagedCacheState, standby_table: jax.Array, targets: jax.Array) -> PagedCacheState:
+            return PagedCacheState(cache.pages, cache.table.at[targets].set(standby_table, mode="drop"))
+
+        return place_standby(state, move_rows)
+
+    def _stage_fn(self, prefix: Prefix, state: DecodeState, rows: jax.Array, settings: SlotSettings) -> DecodeState:
+        sb = state.standby
+        n = rows.shape[0]
+        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), prefix.cache)
+        pages = _write_rows(state.cache.pages, sb.cache.at[rows].get(mode="fill", fill_value=-1), cache)
+        sb = self._set_slot_fields(sb, prefix.logits, prefix.true_length, prefix.last_token, rows, settings,
+                                   mode="drop")
+        return dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table), standby=sb)
 
     def _rows_of(self, state: DecodeState, slots: jax.Array) -> jax.Array:
         return state.cache.table.at[slots].get(mode="fill", fill_value=-1)  # padding slots: no pages
@@ -177,11 +211,12 @@ class PagedEngine(Engine):
         max_new = (sampling or SamplingParams()).max_new_tokens
         self._limit[slot] = min(int(length) + int(max_new), self.max_len)
         self._upper[slot] = int(length)
-        self.peak_active = max(self.peak_active, len(self._limit))
+        if slot < self.num_slots:
+            self.peak_active = max(self.peak_active, len(self._limit) - len(self._staged))
 
     def _upload(self, state: DecodeState) -> DecodeState:
         self._dirty = False
-        return self._call(self._jit_set_table, state, self.allocator.table.copy())
+        return self._call(self._jit_set_table, state, self.allocator.table.copy(), self.known_placements())
 
     def _free_slot(self, slot: int) -> None:
         if self.allocator.pages_of(slot):
@@ -189,6 +224,16 @@ class PagedEngine(Engine):
             self._dirty = True
         self._limit.pop(slot, None)
         self._upper.pop(slot, None)
+        self._staged.pop(slot, None)
+
+    def _grow(self, k: int) -> None:
+        """Pages for k more positions of every active slot (to its limit), and for prompt + 2k positions of every
+        staged sample (what it can write before the host learns which slot it moved into)."""
+        for row in self._limit:
+            start = self._staged.get(row)
+            upper = self._upper[row] + k if start is None else start + 2 * k
+            self._upper[row] = min(upper, self._limit[row])
+            self._dirty |= bool(self.allocator.ensure(row, self._upper[row]))
 
     def finished(self, slot: int) -> None:
         """The slot's sequence was handed back: its pages return to the pool (the device table row is
@@ -198,9 +243,10 @@ class PagedEngine(Engine):
 
     def init_decode_state(self) -> DecodeState:
         """A fresh state with an empty pool: the host bookkeeping starts over too."""
-        self.allocator = PageAllocator(self.num_pages, self.page_size, self.num_slots, self.pages_per_slot)
+        self.allocator = PageAllocator(self.num_pages, self.page_size, self._rows, self.pages_per_slot)
         self._limit.clear()
         self._upper.clear()
+        self._staged.clear()
         self._promised, self._dirty = 0, False
         return super().init_decode_state()
 
@@ -246,21 +292,58 @@ class PagedEngine(Engine):
             self._free_slot(int(s))
         return super().release(self._upload(decode_state), slots)
 
+    def can_stage(self, prefix: Prefix) -> bool:
+        """Whether standby rows exist (a row's prompt lives in pages, so any prompt fits one)."""
+        return bool(self.standby_rows)
+
+    def stage(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
+              sampling: SamplingParams | None = None) -> DecodeState:
+        """``StandbyRows.stage`` into pages: the rows share the prompt's full pages (each writes its partial last
+        page itself). Staging rows that already hold a sample (the recompute after a weight update) gives them
+        fresh pages without taking a new reservation."""
+        self._rows_mask(rows)
+        sampling = sampling or SamplingParams()
+        length = int(prefix.true_length)
+        alloc = [self.num_slots + int(r) for r in rows]
+        if not any(a in self._limit for a in alloc):
+            self._redeem(length, sampling.max_new_tokens, len(alloc))
+        for a in alloc:
+            self._free_slot(a)
+        self.allocator.ensure(alloc[0], length)
+        self.allocator.share_prefix(alloc[0], alloc, length)
+        for a in alloc:
+            self._staged[a] = length
+            self._activate(a, length, sampling)
+        self._dirty = True
+        return super().stage(prefix, self._upload(decode_state), rows, sampling)
+
+    def release_standby(self, decode_state: DecodeState, rows: Sequence[int]) -> DecodeState:
+        for r in self._rows_mask(rows).nonzero()[0]:
+            self._free_slot(self.num_slots + int(r))
+        return super().release_standby(self._upload(decode_state), rows)
+
+    def standby_moved(self, moves: Sequence[tuple[int, int]]) -> None:
+        """The pages (and page budget) of each moved standby row become its slot's; the slot's previous occupant
+        finished inside that dispatch, so its pages return to the pool."""
+        super().standby_moved(moves)
+        for row, slot in moves:
+            row, slot = self.num_slots + int(row), int(slot)
+            self._free_slot(slot)
+            self.allocator.move(row, slot)
+            self._limit[slot], self._upper[slot] = self._limit.pop(row), self._upper.pop(row)
+            self._staged.pop(row)
+            self._dirty = True
+
     def generate_steps(self, params: nnx.State, decode_state: DecodeState,
                        keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
-        """Take pages for k more positions of every active slot, then run the dispatch (``Engine``)."""
-        k = int(np.shape(keys)[0])
-        for s in self._limit:
-            self._upper[s] = min(self._upper[s] + k, self._limit[s])
-            self._dirty |= bool(self.allocator.ensure(s, self._upper[s]))
+        """Take pages for k more positions of every active slot (and staged sample), then run the dispatch."""
+        self._grow(int(np.shape(keys)[0]))
         if self._dirty:
             decode_state = self._upload(decode_state)
         return super().generate_steps(params, decode_state, keys)
 
     def generate(self, params: nnx.State, decode_state: DecodeState, rng: jax.Array):
-        for s in self._limit:
-            self._upper[s] = min(self._upper[s] + 1, self._limit[s])
-            self._dirty |= bool(self.allocator.ensure(s, self._upper[s]))
+        self._grow(1)
         if self._dirty:
             decode_state = self._upload(decode_state)
         return super().generate(params, decode_state, rng)

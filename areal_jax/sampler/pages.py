@@ -127,6 +127,14 @@ class PageAllocator:
         self._shared_upto[source] = full
         return copies
 
+    def move(self, src: int, dst: int) -> None:
+        """Hand the pages of row ``src`` to row ``dst``, which holds none (a standby row's sequence moved into a
+        slot); ``src`` holds none afterwards. Reference counts do not change."""
+        if self.pages_of(dst):
+            raise ValueError(f"row {dst} still holds pages; release it before moving row {src}'s pages into it.")
+        self.table[dst], self.table[src] = self.table[src], -1
+        self._shared_upto[dst], self._shared_upto[src] = self._shared_upto[src], 0
+
     def release(self, slot: int) -> None:
         """Return the pages of ``slot`` (shared pages once their last holder releases them)."""
         for page in self.pages_of(slot):

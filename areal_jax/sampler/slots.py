@@ -51,6 +51,7 @@ def empty_decode_state(cache: Any, vocab_size: int, num_slots: int, max_stop_tok
         top_k=jnp.zeros((s,), jnp.int32),
         top_p=jnp.ones((s,), jnp.float32),
         stop_ids=jnp.full((s, max_stop_tokens), -1, jnp.int32),
+        placements=jnp.zeros((s,), jnp.int32),
         standby=standby,
     )
 
@@ -84,6 +85,13 @@ def free_slots(state: DecodeState, free: jax.Array) -> DecodeState:
     return dataclasses.replace(state, done=state.done | free)
 
 
+def release_slots(state: DecodeState, free: jax.Array, placements: jax.Array) -> DecodeState:
+    """``free_slots`` for the slots whose placement count still equals ``placements`` ([S] int32, what the host
+    knew when it asked): a slot a standby row moved into since (inside a dispatch the host had not fetched)
+    holds another request now and keeps running."""
+    return free_slots(state, free & (state.placements == placements))
+
+
 def place_standby(state: DecodeState, write_cache: Callable[[Any, Any, jax.Array], Any]) -> tuple[DecodeState, jax.Array]:
     """Move the standby's waiting rows into free slots: waiting row number i (in row order) takes the i-th
     free slot (in slot order), as far as free slots go.
@@ -105,6 +113,7 @@ def place_standby(state: DecodeState, write_cache: Callable[[Any, Any, jax.Array
                                 stop_ids=sb.stop_ids)
         armed = arm_slots(dataclasses.replace(state, cache=write_cache(state.cache, sb.cache, target)), sb.logits,
                           sb.lengths, sb.last_tokens, target, settings, mode="drop")
-        return dataclasses.replace(armed, standby=dataclasses.replace(sb, done=sb.done | moved))
+        return dataclasses.replace(armed, placements=armed.placements.at[target].add(1, mode="drop"),
+                                   standby=dataclasses.replace(sb, done=sb.done | moved))
 
     return jax.lax.cond(jnp.any(moved), move, lambda st: st, state), target

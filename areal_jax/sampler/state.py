@@ -24,6 +24,8 @@ class DecodeState:
       max_new: [S] int32 budget of new tokens since the slot was (re)inserted.
       temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
       stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
+      placements: [S] int32 standby rows moved into each slot so far (``slots.place_standby``); the host
+        passes the count it knows of with a release, which then spares a slot a row has moved into since.
       standby: None, or a DecodeState of R rows (cache [R, standby_len]; no standby of its own) holding
         prefilled requests that wait on the device: a multi-step decode moves each into a slot as soon as
         one is free (``slots.place_standby``), inside the dispatch. ``done`` marks its empty rows.
@@ -40,6 +42,7 @@ class DecodeState:
     top_k: jax.Array
     top_p: jax.Array
     stop_ids: jax.Array
+    placements: jax.Array
     standby: "DecodeState | None" = None
 
 
