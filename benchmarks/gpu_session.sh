@@ -15,7 +15,7 @@
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
 #   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
-#   sampler_more  the sampler at k = 8, without standby rows and without fetch-behind, the paged KV cache (Pallas kernel) in the same
+#   sampler_more  the sampler at k = 8, without standby rows and without fetch-behind, the paged KV cache (Pallas kernel, standby rows over pages) in the same
 #              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
 #              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
