@@ -34,7 +34,7 @@ from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
 from areal_jax.testing import models as testing
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--paged", action="store_true",
                    help="also time the paged cache (gather path; on GPUs the Pallas kernel too) at each length")
     p.add_argument("--page-size", type=int, default=16)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------- the previous path

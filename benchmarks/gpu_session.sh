@@ -29,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_session}
 PY=${PY:-python3}
-WORK=runs/gpu_work  # traces and caches that are not sent back
+WORK=${WORK:-runs/gpu_work}  # traces and caches that are not sent back
 mkdir -p "$OUT" "$WORK"
 export PYTHONFAULTHANDLER=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export AREAL_JAX_COMPILE_CACHE="$WORK/xla-cache"

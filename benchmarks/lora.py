@@ -126,7 +126,7 @@ def train_memory(cfg, lcfg, args) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = add_model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--preset", choices=("args",) + tuple(QWEN), default="args",
                    help="model shape: the --hidden/--layers flags, or a Qwen2.5 shape")
@@ -144,7 +144,11 @@ def main(argv=None) -> None:
     p.add_argument("--train-memory", action="store_true")
     p.add_argument("--train-len", type=int, default=1024)
     p.add_argument("--train-seqs", type=int, default=8)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     from areal_jax.models import Transformer, lora
     from areal_jax.runtime.mesh import MeshConfig, build_meshes
     from areal_jax.testing.models import randomize_params

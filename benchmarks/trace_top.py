@@ -104,14 +104,18 @@ def summarize(path: str, top: int = 25, lanes_like: str = "") -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace_dir")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--lanes", default="", help="regex of the lanes to count (default: 'Stream' where a trace has "
                    "stream lanes, i.e. kernels; 'XLA Ops' gives HLO ops instead)")
     p.add_argument("--json", help="also write the summary here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     s = summarize(args.trace_dir, args.top, args.lanes)
     print(f"trace: {s['trace']} ({'device lanes' if s['on_device'] else 'CPU: host XLA threads'})")
     print(f"op time summed over lanes: {s['total_ms']:.1f} ms")
