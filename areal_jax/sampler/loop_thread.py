@@ -12,7 +12,10 @@ slots), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows 
 
 A slot the host believes free may still take a staged sample inside a dispatch in flight, so the host
 inserts into free slots directly only while no dispatch in flight carries staged samples; otherwise it
-stages, and the device places them.
+stages, and the device places them. For the same reason a release names the placements the host knows of
+(the device spares a slot a staged sample has taken since), and an abort of staged samples first fetches the
+dispatches in flight, so a staged row (over a paged cache, its pages too) is freed only once no dispatch can
+place it.
 """
 from __future__ import annotations
 

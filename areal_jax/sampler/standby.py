@@ -9,7 +9,13 @@ dispatch result says which row went where and from which step (``MultiStepResult
 ``placed_step``), so the host hands every token to the right request.
 
 The dense-cache :class:`~areal_jax.sampler.engine.Engine` takes ``standby_rows`` (R) and ``standby_len``
-(the longest prompt bucket a row holds); the rows' cache costs R x standby_len positions.
+(the longest prompt bucket a row holds); the rows' cache costs R x standby_len positions. The paged engine
+takes ``standby_rows`` too: a staged prompt lives in pool pages, and placing it moves only its page-table row
+(``sampler.paged_engine``).
+
+Each placement counts in ``DecodeState.placements``; the host reports the moves it learns of
+(:meth:`StandbyRows.standby_moved`), and a release passes the count it knows, so the device spares a slot a
+staged request has taken since the host last looked.
 """
 from __future__ import annotations
 
