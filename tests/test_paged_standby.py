@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import collect_completions, full_forward_logp, greedy_reference, serve
+from areal_jax.testing.sampler import (
+    collect_completions,
+    full_forward_logp,
+    greedy_reference,
+    serve,
+    token_logp_errors,
+)
 
 MAX_LEN = 48
 CFG = testing.tiny_config("qwen2")
@@ -141,5 +147,49 @@ def test_aborts_mid_dispatch_cost_only_the_aborted_requests(engines, standby_eng
         else:  # finished: every token, whether or not its request was aborted later
             assert c.finish_reason == ref.finish_reason and c.tokens.tolist() == ref.tokens.tolist()
     assert stats["running"] == stats["standby"] == 0
+    if kind == "paged":
+        assert engine.allocator.free_pages == 24 and not engine.allocator.refcount.any()
+
+
+@pytest.fixture(scope="module")
+def second_model():
+    return testing.random_model(CFG, seed=1)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=request_mix, seed=st.integers(0, 1000), kind=st.sampled_from(["dense", "paged"]), hook_at=st.integers(0, 4))
+def test_a_recompute_update_mid_dispatch_keeps_every_token_exact_under_its_version(
+        model, second_model, standby_engines, mix, seed, kind, hook_at):
+    rng = np.random.default_rng(seed)
+    requests = [Request(id=i, prompt=rng.integers(3, CFG.vocab_size, p).tolist(), max_new_tokens=m, n=n)
+                for i, (p, m, n, _) in enumerate(mix)]  # sampled at temperature 1
+    engine = standby_engines[kind]
+    loop = SamplerLoop(engine, nnx.split(model)[1], on_update="recompute", decode_steps=3, seed=seed)
+    calls = {"n": 0}
+    dispatch = engine.generate_steps
+
+    def updating_generate_steps(*args):  # the new weights arrive while dispatch number hook_at is in flight
+        out = dispatch(*args)
+        if calls["n"] == hook_at:
+            loop.update_params(nnx.split(second_model)[1], version=5)
+        calls["n"] += 1
+        return out
+
+    engine.generate_steps = updating_generate_steps
+    try:
+        loop.pause()
+        for r in requests:
+            loop.submit(r)
+        loop.resume()
+        got = collect_completions(loop, sum(r.n for r in requests))
+    finally:
+        loop.stop(graceful=False)
+        del engine.generate_steps
+    logps = {0: full_forward_logp(model, MAX_LEN), 5: full_forward_logp(second_model, MAX_LEN)}
+    for c in got:
+        want = next(r for r in requests if r.id == c.request_id)
+        assert c.finish_reason == "length" and len(c.tokens) == want.max_new_tokens
+        assert np.all(np.diff(c.versions) >= 0) and set(c.versions.tolist()) <= {0, 5}
+        assert token_logp_errors(c, logps).max() < 1e-4
     if kind == "paged":
         assert engine.allocator.free_pages == 24 and not engine.allocator.refcount.any()
