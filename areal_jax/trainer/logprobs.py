@@ -1,45 +1,95 @@
 """Per-token log-probs, entropies (and critic values) without a full [tokens, vocab] logits array.
 
-The vocabulary projection runs over chunks of the token axis (`lax.map`); each chunk is wrapped in
-`jax.checkpoint`, so the backward pass recomputes that chunk's logits instead of storing them. At any
-time only one [B, chunk, vocab] float32 block of logits is alive, forward or backward.
+The vocabulary projection runs over chunks of the token axis (`lax.map`); each chunk's backward
+(`logits_logp_entropy`) recomputes that chunk's logits instead of storing them. At any time only one
+[B, chunk, vocab] float32 block of logits is alive, forward or backward.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.rl.losses import token_entropy, token_logprobs
+
+def _chunk_forward(h: jax.Array, w: jax.Array, targets: jax.Array,
+                   with_entropy: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logp, entropy, lse) of rows h [N, D] against w [D, V] (float32 logits, never returned)."""
+    logits = jnp.matmul(h, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if not with_entropy:
+        return logp, jnp.zeros_like(logp), lse
+    finite = jnp.where(jnp.isfinite(logits), logits, 0.0)
+    ent = lse - jnp.sum(jnp.exp(logits - lse[:, None]) * finite, axis=-1)
+    return logp, ent, lse
 
 
-@jax.custom_vjp
-def logits_matmul(h: jax.Array, w: jax.Array) -> jax.Array:
-    """[N, D] @ [D, V] -> [N, V] float32 logits from operands in the compute dtype.
+def _rows(x: jax.Array) -> jax.Array:
+    """[B, c, ...] -> [B * c, ...]: one 2-D matrix product per chunk (see models.layers.dense: XLA:CPU's
+    backward then needs no transposing copies)."""
+    return x.reshape((-1,) + x.shape[2:])
 
-    The same product as `jnp.matmul(h, w, preferred_element_type=float32)`, but its backward casts the
-    float32 cotangent to the operands' dtype before the two backward products. Left to autodiff, a
-    float32 cotangent promotes both backward matmuls to float32 (tf32 on a GPU): at the Qwen2.5-0.5B
-    shape on an H200 those two products were 21% of an update's kernel time. In float32 compute the
-    cast is a no-op and the gradients are the plain ones; in bf16 they carry bf16 rounding of the
-    cotangent (the precision of PyTorch's autocast), with float32 accumulation.
+
+def _forward_chunks(h, w, targets, with_entropy):
+    def one(args):
+        h_c, t_c = args
+        return tuple(x.reshape(t_c.shape) for x in _chunk_forward(_rows(h_c), w, _rows(t_c), with_entropy))
+
+    return jax.lax.map(one, (h, targets))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array,
+                        with_entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+    """log softmax(h @ w)[targets] and the entropy of softmax(h @ w) over chunks, without keeping any logits.
+
+    h: [n, B, c, D] (n chunks of B rows x c positions) and w: [D, V] in the compute dtype; targets: [n, B, c]
+    int32. Returns (logp, entropy), [n, B, c] float32 each (entropy zeros when ``with_entropy`` is False).
+    The chunks run one after another (``lax.map``), so one chunk's float32 logits are alive at a time.
+
+    The backward is written out instead of left to autodiff (which, under ``jax.checkpoint``, recomputed the
+    whole forward, the entropy included): per chunk it recomputes the logits once, forms d(loss)/d(logits) =
+    g_logp * (onehot(t) - p) - g_ent * p * (logits - lse + H) in one elementwise pass (p = exp(logits - lse);
+    lse and H saved by the forward), casts it to the operands' dtype and runs the two products, summing
+    w's gradient over the chunks in float32. In float32 compute the cast is a no-op; in bf16 the products
+    take bf16 operands with float32 accumulation (PyTorch autocast's precision) instead of being promoted to
+    float32 by the float32 cotangent (at the Qwen2.5-0.5B shape on an H200 the promoted products were 21% of
+    an update's kernel time). The entropy's gradient assumes finite logits (true of a matrix product).
     """
-    return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+    logp, ent, _ = _forward_chunks(h, w, targets, with_entropy)
+    return logp, ent
 
 
-def _logits_matmul_fwd(h: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return logits_matmul(h, w), (h, w)
+def _lpe_fwd(h, w, targets, with_entropy):
+    logp, ent, lse = _forward_chunks(h, w, targets, with_entropy)
+    return (logp, ent), (h, w, targets, lse, ent)
 
 
-def _logits_matmul_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    h, w = res
-    g = g.astype(h.dtype)
-    dh = jnp.matmul(g, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.matmul(h.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dh, dw
+def _lpe_bwd(with_entropy, res, g):
+    h, w, targets, lse, ent = res
+    g_logp, g_ent = g
+
+    def one(dw, xs):
+        h_c, t_c, lse_c, ent_c, gl_c, ge_c = (_rows(x) for x in xs)
+        logits = jnp.matmul(h_c, w, preferred_element_type=jnp.float32)
+        centred = logits - lse_c[:, None]
+        p = jnp.exp(centred)
+        onehot = jnp.arange(logits.shape[-1], dtype=t_c.dtype)[None, :] == t_c[:, None]
+        dlogits = jnp.where(onehot, gl_c[:, None], 0.0) - p * gl_c[:, None]
+        if with_entropy:
+            dlogits = dlogits - ge_c[:, None] * p * (centred + ent_c[:, None])
+        dlogits = dlogits.astype(h.dtype)
+        dh_c = jnp.matmul(dlogits, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
+        dw = dw + jnp.matmul(h_c.T, dlogits, preferred_element_type=jnp.float32)
+        return dw, dh_c.reshape(xs[0].shape)
+
+    dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), (h, targets, lse, ent, g_logp, g_ent))
+    return dh, dw.astype(w.dtype), None
 
 
-logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
+logits_logp_entropy.defvjp(_lpe_fwd, _lpe_bwd)
 
 
 def chunked_logprobs(
@@ -64,29 +114,10 @@ def chunked_logprobs(
     if pad:
         h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    w = unembed.astype(h.dtype)
     # Chunk axis first, batch axis kept whole so its data-parallel sharding is untouched.
     h_chunks = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
-    t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2)
-
-    @jax.checkpoint
-    def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h_c, t_c = args
-        # Rows flattened to one 2-D matmul (see models.layers.dense: XLA:CPU's backward then needs no
-        # transposing copies).
-        if jnp.dtype(h.dtype).itemsize < 4:  # bf16 / f16 compute: keep the backward products in that dtype
-            logits = logits_matmul(h_c.reshape(-1, d), w)
-        else:
-            logits = jnp.matmul(h_c.reshape(-1, d), w, preferred_element_type=jnp.float32)
-        logits = logits.reshape(*h_c.shape[:2], -1)
-        logp = token_logprobs(logits, t_c)
-        if with_entropy:
-            ent = token_entropy(logits, jnp.ones(t_c.shape, bool))
-        else:
-            ent = jnp.zeros(t_c.shape, jnp.float32)
-        return logp.astype(jnp.float32), ent.astype(jnp.float32)
-
-    logp, ent = jax.lax.map(one_chunk, (h_chunks, t_chunks))
+    t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2).astype(jnp.int32)
+    logp, ent = logits_logp_entropy(h_chunks, unembed.astype(h.dtype), t_chunks, with_entropy)
     logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     return logp, ent
