@@ -26,9 +26,10 @@ class DecodeState:
       stop_ids: [S, max_stop_tokens] int32 stop token ids, padded with -1.
       placements: [S] int32 standby rows moved into each slot so far (``slots.place_standby``); the host
         passes the count it knows of with a release, which then spares a slot a row has moved into since.
-      standby: None, or a DecodeState of R rows (cache [R, standby_len]; no standby of its own) holding
-        prefilled requests that wait on the device: a multi-step decode moves each into a slot as soon as
-        one is free (``slots.place_standby``), inside the dispatch. ``done`` marks its empty rows.
+      standby: None, or a DecodeState of R rows (cache [R, standby_len], or over pages its page-table rows
+        [R, pages per slot]; no standby of its own) holding prefilled requests that wait on the device: a
+        multi-step decode moves each into a slot as soon as one is free (``slots.place_standby``), inside the
+        dispatch. ``done`` marks its empty rows.
     """
 
     cache: KVCache
