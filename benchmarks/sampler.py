@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (paged)")
     p.add_argument("--kv-pages", type=int, default=None, help="pages in the pool (paged; default slots x max_len)")
+    p.add_argument("--kv-admission", choices=("reserve", "optimistic"), default="reserve",
+                   help="paged: admit a sample when the pool holds its longest length (reserve) or its prompt and the "
+                        "next dispatch (optimistic: samples are preempted and resumed when pages run short)")
     p.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
                    help="paged attention path (default: the Pallas kernel on GPUs, gather elsewhere)")
     p.add_argument("--skip-static", action="store_true")
@@ -312,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"copy bandwidth {bandwidth:.1f} GB/s")
         if args.kv_cache == "paged":
             engine = PagedEngine(model, num_slots=args.num_slots, max_len=max_len, page_size=args.page_size,
-                                 num_pages=args.kv_pages, attention=args.paged_attention, standby_rows=args.standby_rows)
+                                 num_pages=args.kv_pages, attention=args.paged_attention, standby_rows=args.standby_rows,
+                                 admission=args.kv_admission)
         else:
             engine = Engine(model, num_slots=args.num_slots, max_len=max_len, standby_rows=args.standby_rows)
         _, params = nnx.split(model)
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "params": int(n_params),
         "num_slots": args.num_slots, "num_prompts": len(prompts), "decode_steps": args.decode_steps,
         "standby_rows": args.standby_rows,
-        "kv_cache": args.kv_cache, "kv_pages": getattr(engine, "num_pages", None),
+        "kv_cache": args.kv_cache, "kv_pages": getattr(engine, "num_pages", None), "kv_admission": args.kv_admission,
         "paged_attention": getattr(engine, "attention", None),
         "fetch_behind": not args.no_fetch_behind, "generated_tokens": int(tokens_a),
         "max_new_tokens": args.max_new_tokens, "peak_gflops": round(peak, 1), "copy_bandwidth_gbs": float(f"{bandwidth:.4g}"),

@@ -1,5 +1,6 @@
 """The SamplerLoop under random interleavings of submissions, aborts and weight updates that arrive while
-dispatches are in flight, over the dense and the paged cache, with and without standby rows. Whatever the order:
+dispatches are in flight, over the dense and the paged cache, with and without standby rows, and over a pool so
+small that optimistic admission preempts samples. Whatever the order:
 
 - every sample of every submitted request comes back exactly once;
 - only samples of aborted requests come back "interrupted", each with a prefix of what it would have generated;
@@ -47,6 +48,10 @@ def engines(models):
         "dense+standby": Engine(m, num_slots=3, max_len=MAX_LEN, standby_rows=2),
         "paged": PagedEngine(m, num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=24),
         "paged+standby": PagedEngine(m, num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=24, standby_rows=3),
+        # Sequences of at most 24 positions (the longest request) in 7 pages of 4, a little more than one of them:
+        # admitted optimistically, samples are preempted often.
+        "paged+optimistic": PagedEngine(m, num_slots=3, max_len=24, page_size=4, num_pages=7, standby_rows=2,
+                                        admission="optimistic"),
     }
 
 
@@ -61,7 +66,7 @@ def make_request(rid, spec, rng):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["dense", "dense+standby", "paged", "paged+standby"]),
+@given(kind=st.sampled_from(["dense", "dense+standby", "paged", "paged+standby", "paged+optimistic"]),
        initial=st.lists(request_spec, min_size=1, max_size=5), events=st.lists(event, max_size=6),
        k=st.integers(1, 4), fetch_behind=st.booleans(), on_update=st.sampled_from(["recompute", "continue"]),
        seed=st.integers(0, 1000))

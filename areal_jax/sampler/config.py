@@ -51,6 +51,10 @@ class RolloutConfig(Section):
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
     page_size: int = knob(16, "positions per KV page (paged)")
     kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len")
+    kv_admission: str = knob("reserve", "paged: reserve (a sample is admitted when the pool holds its longest "
+                             "possible length) | optimistic (when it holds its prompt and the next dispatch's "
+                             "growth; running samples give pages back and resume by recompute when the pool runs "
+                             "short, sampler/preempt.py)", choices=("reserve", "optimistic"))
     max_staleness: int | None = knob(4, "eta; -1 (or None in a config file) = unbounded, which then needs "
                                      "max_concurrent")
     max_concurrent: int | None = knob(None, "groups in flight at most (None: bounded by eta only)")
@@ -89,6 +93,9 @@ class RolloutConfig(Section):
                 f"{k('standby_rows')}={self.standby_rows} must be >= 0 (0 turns the standby off).")
         require(self.standby_len is None or 1 <= self.standby_len <= self.max_len,
                 f"{k('standby_len')}={self.standby_len} must lie in [1, {k('max_len')}={self.max_len}].")
+        require(self.kv_admission == "reserve" or self.kv_cache == "paged",
+                f"{k('kv_admission')}={self.kv_admission} needs {k('kv_cache')}=paged (the dense cache holds every "
+                "slot's longest sequence anyway).")
         if self.kv_cache == "paged":
             require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
             per_seq = -(-self.max_len // self.page_size)

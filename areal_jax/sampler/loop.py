@@ -86,7 +86,8 @@ class SamplerLoop(LoopThread):
         self._params, self._version = engine.place_params(params), int(version)
         # Longest prompt + generation a slot may hold; recompute must re-prefill up to one less.
         top = engine.prefill_buckets[-1]
-        self._max_total = min(engine.max_len, top + 1) if on_update == "recompute" else engine.max_len
+        refill = on_update == "recompute" or getattr(engine, "admission", "reserve") == "optimistic"
+        self._max_total = min(engine.max_len, top + 1) if refill else engine.max_len
         self._max_prompt = min(top, self._max_total - 1)
         self._keys = KeyStream(seed)
         self._cond = threading.Condition()
@@ -229,12 +230,13 @@ class SamplerLoop(LoopThread):
 
     def stats(self) -> dict[str, float]:
         """Counters: steps (device decode steps), dispatches, generated_tokens, mean_slot_occupancy
-        (generating slot-steps / (steps * slots)), queue_depth, running, recomputes, updates,
+        (generating slot-steps / (steps * slots)), queue_depth, running, standby, placed_from_standby,
+        preempted (samples that gave their pages back, ``sampler.preempt``), recomputes, updates,
         update_latency_s / update_latency_max_s (update_params call to the update taking effect),
         compile_count, version."""
         with self._cond:
             s = dict(self._stats)
-            queued = sum(q.request.n - q.next_index for q in self._queue)
+            queued = sum(q.remaining for q in self._queue)
             steps = s.get("steps", 0)
             return {
                 "steps": steps,
@@ -245,6 +247,7 @@ class SamplerLoop(LoopThread):
                 "running": len(self._running),
                 "standby": len(self._standby),
                 "placed_from_standby": s.get("placed", 0),
+                "preempted": s.get("preempted", 0),
                 "recomputes": s.get("recomputes", 0),
                 "updates": s.get("updates", 0),
                 "update_latency_s": s.get("update_wait_s", 0.0) / max(1, s.get("updates", 0)),

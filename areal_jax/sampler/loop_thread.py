@@ -29,10 +29,11 @@ import numpy as np
 
 from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
+from areal_jax.sampler.preempt import Preemption
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
 
 
-class LoopThread:
+class LoopThread(Preemption):
     """The loop thread's side of :class:`~areal_jax.sampler.loop.SamplerLoop` (see the module docstring)."""
 
     def _emit_locked(self, completion: Completion) -> None:
@@ -160,9 +161,9 @@ class LoopThread:
             kept: collections.deque[_Queued] = collections.deque()
             for q in self._queue:
                 if q.request.id in ids:
-                    for i in range(q.next_index, q.request.n):
+                    for completion in q.interrupted():
                         self._pending -= 1
-                        self._emit_locked(make_completion(q.request, i, reason="interrupted"))
+                        self._emit_locked(completion)
                 else:
                     kept.append(q)
             self._queue = kept
@@ -199,6 +200,10 @@ class LoopThread:
                 if not self._queue or self._stop_mode == "now":
                     break
                 q = self._queue[0]
+            if q.resume is not None:  # a preempted sample: back into a free slot, its cache recomputed
+                if not (direct and self._free and self._resume(q)):
+                    break
+                continue
             if not (direct and self._free):
                 if not self._stage(q):
                     break
@@ -244,7 +249,7 @@ class LoopThread:
         take: list[tuple[_Queued, int]] = []
         with self._cond:
             for q in self._queue:
-                if q.prefix is not None and q.prefix_version == self._version:
+                if q.resume is not None or (q.prefix is not None and q.prefix_version == self._version):
                     continue
                 key = tuple(int(t) for t in q.request.prompt)
                 if key not in rows:
@@ -261,7 +266,7 @@ class LoopThread:
         cache) take now. The memory is held for them until they are inserted; an empty pool always holds one
         sample."""
         length, max_new = len(q.request.prompt), q.sampling.max_new_tokens
-        k = min(places, q.request.n - q.next_index)
+        k = min(places, q.remaining)
         while k and not self.engine.reserve(length, max_new, k):
             k -= 1
         return k
@@ -277,6 +282,10 @@ class LoopThread:
     def _dispatch(self) -> None:
         """Issue k decode steps for the running slots (asynchronously; results fetched in _process)."""
         k = self.decode_steps
+        if self._short_of_pages(k):
+            self._preempt(k)
+            if not (self._running or self._standby):
+                return
         self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k))
         self._inflight.append(Dispatch(result, dict(self._running), self._version, dict(self._standby)))
 
@@ -323,9 +332,9 @@ class LoopThread:
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             for q in queued:
-                for i in range(q.next_index, q.request.n):
+                for completion in q.interrupted():
                     self._pending -= 1
-                    self._emit_locked(make_completion(q.request, i, reason="interrupted"))
+                    self._emit_locked(completion)
         for slot in list(self._running):
             self._finish(slot, "interrupted")
         for row in list(self._standby):

@@ -84,9 +84,13 @@ class PagedEngine(Engine):
 
     def __init__(self, model_graphdef_or_model: nnx.Module | nnx.GraphDef, *, num_slots: int, max_len: int,
                  page_size: int = 16, num_pages: int | None = None, attention: PagedPath | None = None,
-                 **kwargs: Any) -> None:
+                 admission: str = "reserve", **kwargs: Any) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
+        if admission not in ("reserve", "optimistic"):
+            raise ValueError(f'admission must be "reserve" or "optimistic", got {admission!r}.')
+        self.admission = admission
+        self._k = 1  # steps of the last dispatch: the growth an optimistic admission leaves room for
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
         self.attention = attention or default_path(cfg.head_dim if cfg is not None else None)
@@ -186,15 +190,34 @@ class PagedEngine(Engine):
         return sum(max(0, self.allocator.pages_for(self._limit[s]) - len(self.allocator.pages_of(s)))
                    for s in self._limit)
 
+    def _target(self, row: int, k: int) -> int:
+        """Positions row must have pages for before a dispatch of k steps (``_grow``)."""
+        start = self._staged.get(row)
+        return min(self._upper[row] + k if start is None else start + 2 * k, self._limit[row])
+
+    def shortfall(self, k: int) -> int:
+        """Pages a dispatch of k steps needs beyond the free ones (> 0 only when admitted optimistically: the
+        loop then preempts samples, ``sampler.preempt``)."""
+        need = sum(max(0, self.allocator.pages_for(self._target(r, k)) - len(self.allocator.pages_of(r)))
+                   for r in self._limit)
+        return need - self.allocator.free_pages
+
     def _need(self, prompt_length: int, max_new_tokens: int, n: int) -> int:
-        """Pages n samples of a prompt take at their longest, the prompt's full pages shared."""
+        """Pages n samples of a prompt take at their longest (optimistic admission: for the prompt and two
+        dispatches), the prompt's full pages shared."""
         full = int(prompt_length) // self.page_size
-        return n * self.allocator.pages_for(min(prompt_length + max_new_tokens, self.max_len)) - (n - 1) * full
+        longest = prompt_length + (max_new_tokens if self.admission == "reserve" else 2 * self._k)
+        return n * self.allocator.pages_for(min(longest, self.max_len)) - (n - 1) * full
 
     def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
         """Whether n samples of a prompt fit the pool at their longest, next to what running slots and
-        reserved admissions may still take."""
-        spare = self.allocator.free_pages - self._outstanding() - self._promised
+        reserved admissions may still take; admitted optimistically, whether they fit now next to the growth
+        of the next dispatch."""
+        if self.admission == "reserve":
+            taken = self._outstanding()
+        else:
+            taken = self.shortfall(self._k) + self.allocator.free_pages
+        spare = self.allocator.free_pages - taken - self._promised
         return self._need(prompt_length, max_new_tokens, n) <= spare
 
     def reserve(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
@@ -229,10 +252,9 @@ class PagedEngine(Engine):
     def _grow(self, k: int) -> None:
         """Pages for k more positions of every active slot (to its limit), and for prompt + 2k positions of every
         staged sample (what it can write before the host learns which slot it moved into)."""
+        self._k = k
         for row in self._limit:
-            start = self._staged.get(row)
-            upper = self._upper[row] + k if start is None else start + 2 * k
-            self._upper[row] = min(upper, self._limit[row])
+            self._upper[row] = self._target(row, k)
             self._dirty |= bool(self.allocator.ensure(row, self._upper[row]))
 
     def finished(self, slot: int) -> None:

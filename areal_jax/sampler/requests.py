@@ -67,6 +67,20 @@ class _Queued:
     next_index: int = 0
     prefix: Prefix | None = None
     prefix_version: int = -1
+    resume: _Running | None = None  # a preempted sample (sampler.preempt): this one sample, its tokens so far
+
+    @property
+    def remaining(self) -> int:
+        """Samples still to admit."""
+        return 1 if self.resume is not None else self.request.n - self.next_index
+
+    def interrupted(self) -> list[Completion]:
+        """The samples still to admit, handed back as "interrupted" (a preempted one with what it generated)."""
+        if self.resume is not None:
+            run = self.resume
+            run.active = False
+            return [make_completion(self.request, run.sample_index, run.tokens, run.logprobs, run.versions)]
+        return [make_completion(self.request, i) for i in range(self.next_index, self.request.n)]
 
 
 @dataclasses.dataclass

@@ -175,7 +175,8 @@ class RLJob:
         if r.kv_cache == "paged":
             from areal_jax.sampler.paged_engine import PagedEngine
 
-            engine_cls, extra = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages, standby_rows=r.standby)
+            engine_cls, extra = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages, standby_rows=r.standby,
+                                                  admission=r.kv_admission)
         self.engine = engine_cls(
             model if lora_cfg is None else self.graphdef, num_slots=r.num_slots, max_len=r.max_len,
             mesh=self.meshes.rollout_mesh, config=model.cfg, **extra,
