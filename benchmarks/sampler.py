@@ -244,7 +244,8 @@ def run_steady(engine: Engine, params, prompts, lengths, args) -> dict:
             "finished": finished, "idle_slot_steps_per_finished": round(idle_steps, 2),
             "idle_ms_per_finished": round(idle_steps * step_ms, 2), "updates": s1["updates"],
             "update_latency_ms": round(1e3 * s1["update_latency_s"], 2),
-            "update_latency_max_ms": round(1e3 * s1["update_latency_max_s"], 2)}
+            "update_latency_max_ms": round(1e3 * s1["update_latency_max_s"], 2),
+            "preempted": s1["preempted"] - s0["preempted"]}
 
 
 def run_hf(args, cfg, path: str | None, prompts, lengths, batch: int) -> tuple[float, int, str]:
