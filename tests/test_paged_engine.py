@@ -130,7 +130,8 @@ def test_config_switch_is_validated():
 
 
 @pytest.mark.slow
-def test_rl_job_runs_on_the_paged_cache(tmp_path):
+@pytest.mark.parametrize("admission", ["reserve", "optimistic"])
+def test_rl_job_runs_on_the_paged_cache(tmp_path, admission):
     import json
     import os
 
@@ -138,10 +139,12 @@ def test_rl_job_runs_on_the_paged_cache(tmp_path):
     from areal_jax.testing.tiny import tiny_config
 
     c = tiny_config(str(tmp_path), eta=1, steps=2)
-    c.rollout.kv_cache, c.rollout.page_size = "paged", 8
+    c.rollout.kv_cache, c.rollout.page_size, c.rollout.kv_admission = "paged", 8, admission
+    if admission == "optimistic":  # a pool of two longest sequences for all the slots
+        c.rollout.kv_pages = 2 * -(-c.rollout.max_len // 8)
     job = RLJob(c, log_fn=lambda *a, **k: None)
     try:
-        assert isinstance(job.engine, PagedEngine)
+        assert isinstance(job.engine, PagedEngine) and job.engine.admission == admission
         summary = job.run()
     finally:
         job.close()
@@ -149,6 +152,10 @@ def test_rl_job_runs_on_the_paged_cache(tmp_path):
     with open(os.path.join(c.run_dir, "samples.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert rows and all(len(r["rewards"]) == c.rollout.group_size for r in rows)
+    with open(os.path.join(c.run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    logged = [m for m in metrics if "sampler/preempted" in m]
+    assert logged and (logged[-1]["sampler/preempted"] == 0) == (admission == "reserve")
 
 
 @pytest.mark.slow

@@ -346,6 +346,8 @@ class RLJob:
                  "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                  "sampler/occupancy": float(stats.get("mean_slot_occupancy", 0.0)),
                  "sampler/step_tokens": gen - last_gen,
+                 "sampler/placed_from_standby": float(stats.get("placed_from_standby", 0)),
+                 "sampler/preempted": float(stats.get("preempted", 0)),
                  "publish/s": self.channel.last_publish_s, "publish/bytes": float(self.channel.last_bytes),
                  **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
                  **self.buffer.sizes()}
