@@ -15,7 +15,9 @@ from areal_jax.testing.sampler import (
     collect_completions,
     full_forward_logp,
     greedy_reference,
+    on_each_dispatch,
     serve,
+    submit_all,
     token_logp_errors,
 )
 
@@ -118,28 +120,18 @@ def test_aborts_mid_dispatch_cost_only_the_aborted_requests(engines, standby_eng
     want = {(c.request_id, c.sample_index): c for c in serve(dense, params, requests, decode_steps=3)}
     engine = standby_engines[kind]
     loop = SamplerLoop(engine, params, decode_steps=3)
-    calls = {"n": 0}
-    dispatch = engine.generate_steps
 
-    def aborting_generate_steps(*args):  # the aborts arrive while dispatch number hook_at is in flight
-        out = dispatch(*args)
-        if calls["n"] == hook_at:
-            for i in aborted:
-                loop.abort(i)
-        calls["n"] += 1
-        return out
+    def abort(n):  # the aborts arrive while dispatch number hook_at is in flight
+        for i in aborted if n == hook_at else ():
+            loop.abort(i)
 
-    engine.generate_steps = aborting_generate_steps
     try:
-        loop.pause()
-        for r in requests:
-            loop.submit(r)
-        loop.resume()
-        got = collect_completions(loop, sum(r.n for r in requests))
-        stats = loop.stats()
+        with on_each_dispatch(engine, abort):
+            submit_all(loop, requests)
+            got = collect_completions(loop, sum(r.n for r in requests))
+            stats = loop.stats()
     finally:
         loop.stop(graceful=False)
-        del engine.generate_steps
     for c in got:
         ref = want[(c.request_id, c.sample_index)]
         if c.finish_reason == "interrupted":
@@ -165,26 +157,17 @@ def test_a_recompute_update_mid_dispatch_keeps_every_token_exact_under_its_versi
                 for i, (p, m, n, _) in enumerate(mix)]  # sampled at temperature 1
     engine = standby_engines[kind]
     loop = SamplerLoop(engine, nnx.split(model)[1], on_update="recompute", decode_steps=3, seed=seed)
-    calls = {"n": 0}
-    dispatch = engine.generate_steps
 
-    def updating_generate_steps(*args):  # the new weights arrive while dispatch number hook_at is in flight
-        out = dispatch(*args)
-        if calls["n"] == hook_at:
+    def update(n):  # the new weights arrive while dispatch number hook_at is in flight
+        if n == hook_at:
             loop.update_params(nnx.split(second_model)[1], version=5)
-        calls["n"] += 1
-        return out
 
-    engine.generate_steps = updating_generate_steps
     try:
-        loop.pause()
-        for r in requests:
-            loop.submit(r)
-        loop.resume()
-        got = collect_completions(loop, sum(r.n for r in requests))
+        with on_each_dispatch(engine, update):
+            submit_all(loop, requests)
+            got = collect_completions(loop, sum(r.n for r in requests))
     finally:
         loop.stop(graceful=False)
-        del engine.generate_steps
     logps = {0: full_forward_logp(model, MAX_LEN), 5: full_forward_logp(second_model, MAX_LEN)}
     for c in got:
         want = next(r for r in requests if r.id == c.request_id)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import full_forward_logp, token_logp_errors
+from areal_jax.testing.sampler import full_forward_logp, on_each_dispatch, submit_all, token_logp_errors
 
 MAX_LEN = 48
 CFG = testing.tiny_config("qwen2")
@@ -78,14 +78,12 @@ def test_random_interleavings_keep_the_loops_promises(models, logps, engines, ki
     loop = SamplerLoop(engine, nnx.split(models[0])[1], decode_steps=k, fetch_behind=fetch_behind,
                        on_update=on_update, seed=seed)
     lock = threading.Lock()
-    fired = {"aborted": set(), "updates": 0, "dispatches": 0}
-    dispatch = engine.generate_steps
+    fired = {"aborted": set(), "updates": 0}
 
-    def eventful_generate_steps(*args):  # events arrive while the dispatch they name is in flight
-        out = dispatch(*args)
+    def apply_events(n):  # events arrive while the dispatch they name is in flight
         with lock:
             for at, what, spec, target in events:
-                if at != fired["dispatches"]:
+                if at != n:
                     continue
                 if what == "abort":  # a request submitted so far (it may have finished already)
                     rid = list(requests)[target % len(requests)]
@@ -98,29 +96,23 @@ def test_random_interleavings_keep_the_loops_promises(models, logps, engines, ki
                     rid = 100 + len(requests)
                     requests[rid] = make_request(rid, spec, rng)
                     loop.submit(requests[rid])
-            fired["dispatches"] += 1
-        return out
 
-    engine.generate_steps = eventful_generate_steps
     got = {}
     try:
-        loop.pause()
-        for r in list(requests.values()):
-            loop.submit(r)
-        loop.resume()
-        while True:
-            with lock:
-                expected = sum(r.n for r in requests.values())
-            if len(got) == expected:
-                break
-            c = loop.get_completion(timeout=120)
-            assert c is not None, f"{len(got)} of {expected} completions arrived"
-            assert (c.request_id, c.sample_index) not in got, "a sample came back twice"
-            got[c.request_id, c.sample_index] = c
-        stats = loop.stats()
+        with on_each_dispatch(engine, apply_events):
+            submit_all(loop, list(requests.values()))
+            while True:
+                with lock:
+                    expected = sum(r.n for r in requests.values())
+                if len(got) == expected:
+                    break
+                c = loop.get_completion(timeout=120)
+                assert c is not None, f"{len(got)} of {expected} completions arrived"
+                assert (c.request_id, c.sample_index) not in got, "a sample came back twice"
+                got[c.request_id, c.sample_index] = c
+            stats = loop.stats()
     finally:
         loop.stop(graceful=False)
-        del engine.generate_steps
 
     published = {0, *VERSIONS[: fired["updates"]]}
     for (rid, i), c in got.items():

@@ -92,6 +92,7 @@ class Engine(StandbyRows):
                 f"max_len={max_len} exceeds the model's max_position_embeddings={limit}; lower max_len."
             )
         self.num_slots, self.max_len, self.mesh = int(num_slots), int(max_len), mesh
+        self._reset_placements()
         self.max_stop_tokens = int(max_stop_tokens)
         self.standby_rows, self.standby_len = standby_size(standby_rows, standby_len, self.max_len)
         self.prefill_batch = max(1, min(int(prefill_batch), self.num_slots))

@@ -195,12 +195,15 @@ class PagedEngine(Engine):
         start = self._staged.get(row)
         return min(self._upper[row] + k if start is None else start + 2 * k, self._limit[row])
 
+    def _growth(self, k: int) -> int:
+        """Pages the active rows take before a dispatch of k steps (``_grow``)."""
+        return sum(max(0, self.allocator.pages_for(self._target(r, k)) - len(self.allocator.pages_of(r)))
+                   for r in self._limit)
+
     def shortfall(self, k: int) -> int:
         """Pages a dispatch of k steps needs beyond the free ones (> 0 only when admitted optimistically: the
         loop then preempts samples, ``sampler.preempt``)."""
-        need = sum(max(0, self.allocator.pages_for(self._target(r, k)) - len(self.allocator.pages_of(r)))
-                   for r in self._limit)
-        return need - self.allocator.free_pages
+        return self._growth(k) - self.allocator.free_pages
 
     def _need(self, prompt_length: int, max_new_tokens: int, n: int) -> int:
         """Pages n samples of a prompt take at their longest (optimistic admission: for the prompt and two
@@ -213,10 +216,7 @@ class PagedEngine(Engine):
         """Whether n samples of a prompt fit the pool at their longest, next to what running slots and
         reserved admissions may still take; admitted optimistically, whether they fit now next to the growth
         of the next dispatch."""
-        if self.admission == "reserve":
-            taken = self._outstanding()
-        else:
-            taken = self.shortfall(self._k) + self.allocator.free_pages
+        taken = self._outstanding() if self.admission == "reserve" else self._growth(self._k)
         spare = self.allocator.free_pages - taken - self._promised
         return self._need(prompt_length, max_new_tokens, n) <= spare
 

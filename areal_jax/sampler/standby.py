@@ -65,22 +65,18 @@ class StandbyRows:
 
     standby_rows: int = 0
     standby_len: int = 0
-    _placements: np.ndarray | None = None  # [S] the placements the host knows of (DecodeState.placements)
+    _placements: np.ndarray  # [S] the placements the host knows of (DecodeState.placements)
 
     def _reset_placements(self) -> None:
         self._placements = np.zeros((self.num_slots,), np.int32)
 
     def known_placements(self) -> np.ndarray:
         """[S] int32 placements into each slot the host has learned of (``standby_moved``)."""
-        if self._placements is None:
-            self._reset_placements()
         return self._placements.copy()
 
     def standby_moved(self, moves: Sequence[tuple[int, int]]) -> None:
         """Host hook: a fetched dispatch moved standby row ``row`` into slot ``slot``, for each (row, slot) of
         ``moves`` in the order it happened (the paged engine moves the row's pages with it)."""
-        if self._placements is None:
-            self._reset_placements()
         for _, slot in moves:
             self._placements[int(slot)] += 1
 

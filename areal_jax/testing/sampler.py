@@ -5,8 +5,10 @@ engine's cached, batched, multi-step decoding can be checked against something c
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -72,15 +74,39 @@ def collect_completions(loop: SamplerLoop, count: int, timeout: float = 120.0) -
     return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
 
 
+def submit_all(loop: SamplerLoop, requests: Sequence[Request]) -> None:
+    """Submit ``requests`` while the loop is paused, so it starts stepping with all of them queued."""
+    loop.pause()
+    for r in requests:
+        loop.submit(r)
+    loop.resume()
+
+
+@contextlib.contextmanager
+def on_each_dispatch(engine: Engine, hook: Callable[[int], None]) -> Iterator[None]:
+    """Call ``hook(n)`` right after ``engine`` issues its dispatch number n (0-based) of ``generate_steps``,
+    while the device runs it (aborts, weight updates or submissions arriving mid-dispatch); the engine's own
+    ``generate_steps`` is back afterwards."""
+    dispatch, count = engine.generate_steps, itertools.count()
+
+    def hooked(*args):
+        out = dispatch(*args)
+        hook(next(count))
+        return out
+
+    engine.generate_steps = hooked
+    try:
+        yield
+    finally:
+        del engine.generate_steps
+
+
 def run_requests(engine: Engine, params: nnx.State, requests: Sequence[Request],
                  **loop_kwargs) -> tuple[list[Completion], dict]:
     """Submit ``requests`` to a new SamplerLoop on ``engine`` all at once (the loop paused meanwhile), collect
     every completion (sorted as :func:`collect_completions`) and the loop's final stats; stop the loop."""
     loop = SamplerLoop(engine, params, **loop_kwargs)
-    loop.pause()
-    for r in requests:
-        loop.submit(r)
-    loop.resume()
+    submit_all(loop, requests)
     done = collect_completions(loop, sum(r.n for r in requests))
     stats = loop.stats()
     loop.stop()
@@ -101,10 +127,7 @@ def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeou
     sorted by (str(request id), sample index); the loop is stopped afterwards."""
     loop = SamplerLoop(engine, params, **loop_kw)
     try:
-        loop.pause()
-        for r in requests:
-            loop.submit(r)
-        loop.resume()
+        submit_all(loop, requests)
         return collect_completions(loop, sum(r.n for r in requests), timeout=timeout)
     finally:
         loop.stop(graceful=False)
