@@ -36,7 +36,7 @@ PREVIOUS_DEFAULTS = {
     "train.dual_clip": None, "train.loss_agg": "token-mean", "train.prox_mode": "recompute",
     "train.ppo_minibatches": 1, "train.micro_batch_tokens": 4096, "train.kl_coef": 0.0, "train.kl_estimator": "k3",
     "train.entropy_coef": 0.0, "train.min_lr_ratio": 0.0, "train.logits_chunk": 512, "train.attention": "auto",
-    "train.remat": "none",
+    "train.remat": "auto",
     "lora.enabled": False, "lora.rank": 16, "lora.alpha": 32.0, "lora.dropout": 0.0, "lora.targets": "all",
     "lora.base_dtype": "", "lora.sampler": "merged",
     "reward.fn": "math", "reward.num_workers": 2, "reward.timeout_s": 5.0, "reward.memory_mb": 4096,

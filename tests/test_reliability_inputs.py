@@ -135,6 +135,7 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
         "tokenizer_without_eos": {"model.tokenizer_path": no_eos},
         "checkpoint_missing_tensor": {"model.path": missing, "model.tokenizer_path": paths["model"]},
         "checkpoint_misshaped_tensor": {"model.path": misshaped, "model.tokenizer_path": paths["model"]},
+        "memory_does_not_fit_the_device": {"mesh.device_memory_gib": 1e-4},
     }
     cases_path, out_path, driver = tmp_path / "cases.json", tmp_path / "out.json", tmp_path / "driver.py"
     cases_path.write_text(json.dumps(cases))
@@ -171,6 +172,9 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
                                                       "--config.model.path="]),
         "checkpoint_misshaped_tensor": ("ConfigError", ["'lm_head.weight'", "has shape (61, 64)",
                                                         "config.json implies (62, 64)", "--config.model.path="]),
+        # 1e-4 GiB is about 107 kB; the tiny run's parts are listed, the largest first, with the key that shrinks it
+        "memory_does_not_fit_the_device": ("ConfigError", ["This run does not fit its devices", "MiB per device of 0.0 GiB",
+                                                           "The largest part is", "--config."]),
     }
     assert set(res) == set(expected)
     for name, (etype, phrases) in expected.items():
@@ -180,7 +184,7 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
             assert phrase in r["message"], (name, phrase, r["message"])
         assert r["compiles"] == [], (name, r)  # nothing was compiled
         assert r["seconds"] < 10.0, (name, r["seconds"])
-        if not name.startswith("checkpoint_"):  # config, data and tokenizer: not even a trace
+        if not name.startswith(("checkpoint_", "memory_")):  # config, data and tokenizer: not even a trace
             assert r["traces"] == [], (name, r)
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from areal_jax.knobs import Section, knob
+from areal_jax.knobs import Section, knob, require
 
 MESH_AXES: tuple[str, str] = ("fsdp", "tensor")
 
@@ -49,6 +49,13 @@ class MeshConfig(Section):
                                "(fsdp=1), otherwise the rollout mesh is (rollout_devices / rollout_tensor, "
                                "rollout_tensor)")
     colocated: bool = knob(False, "train and rollout share every local device (synchronous setups on one slice)")
+    device_memory_gib: float | None = knob(None, "memory per device the run's plan must fit (system.memory; None: "
+                                           "what the device reports, and a CPU reports none, so nothing is checked)")
+
+    def check(self) -> None:
+        require(self.device_memory_gib is None or self.device_memory_gib > 0,
+                f"{self.key('device_memory_gib')}={self.device_memory_gib} must be positive (None: what the device "
+                "reports).")
 
 
 @dataclasses.dataclass(frozen=True)

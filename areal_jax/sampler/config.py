@@ -7,7 +7,7 @@ advantage knobs.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from areal_jax.knobs import Section, knob, require
 from areal_jax.rl.advantages import GROUP_MODES
@@ -74,6 +74,20 @@ class RolloutConfig(Section):
         if self.standby_rows is not None:
             return int(self.standby_rows)
         return default_standby_rows(self.num_slots, self.decode_steps)
+
+    def make_engine(self, model: Any, *, mesh: Any, config: Any) -> Any:
+        """The engine this section describes, for `model` (a Transformer or its graphdef, with `config`):
+        an Engine over a dense cache, or a PagedEngine (kv_cache=paged)."""
+        common = dict(num_slots=self.num_slots, max_len=self.max_len, mesh=mesh, config=config,
+                      standby_rows=self.standby)
+        if self.kv_cache == "paged":
+            from areal_jax.sampler.paged_engine import PagedEngine
+
+            return PagedEngine(model, page_size=self.page_size, num_pages=self.kv_pages, admission=self.kv_admission,
+                               **common)
+        from areal_jax.sampler.engine import Engine
+
+        return Engine(model, standby_len=self.standby_len, **common)
 
     @property
     def eta(self) -> int | None:

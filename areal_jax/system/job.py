@@ -69,12 +69,15 @@ class RLJob:
         from areal_jax import metrics
         from areal_jax.data import make_prompt_iterator
         from areal_jax.models import load_hf_checkpoint
+        from areal_jax.models.config import ModelConfig
         from areal_jax.runtime.distributed import is_primary
         from areal_jax.runtime.mesh import build_meshes
-        from areal_jax.sampler import Engine, SamplerLoop
+        from areal_jax.sampler import SamplerLoop
+        from areal_jax.system.memory import JobMemory
         from areal_jax.system.params import ParamChannel
         from areal_jax.tokenizer import Tokenizer
         from areal_jax.trainer import Trainer
+        from areal_jax.trainer.memory import device_memory_bytes
 
         c, close_later = self.config, self._exit
         self.primary = is_primary()
@@ -115,6 +118,11 @@ class RLJob:
                      f"{self.skipped_rows['too_long']} prompts longer than data.max_prompt_len="
                      f"{d.max_prompt_len} tokens.")
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
+        with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
+            model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
+        self.memory = JobMemory.prepare(c, model_cfg, self.meshes, device_memory_bytes(c.mesh.device_memory_gib))
+        train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
+        self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}")
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
@@ -131,7 +139,7 @@ class RLJob:
                                            dtype=dtype)
             if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
                 apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
-        self.trainer = Trainer(model, c.train, self.meshes.train_mesh, ref_model=ref_model,
+        self.trainer = Trainer(model, train_cfg, self.meshes.train_mesh, ref_model=ref_model,
                                wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam,
                                schedule_steps=c.optimizer_steps, max_staleness=c.rollout.eta)
         self.graphdef = nnx.graphdef(model)
@@ -171,16 +179,8 @@ class RLJob:
             )
             self.graphdef = sampler_graphdef(model, lora_cfg.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
-        engine_cls, extra = Engine, dict(standby_rows=r.standby, standby_len=r.standby_len)
-        if r.kv_cache == "paged":
-            from areal_jax.sampler.paged_engine import PagedEngine
-
-            engine_cls, extra = PagedEngine, dict(page_size=r.page_size, num_pages=r.kv_pages, standby_rows=r.standby,
-                                                  admission=r.kv_admission)
-        self.engine = engine_cls(
-            model if lora_cfg is None else self.graphdef, num_slots=r.num_slots, max_len=r.max_len,
-            mesh=self.meshes.rollout_mesh, config=model.cfg, **extra,
-        )
+        self.engine = r.make_engine(model if lora_cfg is None else self.graphdef, mesh=self.meshes.rollout_mesh,
+                                    config=model.cfg)
         self.sampler: ManagedSampler = SamplerLoop(
             self.engine, rollout_params, version=self.trainer.version, on_update=r.on_update,
             decode_steps=r.decode_steps, seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),

@@ -54,8 +54,11 @@ class TrainerConfig(Section):
     attention: str = knob("auto", "attention over packed rows in training: auto (blocked on CPU, flash on GPU / "
                           "TPU) | dense | blocked | flash (Pallas kernel, linear memory)",
                           choices=("auto", "dense", "blocked", "flash"))
-    remat: str = knob("none", "rematerialisation per decoder layer in the backward: none | full (keep only each "
-                      "layer's input) | dots (keep the projections' matmul outputs)", choices=("none", "full", "dots"))
+    remat: str = knob("auto", "rematerialisation per decoder layer in the backward: auto (on a device that reports "
+                      "its memory, the first of none / dots / full whose update fits beside everything else the "
+                      "device holds, measured by XLA (trainer.memory); none on the CPU) | none | full (keep only "
+                      "each layer's input) | dots (keep the projections' matmul outputs)",
+                      choices=("auto", "none", "full", "dots"))
     b1: float = knob(0.9, "Adam first-moment decay")
     b2: float = knob(0.999, "Adam second-moment decay")
     eps: float = knob(1e-8, "Adam epsilon")

@@ -1,6 +1,7 @@
 """Trainer: the sharded PPO update on the train mesh (imperative shell around trainer.update)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 from areal_jax.models import logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
 from areal_jax.trainer import batch as batching
-from areal_jax.trainer import layout
+from areal_jax.trainer import layout, memory
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
@@ -41,6 +42,9 @@ class Trainer:
         train.ppo_minibatches).
       max_staleness: drop tokens produced more than this many versions before the trainer's version
         (a job: rollout.max_staleness; None keeps every token).
+
+    cfg.remat="auto" is resolved here against the trainer's own memory (trainer.memory.choose_remat);
+    a job resolves it first, against everything its devices hold (system.memory).
 
     With several processes every process calls `update` with the same trajectories (one SPMD
     program over the global train mesh).
@@ -76,13 +80,39 @@ class Trainer:
         self.state, self._shardings = create_train_state(params, self._tx, mesh, value_head=value_head)
         self._other_sharding = logical_to_mesh_sharding(other, mesh)  # frozen weights shard like params
         self._other = copy_to(other, self._other_sharding)
-        self._fns = self._compiled_fns(other)
         self._ref = None
         if ref_model is not None:
             ref_graphdef, ref_params, ref_other = nnx.split(ref_model, wrt, ...)
             if ref_graphdef != self._graphdef or jax.tree.structure(ref_params) != jax.tree.structure(params):
                 raise ValueError("ref_model must have the same architecture (module graph and parameters) as the model.")
             self._ref = (copy_to(ref_params, self._shardings.params), copy_to(ref_other, self._other_sharding))
+        # train.remat "auto" resolved; measuring it on a device that reports its memory gives XLA's working
+        # memory of one micro-step (trainer.memory), else None.
+        remat, self.activation_bytes = self._choose_remat(model)
+        self.cfg = cfg = dataclasses.replace(cfg, remat=remat)
+        self._fns = self._compiled_fns(other)
+
+    def held_bytes(self) -> int:
+        """Bytes the trainer holds on each train device between updates (params, optimizer state, frozen
+        and reference weights), plus the gradient accumulators an update adds."""
+        def on_one(tree: Any) -> int:
+            return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
+                                                            sharding=p.sharding), self.state.trainable())
+        return on_one(self.state) + on_one(self._other) + on_one(self._ref) + on_one(grads)
+
+    def _choose_remat(self, model: nnx.Module) -> tuple[str, int | None]:
+        if self.cfg.remat != "auto":
+            return self.cfg.remat, None
+        device_bytes = memory.device_memory_bytes(devices=self.mesh.local_devices)
+        if device_bytes is None:  # a CPU: no limit to fit, and remat saves nothing there (trainer.memory)
+            return "none", None
+        from areal_jax.models import Transformer
+
+        # The probe models are plain Transformers with every nnx.Param trained: the same activations as
+        # adapters over the same layers.
+        return memory.choose_remat(lambda c: Transformer(c, rngs=nnx.Rngs(0)), model_config_of(model), self.cfg,
+                                   self.mesh, held_bytes=self.held_bytes(), device_bytes=device_bytes)
 
     def _compiled_fns(self, other: nnx.State):
         """The jitted update pieces, shared by Trainers of the same model graph, config and mesh (the

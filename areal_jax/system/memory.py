@@ -1,0 +1,202 @@
+"""The job's device memory plan: what each part holds per device, checked before weights load or compile.
+
+A model that does not fit used to fail deep inside XLA (an allocation of tens of GiB in the update's
+program, minutes after start) with an error that names no config key. The job now adds up, per device
+and from shapes alone, what stays resident (`state_parts`): the trainer's params, AdamW moments and
+gradient accumulators, frozen and reference weights, the sampler's copy of the weights and its KV cache
+(with the standby rows and the decode logits). Train parts sit on the train devices, rollout parts on
+the rollout devices, both on the same devices when colocated; the plan is the most loaded device.
+On a device that reports its memory (GPUs, TPUs) the resident parts are checked before anything is
+loaded; the update's working memory (`trainer.memory`, measured by XLA on 1- and 2-layer programs) is
+added once the trainer has chosen `train.remat`, and checked before the update compiles at full depth.
+A plan that does not fit raises a ConfigError naming every part, the largest one that a config key
+shrinks, and that key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.knobs import ConfigError
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import logical_to_mesh_sharding
+from areal_jax.sampler.config import STANDBY_LEN
+
+GiB = 2**30
+HEADROOM = 0.9  # of the device's memory; the rest for XLA's own scratch, fragmentation and small buffers
+TRAIN_PARTS = ("params", "optimizer", "gradients", "frozen_weights", "reference", "update_activations")
+HINTS = {
+    "params": "shard the trainer over more devices (--config.mesh.fsdp / mesh.train_devices) or use LoRA "
+              "(--config.lora.enabled=True)",
+    "optimizer": "shard the trainer over more devices (--config.mesh.fsdp) or use LoRA (--config.lora.enabled=True): "
+                 "AdamW keeps two moments of every trained parameter",
+    "gradients": "shard the trainer over more devices (--config.mesh.fsdp) or use LoRA (--config.lora.enabled=True)",
+    "frozen_weights": "store the frozen base in bfloat16 (--config.lora.base_dtype=bfloat16)",
+    "reference": "set --config.train.kl_coef=0 (the KL penalty keeps a second copy of the weights)",
+    "sampler_params": "set --config.rollout.param_dtype=bfloat16 or give the sampler more devices "
+                      "(--config.mesh.rollout_devices)",
+    "kv_cache": "lower --config.rollout.num_slots or rollout.max_len, or use --config.rollout.kv_cache=paged with "
+                "fewer --config.rollout.kv_pages",
+    "update_activations": "set --config.train.remat=full (or dots), or lower --config.train.micro_batch_tokens / "
+                          "train.logits_chunk",
+}
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes per part on the most loaded device, and that device's memory (None: not reported)."""
+
+    parts: dict[str, int]
+    device_bytes: int | None
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    def describe(self) -> str:
+        unit, size = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
+        listing = ", ".join(f"{k} {v / size:.2f}" for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v)
+        of = f" of {self.device_bytes / GiB:.1f} GiB" if self.device_bytes else " (the device reports no limit)"
+        return f"{self.total / size:.2f} {unit} per device{of}: {listing} {unit}"
+
+    def check(self, headroom: float = HEADROOM) -> None:
+        """Raise ConfigError when the parts exceed `headroom` of the device's memory."""
+        if not self.device_bytes or self.total <= headroom * self.device_bytes:
+            return
+        largest = max((k for k in self.parts if k in HINTS), key=lambda k: self.parts[k])
+        raise ConfigError(
+            f"This run does not fit its devices: it needs {self.describe()}, more than {headroom:.0%} of the "
+            f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {HINTS[largest]}.")
+
+
+def per_device_bytes(shapes: Any, shardings: Any) -> int:
+    """Bytes of one device's shards of the arrays `shapes` laid out by `shardings` (same structure)."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
+        total += int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
+    """The sampler's KV cache on one rollout device (keys and values of every layer; kv heads split over the
+    rollout mesh's tensor axis when they divide), with the standby rows' and the decode logits [rows, vocab]."""
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    if tensor > 1 and cfg.num_kv_heads % tensor == 0:
+        per_position //= tensor
+    rows = rollout.num_slots + rollout.standby
+    if rollout.kv_cache == "paged":
+        per_sequence = -(-rollout.max_len // rollout.page_size)
+        pages = rollout.kv_pages if rollout.kv_pages is not None else rollout.num_slots * per_sequence
+        positions = pages * rollout.page_size
+    else:
+        standby_len = rollout.standby_len or min(rollout.max_len, STANDBY_LEN)
+        positions = rollout.num_slots * rollout.max_len + rollout.standby * standby_len
+    return positions * per_position + rows * cfg.vocab_size * 4
+
+
+def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelConfig], nnx.Module],
+                wrt: Any = nnx.Param) -> tuple[dict[str, int], dict[str, int]]:
+    """(train parts on one train device, rollout parts on one rollout device), bytes, from shapes.
+
+    job: the JobConfig; cfg: the model's config (storage and compute dtypes set); build(cfg) makes the
+    model as the job trains it (adapters included), run under nnx.eval_shape."""
+    from areal_jax.trainer.optim import make_optimizer
+    from areal_jax.trainer.state import train_state_shardings
+
+    mesh = meshes.train_mesh
+    _, params, other = nnx.split(nnx.eval_shape(lambda: build(cfg)), wrt, ...)
+    p_shard, o_shard = logical_to_mesh_sharding(params, mesh), logical_to_mesh_sharding(other, mesh)
+    trained, frozen = per_device_bytes(params, p_shard), per_device_bytes(other, o_shard)
+    tx = make_optimizer(job.train, 1)
+    box = {}
+
+    def moment_shardings(p: Any) -> int:  # under tracing: optax would initialise placeholders eagerly (compiles)
+        box["shardings"] = train_state_shardings(p, tx, mesh).opt_state
+        return 0
+
+    jax.eval_shape(moment_shardings, params)
+    moments = per_device_bytes(jax.eval_shape(tx.init, params), box["shardings"])
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
+    train = {"params": trained, "optimizer": moments, "gradients": per_device_bytes(grads, p_shard),
+             "frozen_weights": frozen, "reference": trained + frozen if job.train.kl_coef > 0 else 0}
+    r, rmesh = job.rollout, meshes.rollout_mesh
+    sampler_dtype = None if r.param_dtype == "same" else jnp.dtype(r.param_dtype)
+    whole = nnx.state(nnx.eval_shape(lambda: build(cfg)))
+    if sampler_dtype is not None:
+        whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, sampler_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), whole)
+    rollout = {"sampler_params": per_device_bytes(whole, logical_to_mesh_sharding(whole, rmesh)),
+               "kv_cache": kv_cache_bytes(cfg, r, int(rmesh.shape.get("tensor", 1)))}
+    return train, rollout
+
+
+def plan(train: dict[str, int], rollout: dict[str, int], colocated: bool,
+         device_bytes: int | None) -> MemoryPlan:
+    """The plan of the most loaded device: both sides summed when colocated, else the larger side."""
+    if colocated:
+        return MemoryPlan({**train, **rollout}, device_bytes)
+    side = train if sum(train.values()) >= sum(rollout.values()) else rollout
+    return MemoryPlan(dict(side), device_bytes)
+
+
+def model_builder(lora: Any, seed: int) -> Callable[[ModelConfig], nnx.Module]:
+    """build(cfg): the model as the job trains it (a Transformer, with LoRA adapters when `lora` is set)."""
+    from areal_jax.models import Transformer
+
+    def build(cfg: ModelConfig) -> nnx.Module:
+        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+        if lora is None:
+            return model
+        from areal_jax.models.lora import apply_lora
+
+        return apply_lora(model, lora, rngs=nnx.Rngs(seed))
+
+    return build
+
+
+@dataclasses.dataclass
+class JobMemory:
+    """The job's resident parts (`JobMemory.prepare`, before the weights load), then the update's working memory
+    (`resolve_update`, before the trainer exists)."""
+
+    train: dict[str, int]  # on one train device
+    rollout: dict[str, int]  # on one rollout device
+    colocated: bool
+    device_bytes: int | None
+    model: ModelConfig
+    build: Callable[[ModelConfig], nnx.Module]
+    wrt: Any
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return plan(self.train, self.rollout, self.colocated, self.device_bytes)
+
+    @classmethod
+    def prepare(cls, job: Any, cfg: ModelConfig, meshes: Any, device_bytes: int | None) -> "JobMemory":
+        """The resident parts, checked (ConfigError) when the device reports its memory."""
+        lora = job.lora if job.lora.enabled else None
+        wrt = nnx.Param if lora is None else nnx.LoRAParam
+        build = model_builder(lora, job.seed)
+        train, rollout = state_parts(job, cfg, meshes, build, wrt)
+        out = cls(train, rollout, meshes.colocated, device_bytes, cfg, build, wrt)
+        out.plan.check()
+        return out
+
+    def resolve_update(self, cfg: Any, mesh: Any) -> Any:
+        """The trainer config with train.remat resolved, after adding the update's working memory to the plan
+        and checking it, on devices with a memory limit (trainer.memory.choose_remat: "auto" becomes the least
+        recomputation that fits beside every resident part). Without a limit, "auto" is "none"."""
+        from areal_jax.trainer.memory import choose_remat
+
+        held = sum(self.train.values()) + (sum(self.rollout.values()) if self.colocated else 0)
+        remat, act = choose_remat(self.build, self.model, cfg, mesh, held_bytes=held, device_bytes=self.device_bytes,
+                                  headroom=HEADROOM, wrt=self.wrt)
+        if act is not None:
+            self.train["update_activations"] = int(act)
+        self.plan.check()
+        return dataclasses.replace(cfg, remat=remat)

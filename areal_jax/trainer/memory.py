@@ -1,0 +1,130 @@
+"""Device memory of the PPO update, read from XLA's own buffer assignment before anything runs.
+
+The update's working memory (activations kept for the backward, the logits chunks, scratch) depends on
+the backend's fusion and scheduling, so no formula predicts it well across CPUs, GPUs and TPUs. XLA
+reports it exactly for a compiled program (`memory_analysis().temp_size_in_bytes`). Compiling the
+full-depth update only to learn that it does not fit would cost the very compile a user waits for, so
+`activation_bytes` compiles the micro-step program of a 1-layer and a 2-layer copy of the model
+(abstract: nothing is allocated) at the run's worst micro-step (one row of micro_batch_tokens per data
+device) and extends the difference to every layer. The layers are identical and unrolled, so the
+extension is exact where XLA's scheduling is the same per layer (checked against the full model in
+tests/test_update_memory.py).
+
+`choose_remat` uses it for `train.remat=auto`: the least recomputation whose update fits the device
+next to the memory already held, on devices that report their memory (GPUs, TPUs). A CPU reports none:
+there "auto" is "none" and nothing is compiled. (XLA:CPU's scheduler does not shorten the activations'
+lives under rematerialisation anyway; measured, the three choices need the same memory there.)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import logical_to_mesh_sharding
+from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.logprobs import init_value_head
+from areal_jax.trainer.optim import make_optimizer, make_schedule
+from areal_jax.trainer.state import train_state_shardings
+from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, build_update_fns, zero_metric_sums
+
+REMAT_ORDER = ("none", "dots", "full")  # least recomputation first
+INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "versions")
+
+ModelBuilder = Callable[[ModelConfig], nnx.Module]
+
+
+def device_memory_bytes(limit_gib: float | None = None, devices: Sequence[jax.Device] | None = None) -> int | None:
+    """`limit_gib` GiB when given, else the smallest memory limit among `devices` (default: this process's),
+    or None where a device does not report one (the CPU)."""
+    if limit_gib is not None:
+        return int(limit_gib * 2**30)
+    limits = []
+    for d in devices if devices is not None else jax.local_devices():
+        stats = d.memory_stats() or {}
+        if not stats.get("bytes_limit"):
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
+    """The arrays of one placed micro-step, as `Trainer.update` hands them to the accumulate program."""
+    fields = MODEL_FIELDS + LOSS_FIELDS
+    if cfg.critic == "value_head":
+        fields += CRITIC_FIELDS
+    if cfg.loss in ("decoupled", "gspo") and cfg.prox_mode == "recompute":
+        fields += ("prox_logp",)
+    if cfg.kl_coef > 0:
+        fields += ("ref_logp",)
+    return fields
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
+                      layers: int, tokens: int | None = None, wrt: Any = nnx.Param) -> int:
+    """XLA's working memory (bytes per device) of one micro-step of the update for a `layers`-layer copy
+    of the model, at one packed row of `tokens` (default micro_batch_tokens) per data device.
+
+    build(model_cfg) makes the model (with adapters, for LoRA); it runs under nnx.eval_shape, so no
+    parameter is allocated. Compiles one small program. remat "auto" is measured as "none"."""
+    small = dataclasses.replace(model_cfg, num_layers=layers)
+    if cfg.remat == "auto":
+        cfg = dataclasses.replace(cfg, remat="none")
+    graphdef, params, other = nnx.split(nnx.eval_shape(lambda: build(small)), wrt, ...)
+    head = None
+    if cfg.critic == "value_head":
+        head = jax.eval_shape(lambda: init_value_head(small.hidden_size))
+    tx = make_optimizer(cfg, 1)
+    shardings = train_state_shardings(params, tx, mesh, head)
+    other_sharding = logical_to_mesh_sharding(other, mesh)
+    fns = build_update_fns(graphdef, cfg, tx, make_schedule(cfg, 1), shardings, other_sharding, mesh)
+    train = (params, head) if head is not None else params
+    train_in = _abstract(train, shardings.trainable())
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32),
+                                                        sharding=x.sharding), train_in)
+    rep = NamedSharding(mesh, PartitionSpec())
+    sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(zero_metric_sums))
+    rows = (int(mesh.shape["fsdp"]), int(tokens or cfg.micro_batch_tokens))
+    batch = {k: jax.ShapeDtypeStruct(rows, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=fns.batch_sharding)
+             for k in batch_fields(cfg)}
+    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    compiled = fns.accumulate.lower(train_in, _abstract(other, other_sharding), grads, sums, batch, version).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
+                     tokens: int | None = None, wrt: Any = nnx.Param) -> int:
+    """XLA's working memory (bytes per device) of one micro-step of the full-depth update, from the
+    1- and 2-layer programs (module docstring). Two small compiles."""
+    one, two = (update_temp_bytes(build, model_cfg, cfg, mesh, layers=n, tokens=tokens, wrt=wrt) for n in (1, 2))
+    return max(one, one + (model_cfg.num_layers - 1) * (two - one))
+
+
+def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
+                 held_bytes: int, device_bytes: int | None, headroom: float = 0.9,
+                 wrt: Any = nnx.Param) -> tuple[str, int | None]:
+    """(remat, activation bytes) for `cfg.remat`: "auto" becomes the first of none, dots, full whose
+    update fits `headroom` x device_bytes beside `held_bytes` (params, optimizer state, gradients and
+    whatever else lives on the device), else "full"; any other choice stays. Without a device limit
+    (the CPU) "auto" is "none" and nothing is measured (None)."""
+    if cfg.remat != "auto":
+        if device_bytes is None:
+            return cfg.remat, None
+        return cfg.remat, activation_bytes(build, model_cfg, cfg, mesh, wrt=wrt)
+    if device_bytes is None:
+        return "none", None
+    need = None
+    for choice in REMAT_ORDER:
+        need = activation_bytes(build, model_cfg, dataclasses.replace(cfg, remat=choice), mesh, wrt=wrt)
+        if held_bytes + need <= headroom * device_bytes:
+            return choice, need
+    return "full", need
