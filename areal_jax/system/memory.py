@@ -83,10 +83,11 @@ def per_device_bytes(shapes: Any, shardings: Any) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
-    """The sampler's KV cache on one rollout device (keys and values of every layer; kv heads split over the
-    rollout mesh's tensor axis when they divide), with the standby rows' and the decode logits [rows, vocab]."""
+    """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache splits its
+    kv heads over the rollout mesh's tensor axis when they divide, a page pool is replicated), with the standby
+    rows' and the decode logits [rows, vocab]."""
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    if tensor > 1 and cfg.num_kv_heads % tensor == 0:
+    if tensor > 1 and cfg.num_kv_heads % tensor == 0 and rollout.kv_cache == "dense":
         per_position //= tensor
     rows = rollout.num_slots + rollout.standby
     if rollout.kv_cache == "paged":

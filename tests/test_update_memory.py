@@ -1,0 +1,179 @@
+"""The device memory plan: the update's working memory from two shallow programs, the resident parts from
+shapes, train.remat=auto, and the error that names the part to shrink.
+
+References: XLA's own memory analysis of the full-depth program (for the 1- and 2-layer extension), and
+the arrays a real Trainer and Engine allocate (for the parts computed from shapes).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax import config as config_lib
+from areal_jax.knobs import ConfigError
+from areal_jax.models.lora import LoRAConfig
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
+from areal_jax.sampler.config import RolloutConfig
+from areal_jax.system import memory as job_memory
+from areal_jax.testing import models as testing
+from areal_jax.testing.trajectories import random_trajectories
+from areal_jax.trainer import Trainer, TrainerConfig, memory
+
+CFG = testing.tiny_config(num_layers=4, vocab_size=256, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                          max_position_embeddings=1024)
+
+
+def one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+
+
+@pytest.mark.parametrize("case", ["plain", "lora_dots", "critic_kl_dense"])
+def test_two_shallow_programs_predict_the_full_depth_update_memory(case):
+    build, wrt = job_memory.model_builder(None, 0), nnx.Param
+    cfg = TrainerConfig(micro_batch_tokens=512, logits_chunk=128)
+    if case == "lora_dots":
+        build, wrt = job_memory.model_builder(LoRAConfig(enabled=True, rank=4), 0), nnx.LoRAParam
+        cfg = cfg.replace(remat="dots")
+    if case == "critic_kl_dense":
+        cfg = cfg.replace(critic="value_head", kl_coef=0.1, attention="dense")
+    mesh = one_device_mesh()
+    predicted = memory.activation_bytes(build, CFG, cfg, mesh, wrt=wrt)
+    full = memory.update_temp_bytes(build, CFG, cfg, mesh, layers=CFG.num_layers, wrt=wrt)
+    assert full > 0
+    assert abs(predicted - full) <= 0.01 * full, (predicted, full)
+
+
+def test_choose_remat_takes_the_least_recomputation_that_fits(monkeypatch):
+    need = {"none": 100, "dots": 60, "full": 30}
+    asked = []
+
+    def fake(build, model_cfg, cfg, mesh, **kw):
+        asked.append(cfg.remat)
+        return need[cfg.remat]
+
+    monkeypatch.setattr(memory, "activation_bytes", fake)
+    auto = TrainerConfig(remat="auto")
+
+    def choose(held, device, cfg=auto):
+        asked.clear()
+        return memory.choose_remat(None, CFG, cfg, None, held_bytes=held, device_bytes=device, headroom=1.0)
+
+    assert choose(10, 200) == ("none", 100) and asked == ["none"]
+    assert choose(120, 200) == ("dots", 60) and asked == ["none", "dots"]
+    assert choose(150, 200) == ("full", 30)
+    assert choose(190, 200) == ("full", 30)  # nothing fits: the least memory, and the plan's check says so
+    assert choose(10, None) == ("none", None) and asked == []  # no limit (a CPU): nothing measured
+    assert choose(10, None, TrainerConfig(remat="dots")) == ("dots", None) and asked == []
+    assert choose(190, 200, TrainerConfig(remat="none")) == ("none", 100)  # a named choice stays, measured
+
+
+def _on_first_device(tree) -> int:
+    """Bytes of the real arrays' shards that live on their first device."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        first = min(x.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+    return total
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_resident_parts_equal_what_a_trainer_and_an_engine_allocate(kv_cache):
+    # 4 CPU devices split in two slices: params and moments sharded over fsdp=2, the cache over rollout tensor=2
+    job = config_lib.from_config_dict({
+        "rollout": {"num_slots": 8, "max_len": 96, "kv_cache": kv_cache, "page_size": 16, "param_dtype": "bfloat16",
+                    "decode_steps": 4},
+        "train": {"kl_coef": 0.05, "micro_batch_tokens": 128}, "data": {"max_prompt_len": 32}})
+    meshes = build_meshes(job.mesh)
+    assert not meshes.colocated and meshes.train_mesh.shape["fsdp"] == 2
+    build = job_memory.model_builder(None, 0)
+    train, rollout = job_memory.state_parts(job, CFG, meshes, build)
+
+    model, ref = build(CFG), build(CFG)
+    trainer = Trainer(model, job.train, meshes.train_mesh, ref_model=ref)
+    assert train["params"] == _on_first_device(trainer.state.params)
+    assert 0 <= _on_first_device(trainer.state.opt_state) - train["optimizer"] <= 16  # + the step counters
+    assert train["gradients"] == train["params"]  # float32 params: float32 accumulators
+    assert train["reference"] == _on_first_device(trainer._ref)
+    rollout_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model))
+    shardings = job_memory.logical_to_mesh_sharding(rollout_params, meshes.rollout_mesh)
+    assert rollout["sampler_params"] == _on_first_device(jax.device_put(rollout_params, shardings))
+
+    engine = job.rollout.make_engine(model, mesh=meshes.rollout_mesh, config=CFG)
+    state = engine.init_decode_state()
+    # keys and values (a dense cache splits its kv heads over the two devices, the page pool is replicated),
+    # the standby rows' cache (dense; paged standby rows hold pages of the pool) and every row's logits
+    cache = [state.cache, state.logits, state.standby.logits] + ([state.standby.cache] if kv_cache == "dense" else [])
+    got = _on_first_device(cache)
+    table = state.cache.table.nbytes if kv_cache == "paged" else 0  # the page table, not counted
+    assert got - table == rollout["kv_cache"], (got, table, rollout["kv_cache"])
+
+
+def test_a_plan_over_the_device_names_the_largest_part_and_its_key():
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 64, "max_len": 1024}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    parts = job_memory.JobMemory.prepare(job, CFG, meshes, device_bytes=None)  # no limit: nothing checked
+    total = parts.plan.total
+    assert max(parts.plan.parts, key=parts.plan.parts.get) == "kv_cache"
+    with pytest.raises(ConfigError) as e:
+        job_memory.JobMemory.prepare(job, CFG, meshes, device_bytes=total)  # 90% of it is too little
+    msg = str(e.value)
+    assert "This run does not fit its devices" in msg and "The largest part is kv_cache" in msg
+    assert "--config.rollout.num_slots" in msg and "--config.rollout.kv_cache=paged" in msg
+
+
+def test_the_job_plan_adds_the_measured_update_and_resolves_auto():
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 128},
+                                       "train": {"micro_batch_tokens": 1024, "logits_chunk": 256, "attention": "dense"},
+                                       "data": {"max_prompt_len": 32}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    resident = job_memory.JobMemory.prepare(job, CFG, meshes, None).plan.total
+    act = memory.activation_bytes(job_memory.model_builder(None, 0), CFG, job.train, meshes.train_mesh)
+
+    roomy = job_memory.JobMemory.prepare(job, CFG, meshes, device_bytes=4 * (resident + act))
+    cfg = roomy.resolve_update(job.train, meshes.train_mesh)
+    assert cfg.remat == "none" and roomy.plan.parts["update_activations"] == act
+    assert roomy.plan.total == resident + act
+
+    # Room for the resident parts but not the update: on the CPU every remat needs the same memory
+    # (XLA:CPU's scheduler), so even "full" does not fit and the error names the update's keys.
+    tight = job_memory.JobMemory.prepare(job, CFG, meshes, device_bytes=int((resident + act // 2) / 0.9))
+    with pytest.raises(ConfigError) as e:
+        tight.resolve_update(job.train, meshes.train_mesh)
+    assert act > max(tight.plan.parts[k] for k in tight.plan.parts if k != "update_activations")
+    assert "The largest part is update_activations: set --config.train.remat=full" in str(e.value)
+    assert "--config.train.micro_batch_tokens" in str(e.value)
+
+    none = job_memory.JobMemory.prepare(job, CFG, meshes, None)
+    assert none.resolve_update(job.train, meshes.train_mesh).remat == "none"  # a CPU: auto is none, nothing measured
+    assert "update_activations" not in none.plan.parts
+
+
+def test_a_trainer_resolves_auto_to_a_remat_with_the_same_update(monkeypatch):
+    trajs = random_trajectories(6, vocab=CFG.vocab_size, seed=3, max_len=40)
+    cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=128, logits_chunk=64, prox_mode="loglinear")
+    results = {}
+    for limit in (None, 1):  # no limit (the CPU), then 1 byte: nothing fits, so the least memory ("full")
+        monkeypatch.setattr(memory, "device_memory_bytes", lambda *a, limit=limit, **k: limit)
+        model = testing.random_model(dataclasses.replace(CFG, dtype=jnp.float32), seed=0)
+        trainer = Trainer(model, cfg, one_device_mesh())
+        assert trainer.cfg.remat == ("none" if limit is None else "full")
+        assert (trainer.activation_bytes is None) == (limit is None)
+        results[trainer.cfg.remat] = trainer.update(trajs)
+    for key in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(results["full"][key], results["none"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_rollout_config_builds_the_engine_it_names():
+    from areal_jax.sampler.paged_engine import PagedEngine
+
+    model = testing.random_model(CFG)
+    dense = RolloutConfig(num_slots=8, max_len=64).make_engine(model, mesh=None, config=CFG)
+    paged = RolloutConfig(num_slots=8, max_len=64, kv_cache="paged", kv_pages=20).make_engine(model, mesh=None,
+                                                                                              config=CFG)
+    assert type(dense).__name__ == "Engine" and isinstance(paged, PagedEngine) and paged.num_pages == 20
