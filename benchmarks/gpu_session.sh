@@ -18,6 +18,9 @@
 #   sampler_more  the sampler at k = 8, without standby rows and without fetch-behind, the paged KV cache (Pallas kernel, standby rows over pages) in the same
 #              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
 #              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
+#   memory05   the update's working memory at the 0.5B shape, one 65,536-token row, remat none and full: XLA's
+#              analysis of the full-depth program against what the job plans with (1- and 2-layer programs
+#              extended to 24 layers, trainer.memory), compile only (~3 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
@@ -140,6 +143,10 @@ EOF
     step sampler15_long 110 $PY benchmarks/sampler.py --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 \
       --max-new-tokens 16384 --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 45 --skip-hf
     ;;
+  memory05)
+    step memory05 240 $PY benchmarks/trainer_memory.py --preset qwen2.5-0.5b --micro-batch-tokens 65536 \
+      --trajectory-len 65536 --remat none full --attention flash --compile --probe
+    ;;
   trainer_long)
     step trainer05_mbt65536 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
       --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
@@ -151,7 +158,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more trainer_long staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long staleness)"
      exit 2 ;;
   esac
 done

@@ -7,6 +7,9 @@ trainer.batch would build, and two estimates:
     micro-step objective, traced with abstract values; weights and their bf16 copies included). An upper
     bound of what a compiler keeps: XLA may recompute cheap elementwise results inside its fusions
     instead of storing them;
+  * probe (--probe): what the job plans with (trainer.memory.activation_bytes): XLA's working memory of
+    the micro-step program compiled for a 1- and a 2-layer copy of the model at one row of
+    micro_batch_tokens, extended to every layer; with --compile, its ratio to the full-depth figure;
   * compiled (--compile): `memory_analysis()` of the jitted accumulate program (Trainer's micro-step:
     forward, backward, gradient accumulation) compiled for the default backend: temp bytes, plus its
     arguments and outputs. On the CPU this is XLA:CPU's plan: it drops rematerialisation's optimisation
@@ -35,6 +38,7 @@ from trainer import PRESETS, bench_model_config, make_batch
 from areal_jax.models.transformer import Transformer
 from areal_jax.trainer import TrainerConfig
 from areal_jax.trainer.layout import attention_weight, step_layout
+from areal_jax.trainer.memory import activation_bytes
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import replicated, train_state_shardings
 from areal_jax.trainer.update import LOSS_FIELDS, MODEL_FIELDS, build_update_fns, micro_step_objective
@@ -52,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trajectory-len", type=int, help="one trajectory of this many tokens instead of the workload")
     p.add_argument("--logits-chunk", type=int, default=4096)
     p.add_argument("--compile", action="store_true", help="also compile the accumulate program (minutes each)")
+    p.add_argument("--probe", action="store_true", help="also the job's estimate from 1- and 2-layer programs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     workload = PRESETS[args.preset]["workload"]
@@ -75,7 +80,7 @@ def abstract_batch(rows: int, t: int) -> dict[str, jax.ShapeDtypeStruct]:
             for k in (*MODEL_FIELDS, *LOSS_FIELDS)}
 
 
-def estimate(cfg, tcfg: TrainerConfig, rows: int, t: int, compile_: bool) -> dict:
+def estimate(cfg, tcfg: TrainerConfig, rows: int, t: int, compile_: bool, probe: bool = False) -> dict:
     graphdef, params, other = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
     batch = abstract_batch(rows, t)
     version = jax.ShapeDtypeStruct((), jnp.int32)
@@ -102,6 +107,13 @@ def estimate(cfg, tcfg: TrainerConfig, rows: int, t: int, compile_: bool) -> dic
         mem = fns.accumulate.lower(params, other, grads, sums, batch, version).compile().memory_analysis()
         out.update(compiled_temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes),
                    output_bytes=int(mem.output_size_in_bytes), compile_s=round(time.perf_counter() - start, 1))
+    if probe:
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+        start = time.perf_counter()
+        out["probe_temp_bytes"] = activation_bytes(lambda c: Transformer(c, rngs=nnx.Rngs(0)), cfg, tcfg, mesh)
+        out["probe_s"] = round(time.perf_counter() - start, 1)
+        if "compiled_temp_bytes" in out:
+            out["probe_over_compiled"] = round(out["probe_temp_bytes"] / max(1, out["compiled_temp_bytes"]), 4)
     return out
 
 
@@ -119,12 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
         tcfg = TrainerConfig(micro_batch_tokens=budget, logits_chunk=args.logits_chunk, remat=remat, prox_mode="loglinear",
                              attention=attention)
         r = {"micro_batch_tokens": budget, "remat": remat, "attention": attention,
-             **estimate(cfg, tcfg, rows, t, args.compile)}
+             **estimate(cfg, tcfg, rows, t, args.compile, args.probe)}
         results.append(r)
         compiled = (f", compiled temp {r['compiled_temp_bytes'] / GiB:7.2f} GiB (args {r['argument_bytes'] / GiB:.2f}, "
                     f"{r['compile_s']} s to compile)") if "compiled_temp_bytes" in r else ""
+        probe = (f", probe (1 + 2 layers, one row of {budget}) {r['probe_temp_bytes'] / GiB:7.2f} GiB in "
+                 f"{r['probe_s']} s") if "probe_temp_bytes" in r else ""
         print(f"mbt {budget:6d} [{rows} x {t}] remat {remat:5s} attention {attention:6s}: residuals "
-              f"{r['residual_bytes'] / GiB:7.2f} GiB{compiled}", flush=True)
+              f"{r['residual_bytes'] / GiB:7.2f} GiB{compiled}{probe}", flush=True)
     report = {"benchmark": "trainer_memory", "preset": args.preset, "dtype": args.dtype,
               "backend": jax.default_backend(), "trajectory_len": args.trajectory_len, "results": results}
     print(json.dumps(report))
