@@ -70,12 +70,13 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
-                      layers: int, tokens: int | None = None, wrt: Any = nnx.Param) -> int:
+                      layers: int, tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
     """XLA's working memory (bytes per device) of one micro-step of the update for a `layers`-layer copy
     of the model, at one packed row of `tokens` (default micro_batch_tokens) per data device.
 
     build(model_cfg) makes the model (with adapters, for LoRA); it runs under nnx.eval_shape, so no
-    parameter is allocated. Compiles one small program. remat "auto" is measured as "none"."""
+    parameter is allocated. Compiles one small program. remat "auto" is measured as "none". None where the
+    backend gives no memory analysis."""
     small = dataclasses.replace(model_cfg, num_layers=layers)
     if cfg.remat == "auto":
         cfg = dataclasses.replace(cfg, remat="none")
@@ -98,14 +99,19 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
              for k in batch_fields(cfg)}
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     compiled = fns.accumulate.lower(train_in, _abstract(other, other_sharding), grads, sums, batch, version).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
-                     tokens: int | None = None, wrt: Any = nnx.Param) -> int:
+                     tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
     """XLA's working memory (bytes per device) of one micro-step of the full-depth update, from the
-    1- and 2-layer programs (module docstring). Two small compiles."""
-    one, two = (update_temp_bytes(build, model_cfg, cfg, mesh, layers=n, tokens=tokens, wrt=wrt) for n in (1, 2))
+    1- and 2-layer programs (module docstring); None where the backend gives no memory analysis. Two small
+    compiles."""
+    one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=1, tokens=tokens, wrt=wrt)
+    two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=2, tokens=tokens, wrt=wrt)
+    if one is None or two is None:
+        return None
     return max(one, one + (model_cfg.num_layers - 1) * (two - one))
 
 
@@ -125,6 +131,8 @@ def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig
     need = None
     for choice in REMAT_ORDER:
         need = activation_bytes(build, model_cfg, dataclasses.replace(cfg, remat=choice), mesh, wrt=wrt)
+        if need is None:  # no memory analysis from this backend: nothing to choose by
+            return "none", None
         if held_bytes + need <= headroom * device_bytes:
             return choice, need
     return "full", need
