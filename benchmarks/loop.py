@@ -14,13 +14,15 @@ weight hand-off (publish time, publish -> first token generated at the new versi
 the seconds the run still spent tracing, compiling or loading programs from the
 persistent cache (from JAX's monitoring events: read a ratio between etas with it), and
 timeline.json in OUT/eta<k>/ (`python -m areal_jax.programs.report OUT/eta4` draws it). After the runs, the
-hand-off of the same params is timed against a raw device copy of the same bytes. Memory per part is
-computed from shapes before anything is allocated (with a clear error when it cannot fit) and read
-from the device's memory_stats where the backend has them. The last line is one JSON object.
+hand-off of the same params is timed against a raw device copy of the same bytes. Memory per part (per
+device, system.memory: the plan the job itself checks) is computed from shapes before anything is
+allocated (with a clear error when it cannot fit) and read from the device's memory_stats where the
+backend has them. The last line is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -199,10 +201,9 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         backend_compiles = _COMPILE["backend_compiles"] - compile_before["backend_compiles"]
         stats = job.sampler.stats()
         handoff = measure_handoff(job) if measure else None
-        from areal_jax.system.params import tree_nbytes
-
-        actual = {"params": tree_nbytes(job.trainer.state.params), "optimizer": tree_nbytes(job.trainer.state.opt_state),
-                  "sampler_params": tree_nbytes(job.sampler.versioned_params()[1])}
+        actual = {"params": first_device_bytes(job.trainer.state.params),  # per device, like the plan
+                  "optimizer": first_device_bytes(job.trainer.state.opt_state),
+                  "sampler_params": first_device_bytes(job.sampler.versioned_params()[1])}
         mem_end = device_memory()
     finally:
         job.close()
@@ -237,6 +238,15 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
     return out
 
 
+def first_device_bytes(tree) -> int:
+    """Bytes of the arrays' shards on each array's first device."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        first = min(x.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+    return total
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -254,20 +264,21 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
     from areal_jax.config import from_config_dict
-    from areal_jax.sampler.standby import standby_size
+    from areal_jax.knobs import ConfigError
+    from areal_jax.runtime.mesh import build_meshes
+    from areal_jax.system.memory import GiB, JobMemory
 
-    rollout = from_config_dict(job_config(args, 0, 1, ("", "", ""), "")).rollout  # the job's standby rows
-    plan = loadgen.memory_plan(cfg, slots=args.slots, max_len=args.max_len,
-                               sampler_dtype=jnp.bfloat16 if args.sampler_dtype == "bfloat16" else jnp.float32,
-                               standby_positions=rollout.standby * standby_size(rollout.standby, rollout.standby_len,
-                                                                                args.max_len)[1])
+    job = from_config_dict(job_config(args, 0, 1, ("", "", ""), ""))  # the job's plan, as the job will check it
     limit = (device_memory() or {}).get("bytes_limit")
     try:
-        loadgen.check_fits(plan, limit, preset=args.model or args.preset)
-    except ValueError as e:
-        raise SystemExit(str(e))
-    print("memory plan (GiB): " + ", ".join(f"{k} {v / loadgen.GiB:.2f}" for k, v in plan.parts().items())
-          + f"; {plan.n_params / 1e6:.1f}M params", flush=True)
+        memory = JobMemory.prepare(job, dataclasses.replace(cfg, param_dtype=job.model.storage_dtype),
+                                   build_meshes(job.mesh), limit)
+    except ConfigError as e:
+        raise SystemExit(f"{e} (Here --slots is rollout.num_slots and --cap sets rollout.max_len.)") from None
+    plan, n_params = memory.plan, memory.n_params
+    parts = {**memory.train, **memory.rollout}  # each on its own slice's devices (both on one when colocated)
+    print("memory plan (GiB): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
+          + f"; {n_params / 1e6:.1f}M params", flush=True)
     paths = prepare_assets(args)
     if args.warmup_steps:
         # The least asynchronous eta replays its measured run's packed shapes (its batches do not depend on
@@ -288,9 +299,11 @@ def main(argv: list[str] | None = None) -> dict:
                                    measure=i == len(args.eta_list) - 1))
         except Exception as e:  # an allocation failure: say which part to shrink
             if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
-                big = max(plan.parts().items(), key=lambda kv: kv[1])[0]
+                from areal_jax.system.memory import HINTS
+
+                big = max(plan.parts.items(), key=lambda kv: kv[1])[0]
                 raise SystemExit(f"{name} ran out of device memory; the largest part is {big}: "
-                                 f"{loadgen.SHRINK_HINTS[big]}; training activations grow with "
+                                 f"{HINTS.get(big, '')}; training activations grow with "
                                  f"--micro_batch_tokens ({args.micro_batch_tokens}).") from e
             raise
     base = results[0]
@@ -311,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{1e3 * h['raw_copy_s']:.2f} ms (ratio {h['ratio_vs_raw_copy']:.2f}); raw copy of the float32 source "
               f"{1e3 * h['raw_copy_source_bytes_s']:.2f} ms (ratio {h['ratio_vs_raw_copy_source_bytes']:.2f})")
     report = {"benchmark": "loop", "preset": args.model or args.preset, "device": dev.device_kind,
-              "n_devices": jax.local_device_count(), "matmul_peak_gflops": peak, "n_params": plan.n_params,
-              "memory_plan_bytes": plan.parts(), "memory_limit_bytes": limit,
+              "n_devices": jax.local_device_count(), "matmul_peak_gflops": peak, "n_params": n_params,
+              "memory_plan_bytes": parts, "memory_limit_bytes": limit,
               "settings": {k: getattr(args, k) for k in ("steps", "median", "cap", "sigma", "slots", "group_size",
                                                          "batch_groups", "max_concurrent", "micro_batch_tokens",
                                                          "lr", "sampler_dtype", "dtype", "seed")},

@@ -3,7 +3,6 @@ import importlib.util
 import json
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -59,28 +58,43 @@ def test_forced_lengths_rewrites_each_request():
     assert wrapped.current_version == 7  # everything else is the wrapped loop's
 
 
-def test_memory_plan_matches_the_real_model_and_the_published_qwen_size():
+def test_the_loop_plan_counts_the_published_qwen_size_and_names_what_to_shrink():
+    import jax
     from flax import nnx
 
+    from areal_jax.config import from_config_dict
+    from areal_jax.knobs import ConfigError
+    from areal_jax.runtime.mesh import MeshConfig, build_meshes
+    from areal_jax.system.memory import GiB, JobMemory
     from areal_jax.testing.models import random_model
 
-    cfg = loadgen.model_config("tiny", 160, "float32")
-    plan = loadgen.memory_plan(cfg, slots=8, max_len=160, sampler_dtype=jnp.bfloat16)
-    real = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(random_model(cfg), nnx.Param)))
-    assert plan.n_params == real and plan.params == 4 * real and plan.optimizer == 8 * real
-    assert plan.sampler_params == 2 * real
-    assert plan.kv_cache == 2 * cfg.num_layers * 8 * 160 * cfg.num_kv_heads * cfg.head_dim * 4
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])  # one device: both slices on it
+
+    def plan_of(preset, slots, max_len, standby):
+        job = from_config_dict({"rollout": {"num_slots": slots, "max_len": max_len, "param_dtype": "bfloat16",
+                                            "standby_rows": standby, "max_new_tokens": max_len - 64},
+                                "data": {"max_prompt_len": 64}, "train": {"micro_batch_tokens": max_len}})
+        return JobMemory.prepare(job, loadgen.model_config(preset, max_len, "bfloat16"), meshes, None)
+
+    tiny = plan_of("tiny", 8, 160, 0)
+    real = sum(x.size for x in jax.tree.leaves(nnx.state(random_model(tiny.model), nnx.Param)))
+    parts = tiny.plan.parts
+    assert tiny.n_params == real and parts["params"] == 4 * real and parts["gradients"] == 4 * real
+    assert 0 <= parts["optimizer"] - 8 * real <= 16  # two float32 moments (+ AdamW's step count)
+    assert parts["sampler_params"] == 2 * real
+    vocab = tiny.model.vocab_size
+    assert parts["kv_cache"] == 2 * tiny.model.num_layers * 8 * 160 * tiny.model.num_kv_heads * tiny.model.head_dim * 2 \
+        + 8 * vocab * 4  # bf16 keys and values; plus every slot's float32 logits
     # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings), bf16 KV: 12 KiB per token.
-    big = loadgen.memory_plan(loadgen.model_config("qwen2.5-0.5b", 8256, "bfloat16"), slots=64, max_len=8256,
-                              sampler_dtype=jnp.bfloat16)
+    big = plan_of("qwen2.5-0.5b", 64, 8256, 32)
     assert big.n_params == 494_032_768
-    assert big.kv_cache == 64 * 8256 * 24 * 2 * 2 * 64 * 2 and big.standby_cache == 0
-    with_standby = loadgen.memory_plan(loadgen.model_config("qwen2.5-0.5b", 8256, "bfloat16"), slots=64,
-                                       max_len=8256, sampler_dtype=jnp.bfloat16, standby_positions=32 * 512)
-    assert with_standby.standby_cache == 32 * 512 * 24 * 2 * 2 * 64 * 2
-    with pytest.raises(ValueError, match="largest part is kv_cache: lower --slots or --cap"):
-        loadgen.check_fits(big, 16 * loadgen.GiB, preset="qwen2.5-0.5b")
-    loadgen.check_fits(big, 141 * loadgen.GiB, preset="qwen2.5-0.5b")  # one H200: fits
+    kv = 64 * 8256 * 24 * 2 * 2 * 64 * 2 + 32 * 512 * 24 * 2 * 2 * 64 * 2 + 96 * 151936 * 4  # slots, standby, logits
+    assert big.plan.parts["kv_cache"] == kv
+    big.device_bytes = 16 * GiB
+    with pytest.raises(ConfigError, match="The largest part is kv_cache: lower --config.rollout.num_slots"):
+        big.plan.check()
+    big.device_bytes = 141 * GiB  # one H200: fits
+    big.plan.check()
 
 
 def test_handoff_latencies_from_a_hand_made_timeline(tmp_path):

@@ -6,8 +6,6 @@
   token), which is how a random-weight model is made to behave like a reasoning model's long tail;
 - `bernoulli_reward`: a reward the pool can run, 1 for about half the completions (a hash of the text),
   so GRPO advantages are non-zero and every update really changes the weights;
-- `memory_plan`: bytes of each part that must sit on one device (float32 master, AdamW moments,
-  gradients, the sampler's copy, the KV cache), from shapes alone, before anything is allocated;
 - `handoff_latencies`: publish -> weights swapped in -> first token at the new version, from a run's
   timeline.json.
 """
@@ -19,15 +17,12 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from jax.typing import DTypeLike
 
 from areal_jax.system.interfaces import RolloutSampler, SampledCompletion
 
 if TYPE_CHECKING:
-    from areal_jax.models.config import ModelConfig
     from areal_jax.sampler.requests import Request
 
-GiB = 1024**3
 
 # Model shapes follow the Hugging Face configs of Qwen/Qwen2.5-0.5B and -1.5B (tied embeddings,
 # q/k/v bias, RoPE theta 1e6); the rollout sizes are what the benchmark uses unless flags say otherwise.
@@ -108,71 +103,6 @@ def bernoulli_reward(completion: str, answer: str) -> float:
     processes and runs), else 0.0. `answer` is ignored."""
     del answer
     return float(zlib.crc32(completion.encode("utf-8")) & 1)
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    """Bytes per part on the device that holds both slices (colocated); all from shapes."""
-
-    n_params: int
-    params: int  # trainer's master weights (param dtype)
-    optimizer: int  # AdamW first and second moments (param dtype)
-    gradients: int  # one gradient tree, live during the update
-    sampler_params: int  # the sampler's copy (rollout param dtype)
-    kv_cache: int  # [L, slots, max_len, kv_heads, head_dim] keys and values (compute dtype)
-    standby_cache: int = 0  # the standby rows' prompt cache, [L, rows, standby_len, ...] (sampler/standby.py)
-
-    def parts(self) -> dict[str, int]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "n_params"}
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts().values())
-
-
-def memory_plan(cfg: ModelConfig, *, slots: int, max_len: int, sampler_dtype: DTypeLike,
-                standby_positions: int = 0) -> MemoryPlan:
-    """The MemoryPlan of model config `cfg` with a `slots` x `max_len` KV cache (and standby rows holding
-    `standby_positions` positions in all), from abstract shapes."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from areal_jax.models import init_cache
-    from areal_jax.models.transformer import Transformer
-
-    state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    leaves = jax.tree.leaves(state)
-    n = int(sum(x.size for x in leaves))
-    p_bytes = int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
-    s_bytes = n * jnp.dtype(sampler_dtype).itemsize
-    cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
-    kv = int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache)))
-    return MemoryPlan(n_params=n, params=p_bytes, optimizer=2 * p_bytes, gradients=p_bytes,
-                      sampler_params=s_bytes, kv_cache=kv, standby_cache=kv * standby_positions // (slots * max_len))
-
-
-SHRINK_HINTS = {
-    "kv_cache": "lower --slots or --cap (the KV cache is slots x (prompt + cap) positions)",
-    "standby_cache": "lower rollout.standby_rows or rollout.standby_len",
-    "optimizer": "use a smaller preset or shard the trainer over more devices (AdamW keeps two float32 moments)",
-    "params": "use a smaller preset or shard the trainer over more devices",
-    "gradients": "use a smaller preset or shard the trainer over more devices",
-    "sampler_params": "keep --sampler_dtype=bfloat16 (half the bytes of float32)",
-}
-
-
-def check_fits(plan: MemoryPlan, device_bytes: int | None, *, preset: str, headroom: float = 0.85) -> None:
-    """Raise ValueError naming the largest part and how to shrink it when the plan's parts exceed
-    `headroom` of the device's memory (the rest is left for activations and XLA's scratch space)."""
-    if not device_bytes or plan.total <= headroom * device_bytes:
-        return
-    parts = sorted(plan.parts().items(), key=lambda kv: -kv[1])
-    listing = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts)
-    raise ValueError(
-        f"The {preset} setup needs {plan.total / GiB:.1f} GiB before activations ({listing}) but "
-        f"{headroom:.0%} of the device's {device_bytes / GiB:.1f} GiB is {headroom * device_bytes / GiB:.1f} GiB; "
-        f"the largest part is {parts[0][0]}: {SHRINK_HINTS[parts[0][0]]}.")
 
 
 def _timeline_events(path: str) -> tuple[dict[int, str], list[dict]]:

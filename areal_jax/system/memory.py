@@ -174,6 +174,11 @@ class JobMemory:
     wrt: Any
 
     @property
+    def n_params(self) -> int:
+        """Parameters of the model (adapters included)."""
+        return int(sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: self.build(self.model))))))
+
+    @property
     def plan(self) -> MemoryPlan:
         return plan(self.train, self.rollout, self.colocated, self.device_bytes)
 
