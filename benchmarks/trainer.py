@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute dtype; params and optimizer state stay float32 (default: float32 for tiny, "
                         "bfloat16 for the Qwen presets)")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none", help="TrainerConfig.remat")
+    p.add_argument("--scan-layers", action="store_true", help="TrainerConfig.scan_layers: the layers as one scan")
     p.add_argument("--attention", choices=("auto", "dense", "blocked", "flash"), default="auto",
                    help="TrainerConfig.attention")
     p.add_argument("--num-seqs", type=int, help="trajectories per update")
@@ -167,11 +168,16 @@ def forward_flops(cfg, trajs: list[Trajectory]) -> float:
     return total
 
 
+FIRST_UPDATE_S: dict[str, float] = {}  # prox_mode -> seconds of the warm-up update
+
+
 def trainer_step(model, cfg: TrainerConfig, trajs):
     """A warmed-up (compiled) callable running one Trainer.update on one device, and the trainer."""
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
     trainer = Trainer(model, cfg, mesh)
+    start = time.perf_counter()
     trainer.update(trajs)  # compile
+    FIRST_UPDATE_S[cfg.prox_mode] = time.perf_counter() - start  # tracing + compiling (cold or cached) + one update
     return (lambda: trainer.update(trajs)), trainer  # update returns host floats: the step has finished
 
 
@@ -223,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     on_cpu = platform == "cpu" and not args.sequential
     peak = device_peak_gflops(args.dtype)
     base = TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, logits_chunk=args.logits_chunk,
-                         remat=args.remat, attention=args.attention, ppo_minibatches=args.minibatches)
+                         remat=args.remat, attention=args.attention, ppo_minibatches=args.minibatches,
+                         scan_layers=args.scan_layers)
     hf_device, hf_note = None, None
     if not args.skip_hf:
         try:
@@ -243,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}, {args.dtype} compute, float32 "
               f"params; {len(trajs)} trajectories, {tokens} trained tokens (completion median "
               f"{int(np.median([t.completion_len for t in trajs]))}, max {max(t.completion_len for t in trajs)}); "
-              f"micro_batch_tokens={args.micro_batch_tokens}, remat={args.remat}, attention={args.attention}; jax "
+              f"micro_batch_tokens={args.micro_batch_tokens}, remat={args.remat}, attention={args.attention}, "
+              f"scan_layers={args.scan_layers}; jax "
               f"{jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores", flush=True)
 
         def jax_engine(prox_mode):
@@ -309,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = medians["c"] / medians["a"] if "c" in medians and "a" in medians else None
     if ratio is not None:
         print(f"speed-up a/c: {ratio:.2f}x")
+    for mode, seconds in FIRST_UPDATE_S.items():
+        print(f"first update (prox {mode}; tracing and compiling included): {seconds:.1f} s")
     rss = rss_peak_bytes()
     if platform == "cpu":
         print(f"peak memory: n/a per engine on the CPU; process peak RSS {rss / 2**30:.2f} GiB (all engines)")
@@ -324,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_device": hf_device, "hf_note": hf_note, "trajectories": len(trajs),
         "tflops": {k: v["tflops"] for k, v in res.items()},
         "peak_memory_bytes": {names[k]: memory.get(k) for k in names},
-        "process_peak_rss_bytes": rss,
+        "process_peak_rss_bytes": rss, "scan_layers": args.scan_layers,
+        "first_update_s": {("jax_" + k): round(v, 2) for k, v in FIRST_UPDATE_S.items()},
     }
     print(json.dumps(report))
     return report

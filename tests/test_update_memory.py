@@ -33,7 +33,7 @@ def one_device_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
 
 
-@pytest.mark.parametrize("case", ["plain", "lora_dots", "critic_kl_dense"])
+@pytest.mark.parametrize("case", ["plain", "lora_dots", "critic_kl_dense", "scan_full"])
 def test_two_shallow_programs_predict_the_full_depth_update_memory(case):
     build, wrt = job_memory.model_builder(None, 0), nnx.Param
     cfg = TrainerConfig(micro_batch_tokens=512, logits_chunk=128)
@@ -42,6 +42,8 @@ def test_two_shallow_programs_predict_the_full_depth_update_memory(case):
         cfg = cfg.replace(remat="dots")
     if case == "critic_kl_dense":
         cfg = cfg.replace(critic="value_head", kl_coef=0.1, attention="dense")
+    if case == "scan_full":  # probed with 2 and 3 layers: a single layer is not scanned
+        cfg = cfg.replace(scan_layers=True, remat="full")
     mesh = one_device_mesh()
     predicted = memory.activation_bytes(build, CFG, cfg, mesh, wrt=wrt)
     full = memory.update_temp_bytes(build, CFG, cfg, mesh, layers=CFG.num_layers, wrt=wrt)

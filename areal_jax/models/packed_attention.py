@@ -104,3 +104,40 @@ def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Arra
     policy = remat_policy(remat)
     graphdef, state = nnx.split(layer)
     return jax.checkpoint(lambda s, h: apply(nnx.merge(graphdef, s), h), policy=policy)(state, x)
+
+
+def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
+    """(shared graphdef, per-layer states) when every layer has one module structure and holds parameters
+    only (no RNG or other mutable state a scan would have to carry out), else None. LoRA-adapted layers differ
+    in structure (each adapter has its own dropout salt), so they are not scanned."""
+    if len(layers) < 2:
+        return None
+    splits = [nnx.split(layer) for layer in layers]
+    graphdef = splits[0][0]
+    if any(g != graphdef for g, _ in splits):
+        return None
+    if any(jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param))) for layer in layers):
+        return None
+    return graphdef, [state for _, state in splits]
+
+
+def decoder_stack(layers, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn, remat: str = "none",
+                  scan: bool = True) -> jax.Array:
+    """Every decoder layer of the cache-free forward, in order.
+
+    With scan (and layers of one structure, `scannable`), one `lax.scan` over the layers' states stacked on
+    a leading axis: the program holds a single layer, so tracing and compiling cost about one layer's time
+    instead of L (the backward too), for one stacking copy of the layer weights per call and one unstacking
+    of their gradients. The results equal the unrolled loop's up to float rounding."""
+    shared = scannable(layers) if scan else None
+    if shared is None:
+        for layer in layers:
+            x = decoder_layer(layer, x, cos, sin, attend, remat)
+        return x
+    graphdef, states = shared
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+    def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+        return decoder_layer(nnx.merge(graphdef, state), h, cos, sin, attend, remat), None
+
+    return jax.lax.scan(body, x, stacked)[0]

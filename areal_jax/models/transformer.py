@@ -10,7 +10,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, cached_attention, make_param, rope_cos_sin, rope_inv_freq
-from areal_jax.models.packed_attention import decoder_layer, packed_attention, packed_mask  # noqa: F401 (re-export)
+from areal_jax.models.packed_attention import decoder_layer, decoder_stack, packed_attention, packed_mask  # noqa: F401 (re-export)
 
 
 @jax.tree_util.register_dataclass
@@ -97,11 +97,12 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                cache: KVCache | None = None, *, attention: str = "auto",
-               remat: str = "none") -> jax.Array | tuple[jax.Array, KVCache]:
+               remat: str = "none", scan_layers: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
         """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
 
-        attention, remat: the cache-free (training) forward's attention backend and per-layer
-        rematerialisation (see models.packed_attention); the cache path ignores them.
+        attention, remat, scan_layers: the cache-free (training) forward's attention backend, per-layer
+        rematerialisation and whether its layers run as one scan (models.packed_attention.decoder_stack);
+        the cache path ignores them.
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -135,9 +136,7 @@ class Transformer(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
         if cache is None:
-            for layer in self.layers:
-                x = decoder_layer(layer, x, cos, sin, attend, remat)
-            return self.final_norm(x)
+            return self.final_norm(decoder_stack(self.layers, x, cos, sin, attend, remat, scan_layers))
         s = cache.max_len
         rows = jnp.arange(b)[:, None]
         write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped

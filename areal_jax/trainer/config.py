@@ -59,6 +59,9 @@ class TrainerConfig(Section):
                       "device holds, measured by XLA (trainer.memory); none on the CPU) | none | full (keep only "
                       "each layer's input) | dots (keep the projections' matmul outputs)",
                       choices=("auto", "none", "full", "dots"))
+    scan_layers: bool = knob(False, "run the update's decoder layers as one lax.scan: the program holds one layer, "
+                             "so it traces and compiles in about one layer's time, for one stacked copy of the layer "
+                             "weights and of their gradients during each micro-step (False: unrolled)")
     b1: float = knob(0.9, "Adam first-moment decay")
     b2: float = knob(0.999, "Adam second-moment decay")
     eps: float = knob(1e-8, "Adam epsilon")

@@ -151,12 +151,13 @@ def model_outputs(
     with_entropy: bool = True,
     attention: str = "auto",
     remat: str = "none",
+    scan_layers: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """model_logprobs plus the value head on the same trunk: (logp, entropy, values), each [B, T]
     float32; values is None without a value head. Position p's value is that of the state scoring
     token p + 1 (aligned with logp)."""
     model = nnx.merge(graphdef, params, other)
-    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat)
+    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat, scan_layers=scan_layers)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy)
     values = None if value_head is None else apply_value_head(value_head, h)
     return logp, ent, values

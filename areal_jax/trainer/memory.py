@@ -106,13 +106,16 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
                      tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
     """XLA's working memory (bytes per device) of one micro-step of the full-depth update, from the
-    1- and 2-layer programs (module docstring); None where the backend gives no memory analysis. Two small
-    compiles."""
-    one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=1, tokens=tokens, wrt=wrt)
-    two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=2, tokens=tokens, wrt=wrt)
+    1- and 2-layer programs (2- and 3-layer with train.scan_layers; module docstring); None where the backend
+    gives no memory analysis. Two small compiles."""
+    # A scan needs two layers to be a scan (models.packed_attention.scannable): probe 2 and 3 layers then.
+    base = 2 if cfg.scan_layers and model_cfg.num_layers >= 2 else 1
+    one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=base, tokens=tokens, wrt=wrt)
+    two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=base + 1, tokens=tokens,
+                                                     wrt=wrt)
     if one is None or two is None:
         return None
-    return max(one, one + (model_cfg.num_layers - 1) * (two - one))
+    return max(one, one + (model_cfg.num_layers - base) * (two - one))
 
 
 def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,

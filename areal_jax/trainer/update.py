@@ -113,7 +113,7 @@ def micro_step_objective(
     chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
     logp, ent, values = model_outputs(
         graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, value_head=value_head,
-        with_entropy=True, attention=cfg.attention, remat=cfg.remat,
+        with_entropy=True, attention=cfg.attention, remat=cfg.remat, scan_layers=cfg.scan_layers,
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -198,7 +198,8 @@ def build_update_fns(
         params, head = split(train)
         chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
         logp, _, values = model_outputs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
-                                        value_head=head, with_entropy=False, attention=cfg.attention)
+                                        value_head=head, with_entropy=False, attention=cfg.attention,
+                                        scan_layers=cfg.scan_layers)
         return (logp, values) if critic else logp
 
     def zero_grads(train):
