@@ -20,7 +20,8 @@
 #              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
 #   memory05   the update's working memory at the 0.5B shape, one 65,536-token row, remat none and full: XLA's
 #              analysis of the full-depth program against what the job plans with (1- and 2-layer programs
-#              extended to 24 layers, trainer.memory), compile only (~3 min).
+#              extended to 24 layers, trainer.memory), compile only; then trainer05's update with
+#              train.scan_layers (first update with its compile, tokens/s, peak memory) (~5 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
@@ -146,6 +147,8 @@ EOF
   memory05)
     step memory05 240 $PY benchmarks/trainer_memory.py --preset qwen2.5-0.5b --micro-batch-tokens 65536 \
       --trajectory-len 65536 --remat none full --attention flash --compile --probe
+    step scan05 150 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute --skip-hf \
+      --scan-layers --repeats 3
     ;;
   trainer_long)
     step trainer05_mbt65536 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
