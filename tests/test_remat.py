@@ -91,7 +91,7 @@ def test_remat_keeps_less_for_the_backward():
 
 
 def test_bad_remat_and_attention_values_are_rejected_before_compiling():
-    with pytest.raises(ValueError, match="remat='layer' is not one of none, full, dots"):
+    with pytest.raises(ValueError, match="remat='layer' is not one of auto, none, full, dots"):
         TrainerConfig(remat="layer")
     with pytest.raises(ValueError, match="attention='cudnn' is not one of auto, dense, blocked, flash"):
         TrainerConfig(attention="cudnn")
