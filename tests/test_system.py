@@ -65,6 +65,12 @@ def test_staleness_bound_and_exactly_once(tmp_path, eta):
 
     rows = _samples(c.run_dir)
     assert summary["steps"] == steps
+    # The memory plan, from shapes, is what the trainer and the sampler hold (split slices: the larger side);
+    # a CPU reports no limit, so remat "auto" is "none".
+    plan = summary["memory_plan_bytes"]
+    assert summary["remat"] == "none" and summary["device_memory_bytes"] is None
+    held = sum(x.nbytes for x in jax.tree.leaves(job.trainer.state.params))
+    assert plan["params"] == held and plan["gradients"] == held and plan["optimizer"] >= 2 * held
     assert len(rows) == steps * batch_groups
     assert [r["gid"] for r in rows] == list(range(steps * batch_groups))  # each group once, in order
     assert len({r["uid"] for r in rows}) == len(rows)

@@ -387,7 +387,8 @@ class RLJob:
             "staleness_max": float(np.max(pick("staleness_max"))) if history else None,
             "sampler_occupancy": float(np.mean(pick("sampler/occupancy"))) if history else None,
             "evaluations": self.evaluations,
-            "skipped_rows": self.skipped_rows,
+            "skipped_rows": self.skipped_rows, "remat": self.trainer.cfg.remat,
+            "memory_plan_bytes": self.memory.plan.parts, "device_memory_bytes": self.memory.device_bytes,
             **self.machine,
         }
         job_wall = time.perf_counter() - self._t_created
