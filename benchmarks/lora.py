@@ -8,12 +8,15 @@ Prints (1) the bytes one hand-off moves at the 0.5B and the chosen shape, full w
 (computed from the shapes), (2) the measured time per hand-off: full weights through ParamChannel, adapters
 through AdapterChannel (merged: adapters folded into a fresh sampler copy; unmerged: adapters only),
 (3) decode tokens/s with merged weights against unmerged adapters, greedy, the same prompts and lengths,
-and (4) with --train-memory, the peak device memory of one LoRA update against one full update.
+and (4) with --train-memory, the peak device memory of one LoRA update against one full update. Also, at
+each Qwen2.5 shape, the trainer state one device keeps (system.memory's plan, from shapes), LoRA against
+full fine-tuning. The last line is one JSON object.
 On a CPU, train and rollout slices are two halves of 4 forced host devices.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,6 +48,27 @@ def byte_table(cfg, lcfg) -> dict:
     adapters = lora.adapter_bytes(cfg, lcfg)
     return {"params": cfg.num_params, "full_f32": full_f32, "full_bf16": full_bf16, "adapters_f32": adapters,
             "share_of_f32": adapters / full_f32, "share_of_bf16": adapters / full_bf16}
+
+
+def planned_state(cfg, lcfg, base_dtype: str) -> dict:
+    """Bytes the trainer keeps on one device between updates (system.memory's plan, from shapes): LoRA (adapters,
+    their AdamW moments and gradients, the frozen base in `base_dtype`) against full fine-tuning (float32
+    params, moments and gradients). Activations are not included (they need the target's compiler)."""
+    from areal_jax.config import from_config_dict
+    from areal_jax.runtime.mesh import MeshConfig, build_meshes
+    from areal_jax.system.memory import model_builder, state_parts
+
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    cfg = cfg.replace(param_dtype=jnp.float32)
+    out = {}
+    for name, enabled in (("lora", True), ("full", False)):
+        lora_section = {"enabled": enabled, "rank": lcfg.rank, "alpha": lcfg.alpha, "targets": lcfg.targets,
+                        "base_dtype": base_dtype}
+        job = from_config_dict({"lora": lora_section})
+        train, _ = state_parts(job, cfg, meshes, model_builder(job.lora if enabled else None, 0),
+                               nnx.LoRAParam if enabled else nnx.Param)
+        out[f"{name}_state_bytes"] = sum(train.values())
+    return out
 
 
 def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
@@ -157,12 +181,19 @@ def main(argv=None) -> None:
     lcfg = lora.LoRAConfig(rank=args.rank, alpha=args.alpha, targets=args.targets, base_dtype=args.base_dtype)
     print(f"backend {jax.default_backend()}, {len(jax.devices())} devices, matmul peak "
           f"{matmul_peak_gflops():.0f} GFLOP/s (float32)", flush=True)
+    report = {"benchmark": "lora", "preset": args.preset, "rank": args.rank, "targets": args.targets,
+              "backend": jax.default_backend(), "device": jax.devices()[0].device_kind}
     for name, shape in QWEN.items():
         t = byte_table(model_config(args, **shape), lcfg)
         print(f"[bytes] Qwen2.5-{name} shape, rank {args.rank} on {args.targets}: {t['params'] / 1e6:.1f}M params, "
               f"full weights {t['full_f32'] / 2**20:.0f} MiB f32 / {t['full_bf16'] / 2**20:.0f} MiB bf16, adapters "
               f"{t['adapters_f32'] / 2**20:.1f} MiB f32 = {100 * t['share_of_f32']:.2f}% of f32 weights, "
               f"{100 * t['share_of_bf16']:.2f}% of bf16 weights")
+        plan = planned_state(model_config(args, **shape), lcfg, "bfloat16")
+        print(f"[state] Qwen2.5-{name} shape, trainer state per device from shapes (before activations): LoRA "
+              f"(bf16 base) {plan['lora_state_bytes'] / 2**30:.2f} GiB, full fine-tuning "
+              f"{plan['full_state_bytes'] / 2**30:.2f} GiB ({plan['full_state_bytes'] / plan['lora_state_bytes']:.1f}x)")
+        report[f"qwen2.5-{name}"] = {**t, **plan}
     cfg = model_config(args, **QWEN.get(args.preset, {}))
     t = byte_table(cfg, lcfg)
     print(f"[bytes] measured shape: {t['params'] / 1e6:.2f}M params, adapters {100 * t['share_of_f32']:.2f}% of f32")
@@ -175,12 +206,14 @@ def main(argv=None) -> None:
     meshes = build_meshes(MeshConfig(train_devices=n // 2, rollout_devices=n - n // 2) if n > 1
                           else MeshConfig(colocated=True))
     h = handoff(model, lcfg, meshes, args.repeats, args.sampler_dtype)
+    report["handoff"] = h
     print(f"[hand-off] full weights {h['full_bytes'] / 2**20:.1f} MiB: {1e3 * h['full_s']:.1f} ms | adapters "
           f"{h['adapter_bytes'] / 2**20:.2f} MiB: merged {1e3 * h['merged_s']:.1f} ms "
           f"({h['full_s'] / h['merged_s']:.1f}x faster), unmerged {1e3 * h['unmerged_s']:.1f} ms "
           f"({h['full_s'] / h['unmerged_s']:.1f}x faster)", flush=True)
     if not args.skip_decode:
         d = decode(model, lcfg, args)
+        report["decode"] = d
         print(f"[decode] {args.prompts} prompts x {args.new_tokens} tokens, {args.slots} slots: merged "
               f"{d['merged_tok_s']:.0f} tok/s, unmerged {d['unmerged_tok_s']:.0f} tok/s "
               f"(merged/unmerged {d['merged_tok_s'] / d['unmerged_tok_s']:.2f}x); same greedy tokens: "
@@ -188,10 +221,12 @@ def main(argv=None) -> None:
     if args.train_memory:
         del model
         m = train_memory(cfg, lcfg, args)
+        report["train_memory"] = m
         gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f} GiB"  # noqa: E731
         print(f"[train memory] {args.train_seqs} x {args.train_len} tokens: LoRA peak {gib(m['lora_peak_bytes'])}, "
               f"state {gib(m['lora_state_bytes'])} | full fine-tuning peak {gib(m['full_peak_bytes'])}, state "
               f"{gib(m['full_state_bytes'])}")
+    print(json.dumps(report, default=float))
 
 
 if __name__ == "__main__":

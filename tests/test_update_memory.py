@@ -179,3 +179,17 @@ def test_rollout_config_builds_the_engine_it_names():
     paged = RolloutConfig(num_slots=8, max_len=64, kv_cache="paged", kv_pages=20).make_engine(model, mesh=None,
                                                                                               config=CFG)
     assert type(dense).__name__ == "Engine" and isinstance(paged, PagedEngine) and paged.num_pages == 20
+
+
+def test_a_lora_plan_counts_adapters_as_trained_and_the_bf16_base_as_frozen():
+    job = config_lib.from_config_dict({"lora": {"enabled": True, "rank": 4, "targets": "attn",
+                                                "base_dtype": "bfloat16"}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    build = job_memory.model_builder(job.lora, job.seed)
+    train, _ = job_memory.state_parts(job, CFG, meshes, build, nnx.LoRAParam)
+    trainer = Trainer(build(CFG), TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
+    assert train["params"] == _on_first_device(trainer.state.params)  # the adapters only
+    assert train["frozen_weights"] == _on_first_device(trainer._other)  # the base, in bf16
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trainer._other) if x.ndim == 2)
+    assert 0 <= _on_first_device(trainer.state.opt_state) - train["optimizer"] <= 16
+    assert train["frozen_weights"] > 10 * train["params"]
