@@ -117,7 +117,7 @@ def test_resident_parts_equal_what_a_trainer_and_an_engine_allocate(kv_cache):
 
 
 def test_a_plan_over_the_device_names_the_largest_part_and_its_key():
-    job = config_lib.from_config_dict({"rollout": {"num_slots": 64, "max_len": 1024}})
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 64, "max_len": 1024}, "eval": {"n_test": 0}})
     meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
     parts = job_memory.JobMemory.prepare(job, CFG, meshes, device_bytes=None)  # no limit: nothing checked
     total = parts.plan.total
@@ -193,3 +193,24 @@ def test_a_lora_plan_counts_adapters_as_trained_and_the_bf16_base_as_frozen():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trainer._other) if x.ndim == 2)
     assert 0 <= _on_first_device(trainer.state.opt_state) - train["optimizer"] <= 16
     assert train["frozen_weights"] > 10 * train["params"]
+
+
+def test_the_evaluation_part_equals_what_an_evaluation_engine_holds():
+    from areal_jax.evaluation.batch import eval_engine
+
+    job = config_lib.from_config_dict({"eval": {"n_test": 10, "num_slots": 16, "max_new_tokens": 32,
+                                                "decode_steps": 4, "streams": 2},
+                                       "data": {"max_prompt_len": 24}, "rollout": {"max_len": 96},
+                                       "train": {"micro_batch_tokens": 128}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    _, rollout = job_memory.state_parts(job, CFG, meshes, job_memory.model_builder(None, 0))
+    model = testing.random_model(CFG)
+    engine = eval_engine(model, config=CFG, num_slots=16, max_len=56, mesh=meshes.rollout_mesh, streams=2,
+                         decode_steps=4, longest_prompt=24)  # 24 + 32 tokens, as the job sizes it
+    state = engine.init_decode_state()
+    assert engine.num_slots == 8 and state.standby is not None  # two streams of 8 slots, with standby rows
+    per_stream = _on_first_device([state.cache, state.logits, state.standby.cache, state.standby.logits])
+    weights = rollout["sampler_params"]
+    assert rollout["evaluation"] == weights + 2 * per_stream
+    off = config_lib.from_config_dict({"eval": {"n_test": 0}})
+    assert job_memory.state_parts(off, CFG, meshes, job_memory.model_builder(None, 0))[1]["evaluation"] == 0

@@ -4,7 +4,8 @@ A model that does not fit used to fail deep inside XLA (an allocation of tens of
 program, minutes after start) with an error that names no config key. The job now adds up, per device
 and from shapes alone, what stays resident (`state_parts`): the trainer's params, AdamW moments and
 gradient accumulators, frozen and reference weights, the sampler's copy of the weights and its KV cache
-(with the standby rows and the decode logits). Train parts sit on the train devices, rollout parts on
+(with the standby rows and the decode logits), and what an evaluation adds while it runs (a weights copy and
+its engine's caches). Train parts sit on the train devices, rollout parts on
 the rollout devices, both on the same devices when colocated; the plan is the most loaded device.
 On a device that reports its memory (GPUs, TPUs) the resident parts are checked before anything is
 loaded; the update's working memory (`trainer.memory`, measured by XLA on 1- and 2-layer programs) is
@@ -44,6 +45,8 @@ HINTS = {
                 "fewer --config.rollout.kv_pages",
     "update_activations": "set --config.train.remat=full (or dots), or lower --config.train.micro_batch_tokens / "
                           "train.logits_chunk",
+    "evaluation": "lower --config.eval.num_slots or eval.max_new_tokens (an evaluation adds its own weights copy and "
+                  "KV cache while it runs)",
 }
 
 
@@ -80,6 +83,27 @@ def per_device_bytes(shapes: Any, shardings: Any) -> int:
     for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
         total += int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: str) -> int:
+    """What an evaluation adds on a rollout device while it runs (at most): a copy of the sampler's weights
+    and its engine's decode states, eval.num_slots sequences of the longest prompt (data.max_prompt_len) +
+    eval.max_new_tokens (capped at rollout.max_len, rounded up to 8 like the job's engine), with each stream's
+    standby rows and logits. 0 when the job does not evaluate."""
+    e = job.eval
+    if not e.enabled:
+        return 0
+    from areal_jax.sampler.config import default_standby_rows
+
+    max_len = min(job.rollout.max_len, -(-(job.data.max_prompt_len + e.max_new_tokens) // 8) * 8)
+    streams = e.streams_for(backend)
+    per_stream = -(-e.num_slots // streams)
+    standby = default_standby_rows(per_stream, e.decode_steps_for(job.rollout.decode_steps, backend))
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    if tensor > 1 and cfg.num_kv_heads % tensor == 0:
+        per_position //= tensor
+    positions = per_stream * max_len + standby * min(max_len, STANDBY_LEN)
+    return weights + streams * (positions * per_position + (per_stream + standby) * cfg.vocab_size * 4)
 
 
 def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
@@ -131,8 +155,10 @@ def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelC
     if sampler_dtype is not None:
         whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape, sampler_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), whole)
-    rollout = {"sampler_params": per_device_bytes(whole, logical_to_mesh_sharding(whole, rmesh)),
-               "kv_cache": kv_cache_bytes(cfg, r, int(rmesh.shape.get("tensor", 1)))}
+    tensor = int(rmesh.shape.get("tensor", 1))
+    weights = per_device_bytes(whole, logical_to_mesh_sharding(whole, rmesh))
+    rollout = {"sampler_params": weights, "kv_cache": kv_cache_bytes(cfg, r, tensor),
+               "evaluation": eval_bytes(job, cfg, tensor, weights, jax.default_backend())}
     return train, rollout
 
 
