@@ -130,7 +130,7 @@ def test_a_plan_over_the_device_names_the_largest_part_and_its_key():
 
 
 def test_the_job_plan_adds_the_measured_update_and_resolves_auto():
-    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 128},
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 128}, "eval": {"n_test": 0},
                                        "train": {"micro_batch_tokens": 1024, "logits_chunk": 256, "attention": "dense"},
                                        "data": {"max_prompt_len": 32}})
     meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
@@ -214,3 +214,11 @@ def test_the_evaluation_part_equals_what_an_evaluation_engine_holds():
     assert rollout["evaluation"] == weights + 2 * per_stream
     off = config_lib.from_config_dict({"eval": {"n_test": 0}})
     assert job_memory.state_parts(off, CFG, meshes, job_memory.model_builder(None, 0))[1]["evaluation"] == 0
+
+
+def test_the_update_and_an_evaluation_never_count_together():
+    plan = job_memory.MemoryPlan({"params": 10, "kv_cache": 5, "update_activations": 7, "evaluation": 4}, 100)
+    assert plan.total == 22 and "the larger counts" in plan.describe()
+    assert job_memory.MemoryPlan({"params": 10, "evaluation": 4}, 100).total == 14
+    assert job_memory.plan({"params": 10, "update_activations": 30}, {"kv_cache": 20, "evaluation": 15}, False,
+                           None).parts == {"params": 10, "update_activations": 30}  # split slices: the larger side

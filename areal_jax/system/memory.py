@@ -4,9 +4,10 @@ A model that does not fit used to fail deep inside XLA (an allocation of tens of
 program, minutes after start) with an error that names no config key. The job now adds up, per device
 and from shapes alone, what stays resident (`state_parts`): the trainer's params, AdamW moments and
 gradient accumulators, frozen and reference weights, the sampler's copy of the weights and its KV cache
-(with the standby rows and the decode logits), and what an evaluation adds while it runs (a weights copy and
-its engine's caches). Train parts sit on the train devices, rollout parts on
-the rollout devices, both on the same devices when colocated; the plan is the most loaded device.
+(with the standby rows and the decode logits), and what an evaluation adds while it runs (a weights copy
+and its engine's caches). Train parts sit on the train devices, rollout parts on the rollout devices, both
+on the same devices when colocated; the plan is the most loaded device. The update and an evaluation
+never run at once, so only the larger of the two counts.
 On a device that reports its memory (GPUs, TPUs) the resident parts are checked before anything is
 loaded; the update's working memory (`trainer.memory`, measured by XLA on 1- and 2-layer programs) is
 added once the trainer has chosen `train.remat`, and checked before the update compiles at full depth.
@@ -30,7 +31,8 @@ from areal_jax.sampler.config import STANDBY_LEN
 
 GiB = 2**30
 HEADROOM = 0.9  # of the device's memory; the rest for XLA's own scratch, fragmentation and small buffers
-TRAIN_PARTS = ("params", "optimizer", "gradients", "frozen_weights", "reference", "update_activations")
+# The update and an evaluation run on the same thread, one after the other: only the larger of the two counts.
+EXCLUSIVE = ("update_activations", "evaluation")
 HINTS = {
     "params": "shard the trainer over more devices (--config.mesh.fsdp / mesh.train_devices) or use LoRA "
               "(--config.lora.enabled=True)",
@@ -59,13 +61,17 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return int(sum(self.parts.values()))
+        """Peak bytes: every part, but only the larger of the update's working memory and an evaluation's."""
+        rest = sum(v for k, v in self.parts.items() if k not in EXCLUSIVE)
+        return int(rest + max((self.parts.get(k, 0) for k in EXCLUSIVE), default=0))
 
     def describe(self) -> str:
         unit, size = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
         listing = ", ".join(f"{k} {v / size:.2f}" for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v)
         of = f" of {self.device_bytes / GiB:.1f} GiB" if self.device_bytes else " (the device reports no limit)"
-        return f"{self.total / size:.2f} {unit} per device{of}: {listing} {unit}"
+        both = all(self.parts.get(k) for k in EXCLUSIVE)
+        note = " (the update and an evaluation never run at once: the larger counts)" if both else ""
+        return f"{self.total / size:.2f} {unit} per device{of}: {listing} {unit}{note}"
 
     def check(self, headroom: float = HEADROOM) -> None:
         """Raise ConfigError when the parts exceed `headroom` of the device's memory."""
@@ -167,8 +173,8 @@ def plan(train: dict[str, int], rollout: dict[str, int], colocated: bool,
     """The plan of the most loaded device: both sides summed when colocated, else the larger side."""
     if colocated:
         return MemoryPlan({**train, **rollout}, device_bytes)
-    side = train if sum(train.values()) >= sum(rollout.values()) else rollout
-    return MemoryPlan(dict(side), device_bytes)
+    sides = MemoryPlan(dict(train), device_bytes), MemoryPlan(dict(rollout), device_bytes)
+    return max(sides, key=lambda p: p.total)
 
 
 def model_builder(lora: Any, seed: int) -> Callable[[ModelConfig], nnx.Module]:
@@ -225,7 +231,8 @@ class JobMemory:
         recomputation that fits beside every resident part). Without a limit, "auto" is "none"."""
         from areal_jax.trainer.memory import choose_remat
 
-        held = sum(self.train.values()) + (sum(self.rollout.values()) if self.colocated else 0)
+        on_train = {**self.train, **(self.rollout if self.colocated else {})}
+        held = sum(v for k, v in on_train.items() if k not in EXCLUSIVE)  # an evaluation never runs beside it
         remat, act = choose_remat(self.build, self.model, cfg, mesh, held_bytes=held, device_bytes=self.device_bytes,
                                   headroom=HEADROOM, wrt=self.wrt)
         if act is not None:
