@@ -6,9 +6,10 @@ reports it exactly for a compiled program (`memory_analysis().temp_size_in_bytes
 full-depth update only to learn that it does not fit would cost the very compile a user waits for, so
 `activation_bytes` compiles the micro-step program of a 1-layer and a 2-layer copy of the model
 (abstract: nothing is allocated) at the run's worst micro-step (one row of micro_batch_tokens per data
-device) and extends the difference to every layer. The layers are identical and unrolled, so the
-extension is exact where XLA's scheduling is the same per layer (checked against the full model in
-tests/test_update_memory.py).
+device) and extends the difference to every layer (2- and 3-layer copies with train.scan_layers, since
+one layer is not a scan). The layers are identical, so the extension is exact where XLA's scheduling is
+the same per layer: within 1% of the full-depth program in tests/test_update_memory.py, and equal at the
+Qwen2.5-0.5B shape on the CPU (docs/measurements.md).
 
 `choose_remat` uses it for `train.remat=auto`: the least recomputation whose update fits the device
 next to the memory already held, on devices that report their memory (GPUs, TPUs). A CPU reports none:
