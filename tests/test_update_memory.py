@@ -222,3 +222,29 @@ def test_the_update_and_an_evaluation_never_count_together():
     assert job_memory.MemoryPlan({"params": 10, "evaluation": 4}, 100).total == 14
     assert job_memory.plan({"params": 10, "update_activations": 30}, {"kv_cache": 20, "evaluation": 15}, False,
                            None).parts == {"params": 10, "update_activations": 30}  # split slices: the larger side
+
+
+def test_kv_pages_minus_one_fills_the_memory_the_plan_leaves():
+    job = config_lib.from_config_dict({
+        "rollout": {"num_slots": 8, "max_len": 96, "kv_cache": "paged", "page_size": 16, "kv_pages": -1,
+                    "kv_admission": "optimistic"},
+        "train": {"micro_batch_tokens": 128}, "data": {"max_prompt_len": 32}, "eval": {"n_test": 0}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    assert job_memory.JobMemory.prepare(job, CFG, meshes, None).fill_pages(job.rollout).kv_pages is None  # no limit
+
+    least = job_memory.JobMemory.prepare(job, CFG, meshes, None).plan.total  # a one-sequence pool (6 pages)
+    budget = int((least + 1000 * 16 * 512) / job_memory.HEADROOM)  # room for about 1,000 more pages of 8 KiB
+    memory = job_memory.JobMemory.prepare(job, CFG, meshes, budget)
+    filled = memory.fill_pages(job.rollout)
+    assert 1000 <= filled.kv_pages <= 1006
+    assert memory.plan.total <= job_memory.HEADROOM * budget  # it fits...
+    more = job_memory.kv_cache_bytes(CFG, filled.replace(kv_pages=filled.kv_pages + 1), 1)
+    assert memory.plan.total - memory.rollout["kv_cache"] + more > job_memory.HEADROOM * budget  # ...and is the most
+    engine = filled.make_engine(testing.random_model(CFG), mesh=meshes.rollout_mesh, config=CFG)
+    state = engine.init_decode_state()
+    assert engine.num_pages == filled.kv_pages
+    held = _on_first_device([state.cache.pages, state.logits, state.standby.logits])
+    assert held == memory.rollout["kv_cache"]  # the pool as planned
+
+    with pytest.raises(ConfigError, match="kv_pages=-1 sizes a page pool"):
+        config_lib.from_config_dict({"rollout": {"kv_pages": -1}})

@@ -50,7 +50,10 @@ class RolloutConfig(Section):
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
     page_size: int = knob(16, "positions per KV page (paged)")
-    kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len")
+    kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len; -1 = as many as the memory "
+                                "the job's plan leaves free on the device holds (system.memory; None's pool where the "
+                                "device reports no memory limit); with kv_admission=optimistic and more num_slots, "
+                                "memory then bounds the sequences decoded at once")
     kv_admission: str = knob("reserve", "paged: reserve (a sample is admitted when the pool holds its longest "
                              "possible length) | optimistic (when it holds its prompt and the next dispatch's "
                              "growth; running samples give pages back and resume by recompute when the pool runs "
@@ -83,7 +86,8 @@ class RolloutConfig(Section):
         if self.kv_cache == "paged":
             from areal_jax.sampler.paged_engine import PagedEngine
 
-            return PagedEngine(model, page_size=self.page_size, num_pages=self.kv_pages, admission=self.kv_admission,
+            pages = None if self.kv_pages == -1 else self.kv_pages  # -1 unresolved (no plan): the default pool
+            return PagedEngine(model, page_size=self.page_size, num_pages=pages, admission=self.kv_admission,
                                **common)
         from areal_jax.sampler.engine import Engine
 
@@ -110,10 +114,12 @@ class RolloutConfig(Section):
         require(self.kv_admission == "reserve" or self.kv_cache == "paged",
                 f"{k('kv_admission')}={self.kv_admission} needs {k('kv_cache')}=paged (the dense cache holds every "
                 "slot's longest sequence anyway).")
+        require(self.kv_pages != -1 or self.kv_cache == "paged",
+                f"{k('kv_pages')}=-1 sizes a page pool to the free memory: set {k('kv_cache')}=paged too.")
         if self.kv_cache == "paged":
             require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
             per_seq = -(-self.max_len // self.page_size)
-            require(self.kv_pages is None or self.kv_pages >= per_seq,
+            require(self.kv_pages is None or self.kv_pages == -1 or self.kv_pages >= per_seq,
                     f"{k('kv_pages')}={self.kv_pages} cannot hold one sequence of rollout.max_len={self.max_len} "
                     f"({per_seq} pages of {self.page_size}); raise kv_pages or lower max_len.")
         require(self.temperature >= 0, f"{k('temperature')}={self.temperature} must be >= 0 (0 means greedy).")

@@ -77,7 +77,6 @@ class RLJob:
         from areal_jax.system.params import ParamChannel
         from areal_jax.tokenizer import Tokenizer
         from areal_jax.trainer import Trainer
-        from areal_jax.trainer.memory import device_memory_bytes
 
         c, close_later = self.config, self._exit
         self.primary = is_primary()
@@ -120,9 +119,11 @@ class RLJob:
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
-        self.memory = JobMemory.prepare(c, model_cfg, self.meshes, device_memory_bytes(c.mesh.device_memory_gib))
+        self.memory = JobMemory.for_job(c, model_cfg, self.meshes)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
-        self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}")
+        self.rollout_cfg = self.memory.fill_pages(c.rollout)  # rollout.kv_pages=-1: the pool takes what is left
+        self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="
+                 f"{self.rollout_cfg.kv_pages}")
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
@@ -163,7 +164,7 @@ class RLJob:
                                          max_events=c.log.timeline_max_events)
         close_later.callback(self.timeline.close)  # saves timeline.json and removes its spool
 
-        r = c.rollout
+        r = self.rollout_cfg
         sampler_dtype = None if r.param_dtype == "same" else DTYPES[r.param_dtype]
         if lora_cfg is None:
             self.channel = ParamChannel.for_model(

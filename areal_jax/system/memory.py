@@ -112,6 +112,15 @@ def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: s
     return weights + streams * (positions * per_position + (per_stream + standby) * cfg.vocab_size * 4)
 
 
+def pool_pages(rollout: Any) -> int:
+    """Pages of the paged cache's pool: rollout.kv_pages, num_slots x max_len's worth for None, and for -1
+    (fill the free memory, `JobMemory.fill_pages`) the least that works, one longest sequence."""
+    per_sequence = -(-rollout.max_len // rollout.page_size)
+    if rollout.kv_pages == -1:
+        return per_sequence
+    return rollout.kv_pages if rollout.kv_pages is not None else rollout.num_slots * per_sequence
+
+
 def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache splits its
     kv heads over the rollout mesh's tensor axis when they divide, a page pool is replicated), with the standby
@@ -121,9 +130,7 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
         per_position //= tensor
     rows = rollout.num_slots + rollout.standby
     if rollout.kv_cache == "paged":
-        per_sequence = -(-rollout.max_len // rollout.page_size)
-        pages = rollout.kv_pages if rollout.kv_pages is not None else rollout.num_slots * per_sequence
-        positions = pages * rollout.page_size
+        positions = pool_pages(rollout) * rollout.page_size
     else:
         standby_len = rollout.standby_len or min(rollout.max_len, STANDBY_LEN)
         positions = rollout.num_slots * rollout.max_len + rollout.standby * standby_len
@@ -204,6 +211,7 @@ class JobMemory:
     model: ModelConfig
     build: Callable[[ModelConfig], nnx.Module]
     wrt: Any
+    tensor: int = 1  # the rollout mesh's tensor axis (a dense cache splits its kv heads over it)
 
     @property
     def n_params(self) -> int:
@@ -215,15 +223,43 @@ class JobMemory:
         return plan(self.train, self.rollout, self.colocated, self.device_bytes)
 
     @classmethod
+    def for_job(cls, job: Any, cfg: ModelConfig, meshes: Any) -> "JobMemory":
+        """`prepare` against mesh.device_memory_gib, or what this process's devices report."""
+        from areal_jax.trainer.memory import device_memory_bytes
+
+        return cls.prepare(job, cfg, meshes, device_memory_bytes(job.mesh.device_memory_gib))
+
+    @classmethod
     def prepare(cls, job: Any, cfg: ModelConfig, meshes: Any, device_bytes: int | None) -> "JobMemory":
         """The resident parts, checked (ConfigError) when the device reports its memory."""
         lora = job.lora if job.lora.enabled else None
         wrt = nnx.Param if lora is None else nnx.LoRAParam
         build = model_builder(lora, job.seed)
         train, rollout = state_parts(job, cfg, meshes, build, wrt)
-        out = cls(train, rollout, meshes.colocated, device_bytes, cfg, build, wrt)
+        out = cls(train, rollout, meshes.colocated, device_bytes, cfg, build, wrt,
+                  int(meshes.rollout_mesh.shape.get("tensor", 1)))
         out.plan.check()
         return out
+
+    def fill_pages(self, rollout: Any) -> Any:
+        """The rollout config with kv_pages=-1 resolved: as many pages as `HEADROOM` of a rollout device holds
+        beside every other part of the plan (call after `resolve_update`, which adds the update's memory), or
+        the default pool (None) where the device reports no limit. Other settings are returned unchanged."""
+        if rollout.kv_cache != "paged" or rollout.kv_pages != -1:
+            return rollout
+        if self.device_bytes is None:
+            return dataclasses.replace(rollout, kv_pages=None)
+        on_device = MemoryPlan({**self.train, **self.rollout} if self.colocated else dict(self.rollout),
+                               self.device_bytes)
+        least = self.rollout["kv_cache"]  # the plan so far holds a one-sequence pool
+        page = (kv_cache_bytes(self.model, dataclasses.replace(rollout, kv_pages=pool_pages(rollout) + 1),
+                               self.tensor) - least)
+        free = HEADROOM * self.device_bytes - (on_device.total - least)
+        pages = max(pool_pages(rollout), int((free - (least - pool_pages(rollout) * page)) // page))
+        filled = dataclasses.replace(rollout, kv_pages=pages)
+        self.rollout["kv_cache"] = kv_cache_bytes(self.model, filled, self.tensor)
+        self.plan.check()
+        return filled
 
     def resolve_update(self, cfg: Any, mesh: Any) -> Any:
         """The trainer config with train.remat resolved, after adding the update's working memory to the plan
