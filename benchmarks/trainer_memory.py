@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logits-chunk", type=int, default=4096)
     p.add_argument("--compile", action="store_true", help="also compile the accumulate program (minutes each)")
     p.add_argument("--probe", action="store_true", help="also the job's estimate from 1- and 2-layer programs")
-    p.add_argument("--no-scan", action="store_true", help="unroll the decoder layers (train.scan_layers=False)")
+    p.add_argument("--scan-layers", action="store_true", help="the decoder layers as one scan (train.scan_layers)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     workload = PRESETS[args.preset]["workload"]
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         rows, t = step_shape(cfg, lengths, budget)
         tcfg = TrainerConfig(micro_batch_tokens=budget, logits_chunk=args.logits_chunk, remat=remat, prox_mode="loglinear",
-                             scan_layers=not args.no_scan,
+                             scan_layers=args.scan_layers,
                              attention=attention)
         r = {"micro_batch_tokens": budget, "remat": remat, "attention": attention,
              **estimate(cfg, tcfg, rows, t, args.compile, args.probe)}
