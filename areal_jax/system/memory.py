@@ -46,7 +46,7 @@ HINTS = {
     "kv_cache": "lower --config.rollout.num_slots or rollout.max_len, or use --config.rollout.kv_cache=paged with "
                 "fewer --config.rollout.kv_pages",
     "update_activations": "set --config.train.remat=full (or dots), or lower --config.train.micro_batch_tokens / "
-                          "train.logits_chunk",
+                          "train.logits_chunk (the optimizer step's share shrinks with --config.mesh.fsdp or LoRA)",
     "evaluation": "lower --config.eval.num_slots or eval.max_new_tokens (an evaluation adds its own weights copy and "
                   "KV cache while it runs)",
 }

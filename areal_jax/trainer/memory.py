@@ -7,7 +7,9 @@ full-depth update only to learn that it does not fit would cost the very compile
 `activation_bytes` compiles the micro-step program of a 1-layer and a 2-layer copy of the model
 (abstract: nothing is allocated) at the run's worst micro-step (one row of micro_batch_tokens per data
 device) and extends the difference to every layer (2- and 3-layer copies with train.scan_layers, since
-one layer is not a scan). The layers are identical, so the extension is exact where XLA's scheduling is
+one layer is not a scan). The optimizer step (gradient clipping, AdamW) is a program of its own whose
+buffers grow with the trained params; it is probed the same way (2 and 3 layers) and the larger of the
+two counts. The layers are identical, so the extension is exact where XLA's scheduling is
 the same per layer: within 1% of the full-depth program in tests/test_update_memory.py, and equal at the
 Qwen2.5-0.5B shape on the CPU (docs/measurements.md).
 
@@ -31,7 +33,7 @@ from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
-from areal_jax.trainer.state import train_state_shardings
+from areal_jax.trainer.state import TrainState, train_state_shardings
 from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, build_update_fns, zero_metric_sums
 
 REMAT_ORDER = ("none", "dots", "full")  # least recomputation first
@@ -71,9 +73,12 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
-                      layers: int, tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
+                      layers: int, tokens: int | None = None, wrt: Any = nnx.Param,
+                      program: str = "accumulate") -> int | None:
     """XLA's working memory (bytes per device) of one micro-step of the update for a `layers`-layer copy
-    of the model, at one packed row of `tokens` (default micro_batch_tokens) per data device.
+    of the model, at one packed row of `tokens` (default micro_batch_tokens) per data device; with
+    program="apply", of the optimizer step instead (gradient clipping and AdamW: about 1.5x the trained
+    params on the CPU, which can exceed a small micro-step's).
 
     build(model_cfg) makes the model (with adapters, for LoRA); it runs under nnx.eval_shape, so no
     parameter is allocated. Compiles one small program. remat "auto" is measured as "none". None where the
@@ -99,24 +104,44 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     batch = {k: jax.ShapeDtypeStruct(rows, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=fns.batch_sharding)
              for k in batch_fields(cfg)}
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    compiled = fns.accumulate.lower(train_in, _abstract(other, other_sharding), grads, sums, batch, version).compile()
+    if program == "apply":
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        opt = _abstract(jax.eval_shape(tx.init, train), shardings.opt_state)
+        state = TrainState(params=_abstract(params, shardings.params), opt_state=opt, step=scalar, version=scalar,
+                           skipped_updates=scalar, value_head=None if head is None else _abstract(head, shardings.value_head))
+        loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+        compiled = fns.apply.lower(state, grads, loss, loss, scalar).compile()
+    else:
+        compiled = fns.accumulate.lower(train_in, _abstract(other, other_sharding), grads, sums, batch,
+                                        version).compile()
     analysis = compiled.memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
                      tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
-    """XLA's working memory (bytes per device) of one micro-step of the full-depth update, from the
-    1- and 2-layer programs (2- and 3-layer with train.scan_layers; module docstring); None where the backend
-    gives no memory analysis. Two small compiles."""
-    # A scan needs two layers to be a scan (models.packed_attention.scannable): probe 2 and 3 layers then.
-    base = 2 if cfg.scan_layers and model_cfg.num_layers >= 2 else 1
-    one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=base, tokens=tokens, wrt=wrt)
-    two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=base + 1, tokens=tokens,
-                                                     wrt=wrt)
-    if one is None or two is None:
-        return None
-    return max(one, one + (model_cfg.num_layers - base) * (two - one))
+    """XLA's working memory (bytes per device) of the full-depth update: the larger of one micro-step's and
+    the optimizer step's, each from its 1- and 2-layer programs (2- and 3-layer for the optimizer step and
+    with train.scan_layers; module docstring); None where the backend gives no memory analysis. Four small
+    compiles."""
+    need, n = 0, model_cfg.num_layers
+    for program in ("accumulate", "apply"):  # the micro-steps, then the optimizer step: never at once
+        # A scan needs two layers (models.packed_attention.scannable); the optimizer step's buffers settle into
+        # their per-layer growth from the second layer on (measured): probe 2 and 3 layers for those.
+        base = 2 if cfg.scan_layers or program == "apply" else 1
+        if n <= base + 1:  # as shallow as the probes: the program itself
+            at = update_temp_bytes(build, model_cfg, cfg, mesh, layers=n, tokens=tokens, wrt=wrt, program=program)
+            if at is None:
+                return None
+            need = max(need, at)
+            continue
+        one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=base, tokens=tokens, wrt=wrt, program=program)
+        two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=base + 1,
+                                                         tokens=tokens, wrt=wrt, program=program)
+        if one is None or two is None:
+            return None
+        need = max(need, one, one + (n - base) * (two - one))
+    return need
 
 
 def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
