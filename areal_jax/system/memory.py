@@ -58,6 +58,7 @@ class MemoryPlan:
 
     parts: dict[str, int]
     device_bytes: int | None
+    hints: dict[str, str] = dataclasses.field(default_factory=dict)  # replaces HINTS[part] where given
 
     @property
     def total(self) -> int:
@@ -77,10 +78,11 @@ class MemoryPlan:
         """Raise ConfigError when the parts exceed `headroom` of the device's memory."""
         if not self.device_bytes or self.total <= headroom * self.device_bytes:
             return
-        largest = max((k for k in self.parts if k in HINTS), key=lambda k: self.parts[k])
+        hints = {**HINTS, **self.hints}
+        largest = max((k for k in self.parts if k in hints), key=lambda k: self.parts[k])
         raise ConfigError(
             f"This run does not fit its devices: it needs {self.describe()}, more than {headroom:.0%} of the "
-            f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {HINTS[largest]}.")
+            f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {hints[largest]}.")
 
 
 def per_device_bytes(shapes: Any, shardings: Any) -> int:
@@ -176,11 +178,12 @@ def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelC
 
 
 def plan(train: dict[str, int], rollout: dict[str, int], colocated: bool,
-         device_bytes: int | None) -> MemoryPlan:
+         device_bytes: int | None, hints: dict[str, str] | None = None) -> MemoryPlan:
     """The plan of the most loaded device: both sides summed when colocated, else the larger side."""
     if colocated:
-        return MemoryPlan({**train, **rollout}, device_bytes)
-    sides = MemoryPlan(dict(train), device_bytes), MemoryPlan(dict(rollout), device_bytes)
+        return MemoryPlan({**train, **rollout}, device_bytes, dict(hints or {}))
+    sides = (MemoryPlan(dict(train), device_bytes, dict(hints or {})),
+             MemoryPlan(dict(rollout), device_bytes, dict(hints or {})))
     return max(sides, key=lambda p: p.total)
 
 
@@ -212,6 +215,7 @@ class JobMemory:
     build: Callable[[ModelConfig], nnx.Module]
     wrt: Any
     tensor: int = 1  # the rollout mesh's tensor axis (a dense cache splits its kv heads over it)
+    hints: dict[str, str] = dataclasses.field(default_factory=dict)  # what the run already tried, per part
 
     @property
     def n_params(self) -> int:
@@ -220,7 +224,7 @@ class JobMemory:
 
     @property
     def plan(self) -> MemoryPlan:
-        return plan(self.train, self.rollout, self.colocated, self.device_bytes)
+        return plan(self.train, self.rollout, self.colocated, self.device_bytes, self.hints)
 
     @classmethod
     def for_job(cls, job: Any, cfg: ModelConfig, meshes: Any) -> "JobMemory":
@@ -273,5 +277,9 @@ class JobMemory:
                                   headroom=HEADROOM, wrt=self.wrt)
         if act is not None:
             self.train["update_activations"] = int(act)
+        if remat == "full":  # nothing left to recompute: the micro-step itself must shrink
+            self.hints["update_activations"] = (
+                "even with train.remat=full, lower --config.train.micro_batch_tokens or train.logits_chunk, or shard "
+                "the trainer over more devices (--config.mesh.fsdp)")
         self.plan.check()
         return dataclasses.replace(cfg, remat=remat)
