@@ -201,9 +201,11 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         backend_compiles = _COMPILE["backend_compiles"] - compile_before["backend_compiles"]
         stats = job.sampler.stats()
         handoff = measure_handoff(job) if measure else None
-        actual = {"params": first_device_bytes(job.trainer.state.params),  # per device, like the plan
-                  "optimizer": first_device_bytes(job.trainer.state.opt_state),
-                  "sampler_params": first_device_bytes(job.sampler.versioned_params()[1])}
+        from areal_jax.trainer.memory import resident_bytes
+
+        actual = {"params": resident_bytes(job.trainer.state.params),  # per device, like the plan
+                  "optimizer": resident_bytes(job.trainer.state.opt_state),
+                  "sampler_params": resident_bytes(job.sampler.versioned_params()[1])}
         mem_end = device_memory()
     finally:
         job.close()
@@ -236,15 +238,6 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
     if handoff is not None:
         out["handoff"] = handoff
     return out
-
-
-def first_device_bytes(tree) -> int:
-    """Bytes of the arrays' shards on each array's first device."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        first = min(x.sharding.device_set, key=lambda d: d.id)
-        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
-    return total
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -24,6 +24,7 @@ from areal_jax.system import memory as job_memory
 from areal_jax.testing import models as testing
 from areal_jax.testing.trajectories import random_trajectories
 from areal_jax.trainer import Trainer, TrainerConfig, memory
+from areal_jax.trainer.memory import resident_bytes
 
 CFG = testing.tiny_config(num_layers=4, vocab_size=256, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                           max_position_embeddings=1024)
@@ -60,11 +61,13 @@ def test_choose_remat_takes_the_least_recomputation_that_fits(monkeypatch):
     need = {"none": 100, "dots": 60, "full": 30}
     asked = []
 
-    def fake(build, model_cfg, cfg, mesh, **kw):
+    def fake(build, model_cfg, cfg, mesh, program, **kw):
+        if program == "apply":  # the optimizer step: smaller than any micro-step here
+            return 0
         asked.append(cfg.remat)
         return need[cfg.remat]
 
-    monkeypatch.setattr(memory, "activation_bytes", fake)
+    monkeypatch.setattr(memory, "program_bytes", fake)
     auto = TrainerConfig(remat="auto")
 
     def choose(held, device, cfg=auto):
@@ -78,15 +81,6 @@ def test_choose_remat_takes_the_least_recomputation_that_fits(monkeypatch):
     assert choose(10, None) == ("none", None) and asked == []  # no limit (a CPU): nothing measured
     assert choose(10, None, TrainerConfig(remat="dots")) == ("dots", None) and asked == []
     assert choose(190, 200, TrainerConfig(remat="none")) == ("none", 100)  # a named choice stays, measured
-
-
-def _on_first_device(tree) -> int:
-    """Bytes of the real arrays' shards that live on their first device."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        first = min(x.sharding.device_set, key=lambda d: d.id)
-        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
-    return total
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
@@ -103,20 +97,20 @@ def test_resident_parts_equal_what_a_trainer_and_an_engine_allocate(kv_cache):
 
     model, ref = build(CFG), build(CFG)
     trainer = Trainer(model, job.train, meshes.train_mesh, ref_model=ref)
-    assert train["params"] == _on_first_device(trainer.state.params)
-    assert 0 <= _on_first_device(trainer.state.opt_state) - train["optimizer"] <= 16  # + the step counters
+    assert train["params"] == resident_bytes(trainer.state.params)
+    assert 0 <= resident_bytes(trainer.state.opt_state) - train["optimizer"] <= 16  # + the step counters
     assert train["gradients"] == train["params"]  # float32 params: float32 accumulators
-    assert train["reference"] == _on_first_device(trainer._ref)
+    assert train["reference"] == resident_bytes(trainer._ref)
     rollout_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model))
     shardings = job_memory.logical_to_mesh_sharding(rollout_params, meshes.rollout_mesh)
-    assert rollout["sampler_params"] == _on_first_device(jax.device_put(rollout_params, shardings))
+    assert rollout["sampler_params"] == resident_bytes(jax.device_put(rollout_params, shardings))
 
     engine = job.rollout.make_engine(model, mesh=meshes.rollout_mesh, config=CFG)
     state = engine.init_decode_state()
     # keys and values (a dense cache splits its kv heads over the two devices, the page pool is replicated),
     # the standby rows' cache (dense; paged standby rows hold pages of the pool) and every row's logits
     cache = [state.cache, state.logits, state.standby.logits] + ([state.standby.cache] if kv_cache == "dense" else [])
-    got = _on_first_device(cache)
+    got = resident_bytes(cache)
     table = state.cache.table.nbytes if kv_cache == "paged" else 0  # the page table, not counted
     assert got - table == rollout["kv_cache"], (got, table, rollout["kv_cache"])
 
@@ -197,10 +191,10 @@ def test_a_lora_plan_counts_adapters_as_trained_and_the_bf16_base_as_frozen():
     build = job_memory.model_builder(job.lora, job.seed)
     train, _ = job_memory.state_parts(job, CFG, meshes, build, nnx.LoRAParam)
     trainer = Trainer(build(CFG), TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
-    assert train["params"] == _on_first_device(trainer.state.params)  # the adapters only
-    assert train["frozen_weights"] == _on_first_device(trainer._other)  # the base, in bf16
+    assert train["params"] == resident_bytes(trainer.state.params)  # the adapters only
+    assert train["frozen_weights"] == resident_bytes(trainer._other)  # the base, in bf16
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trainer._other) if x.ndim == 2)
-    assert 0 <= _on_first_device(trainer.state.opt_state) - train["optimizer"] <= 16
+    assert 0 <= resident_bytes(trainer.state.opt_state) - train["optimizer"] <= 16
     assert train["frozen_weights"] > 10 * train["params"]
 
 
@@ -218,7 +212,7 @@ def test_the_evaluation_part_equals_what_an_evaluation_engine_holds():
                          decode_steps=4, longest_prompt=24)  # 24 + 32 tokens, as the job sizes it
     state = engine.init_decode_state()
     assert engine.num_slots == 8 and state.standby is not None  # two streams of 8 slots, with standby rows
-    per_stream = _on_first_device([state.cache, state.logits, state.standby.cache, state.standby.logits])
+    per_stream = resident_bytes([state.cache, state.logits, state.standby.cache, state.standby.logits])
     weights = rollout["sampler_params"]
     assert rollout["evaluation"] == weights + 2 * per_stream
     off = config_lib.from_config_dict({"eval": {"n_test": 0}})
@@ -252,7 +246,7 @@ def test_kv_pages_minus_one_fills_the_memory_the_plan_leaves():
     engine = filled.make_engine(testing.random_model(CFG), mesh=meshes.rollout_mesh, config=CFG)
     state = engine.init_decode_state()
     assert engine.num_pages == filled.kv_pages
-    held = _on_first_device([state.cache.pages, state.logits, state.standby.logits])
+    held = resident_bytes([state.cache.pages, state.logits, state.standby.logits])
     assert held == memory.rollout["kv_cache"]  # the pool as planned
 
     with pytest.raises(ConfigError, match="kv_pages=-1 sizes a page pool"):

@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.sampler.config import STANDBY_LEN
+from areal_jax.trainer.memory import per_device_bytes
 
 GiB = 2**30
 HEADROOM = 0.9  # of the device's memory; the rest for XLA's own scratch, fragmentation and small buffers
@@ -85,12 +85,11 @@ class MemoryPlan:
             f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {hints[largest]}.")
 
 
-def per_device_bytes(shapes: Any, shardings: Any) -> int:
-    """Bytes of one device's shards of the arrays `shapes` laid out by `shardings` (same structure)."""
-    total = 0
-    for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
-        total += int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
-    return total
+def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True) -> int:
+    """Keys and values of one position, every layer, on one device (kv heads split over `tensor` when `split`
+    and they divide)."""
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return per_position // tensor if split and tensor > 1 and cfg.num_kv_heads % tensor == 0 else per_position
 
 
 def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: str) -> int:
@@ -107,9 +106,7 @@ def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: s
     streams = e.streams_for(backend)
     per_stream = -(-e.num_slots // streams)
     standby = default_standby_rows(per_stream, e.decode_steps_for(job.rollout.decode_steps, backend))
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    if tensor > 1 and cfg.num_kv_heads % tensor == 0:
-        per_position //= tensor
+    per_position = kv_position_bytes(cfg, tensor)
     positions = per_stream * max_len + standby * min(max_len, STANDBY_LEN)
     return weights + streams * (positions * per_position + (per_stream + standby) * cfg.vocab_size * 4)
 
@@ -127,9 +124,7 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache splits its
     kv heads over the rollout mesh's tensor axis when they divide, a page pool is replicated), with the standby
     rows' and the decode logits [rows, vocab]."""
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    if tensor > 1 and cfg.num_kv_heads % tensor == 0 and rollout.kv_cache == "dense":
-        per_position //= tensor
+    per_position = kv_position_bytes(cfg, tensor, split=rollout.kv_cache == "dense")
     rows = rollout.num_slots + rollout.standby
     if rollout.kv_cache == "paged":
         positions = pool_pages(rollout) * rollout.page_size
@@ -155,7 +150,7 @@ def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelC
     tx = make_optimizer(job.train, 1)
     box = {}
 
-    def moment_shardings(p: Any) -> int:  # under tracing: optax would initialise placeholders eagerly (compiles)
+    def moment_shardings(p: Any) -> int:  # traced, so optax's own init of stand-in params compiles nothing
         box["shardings"] = train_state_shardings(p, tx, mesh).opt_state
         return 0
 

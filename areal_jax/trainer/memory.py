@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -54,6 +55,23 @@ def device_memory_bytes(limit_gib: float | None = None, devices: Sequence[jax.De
             return None
         limits.append(int(stats["bytes_limit"]))
     return min(limits) if limits else None
+
+
+def per_device_bytes(shapes: Any, shardings: Any = None) -> int:
+    """Bytes of one device's shards of the arrays (or ShapeDtypeStructs) `shapes`, laid out by `shardings`
+    (same structure; default each leaf's own .sharding), from shapes alone."""
+    leaves = jax.tree.leaves(shapes)
+    layouts = [x.sharding for x in leaves] if shardings is None else jax.tree.leaves(shardings)
+    return int(sum(int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize for x, s in zip(leaves, layouts)))
+
+
+def resident_bytes(tree: Any) -> int:
+    """Bytes of live arrays' shards held on each array's first device (what a device really holds)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        first = min(x.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+    return total
 
 
 def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
@@ -118,30 +136,33 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
+def program_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, program: str, *,
+                  tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
+    """XLA's working memory (bytes per device) of the full-depth `program` ("accumulate": one micro-step;
+    "apply": the optimizer step), from its 1- and 2-layer copies (2- and 3-layer for the optimizer step, whose
+    buffers settle into their per-layer growth from the second layer on, and with train.scan_layers, since
+    a scan needs two layers); the program itself when the model is that shallow. None where the backend
+    gives no memory analysis. Two small compiles."""
+    n = model_cfg.num_layers
+    base = 2 if cfg.scan_layers or program == "apply" else 1
+    at = lambda layers: update_temp_bytes(build, model_cfg, cfg, mesh, layers=layers, tokens=tokens,  # noqa: E731
+                                          wrt=wrt, program=program)
+    if n <= base + 1:
+        return at(n)
+    one = at(base)
+    two = None if one is None else at(base + 1)
+    if one is None or two is None:
+        return None
+    return max(one, one + (n - base) * (two - one))
+
+
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
                      tokens: int | None = None, wrt: Any = nnx.Param) -> int | None:
     """XLA's working memory (bytes per device) of the full-depth update: the larger of one micro-step's and
-    the optimizer step's, each from its 1- and 2-layer programs (2- and 3-layer for the optimizer step and
-    with train.scan_layers; module docstring); None where the backend gives no memory analysis. Four small
-    compiles."""
-    need, n = 0, model_cfg.num_layers
-    for program in ("accumulate", "apply"):  # the micro-steps, then the optimizer step: never at once
-        # A scan needs two layers (models.packed_attention.scannable); the optimizer step's buffers settle into
-        # their per-layer growth from the second layer on (measured): probe 2 and 3 layers for those.
-        base = 2 if cfg.scan_layers or program == "apply" else 1
-        if n <= base + 1:  # as shallow as the probes: the program itself
-            at = update_temp_bytes(build, model_cfg, cfg, mesh, layers=n, tokens=tokens, wrt=wrt, program=program)
-            if at is None:
-                return None
-            need = max(need, at)
-            continue
-        one = update_temp_bytes(build, model_cfg, cfg, mesh, layers=base, tokens=tokens, wrt=wrt, program=program)
-        two = None if one is None else update_temp_bytes(build, model_cfg, cfg, mesh, layers=base + 1,
-                                                         tokens=tokens, wrt=wrt, program=program)
-        if one is None or two is None:
-            return None
-        need = max(need, one, one + (n - base) * (two - one))
-    return need
+    the optimizer step's (`program_bytes`; they never run at once); None where the backend gives no memory
+    analysis. Four small compiles."""
+    need = [program_bytes(build, model_cfg, cfg, mesh, p, tokens=tokens, wrt=wrt) for p in ("accumulate", "apply")]
+    return None if None in need else max(need)
 
 
 def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
@@ -157,11 +178,13 @@ def choose_remat(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig
         return cfg.remat, activation_bytes(build, model_cfg, cfg, mesh, wrt=wrt)
     if device_bytes is None:
         return "none", None
+    step = program_bytes(build, model_cfg, cfg, mesh, "apply", wrt=wrt)  # the optimizer step: remat-independent
     need = None
     for choice in REMAT_ORDER:
-        need = activation_bytes(build, model_cfg, dataclasses.replace(cfg, remat=choice), mesh, wrt=wrt)
-        if need is None:  # no memory analysis from this backend: nothing to choose by
+        micro = program_bytes(build, model_cfg, dataclasses.replace(cfg, remat=choice), mesh, "accumulate", wrt=wrt)
+        if micro is None or step is None:  # no memory analysis from this backend: nothing to choose by
             return "none", None
+        need = max(micro, step)
         if held_bytes + need <= headroom * device_bytes:
             return choice, need
     return "full", need

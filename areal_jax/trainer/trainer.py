@@ -95,11 +95,9 @@ class Trainer:
     def held_bytes(self) -> int:
         """Bytes the trainer holds on each train device between updates (params, optimizer state, frozen
         and reference weights), plus the gradient accumulators an update adds."""
-        def on_one(tree: Any) -> int:
-            return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
         grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
                                                             sharding=p.sharding), self.state.trainable())
-        return on_one(self.state) + on_one(self._other) + on_one(self._ref) + on_one(grads)
+        return memory.per_device_bytes((self.state, self._other, self._ref, grads))
 
     def _choose_remat(self, model: nnx.Module) -> tuple[str, int | None]:
         if self.cfg.remat != "auto":
