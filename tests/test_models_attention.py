@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models.layers import cached_attention
+from areal_jax.models.layers import cached_attention, query_block_size
 
 
 def reference(q, k_cache, v_cache, layer, positions):
@@ -134,3 +134,34 @@ def test_one_pass_cache_attention_has_no_loop():
         q, kc, kc, pos).as_text()
     assert "stablehlo.while" not in lower(16)
     assert "stablehlo.while" in lower(8)
+
+
+def test_query_block_size_by_hand():
+    # 2 rows x 4 heads x 16 queries x 8 positions = 1,024 scores
+    assert query_block_size(2, 16, 4, 8, score_elements=1024) == 16  # fits: one block
+    assert query_block_size(2, 16, 4, 8, score_elements=1023) == 8  # 15 fit (960 scores): a multiple of 8
+    assert query_block_size(2, 16, 4, 8, score_elements=64 * 5 + 3) == 5  # below 8: exact
+    assert query_block_size(2, 100, 4, 8, score_elements=64 * 21) == 16  # 21 fit, rounded down to a multiple of 8
+    assert query_block_size(2, 100, 4, 8, score_elements=10) == 1  # not even one query fits: one at a time
+    # the accelerator case of the docstring: 8 rows of 16,384 tokens over an 8,192-position chunk, 12 heads
+    assert query_block_size(8, 16384, 12, 8192) == 168
+
+
+@pytest.mark.parametrize("chunk,budget", [(16, 3 * 4 * 16 * 5), (5, 3 * 4 * 5 * 8), (3, 1)])
+def test_blocked_prefill_queries_match_reference(chunk, budget):
+    """A prefill whose scores exceed the budget runs in query blocks (with a padded last block, blocks of one
+    query, chunked and one-pass caches) and gives what the float64 reference and the unblocked call give."""
+    rng = np.random.default_rng(chunk)
+    layers, b, s, h, kv, d, t = 1, 3, 16, 4, 2, 8, 13
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+    kc = rng.normal(size=(layers, b, s, kv, d)).astype(np.float32)
+    vc = rng.normal(size=(layers, b, s, kv, d)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    positions[1] += 3  # a row whose prompt continues a cached prefix
+    positions[2, 9:] = -1  # tail padding that attends nothing
+    args = (jnp.asarray(q), jnp.asarray(kc[0]), jnp.asarray(vc[0]), jnp.asarray(positions))
+    assert query_block_size(b, t, h, chunk, budget) < t
+    got = np.asarray(cached_attention(*args, chunk_size=chunk, score_elements=budget))
+    np.testing.assert_allclose(got, reference(q, kc, vc, 0, positions), atol=2e-5)
+    np.testing.assert_allclose(got, np.asarray(cached_attention(*args, chunk_size=chunk)), atol=1e-6)
+    assert np.all(got[positions < 0] == 0)

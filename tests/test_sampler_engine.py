@@ -64,9 +64,11 @@ def test_prefill_many_equals_prefill_one_by_one(model):
     _, params = nnx.split(model)
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, 60, n)) for n in (3, 17, 5, 9, 30, 1)]  # 4 + 2 rows; buckets 16 and 32
-    # all six; a lone prompt of a new bucket (one row); a lone prompt of a bucket whose full-width program exists
-    for batch in (prompts, prompts[:1], prompts[1:2]):
-        got = engine.prefill_many(params, batch)
+    # all six; a lone prompt of a new bucket (one row); a lone prompt of a bucket whose full-width program exists;
+    # then all six again with at most 48 padded tokens per call (3 rows of bucket 16, 1 of bucket 32)
+    tight = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=4, prefill_tokens=48)
+    for engine_, batch in ((engine, prompts), (engine, prompts[:1]), (engine, prompts[1:2]), (tight, prompts)):
+        got = engine_.prefill_many(params, batch)
         assert len(got) == len(batch)
         for prompt, prefix in zip(batch, got):
             want = engine.prefill(params, prompt)
@@ -75,6 +77,7 @@ def test_prefill_many_equals_prefill_one_by_one(model):
             np.testing.assert_allclose(np.asarray(prefix.logprobs), np.asarray(want.logprobs), atol=1e-5)
             for a, b in zip((*prefix.cache.k, *prefix.cache.v), (*want.cache.k, *want.cache.v)):
                 np.testing.assert_allclose(np.asarray(a)[:, :n], np.asarray(b)[:, :n], atol=1e-5)
+    assert tight._prefill_many_shapes == {(1, 16), (3, 16), (1, 32)}  # [3], [17], [5, 9], [30], [1]: 1 + 2 rows
     with pytest.raises(ValueError, match="empty prompt"):
         engine.prefill_many(params, [[1, 2], []])
 
@@ -208,8 +211,12 @@ def test_first_tokens_of_a_group_follow_the_model_softmax(model):
     assert stat < crit, f"chi-square {stat:.1f} over {df} dof"
 
 
-def test_insert_sequences_prefills_in_batches(model):
-    engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=2)
+@pytest.mark.parametrize("prefill_tokens", [None, 16])
+def test_insert_sequences_prefills_in_batches(model, prefill_tokens):
+    """Two rows per call, or (prefill_tokens=16) one row per call once a bucket is longer than 8 tokens."""
+    extra = {} if prefill_tokens is None else {"prefill_tokens": prefill_tokens}
+    engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=2, **extra)
+    assert [engine.prefill_rows_for(n) for n in (8, 16, 32)] == ([2, 2, 2] if prefill_tokens is None else [2, 1, 1])
     _, params = nnx.split(model)
     logp = full_forward_logp(model, MAX_LEN)
     seqs = {3: list(range(4, 30)), 0: [44], 2: [7, 8, 9, 10, 11]}  # 2 calls, one with a padding row

@@ -119,6 +119,8 @@ def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
 # against 92 ms in one pass, benchmarks/decode_attention.py). On an H200 one pass over up to 8192 was fastest.
 CPU_CACHE_CHUNK = 128
 ACCELERATOR_CACHE_CHUNK = 8192
+# float32 scores one `cached_attention` call holds at once (512 MiB); a longer prefill is scored in query blocks.
+SCORE_ELEMENTS = 2**27
 
 
 def cache_chunk_size(max_len: int, backend: str | None = None) -> int:
@@ -180,8 +182,18 @@ def _chunk_attention_block_diagonal(qbd: jax.Array, k: jax.Array, v: jax.Array, 
     return scores, weigh_values
 
 
+def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elements: int = SCORE_ELEMENTS) -> int:
+    """Queries `cached_attention` scores at once: all `queries` when rows x heads x queries x chunk float32 scores
+    stay within `score_elements`, else the most that do (a multiple of 8 when at least 8)."""
+    per_query = max(1, rows * heads * chunk)
+    if queries * per_query <= score_elements:
+        return queries
+    block = max(1, score_elements // per_query)
+    return block - block % 8 if block >= 8 else block
+
+
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                     chunk_size: int | None = None) -> jax.Array:
+                     chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS) -> jax.Array:
     """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
 
     q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
@@ -194,16 +206,37 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     loop stops after the chunk holding the largest position in the batch, so the cost follows the longest live
     context rather than S. The trip count depends on the data: this path is for forward evaluation (no
     reverse-mode gradients); training uses `dot_attention`.
+
+    A long prefill (many queries per row) is scored `query_block_size` queries at a time, so its float32
+    scores stay within `score_elements` whatever the prompt length: 8 rows of 16,384 tokens over one
+    8,192-position chunk (the accelerator default) at 12 heads would otherwise score 48 GiB at once. Each
+    block's chunk loop stops at the block's own last position, so on a chunked cache the blocks also skip
+    the keys they are causally masked from.
     """
     b, t, h, dh = q.shape
     if (k_cache.ndim != 4 or k_cache.shape[0] != b or positions.shape != (b, t)
             or v_cache.shape != k_cache.shape):
         raise ValueError(f"cached_attention got q {q.shape}, caches {k_cache.shape} / {v_cache.shape} and positions "
                          f"{positions.shape}; expected q [B, T, H, Dh], caches [B, S, K, Dh] and positions [B, T].")
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    s = k_cache.shape[1]
     chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    block = query_block_size(b, t, h, chunk, score_elements)
+    if block >= t:
+        return _attend_chunks(q, k_cache, v_cache, positions, chunk)
+    n = -(-t // block)  # query blocks; the padding queries sit at position -1 and attend nothing
+    qs = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, dh).swapaxes(0, 1)
+    ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
+    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk), (qs, ps))
+    return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
+
+
+def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                   chunk: int) -> jax.Array:
+    """`cached_attention` of one block of queries, `chunk` cache positions per step."""
+    b, t, h, dh = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
     qg = _group_queries(q, kv)
     group = h // kv
     scale = np.float32(1.0 / math.sqrt(dh))

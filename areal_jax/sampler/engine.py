@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
+from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
@@ -56,6 +57,7 @@ class Engine(StandbyRows):
         max_stop_tokens: int = 8,
         min_bucket: int = 16,
         prefill_batch: int = 8,
+        prefill_tokens: int = _prefill.PREFILL_TOKENS,
         standby_rows: int = 0,
         standby_len: int | None = None,
     ) -> None:
@@ -73,7 +75,9 @@ class Engine(StandbyRows):
           config: the ModelConfig, needed when a graphdef is given.
           max_stop_tokens: the most stop token ids one request may carry.
           prefill_batch: rows per batched prefill call of :meth:`insert_sequences` and
-            :meth:`prefill_many`.
+            :meth:`prefill_many`, at most; prefill_tokens: padded tokens per call, at most (fewer rows for
+            long buckets, at least one: the call's activations and the rows' cache before they are written
+            grow with rows x bucket; ``prefill_rows_for``).
           standby_rows, standby_len: prefilled requests that can wait on the device for a slot, and the
             longest prompt bucket each holds (default min(max_len, 512)); see ``sampler.standby``.
         """
@@ -96,6 +100,7 @@ class Engine(StandbyRows):
         self.max_stop_tokens = int(max_stop_tokens)
         self.standby_rows, self.standby_len = standby_size(standby_rows, standby_len, self.max_len)
         self.prefill_batch = max(1, min(int(prefill_batch), self.num_slots))
+        self.prefill_tokens = int(prefill_tokens)
         buckets = tuple(int(b) for b in (prefill_buckets or default_buckets(max_len, min_bucket)))
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > max_len:
             raise ValueError(
@@ -249,6 +254,10 @@ class Engine(StandbyRows):
             f"({self.prefill_buckets[-1]}); shorten the prompt or raise max_len / prefill_buckets."
         )
 
+    def prefill_rows_for(self, bucket: int) -> int:
+        """Rows of a batched prefill call at ``bucket``: prefill_batch, fewer when they exceed prefill_tokens."""
+        return max(1, min(self.prefill_batch, self.prefill_tokens // int(bucket)))
+
     def init_decode_state(self) -> DecodeState:
         """A fresh state: zero cache, every slot free (done). The engine's host bookkeeping (the placements
         it knows of) starts over too: an engine serves one decode state at a time."""
@@ -276,7 +285,7 @@ class Engine(StandbyRows):
     def prefill_many(self, params: nnx.State, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
         """:meth:`prefill` of several prompts in batched calls: one Prefix per prompt, in order.
 
-        A call holds ``prefill_batch`` rows (one row for a single prompt, unless only the full-width
+        A call holds ``prefill_rows_for(bucket)`` rows (one row for a single prompt, unless only the full-width
         program of its bucket is compiled yet), padded to the bucket of its longest prompt, so admitting
         many prompts costs a few full matrix products instead of one thin product per prompt; a bucket
         compiles at most two programs.
@@ -285,12 +294,14 @@ class Engine(StandbyRows):
         if any(n < 1 for n in lengths):
             raise ValueError(f"prefill_many got an empty prompt (lengths {lengths}).")
         out: list[Prefix] = []
-        for start in range(0, len(prompts), self.prefill_batch):
-            chunk = prompts[start : start + self.prefill_batch]
+        start = 0
+        while start < len(prompts):
+            chunk = prompts[start : start + _prefill.call_rows(self, lengths[start:])]
+            start += len(chunk)
             bucket = self.bucket_for(max(len(p) for p in chunk))
-            full = (self.prefill_batch, bucket)
+            full = (self.prefill_rows_for(bucket), bucket)
             rows = 1 if len(chunk) == 1 and (full not in self._prefill_many_shapes
-                                             or (1, bucket) in self._prefill_many_shapes) else self.prefill_batch
+                                             or (1, bucket) in self._prefill_many_shapes) else full[0]
             self._prefill_many_shapes.add((rows, bucket))
             tokens = np.zeros((rows, bucket), np.int32)
             n = np.ones((rows,), np.int32)

@@ -12,6 +12,10 @@ from flax import nnx
 from areal_jax.models import KVCache, init_cache
 from areal_jax.sampler.state import Prefix
 
+# Padded tokens per batched prefill call at most (`Engine.prefill_rows_for`): 8 rows up to 2,048-token buckets,
+# one row of a 16,384-token recompute (whose activations and rows' cache would otherwise be 8x larger).
+PREFILL_TOKENS = 16384
+
 
 def prefill_rows(model: nnx.Module, config, tokens: jax.Array, lengths: jax.Array) -> tuple[KVCache, jax.Array]:
     """tokens [R, P] int32 (tail padded), lengths [R] -> (cache of L layers [R, P, ...], logits [R, V] f32)."""
@@ -49,11 +53,23 @@ def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
     return jax.tree.map(write, cache, rows)
 
 
+def call_rows(engine: Any, lengths: Sequence[int]) -> int:
+    """How many of the leading ``lengths`` one batched prefill call takes: the most (up to prefill_batch, at least
+    one) that the bucket of the longest of them allows (``Engine.prefill_rows_for``)."""
+    n = longest = 0
+    for length in lengths[: engine.prefill_batch]:
+        longest = max(longest, int(length))
+        if n + 1 > engine.prefill_rows_for(engine.bucket_for(longest)):
+            break
+        n += 1
+    return max(1, n)
+
+
 def insert_sequences(engine: Any, params: Any, decode_state: Any, slots: Sequence[int],
                      sequences: Sequence[Sequence[int]], samplings: Sequence[Any]) -> Any:
     """``Engine.insert_sequences``: prefill ``sequences[i]`` and arm ``slots[i]`` with it and ``samplings[i]``.
 
-    Sequences are sorted by length and prefilled ``engine.prefill_batch`` rows per call (each call padded to
+    Sequences are sorted by length and prefilled ``engine.prefill_rows_for(bucket)`` rows per call (each call padded to
     the bucket of its longest row; one compiled program per bucket), fused with the insertion."""
     if not (len(slots) == len(sequences) == len(samplings)):
         raise ValueError("insert_sequences needs one slot and one SamplingParams per sequence.")
@@ -64,10 +80,12 @@ def insert_sequences(engine: Any, params: Any, decode_state: Any, slots: Sequenc
         if len(seq) < 1:
             raise ValueError(f"insert_sequences got an empty sequence for slot {s}.")
     order = sorted(range(len(slots)), key=lambda i: len(sequences[i]))
-    rows = engine.prefill_batch
-    for start in range(0, len(order), rows):
-        chunk = order[start : start + rows]
+    start = 0
+    while start < len(order):
+        chunk = order[start : start + call_rows(engine, [len(sequences[i]) for i in order[start:]])]
+        start += len(chunk)
         width = engine.bucket_for(max(len(sequences[i]) for i in chunk))
+        rows = engine.prefill_rows_for(width)  # the bucket's one program: padding rows' writes are dropped
         tokens = np.zeros((rows, width), np.int32)
         lengths = np.ones((rows,), np.int32)
         slot_ids = np.full((rows,), engine.num_slots, np.int32)  # padding rows: writes dropped

@@ -10,7 +10,9 @@ on the same devices when colocated; the plan is the most loaded device. The upda
 never run at once, so only the larger of the two counts.
 On a device that reports its memory (GPUs, TPUs) the resident parts are checked before anything is
 loaded; the update's working memory (`trainer.memory`, measured by XLA on 1- and 2-layer programs) is
-added once the trainer has chosen `train.remat`, and checked before the update compiles at full depth.
+added once the trainer has chosen `train.remat`, then the working memory of the sampler's programs (a
+decode dispatch, the longest prefill; `sampler.memory`, measured the same way), each checked before any
+full-depth program compiles.
 A plan that does not fit raises a ConfigError naming every part, the largest one that a config key
 shrinks, and that key.
 """
@@ -47,6 +49,10 @@ HINTS = {
                 "fewer --config.rollout.kv_pages",
     "update_activations": "set --config.train.remat=full (or dots), or lower --config.train.micro_batch_tokens / "
                           "train.logits_chunk (the optimizer step's share shrinks with --config.mesh.fsdp or LoRA)",
+    "sampler_programs": "lower --config.rollout.num_slots or rollout.decode_steps (a decode dispatch's working memory "
+                        "grows with the slots), or rollout.max_len (the longest prefill: after a weight update "
+                        "--config.rollout.on_update=recompute re-prefills in-flight sequences up to max_len; "
+                        "on_update=continue keeps their caches)",
     "evaluation": "lower --config.eval.num_slots or eval.max_new_tokens (an evaluation adds its own weights copy and "
                   "KV cache while it runs)",
 }
@@ -259,6 +265,25 @@ class JobMemory:
         self.rollout["kv_cache"] = kv_cache_bytes(self.model, filled, self.tensor)
         self.plan.check()
         return filled
+
+    def add_sampler(self, rollout: Any, mesh: Any, max_prompt_len: int) -> None:
+        """Add the working memory of the sampler's programs (`sampler.memory`: the larger of a decode dispatch and
+        the longest prefill, measured by XLA on 2- and 3-layer programs) to the rollout parts and check the plan,
+        on devices with a memory limit; where the device reports none, nothing is compiled."""
+        if self.device_bytes is None:
+            return
+        from areal_jax.sampler.memory import sampler_bytes
+
+        need = sampler_bytes(rollout, self.model, mesh, max_prompt_len=max_prompt_len)
+        if need is None:
+            return
+        self.rollout["sampler_programs"] = max(need.values())
+        self.plan.check()
+
+    def resolve_rollout(self, rollout: Any, mesh: Any, max_prompt_len: int) -> Any:
+        """`add_sampler`, then `fill_pages`: the rollout config with kv_pages=-1 resolved after every other part."""
+        self.add_sampler(rollout, mesh, max_prompt_len)
+        return self.fill_pages(rollout)
 
     def resolve_update(self, cfg: Any, mesh: Any) -> Any:
         """The trainer config with train.remat resolved, after adding the update's working memory to the plan

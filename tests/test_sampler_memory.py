@@ -1,0 +1,79 @@
+"""The sampler programs' working memory as the job plans it (sampler.memory), against XLA's analysis of the
+full-depth programs, and the bounds that keep a long prefill's memory in check (query blocks, rows per call)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.knobs import ConfigError
+from areal_jax.models import layers
+from areal_jax.runtime.mesh import MeshConfig, build_meshes
+from areal_jax.sampler import memory as sampler_memory
+from areal_jax.sampler.config import RolloutConfig
+from areal_jax.system import memory as job_memory
+from areal_jax.testing import models as testing
+
+CFG = testing.tiny_config(num_layers=5, vocab_size=512, dtype=jnp.float32, param_dtype=jnp.float32,
+                          max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("rollout", [
+    dict(num_slots=16, max_len=512, decode_steps=4),
+    dict(num_slots=8, max_len=1024, decode_steps=2, kv_cache="paged", kv_pages=-1, kv_admission="optimistic",
+         param_dtype="bfloat16"),
+])
+def test_two_shallow_programs_predict_the_full_depth_sampler_memory(rollout):
+    r = RolloutConfig(**rollout)
+    longest = sampler_memory.longest_prefill(r, 64)
+    assert longest == r.max_len  # recompute on update: in-flight sequences are re-prefilled up to max_len
+    for program in sampler_memory.PROGRAMS:
+        probe = sampler_memory.program_bytes(r, CFG, None, program, longest=longest)
+        full = sampler_memory.program_temp_bytes(r, CFG, None, layers=CFG.num_layers, program=program, longest=longest)
+        assert probe > 0 and abs(probe - full) <= 0.01 * full, (program, probe, full)
+
+
+def test_the_longest_prefill_follows_what_can_be_re_prefilled():
+    r = RolloutConfig(max_len=2048)
+    assert sampler_memory.longest_prefill(r, 100) == 2048  # a weight update recomputes in-flight sequences
+    assert sampler_memory.longest_prefill(r.replace(on_update="continue"), 100) == 100  # only prompts
+    assert sampler_memory.longest_prefill(r.replace(on_update="continue"), 4096) == 2048
+    paged = r.replace(on_update="continue", kv_cache="paged", kv_admission="optimistic")
+    assert sampler_memory.longest_prefill(paged, 100) == 2048  # a preempted sample resumes by recompute
+
+
+def test_a_long_prefill_is_scored_in_query_blocks(monkeypatch):
+    """At one pass over the cache (the accelerator default), a 4,096-token prefill of 4 rows at 8 heads would
+    score 2 GiB at once; in query blocks its whole program needs less than one such score tensor."""
+    cfg = testing.tiny_config(num_layers=2, num_heads=8, num_kv_heads=2, vocab_size=512, dtype=jnp.float32,
+                              param_dtype=jnp.float32, max_position_embeddings=8192)
+    monkeypatch.setattr(layers, "cache_chunk_size", lambda s, backend=None: min(s, layers.ACCELERATOR_CACHE_CHUNK))
+    r = RolloutConfig(num_slots=4, group_size=4, max_len=4096, on_update="continue")
+    scores = 4 * 8 * 4096 * 4096 * 4
+    assert layers.query_block_size(4, 4096, 8, 4096) == 1024
+    blocked = sampler_memory.program_temp_bytes(r, cfg, None, layers=2, program="prefill", longest=4096)
+    monkeypatch.setattr(layers, "query_block_size", lambda rows, queries, *a, **k: queries)  # one block
+    whole = sampler_memory.program_temp_bytes(r, cfg, None, layers=2, program="prefill", longest=4096)
+    assert blocked < scores and whole >= 2 * scores, (blocked, whole)  # measured: 1.7 and 6.5 GB
+
+
+def test_the_job_plan_adds_the_sampler_programs_where_the_device_has_a_limit():
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 256}, "eval": {"n_test": 0},
+                                       "train": {"micro_batch_tokens": 256}, "data": {"max_prompt_len": 32}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    none = job_memory.JobMemory.prepare(job, CFG, meshes, None)
+    assert none.resolve_rollout(job.rollout, meshes.rollout_mesh, 32) == job.rollout
+    assert "sampler_programs" not in none.plan.parts  # a CPU reports no limit: nothing compiled
+
+    need = sampler_memory.sampler_bytes(job.rollout, CFG, meshes.rollout_mesh, max_prompt_len=32)
+    resident = none.plan.total
+    roomy = job_memory.JobMemory.prepare(job, CFG, meshes, 4 * (resident + max(need.values())))
+    roomy.resolve_rollout(job.rollout, meshes.rollout_mesh, 32)
+    assert roomy.plan.parts["sampler_programs"] == max(need.values())
+    assert roomy.plan.total == resident + max(need.values())
+
+    tight = job_memory.JobMemory.prepare(job, CFG, meshes, int((resident + max(need.values()) // 2) / 0.9))
+    with pytest.raises(ConfigError, match="does not fit its devices"):
+        tight.resolve_rollout(job.rollout, meshes.rollout_mesh, 32)
+    assert "sampler_programs" in tight.plan.describe()
