@@ -21,7 +21,9 @@
 #   memory05   the update's working memory at the 0.5B shape, one 65,536-token row, remat none and full: XLA's
 #              analysis of the full-depth program against what the job plans with (1- and 2-layer programs
 #              extended to 24 layers, trainer.memory), compile only; then trainer05's update with
-#              train.scan_layers (first update with its compile, tokens/s, peak memory) (~5 min).
+#              train.scan_layers (first update with its compile, tokens/s, peak memory); then the sampler's
+#              programs at the 1.5B shape, 128 slots x 16,512 positions (benchmarks/sampler_memory.py: the decode
+#              dispatch and the longest prefill, probe against full depth, and the prefill without its bounds) (~7 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
@@ -149,6 +151,7 @@ EOF
       --trajectory-len 65536 --remat none full --attention flash --compile --probe
     step scan05 150 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-recompute --skip-hf \
       --scan-layers --repeats 3
+    step sampler_memory15 150 $PY benchmarks/sampler_memory.py --preset qwen2.5-1.5b --full --unbounded
     ;;
   trainer_long)
     step trainer05_mbt65536 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \

@@ -51,7 +51,7 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
         parsed.append(argv[0] if argv[0] != "-m" else argv[1])
     want = {"benchmarks/trainer.py", "benchmarks/trace_top.py", "benchmarks/sampler.py", "benchmarks/handoff.py",
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
-            "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py"}
+            "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py"}
     assert set(parsed) == want and len(parsed) >= 20
 
 

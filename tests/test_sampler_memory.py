@@ -77,3 +77,22 @@ def test_the_job_plan_adds_the_sampler_programs_where_the_device_has_a_limit():
     with pytest.raises(ConfigError, match="does not fit its devices"):
         tight.resolve_rollout(job.rollout, meshes.rollout_mesh, 32)
     assert "sampler_programs" in tight.plan.describe()
+
+
+def test_the_benchmark_reports_probe_and_full_depth_at_the_qwen_shape(monkeypatch, capsys):
+    import json
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["sampler_memory.py"])
+    import sampler_memory as bench
+
+    report = bench.main(["--preset", "qwen2.5-0.5b", "--dtype", "float32", "--num-slots", "8", "--max-len", "384",
+                         "--decode-steps", "2", "--full", "--unbounded", "--accelerator-chunks"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    assert report["longest_prefill"] == 384 and report["accelerator_chunks"]
+    for program in sampler_memory.PROGRAMS:  # measured: decode 1.00, prefill 1.06 (the probe errs high)
+        assert 0.99 < report[f"{program}_probe_bytes"] / report[f"{program}_full_bytes"] < 1.10, program
+    assert report["prefill_unbounded_bytes"] >= report["prefill_full_bytes"]  # 8 rows of 384: within the bounds
+    assert layers.query_block_size(8, 384, 14, 384) == 384  # ... so nothing was split
