@@ -251,3 +251,12 @@ def test_kv_pages_minus_one_fills_the_memory_the_plan_leaves():
 
     with pytest.raises(ConfigError, match="kv_pages=-1 sizes a page pool"):
         config_lib.from_config_dict({"rollout": {"kv_pages": -1}})
+
+
+def test_every_process_plans_against_the_smallest_limit_any_reports():
+    from areal_jax.runtime.multihost import agreed_limit, combine_limits
+
+    assert combine_limits(np.array([80 * 2**30, 141 * 2**30])) == 80 * 2**30  # the smallest GPU bounds every process
+    assert combine_limits(np.array([80 * 2**30, -1])) is None  # a process without a limit: nothing is checked
+    assert combine_limits(np.array([[-1], [-1]])) is None
+    assert agreed_limit(123) == 123 and agreed_limit(None) is None  # one process: its own (no collective)

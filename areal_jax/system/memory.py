@@ -229,10 +229,13 @@ class JobMemory:
 
     @classmethod
     def for_job(cls, job: Any, cfg: ModelConfig, meshes: Any) -> "JobMemory":
-        """`prepare` against mesh.device_memory_gib, or what this process's devices report."""
+        """`prepare` against mesh.device_memory_gib, or the smallest limit the devices of any process report
+        (`runtime.multihost.agreed_limit`: every process of a run plans against the same limit)."""
+        from areal_jax.runtime.multihost import agreed_limit
         from areal_jax.trainer.memory import device_memory_bytes
 
-        return cls.prepare(job, cfg, meshes, device_memory_bytes(job.mesh.device_memory_gib))
+        limit = device_memory_bytes(job.mesh.device_memory_gib)
+        return cls.prepare(job, cfg, meshes, limit if job.mesh.device_memory_gib is not None else agreed_limit(limit))
 
     @classmethod
     def prepare(cls, job: Any, cfg: ModelConfig, meshes: Any, device_bytes: int | None) -> "JobMemory":
