@@ -139,12 +139,15 @@ def test_one_pass_cache_attention_has_no_loop():
 def test_query_block_size_by_hand():
     # 2 rows x 4 heads x 16 queries x 8 positions = 1,024 scores
     assert query_block_size(2, 16, 4, 8, score_elements=1024) == 16  # fits: one block
-    assert query_block_size(2, 16, 4, 8, score_elements=1023) == 8  # 15 fit (960 scores): a multiple of 8
-    assert query_block_size(2, 16, 4, 8, score_elements=64 * 5 + 3) == 5  # below 8: exact
-    assert query_block_size(2, 100, 4, 8, score_elements=64 * 21) == 16  # 21 fit, rounded down to a multiple of 8
+    assert query_block_size(2, 16, 4, 8, score_elements=1023) == 8  # 15 fit (960 scores): two blocks of 8
+    assert query_block_size(2, 16, 4, 8, score_elements=64 * 5 + 3) == 4  # 5 fit: four blocks of 4 (8 would not)
+    assert query_block_size(2, 100, 4, 8, score_elements=64 * 21) == 20  # 21 fit: five blocks of 20 (24 would not)
+    assert query_block_size(2, 100, 4, 8, score_elements=64 * 32) == 32  # 32 fit: four blocks of 25, up to 32
+    assert query_block_size(2, 100, 4, 8, score_elements=64 * 30) == 25  # 30 fit: four of 25 (32 would not)
     assert query_block_size(2, 100, 4, 8, score_elements=10) == 1  # not even one query fits: one at a time
     # the accelerator case of the docstring: 8 rows of 16,384 tokens over an 8,192-position chunk, 12 heads
-    assert query_block_size(8, 16384, 12, 8192) == 168
+    assert query_block_size(8, 16384, 12, 8192) == 169  # 170 fit: 97 blocks of 169 (176 would not)
+    assert query_block_size(8, 1152, 14, 1152) == 576  # 1,040 fit: two blocks of 576, not 1,040 + 112
 
 
 @pytest.mark.parametrize("chunk,budget", [(16, 3 * 4 * 16 * 5), (5, 3 * 4 * 5 * 8), (3, 1)])

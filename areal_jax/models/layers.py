@@ -184,12 +184,15 @@ def _chunk_attention_block_diagonal(qbd: jax.Array, k: jax.Array, v: jax.Array, 
 
 def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elements: int = SCORE_ELEMENTS) -> int:
     """Queries `cached_attention` scores at once: all `queries` when rows x heads x queries x chunk float32 scores
-    stay within `score_elements`, else the most that do (a multiple of 8 when at least 8)."""
+    stay within `score_elements`, else equal blocks of at most that many, as few as can be (rounded up to a
+    multiple of 8 where that still fits)."""
     per_query = max(1, rows * heads * chunk)
     if queries * per_query <= score_elements:
         return queries
-    block = max(1, score_elements // per_query)
-    return block - block % 8 if block >= 8 else block
+    most = max(1, score_elements // per_query)
+    block = -(-queries // -(-queries // most))  # the fewest blocks, evened out
+    up = -(-block // 8) * 8
+    return up if up <= most else block
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,

@@ -271,7 +271,7 @@ class JobMemory:
 
     def add_sampler(self, rollout: Any, mesh: Any, max_prompt_len: int) -> None:
         """Add the working memory of the sampler's programs (`sampler.memory`: the larger of a decode dispatch and
-        the longest prefill, measured by XLA on 2- and 3-layer programs) to the rollout parts and check the plan,
+        the longest prefill, measured by XLA on 3- and 4-layer programs) to the rollout parts and check the plan,
         on devices with a memory limit; where the device reports none, nothing is compiled."""
         if self.device_bytes is None:
             return
