@@ -84,3 +84,34 @@ def test_bf16_training_gradients_are_float32():
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     assert value.dtype == jnp.float32
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_a_bf16_model_decodes_over_a_float32_cache_on_the_cpu():
+    """XLA:CPU converts a 16-bit cache around every scatter and read, so on the CPU the cache holds float32 (the
+    bf16 keys and values exactly); elsewhere it holds the compute dtype. Greedy decoding over it matches the
+    model's own bf16 forward passes without a cache, token for token."""
+    from areal_jax.models.transformer import cache_dtype
+    from areal_jax.sampler import SamplingParams
+    from areal_jax.sampler.engine import Engine
+    from areal_jax.sampler.paged_engine import PagedEngine
+    from areal_jax.testing.sampler import full_forward_logp, greedy_reference
+
+    model = bf16_model()
+    assert cache_dtype(model.cfg, "cpu") == jnp.float32 and cache_dtype(model.cfg, "gpu") == jnp.bfloat16
+    assert cache_dtype(testing.tiny_config("qwen2"), "cpu") == jnp.float32  # float32 models: unchanged
+    _, params = nnx.split(model)
+    logp = full_forward_logp(model, 48)
+    prompts = [[5, 9, 13, 2], [7, 7, 30, 41, 2, 8, 19], [100]]
+    for engine in (Engine(model, num_slots=3, max_len=48), PagedEngine(model, num_slots=3, max_len=48, page_size=8)):
+        state = engine.init_decode_state()
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.cache) if x.dtype != jnp.int32)
+        state = engine.insert_sequences(params, state, [0, 1, 2], prompts,
+                                        [SamplingParams(temperature=0.0, max_new_tokens=12)] * 3)
+        got = [[] for _ in prompts]
+        for step in range(12):
+            state, result = engine.generate(params, state, jax.random.key(step))
+            r = result.to_host()
+            for slot in range(3):
+                got[slot].append(int(r.tokens[slot]))
+        for prompt, tokens in zip(prompts, got):
+            assert tokens == greedy_reference(logp, prompt, 12)[0]

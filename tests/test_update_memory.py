@@ -236,7 +236,8 @@ def test_kv_pages_minus_one_fills_the_memory_the_plan_leaves():
     assert job_memory.JobMemory.prepare(job, CFG, meshes, None).fill_pages(job.rollout).kv_pages is None  # no limit
 
     least = job_memory.JobMemory.prepare(job, CFG, meshes, None).plan.total  # a one-sequence pool (6 pages)
-    budget = int((least + 1000 * 16 * 512) / job_memory.HEADROOM)  # room for about 1,000 more pages of 8 KiB
+    page = 16 * job_memory.kv_position_bytes(CFG, 1, split=False)  # 16 KiB: a float32 cache on the CPU
+    budget = int((least + 1000 * page) / job_memory.HEADROOM)  # room for about 1,000 more pages
     memory = job_memory.JobMemory.prepare(job, CFG, meshes, budget)
     filled = memory.fill_pages(job.rollout)
     assert 1000 <= filled.kv_pages <= 1006

@@ -30,6 +30,7 @@ import numpy as np
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+from areal_jax.models.transformer import cache_dtype
 
 PagedPath = Literal["gather", "kernel"]
 
@@ -59,11 +60,12 @@ class PagedKVCache:
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
-    """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to cfg.dtype."""
+    """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to
+    ``transformer.cache_dtype(cfg)`` (float32 on the CPU)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    dtype = cfg.dtype if dtype is None else dtype
+    dtype = cache_dtype(cfg) if dtype is None else dtype
     return PagedKVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                         v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 

@@ -28,6 +28,7 @@ from flax import nnx
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
+from areal_jax.models.transformer import cache_dtype
 from areal_jax.sampler.config import STANDBY_LEN
 from areal_jax.trainer.memory import per_device_bytes
 
@@ -94,7 +95,7 @@ class MemoryPlan:
 def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True) -> int:
     """Keys and values of one position, every layer, on one device (kv heads split over `tensor` when `split`
     and they divide)."""
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache_dtype(cfg).itemsize
     return per_position // tensor if split and tensor > 1 and cfg.num_kv_heads % tensor == 0 else per_position
 
 
