@@ -8,9 +8,9 @@ For the preset's sampler (benchmarks/sampler.py: slots, max_len, k decode steps)
   * unbounded (--unbounded): the longest prefill as it ran before its bounds (every query block at once,
     prefill_batch rows per call whatever the bucket), full depth.
 All figures are `memory_analysis().temp_size_in_bytes` of programs compiled for the default backend, abstract
-(nothing allocated). On the CPU a bfloat16 cache is converted to float32 around each scatter, so CPU figures in
-bfloat16 overstate the decode program (a GPU's own analysis: the memory05 phase of gpu_session.sh). Ends with
-ONE line of JSON.
+(nothing allocated). On the CPU the KV cache holds float32 whatever --dtype says (models.transformer.cache_dtype),
+so a bfloat16 run there shows a float32 cache (a GPU's own analysis: the memory05 phase of gpu_session.sh). Ends
+with ONE line of JSON.
 
     python benchmarks/sampler_memory.py --preset qwen2.5-1.5b --full --unbounded
     python benchmarks/sampler_memory.py --preset qwen2.5-0.5b --dtype float32 --full
