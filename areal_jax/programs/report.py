@@ -93,7 +93,7 @@ def busy_fractions(spans: dict[str, list[tuple[float, float, str]]]) -> dict[str
 
 
 def plot_timeline(spans: dict, out: str) -> None:
-    fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * max(1, len(spans))))
+    fig, ax = plt.subplots(figsize=(11, 1.5 + 0.6 * max(1, len(spans))))
     if spans:
         t0 = min(s for v in spans.values() for s, _, _ in v)
         colors = {}
@@ -109,7 +109,8 @@ def plot_timeline(spans: dict, out: str) -> None:
             ax.text(0, i + 0.42, f"{lane}: busy {100 * frac[lane]:.0f}%", fontsize=8)
         ax.set_yticks(range(len(spans)), sorted(spans))
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(handles, list(colors), fontsize=7, ncol=min(6, len(colors)), loc="upper right")
+        ax.legend(handles, list(colors), fontsize=7, ncol=min(8, len(colors)), loc="lower center",
+                  bbox_to_anchor=(0.5, 1.0), frameon=False)  # above the lanes, never over a span
     ax.set_xlabel("wall time (s)")
     fig.tight_layout()
     with paths.atomic_open(out, "wb") as f:
