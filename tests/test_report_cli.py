@@ -52,7 +52,7 @@ def run_dir(tmp_path):
 
 def _timeline_one_call_per_span(spans: dict, out: str) -> None:
     """The reference: the report's timeline as it was drawn before, one broken_barh call per span."""
-    fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * max(1, len(spans))))
+    fig, ax = plt.subplots(figsize=(11, 1.5 + 0.6 * max(1, len(spans))))
     t0 = min(s for v in spans.values() for s, _, _ in v)
     colors = {}
     frac = report.busy_fractions(spans)
@@ -64,7 +64,8 @@ def _timeline_one_call_per_span(spans: dict, out: str) -> None:
         ax.text(0, i + 0.42, f"{lane}: busy {100 * frac[lane]:.0f}%", fontsize=8)
     ax.set_yticks(range(len(spans)), sorted(spans))
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, ncol=min(6, len(colors)), loc="upper right")
+    ax.legend(handles, list(colors), fontsize=7, ncol=min(8, len(colors)), loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
     ax.set_xlabel("wall time (s)")
     fig.tight_layout()
     fig.savefig(out, format="png", dpi=110)
