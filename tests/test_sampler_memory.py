@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from areal_jax import config as config_lib
 from areal_jax.knobs import ConfigError
@@ -19,18 +21,20 @@ CFG = testing.tiny_config(num_layers=5, vocab_size=512, dtype=jnp.float32, param
                           max_position_embeddings=8192)
 
 
-@pytest.mark.parametrize("rollout", [
-    dict(num_slots=16, max_len=512, decode_steps=4),
-    dict(num_slots=8, max_len=1024, decode_steps=2, kv_cache="paged", kv_pages=-1, kv_admission="optimistic",
-         param_dtype="bfloat16"),
+@pytest.mark.parametrize("rollout,tensor", [
+    (dict(num_slots=16, max_len=512, decode_steps=4), 1),
+    (dict(num_slots=16, max_len=512, decode_steps=4), 2),  # kv heads and weights split over a 2-device tensor axis
+    (dict(num_slots=8, max_len=1024, decode_steps=2, kv_cache="paged", kv_pages=-1, kv_admission="optimistic",
+          param_dtype="bfloat16"), 1),
 ])
-def test_two_shallow_programs_predict_the_full_depth_sampler_memory(rollout):
+def test_two_shallow_programs_predict_the_full_depth_sampler_memory(rollout, tensor):
     r = RolloutConfig(**rollout)
+    mesh = Mesh(np.array(jax.devices()[:tensor]).reshape(1, tensor), ("fsdp", "tensor")) if tensor > 1 else None
     longest = sampler_memory.longest_prefill(r, 64)
     assert longest == r.max_len  # recompute on update: in-flight sequences are re-prefilled up to max_len
     for program in sampler_memory.PROGRAMS:
-        probe = sampler_memory.program_bytes(r, CFG, None, program, longest=longest)
-        full = sampler_memory.program_temp_bytes(r, CFG, None, layers=CFG.num_layers, program=program, longest=longest)
+        probe = sampler_memory.program_bytes(r, CFG, mesh, program, longest=longest)
+        full = sampler_memory.program_temp_bytes(r, CFG, mesh, layers=CFG.num_layers, program=program, longest=longest)
         assert probe > 0 and abs(probe - full) <= 0.01 * full, (program, probe, full)
 
 
