@@ -67,19 +67,19 @@ def test_the_job_plan_adds_the_sampler_programs_where_the_device_has_a_limit():
                                        "train": {"micro_batch_tokens": 256}, "data": {"max_prompt_len": 32}})
     meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
     none = job_memory.JobMemory.prepare(job, CFG, meshes, None)
-    assert none.resolve_rollout(job.rollout, meshes.rollout_mesh, 32) == job.rollout
+    assert none.resolve_rollout(job, meshes.rollout_mesh) == job.rollout
     assert "sampler_programs" not in none.plan.parts  # a CPU reports no limit: nothing compiled
 
     need = sampler_memory.sampler_bytes(job.rollout, CFG, meshes.rollout_mesh, max_prompt_len=32)
     resident = none.plan.total
     roomy = job_memory.JobMemory.prepare(job, CFG, meshes, 4 * (resident + max(need.values())))
-    roomy.resolve_rollout(job.rollout, meshes.rollout_mesh, 32)
+    roomy.resolve_rollout(job, meshes.rollout_mesh)
     assert roomy.plan.parts["sampler_programs"] == max(need.values())
     assert roomy.plan.total == resident + max(need.values())
 
     tight = job_memory.JobMemory.prepare(job, CFG, meshes, int((resident + max(need.values()) // 2) / 0.9))
     with pytest.raises(ConfigError, match="does not fit its devices"):
-        tight.resolve_rollout(job.rollout, meshes.rollout_mesh, 32)
+        tight.resolve_rollout(job, meshes.rollout_mesh)
     assert "sampler_programs" in tight.plan.describe()
 
 
@@ -100,3 +100,27 @@ def test_the_benchmark_reports_probe_and_full_depth_at_the_qwen_shape(monkeypatc
         assert abs(report[f"{program}_probe_bytes"] / report[f"{program}_full_bytes"] - 1) < 0.01, program
     assert report["prefill_unbounded_bytes"] >= report["prefill_full_bytes"]  # 8 rows of 384: within the bounds
     assert layers.query_block_size(8, 384, 14, 384) == 384  # ... so nothing was split
+
+
+def test_an_evaluation_adds_its_streams_programs_to_the_evaluation_part():
+    from areal_jax.evaluation.batch import eval_engine
+
+    job = config_lib.from_config_dict({"eval": {"n_test": 10, "num_slots": 16, "max_new_tokens": 32, "decode_steps": 4,
+                                                "streams": 2},
+                                       "data": {"max_prompt_len": 24}, "rollout": {"max_len": 96, "num_slots": 8},
+                                       "train": {"micro_batch_tokens": 128}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    ev = job_memory.eval_rollout(job, "cpu")
+    assert (ev.num_slots, ev.max_len, ev.decode_steps, ev.standby) == (8, 56, 4, 4)  # 16 slots over 2 streams
+    # the probe's stand-in engine holds what the evaluation's own engine holds
+    engine = eval_engine(testing.random_model(CFG), config=CFG, num_slots=16, max_len=56, streams=2, decode_steps=4,
+                         longest_prompt=24)
+    stand_in = ev.make_engine(testing.random_model(CFG), mesh=None, config=CFG)
+    assert (stand_in.num_slots, stand_in.max_len, stand_in.standby_rows) == (engine.num_slots, engine.max_len,
+                                                                             engine.standby_rows)
+    plain = job_memory.JobMemory.prepare(job, CFG, meshes, None)
+    memory = job_memory.JobMemory.prepare(job, CFG, meshes, 100 * plain.plan.total)
+    memory.add_sampler(job, meshes.rollout_mesh)
+    programs = sampler_memory.sampler_bytes(ev, CFG, meshes.rollout_mesh, max_prompt_len=24)
+    assert memory.rollout["evaluation"] == plain.rollout["evaluation"] + 2 * max(programs.values())
+    assert sampler_memory.longest_prefill(ev, 24) == 24  # an evaluation prefills prompts only

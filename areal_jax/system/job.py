@@ -121,7 +121,7 @@ class RLJob:
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
-        self.rollout_cfg = self.memory.resolve_rollout(c.rollout, self.meshes.rollout_mesh, c.data.max_prompt_len)
+        self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.rollout_mesh)  # sampler programs, kv_pages
         self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="
                  f"{self.rollout_cfg.kv_pages}")
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")

@@ -11,8 +11,8 @@ never run at once, so only the larger of the two counts.
 On a device that reports its memory (GPUs, TPUs) the resident parts are checked before anything is
 loaded; the update's working memory (`trainer.memory`, measured by XLA on 1- and 2-layer programs) is
 added once the trainer has chosen `train.remat`, then the working memory of the sampler's programs (a
-decode dispatch, the longest prefill; `sampler.memory`, measured the same way), each checked before any
-full-depth program compiles.
+decode dispatch, the longest prefill; `sampler.memory`, measured the same way) and of an evaluation
+stream's, each checked before any full-depth program compiles.
 A plan that does not fit raises a ConfigError naming every part, the largest one that a config key
 shrinks, and that key.
 """
@@ -99,23 +99,32 @@ def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True) -> int:
     return per_position // tensor if split and tensor > 1 and cfg.num_kv_heads % tensor == 0 else per_position
 
 
-def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: str) -> int:
-    """What an evaluation adds on a rollout device while it runs (at most): a copy of the sampler's weights
-    and its engine's decode states, eval.num_slots sequences of the longest prompt (data.max_prompt_len) +
-    eval.max_new_tokens (capped at rollout.max_len, rounded up to 8 like the job's engine), with each stream's
-    standby rows and logits. 0 when the job does not evaluate."""
+def eval_rollout(job: Any, backend: str) -> Any:
+    """One evaluation stream's engine as a RolloutConfig (None when the job does not evaluate): eval.num_slots
+    split over the streams, the longest prompt (data.max_prompt_len) + eval.max_new_tokens rounded up to 8 and
+    capped at rollout.max_len (as the job's engine), the evaluation's decode steps and standby rows, and only
+    prompts to prefill (the weights never change during an evaluation)."""
     e = job.eval
     if not e.enabled:
-        return 0
+        return None
     from areal_jax.sampler.config import default_standby_rows
 
     max_len = min(job.rollout.max_len, -(-(job.data.max_prompt_len + e.max_new_tokens) // 8) * 8)
-    streams = e.streams_for(backend)
-    per_stream = -(-e.num_slots // streams)
-    standby = default_standby_rows(per_stream, e.decode_steps_for(job.rollout.decode_steps, backend))
-    per_position = kv_position_bytes(cfg, tensor)
-    positions = per_stream * max_len + standby * min(max_len, STANDBY_LEN)
-    return weights + streams * (positions * per_position + (per_stream + standby) * cfg.vocab_size * 4)
+    per_stream = -(-e.num_slots // e.streams_for(backend))
+    steps = e.decode_steps_for(job.rollout.decode_steps, backend)
+    return dataclasses.replace(job.rollout, num_slots=per_stream, group_size=1, max_len=max_len, decode_steps=steps,
+                               standby_rows=default_standby_rows(per_stream, steps), standby_len=None,
+                               kv_cache="dense", kv_pages=None, on_update="continue")
+
+
+def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: str) -> int:
+    """What an evaluation adds on a rollout device while it runs (at most): a copy of the sampler's weights
+    and each stream's decode state (`eval_rollout`: its slots of the longest prompt + eval.max_new_tokens, its
+    standby rows and logits). 0 when the job does not evaluate."""
+    ev = eval_rollout(job, backend)
+    if ev is None:
+        return 0
+    return weights + job.eval.streams_for(backend) * kv_cache_bytes(cfg, ev, tensor)
 
 
 def pool_pages(rollout: Any) -> int:
@@ -270,24 +279,30 @@ class JobMemory:
         self.plan.check()
         return filled
 
-    def add_sampler(self, rollout: Any, mesh: Any, max_prompt_len: int) -> None:
+    def add_sampler(self, job: Any, mesh: Any) -> None:
         """Add the working memory of the sampler's programs (`sampler.memory`: the larger of a decode dispatch and
-        the longest prefill, measured by XLA on 3- and 4-layer programs) to the rollout parts and check the plan,
-        on devices with a memory limit; where the device reports none, nothing is compiled."""
+        the longest prefill, measured by XLA on 3- and 4-layer programs) to the rollout parts, and that of an
+        evaluation stream's programs (times the streams) to the evaluation part, then check the plan, on devices
+        with a memory limit; where the device reports none, nothing is compiled."""
         if self.device_bytes is None:
             return
         from areal_jax.sampler.memory import sampler_bytes
 
-        need = sampler_bytes(rollout, self.model, mesh, max_prompt_len=max_prompt_len)
+        need = sampler_bytes(job.rollout, self.model, mesh, max_prompt_len=job.data.max_prompt_len)
         if need is None:
             return
         self.rollout["sampler_programs"] = max(need.values())
+        backend = jax.default_backend()
+        ev = eval_rollout(job, backend)
+        if ev is not None and self.rollout.get("evaluation"):
+            programs = sampler_bytes(ev, self.model, mesh, max_prompt_len=job.data.max_prompt_len)
+            self.rollout["evaluation"] += job.eval.streams_for(backend) * max(programs.values())
         self.plan.check()
 
-    def resolve_rollout(self, rollout: Any, mesh: Any, max_prompt_len: int) -> Any:
-        """`add_sampler`, then `fill_pages`: the rollout config with kv_pages=-1 resolved after every other part."""
-        self.add_sampler(rollout, mesh, max_prompt_len)
-        return self.fill_pages(rollout)
+    def resolve_rollout(self, job: Any, mesh: Any) -> Any:
+        """`add_sampler`, then `fill_pages`: job.rollout with kv_pages=-1 resolved after every other part."""
+        self.add_sampler(job, mesh)
+        return self.fill_pages(job.rollout)
 
     def resolve_update(self, cfg: Any, mesh: Any) -> Any:
         """The trainer config with train.remat resolved, after adding the update's working memory to the plan
