@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from areal_jax.models.transformer import cache_dtype
 from areal_jax.system import loadgen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,12 +84,13 @@ def test_the_loop_plan_counts_the_published_qwen_size_and_names_what_to_shrink()
     assert 0 <= parts["optimizer"] - 8 * real <= 16  # two float32 moments (+ AdamW's step count)
     assert parts["sampler_params"] == 2 * real
     vocab = tiny.model.vocab_size
-    assert parts["kv_cache"] == 2 * tiny.model.num_layers * 8 * 160 * tiny.model.num_kv_heads * tiny.model.head_dim * 2 \
-        + 8 * vocab * 4  # bf16 keys and values; plus every slot's float32 logits
-    # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings), bf16 KV: 12 KiB per token.
+    kv_bytes = cache_dtype(tiny.model).itemsize  # bf16 keys and values on accelerators, float32 on the CPU
+    assert parts["kv_cache"] == 2 * tiny.model.num_layers * 8 * 160 * tiny.model.num_kv_heads * tiny.model.head_dim \
+        * kv_bytes + 8 * vocab * 4  # keys and values; plus every slot's float32 logits
+    # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings); bf16 KV: 12 KiB per token (24 KiB in float32).
     big = plan_of("qwen2.5-0.5b", 64, 8256, 32)
     assert big.n_params == 494_032_768
-    kv = 64 * 8256 * 24 * 2 * 2 * 64 * 2 + 32 * 512 * 24 * 2 * 2 * 64 * 2 + 96 * 151936 * 4  # slots, standby, logits
+    kv = (64 * 8256 + 32 * 512) * 24 * 2 * 2 * 64 * kv_bytes + 96 * 151936 * 4  # slots, standby, logits
     assert big.plan.parts["kv_cache"] == kv
     big.device_bytes = 16 * GiB
     with pytest.raises(ConfigError, match="The largest part is kv_cache: lower --config.rollout.num_slots"):
