@@ -124,3 +124,19 @@ def test_an_evaluation_adds_its_streams_programs_to_the_evaluation_part():
     programs = sampler_memory.sampler_bytes(ev, CFG, meshes.rollout_mesh, max_prompt_len=24)
     assert memory.rollout["evaluation"] == plain.rollout["evaluation"] + 2 * max(programs.values())
     assert sampler_memory.longest_prefill(ev, 24) == 24  # an evaluation prefills prompts only
+
+
+def test_the_job_says_so_while_it_measures_programs():
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 128}, "eval": {"n_test": 0},
+                                       "train": {"micro_batch_tokens": 128}, "data": {"max_prompt_len": 32},
+                                       "mesh": {"device_memory_gib": 64}})
+    meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
+    lines: list[str] = []
+    memory = job_memory.JobMemory.for_job(job, CFG, meshes, log=lines.append)
+    assert memory.device_bytes == 64 * 2**30 and not lines
+    memory.resolve_update(job.train, meshes.train_mesh)
+    assert len(lines) == 1 and "measuring the working memory" in lines[0]
+    quiet = job_memory.JobMemory.for_job(job.replace(mesh=job.mesh.replace(device_memory_gib=None)), CFG, meshes,
+                                         log=lines.append)
+    quiet.resolve_update(job.train, meshes.train_mesh)  # a CPU reports no limit: nothing measured, nothing said
+    assert len(lines) == 1

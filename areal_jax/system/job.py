@@ -119,7 +119,7 @@ class RLJob:
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
-        self.memory = JobMemory.for_job(c, model_cfg, self.meshes)
+        self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.rollout_mesh)  # sampler programs, kv_pages
         self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="

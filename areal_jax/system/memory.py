@@ -227,6 +227,7 @@ class JobMemory:
     wrt: Any
     tensor: int = 1  # the rollout mesh's tensor axis (a dense cache splits its kv heads over it)
     hints: dict[str, str] = dataclasses.field(default_factory=dict)  # what the run already tried, per part
+    log: Callable[[str], None] | None = None  # progress lines while programs are measured
 
     @property
     def n_params(self) -> int:
@@ -238,14 +239,16 @@ class JobMemory:
         return plan(self.train, self.rollout, self.colocated, self.device_bytes, self.hints)
 
     @classmethod
-    def for_job(cls, job: Any, cfg: ModelConfig, meshes: Any) -> "JobMemory":
+    def for_job(cls, job: Any, cfg: ModelConfig, meshes: Any, log: Callable[[str], None] | None = None) -> "JobMemory":
         """`prepare` against mesh.device_memory_gib, or the smallest limit the devices of any process report
         (`runtime.multihost.agreed_limit`: every process of a run plans against the same limit)."""
         from areal_jax.runtime.multihost import agreed_limit
         from areal_jax.trainer.memory import device_memory_bytes
 
         limit = device_memory_bytes(job.mesh.device_memory_gib)
-        return cls.prepare(job, cfg, meshes, limit if job.mesh.device_memory_gib is not None else agreed_limit(limit))
+        out = cls.prepare(job, cfg, meshes, limit if job.mesh.device_memory_gib is not None else agreed_limit(limit))
+        out.log = log
+        return out
 
     @classmethod
     def prepare(cls, job: Any, cfg: ModelConfig, meshes: Any, device_bytes: int | None) -> "JobMemory":
@@ -310,6 +313,9 @@ class JobMemory:
         recomputation that fits beside every resident part). Without a limit, "auto" is "none"."""
         from areal_jax.trainer.memory import choose_remat
 
+        if self.device_bytes is not None and self.log is not None:
+            self.log("Device memory: measuring the working memory of the update's, the sampler's and the "
+                     "evaluation's programs (XLA's analysis of small abstract programs; seconds to a minute) ...")
         on_train = {**self.train, **(self.rollout if self.colocated else {})}
         held = sum(v for k, v in on_train.items() if k not in EXCLUSIVE)  # an evaluation never runs beside it
         remat, act = choose_remat(self.build, self.model, cfg, mesh, held_bytes=held, device_bytes=self.device_bytes,
