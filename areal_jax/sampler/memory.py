@@ -57,6 +57,7 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
     analysis. One small compile."""
     from areal_jax.models import Transformer
     from areal_jax.sampler.sampling import SamplingParams
+    from areal_jax.trainer.memory import abstract
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}.")
@@ -68,12 +69,10 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
             x.shape, cast if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), params)
     engine = _probe_rollout(rollout).make_engine(graphdef, mesh=mesh, config=small)
     if mesh is not None:
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                              logical_to_mesh_sharding(params, mesh))
+        params = abstract(params, logical_to_mesh_sharding(params, mesh))
     state = jax.eval_shape(engine._init_fn)
     if engine._state_sharding is not None:
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                             engine._state_sharding)
+        state = abstract(state, engine._state_sharding)
     if program == "decode":
         keys = jax.ShapeDtypeStruct((int(rollout.decode_steps), 2), jnp.uint32)
         compiled = engine._jit_generate_steps.lower(params, state, keys).compile()
@@ -92,16 +91,10 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
 def program_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, program: str, *, longest: int) -> int | None:
     """XLA's working memory of the full-depth sampler `program`, from its 3- and 4-layer copies (the program
     itself when the model is that shallow). None where the backend gives no memory analysis."""
-    n = model_cfg.num_layers
-    at = lambda layers: program_temp_bytes(rollout, model_cfg, mesh, layers=layers,  # noqa: E731
-                                           program=program, longest=longest)
-    if n <= BASE_LAYERS + 1:
-        return at(n)
-    base = at(BASE_LAYERS)
-    deeper = None if base is None else at(BASE_LAYERS + 1)
-    if base is None or deeper is None:
-        return None
-    return max(base, base + (n - BASE_LAYERS) * (deeper - base))
+    from areal_jax.trainer.memory import extended_to_depth
+
+    return extended_to_depth(lambda layers: program_temp_bytes(rollout, model_cfg, mesh, layers=layers, program=program,
+                                                              longest=longest), model_cfg.num_layers, BASE_LAYERS)
 
 
 def sampler_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, max_prompt_len: int) -> dict[str, int] | None:

@@ -86,8 +86,22 @@ def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
     return fields
 
 
-def _abstract(tree: Any, shardings: Any) -> Any:
+def abstract(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree`'s leaves laid out by `shardings` (same structure), to lower programs with."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def extended_to_depth(at: Callable[[int], int | None], layers: int, base: int) -> int | None:
+    """A program's working memory at `layers` layers from its copies at `base` and `base` + 1 layers (`at(n)`:
+    the n-layer copy's bytes, None without a memory analysis), the difference extended to every layer; the
+    program itself when the model is that shallow. Two small compiles."""
+    if layers <= base + 1:
+        return at(layers)
+    shallow = at(base)
+    deeper = None if shallow is None else at(base + 1)
+    if shallow is None or deeper is None:
+        return None
+    return max(shallow, shallow + (layers - base) * (deeper - shallow))
 
 
 def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
@@ -113,7 +127,7 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     other_sharding = logical_to_mesh_sharding(other, mesh)
     fns = build_update_fns(graphdef, cfg, tx, make_schedule(cfg, 1), shardings, other_sharding, mesh)
     train = (params, head) if head is not None else params
-    train_in = _abstract(train, shardings.trainable())
+    train_in = abstract(train, shardings.trainable())
     grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32),
                                                         sharding=x.sharding), train_in)
     rep = NamedSharding(mesh, PartitionSpec())
@@ -124,13 +138,13 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     if program == "apply":
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-        opt = _abstract(jax.eval_shape(tx.init, train), shardings.opt_state)
-        state = TrainState(params=_abstract(params, shardings.params), opt_state=opt, step=scalar, version=scalar,
-                           skipped_updates=scalar, value_head=None if head is None else _abstract(head, shardings.value_head))
+        opt = abstract(jax.eval_shape(tx.init, train), shardings.opt_state)
+        state = TrainState(params=abstract(params, shardings.params), opt_state=opt, step=scalar, version=scalar,
+                           skipped_updates=scalar, value_head=None if head is None else abstract(head, shardings.value_head))
         loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
         compiled = fns.apply.lower(state, grads, loss, loss, scalar).compile()
     else:
-        compiled = fns.accumulate.lower(train_in, _abstract(other, other_sharding), grads, sums, batch,
+        compiled = fns.accumulate.lower(train_in, abstract(other, other_sharding), grads, sums, batch,
                                         version).compile()
     analysis = compiled.memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
@@ -143,17 +157,9 @@ def program_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfi
     buffers settle into their per-layer growth from the second layer on, and with train.scan_layers, since
     a scan needs two layers); the program itself when the model is that shallow. None where the backend
     gives no memory analysis. Two small compiles."""
-    n = model_cfg.num_layers
     base = 2 if cfg.scan_layers or program == "apply" else 1
-    at = lambda layers: update_temp_bytes(build, model_cfg, cfg, mesh, layers=layers, tokens=tokens,  # noqa: E731
-                                          wrt=wrt, program=program)
-    if n <= base + 1:
-        return at(n)
-    one = at(base)
-    two = None if one is None else at(base + 1)
-    if one is None or two is None:
-        return None
-    return max(one, one + (n - base) * (two - one))
+    return extended_to_depth(lambda layers: update_temp_bytes(build, model_cfg, cfg, mesh, layers=layers, tokens=tokens,
+                                                             wrt=wrt, program=program), model_cfg.num_layers, base)
 
 
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
