@@ -20,6 +20,7 @@ staged request has taken since the host last looked.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -121,7 +122,9 @@ class StandbyRows:
         if not self.can_stage(prefix):
             raise ValueError(f"this prefix does not fit a standby row (standby_rows={self.standby_rows}, "
                              f"standby_len={self.standby_len}); insert it into a free slot instead.")
-        padded = np.full((self.standby_rows,), self.standby_rows, np.int32)  # one program per prompt bucket
+        # Padded to a power of two (at most R) with an out-of-range row whose writes are dropped: the copy costs
+        # about the rows staged, not all R (a scatter visits every padded row), for log2(R) programs per bucket.
+        padded = np.full((min(self.standby_rows, 1 << math.ceil(math.log2(len(rows)))),), self.standby_rows, np.int32)
         padded[: len(rows)] = rows
         return self._call(self._jit_stage, prefix, decode_state, padded, self.settings(sampling or SamplingParams()))
 
