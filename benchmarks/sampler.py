@@ -38,7 +38,7 @@ from flax import nnx
 
 from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
-from areal_jax.sampler.config import default_standby_rows
+from areal_jax.sampler.config import default_standby_rows, prompt_bucket
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
 
@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefilled requests waiting on the device for a slot (sampler/standby.py); default as the "
                         "job's rollout.standby_rows: num_slots / 2 with k > 1, else 0")
     p.add_argument("--standby-len", type=int, default=None,
-                   help="dense cache: longest prompt bucket a standby row holds (default as the engine's)")
+                   help="dense cache: longest prompt bucket a standby row holds (default as the job's: the bucket of "
+                        "the longest prompt, RolloutConfig.for_prompts)")
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (paged)")
     p.add_argument("--kv-pages", type=int, default=None, help="pages in the pool (paged; default slots x max_len)")
@@ -321,8 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
                                  num_pages=args.kv_pages, attention=args.paged_attention, standby_rows=args.standby_rows,
                                  admission=args.kv_admission)
         else:
+            standby_len = args.standby_len or prompt_bucket(max_len, args.prompt_len[1])
             engine = Engine(model, num_slots=args.num_slots, max_len=max_len, standby_rows=args.standby_rows,
-                            standby_len=args.standby_len)
+                            standby_len=standby_len)
         _, params = nnx.split(model)
         del model
         compiled = warm_up(engine, params, tuple(args.prompt_len), args.decode_steps, args.seed)

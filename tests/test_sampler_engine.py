@@ -59,7 +59,9 @@ def test_insert_and_generate_equal_full_forward(model):
 
 def test_prefill_many_equals_prefill_one_by_one(model):
     """Batched prefills (full calls of prefill_batch rows, one-row calls, rows of different buckets) give
-    each prompt the prefix a lone prefill gives it: same logits, length, last token and cache rows."""
+    each prompt the prefix a lone prefill gives it: same logits, length, last token, cache rows, and cache
+    length (its own bucket, also when batched with a longer prompt: a 3-token prompt still fits a standby row
+    of 16 positions)."""
     engine = Engine(model, num_slots=4, max_len=MAX_LEN, prefill_batch=4)
     _, params = nnx.split(model)
     rng = np.random.default_rng(3)
@@ -76,6 +78,7 @@ def test_prefill_many_equals_prefill_one_by_one(model):
             assert int(prefix.true_length) == n and int(prefix.last_token) == prompt[-1]
             np.testing.assert_allclose(np.asarray(prefix.logprobs), np.asarray(want.logprobs), atol=1e-5)
             for a, b in zip((*prefix.cache.k, *prefix.cache.v), (*want.cache.k, *want.cache.v)):
+                assert a.shape == b.shape == (1, engine.bucket_for(n), *a.shape[2:])
                 np.testing.assert_allclose(np.asarray(a)[:, :n], np.asarray(b)[:, :n], atol=1e-5)
     assert tight._prefill_many_shapes == {(1, 16), (3, 16), (1, 32)}  # [3], [17], [5, 9], [30], [1]: 1 + 2 rows
     with pytest.raises(ValueError, match="empty prompt"):

@@ -1,6 +1,7 @@
 """The SamplerLoop under random interleavings of submissions, aborts and weight updates that arrive while
-dispatches are in flight, over the dense and the paged cache, with and without standby rows, and over a pool so
-small that optimistic admission preempts samples. Whatever the order:
+dispatches are in flight, over the dense and the paged cache, with and without standby rows (on the dense cache
+also rows too short for the longer prompts), and over a pool so small that optimistic admission preempts
+samples. Whatever the order:
 
 - every sample of every submitted request comes back exactly once;
 - only samples of aborted requests come back "interrupted", each with a prefix of what it would have generated;
@@ -46,6 +47,10 @@ def engines(models):
     return {
         "dense": Engine(m, num_slots=3, max_len=MAX_LEN),
         "dense+standby": Engine(m, num_slots=3, max_len=MAX_LEN, standby_rows=2),
+        # Prompts of 9-12 tokens (bucket 16) do not fit its 8-position standby rows: they go into free slots, also
+        # while dispatches carrying staged rows are in flight.
+        "dense+short-standby": Engine(m, num_slots=3, max_len=MAX_LEN, standby_rows=2, standby_len=8,
+                                      prefill_buckets=(8, 16, MAX_LEN)),
         "paged": PagedEngine(m, num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=24),
         "paged+standby": PagedEngine(m, num_slots=3, max_len=MAX_LEN, page_size=4, num_pages=24, standby_rows=3),
         # Sequences of at most 24 positions (the longest request) in 7 pages of 4, a little more than one of them:
@@ -65,8 +70,9 @@ def make_request(rid, spec, rng):
                    n=n, temperature=0.0 if greedy else 1.0, stop_token_ids=(STOP,) if stop else ())
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["dense", "dense+standby", "paged", "paged+standby", "paged+optimistic"]),
+@settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["dense", "dense+standby", "dense+short-standby", "paged", "paged+standby",
+                             "paged+optimistic"]),
        initial=st.lists(request_spec, min_size=1, max_size=5), events=st.lists(event, max_size=6),
        k=st.integers(1, 4), fetch_behind=st.booleans(), on_update=st.sampled_from(["recompute", "continue"]),
        seed=st.integers(0, 1000))

@@ -67,10 +67,11 @@ def test_the_job_plan_adds_the_sampler_programs_where_the_device_has_a_limit():
                                        "train": {"micro_batch_tokens": 256}, "data": {"max_prompt_len": 32}})
     meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])
     none = job_memory.JobMemory.prepare(job, CFG, meshes, None)
-    assert none.resolve_rollout(job, meshes.rollout_mesh) == job.rollout
+    resolved = none.resolve_rollout(job, meshes.rollout_mesh)  # standby rows for data.max_prompt_len's bucket
+    assert resolved == job.rollout.for_prompts(32) and resolved.standby_len == 32 and job.rollout.standby_len is None
     assert "sampler_programs" not in none.plan.parts  # a CPU reports no limit: nothing compiled
 
-    need = sampler_memory.sampler_bytes(job.rollout, CFG, meshes.rollout_mesh, max_prompt_len=32)
+    need = sampler_memory.sampler_bytes(resolved, CFG, meshes.rollout_mesh, max_prompt_len=32)
     resident = none.plan.total
     roomy = job_memory.JobMemory.prepare(job, CFG, meshes, 4 * (resident + max(need.values())))
     roomy.resolve_rollout(job, meshes.rollout_mesh)

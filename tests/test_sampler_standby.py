@@ -17,6 +17,7 @@ from areal_jax.testing.sampler import (
     full_forward_logp,
     greedy_reference,
     run_requests,
+    submit_all,
     token_logp_errors,
 )
 
@@ -203,3 +204,52 @@ def test_abort_of_a_run_that_finished_in_flight_spares_the_row_placed_after_it(m
         assert engine.allocator.free_pages == engine.num_pages and not engine.allocator.refcount.any()
     assert done[0].request_id == "a" and done[0].finish_reason == "interrupted"
     assert done[1].finish_reason == "length" and done[1].tokens.tolist() == greedy_reference(logp, [9, 10], 6)[0]
+
+
+class _SpyLoop(SamplerLoop):
+    """Records each admission's direct slots while dispatches carrying staged rows were in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.direct_with_rows_in_flight = []
+
+    def _direct(self, placeable):
+        out = super()._direct(placeable)
+        if placeable and out:
+            self.direct_with_rows_in_flight.append((placeable, sorted(self._free), list(out)))
+        return out
+
+
+def test_prompts_too_long_for_a_standby_row_go_into_slots_that_no_dispatch_in_flight_can_fill(models, logp):
+    # 3-token prompts fit the 8-position standby rows, 12-token ones do not: those are inserted into free slots,
+    # also while dispatches carrying staged rows are in flight (into slots above the lowest W free ones, W the
+    # rows those dispatches may still place). Every sample gets exactly the tokens of a full-forward reference.
+    budgets = [2, 9, 3, 3, 12, 2, 5, 2, 2, 7, 4, 3, 2, 9, 2, 6, 3, 2]
+    requests = [Request(id=i, prompt=[4 + i] * (12 if i % 3 == 1 else 3), max_new_tokens=n, temperature=0.0)
+                for i, n in enumerate(budgets)]
+    engine = Engine(models[0], num_slots=5, max_len=MAX_LEN, standby_rows=2, standby_len=8,
+                    prefill_buckets=(8, 16, MAX_LEN))
+    loop = _SpyLoop(engine, nnx.split(models[0])[1], decode_steps=3, fetch_behind=True)
+    submit_all(loop, requests)
+    got = collect_completions(loop, len(requests))
+    stats = loop.stats()
+    loop.stop()
+    for c, r in zip(sorted(got, key=lambda c: c.request_id), requests):
+        want, want_lp, _ = greedy_reference(logp, r.prompt, r.max_new_tokens)
+        assert c.tokens.tolist() == want, r.id
+        np.testing.assert_allclose(c.logprobs, want_lp, atol=1e-4)
+    assert stats["placed_from_standby"] > 0 and stats["running"] == stats["standby"] == 0
+    assert loop.direct_with_rows_in_flight, "no insert happened while staged rows were in flight"
+    for placeable, free, direct in loop.direct_with_rows_in_flight:  # never one of the lowest W free slots
+        assert set(direct).isdisjoint(free[:placeable])
+
+
+def test_standby_rows_default_to_the_bucket_of_the_longest_prompt():
+    from areal_jax.sampler.config import RolloutConfig, prompt_bucket
+
+    assert [prompt_bucket(3584, n) for n in (1, 16, 17, 80, 1536, 2048, 2049)] == [16, 16, 32, 128, 2048, 2048, 3584]
+    assert prompt_bucket(1500, 1200) == 1500  # the last bucket is max_len itself
+    code = RolloutConfig(max_len=3584, num_slots=256)
+    assert code.standby_length() == 512 and code.for_prompts(1536).standby_len == 2048  # every prompt fits a row
+    assert RolloutConfig(max_len=128).for_prompts(80).standby_len == 128  # the default math job: 80 -> 128
+    assert RolloutConfig(max_len=3584, standby_len=256).for_prompts(1536).standby_len == 256  # set: kept

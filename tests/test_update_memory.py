@@ -105,8 +105,11 @@ def test_resident_parts_equal_what_a_trainer_and_an_engine_allocate(kv_cache):
     shardings = job_memory.logical_to_mesh_sharding(rollout_params, meshes.rollout_mesh)
     assert rollout["sampler_params"] == resident_bytes(jax.device_put(rollout_params, shardings))
 
-    engine = job.rollout.make_engine(model, mesh=meshes.rollout_mesh, config=CFG)
+    # the job's engine: standby rows as long as data.max_prompt_len's bucket (32 of max_len 96)
+    engine = job.rollout.for_prompts(job.data.max_prompt_len).make_engine(model, mesh=meshes.rollout_mesh, config=CFG)
     state = engine.init_decode_state()
+    if kv_cache == "dense":
+        assert engine.standby_len == 32 and state.standby.cache.k[0].shape[1] == 32
     # keys and values (a dense cache splits its kv heads over the two devices, the page pool is replicated),
     # the standby rows' cache (dense; paged standby rows hold pages of the pool) and every row's logits
     cache = [state.cache, state.logits, state.standby.logits] + ([state.standby.cache] if kv_cache == "dense" else [])
@@ -212,6 +215,7 @@ def test_the_evaluation_part_equals_what_an_evaluation_engine_holds():
                          decode_steps=4, longest_prompt=24)  # 24 + 32 tokens, as the job sizes it
     state = engine.init_decode_state()
     assert engine.num_slots == 8 and state.standby is not None  # two streams of 8 slots, with standby rows
+    assert engine.standby_len == 24  # as long as the longest prompt's bucket
     per_stream = resident_bytes([state.cache, state.logits, state.standby.cache, state.standby.logits])
     weights = rollout["sampler_params"]
     assert rollout["evaluation"] == weights + 2 * per_stream

@@ -12,7 +12,22 @@ from typing import Any, ClassVar
 from areal_jax.knobs import Section, knob, require
 from areal_jax.rl.advantages import GROUP_MODES
 
-STANDBY_LEN = 512  # standby_len's default (capped at max_len): RL prompts are short, the rows' cache is R x this
+STANDBY_LEN = 512  # standby_len where the longest prompt is not known (capped at max_len); the rows' cache is R x this
+
+
+def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len`` itself."""
+    buckets, b = [], min(min_bucket, max_len)
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_len)
+    return tuple(buckets)
+
+
+def prompt_bucket(max_len: int, length: int, min_bucket: int = 16) -> int:
+    """The default prefill bucket (``default_buckets``) that holds a prompt of ``length`` tokens."""
+    return next(b for b in default_buckets(max_len, min_bucket) if b >= min(int(length), max_len))
 
 
 def default_standby_rows(num_slots: int, decode_steps: int) -> int:
@@ -45,8 +60,8 @@ class RolloutConfig(Section):
                                     "it finishes, inside a dispatch (sampler/standby.py). None: num_slots // 2 when "
                                     "decode_steps > 1, else 0 (off)")
     standby_len: int | None = knob(None, "longest prompt bucket a standby row holds (longer prompts wait for a free "
-                                   "slot; dense cache: the paged cache keeps staged prompts in pages); None: "
-                                   "min(max_len, 512)")
+                                   "slot; dense cache: the paged cache keeps staged prompts in pages); None: the "
+                                   "bucket of data.max_prompt_len, so every prompt can wait in one")
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
     page_size: int = knob(16, "positions per KV page (paged)")
@@ -78,6 +93,18 @@ class RolloutConfig(Section):
             return int(self.standby_rows)
         return default_standby_rows(self.num_slots, self.decode_steps)
 
+    def standby_length(self) -> int:
+        """standby_len with None resolved where the longest prompt is not known (``for_prompts``): min(max_len, 512)."""
+        return min(self.max_len, STANDBY_LEN) if self.standby_len is None else int(self.standby_len)
+
+    def for_prompts(self, max_prompt_len: int) -> "RolloutConfig":
+        """This section with standby_len None resolved for prompts of at most ``max_prompt_len`` tokens (the job's
+        data.max_prompt_len): the prefill bucket that holds them, so that no prompt is too long to wait in a
+        standby row (a longer one waits for a free slot the host knows of: about a dispatch later)."""
+        if self.standby_len is not None:
+            return self
+        return dataclasses.replace(self, standby_len=prompt_bucket(self.max_len, max_prompt_len))
+
     def make_engine(self, model: Any, *, mesh: Any, config: Any) -> Any:
         """The engine this section describes, for `model` (a Transformer or its graphdef, with `config`):
         an Engine over a dense cache, or a PagedEngine (kv_cache=paged)."""
@@ -91,7 +118,7 @@ class RolloutConfig(Section):
                                **common)
         from areal_jax.sampler.engine import Engine
 
-        return Engine(model, standby_len=self.standby_len, **common)
+        return Engine(model, standby_len=self.standby_length(), **common)
 
     @property
     def eta(self) -> int | None:

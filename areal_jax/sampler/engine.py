@@ -33,13 +33,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
 from areal_jax.sampler import prefill as _prefill
+from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, release_slots, slot_settings
 from areal_jax.sampler.standby import StandbyRows, standby_size
-from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult, default_buckets
+from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult
 
 
 class Engine(StandbyRows):
@@ -115,6 +116,7 @@ class Engine(StandbyRows):
             self._setup_shardings()
         self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
         self._jit_prefill_many: dict[int, Callable[..., Any]] = {}  # rows -> program (one output tree per row)
+        self._jit_trim = jax.jit(_prefill.trim_prefix, static_argnums=1, out_shardings=self._prefix_sharding)
         self._prefill_many_shapes: set[tuple[int, int]] = set()  # (rows, bucket) already compiled
         self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
         self._jit_bulk_insert = jax.jit(
@@ -288,31 +290,10 @@ class Engine(StandbyRows):
         A call holds ``prefill_rows_for(bucket)`` rows (one row for a single prompt, unless only the full-width
         program of its bucket is compiled yet), padded to the bucket of its longest prompt, so admitting
         many prompts costs a few full matrix products instead of one thin product per prompt; a bucket
-        compiles at most two programs.
+        compiles at most two programs. Each Prefix's cache is cut back to its own prompt's bucket
+        (``prefill.prefill_many``).
         """
-        lengths = [len(p) for p in prompts]
-        if any(n < 1 for n in lengths):
-            raise ValueError(f"prefill_many got an empty prompt (lengths {lengths}).")
-        out: list[Prefix] = []
-        start = 0
-        while start < len(prompts):
-            chunk = prompts[start : start + _prefill.call_rows(self, lengths[start:])]
-            start += len(chunk)
-            bucket = self.bucket_for(max(len(p) for p in chunk))
-            full = (self.prefill_rows_for(bucket), bucket)
-            rows = 1 if len(chunk) == 1 and (full not in self._prefill_many_shapes
-                                             or (1, bucket) in self._prefill_many_shapes) else full[0]
-            self._prefill_many_shapes.add((rows, bucket))
-            tokens = np.zeros((rows, bucket), np.int32)
-            n = np.ones((rows,), np.int32)
-            for r, prompt in enumerate(chunk):
-                tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
-                n[r] = len(prompt)
-            if rows not in self._jit_prefill_many:  # setdefault: loops sharing the engine get one program
-                shardings = None if self._prefix_sharding is None else (self._prefix_sharding,) * rows
-                self._jit_prefill_many.setdefault(rows, jax.jit(self._prefill_many_fn, out_shardings=shardings))
-            out.extend(self._call(self._jit_prefill_many[rows], params, tokens, n)[: len(chunk)])
-        return out
+        return _prefill.prefill_many(self, params, prompts)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:

@@ -6,13 +6,18 @@ the state used here: ``engine``, ``on_update``, ``decode_steps``, ``fetch_behind
 lock-guarded ``_cond``, ``_queue`` (queued requests), ``_out`` (finished completions), ``_pending``,
 ``_pending_update``, ``_aborts``, ``_paused`` / ``_idle``, ``_stop_mode``, ``_error``, ``_stats`` and
 ``_max_update_wait``; and, touched by this thread only, ``_running`` (slot -> sample), ``_free`` (free
-slots), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows free to stage into; see
+slots), ``_settling`` (free slots the host released while dispatches were in flight), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows free to stage into; see
 ``sampler.standby``), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
 ``_version`` (written under ``_cond``) and ``_keys``.
 
-A slot the host believes free may still take a staged sample inside a dispatch in flight, so the host
-inserts into free slots directly only while no dispatch in flight carries staged samples; otherwise it
-stages, and the device places them. For the same reason a release names the placements the host knows of
+A slot the host believes free may still take a staged sample inside a dispatch in flight. The device fills
+free slots lowest first, and the dispatches in flight can place at most the staged rows they were issued
+with (``_placeable``), W of them; so the host inserts directly only into its free slots above the lowest W of
+those known free on the device (a slot the host released itself is known free once the dispatches before the
+release are fetched, ``_settling``), and stages the rest, for the device to place. With no staged rows in
+flight every free slot takes an insert. A prompt too long for a standby row thus waits only until free slots
+outnumber the rows in flight, not until the standby has drained. For the same reason a release names the
+placements the host knows of
 (the device spares a slot a staged sample has taken since), and an abort of staged samples first fetches the
 dispatches in flight, so a staged row (over a paged cache, its pages too) is freed only once no dispatch can
 place it.
@@ -121,6 +126,8 @@ class LoopThread(Preemption):
     def _release(self, slots: list[int]) -> None:
         if slots:
             self._state = self.engine.release(self._state, slots)
+            for slot in slots if self._inflight else ():  # free on the device once the dispatches before are fetched
+                self._settling[slot] = self._inflight[-1]
 
     def _swap_params(self, params: FlatParams, version: int) -> None:
         placed = self.engine.place_params(params)
@@ -194,26 +201,29 @@ class LoopThread(Preemption):
         """Fill free slots from the queue, then standby rows. Each queued request's prompt is prefilled once
         (several requests' prompts per call, see :meth:`_prefill_ahead`) and its prefix copied into the
         slots (or standby rows) of its samples."""
-        direct = not any(d.standby for d in self._inflight)  # no dispatch in flight can take a free slot
-        while (direct and self._free) or self._standby_free:
+        placeable = self._placeable()  # staged rows the dispatches in flight may still place (fixed meanwhile)
+        while True:
+            direct = self._direct(placeable)
+            if not (direct or self._standby_free):
+                break
             with self._cond:
                 if not self._queue or self._stop_mode == "now":
                     break
                 q = self._queue[0]
             if q.resume is not None:  # a preempted sample: back into a free slot, its cache recomputed
-                if not (direct and self._free and self._resume(q)):
+                if not (direct and self._resume(q, self._take_free(direct[:1])[0])):
                     break
                 continue
-            if not (direct and self._free):
+            if not direct:
                 if not self._stage(q):
                     break
                 continue
-            k = self._admissible(q, len(self._free))
+            k = self._admissible(q, len(direct))
             if k == 0:
                 break
             if q.prefix is None or q.prefix_version != self._version:
                 self._prefill_ahead()
-            slots = [self._free.pop() for _ in range(k)]
+            slots = self._take_free(direct[:k])
             if k == 1:
                 self._state = self.engine.insert(q.prefix, self._state, slots[0], q.sampling)
             else:
@@ -221,6 +231,26 @@ class LoopThread(Preemption):
             for i, slot in enumerate(slots):
                 self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
             self._advance(q, k)
+
+    def _placeable(self) -> int:
+        """Staged rows that a dispatch in flight may still move into a free slot: those it was issued with and
+        the host has not seen placed. The device fills free slots lowest first (``slots.place_standby``), so all
+        but the lowest this many of the host's free slots stay free until an insert issued now runs."""
+        return sum(1 for row, run in self._standby.items() if any(d.standby.get(row) is run for d in self._inflight))
+
+    def _direct(self, placeable: int) -> list[int]:
+        """The free slots no dispatch in flight can move a staged row into: all of them when none can place one,
+        else those above the lowest ``placeable`` of the slots known free on the device (``slots.place_standby``
+        fills free slots lowest first), highest first."""
+        if not placeable:
+            return self._free[::-1]
+        return sorted((s for s in self._free if s not in self._settling), reverse=True)[: -placeable or None]
+
+    def _take_free(self, slots: list[int]) -> list[int]:
+        for slot in slots:
+            self._free.remove(slot)
+            self._settling.pop(slot, None)
+        return slots
 
     def _stage(self, q: _Queued) -> bool:
         """Stage samples of the queue head in free standby rows; False when its prompt does not fit one, or the
@@ -304,8 +334,10 @@ class LoopThread(Preemption):
             if self._standby.get(row) is d.standby[row]:
                 del self._standby[row]
                 self._standby_free.append(row)
+        self._settling = {slot: last for slot, last in self._settling.items() if last is not d}
         for slot, run in rec.occupants.items():  # the host learns who holds these slots now
             self._running[slot] = run
+            self._settling.pop(slot, None)
             if slot in self._free:
                 self._free.remove(slot)
             for later in self._inflight:  # issued before this was known

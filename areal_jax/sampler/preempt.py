@@ -53,14 +53,15 @@ class Preemption:
                 self._queue.appendleft(resume_entry(run))
                 self._stats["preempted"] += 1
 
-    def _resume(self, q: _Queued) -> bool:
-        """Put the preempted sample at the queue head back into a free slot: prefill its prompt and the tokens it
-        generated, under the current params. False when the pool cannot take it yet."""
+    def _resume(self, q: _Queued, slot: int) -> bool:
+        """Put the preempted sample at the queue head back into ``slot`` (taken from the free slots, given back
+        when the pool cannot take the sample yet): prefill its prompt and the tokens it generated, under the
+        current params. False when the pool cannot take it yet."""
         run = q.resume
         sequence = list(run.request.prompt) + run.tokens
         if not self.engine.reserve(len(sequence), q.sampling.max_new_tokens, 1):
+            self._free.append(slot)
             return False
-        slot = self._free.pop()
         self._state = self.engine.insert_sequences(self._params, self._state, [slot], [sequence], [q.sampling])
         run.logits_version = self._version
         self._running[slot] = run

@@ -2,6 +2,7 @@
 into decode slots. The Engine jits them; the paged engine reuses prefill_rows."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -51,6 +52,43 @@ def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
         return dst.at[slots, :p].set(jnp.broadcast_to(src.astype(dst.dtype), (n,) + src.shape[1:]), mode="drop")
 
     return jax.tree.map(write, cache, rows)
+
+
+def trim_prefix(prefix: Prefix, length: int) -> Prefix:
+    """``prefix`` with its cache cut to the first ``length`` positions (static)."""
+    return dataclasses.replace(prefix, cache=jax.tree.map(lambda x: x[:, :length], prefix.cache))
+
+
+def prefill_many(engine: Any, params: Any, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
+    """``Engine.prefill_many``: batched calls of ``call_rows`` prompts, one Prefix per prompt, in order. A prompt
+    shorter than its call's bucket gets its cache cut back to its own bucket (a small copy), so that a Prefix
+    holds P = its prompt's bucket positions whatever it was batched with: a short prompt then still fits a
+    standby row (``standby_len``), and an insert copies only its own bucket."""
+    lengths = [len(p) for p in prompts]
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"prefill_many got an empty prompt (lengths {lengths}).")
+    out: list[Prefix] = []
+    start = 0
+    while start < len(prompts):
+        chunk = prompts[start : start + call_rows(engine, lengths[start:])]
+        start += len(chunk)
+        bucket = engine.bucket_for(max(len(p) for p in chunk))
+        full = (engine.prefill_rows_for(bucket), bucket)
+        shapes = engine._prefill_many_shapes
+        rows = 1 if len(chunk) == 1 and (full not in shapes or (1, bucket) in shapes) else full[0]
+        shapes.add((rows, bucket))
+        tokens = np.zeros((rows, bucket), np.int32)
+        n = np.ones((rows,), np.int32)
+        for r, prompt in enumerate(chunk):
+            tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
+            n[r] = len(prompt)
+        if rows not in engine._jit_prefill_many:  # setdefault: loops sharing the engine get one program
+            shardings = None if engine._prefix_sharding is None else (engine._prefix_sharding,) * rows
+            engine._jit_prefill_many.setdefault(rows, jax.jit(engine._prefill_many_fn, out_shardings=shardings))
+        for prompt, prefix in zip(chunk, engine._call(engine._jit_prefill_many[rows], params, tokens, n)):
+            own = engine.bucket_for(len(prompt))
+            out.append(prefix if own == bucket else engine._call(engine._jit_trim, prefix, own))
+    return out
 
 
 def call_rows(engine: Any, lengths: Sequence[int]) -> int:

@@ -106,16 +106,6 @@ class SlotSettings:
     stop_ids: jax.Array  # int32
 
 
-def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len`` itself."""
-    buckets, b = [], min(min_bucket, max_len)
-    while b < max_len:
-        buckets.append(b)
-        b *= 2
-    buckets.append(max_len)
-    return tuple(buckets)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MultiStepResult:

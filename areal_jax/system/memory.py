@@ -29,7 +29,6 @@ from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import cache_dtype
-from areal_jax.sampler.config import STANDBY_LEN
 from areal_jax.trainer.memory import per_device_bytes
 
 GiB = 2**30
@@ -113,7 +112,8 @@ def eval_rollout(job: Any, backend: str) -> Any:
     per_stream = -(-e.num_slots // e.streams_for(backend))
     steps = e.decode_steps_for(job.rollout.decode_steps, backend)
     return dataclasses.replace(job.rollout, num_slots=per_stream, group_size=1, max_len=max_len, decode_steps=steps,
-                               standby_rows=default_standby_rows(per_stream, steps), standby_len=None,
+                               standby_rows=default_standby_rows(per_stream, steps),
+                               standby_len=min(max_len, -(-job.data.max_prompt_len // 8) * 8),
                                kv_cache="dense", kv_pages=None, on_update="continue")
 
 
@@ -145,8 +145,7 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     if rollout.kv_cache == "paged":
         positions = pool_pages(rollout) * rollout.page_size
     else:
-        standby_len = rollout.standby_len or min(rollout.max_len, STANDBY_LEN)
-        positions = rollout.num_slots * rollout.max_len + rollout.standby * standby_len
+        positions = rollout.num_slots * rollout.max_len + rollout.standby * rollout.standby_length()
     return positions * per_position + rows * cfg.vocab_size * 4
 
 
@@ -175,7 +174,7 @@ def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelC
     grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
     train = {"params": trained, "optimizer": moments, "gradients": per_device_bytes(grads, p_shard),
              "frozen_weights": frozen, "reference": trained + frozen if job.train.kl_coef > 0 else 0}
-    r, rmesh = job.rollout, meshes.rollout_mesh
+    r, rmesh = job.rollout.for_prompts(job.data.max_prompt_len), meshes.rollout_mesh
     sampler_dtype = None if r.param_dtype == "same" else jnp.dtype(r.param_dtype)
     whole = nnx.state(nnx.eval_shape(lambda: build(cfg)))
     if sampler_dtype is not None:
@@ -291,7 +290,8 @@ class JobMemory:
             return
         from areal_jax.sampler.memory import sampler_bytes
 
-        need = sampler_bytes(job.rollout, self.model, mesh, max_prompt_len=job.data.max_prompt_len)
+        need = sampler_bytes(job.rollout.for_prompts(job.data.max_prompt_len), self.model, mesh,
+                             max_prompt_len=job.data.max_prompt_len)
         if need is None:
             return
         self.rollout["sampler_programs"] = max(need.values())
@@ -303,9 +303,10 @@ class JobMemory:
         self.plan.check()
 
     def resolve_rollout(self, job: Any, mesh: Any) -> Any:
-        """`add_sampler`, then `fill_pages`: job.rollout with kv_pages=-1 resolved after every other part."""
+        """`add_sampler`, then `fill_pages`: job.rollout with kv_pages=-1 resolved after every other part (and
+        standby_len for data.max_prompt_len, `RolloutConfig.for_prompts`)."""
         self.add_sampler(job, mesh)
-        return self.fill_pages(job.rollout)
+        return self.fill_pages(job.rollout.for_prompts(job.data.max_prompt_len))
 
     def resolve_update(self, cfg: Any, mesh: Any) -> Any:
         """The trainer config with train.remat resolved, after adding the update's working memory to the plan
