@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = ModelConfig(architecture="qwen2", attention_bias=True, tie_word_embeddings=True, rope_theta=1e6,
                       dtype=dtype, param_dtype=dtype, max_position_embeddings=max(32768, max_len), **preset["model"])
     r = RolloutConfig(num_slots=args.num_slots or preset["slots"], group_size=1, max_len=max_len,
-                      decode_steps=args.decode_steps, on_update=args.on_update)
+                      decode_steps=args.decode_steps, on_update=args.on_update).for_prompts(preset["prompt_len"][1])
     longest = sampler_memory.longest_prefill(r, preset["prompt_len"][1])
     device = jax.devices()[0]
     print(f"{args.preset} ({cfg.num_layers} layers, {jnp.dtype(dtype).name}) on {device.platform} "

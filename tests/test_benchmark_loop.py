@@ -90,7 +90,8 @@ def test_the_loop_plan_counts_the_published_qwen_size_and_names_what_to_shrink()
     # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings); bf16 KV: 12 KiB per token (24 KiB in float32).
     big = plan_of("qwen2.5-0.5b", 64, 8256, 32)
     assert big.n_params == 494_032_768
-    kv = (64 * 8256 + 32 * 512) * 24 * 2 * 2 * 64 * kv_bytes + 96 * 151936 * 4  # slots, standby, logits
+    # slots, standby rows as long as the longest prompt (data.max_prompt_len 64), logits
+    kv = (64 * 8256 + 32 * 64) * 24 * 2 * 2 * 64 * kv_bytes + 96 * 151936 * 4
     assert big.plan.parts["kv_cache"] == kv
     big.device_bytes = 16 * GiB
     with pytest.raises(ConfigError, match="The largest part is kv_cache: lower --config.rollout.num_slots"):
