@@ -6,9 +6,10 @@ the state used here: ``engine``, ``on_update``, ``decode_steps``, ``fetch_behind
 lock-guarded ``_cond``, ``_queue`` (queued requests), ``_out`` (finished completions), ``_pending``,
 ``_pending_update``, ``_aborts``, ``_paused`` / ``_idle``, ``_stop_mode``, ``_error``, ``_stats`` and
 ``_max_update_wait``; and, touched by this thread only, ``_running`` (slot -> sample), ``_free`` (free
-slots), ``_settling`` (free slots the host released while dispatches were in flight), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows free to stage into; see
-``sampler.standby``), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
-``_version`` (written under ``_cond``) and ``_keys``.
+slots), ``_settling`` (free slots the host released while dispatches were in flight), ``_standby`` (standby
+row -> staged sample) and ``_standby_free`` (rows free to stage into; see ``sampler.standby``), ``_inflight``
+(dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` / ``_version`` (written under
+``_cond``) and ``_keys``.
 
 A slot the host believes free may still take a staged sample inside a dispatch in flight. The device fills
 free slots lowest first, and the dispatches in flight can place at most the staged rows they were issued
@@ -17,10 +18,9 @@ those known free on the device (a slot the host released itself is known free on
 release are fetched, ``_settling``), and stages the rest, for the device to place. With no staged rows in
 flight every free slot takes an insert. A prompt too long for a standby row thus waits only until free slots
 outnumber the rows in flight, not until the standby has drained. For the same reason a release names the
-placements the host knows of
-(the device spares a slot a staged sample has taken since), and an abort of staged samples first fetches the
-dispatches in flight, so a staged row (over a paged cache, its pages too) is freed only once no dispatch can
-place it.
+placements the host knows of (the device spares a slot a staged sample has taken since), and an abort of staged
+samples first fetches the dispatches in flight, so a staged row (over a paged cache, its pages too) is freed
+only once no dispatch can place it.
 """
 from __future__ import annotations
 
