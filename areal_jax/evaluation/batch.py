@@ -73,8 +73,11 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
     buckets = None
     if longest_prompt is not None and -(-int(longest_prompt) // 8) * 8 < int(max_len):
         buckets = (max(1, -(-int(longest_prompt) // 8) * 8), int(max_len))
-    # Standby rows as long as the longest prompt's bucket, so that every prompt can wait in one.
-    standby_len = buckets[0] if buckets else None if longest_prompt is None else prompt_bucket(int(max_len), longest_prompt)
+    standby_len = None  # standby rows as long as the longest prompt's bucket, so that every prompt can wait in one
+    if buckets:
+        standby_len = buckets[0]
+    elif longest_prompt is not None:
+        standby_len = prompt_bucket(int(max_len), longest_prompt)
     return Engine(model_or_graphdef, num_slots=slots, max_len=int(max_len), mesh=mesh, config=config,
                   max_stop_tokens=max_stop_tokens, prefill_buckets=buckets, standby_len=standby_len,
                   standby_rows=default_standby_rows(slots, decode_steps))

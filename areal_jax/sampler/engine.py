@@ -21,7 +21,6 @@ re-prefill of in-flight sequences after a weight update). The per-slot fields ar
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,7 +38,7 @@ from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.sampling import SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, release_slots, slot_settings
-from areal_jax.sampler.standby import StandbyRows, standby_size
+from areal_jax.sampler.standby import StandbyRows, padded_indices, standby_size
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult
 
 
@@ -318,8 +317,7 @@ class Engine(StandbyRows):
             raise ValueError(f"bulk_insert needs distinct slots, got {slots}.")
         for s in slots:
             self._check_slot(s)
-        padded = np.full((1 << math.ceil(math.log2(len(slots))),), self.num_slots, np.int32)
-        padded[: len(slots)] = slots
+        padded = padded_indices(slots, self.num_slots)
         settings = self.settings(sampling or SamplingParams())
         return self._call(self._jit_bulk_insert, prefix, decode_state, padded, settings)
 

@@ -34,6 +34,16 @@ from areal_jax.sampler.slots import empty_decode_state, free_slots, place_standb
 from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings
 
 
+def padded_indices(indices: Sequence[int], fill: int, cap: int | None = None) -> np.ndarray:
+    """``indices`` padded with ``fill`` (an out-of-range index, whose writes are dropped) to a power of two, at most
+    ``cap``: a scatter visits every padded index, so the write costs about the indices given, for about log2(n)
+    programs."""
+    size = 1 << math.ceil(math.log2(len(indices)))
+    padded = np.full((size if cap is None else min(cap, size),), fill, np.int32)
+    padded[: len(indices)] = indices
+    return padded
+
+
 def standby_size(rows: int, length: int | None, max_len: int) -> tuple[int, int]:
     """Checked (rows, length): rows >= 0; length in [1, max_len], default min(max_len, 512)."""
     rows = int(rows)
@@ -122,10 +132,7 @@ class StandbyRows:
         if not self.can_stage(prefix):
             raise ValueError(f"this prefix does not fit a standby row (standby_rows={self.standby_rows}, "
                              f"standby_len={self.standby_len}); insert it into a free slot instead.")
-        # Padded to a power of two (at most R) with an out-of-range row whose writes are dropped: the copy costs
-        # about the rows staged, not all R (a scatter visits every padded row), for log2(R) programs per bucket.
-        padded = np.full((min(self.standby_rows, 1 << math.ceil(math.log2(len(rows)))),), self.standby_rows, np.int32)
-        padded[: len(rows)] = rows
+        padded = padded_indices(rows, self.standby_rows, cap=self.standby_rows)  # copies the rows staged, not all R
         return self._call(self._jit_stage, prefix, decode_state, padded, self.settings(sampling or SamplingParams()))
 
     def release_standby(self, decode_state: DecodeState, rows: Sequence[int]) -> DecodeState:
