@@ -2,6 +2,9 @@
 bandwidth, and the tokens/s a decode step allows when it must read the weights and the live KV cache once."""
 from __future__ import annotations
 
+import contextlib
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,3 +43,43 @@ def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: flo
     return {"weight_bytes": int(weight_bytes), "mean_live_context": round(ctx, 1), "live_rows": float(f"{live_rows:.4g}"),
             "bytes_per_step": int(step_bytes), "step_ms_at_bandwidth": round(1e3 * step_s, 4),
             "tokens_per_s": round(live_rows / step_s, 1)}
+
+
+def bare_dispatch(engine, params, vocab: int, context: int, k: int, repeats: int = 8,
+                  profile: str | None = None, seed: int = 0) -> dict:
+    """The k-step decode dispatch alone, without the loop: every slot live at about ``context`` positions,
+    ``repeats`` dispatches issued back to back after one warm-up (no admission, no result fetched in between),
+    then one wait. Fewer repeats and a shorter context where the cache's positions run out.
+
+    What it separates: a steady-state step slower than this one is paying for the loop (admission,
+    prefill, host work between dispatches); a bare step far above the roofline is the device program's own
+    cost, which ``profile`` (a directory: the timed dispatches run inside a jax.profiler trace, for
+    benchmarks/trace_top.py) breaks down by kernel."""
+    from areal_jax.models.flat_params import FlatParams
+    from areal_jax.sampler import SamplingParams
+
+    slots = engine.num_slots
+    repeats = max(1, min(repeats, (engine.max_len - 1) // k - 1))
+    ctx = max(1, min(int(context), engine.max_len - (repeats + 1) * k - 1))  # room for every step
+    prompt = np.random.default_rng(seed).integers(3, vocab, size=ctx)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=engine.max_len - ctx)  # no slot finishes
+    params = engine.place_params(FlatParams.of(params))  # as a SamplerLoop holds them
+    state = engine.bulk_insert(engine.prefill(params, prompt), engine.init_decode_state(), range(slots), sampling)
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), k)))
+
+    def run(n: int):
+        nonlocal state
+        for _ in range(n):
+            state, result = engine.generate_steps(params, state, keys)
+        jax.block_until_ready(state)
+        return result
+
+    result = run(1).to_host()  # compiles the dispatch if this engine has not yet
+    assert int(result.valid.sum()) == slots * k, "a slot stopped during the bare dispatch"
+    with jax.profiler.trace(profile, create_perfetto_trace=True) if profile else contextlib.nullcontext():
+        t = time.perf_counter()
+        result = run(repeats).to_host()
+        seconds = time.perf_counter() - t
+    assert int(result.valid.sum()) == slots * k, "a slot stopped during the bare dispatch"
+    return {"rows": slots, "context": ctx, "decode_steps": k, "dispatches": repeats,
+            "step_ms": round(1e3 * seconds / (repeats * k), 4), "profile": profile}

@@ -9,7 +9,9 @@
 #              update and its top kernels (benchmarks/trace_top.py) (~3 min).
 #   sampler05  Qwen2.5-0.5B bf16, 256 slots, 512 prompts (64-128 tokens, log-normal lengths median 256, cap
 #              1024), k = 16 decode steps per dispatch: continuous batching against HF generate on the same
-#              GPU at the same batch (256 prompts in one batch), then 8 s of never-empty steady state (~3 min).
+#              GPU at the same batch (256 prompts in one batch), then 8 s of never-empty steady state, the same
+#              k-step dispatch alone with every slot live (is a slow step the loop's or the device program's?) and
+#              a trace of it with its top kernels (benchmarks/trace_top.py) (~3 min).
 #   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
 #              same bytes, and the host's share of it (--host-only: the same 290 leaves, tiny) (~40 s).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
@@ -49,7 +51,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run it, keep its log in $OUT, print th
   rc=$?
   echo "   exit $rc after $((SECONDS - t0)) s"
   tail -n 12 "$OUT/$name.log" | cut -c1-1500
-  tail -n 1 "$OUT/$name.log" >> "$OUT/results.jsonl"
+  # the last JSON line (a crash after it, e.g. in a profiler trace, leaves the figures); else a stub naming the step
+  grep '^{' "$OUT/$name.log" | tail -n 1 | grep . >> "$OUT/results.jsonl" ||
+    echo "{\"step\": \"$name\", \"exit\": $rc, \"json\": null}" >> "$OUT/results.jsonl"
   return $rc
 }
 
@@ -112,7 +116,9 @@ EOF
     ;;
   sampler05)
     step sampler05 200 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
-      --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+      --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8 \
+      --profile "$WORK/prof_s05"
+    step trace_s05 40 $PY benchmarks/trace_top.py "$WORK/prof_s05" --top 30
     ;;
   handoff)
     step handoff05 60 $PY benchmarks/handoff.py --preset qwen2.5-0.5b

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import add_model_args, device_peak_gflops, model_config
-from decode_roofline import copy_bandwidth_gbs, roofline, workload_flops
+from decode_roofline import bare_dispatch, copy_bandwidth_gbs, roofline, workload_flops
 from flax import nnx
+from hf_generate import run_hf
 
 from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-seconds", type=float, default=10.0)
     p.add_argument("--steady-seconds", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="DIR", help="with --steady: a jax.profiler trace of three bare dispatches")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     for flag, key in (("dtype", "dtype"), ("num_slots", "slots"), ("num_prompts", "prompts"),
@@ -251,47 +253,6 @@ def run_steady(engine: Engine, params, prompts, lengths, args) -> dict:
             "preempted": s1["preempted"] - s0["preempted"]}
 
 
-def run_hf(args, cfg, path: str | None, prompts, lengths, batch: int) -> tuple[float, int, str]:
-    """(seconds, tokens, device) of HF generate; random weights of the same shape when there is no checkpoint."""
-    import torch
-    import transformers
-
-    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    torch.manual_seed(args.seed)
-    if path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        hf_cfg = transformers.Qwen2Config(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_position_embeddings, rope_theta=1e6, tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype)
-    model = model.to(device).eval()
-    model.generation_config.eos_token_id = None
-
-    def generate(chunk_prompts, max_new):
-        width = max(len(p) for p in chunk_prompts)
-        ids = torch.zeros((len(chunk_prompts), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(chunk_prompts):  # left padding
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        with torch.no_grad():
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
-        assert out.shape[1] == width + max_new
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    generate(prompts[:2], 2)  # warm-up
-    n = len(prompts) if args.hf_prompts is None else min(args.hf_prompts, len(prompts))
-    t = time.perf_counter()
-    for start in range(0, n, batch):
-        generate(prompts[start : min(n, start + batch)], max(lengths[start : min(n, start + batch)]))
-    return time.perf_counter() - t, sum(lengths[:n]), device
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = build_config(args)
@@ -331,6 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
         t_a, stats, tokens_a = run_continuous(engine, params, prompts, lengths, args)
         t_b = None if args.skip_static or args.max_seconds is not None else run_static(engine, params, prompts, lengths, args)
         steady = run_steady(engine, params, prompts, lengths, args) if args.steady else None
+        if steady is not None:  # the same dispatch alone, every slot live at the steady state's mean context
+            ctx = roofline(cfg, params, prompts, lengths, 1, bandwidth)["mean_live_context"]
+            steady["bare"] = bare_dispatch(engine, params, cfg.vocab_size, ctx, args.decode_steps)
         hf = None if args.skip_hf else run_hf(args, cfg, path, prompts, lengths, args.num_slots)
 
     flops_per_token = workload_flops(cfg, prompts, lengths) / total_tokens
@@ -359,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{steady['step_ms']:.2f} ms, update waits {steady['update_latency_ms']:.1f} ms (max "
               f"{steady['update_latency_max_ms']:.1f}), a finished slot idles {steady['idle_slot_steps_per_finished']:.1f} "
               f"steps ({steady['idle_ms_per_finished']:.1f} ms)")
+        bare = steady["bare"]
+        bare["roofline_ms"] = roofline(cfg, params, prompts, lengths, args.num_slots, bandwidth)["step_ms_at_bandwidth"]
+        print(f"  bare dispatch (no loop; {bare['rows']} rows live at {bare['context']} positions): {bare['step_ms']:.3f} "
+              f"ms per step = {bare['step_ms'] / bare['roofline_ms']:.1f}x its roofline ({bare['roofline_ms']:.3f} ms); "
+              f"the steady step is {steady['step_ms'] / bare['step_ms']:.2f}x it")
     roof = roofline(cfg, params, prompts, lengths, live, bandwidth)
     measured = steady["tokens_per_s"] if steady else res["continuous"]["tokens_per_s"]
     roof["share"] = round(measured / roof["tokens_per_s"], 4)
@@ -381,6 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_count": stats["compile_count"], "steady": steady, "roofline": roof,
     }
     print(json.dumps(out))
+    if steady is not None and args.profile:  # last: a jax.profiler trace once crashed the next JAX call on a GPU
+        bare_dispatch(engine, params, cfg.vocab_size, steady["bare"]["context"], args.decode_steps, repeats=3,
+                      profile=args.profile)
+        print(f"trace of three bare dispatches: {args.profile} (python benchmarks/trace_top.py {args.profile})")
     return out
 
 

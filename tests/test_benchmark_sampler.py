@@ -27,6 +27,9 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
                 "idle_slot_steps_per_finished"):
         assert steady[key] is not None and steady[key] >= 0, key
     assert 0 < steady["mean_slot_occupancy"] <= 1 and steady["updates"] >= 1
+    bare = steady["bare"]  # the same dispatch alone: every slot live, every step inside the 18-position cache
+    assert bare["rows"] == 4 and bare["decode_steps"] == 3 and bare["step_ms"] > 0 and bare["roofline_ms"] > 0
+    assert bare["context"] >= 1 and bare["context"] + (bare["dispatches"] + 1) * 3 <= 6 + 12
     roof = out["roofline"]
     # weights: the params' bytes; one step reads them plus the live KV, so bytes_per_step exceeds them.
     assert roof["bytes_per_step"] > roof["weight_bytes"] > 0
