@@ -3,6 +3,7 @@ bandwidth, and the tokens/s a decode step allows when it must read the weights a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import jax
@@ -45,11 +46,23 @@ def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: flo
             "tokens_per_s": round(live_rows / step_s, 1)}
 
 
-def bare_dispatch(engine, params, vocab: int, context: int, k: int, repeats: int = 8,
-                  profile: str | None = None, seed: int = 0) -> dict:
-    """The k-step decode dispatch alone, without the loop: every slot live at about ``context`` positions,
-    ``repeats`` dispatches issued back to back after one warm-up (no admission, no result fetched in between),
-    then one wait. Fewer repeats and a shorter context where the cache's positions run out.
+def live_contexts(prompts: list[list[int]], lengths: list[int], rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Contexts of ``rows`` rows of a never-empty queue's steady state: a row is a request drawn in proportion to
+    its length L (it holds a slot for L steps), at a uniform point j of its generation (context P + j)."""
+    weights = np.asarray(lengths, np.float64)
+    picks = rng.choice(len(lengths), size=rows, p=weights / weights.sum())
+    return np.array([len(prompts[i]) + int(rng.integers(0, lengths[i])) for i in picks], np.int64)
+
+
+def bare_dispatch(engine, params, vocab: int, prompts: list[list[int]], lengths: list[int], k: int,
+                  repeats: int = 8, profile: str | None = None, seed: int = 0) -> dict:
+    """The k-step decode dispatch alone, without the loop: every slot live, ``repeats`` dispatches issued back to
+    back after two warm-up ones (no admission, no result fetched in between), then one wait.
+
+    The rows' contexts follow the steady state of the workload (``live_contexts``; on a dense cache the
+    attention reads up to the longest row, so one context for all would undercount it), capped so that every
+    step fits the cache (fewer repeats where the positions run out). Over pages every row starts at the mean of
+    those contexts (each row attends to its own pages only).
 
     What it separates: a steady-state step slower than this one is paying for the loop (admission,
     prefill, host work between dispatches); a bare step far above the roofline is the device program's own
@@ -58,13 +71,20 @@ def bare_dispatch(engine, params, vocab: int, context: int, k: int, repeats: int
     from areal_jax.models.flat_params import FlatParams
     from areal_jax.sampler import SamplingParams
 
-    slots = engine.num_slots
-    repeats = max(1, min(repeats, (engine.max_len - 1) // k - 1))
-    ctx = max(1, min(int(context), engine.max_len - (repeats + 1) * k - 1))  # room for every step
-    prompt = np.random.default_rng(seed).integers(3, vocab, size=ctx)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=engine.max_len - ctx)  # no slot finishes
+    slots, rng = engine.num_slots, np.random.default_rng(seed)
+    repeats = max(1, min(repeats, (engine.max_len - 1) // k - 2))
+    cap = max(1, engine.max_len - (repeats + 2) * k - 1)  # room for every step
+    contexts = np.clip(live_contexts(prompts, lengths, slots, rng), 1, cap)
+    paged = hasattr(engine, "allocator")
+    first = int(round(contexts.mean())) if paged else int(contexts.min())
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=engine.max_len - first)  # no slot finishes
     params = engine.place_params(FlatParams.of(params))  # as a SamplerLoop holds them
-    state = engine.bulk_insert(engine.prefill(params, prompt), engine.init_decode_state(), range(slots), sampling)
+    prefix = engine.prefill(params, rng.integers(3, vocab, size=first))
+    state = engine.bulk_insert(prefix, engine.init_decode_state(), range(slots), sampling)
+    if not paged:  # each row at its own context (the cache's contents do not change the cost)
+        state = dataclasses.replace(state, lengths=jax.device_put(contexts.astype(np.int32), state.lengths.sharding))
+    else:
+        contexts = np.full(slots, first)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), k)))
 
     def run(n: int):
@@ -74,12 +94,17 @@ def bare_dispatch(engine, params, vocab: int, context: int, k: int, repeats: int
         jax.block_until_ready(state)
         return result
 
-    result = run(1).to_host()  # compiles the dispatch if this engine has not yet
+    # Two warm-up dispatches: the first compiles for the inserted state's layout (if this engine has not yet),
+    # the second for a dispatch's own output, which is what every timed one takes.
+    result = run(2).to_host()
     assert int(result.valid.sum()) == slots * k, "a slot stopped during the bare dispatch"
+    compiled = engine.compile_count
     with jax.profiler.trace(profile, create_perfetto_trace=True) if profile else contextlib.nullcontext():
         t = time.perf_counter()
         result = run(repeats).to_host()
         seconds = time.perf_counter() - t
     assert int(result.valid.sum()) == slots * k, "a slot stopped during the bare dispatch"
-    return {"rows": slots, "context": ctx, "decode_steps": k, "dispatches": repeats,
-            "step_ms": round(1e3 * seconds / (repeats * k), 4), "profile": profile}
+    assert engine.compile_count == compiled, "the timed bare dispatches compiled a program"
+    return {"rows": slots, "context_mean": round(float(contexts.mean()), 1), "context_max": int(contexts.max()),
+            "decode_steps": k, "dispatches": repeats, "step_ms": round(1e3 * seconds / (repeats * k), 4),
+            "profile": profile}

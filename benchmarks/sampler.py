@@ -292,9 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
         t_a, stats, tokens_a = run_continuous(engine, params, prompts, lengths, args)
         t_b = None if args.skip_static or args.max_seconds is not None else run_static(engine, params, prompts, lengths, args)
         steady = run_steady(engine, params, prompts, lengths, args) if args.steady else None
-        if steady is not None:  # the same dispatch alone, every slot live at the steady state's mean context
-            ctx = roofline(cfg, params, prompts, lengths, 1, bandwidth)["mean_live_context"]
-            steady["bare"] = bare_dispatch(engine, params, cfg.vocab_size, ctx, args.decode_steps)
+        if steady is not None:  # the same dispatch alone, every slot live at a context of the steady state
+            steady["bare"] = bare_dispatch(engine, params, cfg.vocab_size, prompts, lengths, args.decode_steps)
         hf = None if args.skip_hf else run_hf(args, cfg, path, prompts, lengths, args.num_slots)
 
     flops_per_token = workload_flops(cfg, prompts, lengths) / total_tokens
@@ -325,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"steps ({steady['idle_ms_per_finished']:.1f} ms)")
         bare = steady["bare"]
         bare["roofline_ms"] = roofline(cfg, params, prompts, lengths, args.num_slots, bandwidth)["step_ms_at_bandwidth"]
-        print(f"  bare dispatch (no loop; {bare['rows']} rows live at {bare['context']} positions): {bare['step_ms']:.3f} "
+        print(f"  bare dispatch (no loop; {bare['rows']} rows live, contexts mean {bare['context_mean']:.0f}, max "
+              f"{bare['context_max']}): {bare['step_ms']:.3f} "
               f"ms per step = {bare['step_ms'] / bare['roofline_ms']:.1f}x its roofline ({bare['roofline_ms']:.3f} ms); "
               f"the steady step is {steady['step_ms'] / bare['step_ms']:.2f}x it")
     roof = roofline(cfg, params, prompts, lengths, live, bandwidth)
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(out))
     if steady is not None and args.profile:  # last: a jax.profiler trace once crashed the next JAX call on a GPU
-        bare_dispatch(engine, params, cfg.vocab_size, steady["bare"]["context"], args.decode_steps, repeats=3,
+        bare_dispatch(engine, params, cfg.vocab_size, prompts, lengths, args.decode_steps, repeats=3,
                       profile=args.profile)
         print(f"trace of three bare dispatches: {args.profile} (python benchmarks/trace_top.py {args.profile})")
     return out

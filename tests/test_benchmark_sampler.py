@@ -29,7 +29,7 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
     assert 0 < steady["mean_slot_occupancy"] <= 1 and steady["updates"] >= 1
     bare = steady["bare"]  # the same dispatch alone: every slot live, every step inside the 18-position cache
     assert bare["rows"] == 4 and bare["decode_steps"] == 3 and bare["step_ms"] > 0 and bare["roofline_ms"] > 0
-    assert bare["context"] >= 1 and bare["context"] + (bare["dispatches"] + 1) * 3 <= 6 + 12
+    assert 1 <= bare["context_mean"] <= bare["context_max"] and bare["context_max"] + (bare["dispatches"] + 2) * 3 <= 6 + 12
     roof = out["roofline"]
     # weights: the params' bytes; one step reads them plus the live KV, so bytes_per_step exceeds them.
     assert roof["bytes_per_step"] > roof["weight_bytes"] > 0
@@ -37,3 +37,17 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
     want = roof["live_rows"] * out["copy_bandwidth_gbs"] * 1e9 / roof["bytes_per_step"]
     assert abs(roof["tokens_per_s"] - want) <= 0.01 * want + 1  # rows / (bytes per step / bandwidth)
     assert 0 < roof["share"] and out["copy_bandwidth_gbs"] > 0
+
+
+def test_live_contexts_follow_the_steady_state_worked_by_hand(monkeypatch):
+    # A request of prompt P and length L holds a slot for L steps at contexts P, P + 1, ..., P + L - 1. With a
+    # 5-token prompt generating 1 token and a 3-token prompt generating 3, a live row is the first a quarter of
+    # the time (context 5) and the second three quarters (3, 4 or 5 alike): P(3) = P(4) = 1/4, P(5) = 1/2.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import numpy as np
+    from decode_roofline import live_contexts
+
+    got = live_contexts([[7] * 5, [7] * 3], [1, 3], 40_000, np.random.default_rng(0))
+    share = {c: float(np.mean(got == c)) for c in (3, 4, 5)}
+    assert set(np.unique(got)) == {3, 4, 5}
+    assert abs(share[3] - 0.25) < 0.01 and abs(share[4] - 0.25) < 0.01 and abs(share[5] - 0.5) < 0.01

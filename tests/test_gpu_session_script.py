@@ -63,3 +63,17 @@ def test_default_phases_and_an_unknown_phase(tmp_path):
                          env=dict(os.environ, PY=sys.executable, OUT=str(tmp_path / "o"), WORK=str(tmp_path / "w")),
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "unknown phase nosuch" in out.stdout
+
+
+def test_a_step_keeps_its_last_json_line_even_when_a_crash_follows(tmp_path):
+    # A stand-in python that prints a JSON line, then dies as a profiler-trace crash would: the result line is the
+    # JSON one, not the crash's last words; a step that prints no JSON gets a stub naming it and its exit code.
+    fake = tmp_path / "py"
+    fake.write_text('#!/bin/sh\ncase "$*" in *--host-only*) echo "no json here"; exit 3;; esac\n'
+                    'echo \'{"figure": 1}\'\necho "Fatal Python error: Segmentation fault"\nexit 139\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PY=str(fake), OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"))
+    subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), "handoff"], env=env, timeout=120,
+                   capture_output=True, text=True, cwd=ROOT)
+    lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    assert lines == ['{"figure": 1}', '{"step": "handoff05_host", "exit": 3, "json": null}']
