@@ -94,8 +94,8 @@ def bare_dispatch(engine, params, vocab: int, prompts: list[list[int]], lengths:
         jax.block_until_ready(state)
         return result
 
-    # Two warm-up dispatches: the first compiles for the inserted state's layout (if this engine has not yet),
-    # the second for a dispatch's own output, which is what every timed one takes.
+    # Two warm-up dispatches: the first may compile for the inserted state (its replaced lengths are committed
+    # to a device, which is part of jit's cache key), the second for a dispatch's own output, as every timed one.
     result = run(2).to_host()
     assert int(result.valid.sum()) == slots * k, "a slot stopped during the bare dispatch"
     compiled = engine.compile_count
