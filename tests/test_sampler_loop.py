@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.sampler import Engine, Request, SamplerLoop, SamplerLoopError
+from areal_jax.sampler import Engine, Request, SamplerLoop, SamplerLoopError, SamplingParams
 from areal_jax.testing import models as testing
 from areal_jax.testing.sampler import collect_completions, full_forward_logp, token_logp_errors, wait_until
 
@@ -65,6 +66,61 @@ def test_continue_keeps_the_stale_cache(models):
         later.extend(errs[~old].tolist())
     # ...but the new params reading a cache written by the old ones are not a full forward of either.
     assert later and max(later) > 1e-3
+
+
+@pytest.mark.parametrize("on_update", ["recompute", "continue"])
+def test_prefixes_queued_across_an_update(models, on_update):
+    """Prompts prefilled ahead of their slot and still queued when new params arrive (three slots, two held by a
+    long request; one call prefills the next three prompts and one of them takes the free slot): recompute
+    prefills the two still queued again under the new params; continue keeps their prefixes, as it keeps a
+    running sample's cache, and tags each one's first token with the old version. Reference for continue: the
+    same engine driven by hand, the prompt prefilled with the old params and every step decoded with the new."""
+    old, new = models
+    engine = Engine(old, num_slots=3, max_len=MAX_LEN, prefill_batch=3)
+    calls = []
+    prefill_many = engine.prefill_many
+    engine.prefill_many = lambda params, prompts: calls.append([tuple(p) for p in prompts]) or prefill_many(
+        params, prompts)
+    queued = {"c": [6, 17, 23, 43], "d": [7, 17, 23, 44]}
+    loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3)
+    loop.submit(Request(id="a", prompt=[5, 17, 23, 42], max_new_tokens=40, n=2, temperature=0.0))
+    wait_until(lambda: loop.stats()["steps"] >= 1)
+    loop.pause()
+    loop.submit(Request(id="b", prompt=[8, 17, 23, 45], max_new_tokens=40, temperature=0.0))
+    for rid, prompt in queued.items():
+        loop.submit(Request(id=rid, prompt=prompt, max_new_tokens=6, temperature=0.0))
+    steps = loop.stats()["steps"]
+    loop.resume()
+    wait_until(lambda: loop.stats()["steps"] > steps)
+    loop.pause()  # "b" runs beside "a"; "c" and "d" wait with prefixes of version 0
+    assert [tuple(p) for p in queued.values()] == calls[-1][1:]
+    loop.update_params(nnx.split(new)[1], version=7)
+    loop.resume()
+    done = {c.request_id: c for c in collect_completions(loop, 5)}
+    loop.stop()
+    prefilled = [row for call in calls for row in call]
+    for rid, prompt in queued.items():
+        assert prefilled.count(tuple(prompt)) == (2 if on_update == "recompute" else 1), rid
+        if on_update == "recompute":
+            assert (done[rid].versions == 7).all()
+    if on_update == "recompute":
+        return
+    _, old_params = nnx.split(old)
+    _, new_params = nnx.split(new)
+    for rid, prompt in queued.items():
+        c = done[rid]
+        assert c.versions[0] == 0 and (c.versions[1:] == 7).all()
+        ref = Engine(old, num_slots=1, max_len=MAX_LEN)
+        state = ref.insert(ref.prefill(old_params, prompt), ref.init_decode_state(), 0,
+                           SamplingParams(temperature=0.0, max_new_tokens=6))
+        tokens, logprobs = [], []
+        for _ in range(6):
+            state, r = ref.generate(new_params, state, jax.random.key(0))
+            r = r.to_host()
+            tokens.append(int(r.tokens[0]))
+            logprobs.append(float(r.logprobs[0]))
+        assert c.tokens.tolist() == tokens
+        np.testing.assert_allclose(c.logprobs, logprobs, atol=1e-5)
 
 
 def test_group_samples_share_a_prefill_and_overflow_the_slots(models):

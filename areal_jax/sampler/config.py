@@ -51,7 +51,8 @@ class RolloutConfig(Section):
     top_k: int | None = knob(None, "keep the k most likely tokens (None: all)")
     top_p: float | None = knob(None, "nucleus sampling mass in (0, 1] (None: off)")
     on_update: str = knob("recompute", "recompute (re-prefill in-flight sequences with the new weights: "
-                          "interruptible generation) | continue (keep the stale KV cache)",
+                          "interruptible generation) | continue (keep the stale KV cache, and queued prompts' "
+                          "prefixes)",
                           choices=("recompute", "continue"))
     decode_steps: int = knob(4, "decode steps per sampler dispatch (one jitted while_loop); bounds the latency an "
                              "admission or a weight update adds. Accelerators: 8-32 (per-step host work dominates "

@@ -14,7 +14,8 @@ sampled from.
 
 On ``update_params`` with ``on_update="recompute"`` each in-flight sequence (prompt + tokens so
 far) is prefilled again under the new params before decoding continues: AReaL's interruptible
-generation. With ``"continue"`` the stale KV cache is kept.
+generation. With ``"continue"`` the stale KV cache is kept, and so are the prefixes of queued and staged
+samples prefilled before the update (their first token carries the version that prefilled them).
 """
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class LoopThread(Preemption):
             k = self._admissible(q, len(direct))
             if k == 0:
                 break
-            if q.prefix is None or q.prefix_version != self._version:
+            if not self._prefix_ready(q):
                 self._prefill_ahead()
             slots = self._take_free(direct[:k])
             if k == 1:
@@ -229,7 +229,7 @@ class LoopThread(Preemption):
             else:
                 self._state = self.engine.bulk_insert(q.prefix, self._state, slots, q.sampling)
             for i, slot in enumerate(slots):
-                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, self._version)
+                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version)
             self._advance(q, k)
 
     def _placeable(self) -> int:
@@ -255,7 +255,7 @@ class LoopThread(Preemption):
     def _stage(self, q: _Queued) -> bool:
         """Stage samples of the queue head in free standby rows; False when its prompt does not fit one, or the
         cache's memory (a paged cache) holds none of them now."""
-        if q.prefix is None or q.prefix_version != self._version:
+        if not self._prefix_ready(q):
             self._prefill_ahead()
         if not self.engine.can_stage(q.prefix):
             return False
@@ -265,21 +265,28 @@ class LoopThread(Preemption):
         rows = [self._standby_free.pop() for _ in range(k)]
         self._state = self.engine.stage(q.prefix, self._state, rows, q.sampling)
         for i, row in enumerate(rows):
-            self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, self._version)
+            self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version)
         self._advance(q, len(rows))
         return True
+
+    def _prefix_ready(self, q: _Queued) -> bool:
+        """Whether the queued request's prefix can be inserted as it is: prefilled at the current version, or at any
+        version with ``on_update="continue"``, where a running sample's cache also stays as the old params wrote
+        it (its first token is then tagged with the prefix's version)."""
+        return q.prefix is not None and (q.prefix_version == self._version or self.on_update == "continue")
 
     def _prefill_ahead(self) -> None:
         """Prefill, in one batched call, the prompts of the first queued requests that have no prefix at
         the current version: up to ``engine.prefill_batch`` distinct prompts, requests with the same prompt
         (an evaluation's greedy and sampled requests of one problem) sharing one prefix. Prefilling past
-        the free slots keeps the calls full; a weight update before admission only costs a re-prefill."""
+        the free slots keeps the calls full; a weight update before admission only costs a re-prefill (none
+        with ``on_update="continue"``, see :meth:`_prefix_ready`)."""
         limit = self.engine.prefill_batch
         rows: dict[tuple, int] = {}
         take: list[tuple[_Queued, int]] = []
         with self._cond:
             for q in self._queue:
-                if q.resume is not None or (q.prefix is not None and q.prefix_version == self._version):
+                if q.resume is not None or self._prefix_ready(q):
                     continue
                 key = tuple(int(t) for t in q.request.prompt)
                 if key not in rows:
