@@ -29,6 +29,7 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
     assert 0 < steady["mean_slot_occupancy"] <= 1 and steady["updates"] >= 1
     bare = steady["bare"]  # the same dispatch alone: every slot live, every step inside the 18-position cache
     assert bare["rows"] == 4 and bare["decode_steps"] == 3 and bare["step_ms"] > 0 and bare["roofline_ms"] > 0
+    assert abs(bare["steady_over_bare"] - steady["step_ms"] / bare["step_ms"]) < 1e-2
     assert 1 <= bare["context_mean"] <= bare["context_max"] and bare["context_max"] + (bare["dispatches"] + 2) * 3 <= 6 + 12
     roof = out["roofline"]
     # weights: the params' bytes; one step reads them plus the live KV, so bytes_per_step exceeds them.
