@@ -115,7 +115,7 @@ EOF
     step trace05 40 $PY benchmarks/trace_top.py "$WORK/prof05" --top 30
     ;;
   sampler05)
-    step sampler05 200 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
+    step sampler05 230 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
       --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8 \
       --profile "$WORK/prof_s05"
     step trace_s05 40 $PY benchmarks/trace_top.py "$WORK/prof_s05" --top 30
