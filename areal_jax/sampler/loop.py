@@ -96,7 +96,6 @@ class SamplerLoop(LoopThread):
         self._out: collections.deque[Completion] = collections.deque()
         self._running: dict[int, _Running] = {}
         self._free = list(range(engine.num_slots))[::-1]
-        self._settling: dict[int, Dispatch] = {}  # free slot released by the host -> the last dispatch before it
         self._standby: dict[int, _Running] = {}
         self._standby_free = list(range(getattr(engine, "standby_rows", 0)))[::-1]
         self._pending_update: tuple[FlatParams, int, float] | None = None
