@@ -68,17 +68,17 @@ def bare_dispatch(engine, params, vocab: int, prompts: list[list[int]], lengths:
     prefill, host work between dispatches); a bare step far above the roofline is the device program's own
     cost, which ``profile`` (a directory: the timed dispatches run inside a jax.profiler trace, for
     benchmarks/trace_top.py) breaks down by kernel."""
-    from areal_jax.models.flat_params import FlatParams
     from areal_jax.sampler import SamplingParams
+    from areal_jax.sampler.paged_engine import PagedEngine
 
     slots, rng = engine.num_slots, np.random.default_rng(seed)
     repeats = max(1, min(repeats, (engine.max_len - 1) // k - 2))
     cap = max(1, engine.max_len - (repeats + 2) * k - 1)  # room for every step
     contexts = np.clip(live_contexts(prompts, lengths, slots, rng), 1, cap)
-    paged = hasattr(engine, "allocator")
+    paged = isinstance(engine, PagedEngine)
     first = int(round(contexts.mean())) if paged else int(contexts.min())
     sampling = SamplingParams(temperature=1.0, max_new_tokens=engine.max_len - first)  # no slot finishes
-    params = engine.place_params(FlatParams.of(params))  # as a SamplerLoop holds them
+    params = engine.place_params(params)  # held flat, as a SamplerLoop holds them
     prefix = engine.prefill(params, rng.integers(3, vocab, size=first))
     state = engine.bulk_insert(prefix, engine.init_decode_state(), range(slots), sampling)
     if not paged:  # each row at its own context (the cache's contents do not change the cost)

@@ -6,20 +6,20 @@ the state used here: ``engine``, ``on_update``, ``decode_steps``, ``fetch_behind
 lock-guarded ``_cond``, ``_queue`` (queued requests), ``_out`` (finished completions), ``_pending``,
 ``_pending_update``, ``_aborts``, ``_paused`` / ``_idle``, ``_stop_mode``, ``_error``, ``_stats`` and
 ``_max_update_wait``; and, touched by this thread only, ``_running`` (slot -> sample), ``_free`` (free
-slots), ``_standby`` (standby
-row -> staged sample) and ``_standby_free`` (rows free to stage into; see ``sampler.standby``), ``_inflight``
-(dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` / ``_version`` (written under
-``_cond``) and ``_keys``.
+slots), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows free to stage into; see
+``sampler.standby``), ``_inflight`` (dispatches not yet fetched), ``_state`` (the DecodeState), ``_params`` /
+``_version`` (written under ``_cond``) and ``_keys``.
 
 A slot the host believes free may still take a staged sample inside a dispatch in flight, so the host inserts
 directly into free slots only while no dispatch in flight carries staged rows (``_direct``), and otherwise
 stages the queue head, for the device to place. (Inserting above the lowest free slots that the rows in flight
-could take, which the device fills lowest first, gave exact tokens, but the LoRA default then reached 71.0-73.6%
-greedy pass@1 in three runs against 87.6-89.4% in eight without it, for a reason not found; it was withdrawn.) A prompt too long for a
-standby row (by default every prompt fits one: ``RolloutConfig.for_prompts``) waits for a dispatch without staged
-rows. For the same reason a release names the placements the host knows of (the device spares a slot a staged
-sample has taken since), and an abort of staged samples first fetches the dispatches in flight, so a staged row
-(over a paged cache, its pages too) is freed only once no dispatch can place it.
+could take, which the device fills lowest first, gave exact tokens, but the LoRA default then reached
+71.0-73.6% greedy pass@1 in three runs against 87.6-89.4% in eight without it, for a reason not found; it was
+withdrawn.) A prompt too long for a standby row (by default every prompt fits one: ``RolloutConfig.for_prompts``)
+waits for a dispatch without staged rows. For the same reason a release names the placements the host knows of
+(the device spares a slot a staged sample has taken since), and an abort of staged samples first fetches the
+dispatches in flight, so a staged row (over a paged cache, its pages too) is freed only once no dispatch can
+place it.
 """
 from __future__ import annotations
 
