@@ -13,11 +13,11 @@ slots), ``_standby`` (standby row -> staged sample) and ``_standby_free`` (rows 
 A slot the host believes free may still take a staged sample inside a dispatch in flight, so the host inserts
 directly into free slots only while no dispatch in flight carries staged rows (``_direct``), and otherwise stages
 the queue head, for the device to place. (Inserting above the lowest free slots that the rows in flight could take,
-which the device fills lowest first, gave exact, correctly distributed tokens, but the LoRA default then ended at
-45.8-88.6% greedy pass@1, 8 of 12 runs under 85%, against 87.0-90.8% in 18 runs without it over seeds, key streams
-and timing jitter, for a reason not found (docs/measurements.md); it was withdrawn.) A prompt too long for a standby
-row (by default every prompt fits one: ``RolloutConfig.for_prompts``) waits for a dispatch without staged rows. For
-the same reason a release names the placements the host knows of (the device spares a slot a staged sample has taken
+which the device fills lowest first, gave exact, correctly distributed tokens; at the LoRA default's old lr 1e-3, a
+recipe at the edge of stability, it moved runs onto schedules that collapsed late, and at lr 5e-4 it did no harm,
+but its occupancy gain was small, so it stays withdrawn: docs/measurements.md.) A prompt too long for a standby row
+(by default every prompt fits one: ``RolloutConfig.for_prompts``) waits for a dispatch without staged rows. For the
+same reason a release names the placements the host knows of (the device spares a slot a staged sample has taken
 since), and an abort of staged samples first fetches the dispatches in flight, so a staged row (over a paged cache,
 its pages too) is freed only once no dispatch can place it.
 """
