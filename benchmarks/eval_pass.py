@@ -89,9 +89,9 @@ def main() -> dict:
         spent, calls = collections.defaultdict(float), collections.Counter()
         call = engine._call
 
-        def blocking(fn, *a):
+        def blocking(fn, *a, **kw):
             t = time.perf_counter()
-            result = jax.block_until_ready(call(fn, *a))
+            result = jax.block_until_ready(call(fn, *a, **kw))
             name = getattr(fn, "__name__", str(fn)).strip("_")
             spent[name] += time.perf_counter() - t
             calls[name] += 1

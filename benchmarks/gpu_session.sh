@@ -17,9 +17,10 @@
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
 #   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
-#   sampler_more  the sampler at k = 8, without standby rows and without fetch-behind, the paged KV cache (Pallas kernel, standby rows over pages) in the same
-#              steady state, decode attention over pages against the dense cache, and the 1.5B shape with 128
-#              sequences of 16,384 new tokens (stopped after 45 s) (~5 min).
+#   sampler_more  the sampler at k = 8, with the k-step dispatch recorded as one CUDA graph (XLA's WHILE command
+#              buffers), without standby rows and without fetch-behind, the paged KV cache (Pallas kernel, standby
+#              rows over pages) in the same steady state, decode attention over pages against the dense cache, and
+#              the 1.5B shape with 128 sequences of 16,384 new tokens (stopped after 45 s) (~6 min).
 #   memory05   the update's working memory at the 0.5B shape, one 65,536-token row, remat none and full: XLA's
 #              analysis of the full-depth program against what the job plans with (1- and 2-layer programs
 #              extended to 24 layers, trainer.memory), compile only; then trainer05's update with
@@ -144,6 +145,9 @@ EOF
     common=(--preset qwen2.5-0.5b --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10)
     step sampler05_k8 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 8
+    # the k-step dispatch has no branch and a counted loop: XLA may record the whole of it as one CUDA graph
+    step sampler05_graphs 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" \
+      $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16
     step sampler05_nostandby 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --standby-rows 0
     step sampler05_sync 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --no-fetch-behind
     step sampler05_paged 90 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --kv-cache paged

@@ -61,7 +61,7 @@ def test_k_steps_in_one_dispatch_equal_k_single_steps(models):
     assert valid[:, 1].tolist() == [True] * 3 + [False] * 9 and not valid[:, 3].any()
 
 
-def test_dispatch_ends_early_once_every_slot_is_done(models):
+def test_steps_counts_the_steps_in_which_a_slot_decoded(models):
     engine = Engine(models[0], num_slots=2, max_len=MAX_LEN)
     _, params = nnx.split(models[0])
     state = engine.insert_sequences(params, engine.init_decode_state(), [0], [[4, 5]],

@@ -54,7 +54,7 @@ class RolloutConfig(Section):
                           "interruptible generation) | continue (keep the stale KV cache, and queued prompts' "
                           "prefixes)",
                           choices=("recompute", "continue"))
-    decode_steps: int = knob(4, "decode steps per sampler dispatch (one jitted while_loop); bounds the latency an "
+    decode_steps: int = knob(4, "decode steps per sampler dispatch (one jitted loop of k trips); bounds the latency an "
                              "admission or a weight update adds. Accelerators: 8-32 (per-step host work dominates "
                              "there); CPU: small")
     standby_rows: int | None = knob(None, "prefilled requests that wait on the device and take a slot the step after "

@@ -36,7 +36,7 @@ from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
-from areal_jax.sampler.sampling import SamplingParams, sample_tokens
+from areal_jax.sampler.sampling import NO_FILTERS, SamplingFilters, SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, release_slots, slot_settings
 from areal_jax.sampler.standby import StandbyRows, padded_indices, standby_size
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult
@@ -108,6 +108,7 @@ class Engine(StandbyRows):
             )
         self.prefill_buckets = buckets
         self._compiles = 0
+        self.sampling_filters = NO_FILTERS  # what the requests seen so far need (``settings``)
         self._placement: tuple[Any, list] | None = None  # (params treedef, its leaves' shardings on the mesh)
         self._state_sharding = None
         self._prefix_sharding = None
@@ -121,12 +122,10 @@ class Engine(StandbyRows):
         self._jit_bulk_insert = jax.jit(
             self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
         )
-        self._jit_generate = jax.jit(
-            self._generate_fn, donate_argnums=(1,), out_shardings=(self._state_sharding, None)
-        )
-        self._jit_generate_steps = jax.jit(
-            self._generate_steps_fn, donate_argnums=(1,), out_shardings=(self._state_sharding, None)
-        )
+        self._jit_generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnames=("filters",),
+                                     out_shardings=(self._state_sharding, None))
+        self._jit_generate_steps = jax.jit(self._generate_steps_fn, donate_argnums=(1,), static_argnames=("filters",),
+                                           out_shardings=(self._state_sharding, None))
         self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
         self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
         self._jit_prefill_insert = jax.jit(
@@ -204,12 +203,12 @@ class Engine(StandbyRows):
         return self._set_slot_fields(state, logits, lengths, last_tokens(tokens, lengths), slots, settings,
                                      mode="drop")
 
-    def _generate_fn(self, params: nnx.State, state: DecodeState,
-                     rng: jax.Array) -> tuple[DecodeState, StepResult]:
+    def _generate_fn(self, params: nnx.State, state: DecodeState, rng: jax.Array,
+                     filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, StepResult]:
         model = nnx.merge(self.graphdef, as_tree(params))
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # raw uint32 key data from the host
-        tokens, logprobs = sample_tokens(state.logits, rng, state.temperature, state.top_k, state.top_p)
+        tokens, logprobs = sample_tokens(state.logits, rng, state.temperature, state.top_k, state.top_p, filters)
         valid = ~state.done
         step = valid.astype(jnp.int32)
         positions = state.lengths
@@ -234,16 +233,21 @@ class Engine(StandbyRows):
         """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache): the model's cache path."""
         return model(tokens, positions, cache=cache)
 
-    def _generate_steps_fn(self, params: nnx.State, state: DecodeState,
-                           keys: jax.Array) -> tuple[DecodeState, MultiStepResult]:
-        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key), state, keys, self._place_fn)
+    def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
+                           filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, MultiStepResult]:
+        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters), state, keys,
+                                self._place_fn)
 
     _release_fn = staticmethod(release_slots)
 
     # ----------------------------------------------------------------------------- public API
     def settings(self, sampling: SamplingParams) -> SlotSettings:
-        """Device-ready settings of one request (numpy scalars; no compile per value)."""
-        return slot_settings(sampling, self.max_stop_tokens)
+        """Device-ready settings of one request (numpy scalars; no compile per value). Every request reaches the
+        device through here, so this also widens ``sampling_filters``, the transforms the decode programs
+        include: the first request using top-k, top-p or sampling at all compiles a program with it."""
+        out = slot_settings(sampling, self.max_stop_tokens)
+        self.sampling_filters = self.sampling_filters | SamplingFilters.of(sampling)
+        return out
 
     def bucket_for(self, length: int) -> int:
         """Smallest prefill bucket holding ``length`` tokens; ValueError when none does."""
@@ -346,7 +350,7 @@ class Engine(StandbyRows):
         """
         if jax.dtypes.issubdtype(getattr(rng, "dtype", np.uint32), jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)  # one compiled program for typed keys and raw key data
-        return self._call(self._jit_generate, params, decode_state, rng)
+        return self._call(self._jit_generate, params, decode_state, rng, filters=self.sampling_filters)
 
     def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
         """Whether the cache can take n samples of this size now (always, for the dense cache)."""
@@ -363,12 +367,12 @@ class Engine(StandbyRows):
                        keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
         """K decode steps in one dispatch (donates ``decode_state``; ``sampler.multistep``): keys [K, 2]
         uint32 raw key data, step t drawing with ``keys[t]`` exactly as :meth:`generate` would."""
-        return self._call(self._jit_generate_steps, params, decode_state, keys)
+        return self._call(self._jit_generate_steps, params, decode_state, keys, filters=self.sampling_filters)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a jitted function, attributing any compilation it triggers to this engine."""
         with compiles_counted_for(self):
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     @property
     def compile_count(self) -> int:

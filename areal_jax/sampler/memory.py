@@ -28,6 +28,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
+from areal_jax.sampler.sampling import SamplingFilters, SamplingParams
 
 PROGRAMS = ("decode", "prefill")
 BASE_LAYERS = 3  # probed at 3 and 4 layers (see the module docstring)
@@ -40,6 +41,14 @@ def longest_prefill(rollout: Any, max_prompt_len: int) -> int:
     recompute = rollout.on_update == "recompute"
     preempts = rollout.kv_cache == "paged" and rollout.kv_admission == "optimistic"
     return int(rollout.max_len if recompute or preempts else min(rollout.max_len, max_prompt_len))
+
+
+def probe_filters(rollout: Any) -> SamplingFilters:
+    """The sampling transforms the rollout's decode program holds (its top-k / top-p), with the noise of sampled
+    rows always (an evaluation stream samples beside its greedy rows)."""
+    sampling = SamplingParams(temperature=max(float(rollout.temperature), 1.0), top_k=rollout.top_k,
+                              top_p=rollout.top_p)
+    return SamplingFilters.of(sampling)
 
 
 def _probe_rollout(rollout: Any) -> Any:
@@ -56,7 +65,6 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
     prefill-and-insert call at the bucket of `longest` tokens. None where the backend gives no memory
     analysis. One small compile."""
     from areal_jax.models import Transformer
-    from areal_jax.sampler.sampling import SamplingParams
     from areal_jax.trainer.memory import abstract
 
     if program not in PROGRAMS:
@@ -75,7 +83,7 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
         state = abstract(state, engine._state_sharding)
     if program == "decode":
         keys = jax.ShapeDtypeStruct((int(rollout.decode_steps), 2), jnp.uint32)
-        compiled = engine._jit_generate_steps.lower(params, state, keys).compile()
+        compiled = engine._jit_generate_steps.lower(params, state, keys, filters=probe_filters(rollout)).compile()
     else:
         bucket = engine.bucket_for(min(int(longest), engine.max_len))
         rows = engine.prefill_rows_for(bucket)

@@ -12,11 +12,17 @@ renormalised distribution (the order used by HF transformers and vLLM). The log-
 for a sampled token is taken under exactly the distribution it was drawn from (the *behaviour*
 distribution the RL loss needs). Greedy rows return the plain model log-softmax at the argmax token,
 i.e. the temperature-1 unfiltered distribution, which is what evaluation and parity checks compare.
+
+Which transforms a batch needs at all (top-k, top-p, Gumbel noise) is a :class:`SamplingFilters` the caller
+passes as a static value, so the compiled step holds no branch on data: on GPUs XLA runs a ``lax.cond`` by
+copying its predicate to the host and waiting for the device (``BlockHostUntilDone``), a stall of the whole
+stream per branch per decode step. Without it (``filters=None``) the skips are decided on the device, by
+``lax.cond``, for callers that do not know their rows' settings.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +74,31 @@ class SamplingParams:
         return 1.0 if self.top_p is None else float(self.top_p)
 
 
+class SamplingFilters(NamedTuple):
+    """Which transforms a batch of rows needs (static: one compiled program per value, at most eight).
+
+    top_k: some row restricts to its top k tokens; top_p: some row keeps a nucleus; noise: some row samples
+    (temperature > 0; with none, every row is greedy and no noise is drawn). A transform a row does not use
+    leaves that row unchanged, so any superset of what the rows use gives the same tokens."""
+
+    top_k: bool = True
+    top_p: bool = True
+    noise: bool = True
+
+    @staticmethod
+    def of(sampling: "SamplingParams") -> "SamplingFilters":
+        """What one request needs (greedy needs nothing: it ignores top-k and top-p)."""
+        sampled = sampling.temperature > 0
+        return SamplingFilters(top_k=sampled and sampling.top_k_value > 0,
+                               top_p=sampled and sampling.top_p_value < 1.0, noise=sampled)
+
+    def __or__(self, other: "SamplingFilters") -> "SamplingFilters":  # type: ignore[override]
+        return SamplingFilters(*(a or b for a, b in zip(self, other)))
+
+
+NO_FILTERS = SamplingFilters(False, False, False)
+
+
 def _sortable_keys(x: jax.Array) -> jax.Array:
     """Map float32 values to uint32 keys with the same order (-inf smallest, +inf largest)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
@@ -95,14 +126,16 @@ def _largest_threshold(keys: jax.Array, holds: Callable[[jax.Array], jax.Array])
 
 
 def filtered_logits(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+    filters: SamplingFilters | None = None,
 ) -> jax.Array:
     """Apply temperature, top-k and top-p to a batch of logits.
 
     Top-k keeps the tokens whose logit is at least the k-th largest; top-p then keeps the
     smallest set of most likely tokens whose (top-k renormalised) probability reaches top_p.
     Both thresholds are found by bisection (no vocabulary sort); a tie at a threshold keeps every
-    tied token. Each restriction is skipped at run time when no row uses it.
+    tied token. A restriction is left out where ``filters`` says no row uses it, or, with ``filters``
+    None, skipped at run time (``lax.cond``) when no row uses it.
 
     Args:
       logits: [S, V] float32 raw model logits.
@@ -110,6 +143,7 @@ def filtered_logits(
         unfiltered.
       top_k: [S] int32, 0 = off.
       top_p: [S] float32, 1 = off.
+      filters: the transforms some row may use (static), or None to decide on the device.
 
     Returns:
       [S, V] float32: the scaled logits with every token outside the allowed set at -inf. A
@@ -134,6 +168,9 @@ def filtered_logits(
         c = _largest_threshold(keys, lambda sel: jnp.sum(jnp.where(sel, probs, 0.0), axis=-1) >= p)
         return jnp.where((keys >= c[:, None]) | (p[:, None] >= 1.0), x, NEG_INF)
 
+    if filters is not None:
+        scaled = restrict_k(scaled) if filters.top_k else scaled
+        return restrict_p(scaled) if filters.top_p else scaled
     identity = lambda x: x  # noqa: E731
     scaled = jax.lax.cond(jnp.any(k < vocab), restrict_k, identity, scaled)
     return jax.lax.cond(jnp.any(p < 1.0), restrict_p, identity, scaled)
@@ -151,30 +188,35 @@ def sample_tokens(
     temperature: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
+    filters: SamplingFilters | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row and return it with its behaviour log-probability.
 
     Sampling is exact Gumbel-max over the filtered logits; the noise is skipped when every row
-    is greedy.
+    is greedy (``filters.noise`` False, or decided on the device when ``filters`` is None).
 
     Args:
       logits: [S, V] float32 raw model logits for the next token of each slot.
       rng: a PRNG key; rows draw independent samples from it.
       temperature: [S] float32 (0 = greedy); top_k: [S] int32 (0 = off); top_p: [S] float32.
+      filters: static :class:`SamplingFilters` covering every row's settings, or None.
 
     Returns:
       tokens: [S] int32 sampled ids (argmax for greedy rows).
       logprobs: [S] float32 log-probability of each token under the distribution it was sampled
         from (after temperature / top-k / top-p); greedy rows give the raw log-softmax.
     """
-    filtered = filtered_logits(logits, temperature, top_k, top_p)
+    filtered = filtered_logits(logits, temperature, top_k, top_p, filters)
     greedy = temperature <= 0.0
 
     def perturb(x: jax.Array) -> jax.Array:
         noise = jax.random.gumbel(rng, x.shape, jnp.float32)
         return x + jnp.where(greedy[:, None], 0.0, noise)
 
-    scores = jax.lax.cond(jnp.all(greedy), lambda x: x, perturb, filtered)
+    if filters is None:
+        scores = jax.lax.cond(jnp.all(greedy), lambda x: x, perturb, filtered)
+    else:
+        scores = perturb(filtered) if filters.noise else filtered
     tokens = _first_argmax(scores)
     chosen = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(filtered, axis=-1)

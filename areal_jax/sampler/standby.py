@@ -24,7 +24,6 @@ import math
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models import init_cache
@@ -57,17 +56,10 @@ def standby_size(rows: int, length: int | None, max_len: int) -> tuple[int, int]
 
 def write_moved_rows(cache: Any, rows: Any, targets: jax.Array) -> Any:
     """Write rows[j] ([standby_len, ...] per layer) into positions 0.. of slot targets[j], for the j whose target
-    is a slot (< S): one in-place row copy per moved row, so a step that moves one row copies one row."""
-    slots = jax.tree.leaves(cache)[0].shape[0]
-    order = jnp.argsort(targets)  # the moved rows first
-    moved = jnp.sum(targets < slots)
-
-    def body(i: jax.Array, cache: Any) -> Any:
-        j = order[i]
-        return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(
-            dst, src[j][None].astype(dst.dtype), (targets[j],) + (0,) * (dst.ndim - 1)), cache, rows)
-
-    return jax.lax.fori_loop(0, moved, body, cache)
+    is a slot (< S; the others are dropped): one in-place scatter per layer buffer, with no branch on how many
+    rows move."""
+    return jax.tree.map(lambda dst, src: dst.at[targets, : src.shape[1]].set(src.astype(dst.dtype), mode="drop"),
+                        cache, rows)
 
 
 class StandbyRows:
