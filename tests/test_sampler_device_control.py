@@ -1,9 +1,10 @@
-"""The decode dispatch runs without stopping the device: no branch on data, only loops of a known trip count.
+"""The decode dispatch as GPUs run it never stops the device: no branch on data, only loops of a known trip count.
 
 On GPUs XLA runs a `conditional` by copying its predicate to the host and waiting for the stream, and a `while`
 whose trip count it cannot read off the condition the same way before every trip. The dispatch is compiled here
-(on the CPU) and its optimized HLO read; the tests below also check that what replaced the branches (static
-sampling filters, a placement step without a branch, k trips always) gives the tokens the branches gave.
+(on the CPU, with the GPU's `counted_loop=True`) and its optimized HLO read; the tests below also check that what
+replaced the branches (static sampling filters, a placement step without a branch, k trips always) gives the
+tokens the branches gave.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.sampler import Engine, SamplingParams, sample_tokens, slots
+from areal_jax.sampler import Engine, SamplingParams, sample_tokens
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.sampler.sampling import NO_FILTERS, SamplingFilters
 from areal_jax.testing import models as testing
@@ -47,11 +48,17 @@ def control_flow(engine, params, k=4):
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
 def test_the_dispatch_holds_no_branch_and_only_counted_loops(model, engine_cls, standby_rows, sampling):
     kw = dict(page_size=4, num_pages=64) if engine_cls is PagedEngine else {}
-    engine = engine_cls(model, num_slots=4, max_len=MAX_LEN, standby_rows=standby_rows, **kw)
+    engine = engine_cls(model, num_slots=4, max_len=MAX_LEN, standby_rows=standby_rows, counted_loop=True, **kw)
     for sp in SAMPLINGS[sampling]:
         engine.settings(sp)
     conditionals, uncounted = control_flow(engine, nnx.split(model)[1])
     assert conditionals == 0 and not uncounted, uncounted
+    # Where the condition costs no wait (CPU: the host evaluates it anyway; TPU: the device), the k-step loop
+    # still ends once every slot is done: that loop is the one without a known trip count, nothing else.
+    engine.counted_loop = False
+    engine._jit_generate_steps = jax.jit(engine._generate_steps_fn, donate_argnums=(1,), static_argnames=("filters",))
+    conditionals, uncounted = control_flow(engine, nnx.split(model)[1])
+    assert conditionals == 0 and len(uncounted) == 1, uncounted
 
 
 def test_static_filters_draw_the_tokens_the_device_side_skips_draw():
@@ -101,12 +108,11 @@ def test_a_request_needing_a_filter_widens_the_compiled_dispatch(model):
     np.testing.assert_allclose(r.logprobs[:, 1], 0.0, atol=1e-6)  # top-1 leaves one token: probability 1
 
 
-def test_rows_beyond_the_per_step_placement_limit_move_the_step_after(model, monkeypatch):
-    """Two slots free at the same step and two rows wait; with one placement per step the second row moves a
-    step later, and every sequence still decodes its greedy reference. The dispatch runs its 12 steps though
-    every slot is done after 8, and the idle steps leave the cache fit for the next request."""
-    monkeypatch.setattr(slots, "PLACED_PER_STEP", 1)
-    engine = Engine(model, num_slots=2, max_len=MAX_LEN, standby_rows=2, standby_len=16)
+def test_idle_steps_after_every_slot_is_done_leave_the_engine_fit_for_the_next_request(model):
+    """Two slots free at the same step and two staged rows take them before the next step; every sequence decodes
+    its greedy reference. The dispatch runs its 12 steps though every slot is done after 6 (``steps`` counts 6),
+    and what the idle steps wrote does not reach the next request."""
+    engine = Engine(model, num_slots=2, max_len=MAX_LEN, standby_rows=2, standby_len=16, counted_loop=True)
     params = nnx.split(model)[1]
     logp = full_forward_logp(model, MAX_LEN)
     prompts, budgets = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [20, 21, 22]], [2, 2, 4, 3]
@@ -117,16 +123,15 @@ def test_rows_beyond_the_per_step_placement_limit_move_the_step_after(model, mon
         state = engine.insert(prefix, state, i, sampling) if i < 2 else engine.stage(prefix, state, [i - 2], sampling)
     state, r = engine.generate_steps(params, state, np.zeros((12, 2), np.uint32))
     r = r.to_host()
-    # Both slots finish after step 1; row 0 takes slot 0 before step 2, row 1 takes slot 1 before step 3.
-    assert r.placed_slot.tolist() == [0, 1] and r.placed_step.tolist() == [2, 3]
-    assert int(r.steps) == 6 and not r.valid[6:].any() and r.done.all()
-    for slot, spans in {0: [(0, 0), (2, 2)], 1: [(0, 1), (3, 3)]}.items():
+    assert r.placed_slot.tolist() == [0, 1] and r.placed_step.tolist() == [2, 2]
+    assert int(r.steps) == 6 and r.valid[:6].any(axis=1).all() and not r.valid[6:].any() and r.done.all()
+    for slot, spans in {0: [(0, 0), (2, 2)], 1: [(0, 1), (2, 3)]}.items():
         for start, i in spans:
             want, want_lp, _ = greedy_reference(logp, prompts[i], budgets[i])
             assert r.tokens[start:start + budgets[i], slot].tolist() == want
             np.testing.assert_allclose(r.logprobs[start:start + budgets[i], slot], want_lp, atol=1e-4)
     engine.standby_moved([(0, 0), (1, 1)])
-    state = engine.insert(engine.prefill(params, [30, 31]), state, 0, SamplingParams(temperature=0.0,
-                                                                                      max_new_tokens=5))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+    state = engine.insert(engine.prefill(params, [30, 31]), state, 0, sampling)
     state, r = engine.generate_steps(params, state, np.zeros((5, 2), np.uint32))
     assert r.to_host().tokens[:, 0].tolist() == greedy_reference(logp, [30, 31], 5)[0]

@@ -71,20 +71,22 @@ def test_steps_counts_the_steps_in_which_a_slot_decoded(models):
     assert int(r.steps) == 3 and r.valid[:, 0].tolist() == [True] * 3 + [False] * 5 and r.done.all()
 
 
-def run_loop(model, requests, decode_steps, fetch_behind=True, num_slots=3, seed=0):
-    engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN)
+def run_loop(model, requests, decode_steps, fetch_behind=True, num_slots=3, seed=0, counted_loop=False):
+    engine = Engine(model, num_slots=num_slots, max_len=MAX_LEN, counted_loop=counted_loop)
     return run_requests(engine, nnx.split(model)[1], requests, seed=seed, decode_steps=decode_steps,
                         fetch_behind=fetch_behind)
 
 
-@pytest.mark.parametrize("decode_steps, fetch_behind", [(4, True), (3, False)])
-def test_loop_with_multi_step_dispatches_gives_the_single_step_tokens(models, decode_steps, fetch_behind):
-    """More requests than slots, lengths not multiples of k: admissions reuse slots freed inside dispatches."""
+@pytest.mark.parametrize("decode_steps, fetch_behind, counted", [(4, True, False), (3, False, False), (4, True, True)])
+def test_loop_with_multi_step_dispatches_gives_the_single_step_tokens(models, decode_steps, fetch_behind, counted):
+    """More requests than slots, lengths not multiples of k: admissions reuse slots freed inside dispatches. Counted
+    (the GPU's dispatch: always k trips) or ending once every slot is done, the tokens are the same."""
     requests = [Request(id=i, prompt=[4 + i, 20, 30 + i], max_new_tokens=n, temperature=0.0)
                 for i, n in enumerate([5, 11, 2, 7, 9, 4, 13])]
     requests.append(Request(id="g", prompt=[7, 8, 9], max_new_tokens=6, n=2, temperature=0.0))
     base, base_stats = run_loop(models[0], requests, decode_steps=1, fetch_behind=False)
-    multi, stats = run_loop(models[0], requests, decode_steps=decode_steps, fetch_behind=fetch_behind)
+    multi, stats = run_loop(models[0], requests, decode_steps=decode_steps, fetch_behind=fetch_behind,
+                            counted_loop=counted)
     logp = full_forward_logp(models[0], MAX_LEN)
     for a, b in zip(base, multi):
         assert (a.request_id, a.sample_index) == (b.request_id, b.sample_index)

@@ -60,6 +60,7 @@ class Engine(StandbyRows):
         prefill_tokens: int = _prefill.PREFILL_TOKENS,
         standby_rows: int = 0,
         standby_len: int | None = None,
+        counted_loop: bool | None = None,
     ) -> None:
         """Build the engine.
 
@@ -80,6 +81,8 @@ class Engine(StandbyRows):
             grow with rows x bucket; ``prefill_rows_for``).
           standby_rows, standby_len: prefilled requests that can wait on the device for a slot, and the
             longest prompt bucket each holds (default min(max_len, 512)); see ``sampler.standby``.
+          counted_loop: run every k-step dispatch for all k steps (``sampler.multistep``); default on GPUs, where
+            ending early costs the host a wait for the device before every step.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -109,6 +112,7 @@ class Engine(StandbyRows):
         self.prefill_buckets = buckets
         self._compiles = 0
         self.sampling_filters = NO_FILTERS  # what the requests seen so far need (``settings``)
+        self.counted_loop = jax.default_backend() == "gpu" if counted_loop is None else bool(counted_loop)
         self._placement: tuple[Any, list] | None = None  # (params treedef, its leaves' shardings on the mesh)
         self._state_sharding = None
         self._prefix_sharding = None
@@ -236,7 +240,7 @@ class Engine(StandbyRows):
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
                            filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, MultiStepResult]:
         return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters), state, keys,
-                                self._place_fn)
+                                self._place_fn, counted=self.counted_loop)
 
     _release_fn = staticmethod(release_slots)
 

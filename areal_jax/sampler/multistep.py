@@ -1,4 +1,4 @@
-"""k decode steps in one dispatch: a loop of k trips around the engine's single step.
+"""k decode steps in one dispatch: a loop around the engine's single step.
 
 Per-step host work (dispatch, a device-to-host fetch, Python bookkeeping) dominates a decode step of
 a real model on an accelerator: the step itself only reads the weights and the live KV cache once.
@@ -6,15 +6,13 @@ Running k steps inside one compiled program moves the stop-token, length and sam
 device (they already live in the :class:`DecodeState`) and leaves one dispatch and one fetch per k
 tokens.
 
-The loop always runs k trips, also after every slot has finished (those steps write nothing anyone reads and
-count in no result): a loop that ends on a value computed on the device is, on GPUs, a device-to-host copy and a
-wait for the whole stream before every trip (XLA's WhileThunk), while a known trip count lets the host queue
-all k steps at once. Nothing inside a step branches on data either (``sampling.SamplingFilters``,
-``slots.place_standby``), so the dispatch never stops the stream.
-
-With a standby (prefilled requests waiting on the device, ``DecodeState.standby``), a slot that finishes
-inside the dispatch takes the next waiting request before the following step, instead of idling until
-the host admits one between dispatches (up to two dispatches later with fetch-behind).
+Nothing inside a step branches on data (``sampling.SamplingFilters``, ``slots.place_standby``): on GPUs XLA runs a
+``lax.cond`` by copying its predicate to the host and waiting for the whole stream (XLA's ConditionalThunk), and a
+``while`` whose trip count it cannot read off the condition the same way before every trip (WhileThunk). So on
+GPUs (``counted=True``) the loop always runs its k trips, also after every slot has finished (those steps write
+only junk nobody reads and count in no result), and the host queues all k steps at once. Elsewhere the loop ends
+once every slot is done and the standby is empty: the CPU evaluates the condition on the host anyway, a TPU on the
+device, so a short tail costs no idle steps there.
 """
 from __future__ import annotations
 
@@ -29,9 +27,9 @@ StepFn = Callable[[DecodeState, jax.Array], tuple[DecodeState, StepResult]]
 PlaceFn = Callable[[DecodeState], tuple[DecodeState, jax.Array]]
 
 
-def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array,
-                     place: PlaceFn | None = None) -> tuple[DecodeState, MultiStepResult]:
-    """Run ``step`` K times (a loop with a static trip count).
+def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: PlaceFn | None = None,
+                     counted: bool = False) -> tuple[DecodeState, MultiStepResult]:
+    """Run ``step`` K times, or (``counted`` False) until every slot is done and the standby empty.
 
     Args:
       step: one decode step, (state, raw key data [2] uint32) -> (state, StepResult); pure.
@@ -40,10 +38,12 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array,
         single step with the same keys draw the same tokens).
       place: with a standby in ``state``: (state) -> (state with standby rows moved into free slots,
         [R] int32 slot of each row, S where none), run before every step (``slots.place_standby``).
+      counted: always K trips, a trip count XLA reads off the loop (see the module docstring).
 
     Returns:
-      (state after the K steps, MultiStepResult with [K, S] buffers; ``steps`` counts the steps in which some
-      slot decoded, a prefix of the K: once every slot is done and the standby empty, none decodes again).
+      (state after the last trip, MultiStepResult with [K, S] buffers, invalid in the steps no slot decoded;
+      ``steps`` counts the steps in which some slot decoded, a prefix of the K: once every slot is done and the
+      standby empty, none decodes again).
     """
     k, s = keys.shape[0], state.done.shape[0]
     r = 0 if state.standby is None or place is None else state.standby.done.shape[0]
@@ -60,9 +60,15 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array,
         buffers = (tokens.at[t].set(out.tokens), logprobs.at[t].set(out.logprobs), valid.at[t].set(out.valid))
         return t + 1, state, buffers, (slot_of, step_of)
 
-    # A counter-only condition: XLA reads the trip count off it (no scan: its lowering held two more [S, V] buffers)
+    def more(carry: tuple) -> jax.Array:
+        t, state, _, _ = carry
+        if counted:
+            return t < k  # a counter-only condition: XLA reads the trip count off it
+        idle = jnp.all(state.done) & (jnp.all(state.standby.done) if r else True)
+        return (t < k) & ~idle
+
     _, state, (tokens, logprobs, valid), (slot_of, step_of) = jax.lax.while_loop(
-        lambda carry: carry[0] < k, body, (jnp.int32(0), state, buffers, placed))
+        more, body, (jnp.int32(0), state, buffers, placed))
     steps = jnp.sum(jnp.any(valid, axis=1), dtype=jnp.int32)
     return state, MultiStepResult(tokens=tokens, logprobs=logprobs, valid=valid, done=state.done, steps=steps,
                                   placed_slot=slot_of, placed_step=step_of)

@@ -85,9 +85,6 @@ def free_slots(state: DecodeState, free: jax.Array) -> DecodeState:
     return dataclasses.replace(state, done=state.done | free)
 
 
-PLACED_PER_STEP = 16  # standby rows one decode step moves into slots at most; the rest move the step after
-
-
 def release_slots(state: DecodeState, free: jax.Array, placements: jax.Array) -> DecodeState:
     """``free_slots`` for the slots whose placement count still equals ``placements`` ([S] int32, what the host
     knew when it asked): a slot a standby row moved into since (inside a dispatch the host had not fetched)
@@ -98,22 +95,21 @@ def release_slots(state: DecodeState, free: jax.Array, placements: jax.Array) ->
 def place_standby(state: DecodeState,
                   write_cache: Callable[[Any, Any, jax.Array], Any]) -> tuple[DecodeState, jax.Array]:
     """Move the standby's waiting rows into free slots: waiting row number i (in row order) takes the i-th
-    free slot (in slot order), as far as free slots go and for i < min(R, S, PLACED_PER_STEP).
+    free slot (in slot order), as far as free slots go.
 
     write_cache(cache, standby cache, targets [R]) writes standby row j's cache into slot targets[j] (an
     out-of-range target, S, is dropped). Returns (state, targets [R] int32: the slot each row moved into, S
     where it did not). The moved rows are armed exactly as an insert would arm them and leave the standby.
 
-    Branch-free: every step scatters the rows to their targets, those that do not move to no slot, so the step
-    holds no data-dependent control flow (on GPUs a ``lax.cond`` waits for the device).
+    Branch-free: every step scatters all R rows, those that do not move to no slot (dropped), so the step holds
+    no data-dependent control flow (on GPUs a ``lax.cond`` waits for the device).
     """
     sb = state.standby
     s, r = state.done.shape[0], sb.done.shape[0]
-    m = min(r, s, PLACED_PER_STEP)
     waiting = ~sb.done
-    free = jnp.nonzero(state.done, size=m, fill_value=s)[0].astype(jnp.int32)
+    free = jnp.nonzero(state.done, size=r, fill_value=s)[0].astype(jnp.int32)
     rank = jnp.cumsum(waiting.astype(jnp.int32)) - 1
-    target = jnp.where(waiting & (rank < m), free[jnp.clip(rank, 0, m - 1)], s).astype(jnp.int32)
+    target = jnp.where(waiting, free[jnp.clip(rank, 0, r - 1)], s).astype(jnp.int32)
     moved = target < s
     settings = SlotSettings(temperature=sb.temperature, top_k=sb.top_k, top_p=sb.top_p, max_new=sb.max_new,
                             stop_ids=sb.stop_ids)
