@@ -36,8 +36,8 @@ from areal_jax.runtime.mesh import MeshConfig
 from areal_jax.sampler.config import RolloutConfig
 from areal_jax.trainer.config import TrainerConfig
 
-__all__ = ["ConfigError", "JobConfig", "base_config", "check_override_flags", "config_docs", "config_help",
-           "from_config_dict", "validate"]
+__all__ = ["ConfigError", "JobConfig", "apply_none_overrides", "base_config", "check_override_flags",
+           "config_docs", "config_help", "from_config_dict", "split_none_overrides", "validate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +186,38 @@ def check_override_flags(argv: list[str]) -> None:
             raise _unknown_key_error(key, list(types), f"in the override '{arg}'")
         if has_value:
             knobs.parse_override(key, text, types[key])
+
+
+def split_none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without its `--config.x.y=None` overrides of optional keys, the keys the command line leaves None).
+
+    Flag parsing reads an override as its key's type (`float('None')` fails), so these are taken out before it
+    and set on the parsed config by ``apply_none_overrides``. A key's last override wins, as in flag parsing:
+    `--config.k=None --config.k=3` leaves 3.
+    """
+    types = knobs.field_types(JobConfig)
+    last_is_none: dict[str, bool] = {}
+    kept = []
+    for arg in argv:
+        key, has_value, text = arg[len("--config."):].partition("=") if arg.startswith("--config.") else ("", "", "")
+        if not (has_value and key in types):
+            kept.append(arg)
+            continue
+        last_is_none[key] = text == "None" and _optional(types[key])
+        if not last_is_none[key]:
+            kept.append(arg)
+    return kept, [k for k, none in last_is_none.items() if none]
+
+
+def apply_none_overrides(config: ml_collections.ConfigDict, keys: list[str]) -> ml_collections.ConfigDict:
+    """Set each dotted key of ``split_none_overrides`` to None on the parsed config (in place; returned)."""
+    for key in keys:
+        *path, name = key.split(".")
+        section = config
+        for part in path:
+            section = section[part]
+        section[name] = None
+    return config
 
 
 def from_config_dict(config: ml_collections.ConfigDict | dict) -> JobConfig:

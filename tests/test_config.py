@@ -139,6 +139,22 @@ def test_unknown_keys_and_override_values():
                                      "--config.model.path=/m", "--config.log.console=false"])
 
 
+def test_none_overrides_of_optional_keys_reach_the_config():
+    """`--config.k=None` on an optional number key: flag parsing would read 'None' as the key's type, so the
+    override is taken out before it and set after; the last override of a key wins."""
+    argv = ["--config=x.py", "--config.train.dual_clip=None", "--config.rollout.top_k=None", "--config.rollout.top_k=5",
+            "--config.train.lr=3e-5", "--config.train.behav_weight_cap=2", "--config.train.behav_weight_cap=None",
+            "--config.model.path=None"]  # a str key keeps the text
+    kept, keys = config_lib.split_none_overrides(argv)
+    assert kept == ["--config=x.py", "--config.rollout.top_k=5", "--config.train.lr=3e-5",
+                    "--config.train.behav_weight_cap=2", "--config.model.path=None"]
+    assert keys == ["train.dual_clip", "train.behav_weight_cap"]
+    c = config_lib.base_config()
+    c.train.dual_clip, c.train.behav_weight_cap = 3.0, 2.0
+    job = config_lib.validate(config_lib.apply_none_overrides(c, keys), check_paths=False)
+    assert job.train.dual_clip is None and job.train.behav_weight_cap is None
+
+
 def test_sections_validate_on_their_own_and_round_trip_through_json():
     from areal_jax.sampler.config import RolloutConfig
 

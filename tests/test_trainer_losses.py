@@ -31,7 +31,7 @@ def unpacked_arrays(trajs):
 
 
 def pure_objective(model, trajs, cfg):
-    """(loss, grads) of cfg.loss from rl.losses' aggregated API on unpacked [N, C] arrays."""
+    """(loss, grads, stats) of cfg.loss from rl.losses' aggregated API on unpacked [N, C] arrays."""
     a = unpacked_arrays(trajs)
 
     def logp_of(m):
@@ -47,12 +47,12 @@ def pure_objective(model, trajs, cfg):
     def objective(p):
         logp = logp_of(nnx.merge(graphdef, p, other))
         if cfg.loss == "ppo":
-            return L.ppo_loss(logp, a["behav"], a["adv"], a["mask"], **clip)[0]
+            return L.ppo_loss(logp, a["behav"], a["adv"], a["mask"], **clip)
         fn = L.gspo_loss if cfg.loss == "gspo" else L.decoupled_ppo_loss
-        return fn(logp, prox, a["behav"], a["adv"], a["mask"], **clip, **cap)[0]
+        return fn(logp, prox, a["behav"], a["adv"], a["mask"], **clip, **cap)
 
-    loss, grads = jax.value_and_grad(objective)(params)
-    return float(loss), grads
+    (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    return float(loss), grads, {k: float(v) for k, v in stats.items()}
 
 
 CASES = [
@@ -76,6 +76,27 @@ def test_packed_trainer_loss_equals_pure_aggregated_api(overrides):
     for t, lp in zip(trajs, trainer.compute_logprobs(trajs)):
         t.behav_logp = (lp + rng.normal(0, 0.3, lp.shape)).astype(np.float32)  # weights straddle the cap
     loss, grads = trainer.loss_and_grads(trajs)
-    want, want_grads = pure_objective(model, trajs, cfg)
+    want, want_grads, _ = pure_objective(model, trajs, cfg)
     assert loss == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert tree_rel_err(jax.device_get(grads), want_grads) < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["ppo", "decoupled"])
+def test_update_reports_the_clip_fractions_of_the_pure_api(loss):
+    """One single-minibatch update reports the token shares its objective clipped and dual-clipped, as the pure
+    API counts them at the update's starting params (behaviour far from the policy, so both clips act)."""
+    cfg = TrainerConfig(micro_batch_tokens=40, logits_chunk=8, loss=loss, dual_clip=1.1, eps_clip=0.1)
+    model = random_model(tiny_config(), seed=5)
+    trajs = make_trajs(9, seed=2)
+    trainer = Trainer(model, cfg, mesh_4())
+    rng = np.random.default_rng(3)
+    for t, lp in zip(trajs, trainer.compute_logprobs(trajs)):
+        t.behav_logp = (lp + rng.normal(0, 0.5, lp.shape)).astype(np.float32)
+    _, _, want = pure_objective(model, trajs, cfg)
+    metrics = trainer.update(trajs)
+    if loss == "ppo":  # the ratio is to the behaviour policy: both clips see the noise
+        assert 0 < want["dual_clip_fraction"] < want["clip_fraction"] < 1
+    else:  # at the update's start the current policy is the proximal one: u = 1, nothing is clipped
+        assert want["dual_clip_fraction"] == want["clip_fraction"] == 0
+    for key in ("clip_fraction", "dual_clip_fraction"):
+        assert metrics[key] == pytest.approx(want[key], abs=1e-6), key

@@ -14,6 +14,7 @@ from absl import app
 from ml_collections import ConfigDict, config_flags
 
 _CONFIG = None  # the --config flag, defined only when the program runs (cli())
+_NONE_KEYS: list[str] = []  # keys the command line sets to None (config.split_none_overrides)
 
 # The keys a user changes first, shown by --help (their docs come from config.config_docs()).
 MOST_USED_KEYS = ("run_dir", "total_steps", "model.path", "data.train_path", "data.test_path", "train.lr",
@@ -184,8 +185,10 @@ def main(argv: list[str]) -> None:
 
     quiet_library_logs()
 
+    from areal_jax.config import apply_none_overrides
+
     try:
-        run(_CONFIG.value)
+        run(apply_none_overrides(_CONFIG.value, _NONE_KEYS))
     except ConfigError as e:
         print(f"Config error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
@@ -193,8 +196,8 @@ def main(argv: list[str]) -> None:
 
 def cli() -> None:
     """The command line: --help / --config.help, unknown override keys, then the job (absl app)."""
-    global _CONFIG
-    from areal_jax.config import ConfigError, check_override_flags, config_help
+    global _CONFIG, _NONE_KEYS
+    from areal_jax.config import ConfigError, check_override_flags, config_help, split_none_overrides
 
     if any(a in ("--help", "-h", "-?") for a in sys.argv[1:]):
         print(help_text())
@@ -217,6 +220,8 @@ def cli() -> None:
     except ConfigError as e:
         print(f"Config error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    kept, _NONE_KEYS = split_none_overrides(sys.argv[1:])
+    sys.argv[1:] = kept
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Path to a config file (ml_collections).")
     app.run(main)
 

@@ -280,7 +280,7 @@ class Trainer:
         -> per minibatch: accumulate gradients over its micro-steps, then one optimizer step, skipped
         (and counted in skipped_updates) when the gradients or loss are not finite.
 
-        Returns metrics (python floats): loss, pg_loss, kl, clip_fraction, behav_weight_mean,
+        Returns metrics (python floats): loss, pg_loss, kl, clip_fraction, dual_clip_fraction, behav_weight_mean,
         behav_weight_max, masked_fraction, approx_kl, entropy, grad_norm, n_tokens, n_seqs,
         staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version; with a
         critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
@@ -344,6 +344,7 @@ def _metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: Tr
         "pg_loss": float(sums["pg_loss"]) / n_minibatches,
         "kl": float(sums["kl"]) / n_minibatches,
         "clip_fraction": per_tok("clip"),
+        "dual_clip_fraction": per_tok("dual_clip"),
         "behav_weight_mean": per_tok("behav_weight"),
         "behav_weight_max": float(sums["behav_weight_max"]),
         "masked_fraction": per_tok("masked"),

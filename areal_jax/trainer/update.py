@@ -53,8 +53,8 @@ MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
 LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
 CRITIC_FIELDS = ("old_values", "returns")
 CRITIC_METRICS = ("value_loss", "value_clip", "value_error")
-SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "behav_weight", "masked", "approx_kl", "n_valid",
-               *CRITIC_METRICS)
+SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "dual_clip", "behav_weight", "masked", "approx_kl",
+               "n_valid", *CRITIC_METRICS)
 
 
 def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
@@ -144,6 +144,7 @@ def micro_step_objective(
         "kl": sg(kl_sum),
         "entropy": on(ent),
         "clip": on(stats["clipped"]),
+        "dual_clip": on(stats["dual_clipped"]) if "dual_clipped" in stats else jnp.zeros((), jnp.float32),
         "behav_weight": on(stats["behav_weight"]),
         "behav_weight_max": jnp.max(jnp.where(valid, sg(stats["behav_weight"]), 0.0)),
         "masked": on(stats["masked"]),
