@@ -20,7 +20,7 @@ from areal_jax.sampler import Engine, SamplingParams, sample_tokens
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.sampler.sampling import NO_FILTERS, SamplingFilters
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import full_forward_logp, greedy_reference
+from areal_jax.testing.sampler import fill_slots_then_stage, full_forward_logp, greedy_reference
 
 MAX_LEN = 64  # within one CPU cache chunk: the attention reads the cache in one pass, without a loop
 CFG = testing.tiny_config("qwen3")
@@ -116,11 +116,7 @@ def test_idle_steps_after_every_slot_is_done_leave_the_engine_fit_for_the_next_r
     params = nnx.split(model)[1]
     logp = full_forward_logp(model, MAX_LEN)
     prompts, budgets = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [20, 21, 22]], [2, 2, 4, 3]
-    state = engine.init_decode_state()
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=budget)
-        prefix = engine.prefill(params, prompt)
-        state = engine.insert(prefix, state, i, sampling) if i < 2 else engine.stage(prefix, state, [i - 2], sampling)
+    state = fill_slots_then_stage(engine, params, prompts, budgets)
     state, r = engine.generate_steps(params, state, np.zeros((12, 2), np.uint32))
     r = r.to_host()
     assert r.placed_slot.tolist() == [0, 1] and r.placed_step.tolist() == [2, 2]

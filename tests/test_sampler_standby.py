@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
 from areal_jax.testing.sampler import (
     HookAfterDispatch,
     collect_completions,
+    fill_slots_then_stage,
     full_forward_logp,
     greedy_reference,
     run_requests,
@@ -40,11 +41,7 @@ def test_staged_rows_take_slots_the_step_after_they_finish(models, logp):
     budgets = [3, 7, 2, 5, 4]
     engine = Engine(models[0], num_slots=2, max_len=MAX_LEN, standby_rows=4, standby_len=16)
     params = nnx.split(models[0])[1]
-    state = engine.init_decode_state()
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=budget)
-        prefix = engine.prefill(params, prompt)
-        state = engine.insert(prefix, state, i, sampling) if i < 2 else engine.stage(prefix, state, [i - 2], sampling)
+    state = fill_slots_then_stage(engine, params, prompts, budgets)
     state, r = engine.generate_steps(params, state, np.zeros((16, 2), np.uint32))
     r = r.to_host()
     # Slot 0 runs request 0 (3 tokens), then request 2 from step 3 (2 tokens), then request 3 from step 5; slot 1

@@ -18,6 +18,7 @@ from areal_jax.models.transformer import Transformer
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Completion, Request
+from areal_jax.sampler.sampling import SamplingParams
 
 LogpFn = Callable[[Sequence[int]], np.ndarray]
 
@@ -52,6 +53,21 @@ def greedy_reference(logp: LogpFn, prompt: Sequence[int], max_new: int,
         if tok in stop:
             break
     return toks, lps, tables
+
+
+def fill_slots_then_stage(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]],
+                          budgets: Sequence[int]):
+    """A fresh decode state whose slots hold the first ``engine.num_slots`` prompts and whose standby rows hold the
+    rest, in order, each decoded greedily for its budget of new tokens."""
+    state = engine.init_decode_state()
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=budget)
+        prefix = engine.prefill(params, prompt)
+        if i < engine.num_slots:
+            state = engine.insert(prefix, state, i, sampling)
+        else:
+            state = engine.stage(prefix, state, [i - engine.num_slots], sampling)
+    return state
 
 
 def token_logp_errors(completion: Completion, logps_by_version: dict[int, LogpFn]) -> np.ndarray:
