@@ -26,9 +26,10 @@ def reference(q, k_cache, v_cache, layer, positions):
     return out
 
 
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 5, 16])
 @pytest.mark.parametrize("t,kv", [(1, 2), (4, 1), (3, 4)])
-def test_chunked_cache_attention_matches_reference(chunk, t, kv):
+def test_chunked_cache_attention_matches_reference(chunk, t, kv, counted):
     rng = np.random.default_rng(chunk * 10 + t)
     layers, b, s, h, d = 2, 3, 16, 4, 8
     q = rng.normal(size=(b, t, h, d)).astype(np.float32)
@@ -37,7 +38,7 @@ def test_chunked_cache_attention_matches_reference(chunk, t, kv):
     positions = np.stack([rng.integers(-2, s + 3, size=t) for _ in range(b)]).astype(np.int32)
     positions[0] = np.arange(t) + 5  # one ordinary row
     got = cached_attention(jnp.asarray(q), jnp.asarray(kc[1]), jnp.asarray(vc[1]), jnp.asarray(positions),
-                           chunk_size=chunk)
+                           chunk_size=chunk, counted=counted)
     want = reference(q, kc, vc, 1, positions)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     assert np.all(np.asarray(got)[positions < 0] == 0)  # a query before the start attends nothing
@@ -134,6 +135,45 @@ def test_one_pass_cache_attention_has_no_loop():
         q, kc, kc, pos).as_text()
     assert "stablehlo.while" not in lower(16)
     assert "stablehlo.while" in lower(8)
+
+
+def test_counted_decode_loops_have_a_known_trip_count_and_follow_the_backend_or_the_engine():
+    """On GPUs a decode call over a cache longer than one chunk reads every chunk in a loop whose trip count XLA
+    knows (a data-dependent one waits for the device before every trip there); the values are the early-stopping
+    loop's, with rows far from the cache's end and before its start."""
+    import re
+
+    import jax
+
+    from areal_jax.models.layers import counted_decode_loop, counted_decode_loops
+
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.normal(size=(3, 1, 4, 8)), jnp.float32)
+    kc, vc = (jnp.asarray(rng.normal(size=(3, 40, 2, 8)), jnp.float32) for _ in range(2))
+    pos = jnp.array([[2], [17], [-1]], jnp.int32)  # the batch's largest position lies in the second of 5 chunks
+
+    def loops(counted):
+        fn = jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, chunk_size=8, counted=counted))
+        hlo = fn.lower(q, kc, vc, pos).compile().as_text()
+        whiles = re.findall(r"^.* while\(.*$", hlo, flags=re.M)
+        return fn(q, kc, vc, pos), [w for w in whiles if "known_trip_count" not in w]
+
+    early, uncounted = loops(False)
+    assert len(uncounted) == 1
+    every, uncounted = loops(True)
+    assert not uncounted
+    np.testing.assert_allclose(np.asarray(every), np.asarray(early), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(every)[:2], reference(np.asarray(q), np.asarray(kc)[None],
+                                                               np.asarray(vc)[None], 0, np.asarray(pos))[:2], atol=2e-5)
+    assert np.all(np.asarray(every)[2] == 0)
+    assert counted_decode_loop("gpu") and not counted_decode_loop("cpu") and not counted_decode_loop("tpu")
+    with counted_decode_loops(True):
+        assert counted_decode_loop("cpu")
+        with counted_decode_loops(False):
+            assert not counted_decode_loop("gpu")
+        with counted_decode_loops(None):
+            assert counted_decode_loop("gpu") and not counted_decode_loop("cpu")
+    assert not counted_decode_loop("cpu")
 
 
 def test_query_block_size_by_hand():

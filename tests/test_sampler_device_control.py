@@ -61,6 +61,31 @@ def test_the_dispatch_holds_no_branch_and_only_counted_loops(model, engine_cls, 
     assert conditionals == 0 and len(uncounted) == 1, uncounted
 
 
+def test_a_cache_longer_than_one_chunk_adds_only_counted_loops_and_decodes_the_reference(model):
+    """With a cache of two CPU chunks the attention loops over chunks in every layer: with the GPU's form
+    (``counted_loop``) those loops read both chunks for a known trip count; the early-stopping form adds one
+    data-dependent loop per layer. A prompt ending just before the chunk boundary decodes across it to the
+    full-forward greedy tokens in both forms, the other slot's short context sharing the dispatch."""
+    max_len, steps = 256, 8  # 2 chunks of 128 positions on the CPU
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, CFG.vocab_size, size=124).tolist(), [5, 6, 7]]
+    logp = full_forward_logp(model, max_len)
+    params = nnx.split(model)[1]
+    for counted in (True, False):
+        engine = Engine(model, num_slots=2, max_len=max_len, counted_loop=counted)
+        engine.settings(SamplingParams(temperature=0.0))
+        conditionals, uncounted = control_flow(engine, params, k=steps)
+        assert conditionals == 0 and len(uncounted) == (0 if counted else CFG.num_layers + 1), uncounted
+        state = engine.insert_sequences(params, engine.init_decode_state(), [0, 1], prompts,
+                                        [SamplingParams(temperature=0.0, max_new_tokens=steps)] * 2)
+        state, r = engine.generate_steps(params, state, np.zeros((steps, 2), np.uint32))
+        r = r.to_host()
+        for slot, prompt in enumerate(prompts):
+            want, want_lp, _ = greedy_reference(logp, prompt, steps)
+            assert r.tokens[:, slot].tolist() == want, (counted, slot)
+            np.testing.assert_allclose(r.logprobs[:, slot], want_lp, atol=1e-4)
+
+
 def test_static_filters_draw_the_tokens_the_device_side_skips_draw():
     rng = np.random.default_rng(0)
     rows = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.6), (0.8, 7, 0.9), (0.0, 3, 0.5)]

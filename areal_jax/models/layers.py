@@ -5,8 +5,10 @@ Every parameter is an `nnx.Param` annotated with logical axis names (see shardin
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +140,36 @@ def cache_chunk_size(max_len: int, backend: str | None = None) -> int:
     return max(1, min(max_len, -(-even // 8) * 8))
 
 
+_COUNTED_DECODE = contextvars.ContextVar("counted_decode_loops", default=None)
+
+
+@contextlib.contextmanager
+def counted_decode_loops(counted: bool | None) -> Iterator[None]:
+    """Within it (while a program is traced), `cached_attention`'s decode calls loop over the whole cache
+    (True), stop after the batch's largest position (False), or follow the backend (None): how the sampler's
+    ``Engine(counted_loop=...)`` makes its dispatch's loops agree."""
+    token = _COUNTED_DECODE.set(counted)
+    try:
+        yield
+    finally:
+        _COUNTED_DECODE.reset(token)
+
+
+def counted_decode_loop(backend: str | None = None) -> bool:
+    """Whether a single-token (decode) `cached_attention` call reads every chunk of the cache in a loop whose
+    trip count XLA knows, rather than stopping after the chunk of the batch's largest position. On GPUs XLA
+    runs a loop whose trip count depends on data by reading its condition on the host before every trip, so
+    with a cache longer than one chunk (over 8,192 positions) each layer of each decode step would wait for
+    the device; there the whole cache is read instead (as it is in one pass up to 8,192 positions), which
+    costs little with many rows, since one of them mostly sits near the end. Elsewhere the loop stops early
+    (the CPU evaluates the condition on the host anyway, a TPU on the device). `counted_decode_loops` overrides
+    it; prefill calls (many queries per row) keep the early stop, each trip there being long."""
+    counted = _COUNTED_DECODE.get()
+    if counted is not None:
+        return counted
+    return (jax.default_backend() if backend is None else backend) == "gpu"
+
+
 def use_block_diagonal_queries(num_queries: int, kv_heads: int) -> bool:
     """Whether `cached_attention` contracts each chunk with block-diagonal queries (one matrix product per row,
     `_chunk_attention_block_diagonal`) rather than per (row, kv head): for single-token decode, where that was
@@ -196,7 +228,8 @@ def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elem
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                     chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS) -> jax.Array:
+                     chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS,
+                     counted: bool | None = None) -> jax.Array:
     """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
 
     q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
@@ -208,7 +241,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     softmax: the layer is never transposed or repeated per kv head (and, in one chunk, never copied), and the
     loop stops after the chunk holding the largest position in the batch, so the cost follows the longest live
     context rather than S. The trip count depends on the data: this path is for forward evaluation (no
-    reverse-mode gradients); training uses `dot_attention`.
+    reverse-mode gradients); training uses `dot_attention`. With ``counted`` (default: decode calls on GPUs,
+    `counted_decode_loop`) the loop reads every chunk instead, a trip count XLA knows.
 
     A long prefill (many queries per row) is scored `query_block_size` queries at a time, so its float32
     scores stay within `score_elements` whatever the prompt length: 8 rows of 16,384 tokens over one
@@ -225,19 +259,22 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    if counted is None:
+        counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)
     if block >= t:
-        return _attend_chunks(q, k_cache, v_cache, positions, chunk)
+        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted)
     n = -(-t // block)  # query blocks; the padding queries sit at position -1 and attend nothing
     qs = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, dh).swapaxes(0, 1)
     ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
-    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk), (qs, ps))
+    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted), (qs, ps))
     return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
 
 
 def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                   chunk: int) -> jax.Array:
-    """`cached_attention` of one block of queries, `chunk` cache positions per step."""
+                   chunk: int, counted: bool = False) -> jax.Array:
+    """`cached_attention` of one block of queries, `chunk` cache positions per step (every chunk when
+    ``counted``, else up to the chunk of the largest position)."""
     b, t, h, dh = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     qg = _group_queries(q, kv)
@@ -281,6 +318,8 @@ def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positio
         # data-dependent loop costs a device -> host round trip per trip on GPUs (the loop condition is
         # read by the host), once per layer per decode step.
         _, run_sum, acc = step(jnp.int32(0), init)
+    elif counted:
+        _, run_sum, acc = jax.lax.fori_loop(0, -(-s // chunk), step, init)
     else:
         last = jnp.clip(jnp.max(positions), 0, s - 1)
         _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
+from areal_jax.models.layers import counted_decode_loops
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
@@ -81,8 +82,9 @@ class Engine(StandbyRows):
             grow with rows x bucket; ``prefill_rows_for``).
           standby_rows, standby_len: prefilled requests that can wait on the device for a slot, and the
             longest prompt bucket each holds (default min(max_len, 512)); see ``sampler.standby``.
-          counted_loop: run every k-step dispatch for all k steps (``sampler.multistep``); default on GPUs, where
-            ending early costs the host a wait for the device before every step.
+          counted_loop: run every k-step dispatch for all k steps (``sampler.multistep``), and its attention over
+            every chunk of a cache longer than one (``layers.counted_decode_loop``); default on GPUs, where ending
+            a loop early costs the host a wait for the device before every trip.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -239,8 +241,9 @@ class Engine(StandbyRows):
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
                            filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, MultiStepResult]:
-        return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters), state, keys,
-                                self._place_fn, counted=self.counted_loop)
+        with counted_decode_loops(self.counted_loop):  # the attention's cache loops agree with the k-step loop
+            return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters), state, keys,
+                                    self._place_fn, counted=self.counted_loop)
 
     _release_fn = staticmethod(release_slots)
 
