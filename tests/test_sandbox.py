@@ -37,6 +37,29 @@ def test_ordinary_program_with_stdin_imports_and_local_files():
     assert result.stdout == "c b a 10\n"
 
 
+def test_installed_packages_import_but_no_pth_hook_runs():
+    """The child starts without ``site`` (-S): the installation's .pth files (an editable install's import finder,
+    for one) run no code in the sandbox, while a pure-Python package installed the ordinary way still imports
+    (numpy does not: it needs ctypes, which the audit hook denies)."""
+    import importlib.util
+    import sysconfig
+
+    purelib = os.path.realpath(sysconfig.get_paths()["purelib"])
+    installed = [name for name in ("packaging", "idna", "six", "pluggy", "iniconfig")
+                 if (spec := importlib.util.find_spec(name)) and spec.origin
+                 and os.path.realpath(spec.origin).startswith(purelib + os.sep)]
+    assert installed, "no ordinary pure-Python package found in site-packages"
+    code = ("import sys\n"
+            "assert sys.flags.no_site and 'site' not in sys.modules, sorted(sys.modules)\n"
+            "finders = [type(f).__name__ for f in sys.meta_path]\n"
+            "assert not any('editable' in f.lower() for f in finders), finders\n"
+            f"import {installed[0]}\n"
+            f"print({installed[0]}.__name__)\n")
+    result, _ = _run(code, timeout_s=20.0)
+    assert result.status == "ok", result.stderr
+    assert result.stdout == f"{installed[0]}\n"
+
+
 def test_infinite_loop_is_killed_at_the_wall_clock_limit():
     result, elapsed = _run("while True:\n    pass\n", timeout_s=1.5)
     assert result.status == "timeout" and result.timed_out

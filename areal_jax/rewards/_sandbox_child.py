@@ -1,6 +1,6 @@
 """Bootstrap that runs inside the sandbox process (see ``sandbox.py``); never imported by the library.
 
-Started as ``python -I -B _sandbox_child.py '<json config>'`` with the working directory already set to
+Started as ``python -I -B -S _sandbox_child.py '<json config>'`` with the working directory already set to
 the sandbox's fresh temporary directory. It applies the resource limits to itself, installs an audit
 hook that denies network, process creation and file access outside the allowed roots, then executes
 ``main.py`` from the working directory as ``__main__``. Only the standard library is used here so the
@@ -124,8 +124,22 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
     sys.addaudithook(hook)
 
 
+def _add_site_packages() -> None:
+    """Put the installation's site-packages on sys.path without running their ``.pth`` files: the interpreter
+    starts with ``-S`` (no ``site``), which spares every sandboxed run the import hooks that ``.pth`` files start
+    (an editable install's finder and the like took 30 ms of a 40 ms start) and keeps them out of the sandbox.
+    Packages installed the ordinary way still import; ones reachable only through a ``.pth`` hook do not."""
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        path = paths.get(key)
+        if path and os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    if sys.flags.no_site:
+        _add_site_packages()
     workdir = cfg["workdir"]
     os.chdir(workdir)
     with open(os.path.join(workdir, "main.py"), encoding="utf-8") as f:

@@ -1,7 +1,8 @@
 """Run untrusted Python from completions in a contained process, and a code-execution reward on top.
 
 Layers of containment, each a backstop for the others:
-  * a separate interpreter (``python -I -B``) in its own session / process group, started by a plain
+  * a separate interpreter (``python -I -B -S``: no ``site``, so no ``.pth`` hook of the installation runs; the
+    bootstrap puts site-packages on ``sys.path`` itself) in its own session / process group, started by a plain
     fork+exec (no Python code runs between the two, so this is safe from a parent running JAX threads);
   * resource limits the child sets on itself before any untrusted code runs: RLIMIT_CPU (CPU seconds),
     RLIMIT_AS (address space), RLIMIT_FSIZE (bytes per written file), RLIMIT_NPROC (processes; the
@@ -183,7 +184,8 @@ def run_python_sandboxed(
         "allow_subprocess": bool(allow_subprocess),
     }
     prefix = namespace_isolation() if isolate_network else ()
-    cmd = [*prefix, python or sys.executable, "-I", "-B", _CHILD_SCRIPT, json.dumps(config)]
+    # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
+    cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     start = time.monotonic()
