@@ -4,7 +4,7 @@
 
 Measures, one after another on this machine:
   a. a bare interpreter start, ``python -c 'print(1)'`` (subprocess.run in a new session), per run, and with
-     ``-I -B`` (isolated mode, no site customisation: how the sandbox starts its interpreter);
+     ``-I -B -S`` (isolated mode, no site module or .pth hooks: how the sandbox starts its interpreter);
   b. one sandboxed run of the same program (rewards/sandbox.py: namespaces, limits, audit hook), per run;
   c. one sample of a synthetic task (5 assert cases, one harness process) through code_tests_reward;
   d. the RewardPool with --workers processes scoring --n assert samples and --n stdin samples (3 cases,
@@ -62,15 +62,15 @@ def main() -> None:
     # start-up time several-fold.
     bare = _per_run(lambda: subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True,
                                            start_new_session=True), args.serial)
-    bare_isolated = _per_run(lambda: subprocess.run([sys.executable, "-I", "-B", "-c", "print(1)"],
+    bare_isolated = _per_run(lambda: subprocess.run([sys.executable, "-I", "-B", "-S", "-c", "print(1)"],
                                                     capture_output=True, check=True, start_new_session=True),
                              args.serial)
     sandboxed = _per_run(lambda: run_python_sandboxed("print(1)"), args.serial)
     harness = _per_run(lambda: code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK), args.serial)
     assert code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK) == 1.0 and code_tests_reward(STDIO_PROGRAM, STDIO_TASK) == 1.0
-    print(f"a. bare python -c: {bare * 1e3:.1f} ms (python -I -B -c, as the sandbox starts it: "
+    print(f"a. bare python -c: {bare * 1e3:.1f} ms (python -I -B -S -c, as the sandbox starts it: "
           f"{bare_isolated * 1e3:.1f} ms); b. sandboxed: {sandboxed * 1e3:.1f} ms ({sandboxed / bare:.2f}x of "
-          f"python -c, {sandboxed / bare_isolated:.2f}x of python -I -B -c); c. one 5-assert sample: "
+          f"python -c, {sandboxed / bare_isolated:.2f}x of python -I -B -S -c); c. one 5-assert sample: "
           f"{harness * 1e3:.1f} ms", flush=True)
 
     items = [(f"a{i}", ASSERT_PROGRAM, ASSERT_TASK) for i in range(args.n)]
