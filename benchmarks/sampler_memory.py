@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from sampler import DTYPES, PRESETS
 
-from areal_jax.models import layers
+from areal_jax.models import cache_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler import engine as engine_module
 from areal_jax.sampler import memory as sampler_memory
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.accelerator_chunks:
-        layers.cache_chunk_size = lambda s, backend=None: min(s, layers.ACCELERATOR_CACHE_CHUNK)
+        cache_attention.cache_chunk_size = lambda s, backend=None: min(s, cache_attention.ACCELERATOR_CACHE_CHUNK)
     preset = PRESETS[args.preset]
     dtype = DTYPES[args.dtype or preset["dtype"]]
     max_len = args.max_len or -(-(preset["prompt_len"][1] + preset["cap"]) // 128) * 128
@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
             report[f"{program}_full_bytes"] = full
         print(line, flush=True)
     if args.unbounded:
-        block, rows_for = layers.query_block_size, engine_module.Engine.prefill_rows_for
-        layers.query_block_size = lambda rows, queries, *a, **k: queries
+        block, rows_for = cache_attention.query_block_size, engine_module.Engine.prefill_rows_for
+        cache_attention.query_block_size = lambda rows, queries, *a, **k: queries
         engine_module.Engine.prefill_rows_for = lambda self, bucket: self.prefill_batch
         try:
             before = sampler_memory.program_temp_bytes(r, cfg, None, layers=cfg.num_layers, program="prefill",
                                                        longest=longest)
         finally:
-            layers.query_block_size, engine_module.Engine.prefill_rows_for = block, rows_for
+            cache_attention.query_block_size, engine_module.Engine.prefill_rows_for = block, rows_for
         print(f"  prefill without its bounds (all queries at once, 8 rows per call): {before / GiB:.3f} GiB")
         report["prefill_unbounded_bytes"] = before
     print(json.dumps(report))

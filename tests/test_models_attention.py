@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models.layers import cached_attention, query_block_size
+from areal_jax.models.cache_attention import cached_attention, query_block_size
 
 
 def reference(q, k_cache, v_cache, layer, positions):
@@ -112,7 +112,7 @@ def test_attention_block_choice():
 
 
 def test_cpu_cache_chunks_split_the_cache_evenly():
-    from areal_jax.models.layers import CPU_CACHE_CHUNK, cache_chunk_size
+    from areal_jax.models.cache_attention import CPU_CACHE_CHUNK, cache_chunk_size
 
     for max_len in range(1, 3000):
         c = cache_chunk_size(max_len, backend="cpu")
@@ -145,7 +145,7 @@ def test_counted_decode_loops_have_a_known_trip_count_and_follow_the_backend_or_
 
     import jax
 
-    from areal_jax.models.layers import counted_decode_loop, counted_decode_loops
+    from areal_jax.models.cache_attention import counted_decode_loop, counted_decode_loops
 
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.normal(size=(3, 1, 4, 8)), jnp.float32)

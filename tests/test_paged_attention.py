@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models.layers import cached_attention
+from areal_jax.models.cache_attention import cached_attention
 from areal_jax.models.paged_attention import (
     PagedKVCache,
     copy_pages,

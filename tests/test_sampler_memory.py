@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from areal_jax import config as config_lib
 from areal_jax.knobs import ConfigError
-from areal_jax.models import layers
+from areal_jax.models import cache_attention
 from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.sampler import memory as sampler_memory
 from areal_jax.sampler.config import RolloutConfig
@@ -52,12 +52,12 @@ def test_a_long_prefill_is_scored_in_query_blocks(monkeypatch):
     score 2 GiB at once; in query blocks its whole program needs less than one such score tensor."""
     cfg = testing.tiny_config(num_layers=2, num_heads=8, num_kv_heads=2, vocab_size=512, dtype=jnp.float32,
                               param_dtype=jnp.float32, max_position_embeddings=8192)
-    monkeypatch.setattr(layers, "cache_chunk_size", lambda s, backend=None: min(s, layers.ACCELERATOR_CACHE_CHUNK))
+    monkeypatch.setattr(cache_attention, "cache_chunk_size", lambda s, backend=None: min(s, cache_attention.ACCELERATOR_CACHE_CHUNK))
     r = RolloutConfig(num_slots=4, group_size=4, max_len=4096, on_update="continue")
     scores = 4 * 8 * 4096 * 4096 * 4
-    assert layers.query_block_size(4, 4096, 8, 4096) == 1024
+    assert cache_attention.query_block_size(4, 4096, 8, 4096) == 1024
     blocked = sampler_memory.program_temp_bytes(r, cfg, None, layers=2, program="prefill", longest=4096)
-    monkeypatch.setattr(layers, "query_block_size", lambda rows, queries, *a, **k: queries)  # one block
+    monkeypatch.setattr(cache_attention, "query_block_size", lambda rows, queries, *a, **k: queries)  # one block
     whole = sampler_memory.program_temp_bytes(r, cfg, None, layers=2, program="prefill", longest=4096)
     assert blocked < scores and whole >= 2 * scores, (blocked, whole)  # measured: 1.7 and 6.5 GB
 
@@ -100,7 +100,7 @@ def test_the_benchmark_reports_probe_and_full_depth_at_the_qwen_shape(monkeypatc
     for program in sampler_memory.PROGRAMS:
         assert abs(report[f"{program}_probe_bytes"] / report[f"{program}_full_bytes"] - 1) < 0.01, program
     assert report["prefill_unbounded_bytes"] >= report["prefill_full_bytes"]  # 8 rows of 384: within the bounds
-    assert layers.query_block_size(8, 384, 14, 384) == 384  # ... so nothing was split
+    assert cache_attention.query_block_size(8, 384, 14, 384) == 384  # ... so nothing was split
 
 
 def test_an_evaluation_adds_its_streams_programs_to_the_evaluation_part():

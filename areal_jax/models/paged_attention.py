@@ -8,7 +8,7 @@ place rather than a slice copied out of a stack), and row b's position p lives a
 and returned when it finishes (``sampler.pages.PageAllocator``); a group's samples can point at the same
 prompt pages.
 
-Attention over pages has two paths with the semantics of ``layers.cached_attention`` (a query at
+Attention over pages has two paths with the semantics of ``cache_attention.cached_attention`` (a query at
 position p attends positions 0..p of its row; p < 0 gives zeros):
 - ``gather_attention``: gathers each row's pages into a contiguous [B, P * page_size] view (any backend,
   any number of queries per row; the CPU path);

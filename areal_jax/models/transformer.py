@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.models.cache_attention import cached_attention
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import DecoderLayer, RMSNorm, cached_attention, make_param, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_cos_sin, rope_inv_freq
 from areal_jax.models.packed_attention import decoder_layer, decoder_stack, packed_attention, packed_mask  # noqa: F401 (re-export)
 
 
@@ -99,7 +100,7 @@ class Transformer(nnx.Module):
         With a cache: each token's key/value is written at index positions[b, t] of row b (indices outside
         [0, S) are dropped), then a query at position p attends to cache indices 0..p of its row (all S for
         p >= S; none for p < 0, giving a zero attention output). The cache path reads each layer in chunks
-        up to the largest position in the batch (`layers.cached_attention`) and is forward-only.
+        up to the largest position in the batch (`cache_attention.cached_attention`) and is forward-only.
         """
         out = self.hidden(tokens, positions, segment_ids, cache)
         if cache is None:

@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
+from areal_jax.models.cache_attention import counted_decode_loops
 from areal_jax.models.config import model_config_of
-from areal_jax.models.layers import counted_decode_loops
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
@@ -83,7 +83,7 @@ class Engine(StandbyRows):
           standby_rows, standby_len: prefilled requests that can wait on the device for a slot, and the
             longest prompt bucket each holds (default min(max_len, 512)); see ``sampler.standby``.
           counted_loop: run every k-step dispatch for all k steps (``sampler.multistep``), and its attention over
-            every chunk of a cache longer than one (``layers.counted_decode_loop``); default on GPUs, where ending
+            every chunk of a cache longer than one (``cache_attention.counted_decode_loop``); default on GPUs, where ending
             a loop early costs the host a wait for the device before every trip.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):

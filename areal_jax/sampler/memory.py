@@ -5,7 +5,7 @@ The sampler's resident memory (weights, KV cache, standby rows, decode logits) i
 colocated device: a decode dispatch (k steps: sampling over the vocabulary, each layer's attention over
 the cache) and the longest prefill, which is a recompute of in-flight sequences up to max_len after a
 weight update (rollout.on_update=recompute) or a preempted sample's resume, else the longest prompt. At
-16,384 positions such a prefill scored 48 GiB of attention at once before `layers.cached_attention` split
+16,384 positions such a prefill scored 48 GiB of attention at once before `cache_attention.cached_attention` split
 its queries into blocks; XLA reports what a program needs exactly (`memory_analysis().temp_size_in_bytes`).
 
 As for the update (`trainer.memory`), the programs of a 3- and a 4-layer copy of the model are compiled

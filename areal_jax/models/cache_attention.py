@@ -1,0 +1,228 @@
+"""Attention of new queries over a KV cache (decode and prefill), read chunk by chunk with an online softmax.
+
+`cached_attention` is the dense cache's path; the paged cache's paths (`paged_attention`) keep its semantics.
+How many positions a step reads (`cache_chunk_size`), how many queries are scored at once (`query_block_size`)
+and whether a decode call's chunk loop has a trip count XLA knows (`counted_decode_loop`) are chosen here.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.models.layers import MASK_VALUE, _group_queries
+
+# Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the layer's cache before its
+# matrix products; at 128 positions that copy stays in the core's L2 cache (decode at 1024 positions took 67 ms
+# against 92 ms in one pass, benchmarks/decode_attention.py). On an H200 one pass over up to 8192 was fastest.
+CPU_CACHE_CHUNK = 128
+ACCELERATOR_CACHE_CHUNK = 8192
+# float32 scores one `cached_attention` call holds at once (512 MiB); a longer prefill is scored in query blocks.
+SCORE_ELEMENTS = 2**27
+
+
+def cache_chunk_size(max_len: int, backend: str | None = None) -> int:
+    """Cache positions `cached_attention` reads per loop step. On CPU: the cache split into
+    ceil(max_len / CPU_CACHE_CHUNK) equal chunks (rounded up to a multiple of 8), so no chunk reads
+    positions past the cache's end only to mask them: at max_len 176 that is 88, and a 64-slot decode
+    step of the benchmark model took 12.3 ms against 15.4 ms with 128-position chunks (the whole
+    benchmarks/sampler.py loop: 1,253-1,260 against 1,189-1,196 tokens/s, two runs each). Elsewhere
+    min(max_len, ACCELERATOR_CACHE_CHUNK). backend defaults to jax.default_backend()."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "cpu":
+        return min(max_len, ACCELERATOR_CACHE_CHUNK)
+    n = -(-max_len // CPU_CACHE_CHUNK)
+    even = -(-max_len // max(n, 1))
+    return max(1, min(max_len, -(-even // 8) * 8))
+
+
+_COUNTED_DECODE = contextvars.ContextVar("counted_decode_loops", default=None)
+
+
+@contextlib.contextmanager
+def counted_decode_loops(counted: bool | None) -> Iterator[None]:
+    """Within it (while a program is traced), `cached_attention`'s decode calls loop over the whole cache
+    (True), stop after the batch's largest position (False), or follow the backend (None): how the sampler's
+    ``Engine(counted_loop=...)`` makes its dispatch's loops agree."""
+    token = _COUNTED_DECODE.set(counted)
+    try:
+        yield
+    finally:
+        _COUNTED_DECODE.reset(token)
+
+
+def counted_decode_loop(backend: str | None = None) -> bool:
+    """Whether a single-token (decode) `cached_attention` call reads every chunk of the cache in a loop whose
+    trip count XLA knows, rather than stopping after the chunk of the batch's largest position. On GPUs XLA
+    runs a loop whose trip count depends on data by reading its condition on the host before every trip, so
+    with a cache longer than one chunk (over 8,192 positions) each layer of each decode step would wait for
+    the device; there the whole cache is read instead (as it is in one pass up to 8,192 positions), which
+    costs little with many rows, since one of them mostly sits near the end. Elsewhere the loop stops early
+    (the CPU evaluates the condition on the host anyway, a TPU on the device). `counted_decode_loops` overrides
+    it; prefill calls (many queries per row) keep the early stop, each trip there being long."""
+    counted = _COUNTED_DECODE.get()
+    if counted is not None:
+        return counted
+    return (jax.default_backend() if backend is None else backend) == "gpu"
+
+
+def use_block_diagonal_queries(num_queries: int, kv_heads: int) -> bool:
+    """Whether `cached_attention` contracts each chunk with block-diagonal queries (one matrix product per row,
+    `_chunk_attention_block_diagonal`) rather than per (row, kv head): for single-token decode, where that was
+    faster on CPU and on an H200 (the per-head form was 3x slower there), and for a single kv head, where it
+    wastes nothing. Multi-token calls (prefill) keep the per-head form, which does K times fewer multiply-adds."""
+    return num_queries == 1 or kv_heads == 1
+
+
+def _chunk_attention_grouped(qg: jax.Array, k: jax.Array, v: jax.Array,
+                             scale: np.float32) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """qg: [B, T, K, G, Dh]; k, v: [B, C, K, Dh] -> (scores [B, K, G, T, C] float32, probs -> [B, K, G, T, Dh] f32).
+
+    Batched over (row, kv head): the backend lays each chunk out kv-head-major, which is cheap for a chunk and
+    amortised over T queries."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+
+    def weigh_values(probs: jax.Array) -> jax.Array:
+        return jnp.einsum("bkgts,bskd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    return scores, weigh_values
+
+
+def _chunk_attention_block_diagonal(qbd: jax.Array, k: jax.Array, v: jax.Array, shape: tuple[int, ...],
+                                    scale: np.float32) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """qbd: [B, K*Dh, K*G*T] block-diagonal queries (zero unless the key head matches); k, v: [B, C, K, Dh] ->
+    (scores [B, K, G, T, C] float32, probs -> [B, K, G, T, Dh] float32); shape = (B, K, G, T, Dh).
+
+    Batched over rows only: each chunk is used as the contiguous [C, K*Dh] matrix it already is (no copy into a
+    kv-head-major layout), at the price of K times the multiply-adds of the grouped form; both products
+    stay far below the cost of reading the chunk when T is 1."""
+    b, kv, group, t, dh = shape
+    chunk = k.shape[1]
+    scores = jnp.einsum("bsc,bcn->bns", k.reshape(b, chunk, kv * dh), qbd, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, group, t, chunk) * scale
+    same_head = np.eye(kv, dtype=bool)[None, :, None, None, :, None]
+
+    def weigh_values(probs: jax.Array) -> jax.Array:
+        every = jnp.einsum("bkgts,bsc->bkgtc", probs.astype(v.dtype), v.reshape(b, chunk, kv * dh),
+                           preferred_element_type=jnp.float32).reshape(b, kv, group, t, kv, dh)
+        return jnp.sum(jnp.where(same_head, every, 0.0), axis=4)
+
+    return scores, weigh_values
+
+
+def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elements: int = SCORE_ELEMENTS) -> int:
+    """Queries `cached_attention` scores at once: all `queries` when rows x heads x queries x chunk float32 scores
+    stay within `score_elements`, else equal blocks of at most that many, as few as can be (rounded up to a
+    multiple of 8 where that still fits)."""
+    per_query = max(1, rows * heads * chunk)
+    if queries * per_query <= score_elements:
+        return queries
+    most = max(1, score_elements // per_query)
+    block = -(-queries // -(-queries // most))  # the fewest blocks, evened out
+    up = -(-block // 8) * 8
+    return up if up <= most else block
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                     chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS,
+                     counted: bool | None = None) -> jax.Array:
+    """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
+
+    q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
+    holding this call's keys and values; positions: [B, T] int32. Query (b, t) attends cache indices
+    0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0: such a query
+    gets zeros). Returns [B, T, H, Dh] in q's dtype.
+
+    The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
+    softmax: the layer is never transposed or repeated per kv head (and, in one chunk, never copied), and the
+    loop stops after the chunk holding the largest position in the batch, so the cost follows the longest live
+    context rather than S. The trip count depends on the data: this path is for forward evaluation (no
+    reverse-mode gradients); training uses `dot_attention`. With ``counted`` (default: decode calls on GPUs,
+    `counted_decode_loop`) the loop reads every chunk instead, a trip count XLA knows.
+
+    A long prefill (many queries per row) is scored `query_block_size` queries at a time, so its float32
+    scores stay within `score_elements` whatever the prompt length: 8 rows of 16,384 tokens over one
+    8,192-position chunk (the accelerator default) at 12 heads would otherwise score 48 GiB at once. Each
+    block's chunk loop stops at the block's own last position, so on a chunked cache the blocks also skip
+    the keys they are causally masked from.
+    """
+    b, t, h, dh = q.shape
+    if (k_cache.ndim != 4 or k_cache.shape[0] != b or positions.shape != (b, t)
+            or v_cache.shape != k_cache.shape):
+        raise ValueError(f"cached_attention got q {q.shape}, caches {k_cache.shape} / {v_cache.shape} and positions "
+                         f"{positions.shape}; expected q [B, T, H, Dh], caches [B, S, K, Dh] and positions [B, T].")
+    s = k_cache.shape[1]
+    chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
+    if chunk <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    if counted is None:
+        counted = t == 1 and counted_decode_loop()
+    block = query_block_size(b, t, h, chunk, score_elements)
+    if block >= t:
+        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted)
+    n = -(-t // block)  # query blocks; the padding queries sit at position -1 and attend nothing
+    qs = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, dh).swapaxes(0, 1)
+    ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
+    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted), (qs, ps))
+    return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
+
+
+def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                   chunk: int, counted: bool = False) -> jax.Array:
+    """`cached_attention` of one block of queries, `chunk` cache positions per step (every chunk when
+    ``counted``, else up to the chunk of the largest position)."""
+    b, t, h, dh = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
+    qg = _group_queries(q, kv)
+    group = h // kv
+    scale = np.float32(1.0 / math.sqrt(dh))
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    if use_block_diagonal_queries(t, kv):
+        qbd = jnp.einsum("btkgd,jk->bjdkgt", qg, jnp.eye(kv, dtype=qg.dtype)).reshape(b, kv * dh, kv * group * t)
+
+        def chunk_attention(k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+            return _chunk_attention_block_diagonal(qbd, k, v, (b, kv, group, t, dh), scale)
+    else:
+        def chunk_attention(k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+            return _chunk_attention_grouped(qg, k, v, scale)
+
+    def step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        run_max, run_sum, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Dh] float32
+        first = c * chunk
+        start = jnp.minimum(first, s - chunk)  # the last chunk is shifted back to stay inside the cache ...
+        if chunk >= s:
+            k, v = k_cache, v_cache
+        else:
+            k = jax.lax.dynamic_slice(k_cache, (0, start, 0, 0), (b, chunk, kv, dh))
+            v = jax.lax.dynamic_slice(v_cache, (0, start, 0, 0), (b, chunk, kv, dh))
+        index = start + offsets
+        # ... and masks the indices that an earlier chunk covered.
+        visible = (index[None, None, :] <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]
+        visible = visible[:, None, None]
+        scores, weigh_values = chunk_attention(k, v)
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        new_max = jnp.maximum(run_max, jnp.max(scores, axis=-1))
+        probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+        rescale = jnp.exp(run_max - new_max)
+        run_sum = run_sum * rescale + jnp.sum(probs, axis=-1)
+        return new_max, run_sum, acc * rescale[..., None] + weigh_values(probs)
+
+    init = (jnp.full((b, kv, group, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kv, group, t), jnp.float32),
+            jnp.zeros((b, kv, group, t, dh), jnp.float32))
+    if chunk >= s:
+        # One pass over the layer (the accelerator default up to 8192 positions): no loop at all. A
+        # data-dependent loop costs a device -> host round trip per trip on GPUs (the loop condition is
+        # read by the host), once per layer per decode step.
+        _, run_sum, acc = step(jnp.int32(0), init)
+    elif counted:
+        _, run_sum, acc = jax.lax.fori_loop(0, -(-s // chunk), step, init)
+    else:
+        last = jnp.clip(jnp.max(positions), 0, s - 1)
+        _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)
+    out = jnp.where(run_sum[..., None] > 0, acc / jnp.maximum(run_sum, 1e-30)[..., None], 0.0)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
