@@ -76,8 +76,9 @@ def main():
     # Import math-verify / sympy / latex2sympy before the hook starts watching.
     assert math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0 and math_reward("#### 1/2 + 1", "3/2") == 1.0
     sys.addaudithook(hook)
-    scores = [math_reward(t, "7") for t in texts] + [math_reward("7", t) for t in texts]
-    scores.append(math_reward("so the answer is \\boxed{7}", "7"))  # the hook does not break scoring
+    # 7/13: no number in a temporary path (pytest-7/...) can equal it, as a bare 7 could
+    scores = [math_reward(t, "7/13") for t in texts] + [math_reward("7/13", t) for t in texts]
+    scores.append(math_reward("so the answer is \\boxed{\\frac{7}{13}}", "7/13"))  # the hook does not break scoring
     n = len(seen)
     eval("getattr(__import__('os'), 'sep')")  # control: the hook does see code run from a string
     control, seen[n:] = seen[n:], []
