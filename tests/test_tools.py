@@ -100,3 +100,26 @@ def test_sft_trains_and_saves_a_loadable_warm_start(tmp_path):
         assert os.path.exists(os.path.join(c.out_dir, "data", name))
     with open(os.path.join(c.out_dir, "sft_summary.json")) as f:
         assert "final" in json.load(f)
+
+
+@pytest.mark.slow
+def test_evaluating_a_run_directory_equals_evaluating_its_export(tiny_run, tmp_path):
+    """--run_dir restores the run's latest checkpoint and evaluates it with the run's own settings: the same
+    completions and rewards as the exported HF directory evaluated with those settings given as flags."""
+    from areal_jax.config import from_config_dict
+    from areal_jax.programs.evaluate import evaluate, resolve_settings
+    from areal_jax.programs.export import export_policy
+
+    c, _ = tiny_run
+    run_out, model_out = str(tmp_path / "run.jsonl"), str(tmp_path / "model.jsonl")
+    given = {"n": 12, "k": 2, "max_new_tokens": 24}
+    config = from_config_dict(c)
+    res = evaluate(resolve_settings(config, given, run_dir=c.run_dir, out=run_out), log=lambda *_: None)
+    exported = export_policy(c.run_dir, str(tmp_path / "export"))
+    flags = {**given, "model": exported, "data": c.data.test_path, "reward_fn": c.reward.fn}
+    ref = evaluate(resolve_settings(config, flags, out=model_out),
+                   log=lambda *_: None)
+    assert open(run_out).read() == open(model_out).read()
+    assert res["model"].endswith("(step 2)") and res["greedy_pass@1"] == ref["greedy_pass@1"]
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 7"):
+        evaluate(resolve_settings(config, given, run_dir=c.run_dir, step=7), log=lambda *_: None)

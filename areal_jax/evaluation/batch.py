@@ -85,14 +85,15 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
                       temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                      seed: int = 0, decode_steps: int = 1, streams: int = 1,
+                      seed: int = 0, decode_steps: int = 1, streams: int = 1, top_p: float | None = None,
                       on_completion: Callable[[str, int, int, Completion], None] | None = None) -> EvalGeneration:
     """Greedy and k sampled completions of every prompt through one sampler loop per stream.
 
     Args:
       engine: the Engine to decode with (see :func:`eval_engine`); params: its model state.
       prompts: n token-id lists.
-      k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0).
+      k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0); top_p: their nucleus
+        (None: the whole distribution).
       streams: sampler loops run side by side on the engine, each with its own decode state of
         ``engine.num_slots`` slots and every streams-th problem (seed + stream index). On a CPU a
         decode step leaves one of two XLA threads idle most of the time (one thread per matrix
@@ -108,6 +109,8 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
         raise ValueError(f"k={k} must be >= 0 (sampled completions per problem).")
     if k > 0 and not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0 for the sampled completions.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for the whole distribution).")
     if streams < 1:
         raise ValueError(f"streams={streams} must be at least 1.")
     n = len(prompts)
@@ -125,7 +128,7 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
                                     temperature=0.0, stop_token_ids=stop))
                 if k:
                     loop.submit(Request(id=("sampled", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens,
-                                        n=k, temperature=temperature, stop_token_ids=stop))
+                                        n=k, temperature=temperature, top_p=top_p, stop_token_ids=stop))
             for _ in range(len(problems) * (1 + k)):
                 if errors:  # another stream failed: stop early
                     return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -39,7 +39,8 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
                       seed: int = 0, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                       reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
                       pool: Any = None, decode_steps: int = 1, streams: int = 1,
-                      reward_cache_size: int = 16384) -> dict:
+                      reward_cache_size: int = 16384, top_p: float | None = None, records: bool = False,
+                      log: Callable[[str], None] | None = None) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
@@ -51,8 +52,12 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     engine / params: an Engine (evaluation.batch.eval_engine) and the state to decode with, to evaluate
     again without recompiling; by default built from `model` with `num_slots` slots in all.
     streams: sampler loops side by side (evaluation.batch.generate_for_eval), sharing the slots.
+    top_p: the sampled completions' nucleus (None: off). log: called with a progress line each time another
+    tenth of the n x (1 + k) sequences has been generated (long evaluations at real sizes take minutes).
     Returns greedy_pass@1, greedy_len, sampled_pass@1, pass@k, the generation's tokens / seconds /
-    tokens_per_s / occupancy, the whole evaluation's seconds, and one greedy completion as text.
+    tokens_per_s / occupancy, the whole evaluation's seconds, and one greedy completion as text; with
+    ``records``, also "problems": per problem its uid, question, greedy completion and reward, finish reason,
+    sampled completions and rewards (``problem_records``).
     """
     from flax import nnx
 
@@ -77,17 +82,21 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     if own_pool:
         pool = RewardPool(reward_fn, num_workers=2, timeout_s=reward_timeout_s, cache_size=reward_cache_size)
     texts: dict[tuple, str] = {}
+    finish: dict[tuple, str] = {}
+    progress = _Progress(n * (1 + k), log)
     try:
         scorer = StreamingScorer(pool)
 
         def score(kind: str, i: int, j: int, completion: Any) -> None:
             text = tokenizer.decode(list(completion.tokens))
             texts[(kind, i, j)] = text
+            finish[(kind, i, j)] = completion.finish_reason
             scorer.add((kind, i, j), text, answers[i])
+            progress.add(len(completion.tokens))
 
         gen = generate_for_eval(engine, params, prompts, k=k, temperature=temperature,
                                 max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed,
-                                decode_steps=decode_steps, streams=streams, on_completion=score)
+                                decode_steps=decode_steps, streams=streams, on_completion=score, top_p=top_p)
         g_rewards, s_rewards = rewards_matrix(scorer.finish(), n, k)
     finally:
         if own_pool:
@@ -102,7 +111,49 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
                 "tokens_per_s": gen.tokens_per_s, "occupancy": gen.occupancy,
                 "seconds": time.perf_counter() - t0})
     out["sample_greedy"] = texts.get(("greedy", 0, 0), "")
+    if records:
+        out["problems"] = problem_records(examples, texts, finish, g_rewards, s_rewards)
     return out
+
+
+def problem_records(examples: Sequence[Any], texts: dict, finish: dict, greedy_rewards: np.ndarray,
+                    sampled_rewards: np.ndarray) -> list[dict]:
+    """One JSON-ready dict per problem: uid ("<file>:<row>:0"), question, greedy completion, its reward and
+    finish reason ("stop" / "length"), the k sampled completions, their rewards and how many scored 1."""
+    out = []
+    for i, e in enumerate(examples):
+        k = sampled_rewards.shape[1]
+        out.append({"uid": e.uid, "question": e.question, "greedy": texts[("greedy", i, 0)],
+                    "greedy_reward": float(greedy_rewards[i]), "greedy_finish": finish[("greedy", i, 0)],
+                    "samples": [texts[("sampled", i, j)] for j in range(k)],
+                    "sample_rewards": [float(r) for r in sampled_rewards[i]],
+                    "correct": int((sampled_rewards[i] >= 1.0).sum())})
+    return out
+
+
+class _Progress:
+    """Counts generated sequences and reports each further tenth of ``total`` to ``log`` (if any), at most one
+    line per ``min_interval_s`` before the last."""
+
+    min_interval_s = 5.0
+
+    def __init__(self, total: int, log: Callable[[str], None] | None) -> None:
+        self.total, self.log, self.done, self.tokens, self.t0 = total, log, 0, 0, time.perf_counter()
+        self._next, self._last = 1, self.t0
+
+    def add(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += int(tokens)
+        if self.log is None or self.total <= 0 or self.done * 10 < self._next * self.total:
+            return
+        while self._next <= 10 and self.done * 10 >= self._next * self.total:
+            self._next += 1
+        now = time.perf_counter()
+        if now - self._last < self.min_interval_s and self.done < self.total:
+            return  # a short evaluation: no line per tenth
+        self._last, dt = now, now - self.t0
+        self.log(f"[eval] {self.done:,} / {self.total:,} sequences generated ({100 * self.done / self.total:.0f}%), "
+                 f"{dt:.0f} s, {self.tokens / max(dt, 1e-9):,.0f} tokens/s")
 
 
 def load_eval_examples(path: str, tokenizer: Any, data_config: Any, n: int) -> list:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 from areal_jax.config import JobConfig
 
@@ -27,54 +28,73 @@ def load_run_config(run_dir: str) -> JobConfig:
     return knobs.from_mapping(JobConfig, json.loads(path.read_text()))
 
 
-def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged") -> str:
-    """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory.
-
-    fmt "merged": the full model (a LoRA run's adapters folded into the base); "peft": a LoRA run's
-    adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+def restore_policy(run_dir: str, step: int | None = None) -> tuple[Any, JobConfig, int]:
+    """The policy of checkpoint ``step`` (default: the latest) of ``run_dir`` on this host's first device:
+    (model, the run's config, the step). A LoRA run's model carries its adapters (``models.lora.merged_model``
+    folds them in). FileNotFoundError when the run holds no such checkpoint."""
     import jax
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh
 
     from areal_jax.checkpoint import Checkpointer
-    from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
-    from areal_jax.tokenizer import Tokenizer
+    from areal_jax.models import load_hf_checkpoint
     from areal_jax.trainer import Trainer
 
     config = load_run_config(run_dir)
     lora_cfg = config.lora if config.lora.enabled else None
+    ckpt = Checkpointer(run_dir, keep=config.checkpoint.keep)
+    try:
+        steps = ckpt.all_steps()
+        chosen = ckpt.latest_step() if step is None else int(step)
+        if chosen is None:
+            raise FileNotFoundError(f"{run_dir} holds no complete checkpoint.")
+        if chosen not in steps:
+            raise FileNotFoundError(f"{run_dir} holds no checkpoint of step {chosen}; it has steps {sorted(steps)}.")
+        mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+        model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=config.model.storage_dtype,
+                                   dtype=config.model.compute_dtype)
+        if lora_cfg is not None:
+            from areal_jax.models.lora import apply_lora
+
+            apply_lora(model, lora_cfg, rngs=nnx.Rngs(config.seed))
+        trainer = Trainer(model, config.train, mesh, schedule_steps=config.optimizer_steps,
+                          wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
+        state, _ = ckpt.restore(chosen, trainer.state)
+        trainer.state = state
+        nnx.update(model, trainer.params)
+    finally:
+        ckpt.close()
+    return model, config, chosen
+
+
+def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged") -> str:
+    """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory.
+
+    fmt "merged": the full model (a LoRA run's adapters folded into the base); "peft": a LoRA run's
+    adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+    from areal_jax.models import save_hf_checkpoint
+    from areal_jax.tokenizer import Tokenizer
+
     if fmt not in ("merged", "peft"):
         raise ValueError(f"--format={fmt!r} is not one of merged, peft.")
+    config = load_run_config(run_dir)
+    lora_cfg = config.lora if config.lora.enabled else None
     if fmt == "peft" and lora_cfg is None:
         raise ValueError(f"--format=peft needs a LoRA run, but {run_dir} was run with lora.enabled=False; "
                          "export it with --format=merged.")
-    ckpt = Checkpointer(run_dir, keep=config.checkpoint.keep)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir} holds no complete checkpoint to export.")
-    mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
-    model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=config.model.storage_dtype,
-                               dtype=config.model.compute_dtype)
-    if lora_cfg is not None:
-        from areal_jax.models.lora import apply_lora, merged_model
-
-        apply_lora(model, lora_cfg, rngs=nnx.Rngs(config.seed))
-    trainer = Trainer(model, config.train, mesh, schedule_steps=config.optimizer_steps,
-                      wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
-    state, _ = ckpt.restore(step, trainer.state)
-    trainer.state = state
-    nnx.update(model, trainer.params)
+    model, config, _ = restore_policy(run_dir, step)
     if fmt == "peft":
         from areal_jax.models.peft_io import save_peft_adapter
 
         save_peft_adapter(model, lora_cfg, out_dir, base_model_name_or_path=os.path.abspath(config.model.path))
     else:
         if lora_cfg is not None:
+            from areal_jax.models.lora import merged_model
+
             model = merged_model(model, lora_cfg.scale, config.model.storage_dtype)
         save_hf_checkpoint(model, out_dir)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
-    ckpt.close()
     return out_dir
 
 
