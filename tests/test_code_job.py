@@ -78,6 +78,16 @@ def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
     start, end = job.evaluations["start"], job.evaluations["end"]
     assert start["n"] == 4 and "sampled_pass@1" not in start and "pass@2" not in start
     assert "sampled_pass@1" in end and "pass@2" in end
+    for tag, k in (("start", 0), ("end", 2)):  # the per-problem records beside the run, rescored directly
+        with open(os.path.join(c.run_dir, "evaluations", f"{tag}.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        assert [r["uid"] for r in records] == [e.uid for e in job.eval_examples]
+        for r, e in zip(records, job.eval_examples):
+            assert len(r["samples"]) == k
+            assert [r["greedy_reward"], *r["sample_rewards"]] == [code_tests_reward(t, e.answer)
+                                                                 for t in (r["greedy"], *r["samples"])]
+        greedy = sum(r["greedy_reward"] >= 1.0 for r in records) / len(records)
+        assert job.evaluations[tag]["greedy_pass@1"] == pytest.approx(greedy)
 
 
 def test_code_task_config_mistakes_are_one_sentence_errors(tmp_path):

@@ -31,7 +31,8 @@ def help_text() -> str:
 
 Runs asynchronous RL (rollout and training at the same time, staleness bounded by eta) until
 total_steps, then prints a before / after table. Results go to run_dir (metrics.jsonl, summary.json,
-timeline.json, checkpoints); running the same command again resumes from the last checkpoint.
+timeline.json, samples.jsonl, evaluations/<tag>.jsonl, checkpoints); running the same command again resumes
+from the last checkpoint.
 
 CONFIG_FILE is a Python file whose get_config() returns an ml_collections ConfigDict that starts from
 areal_jax.config.base_config() and overrides some keys: configs/math.py (the default: a small math

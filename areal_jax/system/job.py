@@ -109,7 +109,7 @@ class RLJob:
 
             with user_errors.data_file("data.test_path", d.test_path):
                 self.eval_examples = load_eval_examples(d.test_path, self.tokenizer, d, c.eval.n_test)
-        self._eval_engine = None
+        self._evaluator = None  # evaluation.in_job.JobEvaluator, built at the first evaluation
         self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
                              "too_long": self.prompts.num_too_long_skipped}
         if any(self.skipped_rows.values()):
@@ -270,35 +270,16 @@ class RLJob:
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
             return None
-        from areal_jax.evaluation.scoring import evaluate_params
-
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
-        k = c.eval.samples_for(tag)
-        if self._eval_engine is None:  # built once: the end evaluation reuses the start's programs
-            from areal_jax.evaluation.batch import eval_engine
+        if self._evaluator is None:
+            from areal_jax.evaluation.in_job import JobEvaluator
 
-            # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
-            # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
-            prompt = max((len(e.prompt_tokens) for e in self.eval_examples), default=1)
-            longest = prompt + c.eval.max_new_tokens
-            self._eval_engine = eval_engine(
-                self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
-                max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
-                num_sequences=len(self.eval_examples) * (1 + c.eval.samples),
-                mesh=self.meshes.rollout_mesh, max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)),
-                longest_prompt=prompt, streams=c.eval.streams_for(jax.default_backend()),
-                decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()))
+            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_examples,
+                                           self.meshes.rollout_mesh)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
-            res = evaluate_params(
-                self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
-                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
-                temperature=c.rollout.temperature or 1.0, examples=self.eval_examples,
-                engine=self._eval_engine, pool=self.reward_pool,
-                decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, jax.default_backend()),
-                streams=c.eval.streams_for(jax.default_backend()),
-            )
+            res = self._evaluator.run(params, self.reward_pool, tag)
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
         self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems "

@@ -1,0 +1,68 @@
+"""A job's held-out evaluations (start, every N steps, end): one evaluation engine built for the largest of them
+and reused, the job's reward pool, and each evaluation's per-problem records kept beside the run
+(RUN_DIR/evaluations/<tag>.jsonl, the layout `python -m areal_jax.programs.evaluate --out` writes)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+
+from areal_jax import paths
+
+
+def records_path(run_dir: str, tag: str) -> Any:
+    """Where the evaluation ``tag`` ("start", "step10", "end") of a run keeps its per-problem records."""
+    return paths.join(run_dir, "evaluations", f"{tag}.jsonl")
+
+
+class JobEvaluator:
+    """Evaluates the policy on the job's test prompts as its config says (the `eval` section, the rollout's
+    temperature and decode steps, the data formatting the examples were loaded with).
+
+    config: the JobConfig; graphdef / model_config: the policy's; examples: the loaded test prompts
+    (evaluation.scoring.load_eval_examples); mesh: the rollout slice the engine decodes on."""
+
+    def __init__(self, config: Any, graphdef: Any, model_config: Any, tokenizer: Any, examples: list,
+                 mesh: Any = None) -> None:
+        self.config, self.graphdef, self.model_config = config, graphdef, model_config
+        self.tokenizer, self.examples, self.mesh = tokenizer, examples, mesh
+        backend = jax.default_backend()
+        self.streams = config.eval.streams_for(backend)
+        self.decode_steps = config.eval.decode_steps_for(config.rollout.decode_steps, backend)
+        self._engine = None
+
+    def engine(self) -> Any:
+        """The evaluation's Engine, built on first use: the end evaluation reuses the start's programs."""
+        if self._engine is None:
+            from areal_jax.evaluation.batch import eval_engine
+
+            c = self.config
+            # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
+            # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
+            prompt = max((len(e.prompt_tokens) for e in self.examples), default=1)
+            longest = prompt + c.eval.max_new_tokens
+            self._engine = eval_engine(
+                self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
+                max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
+                num_sequences=len(self.examples) * (1 + c.eval.samples), mesh=self.mesh,
+                max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)), longest_prompt=prompt,
+                streams=self.streams, decode_steps=self.decode_steps)
+        return self._engine
+
+    def run(self, params: Any, pool: Any, tag: str) -> dict:
+        """Evaluate ``params`` (the rollout slice's copy) scored by ``pool``; writes the records of ``tag`` into the
+        run directory and returns the figures (evaluation.scoring.evaluate_examples, without "problems")."""
+        from areal_jax.evaluation.scoring import evaluate_params
+
+        c = self.config
+        res = evaluate_params(
+            self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
+            max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=c.eval.samples_for(tag),
+            temperature=c.rollout.temperature or 1.0, examples=self.examples, engine=self.engine(), pool=pool,
+            decode_steps=self.decode_steps, streams=self.streams, records=True)
+        problems = res.pop("problems")
+        target = records_path(c.run_dir, tag)
+        paths.makedirs(target.parent)
+        paths.write_text(target, "".join(json.dumps(p) + "\n" for p in problems))
+        return res
