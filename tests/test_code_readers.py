@@ -132,6 +132,52 @@ def test_deepcoder_and_livecodebench_case_lists(tmp_path):
         assert "10\n" not in record.question and "-2" not in record.question
 
 
+def _compressed(value) -> str:
+    """LiveCodeBench's encoding of its private tests: base64 of zlib of a pickled JSON string."""
+    import base64
+    import pickle
+    import zlib
+
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(value)))).decode()
+
+
+def test_livecodebench_compressed_private_tests_read_like_their_json(tmp_path):
+    cases = json.loads(LCB["private_test_cases"]) + [{"input": "2\n5 -5\n", "output": "5\n", "testtype": "stdin"}]
+    plain = dict(LCB, private_test_cases=json.dumps(cases))
+    packed = dict(LCB, private_test_cases=_compressed(cases))
+    (a,), _ = read_code_records(_write_jsonl(tmp_path / "plain.jsonl", [plain]))
+    (b,), _ = read_code_records(_write_jsonl(tmp_path / "packed.jsonl", [packed]))
+    assert parse_tests(b.answer) == parse_tests(a.answer)
+    assert parse_tests(b.answer).stdio == (("3\n1 9 4\n", "9\n"), ("1\n-2\n", "-2\n"), ("2\n5 -5\n", "5\n"))
+
+
+class _Payload:
+    """Pickles as a call of open(path, "w"): unpickling it with pickle.loads would create the file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+def test_a_compressed_field_that_would_call_code_is_refused_and_nothing_runs(tmp_path, protocol):
+    import base64
+    import pickle
+    import zlib
+
+    marker = tmp_path / "ran"
+    text = base64.b64encode(zlib.compress(pickle.dumps([_Payload(str(marker))], protocol=protocol))).decode()
+    row = dict(LCB, private_test_cases=text)
+    with pytest.raises(ValueError, match="line 1: .*pickle naming .*open; only plain data"):
+        read_code_records(_write_jsonl(tmp_path / "evil.jsonl", [row]))
+    assert not marker.exists()
+    bad_json = dict(LCB, private_test_cases=base64.b64encode(zlib.compress(pickle.dumps("[{"))).decode())
+    with pytest.raises(ValueError, match="holds a string that is not JSON"):
+        read_code_records(_write_jsonl(tmp_path / "j.jsonl", [bad_json]))
+
+
 def test_livecodebench_starter_code_joins_the_statement(tmp_path):
     starter = "class Solution:\n    def countAbove(self, nums: List[int], k: int) -> int:\n        "
     row = {"question_content": "Count the elements above k.", "starter_code": starter,
@@ -159,8 +205,10 @@ CASE_LIST_BAD_ROWS = [
     ({"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "checker"}]}, "not stdin or functional"),
     ({"problem": "p", "metadata": '{"func_name": "f"}',
       "tests": [{"input": "[1,", "output": "1", "testtype": "functional"}]}, "is not JSON"),
-    ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "eJzLSM3JyVcozy/KSQEAGgQEXQ=="},
-     "compressed .* never unpickled"),
+    ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "eJzLSM3JyVcozy/KSQEAGgsEXQ=="},
+     "decompresses to something that is not a pickle"),  # zlib of "hello world"
+    ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "aGVsbG8gd29ybGQgaGVsbG8="},
+     "base64 but not zlib-compressed"),
     ({"prompt_text": "p", "test_list": ["assert f(1) == 1"], "task_id": 3}, "text fields: 'prompt_text'"),
 ]
 

@@ -14,7 +14,9 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     "type": "stdin_stdout" | "function_call"); functional cases call ``func_name`` from ``metadata`` (or
     the case's ``fn_name``) with one JSON argument per input line and compare the JSON output. A
     DeepCoder ``tests`` object with ``inputs`` / ``outputs`` (its TACO part) reads as ``input_output``.
-    LiveCodeBench's compressed private tests (base64 of zlib of a pickle) are refused, never unpickled.
+    LiveCodeBench's compressed private tests (base64 of zlib of a pickled JSON string) are decoded by an
+    unpickler that builds plain values only: a pickle naming any class or function (how a pickle runs
+    code) is refused as a bad row, and nothing in it is ever called.
     A ``starter_code`` (the class and method signature) is appended to the statement.
 
 The statement comes from ``question_field``; "auto" picks per layout (APPS / TACO: question, DeepCoder:
@@ -27,9 +29,14 @@ empty or mismatched cases) raises a ValueError naming the file and row, or is sk
 from __future__ import annotations
 
 import ast
+import base64
+import binascii
+import io
 import json
 import os
+import pickle
 import re
+import zlib
 from typing import Any, Iterator, Sequence
 
 from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
@@ -44,6 +51,8 @@ LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "q
                           "test_cases": ("question_content",), "test_list": ("text", "prompt"),
                           "test": ("prompt",)}
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
+# The most a compressed test field may decompress to (LiveCodeBench's largest rows hold tens of MB of tests).
+MAX_DECOMPRESSED_BYTES = 1 << 30
 _STDIN_TYPES, _CALL_TYPES = ("stdin", "stdin_stdout"), ("functional", "function_call")
 # load_prompt_source / load_eval_split options for the synthetic code tasks (data/code_synthetic.py).
 CODE_TASK_OPTIONS = {"task": "code", "question_field": "text"}
@@ -145,12 +154,52 @@ def _case_list_spec(cases: Any, field: str, fn_name: str | None) -> tuple[TestSp
     return TestSpec(stdio=tuple(stdio), calls=tuple(calls)), names.pop() if len(names) == 1 else None
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Builds plain values (str, bytes, numbers, lists, tuples, dicts, sets) only. A pickle runs code by naming a
+    class or function to call (GLOBAL / STACK_GLOBAL / extension opcodes, all resolved by ``find_class``) or
+    through ``persistent_load``: both are refused before anything is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _BadRow(f"field 'private_test_cases' is a pickle naming {module:.40}.{name:.40}; only plain data "
+                      "(a JSON string or a list) is read from it, nothing is called")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _BadRow("field 'private_test_cases' is a pickle with persistent ids; only plain data is read")
+
+
+def decode_compressed_cases(text: str) -> Any:
+    """LiveCodeBench's compressed test cases: base64 of zlib of a pickled JSON string -> the decoded JSON value.
+    Decoded with ``_PlainDataUnpickler`` and at most MAX_DECOMPRESSED_BYTES; anything else is a _BadRow."""
+    what = "field 'private_test_cases'"
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise _BadRow(f"{what} is neither a JSON list nor base64") from None
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(raw, MAX_DECOMPRESSED_BYTES)
+    except zlib.error as e:
+        raise _BadRow(f"{what} is base64 but not zlib-compressed ({e})") from None
+    if inflate.unconsumed_tail:
+        raise _BadRow(f"{what} decompresses to more than {MAX_DECOMPRESSED_BYTES >> 20} MiB")
+    try:
+        value = _PlainDataUnpickler(io.BytesIO(data)).load()
+    except _BadRow:
+        raise
+    except Exception as e:  # truncated or not a pickle at all
+        raise _BadRow(f"{what} decompresses to something that is not a pickle ({type(e).__name__})") from None
+    if isinstance(value, (str, bytes)):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _BadRow(f"{what} holds a string that is not JSON ({e.msg} at column {e.colno})") from None
+    return value
+
+
 def _private_cases(value: Any) -> Any:
-    """LiveCodeBench's private_test_cases: a JSON list is read; the compressed form is refused."""
+    """LiveCodeBench's private_test_cases: a JSON list, or its compressed form (``decode_compressed_cases``)."""
     if isinstance(value, str) and _BASE64.fullmatch(value.strip()):
-        raise _BadRow("field 'private_test_cases' is compressed (base64 of zlib of a pickle), which is never "
-                      "unpickled here; decode it offline to a JSON list, or drop the field to use "
-                      "'public_test_cases' only")
+        return decode_compressed_cases(value)
     return _json_value(value, "field 'private_test_cases'")
 
 
