@@ -7,8 +7,12 @@ Measures, one after another on this machine:
      ``-I -B -S`` (isolated mode, no site module or .pth hooks: how the sandbox starts its interpreter);
   b. one sandboxed run of the same program (rewards/sandbox.py: namespaces, limits, audit hook), per run;
   c. one sample of a synthetic task (5 assert cases, one harness process) through code_tests_reward;
-  d. the RewardPool with --workers processes scoring --n assert samples and --n stdin samples (3 cases,
-     one process each): sandbox executions/s, test cases/s and samples/s.
+  d. the RewardPool with --workers processes scoring --n assert samples and --n stdin samples (3 cases in one
+     forked runner each): sandbox executions/s, test cases/s and samples/s;
+  e. one sample of a stdin task with --stdin-cases cases (TACO / DeepCoder rows hold tens to hundreds), its
+     cases run by the forked runner (one sandboxed process forking a candidate per case, the default) against
+     a fresh sandboxed interpreter per case (stdio_runner="process"), for a correct program and for one that
+     fails at the middle case (all_pass stops there): ms per sample and the ratio.
 Prints the matmul peak and the load average beside the figures (the CPU may be shared) and ends with
 one JSON line.
 """
@@ -48,6 +52,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=64, help="samples of each kind through the pool")
     p.add_argument("--serial", type=int, default=20, help="repeats of each serial measurement")
     p.add_argument("--workers", type=int, default=2, help="reward pool processes")
+    p.add_argument("--stdin-cases", type=int, default=50, help="cases of the stdin task of e")
     args = p.parse_args()
 
     from benchmarks.common import matmul_peak_gflops
@@ -81,7 +86,7 @@ def main() -> None:
         results = pool.score_batch(items)
         seconds = time.perf_counter() - t0
     assert all(r.reward == 1.0 for r in results), [r for r in results if r.reward != 1.0][:2]
-    executions = args.n * 1 + args.n * 3  # one harness process per assert sample, one per stdin case
+    executions = args.n * 2  # one harness process per assert sample, one forked runner per stdin sample
     cases = args.n * 5 + args.n * 3
     out = {
         "benchmark": "sandbox", "workers": args.workers, "samples": len(items),
@@ -95,6 +100,31 @@ def main() -> None:
     }
     print(f"d. pool of {args.workers}: {out['pool_executions_per_s']} sandbox executions/s, "
           f"{out['pool_cases_per_s']} test cases/s, {out['pool_samples_per_s']} samples/s", flush=True)
+
+    rng = __import__("random").Random(0)
+    rows = [[rng.randint(-1000, 1000) for _ in range(100)] for _ in range(args.stdin_cases)]
+    cases = tuple((f"{len(r)}\n{' '.join(map(str, r))}\n", f"{sum(r)}\n") for r in rows)
+    many = encode_tests(TestSpec(stdio=cases))
+    middle = args.stdin_cases // 2
+    failing = encode_tests(TestSpec(stdio=cases[:middle] + ((cases[middle][0], "wrong\n"),) + cases[middle + 1:]))
+    summing = "input()\nprint(sum(map(int, input().split())))"
+    repeats = max(2, args.serial // 4)
+    timed = {}
+    for runner in ("fork", "process"):
+        assert code_tests_reward(summing, many, stdio_runner=runner) == 1.0
+        assert code_tests_reward(summing, failing, stdio_runner=runner) == 0.0
+        timed[runner] = (_per_run(lambda r=runner: code_tests_reward(summing, many, stdio_runner=r), repeats),
+                         _per_run(lambda r=runner: code_tests_reward(summing, failing, stdio_runner=r), repeats))
+    (fork_ok, fork_bad), (proc_ok, proc_bad) = timed["fork"], timed["process"]
+    print(f"e. a {args.stdin_cases}-case stdin sample, correct: forked runner {fork_ok * 1e3:.0f} ms against "
+          f"{proc_ok * 1e3:.0f} ms with a fresh interpreter per case (**{proc_ok / fork_ok:.1f}x**); failing at "
+          f"case {middle + 1}: {fork_bad * 1e3:.0f} ms against {proc_bad * 1e3:.0f} ms ({proc_bad / fork_bad:.1f}x)",
+          flush=True)
+    out.update({"stdin_cases": args.stdin_cases, "stdin_sample_forked_ms": round(fork_ok * 1e3, 1),
+                "stdin_sample_process_ms": round(proc_ok * 1e3, 1), "stdin_speedup": round(proc_ok / fork_ok, 2),
+                "stdin_failing_forked_ms": round(fork_bad * 1e3, 1),
+                "stdin_failing_process_ms": round(proc_bad * 1e3, 1),
+                "stdin_failing_speedup": round(proc_bad / fork_bad, 2)})
     print(json.dumps(out))
 
 

@@ -3,9 +3,13 @@
     code_tests_reward(completion, answer, mode="all_pass")   # answer: code_tests.encode_tests(...) JSON
 
 How cases run (rewards/sandbox.py contains every process):
-  * stdin/stdout cases: one sandboxed process per case, fed the case's input; its standard output is
-    compared outside the sandbox with ``outputs_match`` (trailing whitespace ignored). A program that
-    exits early, prints nothing or crashes fails the case.
+  * stdin/stdout cases: one sandboxed process runs the stdio runner (``_stdio_harness.py``), which forks a
+    candidate process per case, fed the case's input, with a pipe to the runner as its standard output and no
+    other descriptor of it; the runner reports each output under a nonce the candidate cannot write with, and
+    it is compared here, outside the sandbox, with ``outputs_match`` (trailing whitespace ignored); the
+    expected outputs never enter the sandbox. A program that exits early, prints nothing or crashes fails the
+    case. ``stdio_runner="process"`` runs a fresh sandboxed interpreter per case instead (the same statuses,
+    about 30 ms a case against about 1 ms for a fork).
   * call cases (APPS ``fn_name``, rewritten asserts) and opaque assert programs: one sandboxed process
     runs the harness (``_code_harness.py``), which forks a candidate process that loads the program
     and holds no descriptor but two pipes to the harness; every case has its own time limit. Call
@@ -16,7 +20,9 @@ How cases run (rewards/sandbox.py contains every process):
     true, stolen report nonces and rewritten files all fail, for both kinds. Opaque tests that need the
     program's own objects (instances, arguments mutated in place, functions passed in) fail too.
 Limits: ``case_timeout_s`` per case and ``sample_timeout_s`` for all cases of one sample; with
-``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample.
+``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample (the forked
+runner, which never sees expected outputs, stops at the first case that errs or times out; the statuses after a
+failed case read "not_run" either way).
 """
 from __future__ import annotations
 
@@ -39,13 +45,22 @@ __all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "
 CODE_REWARD_MODES = ("all_pass", "pass_rate")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
+_STDIO_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stdio_harness.py")
 _STARTUP_ALLOWANCE_S = 2.0  # interpreter start-up of the harness process, on top of the case limits
+# How stdin/stdout cases run: "fork" (one sandboxed runner forks a candidate process per case, about a millisecond
+# each) or "process" (a fresh sandboxed interpreter per case, about 30 ms each); both give the same statuses.
+STDIO_RUNNERS = ("fork", "process")
+_STDIO_OUTPUT_BYTES = 1 << 20  # per case, as a sandboxed process's own max_output_bytes
 
 
-@functools.lru_cache(maxsize=1)
-def _harness_source() -> str:
-    with open(_HARNESS_PATH, encoding="utf-8") as f:
+@functools.lru_cache(maxsize=None)
+def _source(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def _harness_source() -> str:
+    return _source(_HARNESS_PATH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +92,9 @@ def extract_program(completion: str) -> str | None:
 
 
 def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-               stop_on_fail: bool) -> list[str]:
+               stop_on_fail: bool, runner: str = "fork") -> list[str]:
+    if runner == "fork":
+        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail)
     statuses = []
     for stdin, expected in spec.stdio:
         remaining = deadline - time.monotonic()
@@ -95,6 +112,57 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
     return statuses
 
 
+def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
+                      stop_on_fail: bool) -> list[str]:
+    """The stdin/stdout cases in one sandboxed runner (``_stdio_harness.py``) that forks a candidate process per
+    case; the outputs are compared here. With ``stop_on_fail`` the runner stops after a case that errs or times out
+    (it never sees the expected outputs, so a wrong output does not stop it)."""
+    n = len(spec.stdio)
+    nonce = secrets.token_hex(16)
+    payload = {"nonce": nonce, "program": f"{spec.setup}\n{program}" if spec.setup else program,
+               "inputs": [stdin for stdin, _ in spec.stdio], "case_timeout_s": case_timeout_s,
+               "max_output_bytes": _STDIO_OUTPUT_BYTES, "stop_on_error": stop_on_fail}
+    budget = min(deadline - time.monotonic(), case_timeout_s * n + _STARTUP_ALLOWANCE_S)
+    if budget <= 0.05:
+        return ["not_run"] * n
+    # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
+    cap = min(n * (6 * _STDIO_OUTPUT_BYTES + 256) + 4096, 256 << 20)
+    result = run_python_sandboxed(_source(_STDIO_HARNESS_PATH), stdin=json.dumps(payload), timeout_s=budget,
+                                  memory_mb=memory_mb, max_output_bytes=cap, allow_subprocess=True,
+                                  cpu_time_s=budget + 1)
+    reports = _reports(result.stdout, nonce)
+    statuses = []
+    for i, (_, expected) in enumerate(spec.stdio):
+        record = reports.get(i)
+        if stop_on_fail and statuses and statuses[-1] != "pass":
+            statuses.append("not_run")
+        elif record is None:
+            statuses.append("timeout" if result.timed_out else "not_run")
+        elif record.get("status") == "timeout":
+            statuses.append("timeout")
+        elif record.get("status") != "ok" or not isinstance(record.get("stdout"), str):
+            statuses.append("error")
+        else:
+            statuses.append("pass" if outputs_match(record["stdout"], expected) else "fail")
+    return statuses
+
+
+def _reports(stdout: str, nonce: str) -> dict[int, dict]:
+    """The first report of each case in a harness's stdout: lines "<nonce> <json object with an int 'i'>"."""
+    reports: dict[int, dict] = {}
+    prefix = nonce + " "
+    for line in stdout.splitlines():
+        if not line.startswith(prefix):
+            continue
+        try:
+            record = json.loads(line[len(prefix):])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("i"), int) and record["i"] not in reports:
+            reports[record["i"]] = record
+    return reports
+
+
 def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
                  stop_on_fail: bool) -> list[str]:
     cases = [{"kind": "expr", "src": src} for src, _ in spec.calls]
@@ -108,17 +176,7 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     # Process creation is allowed for the harness's fork only: the candidate process denies it itself.
     result = run_python_sandboxed(_harness_source(), stdin=json.dumps(payload), timeout_s=budget,
                                   memory_mb=memory_mb, max_output_bytes=4 << 20, allow_subprocess=True)
-    reports: dict[int, dict] = {}
-    prefix = nonce + " "
-    for line in result.stdout.splitlines():
-        if not line.startswith(prefix):
-            continue
-        try:
-            record = json.loads(line[len(prefix):])
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("i"), int) and record["i"] not in reports:
-            reports[record["i"]] = record
+    reports = _reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):
         record = reports.get(i)
@@ -149,10 +207,13 @@ def _value_matches(text: Any, expected: Any) -> bool:
 
 
 def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
-              sample_timeout_s: float = 20.0, memory_mb: int = 512) -> TestOutcome:
-    """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc."""
+              sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork") -> TestOutcome:
+    """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc. stdio_runner: how the
+    stdin/stdout cases run (STDIO_RUNNERS)."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
+    if stdio_runner not in STDIO_RUNNERS:
+        raise ValueError(f"stdio_runner must be one of {STDIO_RUNNERS}, got {stdio_runner!r}.")
     if case_timeout_s <= 0 or sample_timeout_s <= 0:
         raise ValueError(f"time limits must be positive, got case_timeout_s={case_timeout_s}, "
                          f"sample_timeout_s={sample_timeout_s}.")
@@ -160,7 +221,7 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
     deadline = time.monotonic() + sample_timeout_s
     statuses = []
     if spec.stdio:
-        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop)
+        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner)
     if spec.calls or spec.programs:
         if stop and any(s != "pass" for s in statuses):
             statuses += ["not_run"] * (len(spec.calls) + len(spec.programs))
@@ -171,7 +232,7 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
 
 
 def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
-                      sample_timeout_s: float = 20.0, memory_mb: int = 512) -> float:
+                      sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork") -> float:
     """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
 
     mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
@@ -183,7 +244,7 @@ def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", c
     if program is None:
         return 0.0
     outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
-                        sample_timeout_s=sample_timeout_s, memory_mb=memory_mb)
+                        sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner)
     if mode == "pass_rate":
         return outcome.pass_rate
     return 1.0 if outcome.passed == outcome.total else 0.0

@@ -1,0 +1,156 @@
+"""Standard-input test runner that runs inside the sandbox (see ``code.py``); never imported by the library.
+
+Its source becomes the sandbox's ``main.py`` (started with process creation allowed, for the forks below). It reads
+one JSON payload from stdin before any untrusted code runs: {"nonce", "program", "inputs": [str], "case_timeout_s",
+"max_output_bytes", "stop_on_error"}. The expected outputs never enter the sandbox.
+
+The program never runs in this process. For each case a forked child (the candidate process) takes the case's
+input as its standard input (a file in the sandbox's directory), a pipe to this process as its standard output and
+a file as its standard error, closes every other descriptor, denies itself process creation and signals, and runs
+the program as ``__main__`` the way a fresh interpreter would: exit status 0 when it ends or calls exit(0) /
+sys.exit(), 1 after an uncaught exception (printed to its stderr), the code it passes to sys.exit or os._exit
+otherwise, its non-daemon threads joined and its stdout flushed first. This process reads the pipe (at most
+max_output_bytes), waits for the child, kills it past case_timeout_s and reports one stdout line "<nonce> <json>":
+{"i", "status": "ok" | "error" | "timeout" | "output_limit", "stdout"}. The child holds no descriptor of this
+process's stdout, so it cannot write reports; the sandbox's parent compares each stdout with the expected output.
+A fork costs about a millisecond where a fresh sandboxed interpreter costs about thirty.
+"""
+
+
+def _harness() -> None:
+    import builtins
+    import json
+    import os
+    import resource
+    import select
+    import signal
+    import sys
+    import threading
+    import time
+    import traceback
+    import types
+
+    payload = json.loads(sys.stdin.read())
+    nonce, timeout = payload["nonce"], float(payload["case_timeout_s"])
+    max_output = int(payload["max_output_bytes"])
+    try:
+        source = compile(payload["program"], "main.py", "exec")  # compiling runs nothing
+    except (SyntaxError, ValueError):  # the interpreter would stop with status 1 on every case
+        source = None
+    workdir = os.getcwd()
+    input_path, stderr_path = os.path.join(workdir, "case_stdin"), os.path.join(workdir, "case_stderr")
+    process_events = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+                      "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill"}
+    fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fd_limit = fd_limit if 0 < fd_limit < (1 << 20) else (1 << 20)
+
+    def report(record: dict) -> None:
+        os.write(1, (nonce + " " + json.dumps(record) + "\n").encode())
+
+    # ---- the candidate process: untrusted from the moment the program runs ----
+    def candidate(stdout_w: int) -> None:
+        os.dup2(os.open(input_path, os.O_RDONLY), 0)
+        os.dup2(stdout_w, 1)
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+        os.closerange(3, fd_limit)
+
+        def deny(event, args):
+            if event in process_events or (event == "import" and args and args[0] == "_posixsubprocess"):
+                raise PermissionError(f"sandbox: {event} is not allowed in the candidate process")
+
+        sys.addaudithook(deny)
+        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        module = types.ModuleType("__main__")
+        module.__file__ = os.path.join(workdir, "main.py")
+        module.__builtins__ = builtins
+        sys.modules["__main__"] = module
+        code = 0
+        try:
+            exec(source, module.__dict__)
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code & 0xFF
+            else:  # sys.exit("message"): printed to stderr, status 1, as the interpreter does
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
+            traceback.print_exc()
+            code = 1
+        main = threading.main_thread()
+        for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
+            if thread is not main and not thread.daemon:
+                thread.join()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # noqa: BLE001 - a failed flush at exit is status 120 in CPython
+                code = code or 120
+        os._exit(code)
+
+    # ---- this process: trusted; forks a candidate per case and reads its output ----
+    def run_case(text: str) -> dict:
+        with open(input_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(out_r)
+                candidate(out_w)
+            finally:
+                os._exit(1)
+        os.close(out_w)
+        deadline = time.monotonic() + timeout
+        output, status, exited, wait_status = bytearray(), None, False, 0
+        poller = select.poll()
+        poller.register(out_r, select.POLLIN | select.POLLHUP)
+        try:
+            exit_fd = os.pidfd_open(pid)
+            poller.register(exit_fd, select.POLLIN)
+        except (AttributeError, OSError):
+            exit_fd = None
+        reading = True
+        while status is None and (reading or not exited):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                status = "timeout"
+                break
+            ready = {fd for fd, _ in poller.poll(min(remaining, 0.05 if exit_fd is None else remaining) * 1000)}
+            if out_r in ready and reading:
+                chunk = os.read(out_r, 65536)
+                if chunk:
+                    output += chunk
+                    if len(output) > max_output:
+                        status = "output_limit"
+                else:
+                    reading = False
+                    poller.unregister(out_r)
+            if not exited and (exit_fd is None or exit_fd in ready or not reading):
+                done, wait_status = os.waitpid(pid, os.WNOHANG)
+                exited = done == pid
+        os.close(out_r)
+        if exit_fd is not None:
+            os.close(exit_fd)
+        if not exited:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        if status is None:
+            status = "ok" if os.waitstatus_to_exitcode(wait_status) == 0 else "error"
+        return {"status": status, "stdout": bytes(output[:max_output]).decode("utf-8", "replace")}
+
+    for i, text in enumerate(payload["inputs"]):
+        record = {"i": i, **(run_case(text) if source is not None else {"status": "error", "stdout": ""})}
+        report(record)
+        if record["status"] != "ok" and payload["stop_on_error"]:
+            break
+    report({"done": True})
+
+
+_harness()

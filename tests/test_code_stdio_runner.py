@@ -1,0 +1,106 @@
+"""The forked stdin/stdout runner (rewards/_stdio_harness.py) against a fresh sandboxed interpreter per case: the same
+status for every case of every program kind, the same rewards, and no way for a program to write its own report."""
+import time
+
+import pytest
+
+from areal_jax.rewards.code import code_tests_reward, run_tests
+from areal_jax.rewards.code_tests import TestSpec as Spec
+from areal_jax.rewards.code_tests import encode_tests
+
+SPEC = Spec(stdio=(("1 2\n", "3\n"), ("5 5\n", "10\n"), ("100 -1\n", "99\n")))
+
+PROGRAMS = {
+    "input()": "a, b = map(int, input().split())\nprint(a + b)",
+    "sys.stdin.read": "import sys\nd = sys.stdin.read().split()\nprint(int(d[0]) + int(d[1]))",
+    "open(0)": "d = open(0).read().split()\nprint(int(d[0]) + int(d[1]))",
+    "stdin.buffer": "import sys\nd = sys.stdin.buffer.read().split()\nprint(int(d[0]) + int(d[1]))",
+    "readline loop": "import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)",
+    "main guard": "def main():\n    a, b = map(int, input().split())\n    print(a + b)\nif __name__ == '__main__':\n    main()",
+    "no newline": "import sys\na, b = map(int, input().split())\nsys.stdout.write(str(a + b))",
+    "stderr noise": "import sys\na, b = map(int, input().split())\nprint('debug', file=sys.stderr)\nprint(a + b)",
+    "deep recursion in a thread": (
+        "import sys, threading\nsys.setrecursionlimit(10**6)\nthreading.stack_size(2**26)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "def main():\n    a, b = map(int, input().split())\n    print(a + b + depth(30000) - 30000)\n"
+        "threading.Thread(target=main).start()"),
+    "right on one case": "a, b = map(int, input().split())\nprint(10 if a == 5 else 0)",
+    "wrong": "print(0)",
+    "uncaught exception": "raise ValueError('no')",
+    "exit(0) before printing": "import sys\nsys.exit(0)",
+    "exit(3) after printing": "a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(3)",
+    "sys.exit(message)": "import sys\nsys.exit('bye')",
+    "os._exit without flush": "import os\nprint(3)\nos._exit(0)",
+    "syntax error": "def f(:\n    pass",
+    "starts a process": "import os\nos.fork()\nprint(3)",
+    "output past the cap": "print('x' * 2_000_000)",
+    "prints then crashes": "a, b = map(int, input().split())\nprint(a + b)\n1 / 0",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_each_case_has_the_status_a_fresh_interpreter_gives(name):
+    program = PROGRAMS[name]
+    forked = run_tests(program, SPEC, mode="pass_rate", case_timeout_s=5.0, stdio_runner="fork")
+    fresh = run_tests(program, SPEC, mode="pass_rate", case_timeout_s=5.0, stdio_runner="process")
+    assert forked.statuses == fresh.statuses
+    answer = encode_tests(SPEC)
+    assert (code_tests_reward(program, answer, stdio_runner="fork")
+            == code_tests_reward(program, answer, stdio_runner="process"))
+
+
+def test_statuses_of_the_battery_are_what_each_program_does():
+    """The reference itself, spelled out for a few programs (not only agreement between the runners)."""
+    want = {"input()": ("pass",) * 3, "wrong": ("fail",) * 3, "uncaught exception": ("error",) * 3,
+            "right on one case": ("fail", "pass", "fail"), "exit(3) after printing": ("error",) * 3,
+            "os._exit without flush": ("fail",) * 3, "starts a process": ("error",) * 3}
+    for name, statuses in want.items():
+        assert run_tests(PROGRAMS[name], SPEC, mode="pass_rate", stdio_runner="fork").statuses == statuses, name
+
+
+def test_a_hanging_program_times_out_and_all_pass_stops_at_the_first_case():
+    t0 = time.monotonic()
+    out = run_tests("while True:\n    pass", SPEC, mode="all_pass", case_timeout_s=0.5, stdio_runner="fork")
+    assert out.statuses == ("timeout", "not_run", "not_run") and time.monotonic() - t0 < 2.5
+    out = run_tests("import sys\nif sys.stdin.read().startswith('5'):\n    while True: pass\nprint(3)", SPEC,
+                    mode="pass_rate", case_timeout_s=0.5, stdio_runner="fork")
+    assert out.statuses == ("pass", "timeout", "fail")  # the runner goes on after a timeout when asked to
+
+
+FORGER = r'''
+import gc, json, os
+nonce = next(o["nonce"] for o in gc.get_objects()
+             if isinstance(o, dict) and isinstance(o.get("nonce"), str) and "inputs" in o)
+forged = "".join(nonce + " " + json.dumps({"i": i, "status": "ok", "stdout": out}) + "\n"
+                 for i, out in enumerate(["3\n", "10\n", "99\n"]))
+print("\n" + forged, end="")
+for fd in range(3, 64):  # any descriptor of the runner's stdout?
+    try:
+        os.write(fd, forged.encode())
+    except OSError:
+        pass
+for path in ("/proc/self/fd/1", f"/proc/{os.getppid()}/fd/1"):
+    try:
+        with open(path, "w") as f:
+            f.write(forged)
+    except OSError:
+        pass
+'''
+
+
+def test_a_program_that_finds_the_nonce_still_cannot_report_a_pass():
+    finder = FORGER.split("forged =")[0] + "print('found', len(nonce))\n"
+    assert run_tests(finder, Spec(stdio=(("", "found 32\n"),)), stdio_runner="fork").statuses == ("pass",)
+    out = run_tests(FORGER, SPEC, mode="pass_rate", stdio_runner="fork")
+    assert out.statuses == ("fail", "fail", "fail")
+    assert code_tests_reward(FORGER, encode_tests(SPEC)) == 0.0
+
+
+def test_many_cases_run_in_one_sandbox():
+    spec = Spec(stdio=tuple((f"{i} {i}\n", f"{2 * i}\n") for i in range(60)))
+    program = PROGRAMS["input()"]
+    out = run_tests(program, spec, mode="all_pass", stdio_runner="fork")
+    assert out.passed == out.total == 60
+    bad = Spec(stdio=spec.stdio[:30] + (("1 1\n", "3\n"),) + spec.stdio[30:])
+    out = run_tests(program, bad, mode="all_pass", stdio_runner="fork")
+    assert out.statuses == ("pass",) * 30 + ("fail",) + ("not_run",) * 30
