@@ -104,3 +104,24 @@ def test_many_cases_run_in_one_sandbox():
     bad = Spec(stdio=spec.stdio[:30] + (("1 1\n", "3\n"),) + spec.stdio[30:])
     out = run_tests(program, bad, mode="all_pass", stdio_runner="fork")
     assert out.statuses == ("pass",) * 30 + ("fail",) + ("not_run",) * 30
+
+
+def test_a_sandboxed_run_stops_when_its_output_settles_the_outcome():
+    from areal_jax.rewards.code import _FirstWrongOutput
+    from areal_jax.rewards.sandbox import run_python_sandboxed
+
+    seen = []
+
+    def stop_at_two(chunk: bytes) -> bool:
+        seen.append(chunk)
+        return b"2\n" in b"".join(seen)
+
+    program = "import time\nprint(1, flush=True)\nprint(2, flush=True)\ntime.sleep(60)\nprint(3)"
+    result = run_python_sandboxed(program, timeout_s=90, stop_when=stop_at_two)
+    assert result.status == "stopped" and result.stdout.startswith("1\n2\n") and "3" not in result.stdout
+    assert result.seconds < 30  # the minute of sleep was not waited for
+    # the runner's reports: a report line split across pieces, then a wrong output in the next one
+    first_wrong = _FirstWrongOutput("n0", SPEC)
+    good, bad = b'n0 {"i": 0, "status": "ok", "stdout": "3\\n"}\n', b'n0 {"i": 1, "status": "ok", "stdout": "9"}\n'
+    assert not first_wrong(good[:10]) and not first_wrong(good[10:]) and not first_wrong(b"x0 junk\n")
+    assert first_wrong(bad[:5] + bad[5:])

@@ -115,8 +115,9 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
 def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
                       stop_on_fail: bool) -> list[str]:
     """The stdin/stdout cases in one sandboxed runner (``_stdio_harness.py``) that forks a candidate process per
-    case; the outputs are compared here. With ``stop_on_fail`` the runner stops after a case that errs or times out
-    (it never sees the expected outputs, so a wrong output does not stop it)."""
+    case; the outputs are compared here as the reports arrive. With ``stop_on_fail`` the runner stops itself after a
+    case that errs or times out, and is stopped from here at the first wrong output (it never sees the expected
+    outputs)."""
     n = len(spec.stdio)
     nonce = secrets.token_hex(16)
     payload = {"nonce": nonce, "program": f"{spec.setup}\n{program}" if spec.setup else program,
@@ -127,9 +128,10 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
         return ["not_run"] * n
     # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
     cap = min(n * (6 * _STDIO_OUTPUT_BYTES + 256) + 4096, 256 << 20)
+    first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
     result = run_python_sandboxed(_source(_STDIO_HARNESS_PATH), stdin=json.dumps(payload), timeout_s=budget,
                                   memory_mb=memory_mb, max_output_bytes=cap, allow_subprocess=True,
-                                  cpu_time_s=budget + 1)
+                                  cpu_time_s=budget + 1, stop_when=first_wrong)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i, (_, expected) in enumerate(spec.stdio):
@@ -145,6 +147,33 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
         else:
             statuses.append("pass" if outputs_match(record["stdout"], expected) else "fail")
     return statuses
+
+
+class _FirstWrongOutput:
+    """``stop_when`` of the forked runner under all_pass: True once a complete report line holds an output that does
+    not match its case (the outcome is settled; the remaining cases would read "not_run" anyway)."""
+
+    def __init__(self, nonce: str, spec: TestSpec) -> None:
+        self.prefix, self.spec, self.pieces = (nonce + " ").encode(), spec, []
+
+    def __call__(self, chunk: bytes) -> bool:
+        if b"\n" not in chunk:  # a long report arrives in many pieces: joined once, when its line ends
+            self.pieces.append(chunk)
+            return False
+        *lines, rest = b"".join([*self.pieces, chunk]).split(b"\n")
+        self.pieces = [rest]
+        for line in lines:
+            if not line.startswith(self.prefix):
+                continue
+            try:
+                record = json.loads(line[len(self.prefix):])
+                i, out = record["i"], record["stdout"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if (record.get("status") == "ok" and isinstance(i, int) and 0 <= i < len(self.spec.stdio)
+                    and isinstance(out, str) and not outputs_match(out, self.spec.stdio[i][1])):
+                return True
+        return False
 
 
 def _reports(stdout: str, nonce: str) -> dict[int, dict]:

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["SandboxResult", "run_python_sandboxed", "extract_python_code", "code_reward",
            "namespace_isolation"]
@@ -55,8 +55,8 @@ _CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTAL
 class SandboxResult:
     """Outcome of one sandboxed run.
 
-    status: "ok" (exit code 0), "error" (non-zero exit), "timeout" (wall clock exceeded, killed) or
-    "output_limit" (stdout + stderr exceeded max_output_bytes, killed). exit_code is the process's
+    status: "ok" (exit code 0), "error" (non-zero exit), "timeout" (wall clock exceeded, killed),
+    "output_limit" (stdout + stderr exceeded max_output_bytes, killed) or "stopped" (``stop_when`` said so, killed). exit_code is the process's
     return code (negative: killed by that signal), None if it could not be started.
     stdout / stderr: decoded as UTF-8 with replacement, at most max_output_bytes together.
     """
@@ -104,11 +104,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: int
-                     ) -> tuple[bytes, bytes, bool, bool]:
-    """Drain stdout/stderr until both close, the deadline passes or the output cap is hit.
+def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: int,
+                     stop_when: Callable[[bytes], bool] | None = None
+                     ) -> tuple[bytes, bytes, bool, bool, bool]:
+    """Drain stdout/stderr until both close, the deadline passes, the output cap is hit or ``stop_when`` (called with
+    each new piece of stdout, in order) says enough.
 
-    Returns (stdout, stderr, timed_out, truncated); kills the process group on timeout or overflow.
+    Returns (stdout, stderr, timed_out, truncated, stopped); kills the process group on timeout, overflow or a stop.
     """
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     total = 0
@@ -120,7 +122,7 @@ def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: 
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 _kill_group(proc)
-                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), True, False
+                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), True, False, False
             for key, _ in sel.select(timeout=min(remaining, 0.5)):
                 try:
                     chunk = os.read(key.fd, 65536)
@@ -134,8 +136,11 @@ def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: 
                 total += len(chunk)
                 if total > max_output_bytes:
                     _kill_group(proc)
-                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, True
-    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False
+                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, True, False
+                if stop_when is not None and key.fileobj is proc.stdout and stop_when(chunk[:room]):
+                    _kill_group(proc)
+                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False, True
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False, False
 
 
 def run_python_sandboxed(
@@ -152,6 +157,7 @@ def run_python_sandboxed(
     audit_hook: bool = True,
     allow_subprocess: bool = False,
     python: str | None = None,
+    stop_when: Callable[[bytes], bool] | None = None,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a contained child interpreter and collect its output.
 
@@ -168,6 +174,8 @@ def run_python_sandboxed(
       audit_hook: install the deny-list audit hook (turn off only to test the other layers).
       allow_subprocess: let the audit hook permit fork/exec/kill (still bounded by the other layers).
       python: interpreter to run; default the current one.
+      stop_when: called with each new piece of stdout, in order; True kills the process group and returns what
+        was read (status "stopped", e.g. once a test runner's reports settle the outcome).
     """
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
         raise ValueError(
@@ -199,8 +207,8 @@ def run_python_sandboxed(
             proc = subprocess.Popen(cmd, stdin=stdin_file, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=workdir, env=env,
                                     start_new_session=True, close_fds=True)
-        out, err, timed_out, truncated = _read_until_done(
-            proc, start + timeout_s, max_output_bytes)
+        out, err, timed_out, truncated, stopped = _read_until_done(
+            proc, start + timeout_s, max_output_bytes, stop_when)
         try:
             proc.wait(timeout=max(0.0, start + timeout_s - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -211,6 +219,8 @@ def run_python_sandboxed(
             status = "timeout"
         elif truncated:
             status = "output_limit"
+        elif stopped:
+            status = "stopped"
         else:
             status = "ok" if proc.returncode == 0 else "error"
         return SandboxResult(status, proc.returncode, out.decode("utf-8", "replace"),
