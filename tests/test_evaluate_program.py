@@ -154,3 +154,22 @@ def test_the_command_line_evaluates_a_config_file_and_prints_one_json_line(tmp_p
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert (res["n"], res["k"], res["task"]) == (6, 2, "code")
     assert len(out.read_text().splitlines()) == 6
+
+
+@pytest.mark.slow
+def test_a_model_split_over_two_devices_gives_the_one_device_completions(tmp_path):
+    """--tensor=2 shards the weights and the KV cache over two of the test's four CPU devices (the sums of the
+    projections then split in two, so logits differ in the last bits): the same greedy completions."""
+    import jax
+
+    assert len(jax.local_devices()) >= 2
+    given = {"model": MATH, "data": f"{MATH}/data/test.jsonl", "n": 24, "k": 0, "max_new_tokens": 48}
+    outs = []
+    for tensor in (1, 2):
+        out = str(tmp_path / f"t{tensor}.jsonl")
+        res = evaluate(resolve_settings(JobConfig(), given, tensor=tensor, out=out), log=lambda *_: None)
+        assert res["tensor"] == tensor
+        outs.append([json.loads(line)["greedy"] for line in open(out)])
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="more devices than this host has"):
+        evaluate(resolve_settings(JobConfig(), given, tensor=64), log=lambda *_: None)

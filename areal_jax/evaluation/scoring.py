@@ -40,7 +40,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
                       reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
                       pool: Any = None, decode_steps: int = 1, streams: int = 1,
                       reward_cache_size: int = 16384, top_p: float | None = None, records: bool = False,
-                      log: Callable[[str], None] | None = None) -> dict:
+                      log: Callable[[str], None] | None = None, mesh: Any = None) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
@@ -52,6 +52,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     engine / params: an Engine (evaluation.batch.eval_engine) and the state to decode with, to evaluate
     again without recompiling; by default built from `model` with `num_slots` slots in all.
     streams: sampler loops side by side (evaluation.batch.generate_for_eval), sharing the slots.
+    mesh: a ("fsdp", "tensor") mesh the default engine decodes on (tensor parallel; None: one device).
     top_p: the sampled completions' nucleus (None: off). log: called with a progress line each time another
     tenth of the n x (1 + k) sequences has been generated (long evaluations at real sizes take minutes).
     Returns greedy_pass@1, greedy_len, sampled_pass@1, pass@k, the generation's tokens / seconds /
@@ -75,7 +76,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
         engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
                              max_stop_tokens=max(8, len(stop)),
                              longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
-                             decode_steps=decode_steps)
+                             decode_steps=decode_steps, mesh=mesh)
     if params is None:
         params = nnx.state(model)
     own_pool = pool is None

@@ -54,13 +54,14 @@ class EvalSettings:
 
     config: JobConfig
     top_p: float | None = None
+    tensor: int = 1
     run_dir: str | None = None
     step: int | None = None
     out: str | None = None
     notes: tuple[str, ...] = ()
 
 
-def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | None = None,
+def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | None = None, tensor: int = 1,
                      run_dir: str | None = None, step: int | None = None, out: str | None = None) -> EvalSettings:
     """``base`` (defaults, a run's or a config file's) with the flags the user gave (``given``: flag -> value,
     the names of ``_OVERRIDES``). A code task whose reward was left at math scores with the code reward, its
@@ -102,6 +103,8 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
         raise ConfigError(f"--n={sections['eval'].n_test} must be at least 1.")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ConfigError(f"--top_p={top_p} must be in (0, 1].")
+    if tensor < 1:
+        raise ConfigError(f"--tensor={tensor} must be at least 1 (devices the model is split over).")
     if sections["eval"].samples > 0 and not sections["rollout"].temperature > 0:
         raise ConfigError(f"--temperature={sections['rollout'].temperature} must be > 0 for the k sampled completions "
                           "(--k=0 evaluates greedy pass@1 only).")
@@ -112,7 +115,8 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
         if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
             raise ConfigError(f"--out={out!r}: {parent} is not a writable directory.")
     config = dataclasses.replace(base, **sections)
-    return EvalSettings(config=config, top_p=top_p, run_dir=run_dir, step=step, out=out, notes=tuple(notes))
+    return EvalSettings(config=config, top_p=top_p, tensor=int(tensor), run_dir=run_dir, step=step, out=out,
+                        notes=tuple(notes))
 
 
 def flag_names(message: str) -> str:
@@ -146,6 +150,15 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     from areal_jax.tokenizer import Tokenizer
 
     c = settings.config
+    devices = jax.local_devices()
+    if settings.tensor > len(devices):
+        raise ValueError(f"--tensor={settings.tensor} asks for more devices than this host has ({len(devices)}).")
+    mesh = None
+    if settings.tensor > 1:
+        import numpy as np
+        from jax.sharding import Mesh
+
+        mesh = Mesh(np.array(devices[:settings.tensor]).reshape(1, settings.tensor), ("fsdp", "tensor"))
     if settings.run_dir is not None:
         from areal_jax.programs.export import restore_policy
 
@@ -156,7 +169,8 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
             model = merged_model(model, c.lora.scale, c.model.storage_dtype)
         source = f"{settings.run_dir} (step {step})"
     else:
-        model = load_hf_checkpoint(c.model.path, param_dtype=c.model.storage_dtype, dtype=c.model.compute_dtype)
+        model = load_hf_checkpoint(c.model.path, mesh=mesh, param_dtype=c.model.storage_dtype,
+                                   dtype=c.model.compute_dtype)
         source = c.model.path
     tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     examples = load_eval_examples(c.data.test_path, tokenizer, c.data, c.eval.n_test)
@@ -172,11 +186,11 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
                                 temperature=temperature, top_p=settings.top_p, num_slots=c.eval.num_slots,
                                 seed=c.seed, pool=pool, streams=c.eval.streams_for(backend),
                                 decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, backend),
-                                records=True, log=log)
+                                records=True, log=log, mesh=mesh)
     problems = res.pop("problems")
     res.update(pass_at_powers([p["correct"] for p in problems], k))
     res.update({"model": source, "data": c.data.test_path, "task": c.data.task, "k": k,
-                "temperature": temperature, "top_p": settings.top_p, "backend": backend})
+                "temperature": temperature, "top_p": settings.top_p, "backend": backend, "tensor": settings.tensor})
     if settings.out:
         from areal_jax import paths
 
@@ -233,7 +247,8 @@ def main(argv: list[str]) -> None:
         if f["seed"].present:
             base = dataclasses.replace(base, seed=f.seed)
         given = {name: f[name].value for name in _OVERRIDES if f[name].present}
-        settings = resolve_settings(base, given, top_p=f.top_p, run_dir=f.run_dir, step=f.step, out=f.out)
+        settings = resolve_settings(base, given, top_p=f.top_p, tensor=f.tensor, run_dir=f.run_dir, step=f.step,
+                                    out=f.out)
     except ConfigError as e:
         print(f"Config error: {flag_names(str(e))}", file=sys.stderr)
         sys.exit(2)
@@ -284,6 +299,7 @@ def define_flags() -> None:
                          "rollout's).")
     flags.DEFINE_enum("dtype", d.model.dtype, ["float32", "bfloat16"], "compute dtype of the model.")
     flags.DEFINE_integer("seed", d.seed, "sampling seed.")
+    flags.DEFINE_integer("tensor", 1, "split the model over this many of the host's devices (tensor parallel).")
     flags.DEFINE_string("out", None, "write one JSON line per problem here.")
 
 
