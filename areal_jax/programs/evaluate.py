@@ -132,13 +132,8 @@ def pass_at_powers(correct: list[int], k: int) -> dict[str, float]:
     samples among k."""
     from areal_jax.evaluation.scoring import pass_at_k
 
-    js, j = [], 1
-    while j < k:
-        js.append(j)
-        j *= 2
-    js.append(k)
     n = max(len(correct), 1)
-    return {f"pass@{j}": sum(pass_at_k(k, c, j) for c in correct) / n for j in js} if k > 0 else {}
+    return {f"pass@{j}": sum(pass_at_k(k, c, j) for c in correct) / n for j in _powers(k)} if k > 0 else {}
 
 
 def evaluate(settings: EvalSettings, log: Any = print) -> dict:
