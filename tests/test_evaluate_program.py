@@ -37,6 +37,12 @@ def test_flags_override_the_config_file_and_the_rest_of_the_file_applies():
     assert c.model.path == base.model.path
 
 
+def test_training_side_limits_of_the_job_config_do_not_reject_an_evaluation():
+    given = {"model": MATH, "data": f"{MATH}/data/test.jsonl", "max_prompt_len": 1024, "max_new_tokens": 4096}
+    s = resolve_settings(_config_file("math.py"), given)
+    assert (s.config.data.max_prompt_len, s.config.eval.max_new_tokens) == (1024, 4096)
+
+
 def test_a_code_task_scores_with_the_sandbox_and_a_worker_limit_above_the_tests():
     given = {"model": CODE, "data": f"{CODE}/data/test.jsonl", "task": "code", "code_sample_timeout_s": 30.0}
     s = resolve_settings(JobConfig(), given)

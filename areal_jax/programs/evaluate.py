@@ -114,6 +114,13 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
         parent = os.path.dirname(os.path.abspath(out)) if paths.is_local(out) else None
         if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
             raise ConfigError(f"--out={out!r}: {parent} is not a writable directory.")
+    # The job's training-side relations (a rollout slot holds the longest prompt + completion, a micro-batch the
+    # longest sequence) say nothing of an evaluation, whose engine is sized from its own prompts: kept true.
+    longest = data.max_prompt_len + sections["rollout"].max_new_tokens
+    if longest > sections["rollout"].max_len:
+        sections["rollout"] = sections["rollout"].replace(max_len=longest)
+    if sections["rollout"].max_len > base.train.micro_batch_tokens:
+        sections["train"] = base.train.replace(micro_batch_tokens=sections["rollout"].max_len)
     config = dataclasses.replace(base, **sections)
     return EvalSettings(config=config, top_p=top_p, tensor=int(tensor), run_dir=run_dir, step=step, out=out,
                         notes=tuple(notes))
