@@ -125,3 +125,30 @@ def test_a_sandboxed_run_stops_when_its_output_settles_the_outcome():
     good, bad = b'n0 {"i": 0, "status": "ok", "stdout": "3\\n"}\n', b'n0 {"i": 1, "status": "ok", "stdout": "9"}\n'
     assert not first_wrong(good[:10]) and not first_wrong(good[10:]) and not first_wrong(b"x0 junk\n")
     assert first_wrong(bad[:5] + bad[5:])
+
+
+NUMPY_SUM = "import numpy as np\nprint(int(np.array(input().split(), dtype=np.int64).sum()))"
+
+
+@pytest.mark.parametrize("runner", ["fork", "process"])
+def test_numpy_imports_only_when_allowed_and_ctypes_never(runner):
+    answer = encode_tests(SPEC)
+    assert code_tests_reward(NUMPY_SUM, answer, stdio_runner=runner) == 0.0  # the default sandbox refuses it
+    assert code_tests_reward(NUMPY_SUM, answer, stdio_runner=runner, allow_numpy=True) == 1.0
+    out = run_tests("import ctypes\nprint(3)", SPEC, mode="pass_rate", stdio_runner=runner, allow_numpy=True)
+    assert out.statuses == ("error",) * 3
+    probe = "import numpy, sys\nprint(int('ctypes' in sys.modules), numpy.ctypeslib.ctypes is None)"
+    assert run_tests(probe, Spec(stdio=(("", "0 True\n"),)), stdio_runner=runner, allow_numpy=True).passed == 1
+
+
+def test_numpy_in_call_cases_follows_the_same_switch():
+    from areal_jax.rewards.code_tests import asserts_to_spec
+
+    answer = encode_tests(asserts_to_spec(["assert f(3) == 6", "assert f(10) == 20"]))
+    program = "import numpy as np\ndef f(x):\n    return int(np.int64(x) * 2)"
+    assert code_tests_reward(program, answer) == 0.0
+    assert code_tests_reward(program, answer, allow_numpy=True) == 1.0
+    from areal_jax.rewards.config import RewardConfig
+
+    scorer = RewardConfig(fn="code", timeout_s=30.0, code_allow_numpy=True).scorer()  # what the job's pool runs
+    assert scorer(program, answer) == 1.0 and RewardConfig(fn="code", timeout_s=30.0).scorer()(program, answer) == 0.0

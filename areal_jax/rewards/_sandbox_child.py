@@ -7,7 +7,8 @@ hook that denies network, process creation and file access outside the allowed r
 bootstrap costs a bare interpreter start.
 
 Config keys: workdir (str), cpu_time_s (int), memory_bytes (int), file_bytes (int), max_processes
-(int), audit_hook (bool), allow_subprocess (bool).
+(int), audit_hook (bool), allow_subprocess (bool), blocked_import_error (bool: a blocked import raises ImportError
+rather than PermissionError, so libraries that only try ctypes, numpy among them, import without it).
 """
 
 import json
@@ -35,6 +36,10 @@ _READABLE_FILES = frozenset({"/dev/null", "/dev/urandom", "/dev/random", "/dev/z
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
+class _BlockedImport(ImportError):
+    """What the audit hook raises for a blocked import when the config's blocked_import_error is on."""
+
+
 def _set_limit(which: int, soft: int, hard: int) -> None:
     try:
         resource.setrlimit(which, (soft, hard))
@@ -57,7 +62,7 @@ def _apply_limits(cfg: dict) -> None:
     signal.signal(signal.SIGXCPU, on_cpu_limit)
 
 
-def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
+def _install_audit_hook(workdir: str, allow_subprocess: bool, blocked_import_error: bool = False) -> None:
     write_root = os.path.realpath(workdir)
     read_roots = {write_root}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
@@ -102,6 +107,8 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
             elif event in _ALWAYS_BLOCKED:
                 deny(event)
             elif event == "import" and args and args[0] in _BLOCKED_IMPORTS:
+                if blocked_import_error:  # numpy's `try: import ctypes / except ImportError` then goes on without
+                    raise _BlockedImport(f"sandbox: importing {args[0]} is not allowed")
                 deny("importing", args[0])
             elif not allow_subprocess and (
                 event in _PROCESS_EVENTS
@@ -149,7 +156,7 @@ def main() -> None:
     sys.argv = ["main.py"]
     sys.path.insert(0, workdir)
     if cfg["audit_hook"]:
-        _install_audit_hook(workdir, bool(cfg["allow_subprocess"]))
+        _install_audit_hook(workdir, bool(cfg["allow_subprocess"]), bool(cfg.get("blocked_import_error")))
     module = types.ModuleType("__main__")
     module.__file__ = os.path.join(workdir, "main.py")
     module.__builtins__ = __builtins__

@@ -92,9 +92,9 @@ def extract_program(completion: str) -> str | None:
 
 
 def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-               stop_on_fail: bool, runner: str = "fork") -> list[str]:
+               stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False) -> list[str]:
     if runner == "fork":
-        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail)
+        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail, allow_numpy)
     statuses = []
     for stdin, expected in spec.stdio:
         remaining = deadline - time.monotonic()
@@ -102,7 +102,8 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
             statuses.append("not_run")
             continue
         result = run_python_sandboxed(f"{spec.setup}\n{program}" if spec.setup else program, stdin=stdin,
-                                      timeout_s=min(case_timeout_s, remaining), memory_mb=memory_mb)
+                                      timeout_s=min(case_timeout_s, remaining), memory_mb=memory_mb,
+                                      allow_numpy=allow_numpy)
         if result.status == "timeout":
             statuses.append("timeout")
         elif result.status != "ok":
@@ -113,7 +114,7 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
 
 
 def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-                      stop_on_fail: bool) -> list[str]:
+                      stop_on_fail: bool, allow_numpy: bool = False) -> list[str]:
     """The stdin/stdout cases in one sandboxed runner (``_stdio_harness.py``) that forks a candidate process per
     case; the outputs are compared here as the reports arrive. With ``stop_on_fail`` the runner stops itself after a
     case that errs or times out, and is stopped from here at the first wrong output (it never sees the expected
@@ -131,7 +132,7 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
     first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
     result = run_python_sandboxed(_source(_STDIO_HARNESS_PATH), stdin=json.dumps(payload), timeout_s=budget,
                                   memory_mb=memory_mb, max_output_bytes=cap, allow_subprocess=True,
-                                  cpu_time_s=budget + 1, stop_when=first_wrong)
+                                  cpu_time_s=budget + 1, stop_when=first_wrong, allow_numpy=allow_numpy)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i, (_, expected) in enumerate(spec.stdio):
@@ -193,7 +194,7 @@ def _reports(stdout: str, nonce: str) -> dict[int, dict]:
 
 
 def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-                 stop_on_fail: bool) -> list[str]:
+                 stop_on_fail: bool, allow_numpy: bool = False) -> list[str]:
     cases = [{"kind": "expr", "src": src} for src, _ in spec.calls]
     cases += [{"kind": "exec", "src": src} for src in spec.programs]
     nonce = secrets.token_hex(16)
@@ -204,7 +205,8 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
         return ["not_run"] * len(cases)
     # Process creation is allowed for the harness's fork only: the candidate process denies it itself.
     result = run_python_sandboxed(_harness_source(), stdin=json.dumps(payload), timeout_s=budget,
-                                  memory_mb=memory_mb, max_output_bytes=4 << 20, allow_subprocess=True)
+                                  memory_mb=memory_mb, max_output_bytes=4 << 20, allow_subprocess=True,
+                                  allow_numpy=allow_numpy)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):
@@ -236,9 +238,10 @@ def _value_matches(text: Any, expected: Any) -> bool:
 
 
 def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
-              sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork") -> TestOutcome:
+              sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
+              allow_numpy: bool = False) -> TestOutcome:
     """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc. stdio_runner: how the
-    stdin/stdout cases run (STDIO_RUNNERS)."""
+    stdin/stdout cases run (STDIO_RUNNERS); allow_numpy: programs may import numpy (``run_python_sandboxed``)."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
     if stdio_runner not in STDIO_RUNNERS:
@@ -250,18 +253,19 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
     deadline = time.monotonic() + sample_timeout_s
     statuses = []
     if spec.stdio:
-        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner)
+        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner, allow_numpy)
     if spec.calls or spec.programs:
         if stop and any(s != "pass" for s in statuses):
             statuses += ["not_run"] * (len(spec.calls) + len(spec.programs))
         else:
-            statuses += _run_harness(program, spec, deadline, case_timeout_s, memory_mb, stop)
+            statuses += _run_harness(program, spec, deadline, case_timeout_s, memory_mb, stop, allow_numpy)
     passed = sum(s == "pass" for s in statuses)
     return TestOutcome(passed=passed, total=len(statuses), statuses=tuple(statuses))
 
 
 def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
-                      sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork") -> float:
+                      sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
+                      allow_numpy: bool = False) -> float:
     """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
 
     mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
@@ -273,7 +277,8 @@ def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", c
     if program is None:
         return 0.0
     outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
-                        sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner)
+                        sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner,
+                        allow_numpy=allow_numpy)
     if mode == "pass_rate":
         return outcome.pass_rate
     return 1.0 if outcome.passed == outcome.total else 0.0
@@ -290,10 +295,11 @@ def code_pass_rate(completion: str, answer: str) -> float:
 
 
 def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample_timeout_s: float = 20.0,
-                     memory_mb: int = 512) -> functools.partial:
+                     memory_mb: int = 512, allow_numpy: bool = False) -> functools.partial:
     """A picklable (completion, answer) -> float for the RewardPool, with these limits."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"reward.code_mode={mode!r} is not one of {', '.join(CODE_REWARD_MODES)}; pass "
                          f"--config.reward.code_mode=all_pass or pass_rate.")
     return functools.partial(code_tests_reward, mode=mode, case_timeout_s=float(case_timeout_s),
-                             sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb))
+                             sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb),
+                             allow_numpy=bool(allow_numpy))

@@ -36,6 +36,9 @@ class RewardConfig(Section):
                           choices=("all_pass", "pass_rate"))
     code_case_timeout_s: float = knob(4.0, "reward.fn=code: wall-clock limit per test case")
     code_sample_timeout_s: float = knob(20.0, "reward.fn=code: limit for all cases of one sample")
+    code_allow_numpy: bool = knob(False, "reward.fn=code: programs may import numpy (without ctypes); its array "
+                                  "interface reaches any address of the sandboxed process, so the audit hook's file "
+                                  "rules no longer bind a program that goes looking (namespaces and limits still do)")
 
     def check(self) -> None:
         k = self.key
@@ -69,5 +72,6 @@ class RewardConfig(Section):
         if self.fn == "code":
             from areal_jax.rewards.code import make_code_reward
 
-            return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s)
+            return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s,
+                                    allow_numpy=self.code_allow_numpy)
         return REWARD_FUNCTIONS.get(self.fn, self.fn)

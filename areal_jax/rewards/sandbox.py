@@ -156,6 +156,7 @@ def run_python_sandboxed(
     isolate_network: bool = True,
     audit_hook: bool = True,
     allow_subprocess: bool = False,
+    allow_numpy: bool = False,
     python: str | None = None,
     stop_when: Callable[[bytes], bool] | None = None,
 ) -> SandboxResult:
@@ -173,6 +174,10 @@ def run_python_sandboxed(
       isolate_network: run under ``unshare`` network (and PID) namespaces when available.
       audit_hook: install the deny-list audit hook (turn off only to test the other layers).
       allow_subprocess: let the audit hook permit fork/exec/kill (still bounded by the other layers).
+      allow_numpy: a blocked import (ctypes, cffi) raises ImportError instead of PermissionError, so numpy, which
+        only tries ctypes, imports without it. numpy's array interface can then read and write any address of the
+        sandboxed process, so a program that goes looking can undo the audit hook's file rules: only the
+        namespaces and resource limits still hold it. Off unless a task needs numpy.
       python: interpreter to run; default the current one.
       stop_when: called with each new piece of stdout, in order; True kills the process group and returns what
         was read (status "stopped", e.g. once a test runner's reports settle the outcome).
@@ -190,12 +195,15 @@ def run_python_sandboxed(
         "max_processes": int(max_processes),
         "audit_hook": bool(audit_hook),
         "allow_subprocess": bool(allow_subprocess),
+        "blocked_import_error": bool(allow_numpy),
     }
     prefix = namespace_isolation() if isolate_network else ()
     # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
     cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           # one thread per numerical library: a test runs single-threaded, within its address-space limit
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = None
     try:
