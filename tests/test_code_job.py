@@ -48,7 +48,8 @@ def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
     c.eval.at_start, c.eval.start_samples, c.eval.samples = True, 0, 2
     with open(paths["train"]) as f:
         solutions = {json.loads(line)["text"]: json.loads(line)["code"] for line in f}
-    job = RLJob(c, log_fn=lambda *a, **k: None)
+    lines = []
+    job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
     submitted = []
     submit = job.reward_pool.submit
 
@@ -88,6 +89,8 @@ def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
                                                                  for t in (r["greedy"], *r["samples"])]
         greedy = sum(r["greedy_reward"] >= 1.0 for r in records) / len(records)
         assert job.evaluations[tag]["greedy_pass@1"] == pytest.approx(greedy)
+        total = len(records) * (1 + k)  # the evaluation's progress reached the log
+        assert any(line.startswith(f"[eval {tag}] {total} / {total} sequences generated (100%)") for line in lines)
 
 
 def test_code_task_config_mistakes_are_one_sentence_errors(tmp_path):

@@ -50,9 +50,11 @@ class JobEvaluator:
                 streams=self.streams, decode_steps=self.decode_steps)
         return self._engine
 
-    def run(self, params: Any, pool: Any, tag: str) -> dict:
+    def run(self, params: Any, pool: Any, tag: str, log: Any = None) -> dict:
         """Evaluate ``params`` (the rollout slice's copy) scored by ``pool``; writes the records of ``tag`` into the
-        run directory and returns the figures (evaluation.scoring.evaluate_examples, without "problems")."""
+        run directory and returns the figures (evaluation.scoring.evaluate_examples, without "problems"). log: gets
+        a progress line at each further tenth of the sequences, at most one per 5 s (a long evaluation at real
+        sizes takes minutes)."""
         from areal_jax.evaluation.scoring import evaluate_params
 
         c = self.config
@@ -60,7 +62,8 @@ class JobEvaluator:
             self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
             max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=c.eval.samples_for(tag),
             temperature=c.rollout.temperature or 1.0, examples=self.examples, engine=self.engine(), pool=pool,
-            decode_steps=self.decode_steps, streams=self.streams, records=True)
+            decode_steps=self.decode_steps, streams=self.streams, records=True,
+            log=None if log is None else (lambda line: log(line.replace("[eval]", f"[eval {tag}]", 1))))
         problems = res.pop("problems")
         target = records_path(c.run_dir, tag)
         paths.makedirs(target.parent)

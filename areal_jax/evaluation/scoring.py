@@ -175,9 +175,9 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                     seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                     reward_timeout_s: float = 5.0, examples: list | None = None, engine: Any = None,
                     pool: Any = None, decode_steps: int = 1, temperature: float = 1.0, streams: int = 1,
-                    records: bool = False) -> dict:
+                    records: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Evaluate params (an nnx.State, or a FlatParams) on the first n problems of a split, formatted like training
-    (or on `examples`, already loaded by load_eval_examples). engine / pool / records: see evaluate_examples.
+    (or on `examples`, already loaded by load_eval_examples). engine / pool / records / log: see evaluate_examples.
 
     data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
     from flax import nnx
@@ -191,7 +191,8 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
     return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
                              reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,
-                             params=params, pool=pool, decode_steps=decode_steps, streams=streams, records=records)
+                             params=params, pool=pool, decode_steps=decode_steps, streams=streams, records=records,
+                             log=log)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -279,7 +279,7 @@ class RLJob:
             self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_examples,
                                            self.meshes.rollout_mesh)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
-            res = self._evaluator.run(params, self.reward_pool, tag)
+            res = self._evaluator.run(params, self.reward_pool, tag, log=self.log)
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
         self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems "
