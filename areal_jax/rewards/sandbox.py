@@ -75,6 +75,15 @@ class SandboxResult:
         return self.status == "ok"
 
 
+@functools.lru_cache(maxsize=1)
+def _install_paths() -> dict[str, str]:
+    """This interpreter's stdlib / platstdlib / purelib / platlib directories (what the sandbox may read)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return {key: paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+
+
 @functools.lru_cache(maxsize=None)
 def namespace_isolation() -> tuple[str, ...]:
     """The ``unshare`` command prefix that works on this host (network + PID namespaces preferred),
@@ -197,6 +206,8 @@ def run_python_sandboxed(
         "allow_subprocess": bool(allow_subprocess),
         "blocked_import_error": bool(allow_numpy),
     }
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        config["paths"] = _install_paths()  # the child need not import sysconfig for them
     prefix = namespace_isolation() if isolate_network else ()
     # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
     cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
