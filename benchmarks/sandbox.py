@@ -6,13 +6,17 @@ Measures, one after another on this machine:
   a. a bare interpreter start, ``python -c 'print(1)'`` (subprocess.run in a new session), per run, and with
      ``-I -B -S`` (isolated mode, no site module or .pth hooks: how the sandbox starts its interpreter);
   b. one sandboxed run of the same program (rewards/sandbox.py: namespaces, limits, audit hook), per run;
-  c. one sample of a synthetic task (5 assert cases, one harness process) through code_tests_reward;
+  b2. the same program run forked from a zygote (rewards.zygote: a long-lived sandboxed process forking a fresh
+     run per request), per run;
+  c. one sample of a synthetic task (5 assert cases, one harness) through code_tests_reward, its harness forked
+     from the zygote (the default) against started in a fresh sandbox (launch="fresh");
   d. the RewardPool with --workers processes scoring --n assert samples and --n stdin samples (3 cases in one
-     forked runner each): sandbox executions/s, test cases/s and samples/s;
-  e. one sample of a stdin task with --stdin-cases cases (TACO / DeepCoder rows hold tens to hundreds), its
-     cases run by the forked runner (one sandboxed process forking a candidate per case, the default) against
-     a fresh sandboxed interpreter per case (stdio_runner="process"), for a correct program and for one that
-     fails at the middle case (all_pass stops there): ms per sample and the ratio.
+     forked runner each): sandbox executions/s, test cases/s and samples/s, with zygotes (the default) and with
+     a fresh sandbox per harness;
+  e. one sample of a stdin task with --stdin-cases cases (TACO / DeepCoder rows hold tens to hundreds): the
+     default (a runner forked from the zygote, forking a candidate per case) against a fresh sandboxed
+     interpreter per case (stdio_runner="process", launch="fresh": how every stdin case ran before), for a
+     correct program and for one that fails at the middle case (all_pass stops there): ms per sample, ratio.
 Prints the matmul peak and the load average beside the figures (the CPU may be shared) and ends with
 one JSON line.
 """
@@ -31,6 +35,7 @@ from areal_jax.rewards.code import code_tests_reward, make_code_reward  # noqa: 
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests  # noqa: E402
 from areal_jax.rewards.pool import RewardPool  # noqa: E402
 from areal_jax.rewards.sandbox import namespace_isolation, run_python_sandboxed  # noqa: E402
+from areal_jax.rewards.zygote import run_forked  # noqa: E402
 
 ASSERT_TASK = encode_tests(asserts_to_spec([f"assert f({x}) == {sum(map(int, str(x)))}"
                                             for x in (0, 7, 58, 406, 4071)]))
@@ -71,21 +76,29 @@ def main() -> None:
                                                     capture_output=True, check=True, start_new_session=True),
                              args.serial)
     sandboxed = _per_run(lambda: run_python_sandboxed("print(1)"), args.serial)
+    forked = _per_run(lambda: run_forked("print(1)"), args.serial)
     harness = _per_run(lambda: code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK), args.serial)
+    harness_fresh = _per_run(lambda: code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK, launch="fresh"), args.serial)
     assert code_tests_reward(ASSERT_PROGRAM, ASSERT_TASK) == 1.0 and code_tests_reward(STDIO_PROGRAM, STDIO_TASK) == 1.0
     print(f"a. bare python -c: {bare * 1e3:.1f} ms (python -I -B -S -c, as the sandbox starts it: "
           f"{bare_isolated * 1e3:.1f} ms); b. sandboxed: {sandboxed * 1e3:.1f} ms ({sandboxed / bare:.2f}x of "
           f"python -c, {sandboxed / bare_isolated:.2f}x of python -I -B -S -c); c. one 5-assert sample: "
-          f"{harness * 1e3:.1f} ms", flush=True)
+          f"{harness * 1e3:.1f} ms (harness in a fresh sandbox: {harness_fresh * 1e3:.1f} ms, "
+          f"{harness_fresh / harness:.1f}x); b2. forked from the zygote: {forked * 1e3:.1f} ms "
+          f"({sandboxed / forked:.1f}x faster than b)", flush=True)
 
     items = [(f"a{i}", ASSERT_PROGRAM, ASSERT_TASK) for i in range(args.n)]
     items += [(f"s{i}", STDIO_PROGRAM, STDIO_TASK) for i in range(args.n)]
-    with RewardPool(make_code_reward(), num_workers=args.workers, timeout_s=60.0) as pool:
-        pool.score_batch(items[:args.workers])  # workers started and warm
-        t0 = time.perf_counter()
-        results = pool.score_batch(items)
-        seconds = time.perf_counter() - t0
-    assert all(r.reward == 1.0 for r in results), [r for r in results if r.reward != 1.0][:2]
+    pool_seconds = {}
+    for launch in ("fresh", "zygote"):
+        with RewardPool(make_code_reward(launch=launch), num_workers=args.workers, timeout_s=60.0,
+                        cache_size=0) as pool:
+            pool.score_batch(items[:args.workers])  # workers started and warm
+            t0 = time.perf_counter()
+            results = pool.score_batch(items)
+            pool_seconds[launch] = time.perf_counter() - t0
+        assert all(r.reward == 1.0 for r in results), [r for r in results if r.reward != 1.0][:2]
+    seconds = pool_seconds["zygote"]
     executions = args.n * 2  # one harness process per assert sample, one forked runner per stdin sample
     cases = args.n * 5 + args.n * 3
     out = {
@@ -95,11 +108,16 @@ def main() -> None:
         "sandbox_overhead_ratio": round(sandboxed / bare, 3),
         "sandbox_overhead_ratio_isolated": round(sandboxed / bare_isolated, 3), "assert_sample_ms": round(harness * 1e3, 2),
         "pool_executions_per_s": round(executions / seconds, 2), "pool_cases_per_s": round(cases / seconds, 2),
-        "pool_samples_per_s": round(len(items) / seconds, 2), "matmul_peak_gflops": round(peak, 1),
+        "pool_samples_per_s": round(len(items) / seconds, 2),
+        "pool_samples_per_s_fresh": round(len(items) / pool_seconds["fresh"], 2),
+        "pool_zygote_speedup": round(pool_seconds["fresh"] / seconds, 2), "forked_run_ms": round(forked * 1e3, 2),
+        "assert_sample_fresh_ms": round(harness_fresh * 1e3, 2), "matmul_peak_gflops": round(peak, 1),
         "load_average_1min": round(load[0], 2), "cpus": os.cpu_count(),
     }
     print(f"d. pool of {args.workers}: {out['pool_executions_per_s']} sandbox executions/s, "
-          f"{out['pool_cases_per_s']} test cases/s, {out['pool_samples_per_s']} samples/s", flush=True)
+          f"{out['pool_cases_per_s']} test cases/s, {out['pool_samples_per_s']} samples/s against "
+          f"{out['pool_samples_per_s_fresh']} with a fresh sandbox per harness ({out['pool_zygote_speedup']}x)",
+          flush=True)
 
     rng = __import__("random").Random(0)
     rows = [[rng.randint(-1000, 1000) for _ in range(100)] for _ in range(args.stdin_cases)]
@@ -110,13 +128,14 @@ def main() -> None:
     summing = "input()\nprint(sum(map(int, input().split())))"
     repeats = max(2, args.serial // 4)
     timed = {}
-    for runner in ("fork", "process"):
-        assert code_tests_reward(summing, many, stdio_runner=runner) == 1.0
-        assert code_tests_reward(summing, failing, stdio_runner=runner) == 0.0
-        timed[runner] = (_per_run(lambda r=runner: code_tests_reward(summing, many, stdio_runner=r), repeats),
-                         _per_run(lambda r=runner: code_tests_reward(summing, failing, stdio_runner=r), repeats))
+    for runner, launch in (("fork", "zygote"), ("process", "fresh")):
+        kw = {"stdio_runner": runner, "launch": launch}
+        assert code_tests_reward(summing, many, **kw) == 1.0
+        assert code_tests_reward(summing, failing, **kw) == 0.0
+        timed[runner] = (_per_run(lambda kw=kw: code_tests_reward(summing, many, **kw), repeats),
+                         _per_run(lambda kw=kw: code_tests_reward(summing, failing, **kw), repeats))
     (fork_ok, fork_bad), (proc_ok, proc_bad) = timed["fork"], timed["process"]
-    print(f"e. a {args.stdin_cases}-case stdin sample, correct: forked runner {fork_ok * 1e3:.0f} ms against "
+    print(f"e. a {args.stdin_cases}-case stdin sample, correct: the default {fork_ok * 1e3:.0f} ms against "
           f"{proc_ok * 1e3:.0f} ms with a fresh interpreter per case (**{proc_ok / fork_ok:.1f}x**); failing at "
           f"case {middle + 1}: {fork_bad * 1e3:.0f} ms against {proc_bad * 1e3:.0f} ms ({proc_bad / fork_bad:.1f}x)",
           flush=True)

@@ -49,6 +49,14 @@ def test_each_case_has_the_status_a_fresh_interpreter_gives(name):
             == code_tests_reward(program, answer, stdio_runner="process"))
 
 
+@pytest.mark.parametrize("name", ["input()", "wrong", "uncaught exception", "exit(3) after printing",
+                                  "starts a process", "output past the cap", "deep recursion in a thread"])
+def test_a_runner_forked_from_the_zygote_gives_what_a_fresh_sandbox_gives(name):
+    zygote = run_tests(PROGRAMS[name], SPEC, mode="pass_rate", case_timeout_s=5.0, launch="zygote")
+    fresh = run_tests(PROGRAMS[name], SPEC, mode="pass_rate", case_timeout_s=5.0, launch="fresh")
+    assert zygote.statuses == fresh.statuses
+
+
 def test_statuses_of_the_battery_are_what_each_program_does():
     """The reference itself, spelled out for a few programs (not only agreement between the runners)."""
     want = {"input()": ("pass",) * 3, "wrong": ("fail",) * 3, "uncaught exception": ("error",) * 3,

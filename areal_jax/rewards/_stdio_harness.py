@@ -132,6 +132,8 @@ def _harness() -> None:
             if not exited and (exit_fd is None or exit_fd in ready or not reading):
                 done, wait_status = os.waitpid(pid, os.WNOHANG)
                 exited = done == pid
+                if exited and exit_fd is not None:
+                    poller.unregister(exit_fd)  # readable from now on: it would wake every poll
         os.close(out_r)
         if exit_fd is not None:
             os.close(exit_fd)

@@ -19,6 +19,9 @@ How cases run (rewards/sandbox.py contains every process):
     ``os._exit``, ``raise SystemExit``, patched builtins or encoders, objects whose ``__eq__`` is always
     true, stolen report nonces and rewritten files all fail, for both kinds. Opaque tests that need the
     program's own objects (instances, arguments mutated in place, functions passed in) fail too.
+Each harness's sandbox is forked from this thread's zygote (``rewards.zygote``: a long-lived sandboxed process that
+never runs untrusted code and forks a fresh run process per sample, in about 4 ms against about 30 ms for a new
+sandboxed interpreter; ``launch="fresh"`` starts one per sample instead, and is the fallback when no zygote starts).
 Limits: ``case_timeout_s`` per case and ``sample_timeout_s`` for all cases of one sample; with
 ``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample (the forked
 runner, which never sees expected outputs, stops at the first case that errs or times out; the statuses after a
@@ -37,7 +40,7 @@ import time
 from typing import Any
 
 from areal_jax.rewards.code_tests import TestSpec, outputs_match, parse_tests, values_equal
-from areal_jax.rewards.sandbox import run_python_sandboxed
+from areal_jax.rewards.sandbox import SandboxResult, run_python_sandboxed
 
 __all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "code_tests_reward",
            "code_all_pass", "code_pass_rate", "make_code_reward"]
@@ -50,6 +53,9 @@ _STARTUP_ALLOWANCE_S = 2.0  # interpreter start-up of the harness process, on to
 # How stdin/stdout cases run: "fork" (one sandboxed runner forks a candidate process per case, about a millisecond
 # each) or "process" (a fresh sandboxed interpreter per case, about 30 ms each); both give the same statuses.
 STDIO_RUNNERS = ("fork", "process")
+# How a harness's sandbox starts: "zygote" (forked from this thread's long-lived sandboxed process, rewards.zygote:
+# about 4 ms) or "fresh" (a new sandboxed interpreter, about 30 ms).
+LAUNCHES = ("zygote", "fresh")
 _STDIO_OUTPUT_BYTES = 1 << 20  # per case, as a sandboxed process's own max_output_bytes
 
 
@@ -91,10 +97,29 @@ def extract_program(completion: str) -> str | None:
     return body if body.strip() else None
 
 
+def _run_sandboxed_harness(source: str, payload: dict, *, timeout_s: float, memory_mb: int, max_output_bytes: int,
+                           allow_numpy: bool, launch: str, stop_when: Any = None) -> SandboxResult:
+    """A harness (trusted source that forks its own candidate processes) in the sandbox, with ``payload`` as its
+    stdin: forked from a zygote, or in a fresh sandboxed interpreter (also when the zygote cannot start)."""
+    stdin = json.dumps(payload)
+    if launch == "zygote":
+        from areal_jax.rewards.zygote import ZygoteError, run_forked
+
+        try:
+            return run_forked(source, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
+                              max_output_bytes=max_output_bytes, allow_numpy=allow_numpy, stop_when=stop_when)
+        except (ZygoteError, OSError):
+            pass  # e.g. no process creation here: the fresh sandbox below still scores the sample
+    return run_python_sandboxed(source, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
+                                max_output_bytes=max_output_bytes, allow_subprocess=True, cpu_time_s=timeout_s + 1,
+                                stop_when=stop_when, allow_numpy=allow_numpy)
+
+
 def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-               stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False) -> list[str]:
+               stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
     if runner == "fork":
-        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail, allow_numpy)
+        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail, allow_numpy,
+                                 launch)
     statuses = []
     for stdin, expected in spec.stdio:
         remaining = deadline - time.monotonic()
@@ -114,7 +139,7 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
 
 
 def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-                      stop_on_fail: bool, allow_numpy: bool = False) -> list[str]:
+                      stop_on_fail: bool, allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
     """The stdin/stdout cases in one sandboxed runner (``_stdio_harness.py``) that forks a candidate process per
     case; the outputs are compared here as the reports arrive. With ``stop_on_fail`` the runner stops itself after a
     case that errs or times out, and is stopped from here at the first wrong output (it never sees the expected
@@ -130,9 +155,8 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
     # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
     cap = min(n * (6 * _STDIO_OUTPUT_BYTES + 256) + 4096, 256 << 20)
     first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
-    result = run_python_sandboxed(_source(_STDIO_HARNESS_PATH), stdin=json.dumps(payload), timeout_s=budget,
-                                  memory_mb=memory_mb, max_output_bytes=cap, allow_subprocess=True,
-                                  cpu_time_s=budget + 1, stop_when=first_wrong, allow_numpy=allow_numpy)
+    result = _run_sandboxed_harness(_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget, memory_mb=memory_mb,
+                                    max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch, stop_when=first_wrong)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i, (_, expected) in enumerate(spec.stdio):
@@ -194,7 +218,7 @@ def _reports(stdout: str, nonce: str) -> dict[int, dict]:
 
 
 def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-                 stop_on_fail: bool, allow_numpy: bool = False) -> list[str]:
+                 stop_on_fail: bool, allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
     cases = [{"kind": "expr", "src": src} for src, _ in spec.calls]
     cases += [{"kind": "exec", "src": src} for src in spec.programs]
     nonce = secrets.token_hex(16)
@@ -204,9 +228,8 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     if budget <= 0.05:
         return ["not_run"] * len(cases)
     # Process creation is allowed for the harness's fork only: the candidate process denies it itself.
-    result = run_python_sandboxed(_harness_source(), stdin=json.dumps(payload), timeout_s=budget,
-                                  memory_mb=memory_mb, max_output_bytes=4 << 20, allow_subprocess=True,
-                                  allow_numpy=allow_numpy)
+    result = _run_sandboxed_harness(_harness_source(), payload, timeout_s=budget, memory_mb=memory_mb,
+                                    max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):
@@ -239,13 +262,16 @@ def _value_matches(text: Any, expected: Any) -> bool:
 
 def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
               sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-              allow_numpy: bool = False) -> TestOutcome:
+              allow_numpy: bool = False, launch: str = "zygote") -> TestOutcome:
     """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc. stdio_runner: how the
-    stdin/stdout cases run (STDIO_RUNNERS); allow_numpy: programs may import numpy (``run_python_sandboxed``)."""
+    stdin/stdout cases run (STDIO_RUNNERS); allow_numpy: programs may import numpy (``run_python_sandboxed``);
+    launch: how each harness's sandbox starts (LAUNCHES)."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
     if stdio_runner not in STDIO_RUNNERS:
         raise ValueError(f"stdio_runner must be one of {STDIO_RUNNERS}, got {stdio_runner!r}.")
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}.")
     if case_timeout_s <= 0 or sample_timeout_s <= 0:
         raise ValueError(f"time limits must be positive, got case_timeout_s={case_timeout_s}, "
                          f"sample_timeout_s={sample_timeout_s}.")
@@ -253,19 +279,20 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
     deadline = time.monotonic() + sample_timeout_s
     statuses = []
     if spec.stdio:
-        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner, allow_numpy)
+        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner, allow_numpy,
+                               launch)
     if spec.calls or spec.programs:
         if stop and any(s != "pass" for s in statuses):
             statuses += ["not_run"] * (len(spec.calls) + len(spec.programs))
         else:
-            statuses += _run_harness(program, spec, deadline, case_timeout_s, memory_mb, stop, allow_numpy)
+            statuses += _run_harness(program, spec, deadline, case_timeout_s, memory_mb, stop, allow_numpy, launch)
     passed = sum(s == "pass" for s in statuses)
     return TestOutcome(passed=passed, total=len(statuses), statuses=tuple(statuses))
 
 
 def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
                       sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-                      allow_numpy: bool = False) -> float:
+                      allow_numpy: bool = False, launch: str = "zygote") -> float:
     """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
 
     mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
@@ -278,7 +305,7 @@ def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", c
         return 0.0
     outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
                         sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner,
-                        allow_numpy=allow_numpy)
+                        allow_numpy=allow_numpy, launch=launch)
     if mode == "pass_rate":
         return outcome.pass_rate
     return 1.0 if outcome.passed == outcome.total else 0.0
@@ -295,11 +322,12 @@ def code_pass_rate(completion: str, answer: str) -> float:
 
 
 def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample_timeout_s: float = 20.0,
-                     memory_mb: int = 512, allow_numpy: bool = False) -> functools.partial:
+                     memory_mb: int = 512, allow_numpy: bool = False, launch: str = "zygote",
+                     stdio_runner: str = "fork") -> functools.partial:
     """A picklable (completion, answer) -> float for the RewardPool, with these limits."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"reward.code_mode={mode!r} is not one of {', '.join(CODE_REWARD_MODES)}; pass "
                          f"--config.reward.code_mode=all_pass or pass_rate.")
     return functools.partial(code_tests_reward, mode=mode, case_timeout_s=float(case_timeout_s),
                              sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb),
-                             allow_numpy=bool(allow_numpy))
+                             allow_numpy=bool(allow_numpy), launch=launch, stdio_runner=stdio_runner)

@@ -152,6 +152,55 @@ def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: 
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False, False, False
 
 
+def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time_s: float | None,
+                     max_file_bytes: int, max_processes: int, isolate_network: bool, audit_hook: bool,
+                     allow_subprocess: bool, allow_numpy: bool, python: str | None
+                     ) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    """(command, environment, namespace prefix) that start the sandbox's bootstrap on ``workdir``/main.py."""
+    config = {
+        "workdir": workdir,
+        "cpu_time_s": int(cpu_time_s if cpu_time_s is not None else math.ceil(timeout_s) + 1),
+        "memory_bytes": int(memory_mb) << 20,
+        "file_bytes": int(max_file_bytes),
+        "max_processes": int(max_processes),
+        "audit_hook": bool(audit_hook),
+        "allow_subprocess": bool(allow_subprocess),
+        "blocked_import_error": bool(allow_numpy),
+    }
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        config["paths"] = _install_paths()  # the child need not import sysconfig for them
+    prefix = namespace_isolation() if isolate_network else ()
+    # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
+    cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           # one thread per numerical library: a test runs single-threaded, within its address-space limit
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return cmd, env, tuple(prefix)
+
+
+def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7, max_file_bytes: int = 16 << 20,
+                    max_processes: int = 64, isolate_network: bool = True, allow_subprocess: bool = False,
+                    allow_numpy: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start ``code`` in the sandbox as ``run_python_sandboxed`` would, but return at once: (the process, with pipes
+    for its stdin / stdout / stderr, in a session of its own; its working directory, which the caller removes). For a
+    long-lived sandboxed server (``rewards.zygote``)."""
+    workdir = tempfile.mkdtemp(prefix="areal_sandbox_")
+    cmd, env, _ = _sandbox_command(workdir, timeout_s=1.0, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
+                                   max_file_bytes=max_file_bytes, max_processes=max_processes,
+                                   isolate_network=isolate_network, audit_hook=True,
+                                   allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=None)
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                cwd=workdir, env=env, start_new_session=True, close_fds=True)
+    except OSError:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return proc, workdir
+
+
 def run_python_sandboxed(
     code: str,
     *,
@@ -196,25 +245,10 @@ def run_python_sandboxed(
             f"run_python_sandboxed needs positive limits, got timeout_s={timeout_s}, "
             f"memory_mb={memory_mb}, max_output_bytes={max_output_bytes}; pass values above zero.")
     workdir = tempfile.mkdtemp(prefix="areal_sandbox_")
-    config = {
-        "workdir": workdir,
-        "cpu_time_s": int(cpu_time_s if cpu_time_s is not None else math.ceil(timeout_s) + 1),
-        "memory_bytes": int(memory_mb) << 20,
-        "file_bytes": int(max_file_bytes),
-        "max_processes": int(max_processes),
-        "audit_hook": bool(audit_hook),
-        "allow_subprocess": bool(allow_subprocess),
-        "blocked_import_error": bool(allow_numpy),
-    }
-    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
-        config["paths"] = _install_paths()  # the child need not import sysconfig for them
-    prefix = namespace_isolation() if isolate_network else ()
-    # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
-    cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           # one thread per numerical library: a test runs single-threaded, within its address-space limit
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd, env, prefix = _sandbox_command(workdir, timeout_s=timeout_s, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
+                                        max_file_bytes=max_file_bytes, max_processes=max_processes,
+                                        isolate_network=isolate_network, audit_hook=audit_hook,
+                                        allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=python)
     start = time.monotonic()
     proc = None
     try:
