@@ -245,3 +245,40 @@ def test_deepcoder_and_livecodebench_parquet_rows_match_their_jsonl_rows(tmp_pat
     from_jsonl, _ = read_code_records(_write_jsonl(tmp_path / "d.jsonl", rows))
     assert stats.rows_kept == 3 and [r.row for r in from_parquet] == [0, 1, 2]
     assert [(r.question, r.answer) for r in from_parquet] == [(r.question, r.answer) for r in from_jsonl]
+
+
+CONTESTS = {"name": "1_A", "description": "Read n numbers and print their maximum.",
+            "public_tests": {"input": ["3\n1 9 4\n"], "output": ["9\n"]},
+            "private_tests": json.dumps({"input": ["1\n-2\n"], "output": ["-2\n"]}),
+            "generated_tests": {"input": ["2\n5 5\n", "4\n0 0 0 1\n"], "output": ["5\n", "1\n"]},
+            "solutions": {"language": [3], "solution": ["input()\nprint(max(map(int, input().split())))"]}}
+
+
+def test_codecontests_rows_run_every_listed_case_as_stdin(tmp_path):
+    from areal_jax.rewards.code import code_tests_reward
+
+    (record,), _ = read_code_records(_write_jsonl(tmp_path / "cc.jsonl", [CONTESTS]))
+    spec = parse_tests(record.answer)
+    assert spec.stdio == (("3\n1 9 4\n", "9\n"), ("1\n-2\n", "-2\n"), ("2\n5 5\n", "5\n"),
+                          ("4\n0 0 0 1\n", "1\n")) and not spec.calls
+    assert record.question == CONTESTS["description"] and "-2" not in record.question
+    good = "```python\ninput()\nprint(max(map(int, input().split())))\n```"
+    assert code_tests_reward(good, record.answer) == 1.0
+    import pyarrow as pa  # the dataset's own Parquet form: the test fields are structs of string lists
+    import pyarrow.parquet as pq
+
+    row = dict(CONTESTS, private_tests=json.loads(CONTESTS["private_tests"]))
+    pq.write_table(pa.Table.from_pylist([row]), str(tmp_path / "cc.parquet"))
+    (from_parquet,), _ = read_code_records(str(tmp_path / "cc.parquet"))
+    assert parse_tests(from_parquet.answer) == spec and from_parquet.question == record.question
+    assert code_tests_reward("input()\nprint(max(map(int, input().split()[:2])))", record.answer) == 0.0
+
+
+@pytest.mark.parametrize("row, message", [
+    (dict(CONTESTS, public_tests={"input": ["1\n"]}), "'public_tests' must be an object with 'input' and 'output'"),
+    (dict(CONTESTS, generated_tests={"input": ["1\n"], "output": []}), "'generated_tests' has 1 inputs but 0"),
+    ({"description": "d", "public_tests": {"input": [], "output": []}, "private_tests": None}, "hold no test case"),
+])
+def test_malformed_codecontests_rows_are_named(tmp_path, row, message):
+    with pytest.raises(ValueError, match=f"cc.jsonl, line 1: .*{message}"):
+        read_code_records(_write_jsonl(tmp_path / "cc.jsonl", [row]))

@@ -7,6 +7,9 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
   * stdin/stdout (APPS, TACO, DeepCoder): ``input_output`` (a JSON string or object) holding ``inputs``
     and ``outputs`` lists; each item a string or a list of lines. With ``fn_name`` it is call-based:
     each input is the list of arguments and each output the return value.
+  * CodeContests: ``public_tests``, ``private_tests`` and ``generated_tests``, each {"input": [...], "output": [...]}
+    (a JSON string or an object), all run as stdin/stdout cases; the statement is ``description``. Problems
+    that accept several right outputs (a checker in the contest) are not told apart: only the listed output passes.
   * assert lists (MBPP): ``test_list`` (assert statements), optional ``test_setup_code``.
   * a test program (HumanEval): ``test`` (defining ``check(candidate)``) plus ``entry_point``.
   * a case list (DeepCoder ``tests``, LiveCodeBench ``public_test_cases`` / ``private_test_cases``): a
@@ -47,7 +50,8 @@ __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_ro
 
 QUESTION_FIELDS = ("question", "problem", "prompt", "text", "description")
 # "auto" statement fields per layout, tried before QUESTION_FIELDS; keyed by _spec_for_row's layout.
-LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "question"),
+CONTEST_TEST_FIELDS = ("public_tests", "private_tests", "generated_tests")
+LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "question"), "contests": ("description",),
                           "test_cases": ("question_content",), "test_list": ("text", "prompt"),
                           "test": ("prompt",)}
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
@@ -99,6 +103,25 @@ def _io_spec(row: dict) -> TestSpec:
             raise _BadRow(f"a call-based input must be the list of arguments, got {type(args).__name__}")
         calls.append((_call_source(fn_name, args), expected))
     return TestSpec(calls=tuple(calls))
+
+
+def _contests_spec(row: dict) -> TestSpec:
+    """CodeContests: every case of public_tests, private_tests and generated_tests, in that order, as stdin/stdout."""
+    cases = []
+    for field in CONTEST_TEST_FIELDS:
+        if row.get(field) in (None, "", {}):
+            continue
+        tests = _parse_json_field(row, field)
+        if not isinstance(tests, dict) or not isinstance(tests.get("input"), list) \
+                or not isinstance(tests.get("output"), list):
+            raise _BadRow(f"{field!r} must be an object with 'input' and 'output' lists")
+        if len(tests["input"]) != len(tests["output"]):
+            raise _BadRow(f"{field!r} has {len(tests['input'])} inputs but {len(tests['output'])} outputs")
+        cases += [(_as_text(i, f"an input of {field!r}"), _as_text(o, f"an output of {field!r}"))
+                  for i, o in zip(tests["input"], tests["output"])]
+    if not cases:
+        raise _BadRow(f"{' / '.join(map(repr, CONTEST_TEST_FIELDS))} hold no test case")
+    return TestSpec(stdio=tuple(cases))
 
 
 def _call_source(fn_name: str, args: list) -> str:
@@ -249,6 +272,8 @@ def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
         return (*_case_list_spec(tests, "tests", _func_name(row)), "tests")
     if row.get("public_test_cases") is not None or row.get("private_test_cases") is not None:
         return (*_lcb_spec(row), "test_cases")
+    if any(row.get(field) is not None for field in CONTEST_TEST_FIELDS):
+        return _contests_spec(row), None, "contests"
     if "test_list" in row and row["test_list"] is not None:
         tests = _parse_json_field(row, "test_list") if isinstance(row["test_list"], str) else row["test_list"]
         if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
@@ -272,7 +297,8 @@ def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
         except ValueError as e:
             raise _BadRow(str(e)) from None
     raise _BadRow("no tests: expected 'input_output' (APPS / TACO), 'tests' (DeepCoder), 'public_test_cases' "
-                  "(LiveCodeBench), 'test_list' (MBPP) or 'test' with 'entry_point' (HumanEval)")
+                  "(LiveCodeBench), 'public_tests' / 'private_tests' (CodeContests), 'test_list' (MBPP) or 'test' "
+                  "with 'entry_point' (HumanEval)")
 
 
 def code_row_to_record(path: str, number: int, row: Any, question_field: str = "auto") -> Record:
@@ -357,5 +383,5 @@ def read_code_records(paths: str | Sequence[str], *, question_field: str = "auto
     if not records:
         skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
         raise ValueError(f"The code dataset {paths} has no usable rows{skipped}; check the files and the test "
-                         "fields (input_output, tests, public_test_cases, test_list, or test + entry_point).")
+                         "fields (input_output, tests, public_test_cases, public_tests, test_list, or test + entry_point).")
     return records, stats
