@@ -103,3 +103,13 @@ def test_stop_when_ends_a_forked_run():
     result = run_forked(code, timeout_s=90, stop_when=lambda piece: seen.append(piece) or b"2\n" in b"".join(seen))
     assert result.status == "stopped" and result.stdout.startswith("1\n2\n") and result.seconds < 30
     assert run_forked("print('after')").stdout == "after\n"
+
+
+def test_each_run_has_its_own_cpu_limit_and_cannot_raise_it():
+    out = run_forked("import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))", timeout_s=3.0)
+    assert out.stdout == "(5, 6)\n"  # the run's wall limit + 2 s, counted from its fork
+    raise_it = run_forked("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (10**6, 10**6))", timeout_s=3.0)
+    assert raise_it.status == "error" and "resource.setrlimit is not allowed" in raise_it.stderr
+    spin = run_forked("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 2))\nwhile True:\n    pass",
+                      timeout_s=30.0)  # lowering is allowed, and the kernel holds a run to its CPU limit
+    assert spin.status == "error" and spin.seconds < 20

@@ -41,6 +41,22 @@ class _BlockedImport(ImportError):
     """What the audit hook raises for a blocked import when the config's blocked_import_error is on."""
 
 
+def _only_lowers(args: tuple) -> bool:
+    """Whether resource.setrlimit(*args) keeps both limits at or below the current hard limit (a root process could
+    otherwise raise it)."""
+    try:
+        which, (soft, hard) = args[0], args[1]
+        current = resource.getrlimit(which)[1]
+    except (TypeError, ValueError, IndexError, OSError):
+        return False
+    inf = resource.RLIM_INFINITY
+
+    def at_most(value: int, limit: int) -> bool:
+        return limit == inf or (value != inf and 0 <= value <= limit)
+
+    return isinstance(soft, int) and isinstance(hard, int) and at_most(hard, current) and at_most(soft, hard)
+
+
 def _set_limit(which: int, soft: int, hard: int) -> None:
     try:
         resource.setrlimit(which, (soft, hard))
@@ -115,6 +131,8 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, blocked_import_err
                     deny("opening", path)
             elif event.startswith("socket."):
                 deny("network access", f"({event})")
+            elif event == "resource.setrlimit" and _only_lowers(args):
+                pass  # tightening a limit of this process (the zygote's run processes do) gives nothing away
             elif event in _ALWAYS_BLOCKED:
                 deny(event)
             elif event == "import" and args and args[0] in _BLOCKED_IMPORTS:

@@ -91,6 +91,8 @@ def _zygote() -> None:
     def run_child(request: dict, workdir: str, out_w: int) -> None:
         """The run process: from here on it runs the request's source, untrusted."""
         os.setpgid(0, 0)  # its own process group, killed whole at the end when there is no PID namespace
+        cpu = int(float(request["timeout_s"])) + 2  # CPU seconds of this run (and each process it forks)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering is all the audit hook allows
         os.chdir(workdir)
         confine_writes(workdir)
         with open("stdin", "w", encoding="utf-8") as f:
