@@ -160,3 +160,15 @@ def test_numpy_in_call_cases_follows_the_same_switch():
 
     scorer = RewardConfig(fn="code", timeout_s=30.0, code_allow_numpy=True).scorer()  # what the job's pool runs
     assert scorer(program, answer) == 1.0 and RewardConfig(fn="code", timeout_s=30.0).scorer()(program, answer) == 0.0
+
+
+def test_all_pass_stops_a_call_harness_at_the_first_wrong_value():
+    from areal_jax.rewards.code_tests import asserts_to_spec
+
+    spec = asserts_to_spec(["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 6"])
+    program = "import time\ndef f(x):\n    if x == 2:\n        time.sleep(60)\n    return x * 2 if x != 1 else 0"
+    t0 = time.monotonic()
+    out = run_tests(program, spec, mode="all_pass", case_timeout_s=20.0)
+    assert out.statuses == ("fail", "not_run", "not_run") and time.monotonic() - t0 < 10  # f(2)'s sleep not waited
+    out = run_tests(program, spec, mode="pass_rate", case_timeout_s=1.0)
+    assert out.statuses == ("fail", "timeout", "pass")  # without all_pass every case runs

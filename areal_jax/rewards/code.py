@@ -23,9 +23,9 @@ Each harness's sandbox is forked from this thread's zygote (``rewards.zygote``: 
 never runs untrusted code and forks a fresh run process per sample, in about 4 ms against about 30 ms for a new
 sandboxed interpreter; ``launch="fresh"`` starts one per sample instead, and is the fallback when no zygote starts).
 Limits: ``case_timeout_s`` per case and ``sample_timeout_s`` for all cases of one sample; with
-``mode="all_pass"`` the first failing stdio case (or the first raising call case) ends the sample (the forked
-runner, which never sees expected outputs, stops at the first case that errs or times out; the statuses after a
-failed case read "not_run" either way).
+``mode="all_pass"`` the first failing case ends the sample: the harnesses, which never see expected outputs, stop
+themselves at the first case that errs or times out, and are stopped from here at the first wrong output or value;
+the statuses after a failed case read "not_run".
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import re
 import secrets
 import textwrap
 import time
-from typing import Any
+from typing import Any, Callable
 
 from areal_jax.rewards.code_tests import TestSpec, outputs_match, parse_tests, values_equal
 from areal_jax.rewards.sandbox import SandboxResult, run_python_sandboxed
@@ -175,11 +175,17 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
 
 
 class _FirstWrongOutput:
-    """``stop_when`` of the forked runner under all_pass: True once a complete report line holds an output that does
-    not match its case (the outcome is settled; the remaining cases would read "not_run" anyway)."""
+    """``stop_when`` of a harness's sandbox under all_pass: True once a complete report line holds a result that does
+    not match its case (the outcome is settled; the remaining cases would read "not_run" anyway). ``wrong(i, record)``
+    judges one case's report "ok" record (default: the stdin case i's "stdout" against its expected output)."""
 
-    def __init__(self, nonce: str, spec: TestSpec) -> None:
+    def __init__(self, nonce: str, spec: TestSpec, wrong: Callable[[int, dict], bool] | None = None) -> None:
         self.prefix, self.spec, self.pieces = (nonce + " ").encode(), spec, []
+        self.wrong = wrong or self._wrong_output
+
+    def _wrong_output(self, i: int, record: dict) -> bool:
+        out = record.get("stdout")
+        return 0 <= i < len(self.spec.stdio) and isinstance(out, str) and not outputs_match(out, self.spec.stdio[i][1])
 
     def __call__(self, chunk: bytes) -> bool:
         if b"\n" not in chunk:  # a long report arrives in many pieces: joined once, when its line ends
@@ -192,11 +198,10 @@ class _FirstWrongOutput:
                 continue
             try:
                 record = json.loads(line[len(self.prefix):])
-                i, out = record["i"], record["stdout"]
+                i = record["i"]
             except (ValueError, KeyError, TypeError):
                 continue
-            if (record.get("status") == "ok" and isinstance(i, int) and 0 <= i < len(self.spec.stdio)
-                    and isinstance(out, str) and not outputs_match(out, self.spec.stdio[i][1])):
+            if record.get("status") == "ok" and isinstance(i, int) and self.wrong(i, record):
                 return True
         return False
 
@@ -227,9 +232,14 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     budget = min(deadline - time.monotonic(), case_timeout_s * (len(cases) + 1) + _STARTUP_ALLOWANCE_S)
     if budget <= 0.05:
         return ["not_run"] * len(cases)
-    # Process creation is allowed for the harness's fork only: the candidate process denies it itself.
+    def wrong_value(i: int, record: dict) -> bool:  # a call case's returned value, judged here as below
+        return i < len(spec.calls) and not _value_matches(record.get("value"), spec.calls[i][1])
+
+    # Process creation is allowed for the harness's fork only: the candidate process denies it itself. Under
+    # all_pass the harness is stopped at the first wrong value (it stops itself at the first error).
     result = _run_sandboxed_harness(_harness_source(), payload, timeout_s=budget, memory_mb=memory_mb,
-                                    max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch)
+                                    max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch,
+                                    stop_when=_FirstWrongOutput(nonce, spec, wrong_value) if stop_on_fail else None)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):
