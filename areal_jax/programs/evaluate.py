@@ -10,8 +10,8 @@ config (`--run_dir`: the run's config.json, and the policy of its latest or `--s
 folded in) or a config file (`--config`, with `--config.KEY=VALUE` overrides), then the flags given here. So a
 run or a config file is evaluated exactly as its job's evaluations were: the same prompt formatting, reward and
 reward limits, completion budget, samples and temperature. `--model` is an HF directory (config.json +
-safetensors + tokenizer files); `--task=code` reads programming tasks (APPS / TACO, DeepCoder, LiveCodeBench,
-MBPP, HumanEval layouts; areal_jax.data.code_readers) and scores each completion's last ```python block
+safetensors + tokenizer files; `--tensor=N` splits it over N devices); `--task=code` reads programming tasks (APPS / TACO, DeepCoder, LiveCodeBench,
+CodeContests, MBPP, HumanEval layouts; areal_jax.data.code_readers) and scores each completion's last ```python block
 against the hidden tests in the sandbox (reward.fn=code).
 
 Rewards are scored in worker processes with a time limit, like training rewards, while the sampler still
