@@ -172,3 +172,10 @@ def test_all_pass_stops_a_call_harness_at_the_first_wrong_value():
     assert out.statuses == ("fail", "not_run", "not_run") and time.monotonic() - t0 < 10  # f(2)'s sleep not waited
     out = run_tests(program, spec, mode="pass_rate", case_timeout_s=1.0)
     assert out.statuses == ("fail", "timeout", "pass")  # without all_pass every case runs
+
+
+@pytest.mark.parametrize("runner", ["fork", "process"])
+def test_each_stdin_case_has_the_same_cpu_limit_in_both_runners(runner):
+    probe = "import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))"
+    out = run_tests(probe, Spec(stdio=(("", "(4, 5)\n"),)), case_timeout_s=2.5, stdio_runner=runner)
+    assert out.statuses == ("pass",)  # ceil(case_timeout_s) + 1 CPU seconds for the case's own process

@@ -90,11 +90,12 @@ def test_a_dead_zygote_is_replaced():
     assert run_forked("print(1)").stdout == "1\n"
     from areal_jax.rewards import zygote as module
 
-    (current,) = module._LOCAL.zygotes.values()
+    key = (512, False)  # run_forked's defaults: memory_mb, allow_numpy (other tests may hold other zygotes)
+    current = module._LOCAL.zygotes[key]
     os.killpg(current._proc.pid, signal.SIGKILL)
     current._proc.wait()
     assert run_forked("print(2)").stdout == "2\n"  # a new zygote took the run
-    assert next(iter(module._LOCAL.zygotes.values())) is not current
+    assert module._LOCAL.zygotes[key] is not current
 
 
 def test_stop_when_ends_a_forked_run():
