@@ -11,13 +11,15 @@ interpreter would give it). A fork costs about a millisecond where a new sandbox
 Requests, one JSON line each on stdin: {"op": "run", "id", "source", "stdin", "timeout_s", "max_output_bytes"} and
 {"op": "stop", "id"} (kill that run: its outcome is settled). Replies on stdout: {"id", "out": <stdout piece as
 latin-1 text>} as the run writes, then {"id", "end": true, "status": "ok" | "error" | "timeout" | "output_limit" |
-"stopped", "exit_code", "stderr": <its first 4 KiB>}. Runs go one at a time.
+"stopped", "exit_code", "stderr": <its first 4 KiB>}. Runs go one at a time. It is sent into the sandbox after
+``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child`` (a run's own source comes the same way).
 """
+# ruff: noqa: F821 - exec_as_main and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _zygote() -> None:
-    import ast  # noqa: F401 - imported once here for every run: the test harnesses use these (about 4 ms a run)
-    import builtins
+    # Imported once here for every run: what exec_as_main and the test harnesses import (about 4 ms a run).
+    import ast  # noqa: F401
     import importlib  # noqa: F401
     import io  # noqa: F401
     import json
@@ -28,10 +30,9 @@ def _zygote() -> None:
     import shutil
     import signal
     import sys
-    import threading
-    import time
-    import traceback
-    import types
+    import threading  # noqa: F401
+    import traceback  # noqa: F401
+    import types  # noqa: F401
 
     root = os.getcwd()
     fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -104,38 +105,8 @@ def _zygote() -> None:
         os.dup2(out_w, 1)
         os.dup2(os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
         os.closerange(3, fd_limit)
-        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.argv = ["main.py"]
-        module = types.ModuleType("__main__")
-        module.__file__ = os.path.join(workdir, "main.py")
-        module.__builtins__ = builtins
-        sys.modules["__main__"] = module
-        code = 0
-        try:
-            exec(compile(request["source"], "main.py", "exec"), module.__dict__)
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code & 0xFF
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
-            traceback.print_exc()
-            code = 1
-        main = threading.main_thread()
-        for thread in threading.enumerate():
-            if thread is not main and not thread.daemon:
-                thread.join()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:  # noqa: BLE001
-                code = code or 120
-        os._exit(code)
+        exec_as_main(request["source"], os.path.join(workdir, "main.py"))
 
     def end_everything_but_me(pid: int) -> None:
         """Kill what a run left behind (a harness's candidate process outlives a harness killed at its time limit)
@@ -167,59 +138,16 @@ def _zygote() -> None:
                 os._exit(1)
         os.close(out_w)
         running["pid"] = pid
-        deadline = time.monotonic() + float(request["timeout_s"])
-        cap, written = int(request["max_output_bytes"]), 0
-        status, reading, exited, wait_status = None, True, False, 0
-        poller = select.poll()
-        poller.register(out_r, select.POLLIN | select.POLLHUP)
-        poller.register(0, select.POLLIN)
-        try:
-            exit_fd = os.pidfd_open(pid)
-            poller.register(exit_fd, select.POLLIN)
-        except (AttributeError, OSError):
-            exit_fd = None
-        while status is None and (reading or not exited):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                status = "timeout"
-                break
-            ready = {fd for fd, _ in poller.poll(min(remaining, 0.05 if exit_fd is None else remaining) * 1000)}
-            if 0 in ready:
-                control = next_line(block=False)
-                if control is not None and control.get("op") == "stop" and control.get("id") == rid:
-                    status = "stopped"
-                    break
-            if out_r in ready and reading:
-                chunk = os.read(out_r, 1 << 16)
-                if not chunk:
-                    reading = False
-                    poller.unregister(out_r)
-                else:
-                    room = cap - written
-                    written += len(chunk)
-                    if room > 0:
-                        send({"id": rid, "out": chunk[:room].decode("latin-1")})
-                    if written > cap:
-                        status = "output_limit"
-            if not exited and (exit_fd is None or exit_fd in ready or not reading):
-                done, wait_status = os.waitpid(pid, os.WNOHANG)
-                exited = done == pid
-                if exited and exit_fd is not None:
-                    poller.unregister(exit_fd)  # readable from now on: it would wake every poll
-        os.close(out_r)
-        if exit_fd is not None:
-            os.close(exit_fd)
-        if not exited:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _, wait_status = os.waitpid(pid, 0)
+
+        def should_stop() -> bool:
+            control = next_line(block=False)
+            return control is not None and control.get("op") == "stop" and control.get("id") == rid
+
+        status, exit_code = collect_child(
+            pid, out_r, float(request["timeout_s"]), int(request["max_output_bytes"]),
+            lambda chunk: send({"id": rid, "out": chunk.decode("latin-1")}), control_fd=0, should_stop=should_stop)
         end_everything_but_me(pid)
         running["pid"] = None
-        exit_code = os.waitstatus_to_exitcode(wait_status)
-        if status is None:
-            status = "ok" if exit_code == 0 else "error"
         try:
             with open(os.path.join(workdir, "stderr"), "rb") as f:
                 stderr = f.read(4096).decode("utf-8", "replace")

@@ -13,23 +13,18 @@ otherwise, its non-daemon threads joined and its stdout flushed first. This proc
 max_output_bytes), waits for the child, kills it past case_timeout_s and reports one stdout line "<nonce> <json>":
 {"i", "status": "ok" | "error" | "timeout" | "output_limit", "stdout"}. The child holds no descriptor of this
 process's stdout, so it cannot write reports; the sandbox's parent compares each stdout with the expected output.
-A fork costs about a millisecond where a fresh sandboxed interpreter costs about thirty.
+A fork costs about a millisecond where a fresh sandboxed interpreter costs about thirty. It is sent into the sandbox
+after ``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child``.
 """
+# ruff: noqa: F821 - exec_as_main and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _harness() -> None:
-    import builtins
     import json
     import math
     import os
     import resource
-    import select
-    import signal
     import sys
-    import threading
-    import time
-    import traceback
-    import types
 
     payload = json.loads(sys.stdin.read())
     nonce, timeout = payload["nonce"], float(payload["case_timeout_s"])
@@ -62,37 +57,7 @@ def _harness() -> None:
                 raise PermissionError(f"sandbox: {event} is not allowed in the candidate process")
 
         sys.addaudithook(deny)
-        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-        module = types.ModuleType("__main__")
-        module.__file__ = os.path.join(workdir, "main.py")
-        module.__builtins__ = builtins
-        sys.modules["__main__"] = module
-        code = 0
-        try:
-            exec(source, module.__dict__)
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code & 0xFF
-            else:  # sys.exit("message"): printed to stderr, status 1, as the interpreter does
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
-            traceback.print_exc()
-            code = 1
-        main = threading.main_thread()
-        for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
-            if thread is not main and not thread.daemon:
-                thread.join()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:  # noqa: BLE001 - a failed flush at exit is status 120 in CPython
-                code = code or 120
-        os._exit(code)
+        exec_as_main(source, os.path.join(workdir, "main.py"))
 
     # ---- this process: trusted; forks a candidate per case and reads its output ----
     def run_case(text: str) -> dict:
@@ -107,48 +72,9 @@ def _harness() -> None:
             finally:
                 os._exit(1)
         os.close(out_w)
-        deadline = time.monotonic() + timeout
-        output, status, exited, wait_status = bytearray(), None, False, 0
-        poller = select.poll()
-        poller.register(out_r, select.POLLIN | select.POLLHUP)
-        try:
-            exit_fd = os.pidfd_open(pid)
-            poller.register(exit_fd, select.POLLIN)
-        except (AttributeError, OSError):
-            exit_fd = None
-        reading = True
-        while status is None and (reading or not exited):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                status = "timeout"
-                break
-            ready = {fd for fd, _ in poller.poll(min(remaining, 0.05 if exit_fd is None else remaining) * 1000)}
-            if out_r in ready and reading:
-                chunk = os.read(out_r, 65536)
-                if chunk:
-                    output += chunk
-                    if len(output) > max_output:
-                        status = "output_limit"
-                else:
-                    reading = False
-                    poller.unregister(out_r)
-            if not exited and (exit_fd is None or exit_fd in ready or not reading):
-                done, wait_status = os.waitpid(pid, os.WNOHANG)
-                exited = done == pid
-                if exited and exit_fd is not None:
-                    poller.unregister(exit_fd)  # readable from now on: it would wake every poll
-        os.close(out_r)
-        if exit_fd is not None:
-            os.close(exit_fd)
-        if not exited:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-        if status is None:
-            status = "ok" if os.waitstatus_to_exitcode(wait_status) == 0 else "error"
-        return {"status": status, "stdout": bytes(output[:max_output]).decode("utf-8", "replace")}
+        output = bytearray()
+        status, _ = collect_child(pid, out_r, timeout, max_output, output.extend)
+        return {"status": status, "stdout": bytes(output).decode("utf-8", "replace")}
 
     for i, text in enumerate(payload["inputs"]):
         record = {"i": i, **(run_case(text) if source is not None else {"status": "error", "stdout": ""})}

@@ -59,14 +59,10 @@ LAUNCHES = ("zygote", "fresh")
 _STDIO_OUTPUT_BYTES = 1 << 20  # per case, as a sandboxed process's own max_output_bytes
 
 
-@functools.lru_cache(maxsize=None)
-def _source(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
+@functools.lru_cache(maxsize=1)
 def _harness_source() -> str:
-    return _source(_HARNESS_PATH)
+    with open(_HARNESS_PATH, encoding="utf-8") as f:
+        return f.read()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +151,11 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
     # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
     cap = min(n * (6 * _STDIO_OUTPUT_BYTES + 256) + 4096, 256 << 20)
     first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
-    result = _run_sandboxed_harness(_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget, memory_mb=memory_mb,
-                                    max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch, stop_when=first_wrong)
+    from areal_jax.rewards.zygote import sandbox_source
+
+    result = _run_sandboxed_harness(sandbox_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget,
+                                    memory_mb=memory_mb, max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch,
+                                    stop_when=first_wrong)
     reports = _reports(result.stdout, nonce)
     statuses = []
     for i, (_, expected) in enumerate(spec.stdio):

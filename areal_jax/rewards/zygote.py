@@ -12,6 +12,7 @@ per sandbox configuration (memory limit, numpy), started on first use and starte
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -23,7 +24,19 @@ from typing import Callable
 
 from areal_jax.rewards.sandbox import SandboxResult, start_sandboxed
 
-_ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_zygote.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ZYGOTE_PATH = os.path.join(_HERE, "_sandbox_zygote.py")
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_source(path: str) -> str:
+    """The source of a program that runs inside the sandbox (a test harness, the zygote), with ``_fork_run.py``'s
+    shared functions in front of it."""
+    parts = []
+    for name in (os.path.join(_HERE, "_fork_run.py"), path):
+        with open(name, encoding="utf-8") as f:
+            parts.append(f.read())
+    return "\n\n".join(parts)
 _GRACE_S = 2.0  # beyond a run's own limit, how long the zygote may take to report it before it is replaced
 
 
@@ -42,9 +55,7 @@ class SandboxZygote:
         self._start()
 
     def _start(self) -> None:
-        with open(_ZYGOTE_PATH, encoding="utf-8") as f:
-            source = f.read()
-        self._proc, self._workdir = start_sandboxed(source, memory_mb=self.memory_mb,
+        self._proc, self._workdir = start_sandboxed(sandbox_source(_ZYGOTE_PATH), memory_mb=self.memory_mb,
                                                     isolate_network=self.isolate_network, allow_subprocess=True,
                                                     allow_numpy=self.allow_numpy)
         os.set_blocking(self._proc.stdout.fileno(), False)
