@@ -78,6 +78,16 @@ def _harness() -> None:
             return len(text)
 
     # ---- the candidate process: untrusted from the moment the solution is loaded ----
+    def confine() -> None:
+        """Landlock, where the sandbox has it: the candidate cannot trace or signal this process, which holds the
+        nonce. Fails closed: the solution never runs unconfined."""
+        layer = globals().get("__sandbox_confine__")
+        if layer is not None:
+            try:
+                layer(os.getcwd())
+            except Exception:  # noqa: BLE001
+                os._exit(125)
+
     def serve(requests: int, replies: int) -> None:
         def deny(event, args):
             if event in process_events or (event == "import" and args and args[0] == "_posixsubprocess"):
@@ -137,6 +147,7 @@ def _harness() -> None:
         pid = os.fork()
         if pid == 0:
             try:
+                confine()
                 keep = sorted((requests_r, replies_w))
                 limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
                 os.closerange(0, keep[0])

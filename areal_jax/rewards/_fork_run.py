@@ -1,6 +1,7 @@
 """Running a program in a forked process inside the sandbox: the part the stdin runner (``_stdio_harness.py``) and the
 zygote (``_sandbox_zygote.py``) share. Never imported by the library: its source is put in front of theirs when they
-are sent into the sandbox (``sandbox_source``), so both define ``exec_as_main`` and ``collect_child`` this way."""
+are sent into the sandbox (``sandbox_source``), so both define ``exec_as_main``, ``confine_here``,
+``close_descriptors`` and ``collect_child`` this way."""
 
 
 def exec_as_main(code, main_file: str) -> None:
@@ -21,6 +22,8 @@ def exec_as_main(code, main_file: str) -> None:
     module = types.ModuleType("__main__")
     module.__file__ = main_file
     module.__builtins__ = builtins
+    if "__sandbox_confine__" in globals():  # handed on: a harness run this way confines its candidates with it
+        module.__sandbox_confine__ = globals()["__sandbox_confine__"]
     sys.modules["__main__"] = module
     status = 0
     try:
@@ -46,6 +49,35 @@ def exec_as_main(code, main_file: str) -> None:
         except BaseException:  # noqa: BLE001 - a failed flush at exit is status 120 in CPython
             status = status or 120
     os._exit(status)
+
+
+def confine_here(workdir: str) -> None:
+    """In a freshly forked process, before it runs anything untrusted: one more Landlock layer (where the sandbox has
+    Landlock, ``__sandbox_confine__``), so that it writes only in ``workdir`` and can neither trace nor signal the
+    process that forked it. Ends the process (status 125) if the kernel refuses: it never runs unconfined."""
+    import os
+
+    confine = globals().get("__sandbox_confine__")
+    if confine is None:
+        return
+    try:
+        confine(workdir)
+    except Exception as e:  # noqa: BLE001 - fail closed
+        os.write(2, f"sandbox: Landlock could not be applied ({e}); the program was not run\n".encode())
+        os._exit(125)
+
+
+def close_descriptors(first: int, limit: int) -> None:
+    """Close descriptors ``first`` .. ``limit`` - 1 but those ``confine_here`` needs (its read-only paths, opened
+    before the audit hook would refuse to open them): a forked process that forks processes of its own to confine
+    keeps them."""
+    import os
+
+    keep = sorted(fd for fd in getattr(globals().get("__sandbox_confine__"), "fds", ()) if first <= fd < limit)
+    for fd in keep:
+        os.closerange(first, fd)
+        first = fd + 1
+    os.closerange(first, limit)
 
 
 def collect_child(pid: int, out_r: int, timeout_s: float, max_output: int, on_output, control_fd=None,

@@ -1,7 +1,9 @@
 """Bootstrap that runs inside the sandbox process (see ``sandbox.py``); never imported by the library.
 
 Started as ``python -I -B -S _sandbox_child.py '<json config>'`` with the working directory already set to
-the sandbox's fresh temporary directory. It applies the resource limits to itself, installs an audit
+the sandbox's fresh temporary directory. It restricts itself with Landlock where the kernel has it (reads of the
+installation and its directory, writes in its directory only, no execve, no TCP, no signals out), applies the resource
+limits to itself, installs an audit
 hook that denies network, process creation and file access outside the allowed roots, then executes
 ``main.py`` from the working directory as ``__main__``. Only the standard library is used here so the
 bootstrap costs a bare interpreter start.
@@ -10,7 +12,8 @@ Config keys: workdir (str), cpu_time_s (int), memory_bytes (int), file_bytes (in
 (int), audit_hook (bool), allow_subprocess (bool), blocked_import_error (bool: a blocked import raises ImportError
 rather than PermissionError, so libraries that only try ctypes, numpy among them, import without it), paths
 (optional: the installation's stdlib / platstdlib / purelib / platlib directories as the parent's sysconfig
-reports them for this interpreter; importing sysconfig here instead costs a third of a bare start).
+reports them for this interpreter; importing sysconfig here instead costs a third of a bare start), landlock (int:
+the kernel's Landlock ABI to restrict this process with, ``_landlock.py``; 0: none).
 """
 
 import json
@@ -88,10 +91,9 @@ def _install_paths(cfg: dict) -> dict:
     return sysconfig.get_paths()
 
 
-def _install_audit_hook(workdir: str, allow_subprocess: bool, blocked_import_error: bool = False,
-                        install_paths: dict | None = None) -> None:
-    write_root = os.path.realpath(workdir)
-    read_roots = {write_root}
+def _read_roots(workdir: str, install_paths: dict | None) -> tuple:
+    """The directories the program may read: its working directory, the installation's and sys.path's."""
+    read_roots = {os.path.realpath(workdir)}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = (install_paths or {}).get(key)
         if path and os.path.isdir(path):
@@ -99,7 +101,37 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, blocked_import_err
     for entry in sys.path:
         if entry and os.path.isabs(entry) and os.path.isdir(entry):
             read_roots.add(os.path.realpath(entry))
-    read_roots_t = tuple(sorted(read_roots))
+    return tuple(sorted(read_roots))
+
+
+def _apply_landlock(workdir: str, install_paths: dict | None, abi: int):
+    """Restrict this process with the kernel's file / TCP / signal limits (``_landlock.py``, run from its source: this
+    bootstrap cannot import the package) and return ``confine(dir)``, which adds one more layer for a process the
+    program forks (the zygote's runs, a harness's candidates): that process may then write only in ``dir`` and can
+    neither trace nor signal the process it came from. ctypes, which this needs, leaves ``sys.modules`` afterwards
+    so that the program's own import of it still meets the audit hook. A failure ends the sandbox (status "error"):
+    the program is never run unconfined."""
+    namespace = {"__name__": "_landlock"}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_landlock.py")
+    own = os.path.realpath(workdir)
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+        confine = namespace["confiner"](abi, [d for d in _read_roots(workdir, install_paths) if d != own])
+        confine(own)
+        return confine
+    except Exception as e:  # noqa: BLE001 - fail closed, whatever went wrong
+        os.write(2, f"sandbox: Landlock could not be applied ({e}); the program was not run\n".encode())
+        os._exit(125)
+    finally:
+        for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
+            del sys.modules[name]
+
+
+def _install_audit_hook(workdir: str, allow_subprocess: bool, blocked_import_error: bool = False,
+                        install_paths: dict | None = None) -> None:
+    write_root = os.path.realpath(workdir)
+    read_roots_t = _read_roots(workdir, install_paths)
     busy = [False]
 
     def under(path: str, roots) -> bool:
@@ -181,15 +213,18 @@ def main() -> None:
     with open(os.path.join(workdir, "main.py"), encoding="utf-8") as f:
         source = f.read()
     code = compile(source, "main.py", "exec")
+    sys.path.insert(0, workdir)
+    confine = _apply_landlock(workdir, install_paths, int(cfg["landlock"])) if cfg.get("landlock") else None
     _apply_limits(cfg)
     sys.argv = ["main.py"]
-    sys.path.insert(0, workdir)
     if cfg["audit_hook"]:
         _install_audit_hook(workdir, bool(cfg["allow_subprocess"]), bool(cfg.get("blocked_import_error")),
                             install_paths)
     module = types.ModuleType("__main__")
     module.__file__ = os.path.join(workdir, "main.py")
     module.__builtins__ = __builtins__
+    if confine is not None:  # only ever restricts further: harmless in the program's hands
+        module.__sandbox_confine__ = confine
     sys.modules["__main__"] = module
     exec(code, module.__dict__)
 

@@ -14,7 +14,7 @@ latin-1 text>} as the run writes, then {"id", "end": true, "status": "ok" | "err
 "stopped", "exit_code", "stderr": <its first 4 KiB>}. Runs go one at a time. It is sent into the sandbox after
 ``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child`` (a run's own source comes the same way).
 """
-# ruff: noqa: F821 - exec_as_main and collect_child come from _fork_run.py, sent in front of this source
+# ruff: noqa: F821 - exec_as_main, confine_here, close_descriptors and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _zygote() -> None:
@@ -98,13 +98,14 @@ def _zygote() -> None:
         cpu = int(float(request["timeout_s"])) + 2  # CPU seconds of this run (and each process it forks)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering is all the audit hook allows
         os.chdir(workdir)
+        confine_here(workdir)  # Landlock: writes in its own directory only; the zygote out of its reach
         confine_writes(workdir)
         with open("stdin", "w", encoding="utf-8") as f:
             f.write(request["stdin"])
         os.dup2(os.open("stdin", os.O_RDONLY), 0)
         os.dup2(out_w, 1)
         os.dup2(os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-        os.closerange(3, fd_limit)
+        close_descriptors(3, fd_limit)  # all but what confines the processes a harness forks
         sys.argv = ["main.py"]
         exec_as_main(request["source"], os.path.join(workdir, "main.py"))
 

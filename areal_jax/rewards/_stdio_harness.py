@@ -16,7 +16,7 @@ process's stdout, so it cannot write reports; the sandbox's parent compares each
 A fork costs about a millisecond where a fresh sandboxed interpreter costs about thirty. It is sent into the sandbox
 after ``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child``.
 """
-# ruff: noqa: F821 - exec_as_main and collect_child come from _fork_run.py, sent in front of this source
+# ruff: noqa: F821 - exec_as_main, confine_here and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _harness() -> None:
@@ -48,6 +48,7 @@ def _harness() -> None:
         os.dup2(os.open(input_path, os.O_RDONLY), 0)
         os.dup2(stdout_w, 1)
         os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+        confine_here(workdir)  # Landlock: this process cannot trace or signal the runner, which holds the nonce
         os.closerange(3, fd_limit)
         cpu = int(math.ceil(timeout)) + 1  # the case's CPU seconds, as a sandboxed interpreter per case gets them
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering: all the sandbox's audit hook allows

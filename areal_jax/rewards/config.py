@@ -4,6 +4,7 @@ The job builds its RewardPool (rewards/pool.py) from it with ``config.make_pool(
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,8 +38,11 @@ class RewardConfig(Section):
     code_case_timeout_s: float = knob(4.0, "reward.fn=code: wall-clock limit per test case")
     code_sample_timeout_s: float = knob(20.0, "reward.fn=code: limit for all cases of one sample")
     code_allow_numpy: bool = knob(False, "reward.fn=code: programs may import numpy (without ctypes); its array "
-                                  "interface reaches any address of the sandboxed process, so the audit hook's file "
-                                  "rules no longer bind a program that goes looking (namespaces and limits still do)")
+                                  "interface reaches any address of the sandboxed process, which the sandbox's "
+                                  "kernel-enforced layers (Landlock, namespaces, limits) still hold")
+    code_require_landlock: bool = knob(False, "reward.fn=code: refuse to start where the kernel has no Landlock; "
+                                       "without it the sandbox's file and execve rules rest on an audit hook that "
+                                       "pure Python can switch off")
 
     def check(self) -> None:
         k = self.key
@@ -55,6 +59,13 @@ class RewardConfig(Section):
             require(self.timeout_s > self.code_sample_timeout_s,
                     f"{k('timeout_s')}={self.timeout_s} must exceed {k('code_sample_timeout_s')}="
                     f"{self.code_sample_timeout_s} (the pool kills a sample at timeout_s, before its tests can finish).")
+            if self.code_require_landlock:
+                from areal_jax.rewards.sandbox import landlock_abi
+
+                require(landlock_abi() > 0,
+                        f"{k('code_require_landlock')}=True, but this kernel ({os.uname().release}) enforces no "
+                        "Landlock: run on Linux >= 5.13 booted with landlock among its LSMs (the lsm= boot "
+                        f"parameter), or set {k('code_require_landlock')}=False to accept the audit hook alone.")
 
     def make_pool(self) -> Any:
         """The RewardPool these options describe. With fn=math every new worker (also one replacing a

@@ -8,17 +8,27 @@ Layers of containment, each a backstop for the others:
     RLIMIT_AS (address space), RLIMIT_FSIZE (bytes per written file), RLIMIT_NPROC (processes; the
     kernel ignores it for root) and no core files;
   * a fresh temporary working directory, deleted afterwards;
+  * Landlock, where the kernel has it (Linux >= 5.13, ``_landlock.py``): the kernel itself lets the child read only
+    the Python installation, the system's shared libraries and its working directory, write only in its working
+    directory, run no program (execve), and (by the kernel's ABI) bind or connect no TCP port and signal no process
+    outside the sandbox. Each process the sandboxed code forks for a run or a test case gets one more layer of its
+    own (``__sandbox_confine__``), so it cannot trace or signal the process that forked it. Nothing in the process
+    can lift these, ctypes included;
   * a ``sys.addaudithook`` hook in the child that denies sockets, process creation and signalling,
     ``ctypes``, raising the resource limits, and file access outside the working directory (reads of
-    the Python installation stay allowed so ``import`` works; ``/etc/passwd`` does not);
+    the Python installation stay allowed so ``import`` works; ``/etc/passwd`` does not). It gives an honest
+    program a clear PermissionError, but it is no boundary: pure Python can switch it off (by patching what it
+    calls), so the file rules hold against a program that goes looking only where Landlock enforces them;
   * ``unshare`` into new network and PID namespaces when the host allows it (probed once): no network
     interface but a down loopback, and killing the namespace's first process kills every process the
     code started, even ones that left the process group;
   * a wall-clock timeout and an output cap (stdout + stderr), both enforced by SIGKILL to the whole
     process group.
 
-An audit hook is defence in depth, not a security boundary on its own (C extensions can bypass it); the
-namespaces, limits and kills are what hold when it is bypassed. Run this on machines you own.
+The namespaces, Landlock, the limits and the kills are what hold against a program that bypasses the audit hook.
+Without Landlock (an older kernel, or one booted without it: ``landlock_abi() == 0``) nothing but the hook keeps such
+a program from the files the reward process can reach; ``sandbox_layers()`` says what is in force, and the code
+reward can be told to refuse to run without it (``reward.code_require_landlock``). Run this on machines you own.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 __all__ = ["SandboxResult", "run_python_sandboxed", "extract_python_code", "code_reward",
-           "namespace_isolation"]
+           "namespace_isolation", "landlock_abi", "sandbox_layers"]
 
 _CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _UNSHARE_CANDIDATES: tuple[tuple[str, ...], ...] = (
@@ -101,6 +111,26 @@ def namespace_isolation() -> tuple[str, ...]:
     return ()
 
 
+@functools.lru_cache(maxsize=None)
+def landlock_abi() -> int:
+    """This kernel's Landlock ABI version (0: none), probed once per process."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    from areal_jax.rewards import _landlock
+
+    return _landlock.abi_version()
+
+
+def sandbox_layers() -> str:
+    """One line naming the sandbox's layers in force on this host (for a job's log)."""
+    prefix = namespace_isolation()
+    namespaces = "+".join(n[2:] for n in prefix if n in ("--net", "--pid")) or "none"
+    abi = landlock_abi()
+    landlock = (f"Landlock ABI {abi} (files, execve" + (", TCP" if abi >= 4 else "") + (", signals" if abi >= 6 else "")
+                + ")") if abi else "no Landlock (file rules rest on the audit hook alone)"
+    return f"namespaces: {namespaces}; {landlock}; resource limits; audit hook"
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the child's whole process group (its session leader's pid is the group id)."""
     try:
@@ -154,7 +184,7 @@ def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: 
 
 def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time_s: float | None,
                      max_file_bytes: int, max_processes: int, isolate_network: bool, audit_hook: bool,
-                     allow_subprocess: bool, allow_numpy: bool, python: str | None
+                     allow_subprocess: bool, allow_numpy: bool, python: str | None, landlock: bool = True
                      ) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
     """(command, environment, namespace prefix) that start the sandbox's bootstrap on ``workdir``/main.py."""
     config = {
@@ -166,6 +196,7 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
         "audit_hook": bool(audit_hook),
         "allow_subprocess": bool(allow_subprocess),
         "blocked_import_error": bool(allow_numpy),
+        "landlock": landlock_abi() if landlock else 0,
     }
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         config["paths"] = _install_paths()  # the child need not import sysconfig for them
@@ -176,12 +207,12 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            # one thread per numerical library: a test runs single-threaded, within its address-space limit
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return cmd, env, tuple(prefix)
+    return cmd, env, tuple(prefix) + (("landlock",) if config["landlock"] else ())
 
 
 def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7, max_file_bytes: int = 16 << 20,
                     max_processes: int = 64, isolate_network: bool = True, allow_subprocess: bool = False,
-                    allow_numpy: bool = False) -> tuple[subprocess.Popen, str]:
+                    allow_numpy: bool = False, landlock: bool = True) -> tuple[subprocess.Popen, str]:
     """Start ``code`` in the sandbox as ``run_python_sandboxed`` would, but return at once: (the process, with pipes
     for its stdin / stdout / stderr, in a session of its own; its working directory, which the caller removes). For a
     long-lived sandboxed server (``rewards.zygote``)."""
@@ -189,7 +220,8 @@ def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7,
     cmd, env, _ = _sandbox_command(workdir, timeout_s=1.0, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
                                    max_file_bytes=max_file_bytes, max_processes=max_processes,
                                    isolate_network=isolate_network, audit_hook=True,
-                                   allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=None)
+                                   allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=None,
+                                   landlock=landlock)
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
@@ -217,6 +249,7 @@ def run_python_sandboxed(
     allow_numpy: bool = False,
     python: str | None = None,
     stop_when: Callable[[bytes], bool] | None = None,
+    landlock: bool = True,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a contained child interpreter and collect its output.
 
@@ -231,7 +264,8 @@ def run_python_sandboxed(
       max_processes: RLIMIT_NPROC (ignored by the kernel for root; namespaces and the audit hook cover).
       isolate_network: run under ``unshare`` network (and PID) namespaces when available.
       audit_hook: install the deny-list audit hook (turn off only to test the other layers).
-      allow_subprocess: let the audit hook permit fork/exec/kill (still bounded by the other layers).
+      allow_subprocess: let the audit hook permit fork/exec/kill (still bounded by the other layers: under Landlock
+        a forked process may not execve a program).
       allow_numpy: a blocked import (ctypes, cffi) raises ImportError instead of PermissionError, so numpy, which
         only tries ctypes, imports without it. numpy's array interface can then read and write any address of the
         sandboxed process, so a program that goes looking can undo the audit hook's file rules: only the
@@ -239,6 +273,7 @@ def run_python_sandboxed(
       python: interpreter to run; default the current one.
       stop_when: called with each new piece of stdout, in order; True kills the process group and returns what
         was read (status "stopped", e.g. once a test runner's reports settle the outcome).
+      landlock: restrict the child with Landlock where the kernel has it (turn off only to compare layers).
     """
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
         raise ValueError(
@@ -248,7 +283,8 @@ def run_python_sandboxed(
     cmd, env, prefix = _sandbox_command(workdir, timeout_s=timeout_s, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
                                         max_file_bytes=max_file_bytes, max_processes=max_processes,
                                         isolate_network=isolate_network, audit_hook=audit_hook,
-                                        allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=python)
+                                        allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=python,
+                                        landlock=landlock)
     start = time.monotonic()
     proc = None
     try:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from areal_jax.rewards.sandbox import SandboxResult, start_sandboxed
+from areal_jax.rewards.sandbox import SandboxResult, landlock_abi, start_sandboxed
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ZYGOTE_PATH = os.path.join(_HERE, "_sandbox_zygote.py")
@@ -47,8 +47,10 @@ class ZygoteError(RuntimeError):
 class SandboxZygote:
     """One long-lived sandboxed process that forks a sandboxed run per ``run`` call (one at a time)."""
 
-    def __init__(self, *, memory_mb: int = 512, allow_numpy: bool = False, isolate_network: bool = True) -> None:
+    def __init__(self, *, memory_mb: int = 512, allow_numpy: bool = False, isolate_network: bool = True,
+                 landlock: bool = True) -> None:
         self.memory_mb, self.allow_numpy, self.isolate_network = int(memory_mb), bool(allow_numpy), isolate_network
+        self.isolation = ("zygote", "landlock") if landlock and landlock_abi() else ("zygote",)
         self._proc: subprocess.Popen | None = None
         self._next_id = 0
         self._buffer = bytearray()
@@ -57,7 +59,7 @@ class SandboxZygote:
     def _start(self) -> None:
         self._proc, self._workdir = start_sandboxed(sandbox_source(_ZYGOTE_PATH), memory_mb=self.memory_mb,
                                                     isolate_network=self.isolate_network, allow_subprocess=True,
-                                                    allow_numpy=self.allow_numpy)
+                                                    allow_numpy=self.allow_numpy, landlock="landlock" in self.isolation)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._buffer = bytearray()
 
@@ -134,7 +136,7 @@ class SandboxZygote:
                 status = record.get("status", "error")
                 return SandboxResult(status, record.get("exit_code"), out.decode("utf-8", "replace"),
                                      str(record.get("stderr", "")), time.monotonic() - start, status == "timeout",
-                                     status == "output_limit", ("zygote",))
+                                     status == "output_limit", self.isolation)
         except (ZygoteError, OSError, ValueError) as e:
             self.close()
             raise ZygoteError(str(e)) from e

@@ -190,6 +190,10 @@ class RLJob:
         close_later.callback(self.sampler.stop, graceful=False)
         self.reward_pool = c.reward.make_pool()
         close_later.callback(self.reward_pool.close)
+        if c.reward.fn == "code":
+            from areal_jax.rewards.sandbox import sandbox_layers
+
+            self.log(f"Code sandbox: {sandbox_layers()}.")
         resubmit, accepted, first_gid = [], 0, 0
         if meta is not None:
             from areal_jax.data import PromptExample

@@ -1,0 +1,166 @@
+"""Landlock: limits the Linux kernel itself enforces on what a process, and every process it starts, may do with
+files, TCP ports and signals (Linux >= 5.13; the kernel says which version, its ABI, it has).
+
+The sandbox (``sandbox.py``) applies them in its bootstrap, before the untrusted program's first line: from then on
+the process may read only the directories it is given, write only inside its working directory, run no program
+(execve is refused), and, where the kernel's ABI has them, neither bind nor connect TCP ports (ABI 4) nor signal a
+process outside the sandbox or reach its abstract Unix sockets (ABI 6). A restriction can be added to but never
+lifted, by nothing the process does: unlike the audit hook, which pure Python can switch off, it holds against any
+code, ctypes and numpy included.
+
+Only the standard library is used: the parent imports this module to ask for the ABI, and the sandbox's bootstrap,
+which cannot import the package, runs its source (``restrict``) and then drops ctypes from ``sys.modules``.
+"""
+
+import ctypes
+import os
+import stat
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same number on every architecture
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+# Access rights to files (include/uapi/linux/landlock.h), with the ABI that introduced each.
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR = 1 << 4, 1 << 5, 1 << 6, 1 << 7
+MAKE_REG, MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
+REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+READ = READ_FILE | READ_DIR
+# What a program may do inside its working directory: everything but running programs and making devices or sockets.
+READ_WRITE = (READ | WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_DIR | MAKE_REG | MAKE_FIFO | MAKE_SYM | REFER
+              | TRUNCATE)
+_FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV  # the rights a rule on a non-directory may hold
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # packed in the kernel's header: 12 bytes
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _syscall(libc, number: int, *args) -> int:
+    result = libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock syscall {number}: {os.strerror(err)}")
+    return result
+
+
+def abi_version() -> int:
+    """The kernel's Landlock ABI version, 0 where it has none (an older kernel, or Landlock not enabled at boot)."""
+    try:
+        libc = _libc()
+        libc.syscall.restype = ctypes.c_long
+        return max(0, int(libc.syscall(ctypes.c_long(_SYS_CREATE_RULESET), ctypes.c_void_p(None),
+                                       ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))))
+    except (OSError, AttributeError):
+        return 0
+
+
+def handled_rights(abi: int) -> tuple[int, int, int]:
+    """(file rights, network rights, scopes) that a ruleset of this ABI restricts: every one the ABI knows."""
+    fs = (1 << 13) - 1
+    fs |= REFER if abi >= 2 else 0
+    fs |= TRUNCATE if abi >= 3 else 0
+    fs |= IOCTL_DEV if abi >= 5 else 0
+    net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
+    return fs, net, scoped
+
+
+def restrict(rules: list, abi: int, libc=None) -> None:
+    """Restrict this process and its future children for good: each of ``rules``, (path, rights), allows those
+    rights beneath the path (a path that does not exist is passed over; an int is a descriptor opened already); every other file right of the ABI, and
+    (ABI >= 4) every TCP bind / connect, (ABI >= 6) signals and abstract Unix sockets beyond this process's own domain,
+    are refused. Each call adds a layer: a process already restricted can only be restricted further, and a process
+    of an inner layer may neither trace nor (ABI >= 6) signal one of an outer layer. ``libc``: a ``_libc()`` whose
+    functions were looked up already (looking one up is an audited event the sandbox's audit hook refuses). Raises
+    OSError when the kernel refuses the ruleset."""
+    if abi < 1:
+        raise OSError("this kernel has no Landlock")
+    fs, net, scoped = handled_rights(abi)
+    if libc is None:
+        libc = _libc()
+        libc.syscall.restype = ctypes.c_long
+    attr = _RulesetAttr(fs, net, scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24  # what the ABI's struct holds; later fields stay unread
+    ruleset = _syscall(libc, _SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    try:
+        for target, rights in rules:
+            if isinstance(target, int):
+                fd = target  # opened already (see confiner); stays open
+            else:
+                try:
+                    fd = os.open(target, os.O_PATH | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+            try:
+                allowed = rights & fs
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    allowed &= _FILE_ONLY
+                if allowed:
+                    rule = _PathBeneathAttr(allowed, fd)
+                    _syscall(libc, _SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
+                             ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                if fd is not target:
+                    os.close(fd)
+        if libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
+        _syscall(libc, _SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+
+
+# Read-only beyond the Python installation: what the dynamic loader opens when an extension module pulls in a system
+# library, the CPU topology numerical libraries size their thread pools by, and the harmless character devices.
+SYSTEM_READ = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local/lib",
+               "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/sys/devices/system/cpu",
+               "/dev/urandom", "/dev/random", "/dev/zero")
+
+
+def shared_rules(read_dirs) -> list:
+    """The rules every layer of the sandbox shares: reading ``read_dirs`` (the installation) and SYSTEM_READ;
+    reading and writing /dev/null."""
+    return [("/dev/null", READ_FILE | WRITE_FILE | TRUNCATE), *((path, READ) for path in (*read_dirs, *SYSTEM_READ))]
+
+
+def sandbox_rules(workdir: str, read_dirs) -> list:
+    """The sandbox's rules: everything but running programs inside ``workdir``, and ``shared_rules``."""
+    return [(workdir, READ_WRITE), *shared_rules(read_dirs)]
+
+
+def confiner(abi: int, read_dirs):
+    """A function ``confine(workdir)`` that restricts the calling process to ``sandbox_rules(workdir, read_dirs)`` as
+    one more layer. Its library functions are looked up and the read-only paths opened (O_PATH) now, while that is
+    allowed: later the sandbox's audit hook refuses both, and a process can still be confined after it has closed
+    its other descriptors (keep these: ``confine.fds``)."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    libc.prctl  # noqa: B018 - looked up now, while that is allowed
+    opened = []
+    for path, rights in shared_rules(read_dirs):
+        try:
+            opened.append((os.open(path, os.O_PATH | os.O_CLOEXEC), rights))
+        except FileNotFoundError:
+            pass
+
+    def confine(workdir: str) -> None:
+        restrict([(os.path.realpath(workdir), READ_WRITE), *opened], abi, libc)
+
+    confine.fds = tuple(fd for fd, _ in opened)
+    return confine

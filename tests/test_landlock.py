@@ -1,0 +1,236 @@
+"""Landlock in the sandbox: the kernel holds the file, execve, TCP and signal rules even when a program switches the
+audit hook off. Each attack is run twice, with the layer and without it (the reference shows the attack works, so its
+failure under Landlock is the layer's doing), in a fresh sandbox and in runs forked from a zygote."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from areal_jax.rewards import _landlock
+from areal_jax.rewards.code import run_tests
+from areal_jax.rewards.code_tests import TestSpec
+from areal_jax.rewards.sandbox import landlock_abi, run_python_sandboxed, sandbox_layers
+from areal_jax.rewards.zygote import SandboxZygote
+
+ABI = landlock_abi()
+needs_landlock = pytest.mark.skipif(ABI == 0, reason="this kernel has no Landlock")
+
+# Switches the audit hooks off from pure Python: the bootstrap hook's re-entrancy flag, reached through the frames of
+# a traceback it raised, and os.path.realpath, which every path rule of both hooks goes through.
+BYPASS = """
+import os
+def _switch_off_hooks():
+    try:
+        open('/nonexistent-dir/f', 'w')
+    except PermissionError as e:
+        tb = e.__traceback__
+        while tb is not None:
+            if 'busy' in tb.tb_frame.f_locals:
+                tb.tb_frame.f_locals['busy'][0] = True
+            tb = tb.tb_next
+    except OSError:
+        pass
+    os.path.realpath = lambda p, *a, **k: os.getcwd()
+_switch_off_hooks()
+"""
+
+
+def _fresh(landlock):
+    def run(code, **kw):
+        return run_python_sandboxed(BYPASS + code, timeout_s=10.0, isolate_network=False, landlock=landlock, **kw)
+    return run
+
+
+@pytest.fixture(params=["fresh", "zygote"])
+def sandboxes(request):
+    """(run with Landlock, run without it) for one launch mode; no namespaces, so that the host's sockets and
+    processes are in reach and only Landlock stands between."""
+    if request.param == "fresh":
+        yield _fresh(True), _fresh(False)
+        return
+    zygotes = [SandboxZygote(isolate_network=False, landlock=flag) for flag in (True, False)]
+    try:
+        yield tuple((lambda z: lambda code, **kw: z.run(BYPASS + code, timeout_s=10.0, **kw))(z) for z in zygotes)
+    finally:
+        for z in zygotes:
+            z.close()
+
+
+@needs_landlock
+def test_files_outside_are_neither_read_nor_written(sandboxes, tmp_path):
+    confined, reference = sandboxes
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the-secret-value")
+    target = tmp_path / "pwned"
+    code = (f"try:\n    print(open({str(secret)!r}).read())\nexcept OSError as e:\n    print('read denied', e.errno)\n"
+            f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print('write denied', e.errno)\n")
+    result = reference(code)
+    assert "the-secret-value" in result.stdout and target.exists(), (result.stdout, result.stderr)
+    target.unlink()
+    result = confined(code)
+    assert "the-secret-value" not in result.stdout and not target.exists()
+    assert "read denied 13" in result.stdout and "write denied 13" in result.stdout, (result.stdout, result.stderr)
+
+
+@needs_landlock
+def test_no_program_can_be_executed(sandboxes):
+    confined, reference = sandboxes
+    code = "import os\nos.execv('/bin/sh', ['sh', '-c', 'echo EXECUTED'])\n"
+    assert "EXECUTED" in reference(code).stdout
+    result = confined(code)
+    assert "EXECUTED" not in result.stdout and result.status == "error"
+    assert "Permission denied" in result.stderr
+
+
+@pytest.mark.skipif(ABI < 4, reason="TCP rules need Landlock ABI 4")
+def test_tcp_connections_are_refused(sandboxes):
+    confined, reference = sandboxes
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(10.0)
+    port = server.getsockname()[1]
+    received = []
+
+    def accept():
+        try:
+            while True:
+                conn, _ = server.accept()
+                received.append(conn.recv(64))
+                conn.close()
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    code = (f"import socket\ns = socket.socket()\ntry:\n    s.connect(('127.0.0.1', {port}))\n    s.sendall(b'LEAK')\n"
+            f"    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    try:
+        assert reference(code).stdout == "connected\n"
+        result = confined(code)
+        assert result.stdout.startswith("refused"), (result.stdout, result.stderr)
+    finally:
+        server.close()
+        thread.join(5)
+    assert received == [b"LEAK"]  # the reference's message only
+
+
+@pytest.mark.skipif(ABI < 6, reason="signal scoping needs Landlock ABI 6")
+def test_processes_outside_cannot_be_signalled(sandboxes):
+    confined, reference = sandboxes
+    victims = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        code = "import os, signal\nos.kill({pid}, signal.SIGKILL)\nprint('sent')\n"
+        assert reference(code.format(pid=victims[0].pid)).stdout == "sent\n"
+        assert victims[0].wait(timeout=10) == -signal.SIGKILL
+        result = confined(code.format(pid=victims[1].pid))
+        assert "sent" not in result.stdout and "Operation not permitted" in result.stderr, result.stderr
+        assert victims[1].poll() is None
+    finally:
+        for victim in victims:
+            victim.kill()
+            victim.wait()
+
+
+@pytest.mark.skipif(ABI < 6, reason="signal scoping needs Landlock ABI 6")
+def test_a_forked_run_cannot_signal_or_trace_its_zygote():
+    """A run that could signal its zygote could kill it; one that could trace it (no Yama here) could take it over and
+    forge later runs' outputs. Without Landlock the signal arrives; with it, both are refused (EPERM)."""
+    signal_zygote = "try:\n    os.kill(os.getppid(), 0)\n    print('signal sent')\nexcept OSError as e:\n    print('signal', e.errno)\n"
+    trace_zygote = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                    "print('ptrace', libc.ptrace(16, os.getppid(), None, None), ctypes.get_errno())\n")  # PTRACE_ATTACH
+    outputs = {}
+    for flag, code in ((False, signal_zygote), (True, trace_zygote + signal_zygote)):
+        zygote = SandboxZygote(landlock=flag)
+        try:
+            outputs[flag] = zygote.run(BYPASS + code, timeout_s=10.0)
+        finally:
+            zygote.close()
+    assert outputs[False].stdout == "signal sent\n", outputs[False].stderr
+    assert outputs[True].stdout == "ptrace -1 1\nsignal 1\n", (outputs[True].stdout, outputs[True].stderr)
+
+
+@needs_landlock
+def test_ordinary_programs_run_as_they_do_unconfined(tmp_path):
+    """Standard-library extension modules (which load system libraries), files and directories in the working
+    directory, and numpy where allowed: the same output as a plain interpreter gives."""
+    code = ("import bz2, decimal, hashlib, json, lzma, os, sqlite3, zlib\n"
+            "os.makedirs('a/b')\nopen('a/b/f.txt', 'w').write('hello')\nos.rename('a/b/f.txt', 'g.txt')\n"
+            "db = sqlite3.connect(':memory:')\nrow = db.execute('select 6 * 7').fetchone()\n"
+            "print(hashlib.sha256(open('g.txt', 'rb').read()).hexdigest()[:16], zlib.crc32(b'x'), row[0],\n"
+            "      len(lzma.compress(b'a' * 100)) > 0, bz2.decompress(bz2.compress(b'z')), decimal.Decimal(1) / 7,\n"
+            "      sorted(os.listdir('.')))\n")
+    plain = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    expected = plain.stdout.replace("'a', 'g.txt'", "'a', 'g.txt', 'main.py'")
+    fresh = run_python_sandboxed(code, timeout_s=20.0)
+    assert "landlock" in fresh.isolation and fresh.stdout == expected, fresh.stderr
+    zygote = SandboxZygote()
+    try:
+        forked = zygote.run(code, timeout_s=20.0)
+        assert "landlock" in forked.isolation and forked.status == "ok", forked.stderr
+        assert forked.stdout.split("[")[0] == plain.stdout.split("[")[0]
+    finally:
+        zygote.close()
+    pytest.importorskip("numpy")
+    numeric = run_python_sandboxed("import numpy as np\nprint(int((np.ones((40, 40)) @ np.ones(40)).sum()))",
+                                   timeout_s=30.0, allow_numpy=True)
+    assert numeric.stdout == "1600\n", numeric.stderr
+
+
+@needs_landlock
+def test_a_test_case_cannot_read_its_answer_from_the_host(tmp_path):
+    """Reward hacking through the file system: a stdin task whose expected output sits in a file the reward process
+    can read. Both test runners, both launches: never a pass."""
+    answer = tmp_path / "answer.txt"
+    answer.write_text("42\n")
+    program = BYPASS + f"print(open({str(answer)!r}).read(), end='')\n"
+    spec = TestSpec(stdio=(("", "42\n"),))
+    for runner in ("fork", "process"):
+        for launch in ("zygote", "fresh"):
+            outcome = run_tests(program, spec, stdio_runner=runner, launch=launch)
+            assert outcome.statuses == ("error",), (runner, launch, outcome)
+
+
+@needs_landlock
+def test_a_failed_restriction_runs_nothing(tmp_path):
+    """Fail closed: when the kernel refuses the ruleset the bootstrap exits (status 125) before the program runs."""
+    (tmp_path / "main.py").write_text("open('ran', 'w').write('yes')\n")
+    config = {"workdir": str(tmp_path), "cpu_time_s": 5, "memory_bytes": 1 << 30, "file_bytes": 1 << 20,
+              "max_processes": 64, "audit_hook": True, "allow_subprocess": False, "landlock": -1}
+    child = os.path.join(os.path.dirname(_landlock.__file__), "_sandbox_child.py")
+    done = subprocess.run([sys.executable, "-I", "-B", "-S", child, json.dumps(config)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 125 and "Landlock could not be applied" in done.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_handled_rights_per_abi():
+    """Worked from the kernel's header: 13 file rights in ABI 1, REFER (bit 13) in 2, TRUNCATE (14) in 3, TCP bind and
+    connect in 4, IOCTL_DEV (15) in 5, the two scopes in 6."""
+    assert _landlock.handled_rights(1) == (0x1FFF, 0, 0)
+    assert _landlock.handled_rights(2) == (0x3FFF, 0, 0)
+    assert _landlock.handled_rights(3) == (0x7FFF, 0, 0)
+    assert _landlock.handled_rights(4) == (0x7FFF, 3, 0)
+    assert _landlock.handled_rights(5) == (0xFFFF, 3, 0)
+    assert _landlock.handled_rights(7) == (0xFFFF, 3, 3)
+    assert ctypes_size(_landlock._PathBeneathAttr) == 12  # packed, as the kernel reads it
+    with pytest.raises(OSError, match="no Landlock"):
+        _landlock.restrict([], 0)
+
+
+def ctypes_size(structure) -> int:
+    import ctypes
+
+    return ctypes.sizeof(structure)
+
+
+def test_sandbox_layers_names_what_is_in_force():
+    line = sandbox_layers()
+    assert ("Landlock ABI %d" % ABI in line) if ABI else ("no Landlock" in line)
