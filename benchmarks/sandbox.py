@@ -16,7 +16,8 @@ Measures, one after another on this machine:
   e. one sample of a stdin task with --stdin-cases cases (TACO / DeepCoder rows hold tens to hundreds): the
      default (a runner forked from the zygote, forking a candidate per case) against a fresh sandboxed
      interpreter per case (stdio_runner="process", launch="fresh": how every stdin case ran before), for a
-     correct program and for one that fails at the middle case (all_pass stops there): ms per sample, ratio.
+     correct program and for one that fails at the middle case (all_pass stops there): ms per sample, ratio;
+  f. what Landlock costs (where the kernel has it): b and b2 without it against with it (the default).
 Prints the matmul peak and the load average beside the figures (the CPU may be shared) and ends with
 one JSON line.
 """
@@ -34,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_jax.rewards.code import code_tests_reward, make_code_reward  # noqa: E402
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests  # noqa: E402
 from areal_jax.rewards.pool import RewardPool  # noqa: E402
-from areal_jax.rewards.sandbox import namespace_isolation, run_python_sandboxed  # noqa: E402
-from areal_jax.rewards.zygote import run_forked  # noqa: E402
+from areal_jax.rewards.sandbox import landlock_abi, run_python_sandboxed, sandbox_layers  # noqa: E402
+from areal_jax.rewards.zygote import SandboxZygote, run_forked  # noqa: E402
 
 ASSERT_TASK = encode_tests(asserts_to_spec([f"assert f({x}) == {sum(map(int, str(x)))}"
                                             for x in (0, 7, 58, 406, 4071)]))
@@ -65,7 +66,7 @@ def main() -> None:
     peak = matmul_peak_gflops()
     load = os.getloadavg()
     print(f"matmul peak {peak:.1f} GFLOP/s; load average {load[0]:.1f} on {os.cpu_count()} cores; "
-          f"isolation {' '.join(namespace_isolation()) or 'none'}", flush=True)
+          f"sandbox: {sandbox_layers()}", flush=True)
 
     # Both baselines start their child in a new session as the sandbox does: under Linux's autogroup
     # scheduling a new session gets its own CPU share, which on a loaded machine alone changes the
@@ -144,6 +145,24 @@ def main() -> None:
                 "stdin_failing_forked_ms": round(fork_bad * 1e3, 1),
                 "stdin_failing_process_ms": round(proc_bad * 1e3, 1),
                 "stdin_failing_speedup": round(proc_bad / fork_bad, 2)})
+
+    if landlock_abi():
+        plain_fresh = _per_run(lambda: run_python_sandboxed("print(1)", landlock=False), args.serial)
+        zygotes = {flag: SandboxZygote(landlock=flag) for flag in (False, True)}
+        try:
+            plain_forked, confined_forked = (_per_run(lambda z=zygotes[f]: z.run("print(1)"), args.serial)
+                                             for f in (False, True))
+        finally:
+            for z in zygotes.values():
+                z.close()
+        print(f"f. Landlock: a fresh sandboxed run {sandboxed * 1e3:.1f} ms against {plain_fresh * 1e3:.1f} ms without "
+              f"it ({sandboxed / plain_fresh:.2f}x); a forked run {confined_forked * 1e3:.2f} ms against "
+              f"{plain_forked * 1e3:.2f} ms ({confined_forked / plain_forked:.2f}x)", flush=True)
+        out.update({"landlock_abi": landlock_abi(), "sandboxed_run_no_landlock_ms": round(plain_fresh * 1e3, 2),
+                    "forked_run_landlock_ms": round(confined_forked * 1e3, 2),
+                    "forked_run_no_landlock_ms": round(plain_forked * 1e3, 2),
+                    "landlock_cost_fresh_ratio": round(sandboxed / plain_fresh, 3),
+                    "landlock_cost_forked_ratio": round(confined_forked / plain_forked, 3)})
     print(json.dumps(out))
 
 
