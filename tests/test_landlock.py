@@ -234,3 +234,19 @@ def ctypes_size(structure) -> int:
 def test_sandbox_layers_names_what_is_in_force():
     line = sandbox_layers()
     assert ("Landlock ABI %d" % ABI in line) if ABI else ("no Landlock" in line)
+
+
+def test_requiring_landlock_where_the_kernel_has_none_is_a_config_error(monkeypatch):
+    from areal_jax.config import ConfigError
+    from areal_jax.rewards import sandbox
+    from areal_jax.rewards.config import RewardConfig
+
+    RewardConfig(fn="code", timeout_s=30.0, code_require_landlock=False).check()  # the default never asks
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+    with pytest.raises(ConfigError, match=r"--config\.reward\.code_require_landlock=True, but this kernel .* no "
+                                          r"Landlock.*code_require_landlock=False"):
+        RewardConfig(fn="code", timeout_s=30.0, code_require_landlock=True).check()
+    RewardConfig(fn="math", code_require_landlock=True).check()  # only the code reward runs programs
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 6)
+    RewardConfig(fn="code", timeout_s=30.0, code_require_landlock=True).check()
+    assert "no Landlock" not in sandbox.sandbox_layers() and "signals" in sandbox.sandbox_layers()
