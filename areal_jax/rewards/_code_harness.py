@@ -79,12 +79,12 @@ def _harness() -> None:
 
     # ---- the candidate process: untrusted from the moment the solution is loaded ----
     def confine() -> None:
-        """Landlock, where the sandbox has it: the candidate cannot trace or signal this process, which holds the
-        nonce. Fails closed: the solution never runs unconfined."""
+        """The kernel's rules, where the sandbox has them: the candidate cannot trace or signal this process, which
+        holds the nonce, nor start processes. Fails closed: the solution never runs unconfined."""
         layer = globals().get("__sandbox_confine__")
         if layer is not None:
             try:
-                layer(os.getcwd())
+                layer(os.getcwd(), False)
             except Exception:  # noqa: BLE001
                 os._exit(125)
 

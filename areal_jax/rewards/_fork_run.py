@@ -51,19 +51,20 @@ def exec_as_main(code, main_file: str) -> None:
     os._exit(status)
 
 
-def confine_here(workdir: str) -> None:
-    """In a freshly forked process, before it runs anything untrusted: one more Landlock layer (where the sandbox has
-    Landlock, ``__sandbox_confine__``), so that it writes only in ``workdir`` and can neither trace nor signal the
-    process that forked it. Ends the process (status 125) if the kernel refuses: it never runs unconfined."""
+def confine_here(workdir: str, processes: bool = True) -> None:
+    """In a freshly forked process, before it runs anything untrusted (where the sandbox has the means,
+    ``__sandbox_confine__``): one more Landlock layer, so that it writes only in ``workdir`` and can neither trace nor
+    signal the process that forked it, and with ``processes=False`` the seccomp filter: it creates no process. Ends
+    the process (status 125) if the kernel refuses: it never runs unconfined."""
     import os
 
     confine = globals().get("__sandbox_confine__")
     if confine is None:
         return
     try:
-        confine(workdir)
+        confine(workdir, processes)
     except Exception as e:  # noqa: BLE001 - fail closed
-        os.write(2, f"sandbox: Landlock could not be applied ({e}); the program was not run\n".encode())
+        os.write(2, f"sandbox: the kernel's confinement could not be applied ({e}); the program was not run\n".encode())
         os._exit(125)
 
 

@@ -2,7 +2,8 @@
 
 Started as ``python -I -B -S _sandbox_child.py '<json config>'`` with the working directory already set to
 the sandbox's fresh temporary directory. It restricts itself with Landlock where the kernel has it (reads of the
-installation and its directory, writes in its directory only, no execve, no TCP, no signals out), applies the resource
+installation and its directory, writes in its directory only, no execve, no TCP, no signals out) and a seccomp
+filter (no new processes, unless the program is allowed them), applies the resource
 limits to itself, installs an audit
 hook that denies network, process creation and file access outside the allowed roots, then executes
 ``main.py`` from the working directory as ``__main__``. Only the standard library is used here so the
@@ -13,7 +14,8 @@ Config keys: workdir (str), cpu_time_s (int), memory_bytes (int), file_bytes (in
 rather than PermissionError, so libraries that only try ctypes, numpy among them, import without it), paths
 (optional: the installation's stdlib / platstdlib / purelib / platlib directories as the parent's sysconfig
 reports them for this interpreter; importing sysconfig here instead costs a third of a bare start), landlock (int:
-the kernel's Landlock ABI to restrict this process with, ``_landlock.py``; 0: none).
+the kernel's Landlock ABI to restrict this process with, ``_confinement.py``; 0: none), seccomp (bool: filter out
+new processes unless allow_subprocess, and give the program the means to filter the processes it forks).
 """
 
 import json
@@ -104,24 +106,25 @@ def _read_roots(workdir: str, install_paths: dict | None) -> tuple:
     return tuple(sorted(read_roots))
 
 
-def _apply_landlock(workdir: str, install_paths: dict | None, abi: int):
-    """Restrict this process with the kernel's file / TCP / signal limits (``_landlock.py``, run from its source: this
-    bootstrap cannot import the package) and return ``confine(dir)``, which adds one more layer for a process the
-    program forks (the zygote's runs, a harness's candidates): that process may then write only in ``dir`` and can
-    neither trace nor signal the process it came from. ctypes, which this needs, leaves ``sys.modules`` afterwards
-    so that the program's own import of it still meets the audit hook. A failure ends the sandbox (status "error"):
-    the program is never run unconfined."""
-    namespace = {"__name__": "_landlock"}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_landlock.py")
+def _confine_self(workdir: str, install_paths: dict | None, abi: int, seccomp: bool, allow_subprocess: bool):
+    """Restrict this process with the kernel's rules (``_confinement.py``, run from its source: this bootstrap cannot
+    import the package): a Landlock layer when ``abi`` > 0, and the seccomp filter against new processes when
+    ``seccomp`` is on and the program is not allowed processes. Returns ``confine(dir, processes=True)``, which adds
+    one more layer for a process the program forks (the zygote's runs, a harness's candidates): that process may
+    then write only in ``dir``, can neither trace nor signal the process it came from and, with processes=False,
+    creates none. ctypes, which this needs, leaves ``sys.modules`` afterwards so that the program's own import of
+    it still meets the audit hook. A failure ends the sandbox (status "error"): the program is never run unconfined."""
+    namespace = {"__name__": "_confinement"}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_confinement.py")
     own = os.path.realpath(workdir)
     try:
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), namespace)
         confine = namespace["confiner"](abi, [d for d in _read_roots(workdir, install_paths) if d != own])
-        confine(own)
+        confine(own, processes=allow_subprocess or not seccomp)
         return confine
     except Exception as e:  # noqa: BLE001 - fail closed, whatever went wrong
-        os.write(2, f"sandbox: Landlock could not be applied ({e}); the program was not run\n".encode())
+        os.write(2, f"sandbox: the kernel's confinement could not be applied ({e}); the program was not run\n".encode())
         os._exit(125)
     finally:
         for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
@@ -214,7 +217,10 @@ def main() -> None:
         source = f.read()
     code = compile(source, "main.py", "exec")
     sys.path.insert(0, workdir)
-    confine = _apply_landlock(workdir, install_paths, int(cfg["landlock"])) if cfg.get("landlock") else None
+    confine = None
+    if cfg.get("landlock") or cfg.get("seccomp"):
+        confine = _confine_self(workdir, install_paths, int(cfg.get("landlock", 0)), bool(cfg.get("seccomp")),
+                                bool(cfg["allow_subprocess"]))
     _apply_limits(cfg)
     sys.argv = ["main.py"]
     if cfg["audit_hook"]:

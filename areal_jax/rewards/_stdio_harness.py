@@ -48,7 +48,8 @@ def _harness() -> None:
         os.dup2(os.open(input_path, os.O_RDONLY), 0)
         os.dup2(stdout_w, 1)
         os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-        confine_here(workdir)  # Landlock: this process cannot trace or signal the runner, which holds the nonce
+        # The kernel's rules: this process cannot trace or signal the runner, which holds the nonce, nor start others
+        confine_here(workdir, processes=False)
         os.closerange(3, fd_limit)
         cpu = int(math.ceil(timeout)) + 1  # the case's CPU seconds, as a sandboxed interpreter per case gets them
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering: all the sandbox's audit hook allows

@@ -8,7 +8,10 @@ Layers of containment, each a backstop for the others:
     RLIMIT_AS (address space), RLIMIT_FSIZE (bytes per written file), RLIMIT_NPROC (processes; the
     kernel ignores it for root) and no core files;
   * a fresh temporary working directory, deleted afterwards;
-  * Landlock, where the kernel has it (Linux >= 5.13, ``_landlock.py``): the kernel itself lets the child read only
+  * a seccomp filter (``_confinement.py``) that refuses new processes (fork, a clone that is not a thread, execve,
+    ptrace) to a program not allowed them and to every test candidate a harness forks, whatever RLIMIT_NPROC
+    (ignored for root) would allow;
+  * Landlock, where the kernel has it (Linux >= 5.13, ``_confinement.py``): the kernel itself lets the child read only
     the Python installation, the system's shared libraries and its working directory, write only in its working
     directory, run no program (execve), and (by the kernel's ABI) bind or connect no TCP port and signal no process
     outside the sandbox. Each process the sandboxed code forks for a run or a test case gets one more layer of its
@@ -116,9 +119,17 @@ def landlock_abi() -> int:
     """This kernel's Landlock ABI version (0: none), probed once per process."""
     if not sys.platform.startswith("linux"):
         return 0
-    from areal_jax.rewards import _landlock
+    from areal_jax.rewards import _confinement
 
-    return _landlock.abi_version()
+    return _confinement.abi_version()
+
+
+@functools.lru_cache(maxsize=None)
+def seccomp_available() -> bool:
+    """Whether the sandbox filters out new processes with seccomp here (Linux on an architecture it knows)."""
+    from areal_jax.rewards import _confinement
+
+    return sys.platform.startswith("linux") and _confinement.process_filter(os.uname().machine) is not None
 
 
 def sandbox_layers() -> str:
@@ -128,7 +139,8 @@ def sandbox_layers() -> str:
     abi = landlock_abi()
     landlock = (f"Landlock ABI {abi} (files, execve" + (", TCP" if abi >= 4 else "") + (", signals" if abi >= 6 else "")
                 + ")") if abi else "no Landlock (file rules rest on the audit hook alone)"
-    return f"namespaces: {namespaces}; {landlock}; resource limits; audit hook"
+    seccomp = "seccomp (no new processes in test programs)" if seccomp_available() else "no seccomp filter"
+    return f"namespaces: {namespaces}; {landlock}; {seccomp}; resource limits; audit hook"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -197,6 +209,7 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
         "allow_subprocess": bool(allow_subprocess),
         "blocked_import_error": bool(allow_numpy),
         "landlock": landlock_abi() if landlock else 0,
+        "seccomp": seccomp_available(),
     }
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         config["paths"] = _install_paths()  # the child need not import sysconfig for them
@@ -207,7 +220,9 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            # one thread per numerical library: a test runs single-threaded, within its address-space limit
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return cmd, env, tuple(prefix) + (("landlock",) if config["landlock"] else ())
+    layers = (("landlock",) if config["landlock"] else ()) + (
+        ("seccomp",) if config["seccomp"] and not allow_subprocess else ())
+    return cmd, env, tuple(prefix) + layers
 
 
 def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7, max_file_bytes: int = 16 << 20,

@@ -1,6 +1,7 @@
-"""Landlock in the sandbox: the kernel holds the file, execve, TCP and signal rules even when a program switches the
-audit hook off. Each attack is run twice, with the layer and without it (the reference shows the attack works, so its
-failure under Landlock is the layer's doing), in a fresh sandbox and in runs forked from a zygote."""
+"""The kernel's rules in the sandbox: Landlock holds the file, execve, TCP and signal rules and a seccomp filter the
+no-new-processes rule even when a program switches the audit hook off. Each attack is run twice, with the layer and
+without it (the reference shows the attack works, so its failure is the layer's doing), in a fresh sandbox and in runs
+forked from a zygote."""
 
 import json
 import os
@@ -12,10 +13,10 @@ import threading
 
 import pytest
 
-from areal_jax.rewards import _landlock
+from areal_jax.rewards import _confinement
 from areal_jax.rewards.code import run_tests
-from areal_jax.rewards.code_tests import TestSpec
-from areal_jax.rewards.sandbox import landlock_abi, run_python_sandboxed, sandbox_layers
+from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec
+from areal_jax.rewards.sandbox import landlock_abi, run_python_sandboxed, sandbox_layers, seccomp_available
 from areal_jax.rewards.zygote import SandboxZygote
 
 ABI = landlock_abi()
@@ -42,8 +43,9 @@ _switch_off_hooks()
 
 
 def _fresh(landlock):
-    def run(code, **kw):
-        return run_python_sandboxed(BYPASS + code, timeout_s=10.0, isolate_network=False, landlock=landlock, **kw)
+    def run(code, **kw):  # processes allowed, as in the zygote: no seccomp filter, only Landlock differs
+        return run_python_sandboxed(BYPASS + code, timeout_s=10.0, isolate_network=False, landlock=landlock,
+                                    allow_subprocess=True, **kw)
     return run
 
 
@@ -203,26 +205,26 @@ def test_a_failed_restriction_runs_nothing(tmp_path):
     """Fail closed: when the kernel refuses the ruleset the bootstrap exits (status 125) before the program runs."""
     (tmp_path / "main.py").write_text("open('ran', 'w').write('yes')\n")
     config = {"workdir": str(tmp_path), "cpu_time_s": 5, "memory_bytes": 1 << 30, "file_bytes": 1 << 20,
-              "max_processes": 64, "audit_hook": True, "allow_subprocess": False, "landlock": -1}
-    child = os.path.join(os.path.dirname(_landlock.__file__), "_sandbox_child.py")
+              "max_processes": 64, "audit_hook": True, "allow_subprocess": False, "landlock": -1}  # no such ABI
+    child = os.path.join(os.path.dirname(_confinement.__file__), "_sandbox_child.py")
     done = subprocess.run([sys.executable, "-I", "-B", "-S", child, json.dumps(config)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 125 and "Landlock could not be applied" in done.stderr
+    assert done.returncode == 125 and "confinement could not be applied" in done.stderr
     assert not (tmp_path / "ran").exists()
 
 
 def test_handled_rights_per_abi():
     """Worked from the kernel's header: 13 file rights in ABI 1, REFER (bit 13) in 2, TRUNCATE (14) in 3, TCP bind and
     connect in 4, IOCTL_DEV (15) in 5, the two scopes in 6."""
-    assert _landlock.handled_rights(1) == (0x1FFF, 0, 0)
-    assert _landlock.handled_rights(2) == (0x3FFF, 0, 0)
-    assert _landlock.handled_rights(3) == (0x7FFF, 0, 0)
-    assert _landlock.handled_rights(4) == (0x7FFF, 3, 0)
-    assert _landlock.handled_rights(5) == (0xFFFF, 3, 0)
-    assert _landlock.handled_rights(7) == (0xFFFF, 3, 3)
-    assert ctypes_size(_landlock._PathBeneathAttr) == 12  # packed, as the kernel reads it
+    assert _confinement.handled_rights(1) == (0x1FFF, 0, 0)
+    assert _confinement.handled_rights(2) == (0x3FFF, 0, 0)
+    assert _confinement.handled_rights(3) == (0x7FFF, 0, 0)
+    assert _confinement.handled_rights(4) == (0x7FFF, 3, 0)
+    assert _confinement.handled_rights(5) == (0xFFFF, 3, 0)
+    assert _confinement.handled_rights(7) == (0xFFFF, 3, 3)
+    assert ctypes_size(_confinement._PathBeneathAttr) == 12  # packed, as the kernel reads it
     with pytest.raises(OSError, match="no Landlock"):
-        _landlock.restrict([], 0)
+        _confinement.restrict([], 0)
 
 
 def ctypes_size(structure) -> int:
@@ -236,7 +238,7 @@ def test_sandbox_layers_names_what_is_in_force():
     assert ("Landlock ABI %d" % ABI in line) if ABI else ("no Landlock" in line)
 
 
-def test_requiring_landlock_where_the_kernel_has_none_is_a_config_error(monkeypatch):
+def test_requiring_confinement_where_the_kernel_has_none_is_a_config_error(monkeypatch):
     from areal_jax.config import ConfigError
     from areal_jax.rewards import sandbox
     from areal_jax.rewards.config import RewardConfig
@@ -250,3 +252,77 @@ def test_requiring_landlock_where_the_kernel_has_none_is_a_config_error(monkeypa
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: 6)
     RewardConfig(fn="code", timeout_s=30.0, code_require_landlock=True).check()
     assert "no Landlock" not in sandbox.sandbox_layers() and "signals" in sandbox.sandbox_layers()
+
+
+
+def _run_bpf(prog, nr: int, arch: int, arg0: int = 0) -> int:
+    """A classic-BPF interpreter for the four instruction kinds the filter uses, over a seccomp_data of (nr, arch,
+    ip=0, args[0]=arg0), little-endian."""
+    data = nr.to_bytes(4, "little", signed=True) + arch.to_bytes(4, "little") + bytes(8) + arg0.to_bytes(8, "little")
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == 0x20:  # ld word at absolute offset k
+            acc = int.from_bytes(data[k:k + 4], "little")
+        elif code == 0x06:
+            return k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_process_filter_decides_as_the_rules_say(machine):
+    prog = _confinement.process_filter(machine)
+    arch, numbers = _confinement._ARCHES[machine]
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    for name in ("fork", "vfork", "execve", "execveat", "ptrace", "process_vm_readv", "process_vm_writev"):
+        if name in numbers:
+            assert _run_bpf(prog, numbers[name], arch) == eperm, name
+    assert _run_bpf(prog, numbers["clone"], arch, arg0=0x3D0F00) == allow  # pthread_create's flags
+    assert _run_bpf(prog, numbers["clone"], arch, arg0=0x01200011) == eperm  # fork()'s flags (SIGCHLD | ...)
+    assert _run_bpf(prog, numbers["clone3"], arch) == enosys
+    for other in (0, 1, 3, 63, 231, 434):  # read, write, close, ..., exit_group: untouched
+        if other not in numbers.values():
+            assert _run_bpf(prog, other, arch) == allow, other
+    assert _run_bpf(prog, 2, 0x40000003) == kill  # another architecture's entry (i386)
+    if machine == "x86_64":
+        assert _run_bpf(prog, 0x40000000 | 57, arch) == kill  # an x32 entry
+    assert _confinement.process_filter("sparc64") is None
+
+
+@pytest.mark.skipif(not seccomp_available(), reason="no seccomp filter for this architecture")
+def test_a_program_without_processes_cannot_fork_but_threads_run():
+    code = ("import os, threading\nout = []\nt = threading.Thread(target=lambda: out.append(sum(range(10))))\n"
+            "t.start(); t.join()\nprint('thread', out[0])\n"
+            "try:\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    print('forked')\n"
+            "except OSError as e:\n    print('fork', e.errno)\n")
+    reference = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False, allow_subprocess=True)
+    assert reference.stdout == "thread 45\nforked\n", reference.stderr
+    confined = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False)
+    assert "seccomp" in confined.isolation
+    assert confined.stdout == "thread 45\nfork 1\n", confined.stderr
+
+
+@pytest.mark.skipif(not seccomp_available(), reason="no seccomp filter for this architecture")
+def test_a_test_candidate_cannot_fork_even_past_the_audit_hook():
+    """A stdin candidate and a call candidate, with the audit hook switched off: os.fork is refused by the kernel;
+    the harness itself, which forks the candidates, works."""
+    probe = BYPASS + (
+        "import os\n"
+        "def fork():\n"
+        "    try:\n        pid = os.fork()\n        if pid == 0:\n            os._exit(0)\n        return 'forked'\n"
+        "    except OSError as e:\n"
+        "        tb = e.__traceback__\n"  # the candidate's own hook keeps its process events in a set: empty it
+        "        while tb is not None:\n"
+        "            tb.tb_frame.f_locals.get('process_events', set()).clear()\n"
+        "            tb = tb.tb_next\n"
+        "        return f'fork {e.errno}'\n"
+        "first = fork()\nr = fork()\nassert first == 'fork None', first\n")  # the hook's refusal, then the kernel's
+    stdin_spec = TestSpec(stdio=(("", "fork 1\n"),))
+    call_spec = asserts_to_spec(["assert f() == 'fork 1'"])
+    for launch in ("zygote", "fresh"):
+        assert run_tests(probe + "print(r)\n", stdin_spec, launch=launch).statuses == ("pass",), launch
+        assert run_tests(probe + "def f():\n    return r\n", call_spec, launch=launch).statuses == ("pass",), launch

@@ -1,5 +1,6 @@
-"""Landlock: limits the Linux kernel itself enforces on what a process, and every process it starts, may do with
-files, TCP ports and signals (Linux >= 5.13; the kernel says which version, its ABI, it has).
+"""Limits the Linux kernel itself enforces on a sandboxed process and every process it starts: Landlock for files,
+TCP ports and signals (Linux >= 5.13; the kernel says which version, its ABI, it has), and a seccomp filter that
+refuses to create processes or run programs.
 
 The sandbox (``sandbox.py``) applies them in its bootstrap, before the untrusted program's first line: from then on
 the process may read only the directories it is given, write only inside its working directory, run no program
@@ -8,8 +9,13 @@ process outside the sandbox or reach its abstract Unix sockets (ABI 6). A restri
 lifted, by nothing the process does: unlike the audit hook, which pure Python can switch off, it holds against any
 code, ctypes and numpy included.
 
+The seccomp filter (``deny_processes``) refuses fork, vfork, a clone that does not make a thread, execve, ptrace and
+reading or writing another process's memory (EPERM; clone3 gets ENOSYS, so the C library makes threads with clone):
+threads still work, processes do not, whatever the resource limits (which the kernel does not apply to root) allow.
+The sandbox filters a program that was not allowed processes, and each test candidate a harness forks.
+
 Only the standard library is used: the parent imports this module to ask for the ABI, and the sandbox's bootstrap,
-which cannot import the package, runs its source (``restrict``) and then drops ctypes from ``sys.modules``.
+which cannot import the package, runs its source (``confiner``) and then drops ctypes from ``sys.modules``.
 """
 
 import ctypes
@@ -144,23 +150,108 @@ def sandbox_rules(workdir: str, read_dirs) -> list:
     return [(workdir, READ_WRITE), *shared_rules(read_dirs)]
 
 
+# ---- seccomp ----
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_EPERM, _ENOSYS = 1, 38
+_CLONE_THREAD = 0x00010000
+_LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (classic BPF)
+# (audit arch, {name: number}) of the architectures this knows; elsewhere no filter is installed.
+_ARCHES = {
+    "x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "execve": 59, "execveat": 322,
+                            "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311}),
+    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "execve": 221, "execveat": 281, "ptrace": 117,
+                             "process_vm_readv": 270, "process_vm_writev": 271}),
+}
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def process_filter(machine: str) -> list | None:
+    """The classic-BPF program (code, jt, jf, k) that refuses new processes on ``machine`` (``os.uname().machine``),
+    None for an architecture this does not know. A system call of another architecture (x86-64's 32-bit and x32
+    entries) kills the process: the numbers below would not hold for it."""
+    if machine not in _ARCHES:
+        return None
+    arch, numbers = _ARCHES[machine]
+    deny = ("fork", "vfork", "execve", "execveat", "ptrace", "process_vm_readv", "process_vm_writev")
+    prog = [(_LD_ABS_W, 0, 0, 4), ("jeq", arch, None, "kill"), (_LD_ABS_W, 0, 0, 0)]
+    if machine == "x86_64":
+        prog.append(("jge", 0x40000000, "kill", None))  # the x32 entries
+    prog += [("jeq", numbers[name], "eperm", None) for name in deny if name in numbers]
+    prog += [("jeq", numbers["clone3"], "enosys", None), ("jeq", numbers["clone"], None, "allow"),
+             (_LD_ABS_W, 0, 0, 16), ("jset", _CLONE_THREAD, "allow", "eperm"),  # the low half of clone's flags
+             ("label", "allow"), (_RET, 0, 0, _RET_ALLOW), ("label", "eperm"), (_RET, 0, 0, _RET_ERRNO | _EPERM),
+             ("label", "enosys"), (_RET, 0, 0, _RET_ERRNO | _ENOSYS),
+             ("label", "kill"), (_RET, 0, 0, _RET_KILL_PROCESS)]
+    labels, position = {}, 0
+    for item in prog:
+        if item[0] == "label":
+            labels[item[1]] = position
+        else:
+            position += 1
+    out = []
+    for item in prog:
+        if item[0] == "label":
+            continue
+        if isinstance(item[0], str):
+            op, k, yes, no = item
+            here = len(out) + 1  # jumps count from the next instruction
+            out.append(({"jeq": _JEQ, "jge": _JGE, "jset": _JSET}[op], 0 if yes is None else labels[yes] - here,
+                        0 if no is None else labels[no] - here, k))
+        else:
+            out.append(item)
+    return out
+
+
+def deny_processes(libc=None) -> bool:
+    """Install ``process_filter`` on this thread's process for good (with no_new_privs, which it needs). False where
+    the architecture is unknown (nothing installed); OSError where the kernel refuses."""
+    prog = process_filter(os.uname().machine)
+    if prog is None:
+        return False
+    libc = libc or _libc()
+    filters = (_SockFilter * len(prog))(*(_SockFilter(*insn) for insn in prog))
+    fprog = _SockFprog(len(prog), filters)
+    for option, args in ((_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)), (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, 0, 0, 0))):
+        values = [ctypes.c_ulong(a) for a in args]
+        if option == _PR_SET_SECCOMP:
+            values[1] = ctypes.cast(ctypes.byref(fprog), ctypes.c_void_p)
+        if libc.prctl(ctypes.c_int(option), *values) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    return True
+
+
 def confiner(abi: int, read_dirs):
-    """A function ``confine(workdir)`` that restricts the calling process to ``sandbox_rules(workdir, read_dirs)`` as
-    one more layer. Its library functions are looked up and the read-only paths opened (O_PATH) now, while that is
-    allowed: later the sandbox's audit hook refuses both, and a process can still be confined after it has closed
-    its other descriptors (keep these: ``confine.fds``)."""
+    """A function ``confine(workdir, processes=True)`` that restricts the calling process for good: one more Landlock
+    layer of ``sandbox_rules(workdir, read_dirs)`` (when ``abi`` > 0) and, with ``processes=False``, the seccomp
+    filter that refuses new processes. Its library functions are looked up and the read-only paths opened (O_PATH)
+    now, while that is allowed: later the sandbox's audit hook refuses both, and a process can still be confined
+    after it has closed its other descriptors (keep these: ``confine.fds``)."""
+    if abi < 0:
+        raise ValueError(f"a Landlock ABI is a version >= 1, or 0 for none; got {abi}")
     libc = _libc()
     libc.syscall.restype = ctypes.c_long
     libc.prctl  # noqa: B018 - looked up now, while that is allowed
     opened = []
-    for path, rights in shared_rules(read_dirs):
+    for path, rights in shared_rules(read_dirs) if abi > 0 else ():
         try:
             opened.append((os.open(path, os.O_PATH | os.O_CLOEXEC), rights))
         except FileNotFoundError:
             pass
 
-    def confine(workdir: str) -> None:
-        restrict([(os.path.realpath(workdir), READ_WRITE), *opened], abi, libc)
+    def confine(workdir: str, processes: bool = True) -> None:
+        if abi > 0:
+            restrict([(os.path.realpath(workdir), READ_WRITE), *opened], abi, libc)
+        if not processes:
+            deny_processes(libc)
 
     confine.fds = tuple(fd for fd, _ in opened)
     return confine
