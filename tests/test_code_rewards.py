@@ -41,12 +41,47 @@ def test_correct_and_wrong_programs_with_both_modes():
     assert reward("") == 0.0
 
 
-def test_stdin_stdout_cases_tolerate_trailing_whitespace_only():
+def test_stdin_stdout_cases_are_compared_as_output_match_says():
     assert reward(GOOD_ADD, STDIO_ADD) == 1.0
     assert reward("a, b = map(int, input().split())\nprint(a + b, '  ')\nprint()\n", STDIO_ADD) == 1.0
-    assert reward("a, b = map(int, input().split())\nprint(' ' + str(a + b))", STDIO_ADD) == 0.0  # leading space
+    leading_space = "a, b = map(int, input().split())\nprint(' ' + str(a + b))"
+    assert reward(leading_space, STDIO_ADD) == 1.0  # tokens (the default, "numbers") pass it
+    assert reward(leading_space, STDIO_ADD, output_match="tokens") == 1.0
+    assert reward(leading_space, STDIO_ADD, output_match="lines") == 0.0  # lines only forgive trailing space
     assert reward("print(3)", STDIO_ADD, mode="pass_rate") == pytest.approx(1 / 3)
-    assert outputs_match("1 2 \r\n3\n\n\n", "1 2\n3") and not outputs_match("1\n\n2", "1\n2")
+    assert outputs_match("1 2 \r\n3\n\n\n", "1 2\n3", "lines") and not outputs_match("1\n\n2", "1\n2", "lines")
+
+
+@pytest.mark.parametrize("got, expected, lines, tokens, numbers", [
+    ("1 2\n3\n", "1 2\n3", True, True, True),
+    ("1\n2 3", "1 2\n3", False, True, True),  # the same tokens, other line breaks
+    ("0.333333333", "0.3333333333333", False, False, True),  # |d| = 3e-10
+    ("0.3333", "0.3333333333333", False, False, False),  # |d| = 3.3e-5 > 1e-6
+    ("1000000.5", "1000000.0", False, False, True),  # relative: 0.5 <= 1e-6 * 1e6
+    ("1000002.0", "1000000.0", False, False, False),  # relative: 2 > 1e-6 * 1e6
+    ("3", "3.0", False, False, True),  # a real number expected: an integer that equals it passes
+    ("3.0", "3", False, False, False),  # an integer expected: only that integer
+    ("YES 2.5000001", "YES 2.5", False, False, True),
+    ("yes 2.5", "YES 2.5", False, False, False),  # words exactly
+    ("1.5e2", "150.0", False, False, True),
+    ("nan", "1.0", False, False, False),
+    ("1 2", "1 2 3", False, False, False),
+])
+def test_output_match_modes_worked_by_hand(got, expected, lines, tokens, numbers):
+    assert outputs_match(got, expected, "lines") is lines
+    assert outputs_match(got, expected, "tokens") is tokens
+    assert outputs_match(got, expected, "numbers") is numbers
+    assert outputs_match(got, expected) is numbers  # the default
+
+
+def test_a_row_may_name_its_own_output_match():
+    spec = Spec(stdio=(("", "0.5\n"),), output_match="lines")
+    assert parse_tests(encode_tests(spec)) == spec
+    program = "print('0.50000001')"
+    assert run_tests(program, spec, output_match="numbers").statuses == ("fail",)  # the row's own wins
+    assert run_tests(program, Spec(stdio=spec.stdio), output_match="numbers").statuses == ("pass",)
+    with pytest.raises(ValueError, match="output_match='exact' is not one of lines, tokens, numbers"):
+        Spec(stdio=spec.stdio, output_match="exact")
 
 
 def test_call_based_cases_accept_the_apps_wrapped_output_and_solution_classes(tmp_path):

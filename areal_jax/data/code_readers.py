@@ -8,8 +8,10 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     and ``outputs`` lists; each item a string or a list of lines. With ``fn_name`` it is call-based:
     each input is the list of arguments and each output the return value.
   * CodeContests: ``public_tests``, ``private_tests`` and ``generated_tests``, each {"input": [...], "output": [...]}
-    (a JSON string or an object), all run as stdin/stdout cases; the statement is ``description``. Problems
-    that accept several right outputs (a checker in the contest) are not told apart: only the listed output passes.
+    (a JSON string or an object), all run as stdin/stdout cases; the statement is ``description``. Outputs
+    are compared as the reward's ``code_output_match`` says (by default tokens, real numbers within 1e-6, which
+    covers the contests' real-valued answers); problems that accept several different right outputs (a special
+    checker in the contest) are not told apart: only the listed output passes.
   * assert lists (MBPP): ``test_list`` (assert statements), optional ``test_setup_code``.
   * a test program (HumanEval): ``test`` (defining ``check(candidate)``) plus ``entry_point``.
   * a case list (DeepCoder ``tests``, LiveCodeBench ``public_test_cases`` / ``private_test_cases``): a

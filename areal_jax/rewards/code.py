@@ -6,7 +6,8 @@ How cases run (rewards/sandbox.py contains every process):
   * stdin/stdout cases: one sandboxed process runs the stdio runner (``_stdio_harness.py``), which forks a
     candidate process per case, fed the case's input, with a pipe to the runner as its standard output and no
     other descriptor of it; the runner reports each output under a nonce the candidate cannot write with, and
-    it is compared here, outside the sandbox, with ``outputs_match`` (trailing whitespace ignored); the
+    it is compared here, outside the sandbox, with ``outputs_match`` (by default token by token, real numbers
+    within 1e-6, as a contest's checker reads an output; ``output_match`` chooses lines / tokens / numbers); the
     expected outputs never enter the sandbox. A program that exits early, prints nothing or crashes fails the
     case. ``stdio_runner="process"`` runs a fresh sandboxed interpreter per case instead (the same statuses,
     about 30 ms a case against about 1 ms for a fork).
@@ -39,7 +40,14 @@ import textwrap
 import time
 from typing import Any, Callable
 
-from areal_jax.rewards.code_tests import TestSpec, outputs_match, parse_tests, values_equal
+from areal_jax.rewards.code_tests import (
+    DEFAULT_OUTPUT_MATCH,
+    OUTPUT_MATCHES,
+    TestSpec,
+    outputs_match,
+    parse_tests,
+    values_equal,
+)
 from areal_jax.rewards.sandbox import SandboxResult, run_python_sandboxed
 
 __all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "code_tests_reward",
@@ -130,7 +138,7 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
         elif result.status != "ok":
             statuses.append("error")
         else:
-            statuses.append("pass" if outputs_match(result.stdout, expected) else "fail")
+            statuses.append("pass" if outputs_match(result.stdout, expected, spec.output_match) else "fail")
     return statuses
 
 
@@ -169,7 +177,7 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
         elif record.get("status") != "ok" or not isinstance(record.get("stdout"), str):
             statuses.append("error")
         else:
-            statuses.append("pass" if outputs_match(record["stdout"], expected) else "fail")
+            statuses.append("pass" if outputs_match(record["stdout"], expected, spec.output_match) else "fail")
     return statuses
 
 
@@ -184,7 +192,8 @@ class _FirstWrongOutput:
 
     def _wrong_output(self, i: int, record: dict) -> bool:
         out = record.get("stdout")
-        return 0 <= i < len(self.spec.stdio) and isinstance(out, str) and not outputs_match(out, self.spec.stdio[i][1])
+        return (0 <= i < len(self.spec.stdio) and isinstance(out, str)
+                and not outputs_match(out, self.spec.stdio[i][1], self.spec.output_match))
 
     def __call__(self, chunk: bytes) -> bool:
         if b"\n" not in chunk:  # a long report arrives in many pieces: joined once, when its line ends
@@ -271,16 +280,21 @@ def _value_matches(text: Any, expected: Any) -> bool:
 
 def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
               sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-              allow_numpy: bool = False, launch: str = "zygote") -> TestOutcome:
+              allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH) -> TestOutcome:
     """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc. stdio_runner: how the
     stdin/stdout cases run (STDIO_RUNNERS); allow_numpy: programs may import numpy (``run_python_sandboxed``);
-    launch: how each harness's sandbox starts (LAUNCHES)."""
+    launch: how each harness's sandbox starts (LAUNCHES); output_match: how stdin cases' outputs are compared
+    (``code_tests.outputs_match``) unless the spec names its own."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
     if stdio_runner not in STDIO_RUNNERS:
         raise ValueError(f"stdio_runner must be one of {STDIO_RUNNERS}, got {stdio_runner!r}.")
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}.")
+    if output_match not in OUTPUT_MATCHES:
+        raise ValueError(f"output_match must be one of {OUTPUT_MATCHES}, got {output_match!r}.")
+    if not spec.output_match:
+        spec = dataclasses.replace(spec, output_match=output_match)
     if case_timeout_s <= 0 or sample_timeout_s <= 0:
         raise ValueError(f"time limits must be positive, got case_timeout_s={case_timeout_s}, "
                          f"sample_timeout_s={sample_timeout_s}.")
@@ -301,7 +315,7 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
 
 def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
                       sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-                      allow_numpy: bool = False, launch: str = "zygote") -> float:
+                      allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH) -> float:
     """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
 
     mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
@@ -314,7 +328,7 @@ def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", c
         return 0.0
     outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
                         sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner,
-                        allow_numpy=allow_numpy, launch=launch)
+                        allow_numpy=allow_numpy, launch=launch, output_match=output_match)
     if mode == "pass_rate":
         return outcome.pass_rate
     return 1.0 if outcome.passed == outcome.total else 0.0
@@ -332,11 +346,12 @@ def code_pass_rate(completion: str, answer: str) -> float:
 
 def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample_timeout_s: float = 20.0,
                      memory_mb: int = 512, allow_numpy: bool = False, launch: str = "zygote",
-                     stdio_runner: str = "fork") -> functools.partial:
+                     stdio_runner: str = "fork", output_match: str = DEFAULT_OUTPUT_MATCH) -> functools.partial:
     """A picklable (completion, answer) -> float for the RewardPool, with these limits."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"reward.code_mode={mode!r} is not one of {', '.join(CODE_REWARD_MODES)}; pass "
                          f"--config.reward.code_mode=all_pass or pass_rate.")
     return functools.partial(code_tests_reward, mode=mode, case_timeout_s=float(case_timeout_s),
                              sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb),
-                             allow_numpy=bool(allow_numpy), launch=launch, stdio_runner=stdio_runner)
+                             allow_numpy=bool(allow_numpy), launch=launch, stdio_runner=stdio_runner,
+                             output_match=output_match)

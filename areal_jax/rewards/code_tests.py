@@ -6,6 +6,9 @@ A task's tests travel through the data pipeline as the example's ``answer`` stri
     {"format": "code_tests/1", "setup": "", "calls": [[expr, expected_json], ...]}    # call-based / asserts
     {"format": "code_tests/1", "setup": "", "programs": [src, ...]}                   # opaque assert code
 
+A stdin task may also name how its outputs are compared, ``"output_match": "lines" | "tokens" | "numbers"``
+(``outputs_match``); without it the reward's own setting (``reward.code_output_match``) applies.
+
 A "calls" case is an expression such as ``"f(123)"`` and the expected value as JSON text (tuples become
 lists); the program's own process evaluates it and returns the value's ``repr``, and the comparison
 happens outside the sandbox, so a program cannot pass without computing the right values. Assert tests
@@ -21,13 +24,17 @@ import ast
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Sequence
 
 __all__ = ["TestSpec", "encode_tests", "parse_tests", "asserts_to_spec", "values_equal",
-           "outputs_match", "TESTS_FORMAT"]
+           "outputs_match", "TESTS_FORMAT", "OUTPUT_MATCHES"]
 
 TESTS_FORMAT = "code_tests/1"
 TRUTH_KEY = "__truth__"  # expected {"__truth__": b}: the value's truthiness must be b (hand-made specs)
+OUTPUT_MATCHES = ("lines", "tokens", "numbers")
+DEFAULT_OUTPUT_MATCH = "numbers"
+_REAL = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][+-]?\d+)?")
 _SAFE_WRAPPERS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "sorted": sorted}
 
 
@@ -39,11 +46,17 @@ class TestSpec:
     calls: (expression source, expected value) pairs; expected is any JSON-like value.
     programs: opaque test programs executed after the solution (pass = no exception).
     setup: code run before the solution (MBPP's test_setup_code, e.g. imports).
+    output_match: how stdio outputs are compared (OUTPUT_MATCHES); "" leaves it to the reward's setting.
     """
     stdio: tuple[tuple[str, str], ...] = ()
     calls: tuple[tuple[str, Any], ...] = ()
     programs: tuple[str, ...] = ()
     setup: str = ""
+    output_match: str = ""
+
+    def __post_init__(self) -> None:
+        if self.output_match and self.output_match not in OUTPUT_MATCHES:
+            raise ValueError(f"output_match={self.output_match!r} is not one of {', '.join(OUTPUT_MATCHES)}.")
 
     @property
     def num_cases(self) -> int:
@@ -61,6 +74,8 @@ def encode_tests(spec: TestSpec) -> str:
         out["calls"] = [[src, json.dumps(_jsonable(v))] for src, v in spec.calls]
     if spec.programs:
         out["programs"] = list(spec.programs)
+    if spec.output_match:
+        out["output_match"] = spec.output_match
     return json.dumps(out)
 
 
@@ -75,7 +90,7 @@ def parse_tests(text: str) -> TestSpec:
     stdio = tuple((str(i), str(o)) for i, o in data.get("stdio", []))
     calls = tuple((str(src), json.loads(expected)) for src, expected in data.get("calls", []))
     spec = TestSpec(stdio=stdio, calls=calls, programs=tuple(map(str, data.get("programs", []))),
-                    setup=str(data.get("setup", "")))
+                    setup=str(data.get("setup", "")), output_match=str(data.get("output_match", "")))
     if spec.num_cases == 0:
         raise ValueError("the tests hold no case.")
     return spec
@@ -126,15 +141,40 @@ def _equal(a: Any, b: Any, rel_tol: float, abs_tol: float) -> bool:
     return type(a) is type(b) and a == b
 
 
-def outputs_match(got: str, expected: str) -> bool:
-    """Standard-output comparison that ignores trailing whitespace on each line and trailing blank
-    lines (and \\r\\n versus \\n); everything else must match exactly."""
-    def lines(text: str) -> list[str]:
-        out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
-        while out and not out[-1]:
-            out.pop()
-        return out
-    return lines(got) == lines(expected)
+def outputs_match(got: str, expected: str, mode: str = "") -> bool:
+    """Whether a program's standard output ``got`` passes for ``expected``, compared as ``mode`` says ("" is
+    DEFAULT_OUTPUT_MATCH, "numbers"):
+
+    "lines": line by line, ignoring trailing whitespace on each line, trailing blank lines and \\r\\n against \\n;
+    "tokens": the whitespace-separated tokens are the same (how a contest's default checker reads an output);
+    "numbers": "tokens", except that where the expected token is a real number (a decimal point or an exponent) any
+      number within an absolute or relative error of 1e-6 passes, |got - expected| <= 1e-6 * max(1, |expected|)
+      (what problems with real-valued answers accept); integers and words must still match exactly.
+    """
+    mode = mode or DEFAULT_OUTPUT_MATCH
+    if mode == "lines":
+        def lines(text: str) -> list[str]:
+            out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+            while out and not out[-1]:
+                out.pop()
+            return out
+        return lines(got) == lines(expected)
+    if mode not in OUTPUT_MATCHES:
+        raise ValueError(f"output_match={mode!r} is not one of {', '.join(OUTPUT_MATCHES)}.")
+    got_tokens, expected_tokens = got.split(), expected.split()
+    if len(got_tokens) != len(expected_tokens):
+        return False
+    return all(a == b or (mode == "numbers" and _close_reals(a, b)) for a, b in zip(got_tokens, expected_tokens))
+
+
+def _close_reals(got: str, expected: str) -> bool:
+    if not _REAL.fullmatch(expected):
+        return False
+    try:
+        a, b = float(got), float(expected)
+    except ValueError:
+        return False
+    return math.isfinite(a) and abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
 def _literal(node: ast.AST) -> tuple[bool, Any]:

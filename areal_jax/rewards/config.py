@@ -40,6 +40,10 @@ class RewardConfig(Section):
     code_allow_numpy: bool = knob(False, "reward.fn=code: programs may import numpy (without ctypes); its array "
                                   "interface reaches any address of the sandboxed process, which the sandbox's "
                                   "kernel-enforced layers (Landlock, namespaces, limits) still hold")
+    code_output_match: str = knob("numbers", "reward.fn=code: how a stdin case's output is compared, unless its "
+                                  "row names its own: numbers (tokens; a real within 1e-6 abs or rel) | tokens "
+                                  "(whitespace-separated tokens) | lines (line by line, trailing spaces ignored)",
+                                  choices=("numbers", "tokens", "lines"))
     code_require_landlock: bool = knob(False, "reward.fn=code: refuse to start where the kernel has no Landlock; "
                                        "without it the sandbox's file and execve rules rest on an audit hook that "
                                        "pure Python can switch off")
@@ -84,5 +88,5 @@ class RewardConfig(Section):
             from areal_jax.rewards.code import make_code_reward
 
             return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s,
-                                    allow_numpy=self.code_allow_numpy)
+                                    allow_numpy=self.code_allow_numpy, output_match=self.code_output_match)
         return REWARD_FUNCTIONS.get(self.fn, self.fn)
