@@ -51,6 +51,8 @@ def test_a_code_task_scores_with_the_sandbox_and_a_worker_limit_above_the_tests(
     assert any("code sandbox" in n for n in s.notes)
     s = resolve_settings(JobConfig(), {**given, "reward_timeout_s": 40.0})  # an explicit limit is kept
     assert s.config.reward.timeout_s == 40.0
+    assert s.config.reward.code_output_match == "numbers"  # the default; a flag chooses another
+    assert resolve_settings(JobConfig(), {**given, "code_output_match": "lines"}).config.reward.code_output_match == "lines"
     math = resolve_settings(JobConfig(), {"model": MATH, "data": f"{MATH}/data/test.jsonl"})
     assert (math.config.data.task, math.config.reward.fn) == ("math", "math")
 
