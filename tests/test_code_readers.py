@@ -282,3 +282,32 @@ def test_codecontests_rows_run_every_listed_case_as_stdin(tmp_path):
 def test_malformed_codecontests_rows_are_named(tmp_path, row, message):
     with pytest.raises(ValueError, match=f"cc.jsonl, line 1: .*{message}"):
         read_code_records(_write_jsonl(tmp_path / "cc.jsonl", [row]))
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ({"seconds": 2, "nanos": 500000000}, 2.5), ({"seconds": 1}, 1.0), (3, 3.0), (0.25, 0.25),
+    ("1 second", 1.0), ("2.0 seconds", 2.0), ("1.5 s", 1.5), ("500 ms", 0.5), (" 4 Seconds ", 4.0),
+    ("None", 0.0), ("", 0.0), (None, 0.0), ("fast", 0.0), (-1, 0.0), (True, 0.0), ({"seconds": "2"}, 0.0),
+    (float("nan"), 0.0),
+])
+def test_time_limits_are_read_in_each_layout(value, seconds):
+    from areal_jax.data.code_readers import time_limit_seconds
+
+    assert time_limit_seconds(value) == seconds
+
+
+def test_a_contest_time_limit_travels_with_the_tests_and_bounds_each_case(tmp_path):
+    from areal_jax.rewards.code import run_tests
+
+    (timed,), _ = read_code_records(_write_jsonl(tmp_path / "t.jsonl", [
+        dict(CONTESTS, time_limit={"seconds": 0, "nanos": 500000000})]))
+    (untimed,), _ = read_code_records(_write_jsonl(tmp_path / "u.jsonl", [CONTESTS]))
+    spec = parse_tests(timed.answer)
+    assert spec.time_limit_s == 0.5 and parse_tests(untimed.answer).time_limit_s == 0.0
+    slow = "import time\ntime.sleep(1.5)\ninput()\nprint(max(map(int, input().split())))"
+    one = type(spec)(stdio=spec.stdio[:1], time_limit_s=spec.time_limit_s)
+    assert run_tests(slow, one, case_timeout_s=4.0).statuses == ("pass",)  # factor 0: the row's limit unused
+    assert run_tests(slow, one, case_timeout_s=4.0, time_limit_factor=2.0).statuses == ("timeout",)  # 1.0 s
+    assert run_tests(slow, one, case_timeout_s=4.0, time_limit_factor=8.0).statuses == ("pass",)  # min(4.0, 4.0)
+    with pytest.raises(ValueError, match="time_limit_factor must be >= 0"):
+        run_tests(slow, one, time_limit_factor=-1.0)

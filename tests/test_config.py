@@ -118,6 +118,8 @@ def test_int_is_accepted_for_a_float_and_stored_as_float():
     ({"eval__samples": -1}, "--config.eval.samples=-1 must be >= 0"),
     ({"eval__start_samples": -2}, "--config.eval.start_samples=-2 must be -1"),
     ({"checkpoint__keep": 0}, "--config.checkpoint.keep=0 must be at least 1"),
+    ({"data__task": "code", "reward__fn": "code", "reward__timeout_s": 30.0, "reward__code_time_limit_factor": -1.0},
+     "--config.reward.code_time_limit_factor=-1.0 must be >= 0"),
 ])
 def test_ranges_and_relations_name_the_keys(overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -24,6 +24,10 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     code) is refused as a bad row, and nothing in it is ever called.
     A ``starter_code`` (the class and method signature) is appended to the statement.
 
+A row's own time limit per case is kept with its tests (``TestSpec.time_limit_s``; the reward applies it when
+``reward.code_time_limit_factor`` is set): CodeContests' ``time_limit`` ({"seconds", "nanos"}) and TACO's ("2
+seconds", "1.5 s", "500 ms"); one that cannot be read ("None", "", nonsense) counts as none.
+
 The statement comes from ``question_field``; "auto" picks per layout (APPS / TACO: question, DeepCoder:
 problem, LiveCodeBench: question_content, MBPP: text then prompt, HumanEval: prompt), then the first of
 question, problem, prompt, text, description. When the tests call a function whose name the statement
@@ -34,16 +38,14 @@ empty or mismatched cases) raises a ValueError naming the file and row, or is sk
 from __future__ import annotations
 
 import ast
-import base64
-import binascii
-import io
+import dataclasses
 import json
+import math
 import os
-import pickle
 import re
-import zlib
 from typing import Any, Iterator, Sequence
 
+from areal_jax.data.compressed_tests import decode_compressed_cases
 from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
 
@@ -57,8 +59,6 @@ LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "q
                           "test_cases": ("question_content",), "test_list": ("text", "prompt"),
                           "test": ("prompt",)}
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
-# The most a compressed test field may decompress to (LiveCodeBench's largest rows hold tens of MB of tests).
-MAX_DECOMPRESSED_BYTES = 1 << 30
 _STDIN_TYPES, _CALL_TYPES = ("stdin", "stdin_stdout"), ("functional", "function_call")
 # load_prompt_source / load_eval_split options for the synthetic code tasks (data/code_synthetic.py).
 CODE_TASK_OPTIONS = {"task": "code", "question_field": "text"}
@@ -179,48 +179,6 @@ def _case_list_spec(cases: Any, field: str, fn_name: str | None) -> tuple[TestSp
     return TestSpec(stdio=tuple(stdio), calls=tuple(calls)), names.pop() if len(names) == 1 else None
 
 
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Builds plain values (str, bytes, numbers, lists, tuples, dicts, sets) only. A pickle runs code by naming a
-    class or function to call (GLOBAL / STACK_GLOBAL / extension opcodes, all resolved by ``find_class``) or
-    through ``persistent_load``: both are refused before anything is looked up."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise _BadRow(f"field 'private_test_cases' is a pickle naming {module:.40}.{name:.40}; only plain data "
-                      "(a JSON string or a list) is read from it, nothing is called")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _BadRow("field 'private_test_cases' is a pickle with persistent ids; only plain data is read")
-
-
-def decode_compressed_cases(text: str) -> Any:
-    """LiveCodeBench's compressed test cases: base64 of zlib of a pickled JSON string -> the decoded JSON value.
-    Decoded with ``_PlainDataUnpickler`` and at most MAX_DECOMPRESSED_BYTES; anything else is a _BadRow."""
-    what = "field 'private_test_cases'"
-    try:
-        raw = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise _BadRow(f"{what} is neither a JSON list nor base64") from None
-    inflate = zlib.decompressobj()
-    try:
-        data = inflate.decompress(raw, MAX_DECOMPRESSED_BYTES)
-    except zlib.error as e:
-        raise _BadRow(f"{what} is base64 but not zlib-compressed ({e})") from None
-    if inflate.unconsumed_tail:
-        raise _BadRow(f"{what} decompresses to more than {MAX_DECOMPRESSED_BYTES >> 20} MiB")
-    try:
-        value = _PlainDataUnpickler(io.BytesIO(data)).load()
-    except _BadRow:
-        raise
-    except Exception as e:  # truncated or not a pickle at all
-        raise _BadRow(f"{what} decompresses to something that is not a pickle ({type(e).__name__})") from None
-    if isinstance(value, (str, bytes)):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise _BadRow(f"{what} holds a string that is not JSON ({e.msg} at column {e.colno})") from None
-    return value
-
-
 def _private_cases(value: Any) -> Any:
     """LiveCodeBench's private_test_cases: a JSON list, or its compressed form (``decode_compressed_cases``)."""
     if isinstance(value, str) and _BASE64.fullmatch(value.strip()):
@@ -303,6 +261,25 @@ def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
                   "with 'entry_point' (HumanEval)")
 
 
+_TIME_LIMIT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|seconds?|ms|milliseconds?)?\s*", re.IGNORECASE)
+
+
+def time_limit_seconds(value: Any) -> float:
+    """A row's ``time_limit`` in seconds: CodeContests' {"seconds", "nanos"}, a number, or TACO's text ("2 seconds",
+    "1.5 s", "500 ms"); 0.0 when there is none or it cannot be read."""
+    if isinstance(value, dict):
+        seconds = value.get("seconds") or 0
+        nanos = value.get("nanos") or 0
+        total = seconds + nanos / 1e9 if isinstance(seconds, (int, float)) and isinstance(nanos, (int, float)) else 0
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        total = value
+    elif isinstance(value, str) and (m := _TIME_LIMIT.fullmatch(value)):
+        total = float(m.group(1)) / (1000.0 if (m.group(2) or "").lower().startswith("m") else 1.0)
+    else:
+        total = 0.0
+    return float(total) if math.isfinite(total) and total > 0 else 0.0
+
+
 def code_row_to_record(path: str, number: int, row: Any, question_field: str = "auto") -> Record:
     """One row as a Record (question: statement, answer: tests JSON); raises _BadRow when malformed."""
     if not isinstance(row, dict):
@@ -324,6 +301,9 @@ def code_row_to_record(path: str, number: int, row: Any, question_field: str = "
         question = f"{question.rstrip()}\n\nStart from:\n```python\n{starter.strip()}\n```"
     if name is not None and not re.search(rf"\b{re.escape(name)}\b", question):
         question = f"{question.rstrip()}\nWrite it as a Python function named {name}."
+    limit = time_limit_seconds(row.get("time_limit"))
+    if limit:
+        spec = dataclasses.replace(spec, time_limit_s=limit)
     return Record(source=path, row=number, question=question, answer=encode_tests(spec))
 
 

@@ -41,6 +41,7 @@ _OVERRIDES = {
     "reward_workers": ("reward", "num_workers"), "code_mode": ("reward", "code_mode"),
     "code_case_timeout_s": ("reward", "code_case_timeout_s"), "code_sample_timeout_s": ("reward", "code_sample_timeout_s"),
     "code_allow_numpy": ("reward", "code_allow_numpy"), "code_output_match": ("reward", "code_output_match"),
+    "code_time_limit_factor": ("reward", "code_time_limit_factor"),
     "n": ("eval", "n_test"), "k": ("eval", "samples"), "max_new_tokens": ("eval", "max_new_tokens"),
     "num_slots": ("eval", "num_slots"), "streams": ("eval", "streams"), "decode_steps": ("eval", "decode_steps"),
     "temperature": ("rollout", "temperature"), "model": ("model", "path"), "tokenizer": ("model", "tokenizer_path"),
@@ -294,6 +295,8 @@ def define_flags() -> None:
                       "(ctypes stays refused; see docs/sandbox.md).")
     flags.DEFINE_enum("code_output_match", d.reward.code_output_match, ["numbers", "tokens", "lines"],
                       "code reward: how a stdin case's output is compared (numbers: tokens, reals within 1e-6).")
+    flags.DEFINE_float("code_time_limit_factor", d.reward.code_time_limit_factor, "code reward: > 0 bounds each case "
+                       "of a task that states its contest's time limit by factor x that limit (0: unused).")
     flags.DEFINE_integer("n", d.eval.n_test, "problems to evaluate (the first n).")
     flags.DEFINE_integer("k", d.eval.samples, "sampled completions per problem (0: greedy pass@1 only).")
     flags.DEFINE_integer("max_new_tokens", d.eval.max_new_tokens, "completion budget.")

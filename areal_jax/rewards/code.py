@@ -280,11 +280,13 @@ def _value_matches(text: Any, expected: Any) -> bool:
 
 def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
               sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-              allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH) -> TestOutcome:
+              allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH,
+              time_limit_factor: float = 0.0) -> TestOutcome:
     """Runs every case of ``spec`` against ``program`` in the sandbox; see the module doc. stdio_runner: how the
     stdin/stdout cases run (STDIO_RUNNERS); allow_numpy: programs may import numpy (``run_python_sandboxed``);
     launch: how each harness's sandbox starts (LAUNCHES); output_match: how stdin cases' outputs are compared
-    (``code_tests.outputs_match``) unless the spec names its own."""
+    (``code_tests.outputs_match``) unless the spec names its own; time_limit_factor: when > 0, a spec with its own
+    time limit (``time_limit_s``, its contest's) gets min(case_timeout_s, factor * time_limit_s) per case."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"mode must be one of {CODE_REWARD_MODES}, got {mode!r}.")
     if stdio_runner not in STDIO_RUNNERS:
@@ -295,6 +297,10 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
         raise ValueError(f"output_match must be one of {OUTPUT_MATCHES}, got {output_match!r}.")
     if not spec.output_match:
         spec = dataclasses.replace(spec, output_match=output_match)
+    if time_limit_factor < 0:
+        raise ValueError(f"time_limit_factor must be >= 0 (0: the tasks' own time limits unused), got {time_limit_factor}.")
+    if time_limit_factor > 0 and spec.time_limit_s > 0:
+        case_timeout_s = min(case_timeout_s, time_limit_factor * spec.time_limit_s)
     if case_timeout_s <= 0 or sample_timeout_s <= 0:
         raise ValueError(f"time limits must be positive, got case_timeout_s={case_timeout_s}, "
                          f"sample_timeout_s={sample_timeout_s}.")
@@ -315,7 +321,8 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
 
 def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", case_timeout_s: float = 4.0,
                       sample_timeout_s: float = 20.0, memory_mb: int = 512, stdio_runner: str = "fork",
-                      allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH) -> float:
+                      allow_numpy: bool = False, launch: str = "zygote", output_match: str = DEFAULT_OUTPUT_MATCH,
+                      time_limit_factor: float = 0.0) -> float:
     """Reward of one completion against the hidden tests in ``answer`` (code_tests JSON).
 
     mode "all_pass": 1.0 when every case passes, else 0.0. "pass_rate": the fraction of cases passed.
@@ -328,7 +335,8 @@ def code_tests_reward(completion: str, answer: str, *, mode: str = "all_pass", c
         return 0.0
     outcome = run_tests(program, spec, mode=mode, case_timeout_s=case_timeout_s,
                         sample_timeout_s=sample_timeout_s, memory_mb=memory_mb, stdio_runner=stdio_runner,
-                        allow_numpy=allow_numpy, launch=launch, output_match=output_match)
+                        allow_numpy=allow_numpy, launch=launch, output_match=output_match,
+                        time_limit_factor=time_limit_factor)
     if mode == "pass_rate":
         return outcome.pass_rate
     return 1.0 if outcome.passed == outcome.total else 0.0
@@ -346,7 +354,8 @@ def code_pass_rate(completion: str, answer: str) -> float:
 
 def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample_timeout_s: float = 20.0,
                      memory_mb: int = 512, allow_numpy: bool = False, launch: str = "zygote",
-                     stdio_runner: str = "fork", output_match: str = DEFAULT_OUTPUT_MATCH) -> functools.partial:
+                     stdio_runner: str = "fork", output_match: str = DEFAULT_OUTPUT_MATCH,
+                     time_limit_factor: float = 0.0) -> functools.partial:
     """A picklable (completion, answer) -> float for the RewardPool, with these limits."""
     if mode not in CODE_REWARD_MODES:
         raise ValueError(f"reward.code_mode={mode!r} is not one of {', '.join(CODE_REWARD_MODES)}; pass "
@@ -354,4 +363,4 @@ def make_code_reward(mode: str = "all_pass", case_timeout_s: float = 4.0, sample
     return functools.partial(code_tests_reward, mode=mode, case_timeout_s=float(case_timeout_s),
                              sample_timeout_s=float(sample_timeout_s), memory_mb=int(memory_mb),
                              allow_numpy=bool(allow_numpy), launch=launch, stdio_runner=stdio_runner,
-                             output_match=output_match)
+                             output_match=output_match, time_limit_factor=float(time_limit_factor))

@@ -7,7 +7,9 @@ A task's tests travel through the data pipeline as the example's ``answer`` stri
     {"format": "code_tests/1", "setup": "", "programs": [src, ...]}                   # opaque assert code
 
 A stdin task may also name how its outputs are compared, ``"output_match": "lines" | "tokens" | "numbers"``
-(``outputs_match``); without it the reward's own setting (``reward.code_output_match``) applies.
+(``outputs_match``); without it the reward's own setting (``reward.code_output_match``) applies. A task may carry
+its contest's time limit per case, ``"time_limit_s"``, which the reward applies when ``reward.code_time_limit_factor``
+is set.
 
 A "calls" case is an expression such as ``"f(123)"`` and the expected value as JSON text (tuples become
 lists); the program's own process evaluates it and returns the value's ``repr``, and the comparison
@@ -47,16 +49,20 @@ class TestSpec:
     programs: opaque test programs executed after the solution (pass = no exception).
     setup: code run before the solution (MBPP's test_setup_code, e.g. imports).
     output_match: how stdio outputs are compared (OUTPUT_MATCHES); "" leaves it to the reward's setting.
+    time_limit_s: the task's own time limit per case (its contest's), 0 for none.
     """
     stdio: tuple[tuple[str, str], ...] = ()
     calls: tuple[tuple[str, Any], ...] = ()
     programs: tuple[str, ...] = ()
     setup: str = ""
     output_match: str = ""
+    time_limit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.output_match and self.output_match not in OUTPUT_MATCHES:
             raise ValueError(f"output_match={self.output_match!r} is not one of {', '.join(OUTPUT_MATCHES)}.")
+        if not (math.isfinite(self.time_limit_s) and self.time_limit_s >= 0):
+            raise ValueError(f"time_limit_s={self.time_limit_s} must be a finite number of seconds >= 0 (0: none).")
 
     @property
     def num_cases(self) -> int:
@@ -76,6 +82,8 @@ def encode_tests(spec: TestSpec) -> str:
         out["programs"] = list(spec.programs)
     if spec.output_match:
         out["output_match"] = spec.output_match
+    if spec.time_limit_s:
+        out["time_limit_s"] = spec.time_limit_s
     return json.dumps(out)
 
 
@@ -90,7 +98,8 @@ def parse_tests(text: str) -> TestSpec:
     stdio = tuple((str(i), str(o)) for i, o in data.get("stdio", []))
     calls = tuple((str(src), json.loads(expected)) for src, expected in data.get("calls", []))
     spec = TestSpec(stdio=stdio, calls=calls, programs=tuple(map(str, data.get("programs", []))),
-                    setup=str(data.get("setup", "")), output_match=str(data.get("output_match", "")))
+                    setup=str(data.get("setup", "")), output_match=str(data.get("output_match", "")),
+                    time_limit_s=float(data.get("time_limit_s", 0.0)))
     if spec.num_cases == 0:
         raise ValueError("the tests hold no case.")
     return spec

@@ -44,6 +44,9 @@ class RewardConfig(Section):
                                   "row names its own: numbers (tokens; a real within 1e-6 abs or rel) | tokens "
                                   "(whitespace-separated tokens) | lines (line by line, trailing spaces ignored)",
                                   choices=("numbers", "tokens", "lines"))
+    code_time_limit_factor: float = knob(0.0, "reward.fn=code: > 0 gives a task that states its contest's time limit "
+                                         "(CodeContests, TACO) min(code_case_timeout_s, factor x that limit) per "
+                                         "case; 0 = every case gets code_case_timeout_s")
     code_require_landlock: bool = knob(False, "reward.fn=code: refuse to start where the kernel has no Landlock; "
                                        "without it the sandbox's file and execve rules rest on an audit hook that "
                                        "pure Python can switch off")
@@ -58,6 +61,9 @@ class RewardConfig(Section):
                 f"{k('fn')}={self.fn!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code) nor an "
                 "importable 'module:function' path.")
         if self.fn == "code":
+            require(self.code_time_limit_factor >= 0,
+                    f"{k('code_time_limit_factor')}={self.code_time_limit_factor} must be >= 0 (0: tasks' own time "
+                    "limits unused).")
             require(self.code_case_timeout_s > 0 and self.code_sample_timeout_s > 0,
                     f"{k('code_case_timeout_s')} and {k('code_sample_timeout_s')} must be positive.")
             require(self.timeout_s > self.code_sample_timeout_s,
@@ -88,5 +94,6 @@ class RewardConfig(Section):
             from areal_jax.rewards.code import make_code_reward
 
             return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s,
-                                    allow_numpy=self.code_allow_numpy, output_match=self.code_output_match)
+                                    allow_numpy=self.code_allow_numpy, output_match=self.code_output_match,
+                                    time_limit_factor=self.code_time_limit_factor)
         return REWARD_FUNCTIONS.get(self.fn, self.fn)
