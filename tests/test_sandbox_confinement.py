@@ -326,3 +326,13 @@ def test_a_test_candidate_cannot_fork_even_past_the_audit_hook():
     for launch in ("zygote", "fresh"):
         assert run_tests(probe + "print(r)\n", stdin_spec, launch=launch).statuses == ("pass",), launch
         assert run_tests(probe + "def f():\n    return r\n", call_spec, launch=launch).statuses == ("pass",), launch
+
+
+@needs_landlock
+def test_the_installations_own_library_directory_is_readable():
+    """A conda or pyenv Python loads its extension modules' libraries (libsqlite3, libssl, libffi) from
+    <prefix>/lib, not from the system's: that directory is readable in the sandbox, past the audit hook too."""
+    lib = os.path.realpath(os.path.join(sys.base_prefix, "lib"))
+    code = f"import os\nprint(sorted(os.listdir({lib!r})) == {sorted(os.listdir(lib))!r})\n"
+    assert run_python_sandboxed(code, timeout_s=10.0, audit_hook=False).stdout == "True\n"
+    assert run_python_sandboxed(code, timeout_s=10.0).stdout == "True\n"

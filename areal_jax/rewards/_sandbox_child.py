@@ -94,16 +94,14 @@ def _install_paths(cfg: dict) -> dict:
 
 
 def _read_roots(workdir: str, install_paths: dict | None) -> tuple:
-    """The directories the program may read: its working directory, the installation's and sys.path's."""
-    read_roots = {os.path.realpath(workdir)}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = (install_paths or {}).get(key)
-        if path and os.path.isdir(path):
-            read_roots.add(os.path.realpath(path))
-    for entry in sys.path:
-        if entry and os.path.isabs(entry) and os.path.isdir(entry):
-            read_roots.add(os.path.realpath(entry))
-    return tuple(sorted(read_roots))
+    """The directories the program may read: its working directory, the installation's and sys.path's, and the
+    installation's own library directories (``<prefix>/lib``: a conda or pyenv Python's extension modules load
+    libsqlite3, libssl, libffi, ... from there, not from the system's)."""
+    candidates = [workdir, *((install_paths or {}).get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib"))]
+    candidates += [entry for entry in sys.path if entry and os.path.isabs(entry)]
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        candidates += [os.path.join(prefix, "lib"), os.path.join(prefix, "lib64")]
+    return tuple(sorted({os.path.realpath(p) for p in candidates if p and os.path.isdir(p)}))
 
 
 def _confine_self(workdir: str, install_paths: dict | None, abi: int, seccomp: bool, allow_subprocess: bool):
