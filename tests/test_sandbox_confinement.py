@@ -336,3 +336,15 @@ def test_the_installations_own_library_directory_is_readable():
     code = f"import os\nprint(sorted(os.listdir({lib!r})) == {sorted(os.listdir(lib))!r})\n"
     assert run_python_sandboxed(code, timeout_s=10.0, audit_hook=False).stdout == "True\n"
     assert run_python_sandboxed(code, timeout_s=10.0).stdout == "True\n"
+
+
+def test_where_the_filter_is_refused_programs_run_without_it(monkeypatch):
+    """A host (a container, say) that refuses seccomp filters must not fail every program: the probe says so and the
+    sandbox runs without the filter, saying so in its layers."""
+    from areal_jax.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "seccomp_available", lambda: False)
+    code = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n"
+    result = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False)
+    assert result.stdout == "forked\n" and "seccomp" not in result.isolation, result.stderr
+    assert "no seccomp filter" in sandbox.sandbox_layers()

@@ -124,12 +124,33 @@ def landlock_abi() -> int:
     return _confinement.abi_version()
 
 
+_SECCOMP_PROBE = """
+import os, sys
+namespace = {"__name__": "_confinement"}
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), namespace)
+if namespace["deny_processes"]():
+    try:
+        os.fork()
+    except PermissionError:
+        print("filtered")
+"""
+
+
 @functools.lru_cache(maxsize=None)
 def seccomp_available() -> bool:
-    """Whether the sandbox filters out new processes with seccomp here (Linux on an architecture it knows)."""
+    """Whether the sandbox filters out new processes with seccomp here: Linux on an architecture it knows, where a
+    probe process (once per process) installed the filter and then failed to fork. Where the kernel or a container
+    refuses the filter, the sandbox runs without it rather than failing every program."""
     from areal_jax.rewards import _confinement
 
-    return sys.platform.startswith("linux") and _confinement.process_filter(os.uname().machine) is not None
+    if not sys.platform.startswith("linux") or _confinement.process_filter(os.uname().machine) is None:
+        return False
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _SECCOMP_PROBE, _confinement.__file__],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.stdout.strip() == "filtered"
 
 
 def sandbox_layers() -> str:
