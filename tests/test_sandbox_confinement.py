@@ -343,6 +343,7 @@ def test_where_the_filter_is_refused_programs_run_without_it(monkeypatch):
     sandbox runs without the filter, saying so in its layers."""
     from areal_jax.rewards import sandbox
 
+    assert sandbox._kernel_probe() == {"landlock": ABI, "seccomp": seccomp_available()}  # one probe, both answers
     monkeypatch.setattr(sandbox, "seccomp_available", lambda: False)
     code = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n"
     result = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False)

@@ -114,43 +114,57 @@ def namespace_isolation() -> tuple[str, ...]:
     return ()
 
 
-@functools.lru_cache(maxsize=None)
-def landlock_abi() -> int:
-    """This kernel's Landlock ABI version (0: none), probed once per process."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    from areal_jax.rewards import _confinement
-
-    return _confinement.abi_version()
-
-
-_SECCOMP_PROBE = """
-import os, sys
+_KERNEL_PROBE = """
+import json, os, sys, tempfile
 namespace = {"__name__": "_confinement"}
 exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), namespace)
-if namespace["deny_processes"]():
+found = {"landlock": 0, "seccomp": False}
+abi = namespace["abi_version"]()
+if abi > 0:
     try:
-        os.fork()
+        namespace["restrict"](namespace["sandbox_rules"](tempfile.gettempdir(), []), abi)
+        os.listdir("/")
     except PermissionError:
-        print("filtered")
+        found["landlock"] = abi
+    except OSError:
+        pass
+try:
+    if namespace["deny_processes"]():
+        os.fork()
+except PermissionError:
+    found["seccomp"] = True
+except OSError:
+    pass
+print(json.dumps(found))
 """
 
 
 @functools.lru_cache(maxsize=None)
-def seccomp_available() -> bool:
-    """Whether the sandbox filters out new processes with seccomp here: Linux on an architecture it knows, where a
-    probe process (once per process) installed the filter and then failed to fork. Where the kernel or a container
-    refuses the filter, the sandbox runs without it rather than failing every program."""
+def _kernel_probe() -> dict:
+    """What the kernel enforces here, tried once per process in a probe process: the Landlock ABI whose ruleset
+    really refused a read (0: none), and whether a seccomp filter really refused a fork. A host (a container, an
+    older kernel) that refuses either gets a sandbox without it rather than one that fails every program."""
+    if not sys.platform.startswith("linux"):
+        return {"landlock": 0, "seccomp": False}
     from areal_jax.rewards import _confinement
 
-    if not sys.platform.startswith("linux") or _confinement.process_filter(os.uname().machine) is None:
-        return False
     try:
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _SECCOMP_PROBE, _confinement.__file__],
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _KERNEL_PROBE, _confinement.__file__],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.stdout.strip() == "filtered"
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        return {"landlock": int(found["landlock"]), "seccomp": bool(found["seccomp"])}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
+        return {"landlock": 0, "seccomp": False}
+
+
+def landlock_abi() -> int:
+    """This kernel's Landlock ABI version as the sandbox uses it (0: none, or refused here), probed once per process."""
+    return _kernel_probe()["landlock"]
+
+
+def seccomp_available() -> bool:
+    """Whether the sandbox filters out new processes with seccomp here (probed once per process)."""
+    return _kernel_probe()["seccomp"]
 
 
 def sandbox_layers() -> str:
