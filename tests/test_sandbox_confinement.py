@@ -240,7 +240,7 @@ def test_sandbox_layers_names_what_is_in_force():
 
 def test_requiring_confinement_where_the_kernel_has_none_is_a_config_error(monkeypatch):
     from areal_jax.config import ConfigError
-    from areal_jax.rewards import sandbox
+    from areal_jax.rewards import isolation as sandbox
     from areal_jax.rewards.config import RewardConfig
 
     RewardConfig(fn="code", timeout_s=30.0, code_require_landlock=False).check()  # the default never asks
@@ -341,11 +341,12 @@ def test_the_installations_own_library_directory_is_readable():
 def test_where_the_filter_is_refused_programs_run_without_it(monkeypatch):
     """A host (a container, say) that refuses seccomp filters must not fail every program: the probe says so and the
     sandbox runs without the filter, saying so in its layers."""
-    from areal_jax.rewards import sandbox
+    from areal_jax.rewards import isolation, sandbox
 
-    assert sandbox._kernel_probe() == {"landlock": ABI, "seccomp": seccomp_available()}  # one probe, both answers
-    monkeypatch.setattr(sandbox, "seccomp_available", lambda: False)
+    assert isolation._kernel_probe() == {"landlock": ABI, "seccomp": seccomp_available()}  # one probe, both answers
+    monkeypatch.setattr(sandbox, "seccomp_available", lambda: False)  # what the sandbox's command asks
+    monkeypatch.setattr(isolation, "seccomp_available", lambda: False)
     code = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n"
     result = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False)
     assert result.stdout == "forked\n" and "seccomp" not in result.isolation, result.stderr
-    assert "no seccomp filter" in sandbox.sandbox_layers()
+    assert "no seccomp filter" in isolation.sandbox_layers()

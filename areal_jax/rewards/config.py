@@ -70,7 +70,7 @@ class RewardConfig(Section):
                     f"{k('timeout_s')}={self.timeout_s} must exceed {k('code_sample_timeout_s')}="
                     f"{self.code_sample_timeout_s} (the pool kills a sample at timeout_s, before its tests can finish).")
             if self.code_require_landlock:
-                from areal_jax.rewards.sandbox import landlock_abi
+                from areal_jax.rewards.isolation import landlock_abi
 
                 require(landlock_abi() > 0,
                         f"{k('code_require_landlock')}=True, but this kernel ({os.uname().release}) enforces no "

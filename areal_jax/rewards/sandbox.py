@@ -42,7 +42,6 @@ import math
 import os
 import re
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,16 +50,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from areal_jax.rewards.isolation import landlock_abi, namespace_isolation, sandbox_layers, seccomp_available
+from areal_jax.rewards.workdirs import new_workdir, release_workdir
+
 __all__ = ["SandboxResult", "run_python_sandboxed", "extract_python_code", "code_reward",
            "namespace_isolation", "landlock_abi", "sandbox_layers"]
 
 _CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
-_UNSHARE_CANDIDATES: tuple[tuple[str, ...], ...] = (
-    ("unshare", "--net", "--pid", "--fork", "--kill-child"),
-    ("unshare", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"),
-    ("unshare", "--net"),
-    ("unshare", "--map-root-user", "--net"),
-)
 _CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -95,87 +91,6 @@ def _install_paths() -> dict[str, str]:
 
     paths = sysconfig.get_paths()
     return {key: paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-
-
-@functools.lru_cache(maxsize=None)
-def namespace_isolation() -> tuple[str, ...]:
-    """The ``unshare`` command prefix that works on this host (network + PID namespaces preferred),
-    or () when none does. Probed once per process by running ``true`` under each candidate."""
-    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
-        return ()
-    for prefix in _UNSHARE_CANDIDATES:
-        try:
-            done = subprocess.run([*prefix, "true"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if done.returncode == 0:
-            return prefix
-    return ()
-
-
-_KERNEL_PROBE = """
-import json, os, sys, tempfile
-namespace = {"__name__": "_confinement"}
-exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), namespace)
-found = {"landlock": 0, "seccomp": False}
-abi = namespace["abi_version"]()
-if abi > 0:
-    try:
-        namespace["restrict"](namespace["sandbox_rules"](tempfile.gettempdir(), []), abi)
-        os.listdir("/")
-    except PermissionError:
-        found["landlock"] = abi
-    except OSError:
-        pass
-try:
-    if namespace["deny_processes"]():
-        os.fork()
-except PermissionError:
-    found["seccomp"] = True
-except OSError:
-    pass
-print(json.dumps(found))
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_probe() -> dict:
-    """What the kernel enforces here, tried once per process in a probe process: the Landlock ABI whose ruleset
-    really refused a read (0: none), and whether a seccomp filter really refused a fork. A host (a container, an
-    older kernel) that refuses either gets a sandbox without it rather than one that fails every program."""
-    if not sys.platform.startswith("linux"):
-        return {"landlock": 0, "seccomp": False}
-    from areal_jax.rewards import _confinement
-
-    try:
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _KERNEL_PROBE, _confinement.__file__],
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        return {"landlock": int(found["landlock"]), "seccomp": bool(found["seccomp"])}
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
-        return {"landlock": 0, "seccomp": False}
-
-
-def landlock_abi() -> int:
-    """This kernel's Landlock ABI version as the sandbox uses it (0: none, or refused here), probed once per process."""
-    return _kernel_probe()["landlock"]
-
-
-def seccomp_available() -> bool:
-    """Whether the sandbox filters out new processes with seccomp here (probed once per process)."""
-    return _kernel_probe()["seccomp"]
-
-
-def sandbox_layers() -> str:
-    """One line naming the sandbox's layers in force on this host (for a job's log)."""
-    prefix = namespace_isolation()
-    namespaces = "+".join(n[2:] for n in prefix if n in ("--net", "--pid")) or "none"
-    abi = landlock_abi()
-    landlock = (f"Landlock ABI {abi} (files, execve" + (", TCP" if abi >= 4 else "") + (", signals" if abi >= 6 else "")
-                + ")") if abi else "no Landlock (file rules rest on the audit hook alone)"
-    seccomp = "seccomp (no new processes in test programs)" if seccomp_available() else "no seccomp filter"
-    return f"namespaces: {namespaces}; {landlock}; {seccomp}; resource limits; audit hook"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -264,9 +179,10 @@ def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7,
                     max_processes: int = 64, isolate_network: bool = True, allow_subprocess: bool = False,
                     allow_numpy: bool = False, landlock: bool = True) -> tuple[subprocess.Popen, str]:
     """Start ``code`` in the sandbox as ``run_python_sandboxed`` would, but return at once: (the process, with pipes
-    for its stdin / stdout / stderr, in a session of its own; its working directory, which the caller removes). For a
+    for its stdin / stdout / stderr, in a session of its own; its working directory, which the caller removes with
+    ``workdirs.release_workdir``). For a
     long-lived sandboxed server (``rewards.zygote``)."""
-    workdir = tempfile.mkdtemp(prefix="areal_sandbox_")
+    workdir = new_workdir()
     cmd, env, _ = _sandbox_command(workdir, timeout_s=1.0, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
                                    max_file_bytes=max_file_bytes, max_processes=max_processes,
                                    isolate_network=isolate_network, audit_hook=True,
@@ -278,7 +194,7 @@ def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7,
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 cwd=workdir, env=env, start_new_session=True, close_fds=True)
     except OSError:
-        shutil.rmtree(workdir, ignore_errors=True)
+        release_workdir(workdir)
         raise
     return proc, workdir
 
@@ -329,7 +245,7 @@ def run_python_sandboxed(
         raise ValueError(
             f"run_python_sandboxed needs positive limits, got timeout_s={timeout_s}, "
             f"memory_mb={memory_mb}, max_output_bytes={max_output_bytes}; pass values above zero.")
-    workdir = tempfile.mkdtemp(prefix="areal_sandbox_")
+    workdir = new_workdir()
     cmd, env, prefix = _sandbox_command(workdir, timeout_s=timeout_s, memory_mb=memory_mb, cpu_time_s=cpu_time_s,
                                         max_file_bytes=max_file_bytes, max_processes=max_processes,
                                         isolate_network=isolate_network, audit_hook=audit_hook,
@@ -376,7 +292,7 @@ def run_python_sandboxed(
                     stream.close()
             if proc.returncode is None:
                 proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+        release_workdir(workdir)
 
 
 def extract_python_code(completion: str) -> str | None:

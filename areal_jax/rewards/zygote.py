@@ -22,7 +22,9 @@ import threading
 import time
 from typing import Callable
 
-from areal_jax.rewards.sandbox import SandboxResult, landlock_abi, start_sandboxed
+from areal_jax.rewards.isolation import landlock_abi
+from areal_jax.rewards.sandbox import SandboxResult, start_sandboxed
+from areal_jax.rewards.workdirs import release_workdir
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ZYGOTE_PATH = os.path.join(_HERE, "_sandbox_zygote.py")
@@ -81,9 +83,8 @@ class SandboxZygote:
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
-        import shutil
 
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        release_workdir(self._workdir)
 
     def _send(self, record: dict) -> None:
         self._proc.stdin.write((json.dumps(record) + "\n").encode())

@@ -191,7 +191,7 @@ class RLJob:
         self.reward_pool = c.reward.make_pool()
         close_later.callback(self.reward_pool.close)
         if c.reward.fn == "code":
-            from areal_jax.rewards.sandbox import sandbox_layers
+            from areal_jax.rewards.isolation import sandbox_layers
 
             self.log(f"Code sandbox: {sandbox_layers()}.")
         resubmit, accepted, first_gid = [], 0, 0
