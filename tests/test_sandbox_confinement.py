@@ -16,7 +16,13 @@ import pytest
 from areal_jax.rewards import _confinement
 from areal_jax.rewards.code import run_tests
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec
-from areal_jax.rewards.sandbox import landlock_abi, run_python_sandboxed, sandbox_layers, seccomp_available
+from areal_jax.rewards.sandbox import (
+    landlock_abi,
+    namespace_isolation,
+    run_python_sandboxed,
+    sandbox_layers,
+    seccomp_available,
+)
 from areal_jax.rewards.zygote import SandboxZygote
 
 ABI = landlock_abi()
@@ -350,3 +356,35 @@ def test_where_the_filter_is_refused_programs_run_without_it(monkeypatch):
     result = run_python_sandboxed(code, timeout_s=10.0, audit_hook=False)
     assert result.stdout == "forked\n" and "seccomp" not in result.isolation, result.stderr
     assert "no seccomp filter" in isolation.sandbox_layers()
+
+
+FILL_DISK = """
+import os
+blob = b"x" * (8 << 20)
+n = 0
+try:
+    while n < 40:  # 320 MiB, in files under the per-file limit
+        with open(f"f{n}", "wb") as f:
+            f.write(blob)
+        n += 1
+except OSError as e:
+    print("refused", e.errno)
+print(n * 8, "MiB")
+"""
+
+
+@pytest.mark.skipif("--mount" not in namespace_isolation(), reason="no mount namespace here")
+def test_the_working_directory_holds_at_most_disk_mb_and_the_host_disk_nothing():
+    """A program that writes file after file (each under the per-file limit) fills the host's temporary directory
+    without the tmpfs (the reference) and stops at the tmpfs's size with it, in a fresh sandbox and a forked run."""
+    reference = run_python_sandboxed(FILL_DISK, timeout_s=30.0, disk_mb=0)
+    assert reference.stdout == "320 MiB\n", reference.stderr
+    fresh = run_python_sandboxed(FILL_DISK, timeout_s=30.0, disk_mb=64)
+    assert fresh.stdout.startswith("refused 28\n") and int(fresh.stdout.split()[2]) <= 64, fresh.stdout  # ENOSPC
+    zygote = SandboxZygote(disk_mb=64)
+    try:
+        forked = zygote.run(FILL_DISK, timeout_s=30.0)
+    finally:
+        zygote.close()
+    assert forked.stdout.startswith("refused 28\n") and int(forked.stdout.split()[2]) <= 64, forked.stdout
+    assert run_python_sandboxed("import os\nprint(os.listdir('.'))").stdout == "['main.py']\n"

@@ -150,6 +150,22 @@ def sandbox_rules(workdir: str, read_dirs) -> list:
     return [(workdir, READ_WRITE), *shared_rules(read_dirs)]
 
 
+# ---- the working directory's size ----
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+
+
+def mount_tmpfs(path: str, size_bytes: int, libc=None) -> None:
+    """Mount a tmpfs of at most ``size_bytes`` over ``path`` (nosuid, nodev, noexec): what the program writes there
+    lives in memory, within that bound, and vanishes with the sandbox's mount namespace (``unshare --mount``, in
+    which this process holds CAP_SYS_ADMIN). OSError where the kernel refuses."""
+    libc = libc or _libc()
+    options = f"size={int(size_bytes)},mode=0700".encode()
+    flags = ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", flags, options) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+
+
 # ---- seccomp ----
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000

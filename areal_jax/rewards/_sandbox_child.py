@@ -15,7 +15,8 @@ rather than PermissionError, so libraries that only try ctypes, numpy among them
 (optional: the installation's stdlib / platstdlib / purelib / platlib directories as the parent's sysconfig
 reports them for this interpreter; importing sysconfig here instead costs a third of a bare start), landlock (int:
 the kernel's Landlock ABI to restrict this process with, ``_confinement.py``; 0: none), seccomp (bool: filter out
-new processes unless allow_subprocess, and give the program the means to filter the processes it forks).
+new processes unless allow_subprocess, and give the program the means to filter the processes it forks), disk_bytes
+(int: mount a tmpfs of this size over the working directory, in the sandbox's own mount namespace; 0: none).
 """
 
 import json
@@ -104,22 +105,32 @@ def _read_roots(workdir: str, install_paths: dict | None) -> tuple:
     return tuple(sorted({os.path.realpath(p) for p in candidates if p and os.path.isdir(p)}))
 
 
-def _confine_self(workdir: str, install_paths: dict | None, abi: int, seccomp: bool, allow_subprocess: bool):
+def _confine_self(cfg: dict, workdir: str, install_paths: dict | None, source: str):
     """Restrict this process with the kernel's rules (``_confinement.py``, run from its source: this bootstrap cannot
-    import the package): a Landlock layer when ``abi`` > 0, and the seccomp filter against new processes when
-    ``seccomp`` is on and the program is not allowed processes. Returns ``confine(dir, processes=True)``, which adds
-    one more layer for a process the program forks (the zygote's runs, a harness's candidates): that process may
-    then write only in ``dir``, can neither trace nor signal the process it came from and, with processes=False,
-    creates none. ctypes, which this needs, leaves ``sys.modules`` afterwards so that the program's own import of
-    it still meets the audit hook. A failure ends the sandbox (status "error"): the program is never run unconfined."""
+    import the package): first a size-limited tmpfs over the working directory when ``disk_bytes`` is set (the
+    sandbox has its own mount namespace; ``main.py`` is written back into it), then a Landlock layer when the config
+    names an ABI, and the seccomp filter against new processes when ``seccomp`` is on and the program is not allowed
+    processes. Returns ``confine(dir, processes=True)``, which adds one more layer for a process the program forks
+    (the zygote's runs, a harness's candidates): that process may then write only in ``dir``, can neither trace nor
+    signal the process it came from and, with processes=False, creates none. ctypes, which this needs, leaves
+    ``sys.modules`` afterwards so that the program's own import of it still meets the audit hook. A failure ends the
+    sandbox (status "error"): the program is never run unconfined."""
     namespace = {"__name__": "_confinement"}
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_confinement.py")
     own = os.path.realpath(workdir)
     try:
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), namespace)
+        if cfg.get("disk_bytes"):
+            namespace["mount_tmpfs"](own, int(cfg["disk_bytes"]))
+            os.chdir(own)  # into the tmpfs: the directory underneath is out of reach from here on
+            with open("main.py", "w", encoding="utf-8") as f:
+                f.write(source)
+        abi, seccomp = int(cfg.get("landlock", 0)), bool(cfg.get("seccomp"))
+        if not (abi or seccomp):
+            return None
         confine = namespace["confiner"](abi, [d for d in _read_roots(workdir, install_paths) if d != own])
-        confine(own, processes=allow_subprocess or not seccomp)
+        confine(own, processes=bool(cfg["allow_subprocess"]) or not seccomp)
         return confine
     except Exception as e:  # noqa: BLE001 - fail closed, whatever went wrong
         os.write(2, f"sandbox: the kernel's confinement could not be applied ({e}); the program was not run\n".encode())
@@ -216,9 +227,8 @@ def main() -> None:
     code = compile(source, "main.py", "exec")
     sys.path.insert(0, workdir)
     confine = None
-    if cfg.get("landlock") or cfg.get("seccomp"):
-        confine = _confine_self(workdir, install_paths, int(cfg.get("landlock", 0)), bool(cfg.get("seccomp")),
-                                bool(cfg["allow_subprocess"]))
+    if cfg.get("landlock") or cfg.get("seccomp") or cfg.get("disk_bytes"):
+        confine = _confine_self(cfg, workdir, install_paths, source)
     _apply_limits(cfg)
     sys.argv = ["main.py"]
     if cfg["audit_hook"]:

@@ -14,6 +14,8 @@ import sys
 __all__ = ["namespace_isolation", "landlock_abi", "seccomp_available", "sandbox_layers"]
 
 _UNSHARE_CANDIDATES: tuple[tuple[str, ...], ...] = (
+    ("unshare", "--mount", "--net", "--pid", "--fork", "--kill-child"),
+    ("unshare", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child"),
     ("unshare", "--net", "--pid", "--fork", "--kill-child"),
     ("unshare", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"),
     ("unshare", "--net"),
@@ -23,8 +25,9 @@ _UNSHARE_CANDIDATES: tuple[tuple[str, ...], ...] = (
 
 @functools.lru_cache(maxsize=None)
 def namespace_isolation() -> tuple[str, ...]:
-    """The ``unshare`` command prefix that works on this host (network + PID namespaces preferred),
-    or () when none does. Probed once per process by running ``true`` under each candidate."""
+    """The ``unshare`` command prefix that works on this host (mount + network + PID namespaces preferred: a mount
+    namespace lets the sandbox put a size-limited tmpfs over its working directory), or () when none does. Probed
+    once per process by running ``true`` under each candidate."""
     if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
         return ()
     for prefix in _UNSHARE_CANDIDATES:
@@ -94,9 +97,10 @@ def seccomp_available() -> bool:
 def sandbox_layers() -> str:
     """One line naming the sandbox's layers in force on this host (for a job's log)."""
     prefix = namespace_isolation()
-    namespaces = "+".join(n[2:] for n in prefix if n in ("--net", "--pid")) or "none"
+    namespaces = "+".join(n[2:] for n in prefix if n in ("--mount", "--net", "--pid")) or "none"
+    disk = "; working directory on a size-limited tmpfs" if "--mount" in prefix else ""
     abi = landlock_abi()
     landlock = (f"Landlock ABI {abi} (files, execve" + (", TCP" if abi >= 4 else "") + (", signals" if abi >= 6 else "")
                 + ")") if abi else "no Landlock (file rules rest on the audit hook alone)"
     seccomp = "seccomp (no new processes in test programs)" if seccomp_available() else "no seccomp filter"
-    return f"namespaces: {namespaces}; {landlock}; {seccomp}; resource limits; audit hook"
+    return f"namespaces: {namespaces}{disk}; {landlock}; {seccomp}; resource limits; audit hook"

@@ -57,6 +57,7 @@ __all__ = ["SandboxResult", "run_python_sandboxed", "extract_python_code", "code
            "namespace_isolation", "landlock_abi", "sandbox_layers"]
 
 _CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
+DISK_MB = 128  # the working directory's size where the sandbox has a mount namespace (a tmpfs: memory)
 _CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -146,8 +147,8 @@ def _read_until_done(proc: subprocess.Popen, deadline: float, max_output_bytes: 
 
 def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time_s: float | None,
                      max_file_bytes: int, max_processes: int, isolate_network: bool, audit_hook: bool,
-                     allow_subprocess: bool, allow_numpy: bool, python: str | None, landlock: bool = True
-                     ) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+                     allow_subprocess: bool, allow_numpy: bool, python: str | None, landlock: bool = True,
+                     disk_mb: int = 0) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
     """(command, environment, namespace prefix) that start the sandbox's bootstrap on ``workdir``/main.py."""
     config = {
         "workdir": workdir,
@@ -164,6 +165,7 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         config["paths"] = _install_paths()  # the child need not import sysconfig for them
     prefix = namespace_isolation() if isolate_network else ()
+    config["disk_bytes"] = int(disk_mb) << 20 if "--mount" in prefix and disk_mb > 0 else 0
     # -S: no site module, so no .pth file runs code at start (the child puts site-packages on sys.path itself)
     cmd = [*prefix, python or sys.executable, "-I", "-B", "-S", _CHILD_SCRIPT, json.dumps(config)]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -177,7 +179,8 @@ def _sandbox_command(workdir: str, *, timeout_s: float, memory_mb: int, cpu_time
 
 def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7, max_file_bytes: int = 16 << 20,
                     max_processes: int = 64, isolate_network: bool = True, allow_subprocess: bool = False,
-                    allow_numpy: bool = False, landlock: bool = True) -> tuple[subprocess.Popen, str]:
+                    allow_numpy: bool = False, landlock: bool = True, disk_mb: int = DISK_MB
+                    ) -> tuple[subprocess.Popen, str]:
     """Start ``code`` in the sandbox as ``run_python_sandboxed`` would, but return at once: (the process, with pipes
     for its stdin / stdout / stderr, in a session of its own; its working directory, which the caller removes with
     ``workdirs.release_workdir``). For a
@@ -187,7 +190,7 @@ def start_sandboxed(code: str, *, memory_mb: int = 512, cpu_time_s: float = 1e7,
                                    max_file_bytes=max_file_bytes, max_processes=max_processes,
                                    isolate_network=isolate_network, audit_hook=True,
                                    allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=None,
-                                   landlock=landlock)
+                                   landlock=landlock, disk_mb=disk_mb)
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
@@ -216,6 +219,7 @@ def run_python_sandboxed(
     python: str | None = None,
     stop_when: Callable[[bytes], bool] | None = None,
     landlock: bool = True,
+    disk_mb: int = DISK_MB,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a contained child interpreter and collect its output.
 
@@ -240,6 +244,8 @@ def run_python_sandboxed(
       stop_when: called with each new piece of stdout, in order; True kills the process group and returns what
         was read (status "stopped", e.g. once a test runner's reports settle the outcome).
       landlock: restrict the child with Landlock where the kernel has it (turn off only to compare layers).
+      disk_mb: with a mount namespace, the working directory is a tmpfs of this many MiB (all files together; a
+        write past it fails with ENOSPC); 0: the host's temporary directory, bounded per file only.
     """
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
         raise ValueError(
@@ -250,7 +256,7 @@ def run_python_sandboxed(
                                         max_file_bytes=max_file_bytes, max_processes=max_processes,
                                         isolate_network=isolate_network, audit_hook=audit_hook,
                                         allow_subprocess=allow_subprocess, allow_numpy=allow_numpy, python=python,
-                                        landlock=landlock)
+                                        landlock=landlock, disk_mb=disk_mb)
     start = time.monotonic()
     proc = None
     try:

@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from areal_jax.rewards.isolation import landlock_abi
-from areal_jax.rewards.sandbox import SandboxResult, start_sandboxed
+from areal_jax.rewards.sandbox import DISK_MB, SandboxResult, start_sandboxed
 from areal_jax.rewards.workdirs import release_workdir
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +50,8 @@ class SandboxZygote:
     """One long-lived sandboxed process that forks a sandboxed run per ``run`` call (one at a time)."""
 
     def __init__(self, *, memory_mb: int = 512, allow_numpy: bool = False, isolate_network: bool = True,
-                 landlock: bool = True) -> None:
+                 landlock: bool = True, disk_mb: int = DISK_MB) -> None:
+        self.disk_mb = int(disk_mb)
         self.memory_mb, self.allow_numpy, self.isolate_network = int(memory_mb), bool(allow_numpy), isolate_network
         self.isolation = ("zygote", "landlock") if landlock and landlock_abi() else ("zygote",)
         self._proc: subprocess.Popen | None = None
@@ -61,7 +62,8 @@ class SandboxZygote:
     def _start(self) -> None:
         self._proc, self._workdir = start_sandboxed(sandbox_source(_ZYGOTE_PATH), memory_mb=self.memory_mb,
                                                     isolate_network=self.isolate_network, allow_subprocess=True,
-                                                    allow_numpy=self.allow_numpy, landlock="landlock" in self.isolation)
+                                                    allow_numpy=self.allow_numpy, landlock="landlock" in self.isolation,
+                                                    disk_mb=self.disk_mb)
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._buffer = bytearray()
 
