@@ -86,6 +86,9 @@ class JobConfig(Section):
                 "--config.reward.fn=code.")
         require(not (fn == "code" and task != "code"),
                 "--config.reward.fn=code needs programming tasks with tests; pass --config.data.task=code.")
+        require(r.feedback_turns == 0 or fn == "code",
+                f"--config.rollout.feedback_turns={r.feedback_turns} runs each program on its task's tests for "
+                "feedback: it needs --config.reward.fn=code (and data.task=code).")
         from areal_jax import paths
 
         try:

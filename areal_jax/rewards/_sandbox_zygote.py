@@ -8,7 +8,8 @@ takes the request's text as its standard input, a pipe to this process as its st
 standard error, closes every other descriptor and runs the request's source as ``__main__`` (exit status as a fresh
 interpreter would give it). A fork costs about a millisecond where a new sandboxed interpreter costs about thirty.
 
-Requests, one JSON line each on stdin: {"op": "run", "id", "source", "stdin", "timeout_s", "max_output_bytes"} and
+Requests, one JSON line each on stdin: {"op": "run", "id", "source", "stdin", "timeout_s", "max_output_bytes",
+"processes" (may the run create processes; false: the seccomp filter refuses them, where the sandbox has it)} and
 {"op": "stop", "id"} (kill that run: its outcome is settled). Replies on stdout: {"id", "out": <stdout piece as
 latin-1 text>} as the run writes, then {"id", "end": true, "status": "ok" | "error" | "timeout" | "output_limit" |
 "stopped", "exit_code", "stderr": <its first 4 KiB>}. Runs go one at a time. It is sent into the sandbox after
@@ -98,7 +99,8 @@ def _zygote() -> None:
         cpu = int(float(request["timeout_s"])) + 2  # CPU seconds of this run (and each process it forks)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering is all the audit hook allows
         os.chdir(workdir)
-        confine_here(workdir)  # Landlock: writes in its own directory only; the zygote out of its reach
+        # Landlock: writes in its own directory only, the zygote out of its reach; no processes unless asked for
+        confine_here(workdir, processes=bool(request.get("processes", True)))
         confine_writes(workdir)
         with open("stdin", "w", encoding="utf-8") as f:
             f.write(request["stdin"])

@@ -114,9 +114,10 @@ class SandboxZygote:
                     self._buffer.extend(chunk)
 
     def run(self, code: str, *, stdin: str = "", timeout_s: float = 10.0, max_output_bytes: int = 1 << 20,
-            stop_when: Callable[[bytes], bool] | None = None) -> SandboxResult:
+            stop_when: Callable[[bytes], bool] | None = None, allow_subprocess: bool = True) -> SandboxResult:
         """``code`` as ``__main__`` in a run process forked from the zygote (see the module doc); ZygoteError
-        (after which this zygote is closed) when the zygote itself fails."""
+        (after which this zygote is closed) when the zygote itself fails. ``allow_subprocess=False``: the run may
+        create no process (the seccomp filter, where the sandbox has it), as a program run by itself should."""
         if not self.alive:
             raise ZygoteError("the sandbox zygote is not running")
         self._next_id += 1
@@ -125,7 +126,7 @@ class SandboxZygote:
         stop_sent = False
         try:
             self._send({"op": "run", "id": rid, "source": code, "stdin": stdin, "timeout_s": float(timeout_s),
-                        "max_output_bytes": int(max_output_bytes)})
+                        "max_output_bytes": int(max_output_bytes), "processes": bool(allow_subprocess)})
             for record in self._replies(start + timeout_s + _GRACE_S):
                 if record.get("id") != rid:
                     continue  # a late reply of an earlier run
@@ -151,9 +152,10 @@ _LOCAL = threading.local()
 
 def run_forked(code: str, *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
                max_output_bytes: int = 1 << 20, allow_numpy: bool = False,
-               stop_when: Callable[[bytes], bool] | None = None) -> SandboxResult:
-    """``run_python_sandboxed(code, ..., allow_subprocess=True)`` through this thread's zygote for the configuration
-    (started on first use). If the zygote fails it is replaced and the run goes to a new one once; a run that
+               stop_when: Callable[[bytes], bool] | None = None, allow_subprocess: bool = True) -> SandboxResult:
+    """``run_python_sandboxed(code, ..., allow_subprocess=...)`` through this thread's zygote for the configuration
+    (started on first use; a harness that forks its candidates needs processes, a program run by itself should get
+    ``allow_subprocess=False``). If the zygote fails it is replaced and the run goes to a new one once; a run that
     itself times out, errs or overflows is a result, not a failure."""
     zygotes = getattr(_LOCAL, "zygotes", None)
     if zygotes is None or getattr(_LOCAL, "pid", None) != os.getpid():  # a forked process starts its own
@@ -166,7 +168,7 @@ def run_forked(code: str, *, stdin: str = "", timeout_s: float = 10.0, memory_mb
             zygote = zygotes[key] = SandboxZygote(memory_mb=memory_mb, allow_numpy=allow_numpy)
         try:
             return zygote.run(code, stdin=stdin, timeout_s=timeout_s, max_output_bytes=max_output_bytes,
-                              stop_when=stop_when)
+                              stop_when=stop_when, allow_subprocess=allow_subprocess)
         except ZygoteError:
             zygotes.pop(key, None)
             if attempt:

@@ -84,6 +84,12 @@ class RolloutConfig(Section):
     overlong_buffer: int = knob(0, "DAPO's overlong penalty: completions longer than max_new_tokens - overlong_buffer "
                                 "lose up to overlong_penalty of reward, linearly, before the advantages (0: off)")
     overlong_penalty: float = knob(1.0, "reward lost at max_new_tokens when overlong_buffer > 0")
+    feedback_turns: int = knob(0, "code tasks: attempts after the first, each after execution feedback on the task's "
+                               "first cases (system.turns); 0 = one turn")
+    feedback_cases: int = knob(1, "feedback_turns: how many of the task's first test cases the feedback runs and shows")
+    feedback_template: str = knob("\n{feedback}\n", "feedback_turns: the text appended after a turn, around "
+                                  "{feedback} (a chat model's end of turn, a user turn and the start of its next "
+                                  "turn; its tokens stay out of the loss)")
     param_dtype: str = knob("same", "sampler weights: same (as the trainer's) | float32 | bfloat16 (cast on device)",
                             choices=("same", "float32", "bfloat16"))
 
@@ -162,5 +168,10 @@ class RolloutConfig(Section):
                 f"{k('overlong_buffer')}={self.overlong_buffer} must lie in [0, {k('max_new_tokens')}="
                 f"{self.max_new_tokens}] (0 turns the overlong penalty off).")
         require(self.overlong_penalty >= 0, f"{k('overlong_penalty')}={self.overlong_penalty} must be >= 0.")
+        require(self.feedback_turns >= 0 and self.feedback_cases >= 1,
+                f"{k('feedback_turns')}={self.feedback_turns} must be >= 0 and {k('feedback_cases')}="
+                f"{self.feedback_cases} >= 1.")
+        require(self.feedback_turns == 0 or "{feedback}" in self.feedback_template,
+                f"{k('feedback_template')}={self.feedback_template!r} lacks the '{{feedback}}' placeholder.")
         require(self.max_concurrent is None or self.max_concurrent >= 1,
                 f"{k('max_concurrent')}={self.max_concurrent} must be at least 1.")

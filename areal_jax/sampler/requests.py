@@ -35,6 +35,7 @@ class Completion:
       logprobs: [N] float32 behaviour log-probabilities of ``tokens``.
       versions: [N] int32 params version that produced each token.
       finish_reason: "stop" | "length" | "interrupted" | "error"; ``error`` says what went wrong.
+      loss_mask: [N] float32, which tokens enter the loss (None: all); a multi-turn sample's feedback tokens are 0.
     """
 
     request_id: Hashable
@@ -45,6 +46,7 @@ class Completion:
     versions: np.ndarray
     finish_reason: FinishReason
     error: str | None = None
+    loss_mask: np.ndarray | None = None
 
 
 class SamplerLoopError(RuntimeError):

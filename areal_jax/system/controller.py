@@ -9,6 +9,8 @@ A thread that keeps the sampler busy without ever letting a trained token be mor
      which serves the trainer in admission order.
 Counting is in groups: accepted (cumulative, complete and not filtered) + running (admitted, not
 complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sampler's params version.
+With ``turns`` (system.turns.FeedbackTurns, rollout.feedback_turns > 0) a finished sample may first go back to the
+sampler with execution feedback, as a continuation request, before it is scored.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from areal_jax.timeline import SpanRecorder
 
 if TYPE_CHECKING:
     from areal_jax.data.prompts import PromptExample
+    from areal_jax.system.turns import FeedbackTurns
 
 
 class RolloutController:
@@ -47,6 +50,7 @@ class RolloutController:
       first_gid: admission number of the next group.
       batch_groups: B of the admission rule: this process's share of train.batch_groups.
       stop_token_ids: tokens that end a completion (the tokenizer's end-of-sequence ids).
+      turns: multi-turn rollouts with execution feedback (None: one turn per sample).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class RolloutController:
         accepted: int = 0,
         first_gid: int = 0,
         timeline: SpanRecorder | None = None,
+        turns: FeedbackTurns | None = None,
     ):
         self.s = config
         self.batch_groups = batch_groups
@@ -74,6 +79,7 @@ class RolloutController:
         self.decode = decode
         self.buffer = buffer
         self.timeline = timeline
+        self.turns = turns
         self._resubmit = collections.deque(resubmit or [])
         self._lock = threading.RLock()
         self._groups: dict[int, dict] = {}  # gid -> in-progress record
@@ -81,6 +87,8 @@ class RolloutController:
         self.accepted = accepted
         self.running = 0
         self.counters = collections.Counter()
+        if turns is not None:
+            turns.counters = self.counters  # its feedback_* counts beside the controller's
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,6 +105,8 @@ class RolloutController:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.turns is not None:
+            self.turns.close()
 
     def pause_admission(self) -> None:
         self._paused.set()
@@ -115,6 +125,8 @@ class RolloutController:
                 admitted = 0 if self._paused.is_set() else self._admit()
                 got = self._drain_sampler()
                 scored = self._drain_rewards()
+                if self.turns is not None:
+                    got += self._drain_turns()
                 if not (admitted or got or scored):
                     time.sleep(0.002)
         except BaseException as e:  # surfaced through check() and the buffer
@@ -187,15 +199,39 @@ class RolloutController:
             if c is None:
                 return n
             n += 1
-            rec = self._groups[c.request_id]
-            rec["completions"][c.sample_index] = c
             self.counters["completions"] += 1
             self.counters[f"finish_{c.finish_reason}"] += 1
-            if c.finish_reason == "error":
-                self._record_reward(c.request_id, c.sample_index, 0.0, "sampler_error")
-            else:
-                text = self.decode(list(np.asarray(c.tokens)))
-                self.rewards.submit((c.request_id, c.sample_index), text, rec["example"].answer)
+            key = (c.request_id, c.sample_index)
+            if self.turns is not None:
+                from areal_jax.system.turns import continuation_id
+
+                key = continuation_id(c.request_id) or key
+                if c.finish_reason != "error":
+                    example = self._groups[key[0]]["example"]
+                    if self.turns.add(key, c, list(example.prompt_tokens), example.answer):
+                        self._score(key, *self.turns.final(key))
+                    continue
+                self.turns.discard(key)
+            self._score(key, c, list(np.asarray(c.tokens)))
+
+    def _drain_turns(self) -> int:
+        """Samples whose execution feedback arrived: scored when final, else sent back to the sampler."""
+        finals, requests = self.turns.poll()
+        for key in finals:
+            self._score(key, *self.turns.final(key))
+        for request in requests:
+            self.sampler.submit(request)
+        return len(finals) + len(requests)
+
+    def _score(self, key: tuple, c, scored_tokens: list[int]) -> None:
+        """Sample ``key`` is final: keep its completion and score ``scored_tokens`` (its last turn's) as text."""
+        gid, idx = key
+        rec = self._groups[gid]
+        rec["completions"][idx] = c
+        if c.finish_reason == "error":
+            self._record_reward(gid, idx, 0.0, "sampler_error")
+        else:
+            self.rewards.submit((gid, idx), self.decode(scored_tokens), rec["example"].answer)
 
     def _drain_rewards(self) -> int:
         results = self.rewards.results(timeout=0.0)

@@ -31,6 +31,7 @@ from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.interfaces import ManagedSampler
+from areal_jax.system.turns import FeedbackTurns
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
@@ -208,6 +209,7 @@ class RLJob:
             r, self.sampler, self.reward_pool, self.prompts, self.tokenizer.decode, self.buffer,
             batch_groups=self.local_groups, stop_token_ids=tuple(self.tokenizer.eos_token_ids),
             resubmit=resubmit, accepted=accepted, first_gid=first_gid, timeline=self.timeline,
+            turns=FeedbackTurns.for_job(c, self.tokenizer),
         )
         close_later.callback(self.controller.stop)
         self.stop = runner.StopFlag()

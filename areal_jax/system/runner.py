@@ -42,6 +42,7 @@ def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
                     versions=np.asarray(c.versions, np.int32),
                     advantage=float(adv),
                     reward=float(reward),
+                    loss_mask=getattr(c, "loss_mask", None),  # a multi-turn sample's feedback tokens: out of the loss
                 )
             )
     return out

@@ -1,0 +1,171 @@
+"""Multi-turn rollouts with execution feedback (``rollout.feedback_turns`` > 0, code tasks).
+
+A sample's first turn is generated as usual. Unless it ended at its budget, its program then runs on the task's
+first (visible) cases (``rewards.code_feedback``, in this process's threads, each run in the sandbox); if a case
+fails, the feedback text, wrapped in ``rollout.feedback_template``, is appended and the sample goes back to the
+sampler as a continuation: prompt + everything so far + feedback, for the rest of its token budget. After
+``feedback_turns`` extra turns, or once the shown cases pass, the sample is final: its completion is every turn and
+every feedback in order, the feedback tokens masked out of the loss (``Completion.loss_mask`` 0, behaviour
+log-probability 0), and its reward scores the last turn's program against all hidden tests as before.
+
+Each token keeps the version that generated it, so staleness and the decoupled objective treat the turns of one
+sample like the chunks of an interrupted generation. Evaluation stays single-turn.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import queue
+from typing import Callable, Hashable
+
+import numpy as np
+
+from areal_jax.sampler.requests import Completion, Request
+
+__all__ = ["FeedbackTurns", "continuation_id"]
+
+Key = tuple[Hashable, int]  # (group id, sample index)
+TURN = "turn"
+
+
+def continuation_id(request_id: Hashable) -> Key | None:
+    """(group id, sample index) of a continuation request's id, None for a group's own request."""
+    if isinstance(request_id, tuple) and len(request_id) == 4 and request_id[0] == TURN:
+        return request_id[1], request_id[2]
+    return None
+
+
+@dataclasses.dataclass
+class _Sample:
+    prompt: list[int]
+    answer: str
+    segments: list[tuple[bool, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    last: Completion | None = None  # the last model turn
+
+    @property
+    def generated(self) -> int:
+        return sum(len(tokens) for _, tokens, _, _ in self.segments)
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for is_model, *_ in self.segments if is_model)
+
+
+class FeedbackTurns:
+    """The turns of every sample in flight (see the module doc).
+
+    Args:
+      turns: extra turns after the first (rollout.feedback_turns).
+      template: text around the feedback, with "{feedback}" (rollout.feedback_template).
+      encode: text -> token ids (no special tokens added).
+      decode: token ids -> text (what the feedback runs).
+      feedback: (completion text, answer) -> (passed, feedback text): ``rewards.code_feedback`` with its limits bound.
+      max_new_tokens: every turn and feedback of a sample together (rollout.max_new_tokens).
+      max_len: prompt + completion per sampler slot (rollout.max_len).
+      workers: threads running feedback.
+      request: sampling settings of a continuation (temperature, top_k, top_p, stop_token_ids).
+    """
+
+    def __init__(self, *, turns: int, template: str, encode: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str], feedback: Callable[[str, str], tuple[bool, str]],
+                 max_new_tokens: int, max_len: int, workers: int = 2, request: dict | None = None) -> None:
+        self.turns, self.template, self.encode, self.decode, self.feedback = turns, template, encode, decode, feedback
+        self.max_new_tokens, self.max_len, self.request = max_new_tokens, max_len, dict(request or {})
+        self._samples: dict[Key, _Sample] = {}
+        self._ready: queue.Queue = queue.Queue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
+                                                           thread_name_prefix="code-feedback")
+        self.counters: collections.Counter = collections.Counter()
+
+    @classmethod
+    def for_job(cls, config, tokenizer) -> "FeedbackTurns | None":
+        """What a job's config asks for (None when rollout.feedback_turns is 0): code feedback with the reward's
+        limits, the tokenizer's encode / decode and end-of-sequence ids, the rollout's sampling settings."""
+        r = config.rollout
+        if not r.feedback_turns:
+            return None
+        import functools
+
+        from areal_jax.rewards.code_feedback import code_feedback
+
+        feedback = functools.partial(code_feedback, cases=r.feedback_cases,
+                                     case_timeout_s=config.reward.code_case_timeout_s,
+                                     allow_numpy=config.reward.code_allow_numpy)
+        return cls(turns=r.feedback_turns, template=r.feedback_template, encode=tokenizer.encode,
+                   decode=tokenizer.decode, feedback=feedback, max_new_tokens=r.max_new_tokens, max_len=r.max_len,
+                   workers=config.reward.num_workers,
+                   request=dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                stop_token_ids=tuple(tokenizer.eos_token_ids)))
+
+    def add(self, key: Key, completion: Completion, prompt: list[int], answer: str) -> bool:
+        """A turn of sample ``key`` finished. True: the sample is final (take it with ``final``); False: its
+        feedback is being computed (``poll``)."""
+        sample = self._samples.setdefault(key, _Sample(list(prompt), answer))
+        n = len(completion.tokens)
+        sample.segments.append((True, np.asarray(completion.tokens, np.int32),
+                                np.asarray(completion.logprobs, np.float32), np.asarray(completion.versions, np.int32)))
+        sample.last = completion
+        if (sample.turns > self.turns or completion.finish_reason != "stop" or n == 0
+                or sample.generated >= self.max_new_tokens):
+            return True
+        text = self.decode(list(np.asarray(completion.tokens)))
+        future = self._pool.submit(self.feedback, text, answer)
+        future.add_done_callback(lambda f, key=key: self._ready.put((key, f)))
+        self.counters["feedback_runs"] += 1
+        return False
+
+    def poll(self) -> tuple[list[Key], list[Request]]:
+        """Samples whose feedback arrived: (keys now final, continuation requests to submit)."""
+        finals, requests = [], []
+        while True:
+            try:
+                key, future = self._ready.get_nowait()
+            except queue.Empty:
+                return finals, requests
+            sample = self._samples.get(key)
+            if sample is None:  # discarded meanwhile
+                continue
+            try:
+                passed, text = future.result()
+            except Exception:  # noqa: BLE001 - no feedback: the sample stands as it is
+                passed, text = True, ""
+                self.counters["feedback_errors"] += 1
+            if passed:
+                self.counters["feedback_passed"] += 1
+                finals.append(key)
+                continue
+            shown = np.asarray(self.encode(self.template.format(feedback=text)), np.int32)
+            so_far = np.concatenate([tokens for _, tokens, _, _ in sample.segments])
+            prompt = sample.prompt + so_far.tolist() + shown.tolist()
+            budget = min(self.max_new_tokens - len(so_far) - len(shown), self.max_len - len(prompt))
+            if budget < 1:
+                self.counters["feedback_no_room"] += 1
+                finals.append(key)
+                continue
+            version = int(sample.last.versions[-1]) if len(sample.last.versions) else 0
+            sample.segments.append((False, shown, np.zeros(len(shown), np.float32),
+                                    np.full(len(shown), version, np.int32)))
+            self.counters["feedback_turns"] += 1
+            requests.append(Request(id=(TURN, key[0], key[1], sample.turns), prompt=prompt, max_new_tokens=budget,
+                                    n=1, **self.request))
+
+    def final(self, key: Key) -> tuple[Completion, list[int]]:
+        """Sample ``key`` as one Completion (every turn and feedback; feedback out of the loss) and the tokens of its
+        last turn (what the reward scores). It leaves this object."""
+        sample = self._samples.pop(key)
+        is_model = [np.full(len(tokens), model) for model, tokens, _, _ in sample.segments]
+        parts = list(zip(*[(tokens, logp, versions) for _, tokens, logp, versions in sample.segments]))
+        merged = Completion(key[0], key[1], sample.prompt, np.concatenate(parts[0]).astype(np.int32),
+                            np.concatenate(parts[1]).astype(np.float32), np.concatenate(parts[2]).astype(np.int32),
+                            sample.last.finish_reason, getattr(sample.last, "error", None))
+        if sample.turns > 1:
+            merged.loss_mask = np.concatenate(is_model).astype(np.float32)
+        return merged, list(np.asarray(sample.last.tokens))
+
+    def discard(self, key: Key) -> None:
+        """Drop sample ``key`` (its turn failed in the sampler: it is scored as that error)."""
+        self._samples.pop(key, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
