@@ -14,7 +14,7 @@ from areal_jax.sampler.config import RolloutConfig
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.runner import groups_to_trajectories
-from areal_jax.system.turns import FeedbackTurns, continuation_id
+from areal_jax.system.turns import FeedbackTurns, continuation_id, turn_advantages
 from areal_jax.testing.fakes import FakeCompletion, FakeExample, QueuedCompletions, RuleRewards
 from areal_jax.testing.prompts import ListPrompts
 
@@ -139,6 +139,7 @@ def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_comp
         assert list(good.tokens) == GOOD and good.loss_mask is None  # passed at once: one turn
         assert list(fixed.tokens) == BAD + [90, 91, 92] + GOOD
         np.testing.assert_array_equal(fixed.loss_mask, [1, 1, 1, 0, 0, 0, 1, 1, 1])
+        np.testing.assert_array_equal(fixed.turns, [0, 0, 0, 1, 1, 1, 1, 1, 1])  # feedback: with the attempt after it
         np.testing.assert_array_equal(fixed.logprobs, [-0.5] * 3 + [0.0] * 3 + [-0.5] * 3)
         assert fixed.versions[3] == fixed.versions[2] < fixed.versions[6]  # feedback keeps the turn's version
         assert list(g.rewards) == [1.0, 1.0]
@@ -148,6 +149,12 @@ def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_comp
     trajectories = groups_to_trajectories(groups)
     masked = [t for t in trajectories if t.loss_mask is not None]
     assert len(masked) == 2 and all(t.completion_mask().sum() == 6 for t in masked)
+    # Credit: both samples end with reward 1 (final advantages 0), but the fixed one's first attempt failed a shown
+    # case, so among first attempts (1 and 0) it is the worse: its first-turn tokens are pushed down, the fix is not.
+    for t in masked:
+        np.testing.assert_allclose(t.completion_advantages(), [-1.0] * 3 + [0.0] * 6, atol=1e-5)
+    assert all(t.token_advantages is None and t.advantage == pytest.approx(1.0, abs=1e-5)
+               for t in trajectories if t.loss_mask is None)
     assert all(len(t.tokens) == 3 + len(t.behav_logp) for t in trajectories)
 
 
@@ -229,3 +236,27 @@ def test_the_code_default_with_a_feedback_turn_trains_on_masked_turns(tmp_path, 
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 2 and np.all(np.isfinite(losses))
     assert rows[-1]["rollout/feedback_turns"] == counters["feedback_turns"]
+
+
+def test_turn_advantages_worked_by_hand():
+    """Four samples, rewards 1, 1, 0, 0; samples 1 and 3 needed a feedback turn. First attempts: 1, 0, 0, 0
+    (a first attempt that got feedback failed a shown case); final rewards as they are. GRPO: (r - mean) / (std + eps)
+    with the population std."""
+    def grpo(r):
+        r = np.asarray(r, np.float64)
+        return (r - r.mean()) / (r.std() + 1e-6)
+
+    one = FakeCompletion(0, 0, np.arange(3), np.zeros(3), np.zeros(3))
+    multi = FakeCompletion(0, 1, np.arange(5), np.zeros(5), np.zeros(5))
+    multi.turns = np.array([0, 0, 1, 1, 1])
+    completions = [one, multi, one, multi]
+    rewards = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
+    adv, tokens = turn_advantages(rewards, completions, 4, "grpo")
+    first, final = grpo([1, 0, 0, 0]), grpo([1, 1, 0, 0])
+    np.testing.assert_allclose(adv, first, rtol=1e-5)
+    assert tokens[0] is None and tokens[2] is None
+    np.testing.assert_allclose(tokens[1], [first[1]] * 2 + [final[1]] * 3, rtol=1e-5)
+    np.testing.assert_allclose(tokens[3], [first[3]] * 2 + [final[3]] * 3, rtol=1e-5)
+    single, none = turn_advantages(rewards, [one] * 4, 4, "grpo")  # no multi-turn sample: plain GRPO
+    np.testing.assert_allclose(single, final, rtol=1e-5)
+    assert none is None

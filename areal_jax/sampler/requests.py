@@ -36,6 +36,8 @@ class Completion:
       versions: [N] int32 params version that produced each token.
       finish_reason: "stop" | "length" | "interrupted" | "error"; ``error`` says what went wrong.
       loss_mask: [N] float32, which tokens enter the loss (None: all); a multi-turn sample's feedback tokens are 0.
+      turns: [N] int32, a multi-turn sample's turn of each token (0: the first attempt; a feedback counts with the
+        attempt after it); None: one turn.
     """
 
     request_id: Hashable
@@ -47,6 +49,7 @@ class Completion:
     finish_reason: FinishReason
     error: str | None = None
     loss_mask: np.ndarray | None = None
+    turns: np.ndarray | None = None
 
 
 class SamplerLoopError(RuntimeError):

@@ -44,6 +44,7 @@ class Group:
     filtered: bool = False
     filter_reason: str = ""
     shaped_rewards: np.ndarray | None = None  # [group_size] what the advantages used (None: rewards)
+    token_advantages: list | None = None  # per sample: float32 [N] per-token advantages, or None (multi-turn)
 
 
 class TrajectoryBuffer:

@@ -261,10 +261,16 @@ class RolloutController:
             return
         rewards = np.asarray(rec["rewards"], np.float32)
         shaped = self._shaped_rewards(rewards, rec["completions"])
-        adv = np.asarray(group_advantages(shaped, self.s.group_size, mode=self.s.advantage_mode), np.float32)
+        if self.turns is None:
+            adv, token_adv = group_advantages(shaped, self.s.group_size, mode=self.s.advantage_mode), None
+        else:  # first attempts and later turns credited apart (system.turns.turn_advantages)
+            from areal_jax.system.turns import turn_advantages
+
+            adv, token_adv = turn_advantages(shaped, rec["completions"], self.s.group_size, self.s.advantage_mode)
         group = Group(
             gid=gid, example=rec["example"], admit_version=rec["version"], completions=rec["completions"],
-            rewards=rewards, reward_status=rec["status"], advantages=adv, shaped_rewards=shaped,
+            rewards=rewards, reward_status=rec["status"], advantages=np.asarray(adv, np.float32),
+            shaped_rewards=shaped, token_advantages=token_adv,
         )
         if any(c.finish_reason == "error" for c in rec["completions"]):
             group.filtered, group.filter_reason = True, "sampler_error"

@@ -32,7 +32,8 @@ def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
     for g in groups:
         prompt = np.asarray(g.example.prompt_tokens, np.int32)
         shaped = g.rewards if g.shaped_rewards is None else g.shaped_rewards  # a critic's terminal reward
-        for c, reward, adv in zip(g.completions, shaped, g.advantages):
+        token_advantages = g.token_advantages or [None] * len(g.completions)
+        for c, reward, adv, token_adv in zip(g.completions, shaped, g.advantages, token_advantages):
             tokens = np.concatenate([prompt, np.asarray(c.tokens, np.int32)])
             out.append(
                 Trajectory(
@@ -41,6 +42,7 @@ def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
                     behav_logp=np.asarray(c.logprobs, np.float32),
                     versions=np.asarray(c.versions, np.int32),
                     advantage=float(adv),
+                    token_advantages=token_adv,  # a multi-turn sample's: its attempts credited apart
                     reward=float(reward),
                     loss_mask=getattr(c, "loss_mask", None),  # a multi-turn sample's feedback tokens: out of the loss
                 )

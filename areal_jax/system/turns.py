@@ -10,6 +10,11 @@ log-probability 0), and its reward scores the last turn's program against all hi
 
 Each token keeps the version that generated it, so staleness and the decoupled objective treat the turns of one
 sample like the chunks of an interrupted generation. Evaluation stays single-turn.
+
+Credit (``turn_advantages``): a sample's final reward must not teach its wrong first attempt. So first attempts are
+judged among themselves, each by its own outcome (a first attempt that needed feedback failed a shown case: 0; one
+that did not is the sample's reward), and the later turns of a sample by its final reward against the group's final
+rewards: every first-attempt token gets the first advantage, every later token the final one.
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ from typing import Callable, Hashable
 
 import numpy as np
 
+from areal_jax.rl.advantages import group_advantages
 from areal_jax.sampler.requests import Completion, Request
 
-__all__ = ["FeedbackTurns", "continuation_id"]
+__all__ = ["FeedbackTurns", "continuation_id", "turn_advantages"]
 
 Key = tuple[Hashable, int]  # (group id, sample index)
 TURN = "turn"
@@ -155,12 +161,17 @@ class FeedbackTurns:
         last turn (what the reward scores). It leaves this object."""
         sample = self._samples.pop(key)
         is_model = [np.full(len(tokens), model) for model, tokens, _, _ in sample.segments]
+        turn_of, attempts = [], 0
+        for model, tokens, _, _ in sample.segments:
+            turn_of.append(np.full(len(tokens), attempts, np.int32))  # a feedback: the attempt after it
+            attempts += int(model)
         parts = list(zip(*[(tokens, logp, versions) for _, tokens, logp, versions in sample.segments]))
         merged = Completion(key[0], key[1], sample.prompt, np.concatenate(parts[0]).astype(np.int32),
                             np.concatenate(parts[1]).astype(np.float32), np.concatenate(parts[2]).astype(np.int32),
                             sample.last.finish_reason, getattr(sample.last, "error", None))
         if sample.turns > 1:
             merged.loss_mask = np.concatenate(is_model).astype(np.float32)
+            merged.turns = np.concatenate(turn_of).astype(np.int32)
         return merged, list(np.asarray(sample.last.tokens))
 
     def discard(self, key: Key) -> None:
@@ -169,3 +180,19 @@ class FeedbackTurns:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def turn_advantages(rewards: np.ndarray, completions: list, group_size: int, mode: str
+                    ) -> tuple[np.ndarray, list[np.ndarray | None] | None]:
+    """(per-sample advantages, per-token advantages or None) of a group (see the module doc): with no multi-turn
+    sample, plain ``group_advantages`` and None; else the first attempts' advantages, and for each multi-turn sample
+    its tokens' advantages (first attempt: its first advantage; later turns: its final one)."""
+    final = np.asarray(group_advantages(rewards, group_size, mode=mode), np.float32)
+    turns = [getattr(c, "turns", None) for c in completions]
+    if all(t is None for t in turns):
+        return final, None
+    first_rewards = np.array([r if t is None else 0.0 for r, t in zip(rewards, turns)], np.float32)
+    first = np.asarray(group_advantages(first_rewards, group_size, mode=mode), np.float32)
+    tokens = [None if t is None else np.where(t == 0, first[i], final[i]).astype(np.float32)
+              for i, t in enumerate(turns)]
+    return first, tokens
