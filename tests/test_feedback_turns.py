@@ -239,9 +239,9 @@ def test_the_code_default_with_a_feedback_turn_trains_on_masked_turns(tmp_path, 
 
 
 def test_turn_advantages_worked_by_hand():
-    """Four samples, rewards 1, 1, 0, 0; samples 1 and 3 needed a feedback turn. First attempts: 1, 0, 0, 0
-    (a first attempt that got feedback failed a shown case); final rewards as they are. GRPO: (r - mean) / (std + eps)
-    with the population std."""
+    """Five samples, rewards 1, 1, 0, 0, 1; samples 1, 3 and 4 needed a feedback turn. First attempts: 1, 0, 0, 0, 0
+    (a first attempt that got feedback failed a shown case); repairs among themselves: 1, 0, 1. GRPO: (r - mean) /
+    (std + eps) with the population std."""
     def grpo(r):
         r = np.asarray(r, np.float64)
         return (r - r.mean()) / (r.std() + 1e-6)
@@ -249,14 +249,16 @@ def test_turn_advantages_worked_by_hand():
     one = FakeCompletion(0, 0, np.arange(3), np.zeros(3), np.zeros(3))
     multi = FakeCompletion(0, 1, np.arange(5), np.zeros(5), np.zeros(5))
     multi.turns = np.array([0, 0, 1, 1, 1])
-    completions = [one, multi, one, multi]
-    rewards = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
-    adv, tokens = turn_advantages(rewards, completions, 4, "grpo")
-    first, final = grpo([1, 0, 0, 0]), grpo([1, 1, 0, 0])
+    completions = [one, multi, one, multi, multi]
+    rewards = np.array([1.0, 1.0, 0.0, 0.0, 1.0], np.float32)
+    adv, tokens = turn_advantages(rewards, completions, 5, "grpo")
+    first, repairs = grpo([1, 0, 0, 0, 0]), grpo([1, 0, 1])
     np.testing.assert_allclose(adv, first, rtol=1e-5)
     assert tokens[0] is None and tokens[2] is None
-    np.testing.assert_allclose(tokens[1], [first[1]] * 2 + [final[1]] * 3, rtol=1e-5)
-    np.testing.assert_allclose(tokens[3], [first[3]] * 2 + [final[3]] * 3, rtol=1e-5)
-    single, none = turn_advantages(rewards, [one] * 4, 4, "grpo")  # no multi-turn sample: plain GRPO
-    np.testing.assert_allclose(single, final, rtol=1e-5)
+    for i, j in ((1, 0), (3, 1), (4, 2)):
+        np.testing.assert_allclose(tokens[i], [first[i]] * 2 + [repairs[j]] * 3, rtol=1e-5)
+    _, alone = turn_advantages(rewards, [one, multi, one, one, one], 5, "rloo")  # one repair: nothing to compare
+    np.testing.assert_allclose(alone[1][2:], 0.0)
+    single, none = turn_advantages(rewards, [one] * 5, 5, "grpo")  # no multi-turn sample: plain GRPO
+    np.testing.assert_allclose(single, grpo(rewards), rtol=1e-5)
     assert none is None

@@ -11,10 +11,10 @@ log-probability 0), and its reward scores the last turn's program against all hi
 Each token keeps the version that generated it, so staleness and the decoupled objective treat the turns of one
 sample like the chunks of an interrupted generation. Evaluation stays single-turn.
 
-Credit (``turn_advantages``): a sample's final reward must not teach its wrong first attempt. So first attempts are
-judged among themselves, each by its own outcome (a first attempt that needed feedback failed a shown case: 0; one
-that did not is the sample's reward), and the later turns of a sample by its final reward against the group's final
-rewards: every first-attempt token gets the first advantage, every later token the final one.
+Credit (``turn_advantages``): a sample's final reward must not teach its wrong first attempt, and a repair must not be
+judged against siblings that needed none. So first attempts are judged among themselves, each by its own outcome (a
+first attempt that needed feedback failed a shown case: 0; one that did not is the sample's reward), and repairs among
+themselves: the later turns of a sample by its final reward against those of the group's other multi-turn samples.
 """
 from __future__ import annotations
 
@@ -186,13 +186,17 @@ def turn_advantages(rewards: np.ndarray, completions: list, group_size: int, mod
                     ) -> tuple[np.ndarray, list[np.ndarray | None] | None]:
     """(per-sample advantages, per-token advantages or None) of a group (see the module doc): with no multi-turn
     sample, plain ``group_advantages`` and None; else the first attempts' advantages, and for each multi-turn sample
-    its tokens' advantages (first attempt: its first advantage; later turns: its final one)."""
-    final = np.asarray(group_advantages(rewards, group_size, mode=mode), np.float32)
+    its tokens' advantages: its first attempt's, then for its later turns its final reward against the final rewards
+    of the group's other multi-turn samples (0 when it is the only one)."""
     turns = [getattr(c, "turns", None) for c in completions]
     if all(t is None for t in turns):
-        return final, None
+        return np.asarray(group_advantages(rewards, group_size, mode=mode), np.float32), None
     first_rewards = np.array([r if t is None else 0.0 for r, t in zip(rewards, turns)], np.float32)
     first = np.asarray(group_advantages(first_rewards, group_size, mode=mode), np.float32)
-    tokens = [None if t is None else np.where(t == 0, first[i], final[i]).astype(np.float32)
+    multi = [i for i, t in enumerate(turns) if t is not None]
+    later = np.zeros(len(rewards), np.float32)
+    if len(multi) > 1:
+        later[multi] = np.asarray(group_advantages(np.asarray(rewards, np.float32)[multi], len(multi), mode=mode))
+    tokens = [None if t is None else np.where(t == 0, first[i], later[i]).astype(np.float32)
               for i, t in enumerate(turns)]
     return first, tokens
