@@ -146,6 +146,7 @@ def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_comp
     assert sorted(text for _, text in scored) == ["good"] * 4  # the reward sees the last turn only
     # feedback ran on the four first turns (two passed); the last allowed turn is final without it
     assert (ctl.counters["feedback_runs"], ctl.counters["feedback_passed"], ctl.counters["feedback_turns"]) == (4, 2, 2)
+    assert (ctl.counters["feedback_repairs"], ctl.counters["feedback_repaired"]) == (2, 2)
     trajectories = groups_to_trajectories(groups)
     masked = [t for t in trajectories if t.loss_mask is not None]
     assert len(masked) == 2 and all(t.completion_mask().sum() == 6 for t in masked)

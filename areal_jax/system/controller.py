@@ -267,6 +267,9 @@ class RolloutController:
             from areal_jax.system.turns import turn_advantages
 
             adv, token_adv = turn_advantages(shaped, rec["completions"], self.s.group_size, self.s.advantage_mode)
+            repaired = [r for c, r in zip(rec["completions"], rewards) if getattr(c, "turns", None) is not None]
+            self.counters["feedback_repairs"] += len(repaired)
+            self.counters["feedback_repaired"] += sum(r >= 1.0 for r in repaired)  # a repair that passes every test
         group = Group(
             gid=gid, example=rec["example"], admit_version=rec["version"], completions=rec["completions"],
             rewards=rewards, reward_status=rec["status"], advantages=np.asarray(adv, np.float32),
