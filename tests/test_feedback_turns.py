@@ -105,14 +105,14 @@ def _turns(turns=1, max_new_tokens=32, max_len=64):
                          max_len=max_len, workers=2, request={"stop_token_ids": (EOS,)})
 
 
-def _collect(sampler, turns, groups=2, group_size=2, max_new_tokens=32):
+def _collect(sampler, turns, groups=2, group_size=2, max_new_tokens=32, timeline=None):
     scored = []
     rewards = RuleRewards(lambda key, text, answer: scored.append((key, text)) or float(text == "good"))
     buffer = TrajectoryBuffer()
     settings = RolloutConfig(group_size=group_size, max_new_tokens=max_new_tokens, max_len=64, max_staleness=4)
     prompts = ListPrompts(FakeExample(f"p{i}", [1, 3, 4], "tests") for i in range(groups))
     ctl = RolloutController(settings, sampler, rewards, prompts, _decode, buffer, batch_groups=groups,
-                            turns=turns).start()
+                            turns=turns, timeline=timeline).start()
     try:
         got = None
         for _ in range(2000):
@@ -127,8 +127,10 @@ def _collect(sampler, turns, groups=2, group_size=2, max_new_tokens=32):
 
 
 def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_completion():
-    sampler = ScriptedSampler()
-    groups, scored, ctl = _collect(sampler, _turns(turns=1))
+    from areal_jax.timeline import Timeline
+
+    sampler, timeline = ScriptedSampler(), Timeline(max_buffered=1000)
+    groups, scored, ctl = _collect(sampler, _turns(turns=1), timeline=timeline)
     continuations = [r for r in sampler.requests if continuation_id(r.id) is not None]
     assert len(continuations) == 2  # the odd sample of each group
     for r in continuations:
@@ -147,6 +149,7 @@ def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_comp
     # feedback ran on the four first turns (two passed); the last allowed turn is final without it
     assert (ctl.counters["feedback_runs"], ctl.counters["feedback_passed"], ctl.counters["feedback_turns"]) == (4, 2, 2)
     assert (ctl.counters["feedback_repairs"], ctl.counters["feedback_repaired"]) == (2, 2)
+    assert sum(e["name"] == "feedback" for e in timeline.events()) == 4  # each run a span in the trace
     trajectories = groups_to_trajectories(groups)
     masked = [t for t in trajectories if t.loss_mask is not None]
     assert len(masked) == 2 and all(t.completion_mask().sum() == 6 for t in masked)

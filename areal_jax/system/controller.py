@@ -89,6 +89,7 @@ class RolloutController:
         self.counters = collections.Counter()
         if turns is not None:
             turns.counters = self.counters  # its feedback_* counts beside the controller's
+            turns.timeline = timeline
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import queue
+import time
 from typing import Callable, Hashable
 
 import numpy as np
@@ -83,6 +84,7 @@ class FeedbackTurns:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
                                                            thread_name_prefix="code-feedback")
         self.counters: collections.Counter = collections.Counter()
+        self.timeline = None  # a SpanRecorder: each feedback run as a "feedback" span on its own lane
 
     @classmethod
     def for_job(cls, config, tokenizer) -> "FeedbackTurns | None":
@@ -116,10 +118,18 @@ class FeedbackTurns:
                 or sample.generated >= self.max_new_tokens):
             return True
         text = self.decode(list(np.asarray(completion.tokens)))
-        future = self._pool.submit(self.feedback, text, answer)
+        future = self._pool.submit(self._timed_feedback, text, answer)
         future.add_done_callback(lambda f, key=key: self._ready.put((key, f)))
         self.counters["feedback_runs"] += 1
         return False
+
+    def _timed_feedback(self, text: str, answer: str) -> tuple[bool, str]:
+        start = time.monotonic()
+        try:
+            return self.feedback(text, answer)
+        finally:
+            if self.timeline is not None:
+                self.timeline.complete("feedback", time.monotonic() - start, lane="feedback")
 
     def poll(self) -> tuple[list[Key], list[Request]]:
         """Samples whose feedback arrived: (keys now final, continuation requests to submit)."""
