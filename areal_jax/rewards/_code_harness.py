@@ -79,12 +79,13 @@ def _harness() -> None:
 
     # ---- the candidate process: untrusted from the moment the solution is loaded ----
     def confine() -> None:
-        """The kernel's rules, where the sandbox has them: the candidate cannot trace or signal this process, which
-        holds the nonce, nor start processes. Fails closed: the solution never runs unconfined."""
+        """The kernel's rules, where the sandbox has them: the candidate starts no process and cannot trace this
+        process, which holds the nonce (seccomp; the directory is already the run's own Landlock layer's). Fails
+        closed: the solution never runs unconfined."""
         layer = globals().get("__sandbox_confine__")
         if layer is not None:
             try:
-                layer(os.getcwd(), False)
+                layer(os.getcwd(), False, False)
             except Exception:  # noqa: BLE001
                 os._exit(125)
 

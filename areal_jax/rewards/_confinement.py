@@ -226,15 +226,24 @@ def process_filter(machine: str) -> list | None:
     return out
 
 
-def deny_processes(libc=None) -> bool:
-    """Install ``process_filter`` on this thread's process for good (with no_new_privs, which it needs). False where
-    the architecture is unknown (nothing installed); OSError where the kernel refuses."""
-    prog = process_filter(os.uname().machine)
+def _filter_program(machine: str):
+    """``process_filter`` as the kernel reads it (a sock_fprog and the array it points at), None where unknown."""
+    prog = process_filter(machine)
     if prog is None:
+        return None
+    filters = (_SockFilter * len(prog))(*(_SockFilter(*insn) for insn in prog))
+    return _SockFprog(len(prog), filters), filters
+
+
+def deny_processes(libc=None, program=None) -> bool:
+    """Install ``process_filter`` on this thread's process for good (with no_new_privs, which it needs). False where
+    the architecture is unknown (nothing installed); OSError where the kernel refuses. ``program``: a
+    ``_filter_program`` built already (building it is most of the cost)."""
+    program = program or _filter_program(os.uname().machine)
+    if program is None:
         return False
     libc = libc or _libc()
-    filters = (_SockFilter * len(prog))(*(_SockFilter(*insn) for insn in prog))
-    fprog = _SockFprog(len(prog), filters)
+    fprog = program[0]
     for option, args in ((_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)), (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, 0, 0, 0))):
         values = [ctypes.c_ulong(a) for a in args]
         if option == _PR_SET_SECCOMP:
@@ -246,9 +255,10 @@ def deny_processes(libc=None) -> bool:
 
 
 def confiner(abi: int, read_dirs):
-    """A function ``confine(workdir, processes=True)`` that restricts the calling process for good: one more Landlock
-    layer of ``sandbox_rules(workdir, read_dirs)`` (when ``abi`` > 0) and, with ``processes=False``, the seccomp
-    filter that refuses new processes. Its library functions are looked up and the read-only paths opened (O_PATH)
+    """A function ``confine(workdir, processes=True, layer=True)`` that restricts the calling process for good: one
+    more Landlock layer of ``sandbox_rules(workdir, read_dirs)`` (when ``abi`` > 0 and ``layer``) and, with
+    ``processes=False``, the seccomp filter that refuses new processes (and ptrace: a process under it cannot reach
+    another's memory, which is what a test candidate needs kept from it; its directory is its parent's own layer's). Its library functions are looked up and the read-only paths opened (O_PATH)
     now, while that is allowed: later the sandbox's audit hook refuses both, and a process can still be confined
     after it has closed its other descriptors (keep these: ``confine.fds``)."""
     if abi < 0:
@@ -263,11 +273,13 @@ def confiner(abi: int, read_dirs):
         except FileNotFoundError:
             pass
 
-    def confine(workdir: str, processes: bool = True) -> None:
-        if abi > 0:
+    program = _filter_program(os.uname().machine)
+
+    def confine(workdir: str, processes: bool = True, layer: bool = True) -> None:
+        if abi > 0 and layer:
             restrict([(os.path.realpath(workdir), READ_WRITE), *opened], abi, libc)
         if not processes:
-            deny_processes(libc)
+            deny_processes(libc, program)
 
     confine.fds = tuple(fd for fd, _ in opened)
     return confine

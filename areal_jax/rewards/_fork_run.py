@@ -51,18 +51,19 @@ def exec_as_main(code, main_file: str) -> None:
     os._exit(status)
 
 
-def confine_here(workdir: str, processes: bool = True) -> None:
+def confine_here(workdir: str, processes: bool = True, layer: bool = True) -> None:
     """In a freshly forked process, before it runs anything untrusted (where the sandbox has the means,
     ``__sandbox_confine__``): one more Landlock layer, so that it writes only in ``workdir`` and can neither trace nor
-    signal the process that forked it, and with ``processes=False`` the seccomp filter: it creates no process. Ends
-    the process (status 125) if the kernel refuses: it never runs unconfined."""
+    signal the process that forked it (unless ``layer=False``: a test candidate, which shares its parent's directory
+    and whose seccomp filter refuses ptrace), and with ``processes=False`` the seccomp filter: it creates no process.
+    Ends the process (status 125) if the kernel refuses: it never runs unconfined."""
     import os
 
     confine = globals().get("__sandbox_confine__")
     if confine is None:
         return
     try:
-        confine(workdir, processes)
+        confine(workdir, processes, layer)
     except Exception as e:  # noqa: BLE001 - fail closed
         os.write(2, f"sandbox: the kernel's confinement could not be applied ({e}); the program was not run\n".encode())
         os._exit(125)

@@ -48,8 +48,9 @@ def _harness() -> None:
         os.dup2(os.open(input_path, os.O_RDONLY), 0)
         os.dup2(stdout_w, 1)
         os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-        # The kernel's rules: this process cannot trace or signal the runner, which holds the nonce, nor start others
-        confine_here(workdir, processes=False)
+        # The kernel's rules: no processes, no ptrace (so the runner's memory, with the nonce, stays out of reach);
+        # the directory is already the run's own Landlock layer's
+        confine_here(workdir, processes=False, layer=False)
         os.closerange(3, fd_limit)
         cpu = int(math.ceil(timeout)) + 1  # the case's CPU seconds, as a sandboxed interpreter per case gets them
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering: all the sandbox's audit hook allows
