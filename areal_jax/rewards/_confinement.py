@@ -168,6 +168,8 @@ def mount_tmpfs(path: str, size_bytes: int, libc=None) -> None:
 
 # ---- seccomp ----
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_SPEC_ALLOW = 1, 1 << 2
+_SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _EPERM, _ENOSYS = 1, 38
 _CLONE_THREAD = 0x00010000
@@ -244,13 +246,25 @@ def deny_processes(libc=None, program=None) -> bool:
         return False
     libc = libc or _libc()
     fprog = program[0]
-    for option, args in ((_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)), (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, 0, 0, 0))):
-        values = [ctypes.c_ulong(a) for a in args]
-        if option == _PR_SET_SECCOMP:
-            values[1] = ctypes.cast(ctypes.byref(fprog), ctypes.c_void_p)
-        if libc.prctl(ctypes.c_int(option), *values) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    if libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
+    # SPEC_ALLOW: without it the kernel also turns on its speculative-store-bypass mitigation for the process, which
+    # slowed sandboxed test runs by about a tenth here; it guards a process's memory against code in the same
+    # process, and a test candidate holds nothing the program could not read directly anyway.
+    number = _SYS_SECCOMP.get(os.uname().machine)
+    if number is not None:
+        libc.syscall.restype = ctypes.c_long
+        done = libc.syscall(ctypes.c_long(number), ctypes.c_uint(_SECCOMP_SET_MODE_FILTER),
+                            ctypes.c_uint(_SECCOMP_FILTER_FLAG_SPEC_ALLOW), ctypes.byref(fprog))
+        if done == 0:
+            return True
+    # An older kernel (before 4.17) without the flag: the filter alone.
+    if libc.prctl(ctypes.c_int(_PR_SET_SECCOMP), ctypes.c_ulong(_SECCOMP_MODE_FILTER),
+                  ctypes.cast(ctypes.byref(fprog), ctypes.c_void_p), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
     return True
 
 
