@@ -89,6 +89,9 @@ class JobConfig(Section):
         require(r.feedback_turns == 0 or fn == "code",
                 f"--config.rollout.feedback_turns={r.feedback_turns} runs each program on its task's tests for "
                 "feedback: it needs --config.reward.fn=code (and data.task=code).")
+        require(self.eval.feedback_turns <= 0 or fn == "code",
+                f"--config.eval.feedback_turns={self.eval.feedback_turns} runs each program on its task's tests for "
+                "feedback: it needs --config.reward.fn=code (and data.task=code).")
         from areal_jax import paths
 
         try:

@@ -11,10 +11,10 @@ from areal_jax.config import ConfigError, JobConfig
 from areal_jax.rewards.code_feedback import NO_PROGRAM, code_feedback
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
 from areal_jax.sampler.config import RolloutConfig
+from areal_jax.sampler.turns import FeedbackTurns, continuation_id, turn_advantages
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.runner import groups_to_trajectories
-from areal_jax.system.turns import FeedbackTurns, continuation_id, turn_advantages
 from areal_jax.testing.fakes import FakeCompletion, FakeExample, QueuedCompletions, RuleRewards
 from areal_jax.testing.prompts import ListPrompts
 

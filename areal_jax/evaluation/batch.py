@@ -25,8 +25,9 @@ from flax import nnx
 
 from areal_jax.sampler import Completion, Engine, Request, SamplerLoop
 from areal_jax.sampler.config import default_standby_rows, prompt_bucket
+from areal_jax.sampler.turns import continuation_id
 
-__all__ = ["EvalGeneration", "StreamingScorer", "eval_engine", "generate_for_eval"]
+__all__ = ["EvalGeneration", "StreamingScorer", "eval_engine", "generate_for_eval", "generated_tokens"]
 
 
 @dataclasses.dataclass
@@ -86,7 +87,9 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
                       temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                       seed: int = 0, decode_steps: int = 1, streams: int = 1, top_p: float | None = None,
-                      on_completion: Callable[[str, int, int, Completion], None] | None = None) -> EvalGeneration:
+                      on_completion: Callable[[str, int, int, Completion], None] | None = None,
+                      repair: Callable[..., Any] | None = None,
+                      answers: Sequence[str] | None = None) -> EvalGeneration:
     """Greedy and k sampled completions of every prompt through one sampler loop per stream.
 
     Args:
@@ -101,6 +104,11 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
         15.3 s in two streams of 128 slots against 18.7 s in one of 256 (2-core CPU).
       on_completion: called as ``on_completion(kind, i, j, completion)`` (kind "greedy" or "sampled",
         problem i, sample j) as each finishes, one call at a time, e.g. to start scoring it.
+      repair: repair turns (code tasks): a ``sampler.turns.FeedbackTurns`` maker (``FeedbackTurns.factory``) called
+        with ``max_new_tokens``, ``max_len`` and ``request``, one per stream and temperature. A finished sequence
+        then runs on its problem's shown cases (``answers[i]``, the tests) and, when one fails, goes back to the
+        loop with the feedback for another attempt, as in training: a completion handed back holds every attempt
+        and feedback (``sampler.turns.attempt_tokens`` picks one); the greedy sequence's later attempts stay greedy.
 
     Raises:
       RuntimeError when a prompt does not fit the engine or a loop stops early.
@@ -121,31 +129,69 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
     occupancy: list[float] = []
     errors: list[BaseException] = []
 
+    if repair is not None and (answers is None or len(answers) != n):
+        raise ValueError("repair turns need each problem's tests: pass answers (one per prompt).")
+
+    def record(kind: str, i: int, j: int, c: Completion) -> None:
+        with lock:
+            if kind == "greedy":
+                greedy[i] = c
+            else:
+                sampled[i][j] = c
+            if on_completion is not None:
+                on_completion(kind, i, j, c)
+
     def run_stream(s: int, problems: Sequence[int]) -> None:
-        with SamplerLoop(engine, params, seed=seed + s, decode_steps=decode_steps) as loop:
-            for i in problems:  # a problem's greedy and sampled requests side by side
-                loop.submit(Request(id=("greedy", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens, n=1,
-                                    temperature=0.0, stop_token_ids=stop))
-                if k:
-                    loop.submit(Request(id=("sampled", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens,
-                                        n=k, temperature=temperature, top_p=top_p, stop_token_ids=stop))
-            for _ in range(len(problems) * (1 + k)):
-                if errors:  # another stream failed: stop early
-                    return
-                c = loop.get_completion()
-                if c is None:
-                    raise RuntimeError("the evaluation's sampler loop stopped before every sequence was generated.")
-                if c.finish_reason == "error":
-                    raise RuntimeError(f"evaluation prompt {c.request_id[1]} could not be generated: {c.error}")
-                kind, i = c.request_id
-                with lock:
-                    if kind == "greedy":
-                        greedy[i] = c
-                    else:
-                        sampled[i][c.sample_index] = c
-                    if on_completion is not None:
-                        on_completion(kind, i, c.sample_index, c)
-            occupancy.append(float(loop.stats().get("mean_slot_occupancy", 0.0)))
+        turns = {}
+        if repair is not None:  # one per temperature: a continuation is sampled as its first attempt was
+            turns = {"greedy": repair(max_new_tokens=max_new_tokens, max_len=engine.max_len,
+                                      request=dict(temperature=0.0, stop_token_ids=stop)),
+                     "sampled": repair(max_new_tokens=max_new_tokens, max_len=engine.max_len,
+                                       request=dict(temperature=temperature, top_p=top_p, stop_token_ids=stop))}
+        try:
+            with SamplerLoop(engine, params, seed=seed + s, decode_steps=decode_steps) as loop:
+                for i in problems:  # a problem's greedy and sampled requests side by side
+                    loop.submit(Request(id=("greedy", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens,
+                                        n=1, temperature=0.0, stop_token_ids=stop))
+                    if k:
+                        loop.submit(Request(id=("sampled", i), prompt=list(prompts[i]),
+                                            max_new_tokens=max_new_tokens, n=k, temperature=temperature, top_p=top_p,
+                                            stop_token_ids=stop))
+                left = len(problems) * (1 + k)
+                while left:
+                    if errors:  # another stream failed: stop early
+                        return
+                    c = loop.get_completion(timeout=0.02 if turns else None)
+                    if c is None and (not turns or not loop.alive):
+                        loop.check()
+                        raise RuntimeError("the evaluation's sampler loop stopped before every sequence was "
+                                           "generated.")
+                    finals = []
+                    if c is not None:
+                        key = continuation_id(c.request_id) or (c.request_id, c.sample_index)
+                        (kind, i), j = key
+                        if c.finish_reason == "error":
+                            raise RuntimeError(f"evaluation prompt {i} could not be generated: {c.error}")
+                        if not turns:
+                            record(kind, i, j, c)
+                            left -= 1
+                            continue
+                        if turns[kind].add(key, c, list(prompts[i]), answers[i]):
+                            finals.append(key)
+                    for t in turns.values():
+                        done, requests = t.poll()
+                        finals += done
+                        for request in requests:
+                            loop.submit(request)
+                    for key in finals:
+                        (kind, i), j = key
+                        merged, _ = turns[kind].final(key)
+                        record(kind, i, j, merged)
+                        left -= 1
+                occupancy.append(float(loop.stats().get("mean_slot_occupancy", 0.0)))
+        finally:
+            for t in turns.values():
+                t.close()
 
     def guarded(s: int, problems: Sequence[int]) -> None:
         try:
@@ -167,9 +213,14 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
         if errors:
             raise errors[0]
     seconds = time.perf_counter() - t0
-    tokens = sum(len(c.tokens) for c in greedy) + sum(len(c.tokens) for row in sampled for c in row)
+    tokens = sum(generated_tokens(c) for c in greedy) + sum(generated_tokens(c) for row in sampled for c in row)
     return EvalGeneration(greedy, sampled, tokens, seconds,  # type: ignore[arg-type]
                           float(np.mean(occupancy)) if occupancy else 0.0)
+
+
+def generated_tokens(c: Completion) -> int:
+    """Tokens the model generated in ``c`` (a repaired sample's feedback tokens were not)."""
+    return len(c.tokens) if c.loss_mask is None else int(np.count_nonzero(c.loss_mask))
 
 
 class StreamingScorer:

@@ -58,11 +58,17 @@ class JobEvaluator:
         from areal_jax.evaluation.scoring import evaluate_params
 
         c = self.config
+        turns = c.eval.feedback_turns_for(c.rollout.feedback_turns)
+        repair = None
+        if turns:
+            from areal_jax.sampler.turns import FeedbackTurns
+
+            repair = FeedbackTurns.factory(c, self.tokenizer, turns)
         res = evaluate_params(
             self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
             max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=c.eval.samples_for(tag),
             temperature=c.rollout.temperature or 1.0, examples=self.examples, engine=self.engine(), pool=pool,
-            decode_steps=self.decode_steps, streams=self.streams, records=True,
+            decode_steps=self.decode_steps, streams=self.streams, records=True, repair=repair,
             log=None if log is None else (lambda line: log(line.replace("[eval]", f"[eval {tag}]", 1))))
         problems = res.pop("problems")
         target = records_path(c.run_dir, tag)

@@ -40,7 +40,8 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
                       reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
                       pool: Any = None, decode_steps: int = 1, streams: int = 1,
                       reward_cache_size: int = 16384, top_p: float | None = None, records: bool = False,
-                      log: Callable[[str], None] | None = None, mesh: Any = None) -> dict:
+                      log: Callable[[str], None] | None = None, mesh: Any = None,
+                      repair: Callable[..., Any] | None = None) -> dict:
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
@@ -59,11 +60,25 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     tokens_per_s / occupancy, the whole evaluation's seconds, and one greedy completion as text; with
     ``records``, also "problems": per problem its uid, question, greedy completion and reward, finish reason,
     sampled completions and rewards (``problem_records``).
+
+    repair: repair turns (code tasks; a ``sampler.turns.FeedbackTurns.factory`` maker): each sequence that fails its
+    problem's shown cases gets the feedback and another attempt, as in training (evaluation.batch.generate_for_eval).
+    The figures above are then those of the first attempts (what a one-turn evaluation measures: the greedy ones are
+    the same sequences), and repair_greedy_pass@1, repair_sampled_pass@1 and repair_pass@k those of the last
+    attempts; repair_share is the share of sequences that got feedback, repair_fixed the share of those whose last
+    attempt passed. A completion's record then holds every attempt and feedback, its reward the last attempt's.
     """
     from flax import nnx
 
-    from areal_jax.evaluation.batch import StreamingScorer, eval_engine, generate_for_eval, rewards_matrix
+    from areal_jax.evaluation.batch import (
+        StreamingScorer,
+        eval_engine,
+        generate_for_eval,
+        generated_tokens,
+        rewards_matrix,
+    )
     from areal_jax.rewards.pool import RewardPool
+    from areal_jax.sampler.turns import attempt_tokens
 
     t0 = time.perf_counter()
     n = len(examples)
@@ -89,31 +104,60 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
         scorer = StreamingScorer(pool)
 
         def score(kind: str, i: int, j: int, completion: Any) -> None:
-            text = tokenizer.decode(list(completion.tokens))
-            texts[(kind, i, j)] = text
+            texts[(kind, i, j)] = tokenizer.decode(list(completion.tokens))
             finish[(kind, i, j)] = completion.finish_reason
-            scorer.add((kind, i, j), text, answers[i])
-            progress.add(len(completion.tokens))
+            if completion.turns is None:
+                scorer.add((kind, i, j), texts[(kind, i, j)], answers[i])
+            else:  # the last attempt is the answer; the first is what a one-turn evaluation would have scored
+                scorer.add((kind, i, j), tokenizer.decode(list(attempt_tokens(completion, -1))), answers[i])
+                scorer.add((_FIRST + kind, i, j), tokenizer.decode(list(attempt_tokens(completion, 0))), answers[i])
+            progress.add(generated_tokens(completion))
 
         gen = generate_for_eval(engine, params, prompts, k=k, temperature=temperature,
                                 max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed,
-                                decode_steps=decode_steps, streams=streams, on_completion=score, top_p=top_p)
-        g_rewards, s_rewards = rewards_matrix(scorer.finish(), n, k)
+                                decode_steps=decode_steps, streams=streams, on_completion=score, top_p=top_p,
+                                repair=repair, answers=answers)
+        rewards = scorer.finish()
     finally:
         if own_pool:
             pool.close()
-    out = {"n": n, "greedy_pass@1": float(np.mean(g_rewards >= 1.0)) if n else 0.0,
-           "greedy_len": float(np.mean([len(c.tokens) for c in gen.greedy])) if n else 0.0}
-    if k > 0:
-        correct = (s_rewards >= 1.0).sum(axis=1)
-        out["sampled_pass@1"] = float(np.mean(correct / k)) if n else 0.0
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct])) if n else 0.0
+    last_g, last_s = rewards_matrix(rewards, n, k)
+    first = {key: rewards.get((_FIRST + key[0], *key[1:]), r) for key, r in rewards.items() if key[0] in _KINDS}
+    g_rewards, s_rewards = rewards_matrix(first, n, k)
+    out = {"n": n, **_pass_figures(g_rewards, s_rewards, k),
+           "greedy_len": float(np.mean([len(attempt_tokens(c, 0)) for c in gen.greedy])) if n else 0.0}
+    if repair is not None:
+        out.update({f"repair_{name}": v for name, v in _pass_figures(last_g, last_s, k).items()})
+        repaired = [c.turns is not None for c in gen.greedy] + [c.turns is not None for row in gen.sampled for c in row]
+        fixed = np.concatenate([last_g, last_s.reshape(-1)]) >= 1.0
+        out["repair_share"] = float(np.mean(repaired)) if repaired else 0.0
+        out["repair_fixed"] = float(np.mean(fixed[np.asarray(repaired, bool)])) if any(repaired) else 0.0
     out.update({"generated_tokens": gen.generated_tokens, "generate_s": gen.seconds,
                 "tokens_per_s": gen.tokens_per_s, "occupancy": gen.occupancy,
                 "seconds": time.perf_counter() - t0})
     out["sample_greedy"] = texts.get(("greedy", 0, 0), "")
     if records:
-        out["problems"] = problem_records(examples, texts, finish, g_rewards, s_rewards)
+        out["problems"] = problem_records(examples, texts, finish, last_g, last_s)
+        if repair is not None:
+            for i, record in enumerate(out["problems"]):
+                record["greedy_first_reward"] = float(g_rewards[i])
+                record["sample_first_rewards"] = [float(r) for r in s_rewards[i]]
+                record["correct_first"] = int((s_rewards[i] >= 1.0).sum())
+    return out
+
+
+_KINDS = ("greedy", "sampled")
+_FIRST = "first_"  # the scorer's key of a repaired sequence's first attempt: ("first_greedy", i, j)
+
+
+def _pass_figures(greedy: np.ndarray, sampled: np.ndarray, k: int) -> dict:
+    """greedy_pass@1 of [n] rewards, and with k > 0 sampled_pass@1 and pass@k of [n, k]."""
+    n = len(greedy)
+    out = {"greedy_pass@1": float(np.mean(greedy >= 1.0)) if n else 0.0}
+    if k > 0:
+        correct = (sampled >= 1.0).sum(axis=1)
+        out["sampled_pass@1"] = float(np.mean(correct / k)) if n else 0.0
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct])) if n else 0.0
     return out
 
 
@@ -175,9 +219,11 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                     seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                     reward_timeout_s: float = 5.0, examples: list | None = None, engine: Any = None,
                     pool: Any = None, decode_steps: int = 1, temperature: float = 1.0, streams: int = 1,
-                    records: bool = False, log: Callable[[str], None] | None = None) -> dict:
+                    records: bool = False, log: Callable[[str], None] | None = None,
+                    repair: Callable[..., Any] | None = None) -> dict:
     """Evaluate params (an nnx.State, or a FlatParams) on the first n problems of a split, formatted like training
-    (or on `examples`, already loaded by load_eval_examples). engine / pool / records / log: see evaluate_examples.
+    (or on `examples`, already loaded by load_eval_examples). engine / pool / records / log / repair: see
+    evaluate_examples.
 
     data_config.task "code" reads programming tasks (pass the code reward as reward_fn)."""
     from flax import nnx
@@ -192,7 +238,7 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
                              reward_fn=reward_fn, reward_timeout_s=reward_timeout_s, engine=engine,
                              params=params, pool=pool, decode_steps=decode_steps, streams=streams, records=records,
-                             log=log)
+                             log=log, repair=repair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +253,11 @@ class EvalConfig(Section):
     every_steps: int = knob(0, "also evaluate every this many steps; 0 = never in between")
     max_new_tokens: int = knob(64, "completion tokens at most per evaluation sample")
     samples: int = knob(8, "sampled completions per problem (sampled pass@1, pass@k); 0 = greedy only")
+    feedback_turns: int = knob(-1, "code tasks: repair turns of each evaluation sequence, each after execution "
+                                   "feedback on the task's first cases as in training (rollout.feedback_cases, "
+                                   "rollout.feedback_template); the figures then come twice, first attempts "
+                                   "(greedy_pass@1, ...) and last (repair_greedy_pass@1, ...); -1 = "
+                                   "rollout.feedback_turns, 0 = one turn")
     start_samples: int = knob(-1, "sampled completions per problem at the start evaluation; -1 = eval.samples, "
                                   "0 = greedy pass@1 only (the before-training baseline at a ninth of the cost)")
     num_slots: int = knob(256, "decode slots of the evaluation's sampler (all greedy + sampled sequences in one pass)")
@@ -231,6 +282,9 @@ class EvalConfig(Section):
         require(self.num_slots >= 1, f"{k('num_slots')}={self.num_slots} must be at least 1.")
         require(self.decode_steps >= 0, f"{k('decode_steps')}={self.decode_steps} must be >= 0 (0 = automatic).")
         require(self.streams >= 0, f"{k('streams')}={self.streams} must be >= 0 (0 = automatic).")
+        require(self.feedback_turns >= -1,
+                f"{k('feedback_turns')}={self.feedback_turns} must be -1 (as rollout.feedback_turns), 0 (one turn) "
+                "or more.")
         require(self.start_samples >= -1,
                 f"{k('start_samples')}={self.start_samples} must be -1 (same as eval.samples), 0 (greedy only) or more.")
 
@@ -246,6 +300,10 @@ class EvalConfig(Section):
         if self.streams:
             return self.streams
         return 2 if backend == "cpu" else 1
+
+    def feedback_turns_for(self, rollout_feedback_turns: int) -> int:
+        """Repair turns of each evaluation sequence: eval.feedback_turns, or when -1 the rollout's."""
+        return int(rollout_feedback_turns) if self.feedback_turns < 0 else self.feedback_turns
 
     def samples_for(self, tag: str) -> int:
         """Sampled completions per problem of the evaluation named `tag` ("start", "end", "step_N")."""

@@ -17,7 +17,9 @@ against the hidden tests in the sandbox (reward.fn=code).
 Rewards are scored in worker processes with a time limit, like training rewards, while the sampler still
 generates, so a pathological completion costs its own sample, not the evaluation. Progress is printed at each
 tenth of the sequences; the end prints pass@1 and pass@j for j = 2, 4, ... up to k, and one JSON line.
-`--out=FILE.jsonl` keeps one line per problem (its uid "<file>:<row>:0", question, greedy completion and
+`--feedback_turns=N` (code tasks) gives each sequence up to N repair attempts after execution feedback on its
+task's first cases, as training's rollout.feedback_turns does, and reports pass@1 of the first and of the last
+attempts. `--out=FILE.jsonl` keeps one line per problem (its uid "<file>:<row>:0", question, greedy completion and
 reward, the k samples and their rewards).
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ _OVERRIDES = {
     "n": ("eval", "n_test"), "k": ("eval", "samples"), "max_new_tokens": ("eval", "max_new_tokens"),
     "num_slots": ("eval", "num_slots"), "streams": ("eval", "streams"), "decode_steps": ("eval", "decode_steps"),
     "temperature": ("rollout", "temperature"), "model": ("model", "path"), "tokenizer": ("model", "tokenizer_path"),
-    "dtype": ("model", "dtype"),
+    "dtype": ("model", "dtype"), "feedback_turns": ("eval", "feedback_turns"),
+    "feedback_cases": ("rollout", "feedback_cases"), "feedback_template": ("rollout", "feedback_template"),
 }
 
 
@@ -185,14 +188,26 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
            if k else "") + f", reward {c.reward.fn}, {c.eval.max_new_tokens} new tokens at most.")
     for note in settings.notes:
         log(f"  ({note})")
+    repair, turns = None, c.eval.feedback_turns_for(c.rollout.feedback_turns)
+    if turns:
+        from areal_jax.sampler.turns import FeedbackTurns
+
+        repair = FeedbackTurns.factory(c, tokenizer, turns)
+        log(f"  (up to {turns} repair turn(s) per sequence after feedback on {c.rollout.feedback_cases} shown case(s); "
+            "pass@1 of first and of last attempts)")
     with c.reward.make_pool() as pool:
         res = evaluate_examples(model, tokenizer, examples, max_new_tokens=c.eval.max_new_tokens, k=k,
                                 temperature=temperature, top_p=settings.top_p, num_slots=c.eval.num_slots,
                                 seed=c.seed, pool=pool, streams=c.eval.streams_for(backend),
                                 decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, backend),
-                                records=True, log=log, mesh=mesh)
+                                records=True, log=log, mesh=mesh, repair=repair)
     problems = res.pop("problems")
-    res.update(pass_at_powers([p["correct"] for p in problems], k))
+    if repair is None:
+        res.update(pass_at_powers([p["correct"] for p in problems], k))
+    else:
+        res.update(pass_at_powers([p["correct_first"] for p in problems], k))
+        res.update({f"repair_{name}": v for name, v in pass_at_powers([p["correct"] for p in problems], k).items()})
+    res["feedback_turns"] = turns
     res.update({"model": source, "data": c.data.test_path, "task": c.data.task, "k": k,
                 "temperature": temperature, "top_p": settings.top_p, "backend": backend, "tensor": settings.tensor})
     if settings.out:
@@ -208,6 +223,13 @@ def summary_line(res: dict) -> str:
     if k:
         line += f", sampled pass@1 {res['sampled_pass@1']:.3f}"
         line += "".join(f", pass@{j} {res[f'pass@{j}']:.3f}" for j in _powers(k) if j > 1)
+    if "repair_greedy_pass@1" in res:
+        line += (f"; after up to {res['feedback_turns']} repair turn(s): greedy pass@1 "
+                 f"{res['repair_greedy_pass@1']:.3f}")
+        if k:
+            line += f", sampled pass@1 {res['repair_sampled_pass@1']:.3f}"
+            line += "".join(f", pass@{j} {res[f'repair_pass@{j}']:.3f}" for j in _powers(k) if j > 1)
+        line += f" ({100 * res['repair_share']:.0f}% of sequences got feedback, {100 * res['repair_fixed']:.0f}% fixed)"
     return line
 
 
@@ -297,6 +319,10 @@ def define_flags() -> None:
                       "code reward: how a stdin case's output is compared (numbers: tokens, reals within 1e-6).")
     flags.DEFINE_float("code_time_limit_factor", d.reward.code_time_limit_factor, "code reward: > 0 bounds each case "
                        "of a task that states its contest's time limit by factor x that limit (0: unused).")
+    flags.DEFINE_integer("feedback_turns", d.eval.feedback_turns, "code tasks: repair turns per sequence after "
+                         "execution feedback on the first cases (-1: the config's rollout.feedback_turns; 0: one turn).")
+    flags.DEFINE_integer("feedback_cases", d.rollout.feedback_cases, "repair turns: test cases the feedback runs.")
+    flags.DEFINE_string("feedback_template", d.rollout.feedback_template, "repair turns: text around {feedback}.")
     flags.DEFINE_integer("n", d.eval.n_test, "problems to evaluate (the first n).")
     flags.DEFINE_integer("k", d.eval.samples, "sampled completions per problem (0: greedy pass@1 only).")
     flags.DEFINE_integer("max_new_tokens", d.eval.max_new_tokens, "completion budget.")

@@ -70,6 +70,11 @@ def format_summary(summary: dict) -> str:
 
     rows.append(("test greedy pass@1", acc("start", "greedy_pass@1"), acc("end", "greedy_pass@1")))
     rows.append(("test sampled pass@1", acc("start", "sampled_pass@1"), acc("end", "sampled_pass@1")))
+    if any("repair_greedy_pass@1" in e for e in ev.values()):
+        rows.append(("  after repair turns, greedy", acc("start", "repair_greedy_pass@1"),
+                     acc("end", "repair_greedy_pass@1")))
+        rows.append(("  after repair turns, sampled", acc("start", "repair_sampled_pass@1"),
+                     acc("end", "repair_sampled_pass@1")))
 
     def num(v, fmt="{:.3f}"):
         return "-" if v is None else fmt.format(v)

@@ -85,7 +85,7 @@ class RolloutConfig(Section):
                                 "lose up to overlong_penalty of reward, linearly, before the advantages (0: off)")
     overlong_penalty: float = knob(1.0, "reward lost at max_new_tokens when overlong_buffer > 0")
     feedback_turns: int = knob(0, "code tasks: attempts after the first, each after execution feedback on the task's "
-                               "first cases (system.turns); 0 = one turn")
+                               "first cases (sampler.turns); 0 = one turn")
     feedback_cases: int = knob(1, "feedback_turns: how many of the task's first test cases the feedback runs and shows")
     feedback_template: str = knob("\n{feedback}\n", "feedback_turns: the text appended after a turn, around "
                                   "{feedback} (a chat model's end of turn, a user turn and the start of its next "

@@ -121,6 +121,11 @@ class SamplerLoop(LoopThread):
         """Raise SamplerLoopError (caused by the thread's exception) when the loop thread has failed."""
         self._raise_if_failed()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread still runs (False once stopped, or failed: ``check`` then raises)."""
+        return self._thread.is_alive()
+
     def submit(self, request: Request) -> None:
         """Queue ``request``; a prompt that cannot fit comes back as "error" completions."""
         self._raise_if_failed()

@@ -9,7 +9,7 @@ A thread that keeps the sampler busy without ever letting a trained token be mor
      which serves the trainer in admission order.
 Counting is in groups: accepted (cumulative, complete and not filtered) + running (admitted, not
 complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sampler's params version.
-With ``turns`` (system.turns.FeedbackTurns, rollout.feedback_turns > 0) a finished sample may first go back to the
+With ``turns`` (sampler.turns.FeedbackTurns, rollout.feedback_turns > 0) a finished sample may first go back to the
 sampler with execution feedback, as a continuation request, before it is scored.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from areal_jax.timeline import SpanRecorder
 
 if TYPE_CHECKING:
     from areal_jax.data.prompts import PromptExample
-    from areal_jax.system.turns import FeedbackTurns
+    from areal_jax.sampler.turns import FeedbackTurns
 
 
 class RolloutController:
@@ -204,7 +204,7 @@ class RolloutController:
             self.counters[f"finish_{c.finish_reason}"] += 1
             key = (c.request_id, c.sample_index)
             if self.turns is not None:
-                from areal_jax.system.turns import continuation_id
+                from areal_jax.sampler.turns import continuation_id
 
                 key = continuation_id(c.request_id) or key
                 if c.finish_reason != "error":
@@ -264,8 +264,8 @@ class RolloutController:
         shaped = self._shaped_rewards(rewards, rec["completions"])
         if self.turns is None:
             adv, token_adv = group_advantages(shaped, self.s.group_size, mode=self.s.advantage_mode), None
-        else:  # first attempts and later turns credited apart (system.turns.turn_advantages)
-            from areal_jax.system.turns import turn_advantages
+        else:  # first attempts and later turns credited apart (sampler.turns.turn_advantages)
+            from areal_jax.sampler.turns import turn_advantages
 
             adv, token_adv = turn_advantages(shaped, rec["completions"], self.s.group_size, self.s.advantage_mode)
             repaired = [r for c, r in zip(rec["completions"], rewards) if getattr(c, "turns", None) is not None]

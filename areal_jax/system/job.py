@@ -27,11 +27,11 @@ from areal_jax.config import JobConfig
 from areal_jax.models.hf_io import DTYPES
 from areal_jax.rewards.config import MATH_REWARD_WARMUP  # noqa: F401  (re-exported: what a math worker scores first)
 from areal_jax.runtime import multihost
+from areal_jax.sampler.turns import FeedbackTurns
 from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.interfaces import ManagedSampler
-from areal_jax.system.turns import FeedbackTurns
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
@@ -288,7 +288,10 @@ class RLJob:
             res = self._evaluator.run(params, self.reward_pool, tag, log=self.log)
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
-        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f} on {res['n']} problems "
+        repair = (f", {res['repair_greedy_pass@1']:.3f} after repair turns ({100 * res['repair_share']:.0f}% of the "
+                  f"sequences got feedback, {100 * res['repair_fixed']:.0f}% of those passed)"
+                  if "repair_greedy_pass@1" in res else "")
+        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f}{repair} on {res['n']} problems "
                  f"({res['seconds']:.0f} s, {res['tokens_per_s']:,.0f} generated tokens/s)")
         self.metrics.log(self.trainer.version, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)})
         return res

@@ -9,7 +9,8 @@ every feedback in order, the feedback tokens masked out of the loss (``Completio
 log-probability 0), and its reward scores the last turn's program against all hidden tests as before.
 
 Each token keeps the version that generated it, so staleness and the decoupled objective treat the turns of one
-sample like the chunks of an interrupted generation. Evaluation stays single-turn.
+sample like the chunks of an interrupted generation. Evaluations can run the same turns (eval.feedback_turns,
+`evaluate --feedback_turns`): they then report pass@1 of the first attempts and of the last.
 
 Credit (``turn_advantages``): a sample's final reward must not teach its wrong first attempt, and a repair must not be
 judged against siblings that needed none. So first attempts are judged among themselves, each by its own outcome (a
@@ -30,7 +31,7 @@ import numpy as np
 from areal_jax.rl.advantages import group_advantages
 from areal_jax.sampler.requests import Completion, Request
 
-__all__ = ["FeedbackTurns", "continuation_id", "turn_advantages"]
+__all__ = ["FeedbackTurns", "attempt_tokens", "continuation_id", "turn_advantages"]
 
 Key = tuple[Hashable, int]  # (group id, sample index)
 TURN = "turn"
@@ -93,18 +94,27 @@ class FeedbackTurns:
         r = config.rollout
         if not r.feedback_turns:
             return None
+        return cls.factory(config, tokenizer, r.feedback_turns)(
+            max_new_tokens=r.max_new_tokens, max_len=r.max_len,
+            request=dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                         stop_token_ids=tuple(tokenizer.eos_token_ids)))
+
+    @classmethod
+    def factory(cls, config, tokenizer, turns: int) -> Callable[..., "FeedbackTurns"]:
+        """A FeedbackTurns maker with ``turns`` extra turns and everything else a job's config says (code feedback on
+        rollout.feedback_cases cases with the reward's limits, rollout.feedback_template, the tokenizer, a thread per
+        reward worker); call it with ``max_new_tokens``, ``max_len`` and ``request``. The evaluation makes one per
+        sampler stream and temperature (evaluation.batch.generate_for_eval's ``repair``)."""
         import functools
 
         from areal_jax.rewards.code_feedback import code_feedback
 
-        feedback = functools.partial(code_feedback, cases=r.feedback_cases,
+        feedback = functools.partial(code_feedback, cases=config.rollout.feedback_cases,
                                      case_timeout_s=config.reward.code_case_timeout_s,
                                      allow_numpy=config.reward.code_allow_numpy)
-        return cls(turns=r.feedback_turns, template=r.feedback_template, encode=tokenizer.encode,
-                   decode=tokenizer.decode, feedback=feedback, max_new_tokens=r.max_new_tokens, max_len=r.max_len,
-                   workers=config.reward.num_workers,
-                   request=dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                stop_token_ids=tuple(tokenizer.eos_token_ids)))
+        return functools.partial(cls, turns=int(turns), template=config.rollout.feedback_template,
+                                 encode=tokenizer.encode, decode=tokenizer.decode, feedback=feedback,
+                                 workers=config.reward.num_workers)
 
     def add(self, key: Key, completion: Completion, prompt: list[int], answer: str) -> bool:
         """A turn of sample ``key`` finished. True: the sample is final (take it with ``final``); False: its
@@ -210,3 +220,19 @@ def turn_advantages(rewards: np.ndarray, completions: list, group_size: int, mod
     tokens = [None if t is None else np.where(t == 0, first[i], later[i]).astype(np.float32)
               for i, t in enumerate(turns)]
     return first, tokens
+
+
+def attempt_tokens(completion: Completion, attempt: int) -> np.ndarray:
+    """The tokens the model generated in ``attempt`` (0: the first; -1: the last) of a sample, without the feedback
+    shown before it; a one-turn completion's tokens are its only attempt."""
+    tokens = np.asarray(completion.tokens)
+    turns = getattr(completion, "turns", None)
+    if turns is None:
+        if attempt not in (0, -1):
+            raise IndexError(f"attempt {attempt} of a one-turn completion")
+        return tokens
+    turns = np.asarray(turns)
+    if attempt < 0:
+        attempt += int(turns.max()) + 1
+    mask = np.ones(len(tokens), bool) if completion.loss_mask is None else np.asarray(completion.loss_mask) > 0
+    return tokens[(turns == attempt) & mask]
