@@ -9,6 +9,9 @@ of the question (20% of the hash space is test), independent of seed and sizes, 
 held-out (template, constant) combinations. ``format_target`` writes the supervised targets of a warm
 start: "correct", "confused" (the program of a look-alike task with the same constants: max for min, //
 for %, ... which fails the tests) and "slip" (the correct program with a constant off by one or two).
+``repair_target`` writes a two-attempt target: a confused or slipped program, the execution feedback the
+rollout's repair turns would show after it (``rewards.code_feedback`` on the first test, wrapped in
+``REPAIR_TEMPLATE``), then the correct program.
 CLI: ``python -m areal_jax.data.code_synthetic --out DIR --n_train N --n_test M``.
 """
 from __future__ import annotations
@@ -24,10 +27,13 @@ from typing import Callable, Sequence
 
 from areal_jax.data.code_tokenizer import build_code_tokenizer
 
-__all__ = ["CodeTask", "TEMPLATES", "TARGET_STYLES", "generate_task", "generate_split", "write_splits",
-           "format_target", "is_test_task", "build_tokenizer", "REWARD_FN"]
+__all__ = ["CodeTask", "TEMPLATES", "TARGET_STYLES", "REPAIR_TEMPLATE", "generate_task", "generate_split",
+           "write_splits", "format_target", "repair_target", "is_test_task", "build_tokenizer", "REWARD_FN"]
 
 TARGET_STYLES = ("correct", "confused", "slip")
+# What the rollout appends after a failed attempt (rollout.feedback_template of configs/code_repair.py): the
+# prompt frame's "\nAnswer:" again, so a repair starts as a first attempt does.
+REPAIR_TEMPLATE = "\nFeedback: {feedback}\nAnswer:"
 REWARD_FN = "areal_jax.rewards.code:code_all_pass"
 _TEST_BUCKETS = 200  # of 1000: the share of the hash space whose tasks are test tasks
 _INPUTS = (0, 1, 3, 7, 10, 12, 25, 38, 49, 58, 64, 77, 90, 101, 123, 406, 555, 909, 1234, 4071)
@@ -142,6 +148,25 @@ def format_target(task: CodeTask, style: str = "correct", rng: random.Random | N
         raise ValueError(f"Unknown target style {style!r}; use one of {TARGET_STYLES}.")
     rng = rng or random.Random(_hash(task.question))
     return task.program(a=task.a + rng.choice(_slips(task.a)))
+
+
+def repair_target(task: CodeTask, rng: random.Random | None = None) -> tuple[str, str, str] | None:
+    """(first attempt, feedback text, repair) of a repair target: a confused program or a slipped one (even odds,
+    from rng, default seeded by the question), what ``rewards.code_feedback`` says of it on the task's first test
+    (the text a repair turn shows), and the correct program. None when the wrong program passes that test (no
+    feedback turn would follow it)."""
+    rng = rng or random.Random(_hash(task.question))
+    wrong = format_target(task, "confused" if rng.random() < 0.5 else "slip", rng)
+    passed, text = _first_test_feedback(wrong, tuple(task.tests))
+    return None if passed else (wrong, text, task.code)
+
+
+@functools.lru_cache(maxsize=65536)
+def _first_test_feedback(program: str, tests: tuple[str, ...]) -> tuple[bool, str]:
+    from areal_jax.rewards.code_feedback import code_feedback
+    from areal_jax.rewards.code_tests import asserts_to_spec, encode_tests
+
+    return code_feedback(program, encode_tests(asserts_to_spec(list(tests))), cases=1)
 
 
 def _hash(text: str) -> int:

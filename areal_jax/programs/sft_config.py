@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any, ClassVar
 
 from areal_jax import knobs
@@ -94,6 +95,8 @@ class SFTConfig(Section):
                      choices=("math", "code"))
     out_dir: str = knob("assets/math_reasoner", "HF directory written (model, tokenizer, data splits, summary)")
     seed: int = knob(0, "initialisation and batch order")
+    init_from: str = knob("", "an HF directory of the task's tokenizer to continue from (e.g. an earlier warm start); "
+                              "empty: a new model as the model section says")
     batch_size: int = knob(32, "sequences per step")
     seq_len: int = knob(72, "tokens per sequence (prompt + target, right-padded or cut)")
     max_new_tokens: int = knob(40, "completion tokens at most when evaluating")
@@ -107,9 +110,28 @@ class SFTConfig(Section):
         require(bool(self.stages), "--config.stages is empty: give at least one stage.")
         require(min(self.batch_size, self.seq_len, self.max_new_tokens, self.eval_n, self.eval_slots) >= 1,
                 "--config.batch_size, seq_len, max_new_tokens, eval_n and eval_slots must be at least 1.")
-        require(self.seq_len <= self.model.max_position_embeddings,
+        styles = task_styles(self.task)
+        for i, stage in enumerate(self.stages):
+            unknown = sorted(set(stage.mix) - set(styles))
+            require(not unknown, f"--config.stages[{i}].mix names {unknown}, not target styles of task "
+                                 f"{self.task!r}: use {list(styles)}.")
+        require(not self.init_from or os.path.isfile(os.path.join(self.init_from, "config.json")),
+                f"--config.init_from={self.init_from!r} is not an HF checkpoint directory (no config.json).")
+        require(self.init_from or self.seq_len <= self.model.max_position_embeddings,
                 f"--config.seq_len={self.seq_len} exceeds --config.model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}.")
+
+
+def task_styles(task: str) -> tuple[str, ...]:
+    """The target styles of a synthetic task: its format_target styles, and for code also "repair"
+    (code_synthetic.repair_target: a wrong program, its execution feedback, the correct one)."""
+    if task == "code":
+        from areal_jax.data.code_synthetic import TARGET_STYLES
+
+        return (*TARGET_STYLES, "repair")
+    from areal_jax.data.synthetic_math import TARGET_STYLES
+
+    return tuple(TARGET_STYLES)
 
 
 def from_config_dict(config: Any) -> SFTConfig:
