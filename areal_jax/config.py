@@ -92,6 +92,10 @@ class JobConfig(Section):
         require(self.eval.feedback_turns <= 0 or fn == "code",
                 f"--config.eval.feedback_turns={self.eval.feedback_turns} runs each program on its task's tests for "
                 "feedback: it needs --config.reward.fn=code (and data.task=code).")
+        require(r.feedback_template != "chat" or self.data.use_chat_template
+                or max(r.feedback_turns, self.eval.feedback_turns) <= 0,
+                "--config.rollout.feedback_template=chat frames the feedback as a chat turn, but the prompts are not "
+                "chats: pass --config.data.use_chat_template=True, or write the frame out in feedback_template.")
         from areal_jax import paths
 
         try:

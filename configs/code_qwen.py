@@ -15,9 +15,10 @@ against them in the sandbox (rewards/code.py), reward 1 when every case passes
 counted. Sandboxed tests run in `reward.num_workers` processes: size it to the host's spare CPU cores
 (benchmarks/sandbox.py measures what one core sustains).
 
-Repair turns (README, "Repair turns"): `--config.rollout.feedback_turns=1` with a Qwen chat template's turn frame,
-`--config.rollout.feedback_template=$'\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n'` (the first
-attempt already ends with <|im_end|>, its end-of-sequence token), and a larger rollout.max_new_tokens / max_len.
+Repair turns (README, "Repair turns"): `--config.rollout.feedback_turns=1 --config.rollout.feedback_template=chat`
+shows the feedback as a user turn in the model's own chat frame (for Qwen
+'\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n', read off the tokenizer's chat template; the
+first attempt already ends with <|im_end|>), with a larger rollout.max_new_tokens / max_len.
 """
 from areal_jax.config import base_config
 

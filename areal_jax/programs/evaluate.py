@@ -322,7 +322,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("feedback_turns", d.eval.feedback_turns, "code tasks: repair turns per sequence after "
                          "execution feedback on the first cases (-1: the config's rollout.feedback_turns; 0: one turn).")
     flags.DEFINE_integer("feedback_cases", d.rollout.feedback_cases, "repair turns: test cases the feedback runs.")
-    flags.DEFINE_string("feedback_template", d.rollout.feedback_template, "repair turns: text around {feedback}.")
+    flags.DEFINE_string("feedback_template", d.rollout.feedback_template, "repair turns: text around {feedback}, "
+                        "or chat (the tokenizer's chat template's frame).")
     flags.DEFINE_integer("n", d.eval.n_test, "problems to evaluate (the first n).")
     flags.DEFINE_integer("k", d.eval.samples, "sampled completions per problem (0: greedy pass@1 only).")
     flags.DEFINE_integer("max_new_tokens", d.eval.max_new_tokens, "completion budget.")

@@ -89,7 +89,8 @@ class RolloutConfig(Section):
     feedback_cases: int = knob(1, "feedback_turns: how many of the task's first test cases the feedback runs and shows")
     feedback_template: str = knob("\n{feedback}\n", "feedback_turns: the text appended after a turn, around "
                                   "{feedback} (a chat model's end of turn, a user turn and the start of its next "
-                                  "turn; its tokens stay out of the loss)")
+                                  "turn; its tokens stay out of the loss); \"chat\": that frame read off the "
+                                  "tokenizer's chat template (data.use_chat_template)")
     param_dtype: str = knob("same", "sampler weights: same (as the trainer's) | float32 | bfloat16 (cast on device)",
                             choices=("same", "float32", "bfloat16"))
 
@@ -171,7 +172,8 @@ class RolloutConfig(Section):
         require(self.feedback_turns >= 0 and self.feedback_cases >= 1,
                 f"{k('feedback_turns')}={self.feedback_turns} must be >= 0 and {k('feedback_cases')}="
                 f"{self.feedback_cases} >= 1.")
-        require(self.feedback_turns == 0 or "{feedback}" in self.feedback_template,
-                f"{k('feedback_template')}={self.feedback_template!r} lacks the '{{feedback}}' placeholder.")
+        require(self.feedback_turns == 0 or self.feedback_template == "chat" or "{feedback}" in self.feedback_template,
+                f"{k('feedback_template')}={self.feedback_template!r} lacks the '{{feedback}}' placeholder (or give "
+                "'chat' for the tokenizer's chat template's frame).")
         require(self.max_concurrent is None or self.max_concurrent >= 1,
                 f"{k('max_concurrent')}={self.max_concurrent} must be at least 1.")

@@ -31,10 +31,51 @@ import numpy as np
 from areal_jax.rl.advantages import group_advantages
 from areal_jax.sampler.requests import Completion, Request
 
-__all__ = ["FeedbackTurns", "attempt_tokens", "continuation_id", "turn_advantages"]
+__all__ = ["CHAT_TEMPLATE", "FeedbackTurns", "attempt_tokens", "chat_feedback_template", "continuation_id",
+           "resolve_feedback_template", "turn_advantages"]
+
+# rollout.feedback_template = "chat": the frame comes from the tokenizer's chat template (chat_feedback_template).
+CHAT_TEMPLATE = "chat"
 
 Key = tuple[Hashable, int]  # (group id, sample index)
 TURN = "turn"
+
+
+def chat_feedback_template(tokenizer) -> str:
+    """The feedback template of ``tokenizer``'s chat template: what the template renders between an assistant turn's
+    content and the next assistant turn's content when a user turn holding the feedback comes between them, less the
+    stop token that ended the assistant turn (the sampler has already put it in the sequence). For ChatML (Qwen):
+    "\\n<|im_start|>user\\n{feedback}<|im_end|>\\n<|im_start|>assistant\\n". Raises ValueError, saying what to
+    give instead, when the tokenizer has no chat template or its frame cannot be read off this way."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("feedback_template='chat' frames the feedback with the tokenizer's chat template, but this "
+                         "tokenizer has none: write the frame out, e.g. feedback_template='\\nFeedback: {feedback}\\n'.")
+    question, answer, feedback = "qz7question", "qz7answer", "qz7feedback"
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    first = tokenizer.apply_chat_template(turns, add_generation_prompt=False, tokenize=False)
+    both = tokenizer.apply_chat_template(turns + [{"role": "user", "content": feedback}], add_generation_prompt=True,
+                                         tokenize=False)
+    end = both.find(answer) + len(answer)
+    if (both.count(answer) != 1 or both.count(feedback) != 1 or first.find(answer) < 0
+            or first[:first.find(answer) + len(answer)] != both[:end]):
+        raise ValueError("feedback_template='chat': the chat template does not render an assistant turn followed by a "
+                         "user turn as the same conversation continued; write the frame out in "
+                         "feedback_template (with {feedback}).")
+    after = both[end:]
+    stops = [tokenizer.convert_ids_to_tokens([i])[0] for i in tokenizer.eos_token_ids]
+    stop = next((t for t in stops if t and after.startswith(t)), None)
+    if stop is None:
+        raise ValueError(f"feedback_template='chat': the chat template ends an assistant turn with {after[:24]!r}, "
+                         f"which starts with none of the tokenizer's stop tokens {stops}, so a sampled turn would not "
+                         "end where the template expects; write the frame out in feedback_template (with {feedback}) "
+                         "or add the turn's end token to the stop tokens (generation_config.json eos_token_id).")
+    frame = after[len(stop):].replace("{", "{{").replace("}", "}}")
+    return frame.replace(feedback, "{feedback}")
+
+
+def resolve_feedback_template(template: str, tokenizer) -> str:
+    """rollout.feedback_template as the text to format: ``chat_feedback_template`` for "chat", else as given."""
+    return chat_feedback_template(tokenizer) if template == CHAT_TEMPLATE else template
 
 
 def continuation_id(request_id: Hashable) -> Key | None:
@@ -112,7 +153,8 @@ class FeedbackTurns:
         feedback = functools.partial(code_feedback, cases=config.rollout.feedback_cases,
                                      case_timeout_s=config.reward.code_case_timeout_s,
                                      allow_numpy=config.reward.code_allow_numpy)
-        return functools.partial(cls, turns=int(turns), template=config.rollout.feedback_template,
+        template = resolve_feedback_template(config.rollout.feedback_template, tokenizer)
+        return functools.partial(cls, turns=int(turns), template=template,
                                  encode=tokenizer.encode, decode=tokenizer.decode, feedback=feedback,
                                  workers=config.reward.num_workers)
 

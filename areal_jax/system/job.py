@@ -94,6 +94,14 @@ class RLJob:
             raise config_lib.ConfigError(str(e)) from e
         with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
             self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        if c.rollout.feedback_template == "chat" and max(c.rollout.feedback_turns, c.eval.feedback_turns) > 0:
+            from areal_jax.sampler.turns import chat_feedback_template
+
+            try:  # the chat template's frame, read before anything compiles
+                self.log(f"Repair turns: feedback framed as {chat_feedback_template(self.tokenizer)!r} "
+                         "(the chat template's).")
+            except ValueError as e:
+                raise config_lib.ConfigError(f"--config.rollout.{e}") from e
         # The data next, so a bad dataset fails before the model is loaded and anything compiles.
         d = c.data
         with user_errors.data_file("data.train_path", d.train_path):
