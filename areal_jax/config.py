@@ -26,7 +26,7 @@ from areal_jax import knobs
 from areal_jax.checkpoint import CheckpointConfig
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.evaluation.scoring import EvalConfig
-from areal_jax.knobs import ConfigError, Section, knob, require
+from areal_jax.knobs import ConfigError, Section, knob, load_config_file, require
 from areal_jax.metrics import LogConfig
 from areal_jax.models.hf_io import ModelLoadConfig
 from areal_jax.models.lora import LoRAConfig
@@ -37,7 +37,7 @@ from areal_jax.sampler.config import RolloutConfig
 from areal_jax.trainer.config import TrainerConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_none_overrides", "base_config", "check_override_flags",
-           "config_docs", "config_help", "from_config_dict", "split_none_overrides", "validate"]
+           "config_docs", "config_help", "from_config_dict", "load_config_file", "split_none_overrides", "validate"]
 
 
 @dataclasses.dataclass(frozen=True)

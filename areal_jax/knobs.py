@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import os
 import types
 import typing
 from typing import Any, ClassVar, Iterator, Mapping
@@ -246,3 +248,20 @@ def unknown_keys(cls: type, mapping: Any, prefix: str = "") -> list[str]:
 def to_dict(obj: Any) -> dict[str, Any]:
     """A section tree as plain nested dicts (JSON-ready for scalars)."""
     return dataclasses.asdict(obj)
+
+
+def load_config_file(path: str, relative_to: str | None = None) -> Any:
+    """The ``get_config()`` of a config file (the ConfigDict it builds), ``path`` taken relative to the directory of
+    ``relative_to`` when given: a config file builds on another with ``load_config_file("code.py", __file__)``, which
+    works from any working directory."""
+    if relative_to is not None:
+        path = os.path.join(os.path.dirname(os.path.abspath(relative_to)), path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"No config file {path!r}.")
+    name = "_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"The config file {path!r} defines no get_config().")
+    return module.get_config()

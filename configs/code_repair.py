@@ -8,24 +8,14 @@ possible from the first step. Evaluation reports pass@1 of the first attempt and
 before / after table has both. `--config.rollout.feedback_turns=0 --config.eval.feedback_turns=1` is the single-turn
 baseline from the same start, evaluated the same way.
 """
-import importlib.util
-import os
-
+from areal_jax.config import load_config_file
 from areal_jax.data.code_synthetic import REPAIR_TEMPLATE
 
 ASSETS = "assets/code_repairer"
 
 
-def code_config():
-    """configs/code.py's config (loaded by path, so this file works from any working directory)."""
-    spec = importlib.util.spec_from_file_location("_code_config", os.path.join(os.path.dirname(__file__), "code.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = code_config()
+    c = load_config_file("code.py", __file__)
     c.run_dir = "runs/code_repair"
     c.model.path = ASSETS
     c.data.train_path = f"{ASSETS}/data/train.jsonl"

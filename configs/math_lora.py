@@ -7,20 +7,11 @@ Adapters need a larger step than full fine-tuning (their B starts at zero), henc
 lr 1e-3 learned as fast but sat at the edge of stability: with one minibatch per update the decoupled clip never acts,
 and small changes of the rollout schedule made some runs collapse late (docs/measurements.md).
 """
-import importlib.util
-import os
-
-
-def math_config():
-    """configs/math.py's config (loaded by path, so this file works from any working directory)."""
-    spec = importlib.util.spec_from_file_location("_math_config", os.path.join(os.path.dirname(__file__), "math.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from areal_jax.config import load_config_file
 
 
 def get_config():
-    c = math_config()
+    c = load_config_file("math.py", __file__)
     c.run_dir = "runs/math_lora"
     c.total_steps = 24  # 40.8% -> 88.8-90.8% greedy pass@1 over seeds 0-4 on a 2-core CPU (README, "Measured")
     c.train.ppo_minibatches = 1  # the setting that figure was measured with (configs/math.py now takes 4)

@@ -7,23 +7,13 @@ only (data/code_synthetic.repair_target). The other half keeps the code default'
 attempts, so the greedy first attempt stays mostly wrong while a repair can read the feedback: configs/code_repair.py
 then trains both by reinforcement learning with one repair turn.
 """
-import importlib.util
-import os
-
 import ml_collections
 
-
-def sft_code_config() -> ml_collections.ConfigDict:
-    """configs/sft_code.py's config (loaded by path, so this file works from any working directory)."""
-    spec = importlib.util.spec_from_file_location("_sft_code_config", os.path.join(os.path.dirname(__file__),
-                                                                                    "sft_code.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from areal_jax.knobs import load_config_file
 
 
 def get_config() -> ml_collections.ConfigDict:
-    c = sft_code_config()
+    c = load_config_file("sft_code.py", __file__)
     c.init_from = "assets/code_reasoner"
     c.out_dir = "assets/code_repairer"
     c.seq_len = 240  # the longest two-attempt row of the 1,000 train tasks

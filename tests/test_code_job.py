@@ -106,11 +106,6 @@ def test_code_task_config_mistakes_are_one_sentence_errors(tmp_path):
         config_lib.validate(c)
 
 
-@pytest.mark.parametrize("name", ["code.py", "code_qwen.py"])
+@pytest.mark.parametrize("name", ["code.py", "code_qwen.py", "code_repair.py"])
 def test_shipped_code_configs_validate(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, "configs", name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config_lib.validate(module.get_config(), check_paths=False)
+    config_lib.validate(config_lib.load_config_file(os.path.join(ROOT, "configs", name)), check_paths=False)

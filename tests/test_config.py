@@ -236,17 +236,14 @@ def test_job_is_a_context_manager_and_a_second_close_does_nothing(tmp_path):
 
 
 def test_sft_configs_convert_and_bad_stages_are_config_errors():
-    import importlib.util
-
+    from areal_jax.knobs import load_config_file
     from areal_jax.programs.sft_config import SFTConfig, StageConfig, from_config_dict
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     loaded = {}
     for name in ("sft_math", "sft_code"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "configs", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        loaded[name] = (module.get_config(), from_config_dict(module.get_config()))
+        path = os.path.join(root, "configs", f"{name}.py")
+        loaded[name] = (load_config_file(path), from_config_dict(load_config_file(path)))
     cd, typed = loaded["sft_code"]
     assert isinstance(typed, SFTConfig) and typed.task == "code" and typed.seq_len == cd.seq_len
     assert [s.name for s in typed.stages] == ["correct", "mix"] and isinstance(typed.stages[1], StageConfig)
@@ -261,3 +258,21 @@ def test_sft_configs_convert_and_bad_stages_are_config_errors():
         from_config_dict(bad)
     with pytest.raises(ConfigError, match=r"Unknown config key 'model\.layers'\. Did you mean '--config\.model\.num_layers'"):
         from_config_dict({**loaded["sft_math"][0].to_dict(), "model": {"layers": 2}})
+
+
+def test_config_files_build_on_each_other_from_any_directory(tmp_path, monkeypatch):
+    """load_config_file: a config file that builds on another by a path relative to itself gets the same values
+    from any working directory; a missing file or one without get_config() is a ConfigError naming it."""
+    from areal_jax.config import load_config_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)
+    lora = load_config_file(os.path.join(root, "configs", "math_lora.py"))
+    math = load_config_file("math.py", os.path.join(root, "configs", "math_lora.py"))
+    assert lora.lora.enabled and not math.lora.enabled
+    assert lora.data.train_path == math.data.train_path and lora.rollout.to_dict() == math.rollout.to_dict()
+    with pytest.raises(ConfigError, match=r"No config file '.*nope\.py'"):
+        load_config_file("nope.py", os.path.join(root, "configs", "math.py"))
+    (tmp_path / "empty.py").write_text("X = 1\n")
+    with pytest.raises(ConfigError, match=r"empty\.py' defines no get_config\(\)"):
+        load_config_file(str(tmp_path / "empty.py"))

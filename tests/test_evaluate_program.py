@@ -17,12 +17,9 @@ CODE = os.path.join(ROOT, "assets", "code_reasoner")
 
 
 def _config_file(name: str) -> JobConfig:
-    import importlib.util
+    from areal_jax.config import load_config_file
 
-    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs", name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return from_config_dict(module.get_config())
+    return from_config_dict(load_config_file(os.path.join(ROOT, "configs", name)))
 
 
 def test_flags_override_the_config_file_and_the_rest_of_the_file_applies():

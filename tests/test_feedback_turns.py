@@ -193,7 +193,6 @@ def test_the_code_default_with_a_feedback_turn_trains_on_masked_turns(tmp_path, 
     """The embedded code model (which ends its programs with an end-of-sequence token) for two steps with one
     feedback turn: wrong first programs go back with the sandbox's feedback, the trained trajectories hold turns whose
     feedback tokens are out of the loss, and the update stays finite."""
-    import importlib.util
     import os
 
     from areal_jax import config as config_lib
@@ -201,15 +200,13 @@ def test_the_code_default_with_a_feedback_turn_trains_on_masked_turns(tmp_path, 
     from areal_jax.system.job import RLJob
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("code_cfg", os.path.join(root, "configs", "code.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = config_lib.load_config_file(os.path.join(root, "configs", "code.py"))
     for key in ("model.path", "data.train_path", "data.test_path"):
         section, field = key.split(".")
         setattr(getattr(c, section), field, os.path.join(root, getattr(getattr(c, section), field)))
     c.run_dir, c.total_steps, c.eval.n_test = str(tmp_path / "run"), 2, 0
-    c.rollout.feedback_turns, c.rollout.feedback_template = 1, "\nFeedback: {feedback}\nAnswer:"
+    c.rollout.feedback_turns, c.rollout.feedback_template = 1, "chat"  # the code tokenizer's frame, read off
+    c.data.use_chat_template = True  # its chat template renders the same prompts as the plain one
     c.rollout.max_new_tokens, c.rollout.max_len = 120, 208
     c.train.batch_groups, c.rollout.group_size = 4, 4
     c.checkpoint.every_steps = 0
@@ -223,18 +220,24 @@ def test_the_code_default_with_a_feedback_turn_trains_on_masked_turns(tmp_path, 
         return out
 
     monkeypatch.setattr(runner, "groups_to_trajectories", capture)
-    job = RLJob(c, log_fn=lambda *a, **k: None)
+    logged = []
+    job = RLJob(c, log_fn=lambda *a, **k: logged.append(" ".join(map(str, a))))
     try:
         job.run()
         counters = dict(job.controller.counters)
+        decode = job.tokenizer.decode
     finally:
         job.close()
+    assert any("feedback framed as 'Question: {feedback}\\nAnswer:'" in line for line in logged), logged
+    assert any("loss_agg=seq-mean-token-mean weighs each sequence equally" in line for line in logged)
     assert counters["feedback_runs"] > 0 and counters["feedback_turns"] > 0, counters
     turned = [t for t in trained if t.loss_mask is not None]
     assert turned, "no trajectory with a feedback turn was trained"
     for t in turned:
         mask = t.completion_mask()
         assert 0 < mask.sum() < mask.size and np.all(t.behav_logp[mask == 0] == 0.0)
+        shown = decode(t.tokens[t.prompt_len:][mask == 0].tolist())
+        assert shown.startswith("Question: ") and shown.endswith("\nAnswer:"), shown
     with open(os.path.join(c.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]

@@ -20,7 +20,7 @@ from areal_jax.data.code_synthetic import (
     repair_target,
     write_splits,
 )
-from areal_jax.knobs import ConfigError
+from areal_jax.knobs import ConfigError, load_config_file
 from areal_jax.programs.sft import encode_repair_example
 from areal_jax.rewards.code import code_tests_reward
 from areal_jax.rewards.code_feedback import code_feedback
@@ -103,29 +103,24 @@ def test_a_repair_row_is_what_the_rollout_shows_and_trains_only_the_repair(tmp_p
 
 
 def test_repair_config_loads_and_bad_styles_or_start_points_are_config_errors(tmp_path):
-    import importlib.util
-
     from areal_jax.programs.sft_config import from_config_dict, task_styles
 
-    spec = importlib.util.spec_from_file_location("sft_code_repair",
-                                                  os.path.join(ROOT, "configs", "sft_code_repair.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config()
+    path = os.path.join(ROOT, "configs", "sft_code_repair.py")
+    cd = load_config_file(path)
     typed = from_config_dict(cd)
     assert typed.init_from == "assets/code_reasoner" and typed.stages[0].mix["repair"] == 0.5
     assert set(task_styles("code")) == {"correct", "confused", "slip", "repair"}
     assert "repair" not in task_styles("math")
 
-    bad = module.get_config()
+    bad = load_config_file(path)
     bad.stages[0].mix = {"repair": 0.5, "fixed": 0.5}
     with pytest.raises(ConfigError, match=r"stages\[0\]\.mix names \['fixed'\].*'repair'"):
         from_config_dict(bad)
-    bad = module.get_config()
+    bad = load_config_file(path)
     bad.task = "math"
     with pytest.raises(ConfigError, match=r"not target styles of task 'math'"):
         from_config_dict(bad)
-    bad = module.get_config()
+    bad = load_config_file(path)
     bad.init_from = str(tmp_path)
     with pytest.raises(ConfigError, match=r"init_from=.* is not an HF checkpoint directory"):
         from_config_dict(bad)
@@ -134,14 +129,9 @@ def test_repair_config_loads_and_bad_styles_or_start_points_are_config_errors(tm
 def test_the_code_repair_job_config_matches_its_warm_start():
     """configs/code_repair.py: one repair turn whose template is the warm start's, room for both attempts within the
     model's positions, and a valid job config."""
-    import importlib.util
-
     from areal_jax.config import from_config_dict
 
-    spec = importlib.util.spec_from_file_location("code_repair", os.path.join(ROOT, "configs", "code_repair.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = from_config_dict(module.get_config())
+    c = from_config_dict(load_config_file(os.path.join(ROOT, "configs", "code_repair.py")))
     assert c.rollout.feedback_turns == 1 and c.rollout.feedback_template == REPAIR_TEMPLATE
     with open(os.path.join(ROOT, c.model.path, "config.json")) as f:
         assert c.rollout.max_len <= json.load(f)["max_position_embeddings"]

@@ -212,12 +212,9 @@ def cli() -> None:
         files = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
         shown = None
         if files:  # the values of that config file instead of the defaults
-            import importlib.util
+            from areal_jax.config import load_config_file
 
-            spec = importlib.util.spec_from_file_location("_config_file", files[-1])
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            shown = module.get_config()
+            shown = load_config_file(files[-1])
         print(f"Every config key, its value in {files[-1] if files else 'base_config()'} and what it means:\n"
               + config_help(shown))
         sys.exit(0)

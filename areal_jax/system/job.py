@@ -94,6 +94,10 @@ class RLJob:
             raise config_lib.ConfigError(str(e)) from e
         with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
             self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        if c.rollout.feedback_turns > 0 and c.train.loss_agg == "token-mean":
+            self.log("Note: repair turns with train.loss_agg=token-mean: long failed repairs outweigh short passing "
+                     "ones and degenerated the repair turn in 2 of 3 measured runs (README, Repair turns); "
+                     "--config.train.loss_agg=seq-mean-token-mean weighs each sequence equally.")
         if c.rollout.feedback_template == "chat" and max(c.rollout.feedback_turns, c.eval.feedback_turns) > 0:
             from areal_jax.sampler.turns import chat_feedback_template
 
