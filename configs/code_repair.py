@@ -17,6 +17,9 @@ ASSETS = "assets/code_repairer"
 def get_config():
     c = load_config_file("code.py", __file__)
     c.run_dir = "runs/code_repair"
+    # 60 steps: greedy pass@1 28.5% -> 98% (first attempt) on seeds 0-1, against 88.5-89.5% for single-turn RL from the
+    # same start in the same loop time (120 steps); at 30 steps the two were even (README, "Repair turns").
+    c.total_steps = 60
     c.model.path = ASSETS
     c.data.train_path = f"{ASSETS}/data/train.jsonl"
     c.data.test_path = f"{ASSETS}/data/test.jsonl"
