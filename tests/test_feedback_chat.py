@@ -21,6 +21,11 @@ CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}"
           "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# ChatML whose final assistant turn carries an empty reasoning block (earlier assistant turns do not).
+REASONING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+             "{% if m['role'] == 'assistant' and loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+             "{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 BRACES = ("{% for m in messages %}{{ '{' + m['role'] + '} ' + m['content'] + '<end>' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '{assistant} ' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
@@ -45,6 +50,7 @@ def _tokenizers(backend):
         "llama3": Tokenizer(backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
                             chat_template=LLAMA3, stop_token_ids=[eot]),
         "braces": Tokenizer(backend, eos_token="<end>", chat_template=BRACES),
+        "reasoning": Tokenizer(backend, eos_token="<|im_end|>", chat_template=REASONING),
     }
 
 
@@ -52,7 +58,8 @@ def _tokenizers(backend):
     ("chatml", "\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n"),
     ("llama3", "<|start_header_id|>user<|end_header_id|>\n\n{feedback}<|eot_id|>"
                "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-    ("braces", "{{user}} {feedback}<end>{{assistant}} "),  # the template's own braces, escaped for str.format
+    ("braces", "{{user}} {feedback}<end>{{assistant}} "),
+    ("reasoning", "\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n"),  # the template's own braces, escaped for str.format
 ])
 def test_the_frame_continues_the_conversation_the_chat_template_renders(backend, name, frame):
     tok = _tokenizers(backend)[name]

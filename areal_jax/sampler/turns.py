@@ -51,17 +51,20 @@ def chat_feedback_template(tokenizer) -> str:
         raise ValueError("feedback_template='chat' frames the feedback with the tokenizer's chat template, but this "
                          "tokenizer has none: write the frame out, e.g. feedback_template='\\nFeedback: {feedback}\\n'.")
     question, answer, feedback = "qz7question", "qz7answer", "qz7feedback"
-    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    first = tokenizer.apply_chat_template(turns, add_generation_prompt=False, tokenize=False)
-    both = tokenizer.apply_chat_template(turns + [{"role": "user", "content": feedback}], add_generation_prompt=True,
-                                         tokenize=False)
-    end = both.find(answer) + len(answer)
-    if (both.count(answer) != 1 or both.count(feedback) != 1 or first.find(answer) < 0
-            or first[:first.find(answer) + len(answer)] != both[:end]):
+    asked = [{"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    both = tokenizer.apply_chat_template(asked + [{"role": "assistant", "content": answer},
+                                                  {"role": "user", "content": feedback}],
+                                         add_generation_prompt=True, tokenize=False)
+    # The rollout's sequence is the prompt as sampled, the turn as generated, then the frame: the template must render
+    # the continued conversation as that prompt, the turn's text (after any whitespace the model writes itself) and
+    # the rest. How it renders a final assistant turn (some add an empty reasoning block there) does not matter.
+    start = both.find(answer, len(prompt)) if both.startswith(prompt) else -1
+    if start < 0 or both[len(prompt):start].strip() or both.count(answer) != 1 or both.count(feedback) != 1:
         raise ValueError("feedback_template='chat': the chat template does not render an assistant turn followed by a "
-                         "user turn as the same conversation continued; write the frame out in "
-                         "feedback_template (with {feedback}).")
-    after = both[end:]
+                         "user turn as the prompt it gave continued; write the frame out in feedback_template (with "
+                         "{feedback}).")
+    after = both[start + len(answer):]
     stops = [tokenizer.convert_ids_to_tokens([i])[0] for i in tokenizer.eos_token_ids]
     stop = next((t for t in stops if t and after.startswith(t)), None)
     if stop is None:
