@@ -32,7 +32,7 @@ from areal_jax.rl.advantages import group_advantages
 from areal_jax.sampler.requests import Completion, Request
 
 __all__ = ["CHAT_TEMPLATE", "FeedbackTurns", "attempt_tokens", "chat_feedback_template", "continuation_id",
-           "resolve_feedback_template", "turn_advantages"]
+           "repair_turn_notes", "resolve_feedback_template", "turn_advantages"]
 
 # rollout.feedback_template = "chat": the frame comes from the tokenizer's chat template (chat_feedback_template).
 CHAT_TEMPLATE = "chat"
@@ -79,6 +79,19 @@ def chat_feedback_template(tokenizer) -> str:
 def resolve_feedback_template(template: str, tokenizer) -> str:
     """rollout.feedback_template as the text to format: ``chat_feedback_template`` for "chat", else as given."""
     return chat_feedback_template(tokenizer) if template == CHAT_TEMPLATE else template
+
+
+def repair_turn_notes(config, tokenizer) -> list[str]:
+    """What a job with repair turns logs at start: the frame read off the chat template (feedback_template="chat";
+    ValueError when it cannot be read) and a note when the token-mean loss lets failed repairs dominate."""
+    r, notes = config.rollout, []
+    if r.feedback_turns > 0 and config.train.loss_agg == "token-mean":
+        notes.append("Note: repair turns with train.loss_agg=token-mean: long failed repairs outweigh short passing "
+                     "ones and degenerated the repair turn in 2 of 3 measured runs (README, Repair turns); "
+                     "--config.train.loss_agg=seq-mean-token-mean weighs each sequence equally.")
+    if r.feedback_template == CHAT_TEMPLATE and max(r.feedback_turns, config.eval.feedback_turns) > 0:
+        notes.append(f"Repair turns: feedback framed as {chat_feedback_template(tokenizer)!r} (the chat template's).")
+    return notes
 
 
 def continuation_id(request_id: Hashable) -> Key | None:

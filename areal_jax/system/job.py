@@ -27,7 +27,7 @@ from areal_jax.config import JobConfig
 from areal_jax.models.hf_io import DTYPES
 from areal_jax.rewards.config import MATH_REWARD_WARMUP  # noqa: F401  (re-exported: what a math worker scores first)
 from areal_jax.runtime import multihost
-from areal_jax.sampler.turns import FeedbackTurns
+from areal_jax.sampler.turns import FeedbackTurns, repair_turn_notes
 from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
@@ -94,18 +94,11 @@ class RLJob:
             raise config_lib.ConfigError(str(e)) from e
         with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
             self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
-        if c.rollout.feedback_turns > 0 and c.train.loss_agg == "token-mean":
-            self.log("Note: repair turns with train.loss_agg=token-mean: long failed repairs outweigh short passing "
-                     "ones and degenerated the repair turn in 2 of 3 measured runs (README, Repair turns); "
-                     "--config.train.loss_agg=seq-mean-token-mean weighs each sequence equally.")
-        if c.rollout.feedback_template == "chat" and max(c.rollout.feedback_turns, c.eval.feedback_turns) > 0:
-            from areal_jax.sampler.turns import chat_feedback_template
-
-            try:  # the chat template's frame, read before anything compiles
-                self.log(f"Repair turns: feedback framed as {chat_feedback_template(self.tokenizer)!r} "
-                         "(the chat template's).")
-            except ValueError as e:
-                raise config_lib.ConfigError(f"--config.rollout.{e}") from e
+        try:  # repair turns: the chat template's frame read and the loss checked, before anything compiles
+            for line in repair_turn_notes(c, self.tokenizer):
+                self.log(line)
+        except ValueError as e:
+            raise config_lib.ConfigError(f"--config.rollout.{e}") from e
         # The data next, so a bad dataset fails before the model is loaded and anything compiles.
         d = c.data
         with user_errors.data_file("data.train_path", d.train_path):
