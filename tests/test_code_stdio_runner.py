@@ -1,5 +1,7 @@
 """The forked stdin/stdout runner (rewards/_stdio_harness.py) against a fresh sandboxed interpreter per case: the same
 status for every case of every program kind, the same rewards, and no way for a program to write its own report."""
+import subprocess
+import sys
 import time
 
 import pytest
@@ -7,6 +9,7 @@ import pytest
 from areal_jax.rewards.code import code_tests_reward, run_tests
 from areal_jax.rewards.code_tests import TestSpec as Spec
 from areal_jax.rewards.code_tests import encode_tests
+from areal_jax.rewards.sandbox import run_python_sandboxed
 
 SPEC = Spec(stdio=(("1 2\n", "3\n"), ("5 5\n", "10\n"), ("100 -1\n", "99\n")))
 
@@ -35,6 +38,17 @@ PROGRAMS = {
     "starts a process": "import os\nos.fork()\nprint(3)",
     "output past the cap": "print('x' * 2_000_000)",
     "prints then crashes": "a, b = map(int, input().split())\nprint(a + b)\n1 / 0",
+    "exit() builtin": "a, b = map(int, input().split())\nprint(a + b)\nexit()\nprint('never')",
+    "quit(2) builtin": "a, b = map(int, input().split())\nprint(a + b)\nquit(2)",
+}
+# Programs that end through the builtins ``site`` adds to a plain interpreter (the sandbox starts without site).
+EXIT_BUILTINS = {
+    "exit()": "a, b = map(int, input().split())\nprint(a + b)\nexit()\nprint('never')",
+    "exit(0) in a branch": "a, b = map(int, input().split())\nif a == 5:\n    print(-1)\n    exit(0)\nprint(a + b)",
+    "quit()": "print(int(input().split()[0]) * 2)\nquit()",
+    "exit(3)": "print(1)\nexit(3)",
+    "exit(message)": "print(1)\nexit('bye')",
+    "repr(exit)": "print(repr(exit) == repr(quit).replace('quit', 'exit'))",
 }
 
 
@@ -55,6 +69,22 @@ def test_a_runner_forked_from_the_zygote_gives_what_a_fresh_sandbox_gives(name):
     zygote = run_tests(PROGRAMS[name], SPEC, mode="pass_rate", case_timeout_s=5.0, launch="zygote")
     fresh = run_tests(PROGRAMS[name], SPEC, mode="pass_rate", case_timeout_s=5.0, launch="fresh")
     assert zygote.statuses == fresh.statuses
+
+
+@pytest.mark.parametrize("name", sorted(EXIT_BUILTINS))
+def test_exit_and_quit_behave_as_in_a_plain_interpreter(name):
+    """The reference is the interpreter itself, with site: each case's exit status and output, then the statuses both
+    runners give and a sandboxed run's exit code."""
+    program = EXIT_BUILTINS[name]
+    plain = [subprocess.run([sys.executable, "-c", program], input=stdin, capture_output=True, text=True, timeout=30)
+             for stdin, _ in SPEC.stdio]
+    want = tuple("error" if p.returncode else ("pass" if p.stdout.split() == expected.split() else "fail")
+                 for p, (_, expected) in zip(plain, SPEC.stdio))
+    for runner in ("fork", "process"):
+        assert run_tests(program, SPEC, mode="pass_rate", stdio_runner=runner).statuses == want, runner
+    result = run_python_sandboxed(program, stdin=SPEC.stdio[0][0])
+    assert (result.exit_code, result.stdout) == (plain[0].returncode, plain[0].stdout)
+    assert ("bye" in result.stderr) == ("bye" in plain[0].stderr)
 
 
 def test_statuses_of_the_battery_are_what_each_program_does():

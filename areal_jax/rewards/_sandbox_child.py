@@ -19,6 +19,7 @@ new processes unless allow_subprocess, and give the program the means to filter 
 (int: mount a tmpfs of this size over the working directory, in the sandbox's own mount namespace; 0: none).
 """
 
+import builtins
 import json
 import os
 import resource
@@ -215,11 +216,29 @@ def _add_site_packages(paths: dict) -> None:
             sys.path.append(path)
 
 
+class _Exit:
+    """``exit`` / ``quit`` as a program meets them in a plain interpreter, where ``site`` puts them among the builtins:
+    calling one raises SystemExit with the code given. Without ``site`` (-S) a program ending with ``print(-1);
+    exit()``, common in contest solutions, would stop at a NameError instead."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Use {self.name}() or Ctrl-D (i.e. EOF) to exit"
+
+    def __call__(self, code: object = None) -> None:
+        raise SystemExit(code)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     install_paths = _install_paths(cfg)
     if sys.flags.no_site:
         _add_site_packages(install_paths)
+        for name in ("exit", "quit"):
+            if not hasattr(builtins, name):
+                setattr(builtins, name, _Exit(name))
     workdir = cfg["workdir"]
     os.chdir(workdir)
     with open(os.path.join(workdir, "main.py"), encoding="utf-8") as f:
