@@ -40,15 +40,28 @@ PROGRAMS = {
     "prints then crashes": "a, b = map(int, input().split())\nprint(a + b)\n1 / 0",
     "exit() builtin": "a, b = map(int, input().split())\nprint(a + b)\nexit()\nprint('never')",
     "quit(2) builtin": "a, b = map(int, input().split())\nprint(a + b)\nquit(2)",
+    "atexit output": ("import atexit, sys\nout = []\natexit.register(lambda: sys.stdout.write(''.join(out)))\n"
+                      "a, b = map(int, input().split())\nout.append(f'{a + b}\\n')"),
 }
-# Programs that end through the builtins ``site`` adds to a plain interpreter (the sandbox starts without site).
-EXIT_BUILTINS = {
+# Programs whose ending leans on the interpreter's exit: the builtins ``site`` adds (the sandbox starts without site),
+# atexit functions and the flush of streams a program replaced (fast-output templates of contest solutions).
+AT_EXIT = {
     "exit()": "a, b = map(int, input().split())\nprint(a + b)\nexit()\nprint('never')",
     "exit(0) in a branch": "a, b = map(int, input().split())\nif a == 5:\n    print(-1)\n    exit(0)\nprint(a + b)",
     "quit()": "print(int(input().split()[0]) * 2)\nquit()",
     "exit(3)": "print(1)\nexit(3)",
     "exit(message)": "print(1)\nexit('bye')",
     "repr(exit)": "print(repr(exit) == repr(quit).replace('quit', 'exit'))",
+    "atexit writes the output": ("import atexit, io, sys\nbuf = io.StringIO()\n"
+                                 "atexit.register(lambda: sys.stdout.write(buf.getvalue()))\n"
+                                 "a, b = map(int, input().split())\nbuf.write(str(a + b) + '\\n')"),
+    "sys.stdout replaced": ("import io, sys\nsys.stdout = io.StringIO()\na, b = map(int, input().split())\n"
+                            "print(a + b)\nsys.__stdout__.write(sys.stdout.getvalue())"),
+    "buffered writer flushed at exit": (
+        "import io, os, sys\nclass Out(io.IOBase):\n    def __init__(self):\n        self.buf = io.BytesIO()\n"
+        "    def write(self, s):\n        self.buf.write(s.encode())\n    def flush(self):\n"
+        "        os.write(1, self.buf.getvalue())\n        self.buf = io.BytesIO()\nsys.stdout = Out()\n"
+        "a, b = map(int, input().split())\nprint(a + b)"),
 }
 
 
@@ -71,11 +84,11 @@ def test_a_runner_forked_from_the_zygote_gives_what_a_fresh_sandbox_gives(name):
     assert zygote.statuses == fresh.statuses
 
 
-@pytest.mark.parametrize("name", sorted(EXIT_BUILTINS))
-def test_exit_and_quit_behave_as_in_a_plain_interpreter(name):
+@pytest.mark.parametrize("name", sorted(AT_EXIT))
+def test_a_program_ends_as_in_a_plain_interpreter(name):
     """The reference is the interpreter itself, with site: each case's exit status and output, then the statuses both
     runners give and a sandboxed run's exit code."""
-    program = EXIT_BUILTINS[name]
+    program = AT_EXIT[name]
     plain = [subprocess.run([sys.executable, "-c", program], input=stdin, capture_output=True, text=True, timeout=30)
              for stdin, _ in SPEC.stdio]
     want = tuple("error" if p.returncode else ("pass" if p.stdout.split() == expected.split() else "fail")

@@ -8,7 +8,8 @@ def exec_as_main(code, main_file: str) -> None:
     """In a forked process whose descriptors 0 / 1 / 2 are already in place: run ``code`` (source or a code object) as
     ``__main__`` the way a fresh interpreter would and exit with its status (0 when it ends or calls exit(0) /
     sys.exit(), 1 after an uncaught exception, printed to stderr, the code passed to sys.exit otherwise), its
-    non-daemon threads joined and its output flushed first."""
+    non-daemon threads joined, its atexit functions run and its output flushed first."""
+    import atexit
     import builtins
     import os
     import sys
@@ -16,6 +17,7 @@ def exec_as_main(code, main_file: str) -> None:
     import traceback
     import types
 
+    atexit._clear()  # what the forking process registered is not the program's to run
     sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
@@ -43,11 +45,17 @@ def exec_as_main(code, main_file: str) -> None:
     for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
         if thread is not main and not thread.daemon:
             thread.join()
+    atexit._run_exitfuncs()  # then runs the program's atexit functions (output buffered until exit, e.g.)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:  # noqa: BLE001 - a failed flush at exit is status 120 in CPython
             status = status or 120
+    for stream in (sys.__stdout__, sys.__stderr__):  # and flushes the original streams a program replaced, as their
+        try:  # finalizers would
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - as a finalizer's failure, it changes nothing
+            pass
     os._exit(status)
 
 
