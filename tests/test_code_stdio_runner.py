@@ -222,3 +222,18 @@ def test_each_stdin_case_has_the_same_cpu_limit_in_both_runners(runner):
     probe = "import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))"
     out = run_tests(probe, Spec(stdio=(("", "(4, 5)\n"),)), case_timeout_s=2.5, stdio_runner=runner)
     assert out.statuses == ("pass",)  # ceil(case_timeout_s) + 1 CPU seconds for the case's own process
+
+
+@pytest.mark.parametrize("runner", ["fork", "process"])
+def test_a_right_answer_longer_than_a_megabyte_passes_and_a_flood_is_still_cut(runner):
+    """The output cap follows the expected output (twice it, at least 1 MiB): 200,000 numbers (1.4 MB) pass, and a
+    program printing far more than the expected output is stopped at the cap."""
+    n = 200_000
+    expected = "\n".join(str(i * 7919 % 1000003) for i in range(n)) + "\n"
+    spec = Spec(stdio=((f"{n}\n", expected), ("1\n", "0\n")))
+    right = "n = int(input())\nprint('\\n'.join(str(i * 7919 % 1000003) for i in range(n)))"
+    assert len(expected) > (1 << 20)
+    assert run_tests(right, spec, mode="pass_rate", stdio_runner=runner).statuses == ("pass", "pass")
+    flood = "n = int(input())\nprint('\\n'.join(str(i * 7919 % 1000003) for i in range(n)))\nprint('x' * (n * 40))"
+    # the second case's flood is 40 characters: a wrong output, under its cap
+    assert run_tests(flood, spec, mode="pass_rate", stdio_runner=runner).statuses == ("error", "fail")

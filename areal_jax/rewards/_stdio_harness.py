@@ -2,7 +2,7 @@
 
 Its source becomes the sandbox's ``main.py`` (started with process creation allowed, for the forks below). It reads
 one JSON payload from stdin before any untrusted code runs: {"nonce", "program", "inputs": [str], "case_timeout_s",
-"max_output_bytes", "stop_on_error"}. The expected outputs never enter the sandbox.
+"max_output_bytes" (per case: a list, or one number), "stop_on_error"}. The expected outputs never enter the sandbox.
 
 The program never runs in this process. For each case a forked child (the candidate process) takes the case's
 input as its standard input (a file in the sandbox's directory), a pipe to this process as its standard output and
@@ -28,7 +28,8 @@ def _harness() -> None:
 
     payload = json.loads(sys.stdin.read())
     nonce, timeout = payload["nonce"], float(payload["case_timeout_s"])
-    max_output = int(payload["max_output_bytes"])
+    caps = payload["max_output_bytes"]  # per case: a list, or one number for every case
+    caps = [int(c) for c in caps] if isinstance(caps, list) else [int(caps)] * len(payload["inputs"])
     try:
         source = compile(payload["program"], "main.py", "exec")  # compiling runs nothing
     except (SyntaxError, ValueError):  # the interpreter would stop with status 1 on every case
@@ -63,7 +64,7 @@ def _harness() -> None:
         exec_as_main(source, os.path.join(workdir, "main.py"))
 
     # ---- this process: trusted; forks a candidate per case and reads its output ----
-    def run_case(text: str) -> dict:
+    def run_case(text: str, max_output: int) -> dict:
         with open(input_path, "w", encoding="utf-8") as f:
             f.write(text)
         out_r, out_w = os.pipe()
@@ -80,7 +81,7 @@ def _harness() -> None:
         return {"status": status, "stdout": bytes(output).decode("utf-8", "replace")}
 
     for i, text in enumerate(payload["inputs"]):
-        record = {"i": i, **(run_case(text) if source is not None else {"status": "error", "stdout": ""})}
+        record = {"i": i, **(run_case(text, caps[i]) if source is not None else {"status": "error", "stdout": ""})}
         report(record)
         if record["status"] != "ok" and payload["stop_on_error"]:
             break

@@ -64,7 +64,14 @@ STDIO_RUNNERS = ("fork", "process")
 # How a harness's sandbox starts: "zygote" (forked from this thread's long-lived sandboxed process, rewards.zygote:
 # about 4 ms) or "fresh" (a new sandboxed interpreter, about 30 ms).
 LAUNCHES = ("zygote", "fresh")
-_STDIO_OUTPUT_BYTES = 1 << 20  # per case, as a sandboxed process's own max_output_bytes
+_STDIO_OUTPUT_BYTES = 1 << 20  # per case at least, as a sandboxed process's own max_output_bytes
+_STDIO_OUTPUT_CEILING = 64 << 20  # per case at most, however long the expected output
+
+
+def _output_cap(expected: str) -> int:
+    """The most bytes a stdin case's program may print: twice its expected output and some, at least 1 MiB (a right
+    answer of 200,000 numbers is more than a megabyte), at most 64 MiB."""
+    return min(max(_STDIO_OUTPUT_BYTES, 2 * len(expected.encode("utf-8", "replace")) + 4096), _STDIO_OUTPUT_CEILING)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,7 +139,7 @@ def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: fl
             continue
         result = run_python_sandboxed(f"{spec.setup}\n{program}" if spec.setup else program, stdin=stdin,
                                       timeout_s=min(case_timeout_s, remaining), memory_mb=memory_mb,
-                                      allow_numpy=allow_numpy)
+                                      allow_numpy=allow_numpy, max_output_bytes=_output_cap(expected))
         if result.status == "timeout":
             statuses.append("timeout")
         elif result.status != "ok":
@@ -150,14 +157,15 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
     outputs)."""
     n = len(spec.stdio)
     nonce = secrets.token_hex(16)
+    caps = [_output_cap(expected) for _, expected in spec.stdio]
     payload = {"nonce": nonce, "program": f"{spec.setup}\n{program}" if spec.setup else program,
                "inputs": [stdin for stdin, _ in spec.stdio], "case_timeout_s": case_timeout_s,
-               "max_output_bytes": _STDIO_OUTPUT_BYTES, "stop_on_error": stop_on_fail}
+               "max_output_bytes": caps, "stop_on_error": stop_on_fail}
     budget = min(deadline - time.monotonic(), case_timeout_s * n + _STARTUP_ALLOWANCE_S)
     if budget <= 0.05:
         return ["not_run"] * n
     # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
-    cap = min(n * (6 * _STDIO_OUTPUT_BYTES + 256) + 4096, 256 << 20)
+    cap = min(sum(6 * c + 256 for c in caps) + 4096, 512 << 20)
     first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
     from areal_jax.rewards.zygote import sandbox_source
 
