@@ -237,3 +237,14 @@ def test_a_right_answer_longer_than_a_megabyte_passes_and_a_flood_is_still_cut(r
     flood = "n = int(input())\nprint('\\n'.join(str(i * 7919 % 1000003) for i in range(n)))\nprint('x' * (n * 40))"
     # the second case's flood is 40 characters: a wrong output, under its cap
     assert run_tests(flood, spec, mode="pass_rate", stdio_runner=runner).statuses == ("error", "fail")
+
+
+def test_inputs_of_many_megabytes_run_in_the_forked_runner():
+    """Three cases of 6.9 MB each make a 20 MB payload, more than a zygote's run takes as its stdin file (16 MiB a
+    file): the runner then starts in a fresh sandbox, and every case still runs and passes."""
+    nums = [i * 7919 % 1000003 for i in range(1_000_000)]
+    text = f"{len(nums)}\n" + " ".join(map(str, nums)) + "\n"
+    spec = Spec(stdio=((text, f"{sum(nums)}\n"),) * 3)
+    program = "import sys\nd = sys.stdin.buffer.read().split()\nprint(sum(map(int, d[1:])))"
+    assert len(text) * 3 > (16 << 20)
+    assert run_tests(program, spec, mode="pass_rate", stdio_runner="fork").statuses == ("pass",) * 3

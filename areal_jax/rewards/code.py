@@ -66,6 +66,9 @@ STDIO_RUNNERS = ("fork", "process")
 LAUNCHES = ("zygote", "fresh")
 _STDIO_OUTPUT_BYTES = 1 << 20  # per case at least, as a sandboxed process's own max_output_bytes
 _STDIO_OUTPUT_CEILING = 64 << 20  # per case at most, however long the expected output
+# A zygote's run takes its stdin as a file, under the sandbox's 16 MiB limit per file: a larger payload (tests with
+# inputs of megabytes) goes to a fresh sandboxed interpreter, which reads it from a pipe.
+_ZYGOTE_STDIN_BYTES = 12 << 20
 
 
 def _output_cap(expected: str) -> int:
@@ -113,7 +116,7 @@ def _run_sandboxed_harness(source: str, payload: dict, *, timeout_s: float, memo
     """A harness (trusted source that forks its own candidate processes) in the sandbox, with ``payload`` as its
     stdin: forked from a zygote, or in a fresh sandboxed interpreter (also when the zygote cannot start)."""
     stdin = json.dumps(payload)
-    if launch == "zygote":
+    if launch == "zygote" and len(stdin) <= _ZYGOTE_STDIN_BYTES:
         from areal_jax.rewards.zygote import ZygoteError, run_forked
 
         try:
