@@ -158,7 +158,8 @@ def test_many_cases_run_in_one_sandbox():
 
 
 def test_a_sandboxed_run_stops_when_its_output_settles_the_outcome():
-    from areal_jax.rewards.code import _FirstWrongOutput
+    from areal_jax.rewards.code_tests import outputs_match
+    from areal_jax.rewards.harness_runs import FirstWrongOutput
     from areal_jax.rewards.sandbox import run_python_sandboxed
 
     seen = []
@@ -172,7 +173,7 @@ def test_a_sandboxed_run_stops_when_its_output_settles_the_outcome():
     assert result.status == "stopped" and result.stdout.startswith("1\n2\n") and "3" not in result.stdout
     assert result.seconds < 30  # the minute of sleep was not waited for
     # the runner's reports: a report line split across pieces, then a wrong output in the next one
-    first_wrong = _FirstWrongOutput("n0", SPEC)
+    first_wrong = FirstWrongOutput("n0", lambda i, record: not outputs_match(record["stdout"], SPEC.stdio[i][1]))
     good, bad = b'n0 {"i": 0, "status": "ok", "stdout": "3\\n"}\n', b'n0 {"i": 1, "status": "ok", "stdout": "9"}\n'
     assert not first_wrong(good[:10]) and not first_wrong(good[10:]) and not first_wrong(b"x0 junk\n")
     assert first_wrong(bad[:5] + bad[5:])

@@ -11,7 +11,13 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     (a JSON string or an object), all run as stdin/stdout cases; the statement is ``description``. Outputs
     are compared as the reward's ``code_output_match`` says (by default tokens, real numbers within 1e-6, which
     covers the contests' real-valued answers); problems that accept several different right outputs (a special
-    checker in the contest) are not told apart: only the listed output passes.
+    checker in the contest) are not told apart: only the listed output passes, unless the row has a ``checker``.
+  * Codeforces (open-r1/codeforces): ``official_tests``, a list of {"input", "output"}, with the problem's
+    ``generated_checker`` as its special judge where it has one (``data/codeforces.py``); the statement is
+    ``prompt``, else assembled from ``title``, ``description``, ``input_format``, ``output_format``, ``examples``
+    and ``note``. Interactive problems and problems that read files are bad rows.
+  Any stdin layout may carry a special judge in ``checker`` (``rewards.code_checker``: Python source run as
+  ``checker.py input.txt correct_output.txt solution_output.txt``, accepting with a last printed token ``1``).
   * assert lists (MBPP): ``test_list`` (assert statements), optional ``test_setup_code``.
   * a test program (HumanEval): ``test`` (defining ``check(candidate)``) plus ``entry_point``.
   * a case list (DeepCoder ``tests``, LiveCodeBench ``public_test_cases`` / ``private_test_cases``): a
@@ -45,6 +51,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
+from areal_jax.data.codeforces import codeforces_spec, codeforces_statement, is_codeforces_row, with_checker
 from areal_jax.data.compressed_tests import decode_compressed_cases
 from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
 from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
@@ -57,7 +64,7 @@ QUESTION_FIELDS = ("question", "problem", "prompt", "text", "description")
 CONTEST_TEST_FIELDS = ("public_tests", "private_tests", "generated_tests")
 LAYOUT_QUESTION_FIELDS = {"input_output": ("question",), "tests": ("problem", "question"), "contests": ("description",),
                           "test_cases": ("question_content",), "test_list": ("text", "prompt"),
-                          "test": ("prompt",)}
+                          "test": ("prompt",), "official_tests": ("prompt", "description")}
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
 _STDIN_TYPES, _CALL_TYPES = ("stdin", "stdin_stdout"), ("functional", "function_call")
 # load_prompt_source / load_eval_split options for the synthetic code tasks (data/code_synthetic.py).
@@ -213,6 +220,7 @@ def _spec_for_row(row: dict) -> tuple[TestSpec, str | None, str]:
     """The row's tests, the function name the solution must define (None for stdin programs) and the
     layout (a LAYOUT_QUESTION_FIELDS key)."""
     spec, name, layout = _layout_spec(row)
+    spec = with_checker(spec, row)
     if layout == "test_list":
         called = sorted(_called_names(spec))
         name = called[0] if len(called) == 1 else None
@@ -232,6 +240,8 @@ def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
         return (*_case_list_spec(tests, "tests", _func_name(row)), "tests")
     if row.get("public_test_cases") is not None or row.get("private_test_cases") is not None:
         return (*_lcb_spec(row), "test_cases")
+    if is_codeforces_row(row):
+        return codeforces_spec(row), None, "official_tests"
     if any(row.get(field) is not None for field in CONTEST_TEST_FIELDS):
         return _contests_spec(row), None, "contests"
     if "test_list" in row and row["test_list"] is not None:
@@ -257,8 +267,8 @@ def _layout_spec(row: dict) -> tuple[TestSpec, str | None, str]:
         except ValueError as e:
             raise _BadRow(str(e)) from None
     raise _BadRow("no tests: expected 'input_output' (APPS / TACO), 'tests' (DeepCoder), 'public_test_cases' "
-                  "(LiveCodeBench), 'public_tests' / 'private_tests' (CodeContests), 'test_list' (MBPP) or 'test' "
-                  "with 'entry_point' (HumanEval)")
+                  "(LiveCodeBench), 'public_tests' / 'private_tests' (CodeContests), 'official_tests' (Codeforces), "
+                  "'test_list' (MBPP) or 'test' with 'entry_point' (HumanEval)")
 
 
 _TIME_LIMIT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|seconds?|ms|milliseconds?)?\s*", re.IGNORECASE)
@@ -295,7 +305,7 @@ def code_row_to_record(path: str, number: int, row: Any, question_field: str = "
         raise _BadRow(f"no problem statement: field {' / '.join(map(repr, fields))} is missing or empty (the row's "
                       f"text fields: {', '.join(map(repr, texts)) or 'none'}); pass "
                       f"--config.data.question_field=<one of them>, or auto to pick per layout")
-    question = row[field]
+    question = codeforces_statement(row) if layout == "official_tests" and field == "description" else row[field]
     starter = row.get("starter_code")  # LiveCodeBench / DeepCoder: the signature a functional task expects
     if isinstance(starter, str) and starter.strip() and starter.strip() not in question:
         question = f"{question.rstrip()}\n\nStart from:\n```python\n{starter.strip()}\n```"
@@ -365,5 +375,6 @@ def read_code_records(paths: str | Sequence[str], *, question_field: str = "auto
     if not records:
         skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
         raise ValueError(f"The code dataset {paths} has no usable rows{skipped}; check the files and the test "
-                         "fields (input_output, tests, public_test_cases, public_tests, test_list, or test + entry_point).")
+                         "fields (input_output, tests, public_test_cases, public_tests, official_tests, test_list, or test + "
+                         "entry_point).")
     return records, stats

@@ -32,23 +32,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 import secrets
 import textwrap
 import time
-from typing import Any, Callable
+from typing import Any
 
+from areal_jax.rewards.code_stdio import STDIO_RUNNERS, run_stdio
 from areal_jax.rewards.code_tests import (
     DEFAULT_OUTPUT_MATCH,
     OUTPUT_MATCHES,
     TestSpec,
-    outputs_match,
     parse_tests,
     values_equal,
 )
-from areal_jax.rewards.sandbox import SandboxResult, run_python_sandboxed
+from areal_jax.rewards.harness_runs import STARTUP_ALLOWANCE_S, FirstWrongOutput, harness_reports, run_sandboxed_harness
 
 __all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "code_tests_reward",
            "code_all_pass", "code_pass_rate", "make_code_reward"]
@@ -56,25 +55,9 @@ __all__ = ["CODE_REWARD_MODES", "TestOutcome", "extract_program", "run_tests", "
 CODE_REWARD_MODES = ("all_pass", "pass_rate")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
-_STDIO_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stdio_harness.py")
-_STARTUP_ALLOWANCE_S = 2.0  # interpreter start-up of the harness process, on top of the case limits
-# How stdin/stdout cases run: "fork" (one sandboxed runner forks a candidate process per case, about a millisecond
-# each) or "process" (a fresh sandboxed interpreter per case, about 30 ms each); both give the same statuses.
-STDIO_RUNNERS = ("fork", "process")
 # How a harness's sandbox starts: "zygote" (forked from this thread's long-lived sandboxed process, rewards.zygote:
 # about 4 ms) or "fresh" (a new sandboxed interpreter, about 30 ms).
 LAUNCHES = ("zygote", "fresh")
-_STDIO_OUTPUT_BYTES = 1 << 20  # per case at least, as a sandboxed process's own max_output_bytes
-_STDIO_OUTPUT_CEILING = 64 << 20  # per case at most, however long the expected output
-# A zygote's run takes its stdin as a file, under the sandbox's 16 MiB limit per file: a larger payload (tests with
-# inputs of megabytes) goes to a fresh sandboxed interpreter, which reads it from a pipe.
-_ZYGOTE_STDIN_BYTES = 12 << 20
-
-
-def _output_cap(expected: str) -> int:
-    """The most bytes a stdin case's program may print: twice its expected output and some, at least 1 MiB (a right
-    answer of 200,000 numbers is more than a megabyte), at most 64 MiB."""
-    return min(max(_STDIO_OUTPUT_BYTES, 2 * len(expected.encode("utf-8", "replace")) + 4096), _STDIO_OUTPUT_CEILING)
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,136 +94,6 @@ def extract_program(completion: str) -> str | None:
     return body if body.strip() else None
 
 
-def _run_sandboxed_harness(source: str, payload: dict, *, timeout_s: float, memory_mb: int, max_output_bytes: int,
-                           allow_numpy: bool, launch: str, stop_when: Any = None) -> SandboxResult:
-    """A harness (trusted source that forks its own candidate processes) in the sandbox, with ``payload`` as its
-    stdin: forked from a zygote, or in a fresh sandboxed interpreter (also when the zygote cannot start)."""
-    stdin = json.dumps(payload)
-    if launch == "zygote" and len(stdin) <= _ZYGOTE_STDIN_BYTES:
-        from areal_jax.rewards.zygote import ZygoteError, run_forked
-
-        try:
-            return run_forked(source, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
-                              max_output_bytes=max_output_bytes, allow_numpy=allow_numpy, stop_when=stop_when)
-        except (ZygoteError, OSError):
-            pass  # e.g. no process creation here: the fresh sandbox below still scores the sample
-    return run_python_sandboxed(source, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
-                                max_output_bytes=max_output_bytes, allow_subprocess=True, cpu_time_s=timeout_s + 1,
-                                stop_when=stop_when, allow_numpy=allow_numpy)
-
-
-def _run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-               stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
-    if runner == "fork":
-        return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail, allow_numpy,
-                                 launch)
-    statuses = []
-    for stdin, expected in spec.stdio:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0.05 or (stop_on_fail and statuses and statuses[-1] != "pass"):
-            statuses.append("not_run")
-            continue
-        result = run_python_sandboxed(f"{spec.setup}\n{program}" if spec.setup else program, stdin=stdin,
-                                      timeout_s=min(case_timeout_s, remaining), memory_mb=memory_mb,
-                                      allow_numpy=allow_numpy, max_output_bytes=_output_cap(expected))
-        if result.status == "timeout":
-            statuses.append("timeout")
-        elif result.status != "ok":
-            statuses.append("error")
-        else:
-            statuses.append("pass" if outputs_match(result.stdout, expected, spec.output_match) else "fail")
-    return statuses
-
-
-def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-                      stop_on_fail: bool, allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
-    """The stdin/stdout cases in one sandboxed runner (``_stdio_harness.py``) that forks a candidate process per
-    case; the outputs are compared here as the reports arrive. With ``stop_on_fail`` the runner stops itself after a
-    case that errs or times out, and is stopped from here at the first wrong output (it never sees the expected
-    outputs)."""
-    n = len(spec.stdio)
-    nonce = secrets.token_hex(16)
-    caps = [_output_cap(expected) for _, expected in spec.stdio]
-    payload = {"nonce": nonce, "program": f"{spec.setup}\n{program}" if spec.setup else program,
-               "inputs": [stdin for stdin, _ in spec.stdio], "case_timeout_s": case_timeout_s,
-               "max_output_bytes": caps, "stop_on_error": stop_on_fail}
-    budget = min(deadline - time.monotonic(), case_timeout_s * n + _STARTUP_ALLOWANCE_S)
-    if budget <= 0.05:
-        return ["not_run"] * n
-    # A report is its JSON-escaped output (up to 6 bytes a character for control characters) plus a few fields.
-    cap = min(sum(6 * c + 256 for c in caps) + 4096, 512 << 20)
-    first_wrong = _FirstWrongOutput(nonce, spec) if stop_on_fail else None
-    from areal_jax.rewards.zygote import sandbox_source
-
-    result = _run_sandboxed_harness(sandbox_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget,
-                                    memory_mb=memory_mb, max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch,
-                                    stop_when=first_wrong)
-    reports = _reports(result.stdout, nonce)
-    statuses = []
-    for i, (_, expected) in enumerate(spec.stdio):
-        record = reports.get(i)
-        if stop_on_fail and statuses and statuses[-1] != "pass":
-            statuses.append("not_run")
-        elif record is None:
-            statuses.append("timeout" if result.timed_out else "not_run")
-        elif record.get("status") == "timeout":
-            statuses.append("timeout")
-        elif record.get("status") != "ok" or not isinstance(record.get("stdout"), str):
-            statuses.append("error")
-        else:
-            statuses.append("pass" if outputs_match(record["stdout"], expected, spec.output_match) else "fail")
-    return statuses
-
-
-class _FirstWrongOutput:
-    """``stop_when`` of a harness's sandbox under all_pass: True once a complete report line holds a result that does
-    not match its case (the outcome is settled; the remaining cases would read "not_run" anyway). ``wrong(i, record)``
-    judges one case's report "ok" record (default: the stdin case i's "stdout" against its expected output)."""
-
-    def __init__(self, nonce: str, spec: TestSpec, wrong: Callable[[int, dict], bool] | None = None) -> None:
-        self.prefix, self.spec, self.pieces = (nonce + " ").encode(), spec, []
-        self.wrong = wrong or self._wrong_output
-
-    def _wrong_output(self, i: int, record: dict) -> bool:
-        out = record.get("stdout")
-        return (0 <= i < len(self.spec.stdio) and isinstance(out, str)
-                and not outputs_match(out, self.spec.stdio[i][1], self.spec.output_match))
-
-    def __call__(self, chunk: bytes) -> bool:
-        if b"\n" not in chunk:  # a long report arrives in many pieces: joined once, when its line ends
-            self.pieces.append(chunk)
-            return False
-        *lines, rest = b"".join([*self.pieces, chunk]).split(b"\n")
-        self.pieces = [rest]
-        for line in lines:
-            if not line.startswith(self.prefix):
-                continue
-            try:
-                record = json.loads(line[len(self.prefix):])
-                i = record["i"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if record.get("status") == "ok" and isinstance(i, int) and self.wrong(i, record):
-                return True
-        return False
-
-
-def _reports(stdout: str, nonce: str) -> dict[int, dict]:
-    """The first report of each case in a harness's stdout: lines "<nonce> <json object with an int 'i'>"."""
-    reports: dict[int, dict] = {}
-    prefix = nonce + " "
-    for line in stdout.splitlines():
-        if not line.startswith(prefix):
-            continue
-        try:
-            record = json.loads(line[len(prefix):])
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("i"), int) and record["i"] not in reports:
-            reports[record["i"]] = record
-    return reports
-
-
 def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
                  stop_on_fail: bool, allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
     cases = [{"kind": "expr", "src": src} for src, _ in spec.calls]
@@ -248,7 +101,7 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     nonce = secrets.token_hex(16)
     payload = {"nonce": nonce, "solution": program, "setup": spec.setup, "cases": cases,
                "case_timeout_s": case_timeout_s, "stop_on_error": stop_on_fail}
-    budget = min(deadline - time.monotonic(), case_timeout_s * (len(cases) + 1) + _STARTUP_ALLOWANCE_S)
+    budget = min(deadline - time.monotonic(), case_timeout_s * (len(cases) + 1) + STARTUP_ALLOWANCE_S)
     if budget <= 0.05:
         return ["not_run"] * len(cases)
     def wrong_value(i: int, record: dict) -> bool:  # a call case's returned value, judged here as below
@@ -256,10 +109,10 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
 
     # Process creation is allowed for the harness's fork only: the candidate process denies it itself. Under
     # all_pass the harness is stopped at the first wrong value (it stops itself at the first error).
-    result = _run_sandboxed_harness(_harness_source(), payload, timeout_s=budget, memory_mb=memory_mb,
+    result = run_sandboxed_harness(_harness_source(), payload, timeout_s=budget, memory_mb=memory_mb,
                                     max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch,
-                                    stop_when=_FirstWrongOutput(nonce, spec, wrong_value) if stop_on_fail else None)
-    reports = _reports(result.stdout, nonce)
+                                    stop_when=FirstWrongOutput(nonce, wrong_value) if stop_on_fail else None)
+    reports = harness_reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):
         record = reports.get(i)
@@ -319,7 +172,7 @@ def run_tests(program: str, spec: TestSpec, *, mode: str = "all_pass", case_time
     deadline = time.monotonic() + sample_timeout_s
     statuses = []
     if spec.stdio:
-        statuses += _run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner, allow_numpy,
+        statuses += run_stdio(program, spec, deadline, case_timeout_s, memory_mb, stop, stdio_runner, allow_numpy,
                                launch)
     if spec.calls or spec.programs:
         if stop and any(s != "pass" for s in statuses):

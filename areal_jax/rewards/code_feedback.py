@@ -1,5 +1,5 @@
 """Execution feedback for multi-turn code rollouts: what a program does on a task's first (visible) test cases, as
-the text a model reads before its next attempt.
+the text a model reads before its next attempt (a task with a checker has its outputs judged by it).
 
     passed, text = code_feedback(completion, answer, cases=1)
 
@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from areal_jax.rewards.code import extract_program
+from areal_jax.rewards.code_checker import checker_accepts, checker_program, checker_stdin
 from areal_jax.rewards.code_tests import _jsonable, outputs_match, parse_tests, values_equal
 from areal_jax.rewards.zygote import run_forked
 
@@ -79,7 +80,13 @@ def code_feedback(completion: str, answer: str, *, cases: int = 1, case_timeout_
             result = run_forked(source, stdin=stdin, **run)
             where = f"On the input\n{_cut(stdin)}"
             failed = _failure(result, case_timeout_s, where, lines)
-            if failed is None and not outputs_match(result.stdout, expected, spec.output_match):
+            if failed is None and spec.checker:
+                verdict = run_forked(checker_program(spec.checker), stdin=checker_stdin(stdin, expected, result.stdout),
+                                     **run)
+                if not checker_accepts(verdict.status, verdict.stdout):
+                    failed = (f"{where}\nyour program printed\n{_cut(result.stdout) or '(nothing)'}\nwhich is not a "
+                              f"right answer; one right answer is\n{_cut(expected)}")
+            elif failed is None and not outputs_match(result.stdout, expected, spec.output_match):
                 failed = (f"{where}\nthe expected output is\n{_cut(expected)}\nbut your program printed\n"
                           f"{_cut(result.stdout) or '(nothing)'}")
         elif kind == "call":

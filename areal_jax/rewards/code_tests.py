@@ -9,7 +9,10 @@ A task's tests travel through the data pipeline as the example's ``answer`` stri
 A stdin task may also name how its outputs are compared, ``"output_match": "lines" | "tokens" | "numbers"``
 (``outputs_match``); without it the reward's own setting (``reward.code_output_match``) applies. A task may carry
 its contest's time limit per case, ``"time_limit_s"``, which the reward applies when ``reward.code_time_limit_factor``
-is set.
+is set. A stdin task whose right outputs are many (any valid order, any shortest path) carries a special judge,
+``"checker"``: Python source run for each case as ``checker.py input.txt correct_output.txt solution_output.txt`` in a
+directory holding those three files (the contract of the checkers of open-r1/codeforces, ``generated_checker``); the
+case passes when the checker exits with status 0 and the last token it prints is ``1``.
 
 A "calls" case is an expression such as ``"f(123)"`` and the expected value as JSON text (tuples become
 lists); the program's own process evaluates it and returns the value's ``repr``, and the comparison
@@ -50,6 +53,7 @@ class TestSpec:
     setup: code run before the solution (MBPP's test_setup_code, e.g. imports).
     output_match: how stdio outputs are compared (OUTPUT_MATCHES); "" leaves it to the reward's setting.
     time_limit_s: the task's own time limit per case (its contest's), 0 for none.
+    checker: Python source of a special judge for the stdio cases (module doc); "" compares outputs.
     """
     stdio: tuple[tuple[str, str], ...] = ()
     calls: tuple[tuple[str, Any], ...] = ()
@@ -57,8 +61,11 @@ class TestSpec:
     setup: str = ""
     output_match: str = ""
     time_limit_s: float = 0.0
+    checker: str = ""
 
     def __post_init__(self) -> None:
+        if self.checker and not self.stdio:
+            raise ValueError("a checker judges stdin/stdout cases; these tests have none.")
         if self.output_match and self.output_match not in OUTPUT_MATCHES:
             raise ValueError(f"output_match={self.output_match!r} is not one of {', '.join(OUTPUT_MATCHES)}.")
         if not (math.isfinite(self.time_limit_s) and self.time_limit_s >= 0):
@@ -84,6 +91,8 @@ def encode_tests(spec: TestSpec) -> str:
         out["output_match"] = spec.output_match
     if spec.time_limit_s:
         out["time_limit_s"] = spec.time_limit_s
+    if spec.checker:
+        out["checker"] = spec.checker
     return json.dumps(out)
 
 
@@ -99,7 +108,7 @@ def parse_tests(text: str) -> TestSpec:
     calls = tuple((str(src), json.loads(expected)) for src, expected in data.get("calls", []))
     spec = TestSpec(stdio=stdio, calls=calls, programs=tuple(map(str, data.get("programs", []))),
                     setup=str(data.get("setup", "")), output_match=str(data.get("output_match", "")),
-                    time_limit_s=float(data.get("time_limit_s", 0.0)))
+                    time_limit_s=float(data.get("time_limit_s", 0.0)), checker=str(data.get("checker", "")))
     if spec.num_cases == 0:
         raise ValueError("the tests hold no case.")
     return spec
