@@ -17,7 +17,9 @@ Measures, one after another on this machine:
      default (a runner forked from the zygote, forking a candidate per case) against a fresh sandboxed
      interpreter per case (stdio_runner="process", launch="fresh": how every stdin case ran before), for a
      correct program and for one that fails at the middle case (all_pass stops there): ms per sample, ratio;
-  f. what Landlock costs (where the kernel has it): b and b2 without it against with it (the default).
+  f. what Landlock costs (where the kernel has it): b and b2 without it against with it (the default);
+  g. the e sample judged by a special checker (code_checker: a second runner forks the checker per case) against
+     compared outside the sandbox.
 Prints the matmul peak and the load average beside the figures (the CPU may be shared) and ends with
 one JSON line.
 """
@@ -145,6 +147,16 @@ def main() -> None:
                 "stdin_failing_forked_ms": round(fork_bad * 1e3, 1),
                 "stdin_failing_process_ms": round(proc_bad * 1e3, 1),
                 "stdin_failing_speedup": round(proc_bad / fork_bad, 2)})
+
+    # g. the same sample judged by a checker (a special judge that re-reads the input and sums it) instead of compared
+    checker = ("import sys\nnums = open(sys.argv[1]).read().split()[1:]\n"
+               "print(1 if open(sys.argv[3]).read().split() == [str(sum(map(int, nums)))] else 0)")
+    judged = encode_tests(TestSpec(stdio=cases, checker=checker))
+    assert code_tests_reward(summing, judged) == 1.0 and code_tests_reward("print(0)", judged) == 0.0
+    checked = _per_run(lambda: code_tests_reward(summing, judged), repeats)
+    print(f"g. the same sample judged by a checker: {checked * 1e3:.0f} ms against {fork_ok * 1e3:.0f} ms compared "
+          f"({checked / fork_ok:.2f}x: a second runner forks the checker per case)", flush=True)
+    out.update({"stdin_sample_checker_ms": round(checked * 1e3, 1), "checker_cost_ratio": round(checked / fork_ok, 2)})
 
     if landlock_abi():
         plain_fresh = _per_run(lambda: run_python_sandboxed("print(1)", landlock=False), args.serial)
