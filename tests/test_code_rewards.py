@@ -236,3 +236,34 @@ def test_reward_pool_scores_code_in_parallel():
         results = pool.score_batch(items)
     assert [r.reward for r in results] == [1.0, 0.0] * 3
     assert all(r.status == "ok" for r in results)
+
+
+IMPORTED = {  # solution -> how a judge that imports it as a module (stdin closed) sees add(1, 2) and add(5, 5)
+    "main block reads input": ("def add(a, b):\n    return a + b\nif __name__ == '__main__':\n"
+                               "    print(add(*map(int, input().split())))"),
+    "main block runs an example": "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    assert add(2, 2) == 5",
+    "top-level input": "def add(a, b):\n    return a + b\nx = input()",
+    "plain": "def add(a, b):\n    return a + b",
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMPORTED))
+def test_call_cases_load_the_solution_as_an_imported_module(name, tmp_path):
+    """The reference: a plain interpreter importing the solution as a module, its stdin empty. A main block does not
+    run; input read at the top level fails the load, hence every case."""
+    import subprocess
+    import sys
+
+    source = IMPORTED[name]
+    (tmp_path / "solution.py").write_text(source)
+    probe = "import solution\nprint(solution.add(1, 2), solution.add(5, 5))"
+    plain = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=30)
+    want = ("pass", "pass") if plain.returncode == 0 and plain.stdout.split() == ["3", "10"] else ("not_run",) * 2
+    spec = Spec(calls=(("add(1, 2)", 3), ("add(5, 5)", 10)))
+    assert run_tests(source, spec, mode="pass_rate").statuses == want
+    opaque = Spec(programs=("assert add(1, 2) == 3 and add(5, 5) == 10",))
+    assert run_tests(source, opaque).statuses == (want[:1] if want[0] == "pass" else ("not_run",))
+    from areal_jax.rewards.code_feedback import code_feedback  # repair-turn feedback loads it the same way
+
+    assert code_feedback(f"```python\n{source}\n```", encode_tests(spec), cases=2)[0] == (want[0] == "pass")

@@ -5,8 +5,9 @@ It reads one JSON payload from stdin before any untrusted code runs: {"nonce", "
 "cases": [{"kind": "expr" | "exec", "src"}], "case_timeout_s", "stop_on_error"}.
 
 The solution never runs in this process. A forked child (the candidate process) closes every descriptor
-but two pipes to this process, denies itself process creation and signals, loads setup + solution, and
-answers requests: evaluate an expression, or call one of its names with plain arguments. Replies carry
+but two pipes to this process, denies itself process creation and signals, loads setup + solution as a module named
+``solution`` (so an ``if __name__ == "__main__":`` block does not run, as when a judge imports it), and answers
+requests: evaluate an expression, or call one of its names with plain arguments. Replies carry
 ``repr`` of values built only of None / bool / int / float / complex / str / bytes / list / tuple / dict /
 set; anything else is an error. For each case:
   * "expr": the child evaluates the expression (a call of the solution); its ``repr`` is reported and the
@@ -108,7 +109,9 @@ def _harness() -> None:
             text = repr(value)
             return {"value": text} if len(text) <= max_reply // 2 else {"error": "value too large"}
 
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        # Loaded as a module, not as the main program (as function-call judges import a solution): a main block that
+        # reads input or runs an example does not run, and the functions above it are what the cases call.
+        namespace = {"__name__": "solution", "__builtins__": builtins}
         try:
             exec(compile(payload["setup"] + "\n" + payload["solution"], "solution.py", "exec"), namespace)
         except BaseException as e:  # noqa: BLE001 - SystemExit at import time fails every case

@@ -26,6 +26,8 @@ __all__ = ["code_feedback", "NO_PROGRAM"]
 
 NO_PROGRAM = "No ```python code block was found in your answer. Give the whole program in one ```python block."
 _FIELD_CHARS = 300
+# Call and test cases load the program as the reward's harness does, as a module (its main block does not run).
+_AS_MODULE = "__name__ = 'solution'\n"
 
 
 def _cut(text: str, limit: int = _FIELD_CHARS) -> str:
@@ -71,6 +73,7 @@ def code_feedback(completion: str, answer: str, *, cases: int = 1, case_timeout_
     source = f"{spec.setup}\n{program}" if spec.setup else program
     first = len((spec.setup + "\n").splitlines()) + 1 if spec.setup else 1
     lines = (first, first + len(program.splitlines()) - 1)
+    module_lines = (lines[0] + 1, lines[1] + 1)  # after _AS_MODULE's line
     shown = [("stdio", case) for case in spec.stdio] + [("call", case) for case in spec.calls]
     shown = (shown + [("program", case) for case in spec.programs])[:max(1, int(cases))]
     run = {"timeout_s": case_timeout_s, "memory_mb": memory_mb, "allow_numpy": allow_numpy, "allow_subprocess": False}
@@ -91,16 +94,16 @@ def code_feedback(completion: str, answer: str, *, cases: int = 1, case_timeout_
                           f"{_cut(result.stdout) or '(nothing)'}")
         elif kind == "call":
             call, expected = case
-            result = run_forked(f"{source}\n\nprint(repr({call}))", **run)
-            failed = _failure(result, case_timeout_s, f"Calling {_cut(call, 120)}", lines)
+            result = run_forked(f"{_AS_MODULE}{source}\n\nprint(repr({call}))", **run)
+            failed = _failure(result, case_timeout_s, f"Calling {_cut(call, 120)}", module_lines)
             if failed is None:
                 got = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
                 if not _repr_equals(got, expected):
                     failed = (f"{_cut(call, 120)} returned {_cut(got, 200) or '(nothing)'}, expected "
                               f"{_cut(repr(expected), 200)}.")
         else:
-            result = run_forked(f"{source}\n\n{case}", **run)
-            failed = _failure(result, case_timeout_s, f"On the test\n{_cut(case)}", lines)
+            result = run_forked(f"{_AS_MODULE}{source}\n\n{case}", **run)
+            failed = _failure(result, case_timeout_s, f"On the test\n{_cut(case)}", module_lines)
         if failed is not None:
             return False, failed
     return True, ""
