@@ -124,3 +124,19 @@ def test_auto_question_field_takes_the_first_known_field_per_row(tmp_path):
     assert stats.bad_row_messages == [f"{path}, line 4: field 'problem' is null; give it a value or drop the row."]
     named, _ = read_jsonl(path, question_field="problem", on_bad_row="skip")
     assert [r.question for r in named] == ["not this", "math?"]
+
+
+def test_a_byte_order_mark_and_crlf_lines_read_as_plain_utf8_and_other_encodings_name_their_line(tmp_path):
+    rows = [GOOD, {"question": "Caf\u00e9 sells 3 cakes. How many?", "answer": "#### 3"}]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    bom = tmp_path / "bom.jsonl"  # as some editors save UTF-8: a BOM and \r\n line ends
+    bom.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode("utf-8"))
+    expected = [(r.question, r.answer) for r in read_jsonl(str(plain))[0]]
+    assert [(r.question, r.answer) for r in read_jsonl(str(bom))[0]] == expected and len(expected) == 2
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl, line 2: not UTF-8 text \(byte 0xe9"):
+        read_jsonl(str(latin1))
+    records, stats = read_jsonl(str(latin1), on_bad_row="skip")
+    assert len(records) == 1 and stats.bad_rows_skipped == 1

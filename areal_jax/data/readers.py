@@ -124,9 +124,18 @@ def _make_record(path: str, row_number: int, row: Any, question_field: str, answ
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, parsed object) per non-blank line; a line that is not JSON yields a _BadRow."""
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    """(1-based line number, parsed object) per non-blank line; a line that is not UTF-8 JSON yields a _BadRow. A
+    byte-order mark at the start of the file (as some editors save UTF-8) is skipped; \r\n line ends read as \n."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            if line_number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield line_number, _BadRow(f"not UTF-8 text (byte {raw[err.start]:#04x} at byte {err.start + 1}); "
+                                           "save the file as UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
