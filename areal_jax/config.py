@@ -80,6 +80,10 @@ class JobConfig(Section):
                 f"The cosine schedule's total_steps x train.ppo_minibatches = {self.optimizer_steps} optimizer steps "
                 f"must exceed --config.train.warmup_steps={t.warmup_steps}; raise total_steps or use "
                 "--config.train.schedule=constant.")
+        require(r.group_size >= 2 or t.critic != "none",
+                f"--config.rollout.group_size={r.group_size}: group advantages compare a prompt's samples with each "
+                "other, so with one sample every advantage is 0 and nothing is learned. Raise group_size to 2 or more, "
+                "or learn a baseline with --config.train.critic=value_head.")
         task, fn = self.data.task, self.reward.fn
         require(not (task == "code" and fn in ("math", "exact")),
                 f"--config.data.task=code gives hidden tests as answers, which reward.fn={fn!r} cannot score; pass "
