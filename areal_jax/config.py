@@ -80,10 +80,6 @@ class JobConfig(Section):
                 f"The cosine schedule's total_steps x train.ppo_minibatches = {self.optimizer_steps} optimizer steps "
                 f"must exceed --config.train.warmup_steps={t.warmup_steps}; raise total_steps or use "
                 "--config.train.schedule=constant.")
-        require(r.group_size >= 2 or t.critic != "none",
-                f"--config.rollout.group_size={r.group_size}: group advantages compare a prompt's samples with each "
-                "other, so with one sample every advantage is 0 and nothing is learned. Raise group_size to 2 or more, "
-                "or learn a baseline with --config.train.critic=value_head.")
         task, fn = self.data.task, self.reward.fn
         require(not (task == "code" and fn in ("math", "exact")),
                 f"--config.data.task=code gives hidden tests as answers, which reward.fn={fn!r} cannot score; pass "
@@ -251,9 +247,26 @@ def validate(config: ml_collections.ConfigDict | JobConfig, *, check_paths: bool
     Device-count checks run in runtime.mesh once devices are known, still before any compile.
     """
     job = config if isinstance(config, JobConfig) else from_config_dict(config)
+    _check_learning(job)
     if check_paths:
         _check_paths(job)
     return job
+
+
+def _check_learning(job: JobConfig) -> None:
+    """A training run that would learn nothing: group advantages over groups whose samples cannot differ. (Not part
+    of JobConfig.check: an evaluation may decode greedily.)"""
+    r, t = job.rollout, job.train
+    if t.critic != "none":
+        return  # a learned baseline gives every sample its own advantage
+    require(r.group_size >= 2,
+            f"--config.rollout.group_size={r.group_size}: group advantages compare a prompt's samples with each "
+            "other, so with one sample every advantage is 0 and nothing is learned. Raise group_size to 2 or more, "
+            "or learn a baseline with --config.train.critic=value_head.")
+    require(r.temperature > 0 and r.top_k != 1,
+            f"--config.rollout.temperature={r.temperature} / top_k={r.top_k} decodes greedily: a group's "
+            f"{r.group_size} samples are one and the same completion, so every group advantage is 0 and nothing "
+            "is learned. Sample (temperature > 0, top_k None or >= 2), or use --config.train.critic=value_head.")
 
 
 def _check_paths(job: JobConfig) -> None:
