@@ -8,8 +8,10 @@ Nothing is downloaded: point model.path at an HF directory (config.json, *.safet
 tokenizer_config.json) and the data paths at JSONL or Parquet files in one of the layouts
 data/code_readers.py reads: APPS / TACO rows ("question" plus "input_output" with inputs, outputs and
 optionally fn_name), DeepCoder rows ("problem" / "tests" / "metadata"), LiveCodeBench rows
-("question_content" / "public_test_cases"), MBPP rows ("text" / "test_list") or HumanEval rows ("prompt" /
-"test" / "entry_point"). The hidden tests never reach the prompt; each completion's last ```python block runs
+("question_content" / "public_test_cases"), CodeContests rows ("description" / "public_tests" / "private_tests"),
+Codeforces rows (open-r1/codeforces: "official_tests", judged by the row's "generated_checker" where the problem
+accepts many outputs), MBPP rows ("text" / "test_list") or HumanEval rows ("prompt" / "test" / "entry_point"); a
+file may mix them. The hidden tests never reach the prompt; each completion's last ```python block runs
 against them in the sandbox (rewards/code.py), reward 1 when every case passes
 (`--config.reward.code_mode=pass_rate` for the fraction). Rows without usable tests are skipped and
 counted. Sandboxed tests run in `reward.num_workers` processes: size it to the host's spare CPU cores
