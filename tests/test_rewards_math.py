@@ -53,6 +53,15 @@ def test_extract_final_answer_by_hand(text, expected):
     ("no answer here", "3", 0.0),
     (r"\boxed{\frac{1}{0}}", "1", 0.0),
     (r"\boxed{\invalid{{", "1", 0.0),
+    # a number and its unit against a plain reference: the number is the answer; anything more is not
+    ("#### 12 dollars", "12", 1.0),
+    (r"\boxed{12 dollars}", "12", 1.0),
+    ("The answer is $12.50 per hour.", "12.5", 1.0),
+    (r"#### 40\%", "40", 1.0),
+    ("#### 1,200 people's votes", "1200", 1.0),
+    ("#### 12 dollars", "13", 0.0),
+    ("#### 3 and 4", "3", 0.0),
+    ("#### 12 x 3", "12", 0.0),
 ])
 def test_math_reward_by_hand(completion, answer, expected):
     assert math_reward(completion, answer) == expected

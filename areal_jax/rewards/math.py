@@ -8,7 +8,8 @@ The final answer of a completion is, in order of preference:
 
 Equality is mathematical (math-verify + sympy): ``1/2 == 0.5 == \\frac{1}{2}`` and ``1,000 == 1000``.
 Plain numbers on both sides, the common case for GSM8K-style data, are compared exactly with
-``fractions.Fraction`` without touching sympy.
+``fractions.Fraction`` without touching sympy; against a plain-number reference, a number followed by words only
+(its unit: ``12 dollars``, ``3.5 km per hour``) counts as that number.
 
 math-verify's own timeouts use ``signal.alarm`` and fail off the main thread, so they are disabled
 here; run ``math_reward`` under ``areal_jax.rewards.pool.RewardPool``, whose per-sample timeout kills
@@ -40,6 +41,8 @@ _NUMBER = re.compile(
     r"(?<![\w.])-?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
+# A plain number followed by words only (a unit: "12 dollars", "3.5 km per hour", "40 %"), against a plain reference.
+_NUMBER_AND_UNIT = re.compile(r"\$?\s*([-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+))\s*(?:\\?%|[A-Za-z][A-Za-z'./ ]*)")
 
 
 def _last_balanced_boxed(text: str) -> str | None:
@@ -132,6 +135,8 @@ def answers_equal(pred: str, gold: str) -> bool:
     ``parse``/``verify`` with their signal-based timeouts disabled (callers bound the time).
     """
     a, b = parse_plain_number(pred), parse_plain_number(gold)
+    if a is None and b is not None and (unit := _NUMBER_AND_UNIT.fullmatch(pred.strip())):
+        a = parse_plain_number(unit.group(1))  # "12 dollars", "$12.50 per hour", "5 %": the number is the answer
     if a is not None and b is not None:
         return a == b
     from math_verify import parse, verify  # imported lazily: sympy is slow to import
