@@ -62,6 +62,16 @@ def test_extract_final_answer_by_hand(text, expected):
     ("#### 12 dollars", "13", 0.0),
     ("#### 3 and 4", "3", 0.0),
     ("#### 12 x 3", "12", 0.0),
+    # how instruct models dress a number: markdown emphasis, LaTeX's escaped dollar and thousands spacing
+    ("The answer is **42**.", "42", 1.0),
+    ("The answer is **42**.", "43", 0.0),
+    (r"\boxed{\$18}", "18", 1.0),
+    (r"the answer is \$18.", "18", 1.0),
+    (r"\boxed{\$18.00}", "18", 1.0),
+    (r"\boxed{1{,}000}", "1000", 1.0),
+    (r"\boxed{1\,000}", "1000", 1.0),
+    ("#### 1\u202f000", "1000", 1.0),
+    ("The answer is **\\$12.50 per hour**.", "12.5", 1.0),
 ])
 def test_math_reward_by_hand(completion, answer, expected):
     assert math_reward(completion, answer) == expected

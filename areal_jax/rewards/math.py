@@ -93,10 +93,20 @@ def extract_final_answer(text: str) -> str | None:
     return None
 
 
+def _plain_spelling(text: str) -> str:
+    """``text`` without what dresses a plain number but is not part of it: markdown emphasis (``**42**``), an escaped
+    or bare dollar sign (``\\$18``, ``$72$``) and the thousands spacing of LaTeX or typography (``1\\,000``,
+    ``1{,}000``, a no-break or thin space)."""
+    s = text.strip().strip("*_").strip()
+    s = s.replace("\\$", "$").replace("{,}", ",").replace("\\,", "").replace("\\!", "")
+    s = re.sub(r"[\u00a0\u2009\u202f]", "", s)
+    return s.strip().strip("$").strip()
+
+
 def parse_plain_number(text: str) -> Fraction | None:
-    """Exact value of a plain number string (``-3``, ``1,000``, ``0.5``, ``3/4``, ``$72$``, ``72.``),
-    or None when the string is anything else (LaTeX, units, expressions)."""
-    s = text.strip().strip("$").strip()
+    """Exact value of a plain number string (``-3``, ``1,000``, ``0.5``, ``3/4``, ``$72$``, ``72.``, ``**72**``,
+    ``\\$72``, ``1\\,000``), or None when the string is anything else (LaTeX, units, expressions)."""
+    s = _plain_spelling(text)
     s = _THOUSANDS.sub("", s).replace(" ", "")
     if s.endswith(".") and not s.endswith(".."):
         s = s[:-1]
@@ -135,7 +145,7 @@ def answers_equal(pred: str, gold: str) -> bool:
     ``parse``/``verify`` with their signal-based timeouts disabled (callers bound the time).
     """
     a, b = parse_plain_number(pred), parse_plain_number(gold)
-    if a is None and b is not None and (unit := _NUMBER_AND_UNIT.fullmatch(pred.strip())):
+    if a is None and b is not None and (unit := _NUMBER_AND_UNIT.fullmatch(_plain_spelling(pred))):
         a = parse_plain_number(unit.group(1))  # "12 dollars", "$12.50 per hour", "5 %": the number is the answer
     if a is not None and b is not None:
         return a == b
