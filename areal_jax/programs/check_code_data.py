@@ -1,0 +1,195 @@
+"""Check a code dataset before training on it: do its own reference solutions pass its tests, and do its checkers
+accept its listed outputs? Public code sets hold tasks whose tests are wrong (every sample of such a task scores 0:
+compute spent on no signal); RL recipes drop them before training.
+
+    python -m areal_jax.programs.check_code_data --data=train.jsonl [--data=more.parquet] --out=clean.jsonl \\
+        [--report=report.jsonl] [--workers=2] [--limit=N]
+
+Each row is read as the code job reads it (``data/code_readers.py``; a malformed row is reported with its file and
+line). Its reference solutions, where the layout has them, run against its tests in the sandbox, as the reward runs a
+completion (pass rate, ``rewards/code.py``): APPS / TACO ``solutions`` (a JSON list of programs), CodeContests
+``solutions`` (its Python 3 ones), MBPP ``code``, HumanEval ``prompt`` + ``canonical_solution`` and a ``solution``
+string. The row passes when one of its first ``--max_references`` solutions passes every case. A row with a checker
+and no reference is checked the other way: a program that prints each case's listed output must be accepted by the
+checker. Rows with neither are kept and counted as unchecked.
+
+Prints progress, a summary and one JSON line. ``--out`` gets the rows that passed or could not be checked, as they
+were read (JSONL); ``--report`` one line per row: file, row, status, pass rate, detail.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Iterator
+
+from areal_jax.data.code_readers import code_row_to_record
+from areal_jax.data.readers import _BadRow, jsonl_rows
+from areal_jax.rewards.code_tests import parse_tests
+
+__all__ = ["reference_solutions", "echo_program", "check_rows", "main"]
+
+_CONTESTS_PYTHON3 = 3  # CodeContests' Language enum: 1 Python 2, 2 C++, 3 Python 3, 4 Java
+_ECHO_LIMIT = 8 << 20  # the checker self-check embeds every case's input and output in one program
+
+
+def _json_list(value: Any) -> list:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return []
+    return value if isinstance(value, list) else []
+
+
+def reference_solutions(row: dict) -> list[str]:
+    """The row's reference programs in Python, by layout (module doc); [] when it has none."""
+    out: list[Any] = []
+    solutions = row.get("solutions")
+    if isinstance(solutions, dict):  # CodeContests: parallel lists of languages and programs
+        languages, programs = solutions.get("language") or [], solutions.get("solution") or []
+        out = [p for lang, p in zip(languages, programs) if lang == _CONTESTS_PYTHON3]
+    elif solutions is not None:  # APPS / TACO
+        out = _json_list(solutions)
+    elif isinstance(row.get("canonical_solution"), str) and isinstance(row.get("prompt"), str):  # HumanEval
+        out = [row["prompt"] + row["canonical_solution"]]
+    elif isinstance(row.get("code"), str):  # MBPP
+        out = [row["code"]]
+    elif isinstance(row.get("solution"), str):
+        out = [row["solution"]]
+    return [p for p in out if isinstance(p, str) and p.strip()]
+
+
+def echo_program(stdio: tuple[tuple[str, str], ...]) -> str:
+    """A program that prints each case's listed output for its input: what a checker must accept."""
+    table = json.dumps({stdin: expected for stdin, expected in stdio})
+    return f"import json, sys\nsys.stdout.write(json.loads({table!r})[sys.stdin.read()])\n"
+
+
+def _rows(path: str) -> Iterator[tuple[int, Any]]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        yield from enumerate(pq.read_table(path).to_pylist())
+    elif path.endswith(".jsonl"):
+        yield from jsonl_rows(path)
+    else:
+        raise ValueError(f"Cannot tell the format of {path!r}: name it *.jsonl or *.parquet.")
+
+
+def check_rows(paths: list[str], *, workers: int = 2, max_references: int = 3, limit: int | None = None,
+               case_timeout_s: float = 6.0, sample_timeout_s: float = 60.0, progress: Any = print) -> list[dict]:
+    """One result per row of ``paths``: {"file", "row", "status", "pass_rate", "detail", "raw"}. status: "bad_row",
+    "unchecked", "passed", "failed" (no reference passed every case; pass_rate is the best one's) or
+    "checker_rejects" (the checker refused a listed output)."""
+    from areal_jax.rewards.code import make_code_reward
+    from areal_jax.rewards.pool import RewardPool
+
+    results: list[dict] = []
+    jobs: list[tuple[int, list[str], str]] = []  # (result index, programs to try, tests JSON)
+    for path in paths:
+        where = "row index" if path.endswith(".parquet") else "line"
+        for number, row in _rows(path):
+            if limit is not None and len(results) >= limit:
+                break
+            result = {"file": path, "row": number, "status": "unchecked", "pass_rate": None, "detail": "", "raw": row}
+            results.append(result)
+            try:
+                if isinstance(row, _BadRow):
+                    raise row
+                record = code_row_to_record(path, number, row)
+            except _BadRow as err:
+                result.update(status="bad_row", detail=f"{path}, {where} {number}: {err}", raw=None)
+                continue
+            spec = parse_tests(record.answer)
+            programs = reference_solutions(row)[:max_references]
+            if not programs and spec.checker:
+                if sum(len(i) + len(o) for i, o in spec.stdio) > _ECHO_LIMIT:
+                    result["detail"] = "checker not checked: the tests are too large to embed"
+                    continue
+                programs = [echo_program(spec.stdio)]
+                result["detail"] = "checker"
+            if programs:
+                jobs.append((len(results) - 1, programs, record.answer))
+    reward = make_code_reward(mode="pass_rate", case_timeout_s=case_timeout_s, sample_timeout_s=sample_timeout_s)
+    start, done = time.monotonic(), 0
+    with RewardPool(reward, num_workers=workers, timeout_s=sample_timeout_s + 10.0) as pool:
+        pending = {}
+        for index, programs, answer in jobs:  # the first reference of every row, then the next of those that failed
+            pending[(index, 0)] = (programs, answer)
+            pool.submit((index, 0), f"```python\n{programs[0]}\n```", answer)
+        while pending:
+            for res in pool.results(timeout=1.0):
+                index, k = res.key
+                programs, answer = pending.pop((index, k))
+                result = results[index]
+                best = max(result["pass_rate"] or 0.0, res.reward)
+                result["pass_rate"] = best
+                if res.reward == 1.0:
+                    result["status"] = "passed"
+                elif k + 1 < len(programs):
+                    pending[(index, k + 1)] = (programs, answer)
+                    pool.submit((index, k + 1), f"```python\n{programs[k + 1]}\n```", answer)
+                    continue
+                else:
+                    checker = result["detail"] == "checker"
+                    result["status"] = "checker_rejects" if checker else "failed"
+                    result["detail"] = (f"the checker accepted {best:.0%} of the listed outputs" if checker else
+                                        f"the best of {len(programs)} reference solution(s) passed {best:.0%} of the "
+                                        f"cases" + (f" ({res.status}: {res.error})" if res.error else ""))
+                done += 1
+                if progress and (done % max(1, len(jobs) // 10) == 0 or done == len(jobs)):
+                    progress(f"[check] {done} / {len(jobs)} rows run ({time.monotonic() - start:.0f} s)")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m areal_jax.programs.check_code_data", description=__doc__.split("\n")[0])
+    p.add_argument("--data", action="append", required=True, help="a JSONL or Parquet file of code tasks (repeatable)")
+    p.add_argument("--out", help="write the rows that passed or could not be checked here (JSONL)")
+    p.add_argument("--report", help="write one JSON line per row here")
+    p.add_argument("--workers", type=int, default=2, help="sandbox worker processes")
+    p.add_argument("--max_references", type=int, default=3, help="reference solutions tried per row")
+    p.add_argument("--limit", type=int, default=None, help="check only the first N rows")
+    p.add_argument("--case_timeout_s", type=float, default=6.0, help="limit per test case")
+    p.add_argument("--sample_timeout_s", type=float, default=60.0, help="limit for all cases of one solution")
+    args = p.parse_args(argv)
+    problems = [f"--data={d!r} does not exist" for d in args.data if not os.path.isfile(d)]
+    problems += [f"--{k}={v} must be at least 1" for k, v in (("workers", args.workers),
+                                                            ("max_references", args.max_references)) if v < 1]
+    for flag in ("out", "report"):
+        target = getattr(args, flag)
+        if target and not os.access(os.path.dirname(os.path.abspath(target)), os.W_OK):
+            problems.append(f"--{flag}={target!r} is not in a writable directory")
+    if problems:
+        print("Error: " + "; ".join(problems) + ".", file=sys.stderr)
+        return 2
+    try:
+        results = check_rows(args.data, workers=args.workers, max_references=args.max_references, limit=args.limit,
+                             case_timeout_s=args.case_timeout_s, sample_timeout_s=args.sample_timeout_s)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    counts = {s: sum(r["status"] == s for r in results)
+              for s in ("passed", "failed", "checker_rejects", "unchecked", "bad_row")}
+    kept = [r for r in results if r["status"] in ("passed", "unchecked")]
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r["raw"], ensure_ascii=False, default=str) + "\n" for r in kept)
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({k: v for k, v in r.items() if k != "raw"}) + "\n" for r in results)
+    for r in [r for r in results if r["status"] in ("failed", "checker_rejects", "bad_row")][:10]:
+        print(f"  {r['file']}:{r['row']}: {r['status']}: {r['detail']}")
+    print(f"{len(results)} rows: {counts['passed']} passed, {counts['failed']} failed their reference solutions, "
+          f"{counts['checker_rejects']} have a checker that rejects a listed output, {counts['unchecked']} could not be "
+          f"checked (no reference, no checker), {counts['bad_row']} malformed; {len(kept)} kept"
+          + (f" in {args.out}" if args.out else ""))
+    print(json.dumps({"rows": len(results), **counts, "kept": len(kept)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
