@@ -64,18 +64,22 @@ def test_references_by_layout_and_the_echo_program():
 def test_the_command_writes_the_kept_rows_and_a_report_and_reads_parquet(tmp_path):
     rows = _rows()[:3]
     parquet = tmp_path / "tasks.parquet"
+    rows.append({"question": "  Multiply   TWO numbers.", "input_output": IO})  # a test task, spelled otherwise
     pq.write_table(pa.Table.from_pylist(rows), str(parquet))
+    test_split = tmp_path / "test.jsonl"
+    test_split.write_text(json.dumps({"question": "multiply two numbers.", "input_output": IO}) + "\n")
     out, report = tmp_path / "clean.jsonl", tmp_path / "report.jsonl"
     proc = subprocess.run([sys.executable, "-m", "areal_jax.programs.check_code_data", f"--data={parquet}",
-                           f"--out={out}", f"--report={report}"], capture_output=True, text=True, timeout=300)
+                           f"--out={out}", f"--report={report}", f"--exclude={test_split}"], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary == {"rows": 3, "passed": 1, "failed": 1, "checker_rejects": 0, "unchecked": 1, "bad_row": 0,
-                       "kept": 2}
+    assert summary == {"rows": 4, "passed": 1, "failed": 1, "checker_rejects": 0, "unchecked": 1, "excluded": 1,
+                       "bad_row": 0, "kept": 2}
     kept = [json.loads(line) for line in out.read_text().splitlines()]
     assert [k["question"] for k in kept] == [rows[0]["question"], rows[2]["question"]]
     statuses = [json.loads(line)["status"] for line in report.read_text().splitlines()]
-    assert statuses == ["passed", "failed", "unchecked"]
+    assert statuses == ["passed", "failed", "unchecked", "excluded"]
     bad = subprocess.run([sys.executable, "-m", "areal_jax.programs.check_code_data", "--data=/no/such.jsonl"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--data='/no/such.jsonl' does not exist" in bad.stderr

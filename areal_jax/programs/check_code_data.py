@@ -3,7 +3,7 @@ accept its listed outputs? Public code sets hold tasks whose tests are wrong (ev
 compute spent on no signal); RL recipes drop them before training.
 
     python -m areal_jax.programs.check_code_data --data=train.jsonl [--data=more.parquet] --out=clean.jsonl \\
-        [--report=report.jsonl] [--workers=2] [--limit=N]
+        [--report=report.jsonl] [--exclude=test.jsonl] [--workers=2] [--limit=N]
 
 Each row is read as the code job reads it (``data/code_readers.py``; a malformed row is reported with its file and
 line). Its reference solutions, where the layout has them, run against its tests in the sandbox, as the reward runs a
@@ -11,7 +11,8 @@ completion (pass rate, ``rewards/code.py``): APPS / TACO ``solutions`` (a JSON l
 ``solutions`` (its Python 3 ones), MBPP ``code``, HumanEval ``prompt`` + ``canonical_solution`` and a ``solution``
 string. The row passes when one of its first ``--max_references`` solutions passes every case. A row with a checker
 and no reference is checked the other way: a program that prints each case's listed output must be accepted by the
-checker. Rows with neither are kept and counted as unchecked.
+checker. Rows with neither are kept and counted as unchecked. ``--exclude`` drops the rows whose statement is also
+in another file (the test split: a training set that holds test tasks inflates every evaluation).
 
 Prints progress, a summary and one JSON line. ``--out`` gets the rows that passed or could not be checked, as they
 were read (JSONL); ``--report`` one line per row: file, row, status, pass rate, detail.
@@ -29,7 +30,7 @@ from areal_jax.data.code_readers import code_row_to_record
 from areal_jax.data.readers import _BadRow, jsonl_rows
 from areal_jax.rewards.code_tests import parse_tests
 
-__all__ = ["reference_solutions", "echo_program", "check_rows", "main"]
+__all__ = ["reference_solutions", "echo_program", "check_rows", "statement_key", "excluded_statements", "main"]
 
 _CONTESTS_PYTHON3 = 3  # CodeContests' Language enum: 1 Python 2, 2 C++, 3 Python 3, 4 Java
 _ECHO_LIMIT = 8 << 20  # the checker self-check embeds every case's input and output in one program
@@ -79,11 +80,31 @@ def _rows(path: str) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"Cannot tell the format of {path!r}: name it *.jsonl or *.parquet.")
 
 
+def statement_key(text: str) -> str:
+    """A statement as compared for overlap: lower case, every run of whitespace one space."""
+    return " ".join(text.lower().split())
+
+
+def excluded_statements(paths: list[str]) -> set[str]:
+    """The statement keys of every readable row of ``paths`` (e.g. the test split)."""
+    keys = set()
+    for path in paths:
+        for number, row in _rows(path):
+            try:
+                if not isinstance(row, _BadRow):
+                    keys.add(statement_key(code_row_to_record(path, number, row).question))
+            except _BadRow:
+                continue
+    return keys
+
+
 def check_rows(paths: list[str], *, workers: int = 2, max_references: int = 3, limit: int | None = None,
-               case_timeout_s: float = 6.0, sample_timeout_s: float = 60.0, progress: Any = print) -> list[dict]:
+               case_timeout_s: float = 6.0, sample_timeout_s: float = 60.0, exclude: set[str] | None = None,
+               progress: Any = print) -> list[dict]:
     """One result per row of ``paths``: {"file", "row", "status", "pass_rate", "detail", "raw"}. status: "bad_row",
-    "unchecked", "passed", "failed" (no reference passed every case; pass_rate is the best one's) or
-    "checker_rejects" (the checker refused a listed output)."""
+    "excluded" (its statement is one of ``exclude``'s keys: e.g. a test task in the training set), "unchecked",
+    "passed", "failed" (no reference passed every case; pass_rate is the best one's) or "checker_rejects" (the checker
+    refused a listed output)."""
     from areal_jax.rewards.code import make_code_reward
     from areal_jax.rewards.pool import RewardPool
 
@@ -102,6 +123,9 @@ def check_rows(paths: list[str], *, workers: int = 2, max_references: int = 3, l
                 record = code_row_to_record(path, number, row)
             except _BadRow as err:
                 result.update(status="bad_row", detail=f"{path}, {where} {number}: {err}", raw=None)
+                continue
+            if exclude and statement_key(record.question) in exclude:
+                result.update(status="excluded", detail="its statement is in an --exclude file")
                 continue
             spec = parse_tests(record.answer)
             programs = reference_solutions(row)[:max_references]
@@ -153,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="sandbox worker processes")
     p.add_argument("--max_references", type=int, default=3, help="reference solutions tried per row")
     p.add_argument("--limit", type=int, default=None, help="check only the first N rows")
+    p.add_argument("--exclude", action="append", default=[], help="drop rows whose statement is in this file "
+                   "(e.g. the test split: train / test overlap), compared without case and spacing (repeatable)")
     p.add_argument("--case_timeout_s", type=float, default=6.0, help="limit per test case")
     p.add_argument("--sample_timeout_s", type=float, default=60.0, help="limit for all cases of one solution")
     args = p.parse_args(argv)
-    problems = [f"--data={d!r} does not exist" for d in args.data if not os.path.isfile(d)]
+    problems = [f"--{flag}={d!r} does not exist" for flag in ("data", "exclude") for d in getattr(args, flag)
+                if not os.path.isfile(d)]
     problems += [f"--{k}={v} must be at least 1" for k, v in (("workers", args.workers),
                                                             ("max_references", args.max_references)) if v < 1]
     for flag in ("out", "report"):
@@ -168,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         results = check_rows(args.data, workers=args.workers, max_references=args.max_references, limit=args.limit,
-                             case_timeout_s=args.case_timeout_s, sample_timeout_s=args.sample_timeout_s)
+                             case_timeout_s=args.case_timeout_s, sample_timeout_s=args.sample_timeout_s,
+                             exclude=excluded_statements(args.exclude))
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
     counts = {s: sum(r["status"] == s for r in results)
-              for s in ("passed", "failed", "checker_rejects", "unchecked", "bad_row")}
+              for s in ("passed", "failed", "checker_rejects", "unchecked", "excluded", "bad_row")}
     kept = [r for r in results if r["status"] in ("passed", "unchecked")]
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -185,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['file']}:{r['row']}: {r['status']}: {r['detail']}")
     print(f"{len(results)} rows: {counts['passed']} passed, {counts['failed']} failed their reference solutions, "
           f"{counts['checker_rejects']} have a checker that rejects a listed output, {counts['unchecked']} could not be "
-          f"checked (no reference, no checker), {counts['bad_row']} malformed; {len(kept)} kept"
+          f"checked (no reference, no checker), {counts['excluded']} in an --exclude file, {counts['bad_row']} "
+          f"malformed; {len(kept)} kept"
           + (f" in {args.out}" if args.out else ""))
     print(json.dumps({"rows": len(results), **counts, "kept": len(kept)}))
     return 0
