@@ -23,9 +23,11 @@ _STDIO_OUTPUT_CEILING = 64 << 20  # per case at most, however long the expected 
 
 
 def output_cap(expected: str) -> int:
-    """The most bytes a stdin case's program may print: twice its expected output and some, at least 1 MiB (a right
-    answer of 200,000 numbers is more than a megabyte), at most 64 MiB."""
-    return min(max(_STDIO_OUTPUT_BYTES, 2 * len(expected.encode("utf-8", "replace")) + 4096), _STDIO_OUTPUT_CEILING)
+    """The most bytes a stdin case's program may print: twice its expected output and some, rounded up to a power of
+    two, at least 1 MiB (a right answer of 200,000 numbers is more than a megabyte), at most 64 MiB. The cap reaches the
+    sandbox, so it tells a program nothing below half a megabyte and no more than a factor of two above."""
+    need = 2 * len(expected.encode("utf-8", "replace")) + 4096
+    return min(max(_STDIO_OUTPUT_BYTES, 1 << (need - 1).bit_length()), _STDIO_OUTPUT_CEILING)
 
 
 def run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
@@ -95,7 +97,8 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
         out = record.get("stdout")
         return 0 <= i < n and isinstance(out, str) and not outputs_match(out, spec.stdio[i][1], spec.output_match)
 
-    ran = stdio_reports(source, [stdin for stdin, _ in spec.stdio], [output_cap(e) for _, e in spec.stdio], deadline,
+    cap = max(output_cap(e) for _, e in spec.stdio)  # one cap for every case: no case's length stands out
+    ran = stdio_reports(source, [stdin for stdin, _ in spec.stdio], [cap] * n, deadline,
                          case_timeout_s, memory_mb, stop_on_fail, allow_numpy, launch,
                          wrong_output if stop_on_fail and not spec.checker else None)
     if ran is None:
