@@ -110,8 +110,8 @@ def _run_harness(program: str, spec: TestSpec, deadline: float, case_timeout_s: 
     # Process creation is allowed for the harness's fork only: the candidate process denies it itself. Under
     # all_pass the harness is stopped at the first wrong value (it stops itself at the first error).
     result = run_sandboxed_harness(_harness_source(), payload, timeout_s=budget, memory_mb=memory_mb,
-                                    max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch,
-                                    stop_when=FirstWrongOutput(nonce, wrong_value) if stop_on_fail else None)
+                                   max_output_bytes=4 << 20, allow_numpy=allow_numpy, launch=launch,
+                                   stop_when=FirstWrongOutput(nonce, wrong_value) if stop_on_fail else None)
     reports = harness_reports(result.stdout, nonce)
     statuses = []
     for i in range(len(cases)):

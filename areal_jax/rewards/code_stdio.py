@@ -31,7 +31,7 @@ def output_cap(expected: str) -> int:
 
 
 def run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: float, memory_mb: int,
-               stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
+              stop_on_fail: bool, runner: str = "fork", allow_numpy: bool = False, launch: str = "zygote") -> list[str]:
     if runner == "fork":
         return _run_stdio_forked(program, spec, deadline, case_timeout_s, memory_mb, stop_on_fail, allow_numpy,
                                  launch)
@@ -61,8 +61,8 @@ def run_stdio(program: str, spec: TestSpec, deadline: float, case_timeout_s: flo
 
 
 def stdio_reports(program: str, inputs: list[str], caps: list[int], deadline: float, case_timeout_s: float,
-                   memory_mb: int, stop_on_error: bool, allow_numpy: bool, launch: str,
-                   wrong: Callable[[int, dict], bool] | None) -> tuple[dict[int, dict], bool] | None:
+                  memory_mb: int, stop_on_error: bool, allow_numpy: bool, launch: str,
+                  wrong: Callable[[int, dict], bool] | None) -> tuple[dict[int, dict], bool] | None:
     """``program`` on each of ``inputs`` in one sandboxed runner (``_stdio_harness.py``) that forks a process per case:
     ({case: its report}, whether the runner ran out of time), or None when no time is left. ``wrong(i, record)``: the
     runner is stopped from here at the first report it calls wrong; with ``stop_on_error`` it stops itself after a case
@@ -79,8 +79,8 @@ def stdio_reports(program: str, inputs: list[str], caps: list[int], deadline: fl
     from areal_jax.rewards.zygote import sandbox_source
 
     result = run_sandboxed_harness(sandbox_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget,
-                                    memory_mb=memory_mb, max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch,
-                                    stop_when=FirstWrongOutput(nonce, wrong) if wrong is not None else None)
+                                   memory_mb=memory_mb, max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch,
+                                   stop_when=FirstWrongOutput(nonce, wrong) if wrong is not None else None)
     return harness_reports(result.stdout, nonce), result.timed_out
 
 
@@ -99,8 +99,8 @@ def _run_stdio_forked(program: str, spec: TestSpec, deadline: float, case_timeou
 
     cap = max(output_cap(e) for _, e in spec.stdio)  # one cap for every case: no case's length stands out
     ran = stdio_reports(source, [stdin for stdin, _ in spec.stdio], [cap] * n, deadline,
-                         case_timeout_s, memory_mb, stop_on_fail, allow_numpy, launch,
-                         wrong_output if stop_on_fail and not spec.checker else None)
+                        case_timeout_s, memory_mb, stop_on_fail, allow_numpy, launch,
+                        wrong_output if stop_on_fail and not spec.checker else None)
     if ran is None:
         return ["not_run"] * n
     reports, timed_out = ran
@@ -133,9 +133,9 @@ def _checker_verdicts(spec: TestSpec, outputs: dict[int, str], deadline: float, 
     cases = sorted(outputs)
     inputs = [checker_stdin(spec.stdio[i][0], spec.stdio[i][1], outputs[i]) for i in cases]
     ran = stdio_reports(checker_program(spec.checker), inputs, [_STDIO_OUTPUT_BYTES] * len(cases), deadline,
-                         case_timeout_s, memory_mb, False, False, launch,
-                         (lambda j, record: not checker_accepts(record.get("status", ""), str(record.get("stdout"))))
-                         if stop_on_fail else None)
+                        case_timeout_s, memory_mb, False, False, launch,
+                        (lambda j, record: not checker_accepts(record.get("status", ""), str(record.get("stdout"))))
+                        if stop_on_fail else None)
     reports = ran[0] if ran is not None else {}
     return {i: j in reports and checker_accepts(reports[j].get("status", ""), str(reports[j].get("stdout")))
             for j, i in enumerate(cases)}
