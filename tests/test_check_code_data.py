@@ -42,8 +42,12 @@ EXPECTED = ["passed", "failed", "unchecked", "passed", "passed", "passed", "pass
 def test_each_row_gets_the_status_its_references_and_checker_give(tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
-    results = check_rows([str(path)], workers=2, progress=None)
+    results = list(check_rows([str(path)], workers=2, progress=None))
     assert [r["status"] for r in results] == EXPECTED
+    # checked a few rows at a time (a large file is never held whole): the same results, in the same order
+    chunked = list(check_rows([str(path)], workers=2, chunk_rows=2, progress=None))
+    assert [(r["row"], r["status"], r["pass_rate"]) for r in chunked] == [
+        (r["row"], r["status"], r["pass_rate"]) for r in results]
     assert results[0]["pass_rate"] == 1.0 and results[1]["pass_rate"] == 0.0
     assert [r["row"] for r in results] == list(range(1, len(EXPECTED) + 1))
     assert "line 9" in results[8]["detail"] and "no tests" in results[8]["detail"]

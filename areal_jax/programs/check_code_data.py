@@ -70,10 +70,16 @@ def echo_program(stdio: tuple[tuple[str, str], ...]) -> str:
 
 
 def _rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(row number, row) of a JSONL (1-based lines) or Parquet file (0-based index, read in batches: a large file is
+    never held whole)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        yield from enumerate(pq.read_table(path).to_pylist())
+        number = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+            for row in batch.to_pylist():
+                yield number, row
+                number += 1
     elif path.endswith(".jsonl"):
         yield from jsonl_rows(path)
     else:
@@ -98,75 +104,91 @@ def excluded_statements(paths: list[str]) -> set[str]:
     return keys
 
 
+def _row_result(path: str, number: int, row: Any, max_references: int,
+                exclude: set[str] | None) -> tuple[dict, list[str], str]:
+    """(result, programs to run, tests JSON) of one row; no programs when there is nothing to run."""
+    result = {"file": path, "row": number, "status": "unchecked", "pass_rate": None, "detail": "", "raw": row}
+    try:
+        if isinstance(row, _BadRow):
+            raise row
+        record = code_row_to_record(path, number, row)
+    except _BadRow as err:
+        where = "row index" if path.endswith(".parquet") else "line"
+        result.update(status="bad_row", detail=f"{path}, {where} {number}: {err}", raw=None)
+        return result, [], ""
+    if exclude and statement_key(record.question) in exclude:
+        result.update(status="excluded", detail="its statement is in an --exclude file")
+        return result, [], ""
+    spec = parse_tests(record.answer)
+    programs = reference_solutions(row)[:max_references]
+    if not programs and spec.checker:
+        if sum(len(i) + len(o) for i, o in spec.stdio) > _ECHO_LIMIT:
+            result["detail"] = "checker not checked: the tests are too large to embed"
+            return result, [], ""
+        programs = [echo_program(spec.stdio)]
+        result["detail"] = "checker"
+    return result, programs, record.answer
+
+
+def _run_chunk(pool: Any, chunk: list[tuple[dict, list[str], str]]) -> None:
+    """Runs the first program of every row of ``chunk``, then the next of those that failed, filling in the results."""
+    pending = {}
+    for index, (_, programs, answer) in enumerate(chunk):
+        if programs:
+            pending[(index, 0)] = (programs, answer)
+            pool.submit((index, 0), f"```python\n{programs[0]}\n```", answer)
+    while pending:
+        for res in pool.results(timeout=1.0):
+            index, k = res.key
+            programs, answer = pending.pop((index, k))
+            result = chunk[index][0]
+            best = max(result["pass_rate"] or 0.0, res.reward)
+            result["pass_rate"] = best
+            if res.reward == 1.0:
+                result["status"] = "passed"
+            elif k + 1 < len(programs):
+                pending[(index, k + 1)] = (programs, answer)
+                pool.submit((index, k + 1), f"```python\n{programs[k + 1]}\n```", answer)
+            elif result["detail"] == "checker":
+                result.update(status="checker_rejects", detail=f"the checker accepted {best:.0%} of the listed outputs")
+            else:
+                result.update(status="failed", detail=f"the best of {len(programs)} reference solution(s) passed "
+                              f"{best:.0%} of the cases" + (f" ({res.status}: {res.error})" if res.error else ""))
+
+
 def check_rows(paths: list[str], *, workers: int = 2, max_references: int = 3, limit: int | None = None,
                case_timeout_s: float = 6.0, sample_timeout_s: float = 60.0, exclude: set[str] | None = None,
-               progress: Any = print) -> list[dict]:
-    """One result per row of ``paths``: {"file", "row", "status", "pass_rate", "detail", "raw"}. status: "bad_row",
-    "excluded" (its statement is one of ``exclude``'s keys: e.g. a test task in the training set), "unchecked",
-    "passed", "failed" (no reference passed every case; pass_rate is the best one's) or "checker_rejects" (the checker
-    refused a listed output)."""
+               chunk_rows: int = 256, progress: Any = print) -> Iterator[dict]:
+    """One result per row of ``paths``, in order, ``chunk_rows`` rows at a time (a large dataset is never held whole):
+    {"file", "row", "status", "pass_rate", "detail", "raw"}. status: "bad_row", "excluded" (its statement is one of
+    ``exclude``'s keys: e.g. a test task in the training set), "unchecked", "passed", "failed" (no reference passed every
+    case; pass_rate is the best one's) or "checker_rejects" (the checker refused a listed output)."""
     from areal_jax.rewards.code import make_code_reward
     from areal_jax.rewards.pool import RewardPool
 
-    results: list[dict] = []
-    jobs: list[tuple[int, list[str], str]] = []  # (result index, programs to try, tests JSON)
-    for path in paths:
-        where = "row index" if path.endswith(".parquet") else "line"
-        for number, row in _rows(path):
-            if limit is not None and len(results) >= limit:
-                break
-            result = {"file": path, "row": number, "status": "unchecked", "pass_rate": None, "detail": "", "raw": row}
-            results.append(result)
-            try:
-                if isinstance(row, _BadRow):
-                    raise row
-                record = code_row_to_record(path, number, row)
-            except _BadRow as err:
-                result.update(status="bad_row", detail=f"{path}, {where} {number}: {err}", raw=None)
-                continue
-            if exclude and statement_key(record.question) in exclude:
-                result.update(status="excluded", detail="its statement is in an --exclude file")
-                continue
-            spec = parse_tests(record.answer)
-            programs = reference_solutions(row)[:max_references]
-            if not programs and spec.checker:
-                if sum(len(i) + len(o) for i, o in spec.stdio) > _ECHO_LIMIT:
-                    result["detail"] = "checker not checked: the tests are too large to embed"
-                    continue
-                programs = [echo_program(spec.stdio)]
-                result["detail"] = "checker"
-            if programs:
-                jobs.append((len(results) - 1, programs, record.answer))
+    def rows() -> Iterator[tuple[str, int, Any]]:
+        for path in paths:
+            for number, row in _rows(path):
+                yield path, number, row
+
     reward = make_code_reward(mode="pass_rate", case_timeout_s=case_timeout_s, sample_timeout_s=sample_timeout_s)
-    start, done = time.monotonic(), 0
+    start, seen, chunk = time.monotonic(), 0, []
     with RewardPool(reward, num_workers=workers, timeout_s=sample_timeout_s + 10.0) as pool:
-        pending = {}
-        for index, programs, answer in jobs:  # the first reference of every row, then the next of those that failed
-            pending[(index, 0)] = (programs, answer)
-            pool.submit((index, 0), f"```python\n{programs[0]}\n```", answer)
-        while pending:
-            for res in pool.results(timeout=1.0):
-                index, k = res.key
-                programs, answer = pending.pop((index, k))
-                result = results[index]
-                best = max(result["pass_rate"] or 0.0, res.reward)
-                result["pass_rate"] = best
-                if res.reward == 1.0:
-                    result["status"] = "passed"
-                elif k + 1 < len(programs):
-                    pending[(index, k + 1)] = (programs, answer)
-                    pool.submit((index, k + 1), f"```python\n{programs[k + 1]}\n```", answer)
-                    continue
-                else:
-                    checker = result["detail"] == "checker"
-                    result["status"] = "checker_rejects" if checker else "failed"
-                    result["detail"] = (f"the checker accepted {best:.0%} of the listed outputs" if checker else
-                                        f"the best of {len(programs)} reference solution(s) passed {best:.0%} of the "
-                                        f"cases" + (f" ({res.status}: {res.error})" if res.error else ""))
-                done += 1
-                if progress and (done % max(1, len(jobs) // 10) == 0 or done == len(jobs)):
-                    progress(f"[check] {done} / {len(jobs)} rows run ({time.monotonic() - start:.0f} s)")
-    return results
+        for i, (path, number, row) in enumerate(rows()):
+            if limit is not None and i >= limit:
+                break
+            chunk.append(_row_result(path, number, row, max_references, exclude))
+            if len(chunk) == chunk_rows:
+                _run_chunk(pool, chunk)
+                seen += len(chunk)
+                yield from (result for result, _, _ in chunk)
+                chunk = []
+                if progress:
+                    progress(f"[check] {seen} rows checked ({time.monotonic() - start:.0f} s)")
+        _run_chunk(pool, chunk)
+        yield from (result for result, _, _ in chunk)
+        if progress:
+            progress(f"[check] {seen + len(chunk)} rows checked ({time.monotonic() - start:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,30 +215,36 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("Error: " + "; ".join(problems) + ".", file=sys.stderr)
         return 2
+    counts = dict.fromkeys(("passed", "failed", "checker_rejects", "unchecked", "excluded", "bad_row"), 0)
+    shown: list[dict] = []
+    out = open(args.out, "w", encoding="utf-8") if args.out else None
+    report = open(args.report, "w", encoding="utf-8") if args.report else None
     try:
-        results = check_rows(args.data, workers=args.workers, max_references=args.max_references, limit=args.limit,
-                             case_timeout_s=args.case_timeout_s, sample_timeout_s=args.sample_timeout_s,
-                             exclude=excluded_statements(args.exclude))
+        for r in check_rows(args.data, workers=args.workers, max_references=args.max_references, limit=args.limit,
+                            case_timeout_s=args.case_timeout_s, sample_timeout_s=args.sample_timeout_s,
+                            exclude=excluded_statements(args.exclude)):
+            counts[r["status"]] += 1
+            if out and r["status"] in ("passed", "unchecked"):
+                out.write(json.dumps(r["raw"], ensure_ascii=False, default=str) + "\n")
+            if report:
+                report.write(json.dumps({k: v for k, v in r.items() if k != "raw"}) + "\n")
+            if r["status"] in ("failed", "checker_rejects", "bad_row") and len(shown) < 10:
+                shown.append(r)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
-    counts = {s: sum(r["status"] == s for r in results)
-              for s in ("passed", "failed", "checker_rejects", "unchecked", "excluded", "bad_row")}
-    kept = [r for r in results if r["status"] in ("passed", "unchecked")]
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r["raw"], ensure_ascii=False, default=str) + "\n" for r in kept)
-    if args.report:
-        with open(args.report, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({k: v for k, v in r.items() if k != "raw"}) + "\n" for r in results)
-    for r in [r for r in results if r["status"] in ("failed", "checker_rejects", "bad_row")][:10]:
+    finally:
+        for f in (out, report):
+            if f:
+                f.close()
+    for r in shown:
         print(f"  {r['file']}:{r['row']}: {r['status']}: {r['detail']}")
-    print(f"{len(results)} rows: {counts['passed']} passed, {counts['failed']} failed their reference solutions, "
+    total, kept = sum(counts.values()), counts["passed"] + counts["unchecked"]
+    print(f"{total} rows: {counts['passed']} passed, {counts['failed']} failed their reference solutions, "
           f"{counts['checker_rejects']} have a checker that rejects a listed output, {counts['unchecked']} could not be "
           f"checked (no reference, no checker), {counts['excluded']} in an --exclude file, {counts['bad_row']} "
-          f"malformed; {len(kept)} kept"
-          + (f" in {args.out}" if args.out else ""))
-    print(json.dumps({"rows": len(results), **counts, "kept": len(kept)}))
+          f"malformed; {kept} kept" + (f" in {args.out}" if args.out else ""))
+    print(json.dumps({"rows": total, **counts, "kept": kept}))
     return 0
 
 
