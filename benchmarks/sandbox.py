@@ -148,16 +148,6 @@ def main() -> None:
                 "stdin_failing_process_ms": round(proc_bad * 1e3, 1),
                 "stdin_failing_speedup": round(proc_bad / fork_bad, 2)})
 
-    # g. the same sample judged by a checker (a special judge that re-reads the input and sums it) instead of compared
-    checker = ("import sys\nnums = open(sys.argv[1]).read().split()[1:]\n"
-               "print(1 if open(sys.argv[3]).read().split() == [str(sum(map(int, nums)))] else 0)")
-    judged = encode_tests(TestSpec(stdio=cases, checker=checker))
-    assert code_tests_reward(summing, judged) == 1.0 and code_tests_reward("print(0)", judged) == 0.0
-    checked = _per_run(lambda: code_tests_reward(summing, judged), repeats)
-    print(f"g. the same sample judged by a checker: {checked * 1e3:.0f} ms against {fork_ok * 1e3:.0f} ms compared "
-          f"({checked / fork_ok:.2f}x: a second runner forks the checker per case)", flush=True)
-    out.update({"stdin_sample_checker_ms": round(checked * 1e3, 1), "checker_cost_ratio": round(checked / fork_ok, 2)})
-
     if landlock_abi():
         plain_fresh = _per_run(lambda: run_python_sandboxed("print(1)", landlock=False), args.serial)
         zygotes = {flag: SandboxZygote(landlock=flag) for flag in (False, True)}
@@ -175,6 +165,16 @@ def main() -> None:
                     "forked_run_no_landlock_ms": round(plain_forked * 1e3, 2),
                     "landlock_cost_fresh_ratio": round(sandboxed / plain_fresh, 3),
                     "landlock_cost_forked_ratio": round(confined_forked / plain_forked, 3)})
+    # g. the same sample judged by a checker (a special judge that re-reads the input and sums it) instead of compared
+    checker = ("import sys\nnums = open(sys.argv[1]).read().split()[1:]\n"
+               "print(1 if open(sys.argv[3]).read().split() == [str(sum(map(int, nums)))] else 0)")
+    judged = encode_tests(TestSpec(stdio=cases, checker=checker))
+    assert code_tests_reward(summing, judged) == 1.0 and code_tests_reward("print(0)", judged) == 0.0
+    checked = _per_run(lambda: code_tests_reward(summing, judged), repeats)
+    print(f"g. the same sample judged by a checker: {checked * 1e3:.0f} ms against {fork_ok * 1e3:.0f} ms compared "
+          f"({checked / fork_ok:.2f}x: a second runner forks the checker per case)", flush=True)
+    out.update({"stdin_sample_checker_ms": round(checked * 1e3, 1), "checker_cost_ratio": round(checked / fork_ok, 2)})
+
     print(json.dumps(out))
 
 
