@@ -21,51 +21,31 @@ Repair turns (README, "Repair turns"): `--config.rollout.feedback_turns=1 --conf
 shows the feedback as a user turn in the model's own chat frame (for Qwen
 '\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n', read off the tokenizer's chat template; the
 first attempt already ends with <|im_end|>), with a larger rollout.max_new_tokens / max_len.
+
+It builds on configs/gsm8k_qwen.py (the same mesh split, rollout and GRPO update) and changes what code needs.
 """
-from areal_jax.config import base_config
+from areal_jax.config import load_config_file
 
 
 def get_config():
-    c = base_config()
+    c = load_config_file("gsm8k_qwen.py", __file__)  # the same GPU / TPU recipe (mesh, rollout, GRPO update), on code
     c.run_dir = "runs/code_qwen"
-    c.seed = 1
-    c.total_steps = 400
 
     c.model.path = "/models/Qwen2.5-Coder-1.5B-Instruct"
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
 
     c.data.task = "code"
     c.data.train_path = "/data/taco/train.parquet"
     c.data.test_path = "/data/taco/test.parquet"
     c.data.question_field = "auto"  # each layout's statement field (question, problem, question_content, text, prompt)
-    c.data.use_chat_template = True
     c.data.system_prompt = ("You are an expert Python programmer. Reason about the problem, then give the "
                             "complete solution in one ```python code block. Read from standard input and "
                             "write to standard output unless the task names a function to write.")
     c.data.max_prompt_len = 1536
     c.data.on_bad_row = "skip"  # public code sets hold some rows without usable tests
 
-    c.mesh.train_fraction = 0.5
-    c.mesh.tensor = 1
-    c.mesh.rollout_tensor = -1
-
-    c.rollout.group_size = 8
     c.rollout.max_new_tokens = 2048
     c.rollout.max_len = 3584
-    c.rollout.num_slots = 256
-    c.rollout.temperature = 1.0
-    c.rollout.max_staleness = 4
-    c.rollout.on_update = "recompute"
-
-    c.train.batch_groups = 64
-    c.train.lr = 1e-6
-    c.train.warmup_steps = 10
-    c.train.loss = "decoupled"
-    c.train.eps_clip = 0.2
-    c.train.behav_weight_cap = 5.0
     c.train.micro_batch_tokens = 32768
-    c.train.ppo_minibatches = 4
 
     c.reward.fn = "code"
     c.reward.code_mode = "all_pass"
@@ -77,5 +57,4 @@ def get_config():
 
     c.eval.n_test = 500
     c.eval.max_new_tokens = 2048
-    c.checkpoint.every_steps = 20
     return c
