@@ -249,3 +249,25 @@ def test_inputs_of_many_megabytes_run_in_the_forked_runner():
     program = "import sys\nd = sys.stdin.buffer.read().split()\nprint(sum(map(int, d[1:])))"
     assert len(text) * 3 > (16 << 20)
     assert run_tests(program, spec, mode="pass_rate", stdio_runner="fork").statuses == ("pass",) * 3
+
+
+def test_one_input_larger_than_the_sandboxs_file_limit_runs_in_the_forked_runner():
+    """A single case of 19.7 MiB is more than the 16 MiB a sandboxed process may write as one file (the runner writes
+    each case's input to a file, as a judge does, so that os.fstat(0) gives its size): that runner starts with the
+    limit raised to hold it."""
+    nums = [i * 7919 % 1000003 for i in range(3_000_000)]
+    text = f"{len(nums)}\n" + " ".join(map(str, nums)) + "\n"
+    spec = Spec(stdio=((text, f"{sum(nums)}\n"), ("1\n5\n", "5\n")))
+    program = "import io, os\nd = io.BytesIO(os.read(0, os.fstat(0).st_size)).read().split()\nprint(sum(map(int, d[1:])))"
+    assert len(text) > (16 << 20)
+    assert run_tests(program, spec, mode="pass_rate", stdio_runner="fork", case_timeout_s=20.0).statuses == ("pass",) * 2
+
+
+@pytest.mark.parametrize("runner", ["fork", "process"])
+def test_a_sample_with_less_time_left_than_a_case_limit_still_runs_its_cases(runner):
+    """1.5 s for the sample, 4 s per case: the runner starts with a CPU limit below a case's, and its candidates keep
+    that limit instead of failing to raise it (every case read "error" in the forked runner)."""
+    spec = Spec(stdio=(("1 2\n", "3\n"), ("5 5\n", "10\n")))
+    out = run_tests(PROGRAMS["input()"], spec, mode="pass_rate", case_timeout_s=4.0, sample_timeout_s=1.5,
+                    stdio_runner=runner)
+    assert out.statuses == ("pass", "pass")

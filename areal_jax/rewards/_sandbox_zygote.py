@@ -97,7 +97,9 @@ def _zygote() -> None:
         """The run process: from here on it runs the request's source, untrusted."""
         os.setpgid(0, 0)  # its own process group, killed whole at the end when there is no PID namespace
         cpu = int(float(request["timeout_s"])) + 2  # CPU seconds of this run (and each process it forks)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering is all the audit hook allows
+        inherited = resource.getrlimit(resource.RLIMIT_CPU)[1]  # lowering is all the audit hook allows
+        hard = cpu + 1 if inherited == resource.RLIM_INFINITY else min(cpu + 1, inherited)
+        resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, hard), hard))
         os.chdir(workdir)
         # Landlock: writes in its own directory only, the zygote out of its reach; no processes unless asked for
         confine_here(workdir, processes=bool(request.get("processes", True)))

@@ -54,7 +54,11 @@ def _harness() -> None:
         confine_here(workdir, processes=False, layer=False)
         os.closerange(3, fd_limit)
         cpu = int(math.ceil(timeout)) + 1  # the case's CPU seconds, as a sandboxed interpreter per case gets them
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # lowering: all the sandbox's audit hook allows
+        # lowering is all the sandbox allows: a runner started with less time left than a case keeps its own limit
+        # (the wall clock still stops the case at its limit)
+        inherited = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        hard = cpu + 1 if inherited == resource.RLIM_INFINITY else min(cpu + 1, inherited)
+        resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, hard), hard))
 
         def deny(event, args):
             if event in process_events or (event == "import" and args and args[0] == "_posixsubprocess"):

@@ -78,9 +78,11 @@ def stdio_reports(program: str, inputs: list[str], caps: list[int], deadline: fl
     cap = min(sum(6 * c + 256 for c in caps) + 4096, 512 << 20)
     from areal_jax.rewards.zygote import sandbox_source
 
+    largest = max((len(text.encode("utf-8", "replace")) for text in inputs), default=0)  # written as a case's stdin
     result = run_sandboxed_harness(sandbox_source(_STDIO_HARNESS_PATH), payload, timeout_s=budget,
                                    memory_mb=memory_mb, max_output_bytes=cap, allow_numpy=allow_numpy, launch=launch,
-                                   stop_when=FirstWrongOutput(nonce, wrong) if wrong is not None else None)
+                                   stop_when=FirstWrongOutput(nonce, wrong) if wrong is not None else None,
+                                   largest_file=largest)
     return harness_reports(result.stdout, nonce), result.timed_out
 
 
