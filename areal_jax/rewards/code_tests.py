@@ -55,6 +55,7 @@ class TestSpec:
     time_limit_s: the task's own time limit per case (its contest's), 0 for none.
     checker: Python source of a special judge for the stdio cases (module doc); "" compares outputs.
     """
+    __test__ = False  # a test suite's collector takes it for a test class by its name
     stdio: tuple[tuple[str, str], ...] = ()
     calls: tuple[tuple[str, Any], ...] = ()
     programs: tuple[str, ...] = ()
