@@ -311,3 +311,35 @@ def test_a_contest_time_limit_travels_with_the_tests_and_bounds_each_case(tmp_pa
     assert run_tests(slow, one, case_timeout_s=4.0, time_limit_factor=8.0).statuses == ("pass",)  # min(4.0, 4.0)
     with pytest.raises(ValueError, match="time_limit_factor must be >= 0"):
         run_tests(slow, one, time_limit_factor=-1.0)
+
+
+def test_leetcode_style_function_tasks_get_the_names_their_judges_provide(tmp_path):
+    """LiveCodeBench / TACO call-based rows: a solution using List, Counter, reduce and heappush without importing them
+    passes, as on LeetCode; the builtin three-argument pow is untouched; an MBPP row gets nothing extra."""
+    from areal_jax.rewards.code import code_tests_reward
+    from areal_jax.rewards.code_feedback import code_feedback
+    from areal_jax.rewards.code_tests import CALL_PRELUDE
+
+    lcb = {"question_content": "Return the sum of nums plus 2^10 mod 7.",
+           "starter_code": "class Solution:\n    def total(self, nums: List[int]) -> int:\n        ",
+           "public_test_cases": json.dumps([{"input": "[1, 2, 3]", "output": "8", "testtype": "functional"}]),
+           "metadata": json.dumps({"func_name": "total"})}
+    taco = {"question": "Return the sum of nums plus 2^10 mod 7.", "fn_name": "total",
+            "input_output": json.dumps({"fn_name": "total", "inputs": [[[1, 2, 3]]], "outputs": [8]})}
+    mbpp = {"text": "Write total(nums).", "test_list": ["assert total([1, 2, 3]) == 8"]}
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (lcb, taco, mbpp)))
+    records, _ = read_code_records(str(path))
+    body = ("    def total(self, nums: List[int]) -> int:\n        heap = []\n        for x in Counter(nums).elements():\n"
+            "            heappush(heap, x)\n        return reduce(lambda a, b: a + b, heap) + pow(2, 10, 7)\n")
+    leetcode = f"```python\nclass Solution:\n{body}```"
+    function = "```python\ndef total(nums: List[int]) -> int:\n    return sum(nums) + pow(2, 10, 7)\n```"
+    assert code_tests_reward(leetcode, records[0].answer) == 1.0
+    assert code_tests_reward(function, records[1].answer) == 1.0
+    assert parse_tests(records[0].answer).setup.startswith(CALL_PRELUDE)
+    assert parse_tests(records[2].answer).setup == ""  # MBPP's tests import what they use
+    assert code_tests_reward(function, records[2].answer) == 0.0  # List is not given there: a NameError at load
+    # an error's line is still counted in the program, after the prelude
+    passed, text = code_feedback("```python\nclass Solution:\n    def total(self, nums):\n        return nums[9]\n```",
+                                 records[0].answer)
+    assert not passed and "IndexError" in text and "(line 3 of your program)" in text

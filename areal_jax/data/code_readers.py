@@ -30,6 +30,9 @@ tests reach the reward function, never the prompt. Layouts, recognised per row:
     code) is refused as a bad row, and nothing in it is ever called.
     A ``starter_code`` (the class and method signature) is appended to the statement.
 
+Call-based tasks of the APPS / TACO, DeepCoder and LiveCodeBench layouts (LeetCode's) get ``code_tests.CALL_PRELUDE``
+as their setup: the names (List, Counter, heappush, gcd, ...) their judges give a solution without its importing them.
+
 A row's own time limit per case is kept with its tests (``TestSpec.time_limit_s``; the reward applies it when
 ``reward.code_time_limit_factor`` is set): CodeContests' ``time_limit`` ({"seconds", "nanos"}) and TACO's ("2
 seconds", "1.5 s", "500 ms"); one that cannot be read ("None", "", nonsense) counts as none.
@@ -54,7 +57,7 @@ from typing import Any, Iterator, Sequence
 from areal_jax.data.codeforces import codeforces_spec, codeforces_statement, is_codeforces_row, with_checker
 from areal_jax.data.compressed_tests import decode_compressed_cases
 from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
-from areal_jax.rewards.code_tests import TestSpec, asserts_to_spec, encode_tests
+from areal_jax.rewards.code_tests import CALL_PRELUDE, TestSpec, asserts_to_spec, encode_tests
 
 __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_row_to_record",
            "CODE_TASK_OPTIONS", "QUESTION_FIELDS"]
@@ -221,6 +224,8 @@ def _spec_for_row(row: dict) -> tuple[TestSpec, str | None, str]:
     layout (a LAYOUT_QUESTION_FIELDS key)."""
     spec, name, layout = _layout_spec(row)
     spec = with_checker(spec, row)
+    if spec.calls and layout in ("input_output", "tests", "test_cases"):  # LeetCode-style function tasks
+        spec = dataclasses.replace(spec, setup=CALL_PRELUDE + spec.setup)
     if layout == "test_list":
         called = sorted(_called_names(spec))
         name = called[0] if len(called) == 1 else None

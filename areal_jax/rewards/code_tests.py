@@ -33,9 +33,24 @@ import re
 from typing import Any, Sequence
 
 __all__ = ["TestSpec", "encode_tests", "parse_tests", "asserts_to_spec", "values_equal",
-           "outputs_match", "TESTS_FORMAT", "OUTPUT_MATCHES"]
+           "outputs_match", "TESTS_FORMAT", "OUTPUT_MATCHES", "CALL_PRELUDE"]
 
 TESTS_FORMAT = "code_tests/1"
+# What LeetCode-style judges give a function-call solution without its importing it (the signatures of LeetCode,
+# LiveCodeBench and TACO's call-based tasks use List / Optional, and their solutions Counter, deque, heappush, bisect,
+# lru_cache, gcd, inf, ...): the setup of such tasks (data/code_readers.py). The math names are listed one by one so
+# that the builtin pow (three-argument modular pow) is not shadowed by math.pow.
+CALL_PRELUDE = (
+    "from typing import *\n"
+    "from collections import *\n"
+    "from itertools import *\n"
+    "from functools import *\n"
+    "from heapq import *\n"
+    "from bisect import *\n"
+    "from math import (inf, nan, pi, e, sqrt, isqrt, gcd, lcm, ceil, floor, log, log2, log10, exp, factorial, comb, perm,\n"
+    "                  prod, fsum, hypot, sin, cos, tan, atan2, isclose, isinf, isnan, trunc)\n"
+    "import bisect, collections, copy, functools, heapq, itertools, math, operator, random, re, string, sys\n"
+)
 TRUTH_KEY = "__truth__"  # expected {"__truth__": b}: the value's truthiness must be b (hand-made specs)
 OUTPUT_MATCHES = ("lines", "tokens", "numbers")
 DEFAULT_OUTPUT_MATCH = "numbers"
