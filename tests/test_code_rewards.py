@@ -62,7 +62,10 @@ def test_stdin_stdout_cases_are_compared_as_output_match_says():
     ("3", "3.0", False, False, True),  # a real number expected: an integer that equals it passes
     ("3.0", "3", False, False, False),  # an integer expected: only that integer
     ("YES 2.5000001", "YES 2.5", False, False, True),
-    ("yes 2.5", "YES 2.5", False, False, False),  # words exactly
+    ("yes 2.5", "YES 2.5", False, False, True),  # YES / NO in any case, as the contests' yes/no checker reads them
+    ("No", "NO", False, False, True),
+    ("alice", "Alice", False, False, False),  # other words exactly
+    ("YESS", "YES", False, False, False),
     ("1.5e2", "150.0", False, False, True),
     ("nan", "1.0", False, False, False),
     ("1 2", "1 2 3", False, False, False),

@@ -183,7 +183,8 @@ def outputs_match(got: str, expected: str, mode: str = "") -> bool:
     "tokens": the whitespace-separated tokens are the same (how a contest's default checker reads an output);
     "numbers": "tokens", except that where the expected token is a real number (a decimal point or an exponent) any
       number within an absolute or relative error of 1e-6 passes, |got - expected| <= 1e-6 * max(1, |expected|)
-      (what problems with real-valued answers accept); integers and words must still match exactly.
+      (what problems with real-valued answers accept), and a YES / NO answer in any case ("Yes" for "YES", as the
+      contests' standard yes/no checker reads it); integers and other words must still match exactly.
     """
     mode = mode or DEFAULT_OUTPUT_MATCH
     if mode == "lines":
@@ -198,7 +199,12 @@ def outputs_match(got: str, expected: str, mode: str = "") -> bool:
     got_tokens, expected_tokens = got.split(), expected.split()
     if len(got_tokens) != len(expected_tokens):
         return False
-    return all(a == b or (mode == "numbers" and _close_reals(a, b)) for a, b in zip(got_tokens, expected_tokens))
+    return all(a == b or (mode == "numbers" and (_close_reals(a, b) or _same_yes_no(a, b)))
+               for a, b in zip(got_tokens, expected_tokens))
+
+
+def _same_yes_no(got: str, expected: str) -> bool:
+    return expected.upper() in ("YES", "NO") and got.upper() == expected.upper()
 
 
 def _close_reals(got: str, expected: str) -> bool:

@@ -41,7 +41,8 @@ class RewardConfig(Section):
                                   "interface reaches any address of the sandboxed process, which the sandbox's "
                                   "kernel-enforced layers (Landlock, namespaces, limits) still hold")
     code_output_match: str = knob("numbers", "reward.fn=code: how a stdin case's output is compared, unless its "
-                                  "row names its own: numbers (tokens; a real within 1e-6 abs or rel) | tokens "
+                                  "row names its own: numbers (tokens; a real within 1e-6 abs or rel, YES / NO in any "
+                                  "case) | tokens "
                                   "(whitespace-separated tokens) | lines (line by line, trailing spaces ignored)",
                                   choices=("numbers", "tokens", "lines"))
     code_time_limit_factor: float = knob(0.0, "reward.fn=code: > 0 gives a task that states its contest's time limit "
