@@ -157,6 +157,9 @@ class Tokenizer:
         stops += [int(t) for t in stop_token_ids if int(t) not in stops]
         self._stop_ids = tuple(dict.fromkeys(stops))
         self.chat_template = chat_template
+        # Variables every rendering of the chat template gets (e.g. {"enable_thinking": False} for Qwen3's template);
+        # the data config's chat_template_vars, set where a job loads its tokenizer.
+        self.template_variables: dict[str, Any] = {}
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
     # ------------------------------------------------------------------ loading and saving
@@ -253,12 +256,13 @@ class Tokenizer:
         """Renders ``messages`` with the chat template; returns the text, or its ids when tokenize=True.
 
         The special tokens (bos_token, eos_token, pad_token, unk_token) are template variables, as in
-        transformers; ``variables`` may add or override any of them.
+        transformers, then ``template_variables``; ``variables`` may add or override any of them.
         """
         if self.chat_template is None:
             raise ValueError("This tokenizer has no chat template. Use a plain prompt template "
                              "(use_chat_template=False) or set chat_template in tokenizer_config.json.")
         context = {k: v for k, v in self._tokens.items() if v is not None}
+        context.update(self.template_variables)
         context.update(variables)
         text = render_chat_template(self.chat_template, messages,
                                     add_generation_prompt=add_generation_prompt, **context)

@@ -242,6 +242,8 @@ class DataConfig(Section):
     prompt_template: str = knob(DEFAULT_PROMPT_TEMPLATE, "prompt text around {question}")
     use_chat_template: bool = knob(False, "wrap the prompt in the tokenizer's chat template")
     system_prompt: str = knob("", "system message of the chat template")
+    chat_template_vars: str = knob("", "extra variables of the chat template, a JSON object, e.g. "
+                                   "'{\"enable_thinking\": false}' (Qwen3: no reasoning block)")
     max_prompt_len: int = knob(256, "prompt tokens at most; longer prompts are skipped")
     on_bad_row: str = knob("error", "a malformed row stops the run (error) or is counted and skipped (skip)",
                            choices=("error", "skip"))
@@ -249,5 +251,20 @@ class DataConfig(Section):
                      choices=("math", "code"))
     shuffle: bool = knob(True, "shuffle the prompts (seeded by the job's seed)")
 
+    @property
+    def template_variables(self) -> dict:
+        """chat_template_vars as a dict ({} when empty)."""
+        return json.loads(self.chat_template_vars) if self.chat_template_vars.strip() else {}
+
     def check(self) -> None:
         require(self.max_prompt_len >= 1, f"{self.key('max_prompt_len')}={self.max_prompt_len} must be at least 1.")
+        if self.chat_template_vars.strip():
+            try:
+                variables = json.loads(self.chat_template_vars)
+            except json.JSONDecodeError as e:
+                variables = e
+            require(isinstance(variables, dict),
+                    f"{self.key('chat_template_vars')}={self.chat_template_vars!r} must be a JSON object of the "
+                    "template's variables, e.g. '{\"enable_thinking\": false}'.")
+            require(self.use_chat_template, f"{self.key('chat_template_vars')} sets variables of the chat template, "
+                    f"which is off: pass {self.key('use_chat_template')}=True.")

@@ -38,6 +38,7 @@ _OVERRIDES = {
     "data": ("data", "test_path"), "task": ("data", "task"), "question_field": ("data", "question_field"),
     "answer_field": ("data", "answer_field"), "prompt_template": ("data", "prompt_template"),
     "chat_template": ("data", "use_chat_template"), "system_prompt": ("data", "system_prompt"),
+    "chat_template_vars": ("data", "chat_template_vars"),
     "max_prompt_len": ("data", "max_prompt_len"), "on_bad_row": ("data", "on_bad_row"),
     "reward_fn": ("reward", "fn"), "reward_timeout_s": ("reward", "timeout_s"),
     "reward_workers": ("reward", "num_workers"), "code_mode": ("reward", "code_mode"),
@@ -180,6 +181,7 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
                                    dtype=c.model.compute_dtype)
         source = c.model.path
     tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+    tokenizer.template_variables.update(c.data.template_variables)
     examples = load_eval_examples(c.data.test_path, tokenizer, c.data, c.eval.n_test)
     k, backend = c.eval.samples, jax.default_backend()
     temperature = c.rollout.temperature
@@ -304,6 +306,8 @@ def define_flags() -> None:
     flags.DEFINE_string("prompt_template", d.data.prompt_template, "prompt text around {question}.")
     flags.DEFINE_bool("chat_template", d.data.use_chat_template, "wrap prompts in the tokenizer's chat template.")
     flags.DEFINE_string("system_prompt", d.data.system_prompt, "system message of the chat template.")
+    flags.DEFINE_string("chat_template_vars", d.data.chat_template_vars, "extra variables of the chat template, a JSON "
+                        "object (e.g. '{\"enable_thinking\": false}').")
     flags.DEFINE_integer("max_prompt_len", d.data.max_prompt_len, "longer prompts are skipped.")
     flags.DEFINE_enum("on_bad_row", d.data.on_bad_row, ["error", "skip"], "a malformed row stops (error) or is skipped.")
     flags.DEFINE_string("reward_fn", d.reward.fn, "math | exact | code | module:function.")

@@ -94,6 +94,7 @@ class RLJob:
             raise config_lib.ConfigError(str(e)) from e
         with user_errors.tokenizer_dir(c.model.path, c.model.tokenizer_path):
             self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+        self.tokenizer.template_variables.update(c.data.template_variables)
         try:  # repair turns: the chat template's frame read and the loss checked, before anything compiles
             for line in repair_turn_notes(c, self.tokenizer):
                 self.log(line)
