@@ -50,13 +50,12 @@ import ast
 import dataclasses
 import json
 import math
-import os
 import re
 from typing import Any, Iterator, Sequence
 
 from areal_jax.data.codeforces import codeforces_spec, codeforces_statement, is_codeforces_row, with_checker
 from areal_jax.data.compressed_tests import decode_compressed_cases
-from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows
+from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows, read_each
 from areal_jax.rewards.code_tests import CALL_PRELUDE, TestSpec, asserts_to_spec, encode_tests
 
 __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_row_to_record",
@@ -363,23 +362,12 @@ def read_code_parquet(path: str, *, question_field: str = "auto", on_bad_row: st
 def read_code_records(paths: str | Sequence[str], *, question_field: str = "auto",
                       on_bad_row: str = "error") -> tuple[list[Record], ReadStats]:
     """Reads one or more .jsonl / .parquet task files in order; an empty result is a ValueError."""
-    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not paths:
-        raise ValueError("No data files given; pass a .jsonl or .parquet path.")
-    stats, records = ReadStats(), []
-    for path in map(str, paths):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Data file {path!r} does not exist.")
-        if path.endswith(".parquet"):
-            reader = read_code_parquet
-        elif path.endswith(".jsonl"):
-            reader = read_code_jsonl
-        else:
-            raise ValueError(f"Cannot tell the format of {path!r}: name it *.jsonl or *.parquet.")
-        records += reader(path, question_field=question_field, on_bad_row=on_bad_row, stats=stats)[0]
+    stats = ReadStats()
+    records = read_each(paths, read_code_jsonl, read_code_parquet, stats, question_field=question_field,
+                        on_bad_row=on_bad_row)
     if not records:
         skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
         raise ValueError(f"The code dataset {paths} has no usable rows{skipped}; check the files and the test "
-                         "fields (input_output, tests, public_test_cases, public_tests, official_tests, test_list, or test + "
-                         "entry_point).")
+                         "fields (input_output, tests, public_test_cases, public_tests, official_tests, test_list, or "
+                         "test + entry_point).")
     return records, stats

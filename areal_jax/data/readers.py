@@ -204,26 +204,34 @@ def read_parquet(path: str, *, question_field: str = "auto", answer_field: str =
     return records, stats
 
 
-def read_records(paths: str | Sequence[str], *, question_field: str = "auto",
-                 answer_field: str = "answer", answer_format: str = "auto",
-                 on_bad_row: str = "error") -> tuple[list[Record], ReadStats]:
-    """Reads one or more .jsonl / .parquet files in order; an empty result is a ValueError."""
+def read_each(paths: str | Sequence[str], read_jsonl_file: Any, read_parquet_file: Any, stats: ReadStats,
+              **options: Any) -> list[Record]:
+    """The records of every file of ``paths``, in order, each read by the reader of its kind (``*.jsonl`` /
+    ``*.parquet``) with ``options`` and the shared ``stats``; a missing file or an unknown kind is an error."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
         raise ValueError("No data files given; pass a .jsonl or .parquet path.")
-    stats = ReadStats()
     records: list[Record] = []
     for path in map(str, paths):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Data file {path!r} does not exist.")
         if path.endswith(".parquet"):
-            reader = read_parquet
+            reader = read_parquet_file
         elif path.endswith(".jsonl"):
-            reader = read_jsonl
+            reader = read_jsonl_file
         else:
             raise ValueError(f"Cannot tell the format of {path!r}: name it *.jsonl or *.parquet.")
-        records += reader(path, question_field=question_field, answer_field=answer_field,
-                          answer_format=answer_format, on_bad_row=on_bad_row, stats=stats)[0]
+        records += reader(path, stats=stats, **options)[0]
+    return records
+
+
+def read_records(paths: str | Sequence[str], *, question_field: str = "auto",
+                 answer_field: str = "answer", answer_format: str = "auto",
+                 on_bad_row: str = "error") -> tuple[list[Record], ReadStats]:
+    """Reads one or more .jsonl / .parquet files in order; an empty result is a ValueError."""
+    stats = ReadStats()
+    records = read_each(paths, read_jsonl, read_parquet, stats, question_field=question_field,
+                        answer_field=answer_field, answer_format=answer_format, on_bad_row=on_bad_row)
     if not records:
         skipped = f" ({stats.bad_rows_skipped} malformed rows skipped)" if stats.bad_rows_skipped else ""
         raise ValueError(f"The dataset {paths} has no usable rows{skipped}; check the files and the "
