@@ -33,10 +33,18 @@ def _rows():
         {"description": "Split n.", "official_tests": [{"input": "7\n", "output": "3 5\n"}],
          "generated_checker": SPLIT_CHECKER},  # ... and rejects a wrong listed output
         {"question": "no tests here"},
+        {"description": "Add.", "public_tests": {"input": ["1 1\n"], "output": ["2\n"]},  # weak: a*2 passes too
+         "solutions": {"language": [3], "solution": [ADD]},
+         "incorrect_solutions": {"language": [2, 3, 3], "solution": ["int main() {}", "print(0)",
+                                                                      "a, b = map(int, input().split())\nprint(a * 2)"]}},
+        {"description": "Add.", "public_tests": {"input": ["1 2\n", "2 2\n"], "output": ["3\n", "4\n"]},  # strong
+         "solutions": {"language": [3], "solution": [ADD]},
+         "incorrect_solutions": {"language": [3], "solution": ["a, b = map(int, input().split())\nprint(a * 2)"]}},
     ]
 
 
-EXPECTED = ["passed", "failed", "unchecked", "passed", "passed", "passed", "passed", "checker_rejects", "bad_row"]
+EXPECTED = ["passed", "failed", "unchecked", "passed", "passed", "passed", "passed", "checker_rejects", "bad_row",
+            "weak_tests", "passed"]
 
 
 def test_each_row_gets_the_status_its_references_and_checker_give(tmp_path):
@@ -49,6 +57,8 @@ def test_each_row_gets_the_status_its_references_and_checker_give(tmp_path):
     assert [(r["row"], r["status"], r["pass_rate"]) for r in chunked] == [
         (r["row"], r["status"], r["pass_rate"]) for r in results]
     assert results[0]["pass_rate"] == 1.0 and results[1]["pass_rate"] == 0.0
+    assert "known-wrong solution 2" in results[9]["detail"]  # the C++ one is not run, print(0) fails, a * 2 passes
+    assert [r["status"] for r in check_rows([str(path)], max_incorrect=0, progress=None)][9] == "passed"
     assert [r["row"] for r in results] == list(range(1, len(EXPECTED) + 1))
     assert "line 9" in results[8]["detail"] and "no tests" in results[8]["detail"]
 
@@ -78,8 +88,8 @@ def test_the_command_writes_the_kept_rows_and_a_report_and_reads_parquet(tmp_pat
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary == {"rows": 4, "passed": 1, "failed": 1, "checker_rejects": 0, "unchecked": 1, "excluded": 1,
-                       "bad_row": 0, "kept": 2}
+    assert summary == {"rows": 4, "passed": 1, "failed": 1, "checker_rejects": 0, "weak_tests": 0, "unchecked": 1,
+                       "excluded": 1, "bad_row": 0, "kept": 2}
     kept = [json.loads(line) for line in out.read_text().splitlines()]
     assert [k["question"] for k in kept] == [rows[0]["question"], rows[2]["question"]]
     statuses = [json.loads(line)["status"] for line in report.read_text().splitlines()]
