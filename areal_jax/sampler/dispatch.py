@@ -90,7 +90,11 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
     from logits of this dispatch's params (``version``).
     """
     k, s = np.asarray(r.valid).shape
-    valid, tokens, logprobs = np.asarray(r.valid).T, np.asarray(r.tokens).T, np.asarray(r.logprobs).T
+    valid = np.asarray(r.valid).T
+    # Python lists once, not a numpy call per slot: [S][K] tokens and log-probs, [S][K + 1] counts of valid steps
+    tokens, logprobs = np.asarray(r.tokens).T.tolist(), np.asarray(r.logprobs).T.tolist()
+    counts = np.concatenate([np.zeros((s, 1), np.int64), np.cumsum(valid, axis=1)], axis=1).tolist()
+    done = np.asarray(r.done).tolist()
     spans: dict[int, list[tuple[int, _Running]]] = {slot: [(0, run)] for slot, run in runs.items()}
     placed: dict[int, int] = {}
     for row, run in sorted((standby or {}).items(), key=lambda item: int(r.placed_step[item[0]])):
@@ -108,15 +112,15 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
             if not run.active:
                 continue
             end = span[i + 1][0] if i + 1 < len(span) else k
-            n = int(valid[slot, start:end].sum())  # the valid steps of a span are a prefix of it
+            n = counts[slot][end] - counts[slot][start]  # the valid steps of a span are a prefix of it
             if n:
-                run.tokens.extend(tokens[slot, start:start + n].tolist())
-                run.logprobs.extend(logprobs[slot, start:start + n].tolist())
+                run.tokens.extend(tokens[slot][start:start + n])
+                run.logprobs.extend(logprobs[slot][start:start + n])
                 run.versions.append(run.logits_version)
                 run.versions.extend([version] * (n - 1))
                 run.logits_version = version
                 out.appended += n
-            if i + 1 < len(span) or r.done[slot]:
+            if i + 1 < len(span) or done[slot]:
                 last = run.tokens[-1] if run.tokens else None
                 out.finished.append((slot, run, "stop" if last in run.sampling.stop_token_ids else "length"))
     return out
