@@ -1,7 +1,7 @@
 """Running a program in a forked process inside the sandbox: the part the stdin runner (``_stdio_harness.py``) and the
 zygote (``_sandbox_zygote.py``) share. Never imported by the library: its source is put in front of theirs when they
 are sent into the sandbox (``sandbox_source``), so both define ``exec_as_main``, ``confine_here``,
-``close_descriptors`` and ``collect_child`` this way."""
+``lower_cpu_limit``, ``close_descriptors`` and ``collect_child`` this way."""
 
 
 def exec_as_main(code, main_file: str) -> None:
@@ -75,6 +75,17 @@ def confine_here(workdir: str, processes: bool = True, layer: bool = True) -> No
     except Exception as e:  # noqa: BLE001 - fail closed
         os.write(2, f"sandbox: the kernel's confinement could not be applied ({e}); the program was not run\n".encode())
         os._exit(125)
+
+
+def lower_cpu_limit(seconds: int) -> None:
+    """This process's CPU limit set to ``seconds`` (hard: one more), or kept where the inherited one is already lower:
+    inside the sandbox a limit may only be lowered (a run started with less time left than a case keeps its own; the
+    wall clock still stops the case at its limit)."""
+    import resource
+
+    inherited = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    hard = seconds + 1 if inherited == resource.RLIM_INFINITY else min(seconds + 1, inherited)
+    resource.setrlimit(resource.RLIMIT_CPU, (min(seconds, hard), hard))
 
 
 def close_descriptors(first: int, limit: int) -> None:

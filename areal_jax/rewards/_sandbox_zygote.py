@@ -15,7 +15,7 @@ latin-1 text>} as the run writes, then {"id", "end": true, "status": "ok" | "err
 "stopped", "exit_code", "stderr": <its first 4 KiB>}. Runs go one at a time. It is sent into the sandbox after
 ``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child`` (a run's own source comes the same way).
 """
-# ruff: noqa: F821 - exec_as_main, confine_here, close_descriptors and collect_child come from _fork_run.py, sent in front of this source
+# ruff: noqa: F821 - exec_as_main, confine_here, lower_cpu_limit, close_descriptors and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _zygote() -> None:
@@ -96,10 +96,7 @@ def _zygote() -> None:
     def run_child(request: dict, workdir: str, out_w: int) -> None:
         """The run process: from here on it runs the request's source, untrusted."""
         os.setpgid(0, 0)  # its own process group, killed whole at the end when there is no PID namespace
-        cpu = int(float(request["timeout_s"])) + 2  # CPU seconds of this run (and each process it forks)
-        inherited = resource.getrlimit(resource.RLIMIT_CPU)[1]  # lowering is all the audit hook allows
-        hard = cpu + 1 if inherited == resource.RLIM_INFINITY else min(cpu + 1, inherited)
-        resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, hard), hard))
+        lower_cpu_limit(int(float(request["timeout_s"])) + 2)  # CPU seconds of this run (and each process it forks)
         os.chdir(workdir)
         # Landlock: writes in its own directory only, the zygote out of its reach; no processes unless asked for
         confine_here(workdir, processes=bool(request.get("processes", True)))

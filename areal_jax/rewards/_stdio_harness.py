@@ -16,7 +16,7 @@ process's stdout, so it cannot write reports; the sandbox's parent compares each
 A fork costs about a millisecond where a fresh sandboxed interpreter costs about thirty. It is sent into the sandbox
 after ``_fork_run.py``'s source, which defines ``exec_as_main`` and ``collect_child``.
 """
-# ruff: noqa: F821 - exec_as_main, confine_here and collect_child come from _fork_run.py, sent in front of this source
+# ruff: noqa: F821 - exec_as_main, confine_here, lower_cpu_limit and collect_child come from _fork_run.py, sent in front of this source
 
 
 def _harness() -> None:
@@ -53,12 +53,7 @@ def _harness() -> None:
         # the directory is already the run's own Landlock layer's
         confine_here(workdir, processes=False, layer=False)
         os.closerange(3, fd_limit)
-        cpu = int(math.ceil(timeout)) + 1  # the case's CPU seconds, as a sandboxed interpreter per case gets them
-        # lowering is all the sandbox allows: a runner started with less time left than a case keeps its own limit
-        # (the wall clock still stops the case at its limit)
-        inherited = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        hard = cpu + 1 if inherited == resource.RLIM_INFINITY else min(cpu + 1, inherited)
-        resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, hard), hard))
+        lower_cpu_limit(int(math.ceil(timeout)) + 1)  # the case's CPU seconds, as an interpreter per case gets them
 
         def deny(event, args):
             if event in process_events or (event == "import" and args and args[0] == "_posixsubprocess"):
