@@ -3,11 +3,10 @@ renders them, checked before anything loads, and reaching every prompt the job a
 import json
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from areal_jax.config import ConfigError
 from areal_jax.data.pipeline import DataConfig, load_prompt_source
+from areal_jax.testing.tokenizers import byte_level_bpe
 from areal_jax.tokenizer import Tokenizer
 
 # A ChatML template that, like Qwen3's, closes an empty reasoning block in the generation prompt when thinking is off.
@@ -21,13 +20,7 @@ MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 
 @pytest.fixture(scope="module")
 def backend():
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is 2+3? <think> </think> 5"] * 5, trainer)
-    return tok
+    return byte_level_bpe(["What is 2+3? <think> </think> 5"] * 5, SPECIALS)
 
 
 def _tokenizer(backend, **variables):

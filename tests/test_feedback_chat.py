@@ -2,8 +2,6 @@
 turn ending in its stop token and the frame around the feedback must spell the conversation the chat template
 renders when the feedback is the next user turn."""
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from areal_jax.config import ConfigError, JobConfig
 from areal_jax.data.code_tokenizer import build_code_tokenizer
@@ -11,6 +9,7 @@ from areal_jax.data.pipeline import DataConfig
 from areal_jax.rewards.pool import RewardConfig
 from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.turns import FeedbackTurns, chat_feedback_template, resolve_feedback_template
+from areal_jax.testing.tokenizers import byte_level_bpe
 from areal_jax.tokenizer import Tokenizer
 
 # Turn frames as ChatML (Qwen) and Llama 3 write them, each a small jinja template of its own.
@@ -34,13 +33,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", 
 
 @pytest.fixture(scope="module")
 def backend():
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(x):\n    return max(x, 12)", "f(58) returned 116, expected 13."] * 5, trainer)
-    return tok
+    return byte_level_bpe(["def f(x):\n    return max(x, 12)", "f(58) returned 116, expected 13."] * 5, SPECIALS)
 
 
 def _tokenizers(backend):

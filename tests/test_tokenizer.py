@@ -4,8 +4,9 @@ import os
 
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
 
+from areal_jax.testing.tokenizers import byte_level_bpe
 from areal_jax.tokenizer import Tokenizer
 
 CHATML = (
@@ -41,12 +42,7 @@ MESSAGES = [
 
 
 def _backend(bos_post_processor: bool = False) -> tokenizers.Tokenizer:
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 5, trainer)
+    tok = byte_level_bpe(CORPUS * 5, SPECIALS, vocab_size=400)
     if bos_post_processor:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
