@@ -10,23 +10,21 @@ from areal_jax.rewards.sandbox import SandboxResult, run_python_sandboxed
 __all__ = ["STARTUP_ALLOWANCE_S", "run_sandboxed_harness", "FirstWrongOutput", "harness_reports"]
 
 STARTUP_ALLOWANCE_S = 2.0  # interpreter start-up of the harness process, on top of the case limits
-# A zygote's run takes its stdin as a file, under the sandbox's 16 MiB limit per file: a larger payload (tests with
-# inputs of megabytes) goes to a fresh sandboxed interpreter, which reads it from a pipe.
-ZYGOTE_STDIN_BYTES = 12 << 20
 FILE_BYTES = 16 << 20  # the sandbox's default limit per written file (run_python_sandboxed's max_file_bytes)
+_FILE_SPARE = 1 << 20
 
 
 def run_sandboxed_harness(source: str, payload: dict, *, timeout_s: float, memory_mb: int, max_output_bytes: int,
                           allow_numpy: bool, launch: str, stop_when: Any = None, largest_file: int = 0) -> SandboxResult:
     """A harness (trusted source that forks its own candidate processes) in the sandbox, with ``payload`` as its
     stdin: forked from a zygote, or in a fresh sandboxed interpreter (also when the zygote cannot start).
-    ``largest_file``: the largest file the harness writes (a stdin case's input); past a zygote's per-file limit the
-    harness starts fresh, with that limit raised to hold it."""
+    ``largest_file``: the largest file the harness writes (a stdin case's input). A zygote's run writes its stdin as a
+    file too, under the sandbox's per-file limit: when either would pass it (tests of many megabytes), the harness
+    starts fresh, reading its stdin from a pipe, with the limit raised to hold its largest file."""
     stdin = json.dumps(payload)
-    file_limit = FILE_BYTES
-    if largest_file + (1 << 20) > FILE_BYTES:
-        launch, file_limit = "fresh", largest_file + (1 << 20)
-    if launch == "zygote" and len(stdin) <= ZYGOTE_STDIN_BYTES:
+    if max(len(stdin), largest_file) + _FILE_SPARE > FILE_BYTES:
+        launch = "fresh"
+    if launch == "zygote":
         from areal_jax.rewards.zygote import ZygoteError, run_forked
 
         try:
@@ -36,7 +34,8 @@ def run_sandboxed_harness(source: str, payload: dict, *, timeout_s: float, memor
             pass  # e.g. no process creation here: the fresh sandbox below still scores the sample
     return run_python_sandboxed(source, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
                                 max_output_bytes=max_output_bytes, allow_subprocess=True, cpu_time_s=timeout_s + 1,
-                                stop_when=stop_when, allow_numpy=allow_numpy, max_file_bytes=file_limit)
+                                stop_when=stop_when, allow_numpy=allow_numpy,
+                                max_file_bytes=max(FILE_BYTES, largest_file + _FILE_SPARE))
 
 
 class FirstWrongOutput:
