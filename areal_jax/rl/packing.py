@@ -41,7 +41,7 @@ def _karmarkar_karp(lengths: np.ndarray, k: int) -> list[list[int]]:
     tie = itertools.count()
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
     for i in np.argsort(-lengths, kind="stable"):
-        part = [(int(lengths[i]), [int(i)])] + [(0, []) for _ in range(k - 1)]
+        part = [(int(lengths[i]), [int(i)])] + [(0, [])] * (k - 1)  # merges build new lists: sharing is safe
         heapq.heappush(heap, (-int(lengths[i]), next(tie), part))
     if not heap:
         return [[] for _ in range(k)]

@@ -6,10 +6,12 @@ j (0-based within the completion, absolute index prompt_len + j) is scored at po
 prompt_len + j - 1. Several trajectories share one row of a micro-batch (segment ids 1, 2, ...;
 positions restart at 0; padding has segment id 0). Row lengths come from the series 2^k, 3 * 2^(k-1)
 (16, 24, 32, 48, 64, 96, ...), from the shortest that holds the longest trajectory up to four times
-it: `trainer.layout.step_layout` picks the one whose packing computes the fewest padded positions, attention's share
-of a position's cost growing with the row (attention within a row costs row_length^2).
+it, with R rows per device a power of two or as many as the budget holds (`trainer.layout.row_counts`):
+`trainer.layout.step_layout` picks the pair whose packing costs
+least, its padded positions (attention's share of a position's cost growing with the row: attention within a
+row costs row_length^2) plus a fixed cost per micro-step.
 `rl.packing.balanced_microbatches` fills the rows, a multiple of F * R of them (F data-parallel
-devices, R rows per device), balanced in tokens. A micro-step hands R rows to each fsdp device, with
+devices), balanced in tokens. A micro-step hands R rows to each fsdp device, with
 R * row_length <= micro_batch_tokens. Shapes come from a small set, so a run compiles a handful of
 programs however batches are composed.
 

@@ -14,7 +14,7 @@ def row_length(longest: int, budget: int) -> int:
     a row costs row_length^2; the sizes waste at most a third of a row and stay few."""
     size = 16
     while size < longest:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        size = _next_size(size)
     return min(size, _round_up(budget, 8))
 
 
@@ -28,7 +28,7 @@ def _row_sizes(longest: int, budget: int) -> list[int]:
     size, cap = row_length(longest, budget), _round_up(budget, 8)
     sizes = [size]
     while True:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        size = _next_size(size)
         if size > min(cap, ROW_LENGTH_SPAN * sizes[0]):
             return sizes
         sizes.append(size)
@@ -42,46 +42,69 @@ def attention_weight(model_cfg, n_params: int) -> float:
     return model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim / max(int(n_params), 1)
 
 
-def step_layout(lengths: Sequence[int], n_devices: int, budget: int,
-                attention_weight: float = 0.0) -> tuple[int, int, list[list[int]]]:
+# The fixed cost of one micro-step on a device, in positions of work: reading the weights for the forward and the
+# backward, adding the gradients up and launching the programs, against ~6 FLOPs per parameter per position. That is
+# about 3x the device's FLOPs per byte of memory bandwidth (~150 on an H200, ~240 on a TPU v5e); on a CPU much less.
+MICRO_STEP_OVERHEAD = 256
+
+
+def step_layout(lengths: Sequence[int], n_devices: int, budget: int, attention_weight: float = 0.0,
+                step_overhead: int = MICRO_STEP_OVERHEAD) -> tuple[int, int, list[list[int]]]:
     """(row length, rows per device, rows as lists of indices into `lengths`) for packing trajectories
     of these packed lengths into micro-steps of at most `budget` tokens per device.
 
-    Each candidate row length (`_row_sizes`) is packed with `rl.packing.balanced_microbatches` and costs
-    its padded positions (micro-steps x rows x row length) times (1 + attention_weight * row length);
-    the cheapest wins, the shorter on a tie. attention_weight is attention's cost per position of row
-    length relative to the rest of a token's work (`attention_weight(model_cfg, n_params)`, which the
-    Trainer passes); 0 counts positions only. The rows-per-device rounding can leave a
-    row length that does not divide the budget with a partly filled second micro-step: rows of 96
-    under a budget of 2,048 hold 21 x 96 = 2,016 tokens, so 1,950 tokens that rows of 128 pack into
-    one micro-step of 16 x 128 took two of 21 x 96 (48% of the positions real, against 95%).
+    Each candidate layout, a row length (`_row_sizes`) with a number of rows per device (`row_counts`),
+    is packed with `rl.packing.balanced_microbatches` and costs, per device, its padded positions
+    (micro-steps x rows x row length) times (1 + attention_weight * row length), plus `step_overhead`
+    positions per micro-step; the cheapest wins, the shorter rows and then the more of them (the fewer
+    micro-steps) on a tie. attention_weight is attention's cost per position of row length relative to
+    the rest of a token's work (`attention_weight(model_cfg, n_params)`, which the Trainer passes).
+
+    Every micro-step of a minibatch has the same shape, so the row length and the rows per device decide
+    how full the last one is: rows of 96 under a budget of 2,048 hold 21 x 96 = 2,016 tokens, so 1,950
+    tokens that rows of 128 pack into one micro-step of 16 x 128 took two of 21 x 96 (48% of the positions
+    real, against 95%). And 68,478 tokens (the longest 1,209) on 4 devices under a budget of 16,384 filled
+    one micro-step of 4 x 2 rows of 6,144 and left 19k for a second of the same size (70% of the positions
+    real); three micro-steps of 4 x 4 rows of 1,536 hold them at 93%.
     """
     total = int(sum(lengths))
     options = []
     for row_len in _row_sizes(max(lengths), budget):
-        per_device = rows_per_device(total, row_len, n_devices, budget)
-        per_step = n_devices * per_device
         weight = 1.0 + attention_weight * row_len
-        # No packing uses fewer positions than whole micro-steps holding every token.
-        floor = _ceil_div(total, per_step * row_len) * per_step * row_len * weight
-        options.append((floor, row_len, per_device, weight))
+        for per_device in row_counts(total, row_len, n_devices, budget):
+            step_cost = per_device * row_len * weight + step_overhead
+            # No packing takes fewer micro-steps than whole ones holding every token.
+            floor = _ceil_div(total, n_devices * per_device * row_len) * step_cost
+            options.append((floor, row_len, per_device, step_cost))
     best = None
-    for floor, row_len, per_device, weight in sorted(options):
-        if best is not None and floor >= best[0]:
+    for floor, row_len, per_device, step_cost in sorted(options):
+        if best is not None and floor > best[0]:
             break
         rows = balanced_microbatches(lengths, row_len, n_devices * per_device)
-        cost = len(rows) * row_len * weight
-        if best is None or (cost, row_len) < (best[0], best[1]):
+        cost = len(rows) // (n_devices * per_device) * step_cost
+        if best is None or (cost, row_len, -per_device) < (best[0], best[1], -best[2]):
             best = (cost, row_len, per_device, rows)
     return best[1], best[2], best[3]
 
 
-def rows_per_device(total_tokens: int, row_len: int, n_devices: int, budget: int) -> int:
-    """Rows each device takes per micro-step: as many as fit the token budget, but no more than the
-    minibatch needs (rounded up to a power of two, so few distinct shapes occur)."""
+def row_counts(total_tokens: int, row_len: int, n_devices: int, budget: int) -> list[int]:
+    """The rows per device `step_layout` considers for rows of `row_len`: the powers of two below what one
+    micro-step of the whole minibatch needs, then the first that holds it; none above the budget (budget
+    // row_len, itself a candidate when the minibatch needs more). Fewer rows in each micro-step can fill
+    the last one better at the price of more micro-steps; powers of two keep the distinct shapes, and so
+    the compiled programs, few."""
     most = max(1, budget // row_len)
     needed = _ceil_div(_ceil_div(max(total_tokens, 1), row_len), n_devices)
-    return min(most, 1 << max(needed - 1, 0).bit_length())
+    counts, r = [], 1
+    while r < min(needed, most):
+        counts.append(r)
+        r *= 2
+    return counts + [min(r, most)]
+
+
+def _next_size(size: int) -> int:
+    """The series 2^k, 3 * 2^(k-1): 16 -> 24 -> 32 -> 48 -> 64 (from 2: 2 -> 3 -> 4 -> 6 -> 8)."""
+    return size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
 
 
 def _ceil_div(a: int, b: int) -> int:

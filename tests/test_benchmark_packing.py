@@ -1,0 +1,63 @@
+"""benchmarks/packing.py: the layout figures it prints are the layouts the trainer packs with, and its timed part
+runs Trainer.update under both rules at toy size."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_benchmark():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("packing_benchmark", os.path.join(ROOT, "benchmarks", "packing.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.pop(0)
+
+
+def test_layout_figures_against_the_rule_before():
+    bench = load_benchmark()
+    report = bench.main(["--skip-time", "--updates", "3"])
+    assert set(report["layouts"]) == {"issue", "gsm8k", "reasoning", "default"}
+    for figs in report["layouts"].values():
+        for rule in ("previous", "now"):
+            f = figs[rule]
+            assert 0 < f["real_share"] <= 1 and f["micro_steps"] >= 1 and f["shapes"] >= 1
+        assert figs["positions_ratio"] == pytest.approx(figs["previous"]["positions"] / figs["now"]["positions"])
+    # A GSM8K-sized minibatch is a little more than one micro-step of 4 devices: the rule before paid for a second,
+    # mostly empty one.
+    gsm8k = report["layouts"]["gsm8k"]
+    assert gsm8k["previous"]["real_share"] < 0.8 < 0.9 < gsm8k["now"]["real_share"]
+
+
+def test_previous_rule_is_restored_and_reproduces_the_power_of_two_rows():
+    bench = load_benchmark()
+    from areal_jax.trainer import batch, layout
+
+    counts, pack = layout.row_counts, batch.step_layout
+    with bench.previous_rule():
+        # 68,000 tokens in rows of 3,072 on 4 devices need 6 rows each; the budget holds 5.
+        assert layout.row_counts(68_000, 3072, 4, 16384) == [5]
+        assert layout.row_counts(1000, 256, 2, 1024) == [2]
+    assert layout.row_counts is counts and batch.step_layout is pack
+    assert layout.row_counts(68_000, 3072, 4, 16384) == [1, 2, 4, 5]
+
+
+@pytest.mark.slow
+def test_timed_update_at_toy_size():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "packing.py"), "--updates", "1",
+                          "--time-budget", "256", "--repeats", "1"], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    timed = json.loads(out.stdout.strip().splitlines()[-1])["timed"]
+    assert timed["previous_tokens_per_s"] > 0 and timed["now_tokens_per_s"] > 0 and timed["budget"] == 256
+    assert timed["ratio"] == pytest.approx(timed["now_tokens_per_s"] / timed["previous_tokens_per_s"])
+    assert timed["device"].startswith("4 x ") and timed["matmul_peak_gflops"] > 0
