@@ -103,7 +103,7 @@ def row_counts(total_tokens: int, row_len: int, n_devices: int, budget: int) -> 
 
 
 def _next_size(size: int) -> int:
-    """The series 2^k, 3 * 2^(k-1): 16 -> 24 -> 32 -> 48 -> 64 (from 2: 2 -> 3 -> 4 -> 6 -> 8)."""
+    """The next row length of the series 2^k, 3 * 2^(k-1): 16 -> 24 -> 32 -> 48 -> 64 -> 96."""
     return size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
 
 
