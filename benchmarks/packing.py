@@ -5,7 +5,10 @@ The layout (`trainer.layout.step_layout`) gives every micro-step of a minibatch 
 length]. The rule before took, for each row length, as many rows per device as one micro-step of the whole
 minibatch needs (a power of two), capped at the budget, and counted positions only; so a minibatch a little
 larger than one micro-step paid for a second one that was mostly padding. Now rows per device are any power of
-two up to that (`row_counts`) and each micro-step costs a fixed `MICRO_STEP_OVERHEAD` positions as well.
+two up to that (`row_counts`) and each micro-step costs a fixed `MICRO_STEP_OVERHEAD` positions as well. The rows
+"cheapest" pack every minibatch in its cheapest layout; the rows "now" are the trainer's default, which takes a
+shape not compiled yet only as its `layout.ShapeBook` decides (train.new_shape_cost, --new-shape-cost here), and
+so trades some padding for fewer compiles.
 
     python benchmarks/packing.py                      # layouts of four workloads, then the timed update
     python benchmarks/packing.py --skip-time          # layouts only (seconds; no device involved)
@@ -20,7 +23,8 @@ Workloads (lengths drawn as the named run would make them; completions log-norma
   default    configs/math.py: 16 groups x 8, 4 minibatches, 1 device, budget 2,048, prompts 29-37, completions
              median 24 (cap 48)
 The timed part runs the gsm8k workload's minibatches (scaled to --time-budget tokens per device) through
-Trainer.update with the benchmark model on 4 host devices, the two rules alternated, and ends with ONE JSON line.
+Trainer.update with the benchmark model on 4 host devices, the rule before against the cheapest layouts, alternated,
+and ends with ONE JSON line.
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -39,6 +42,7 @@ import numpy as np  # noqa: E402
 
 from areal_jax.trainer import batch as batch_mod  # noqa: E402
 from areal_jax.trainer import layout  # noqa: E402
+from areal_jax.trainer.config import TrainerConfig  # noqa: E402
 
 QWEN_05B = dict(num_layers=24, num_heads=14, head_dim=64, params=494e6)
 QWEN_15B = dict(num_layers=28, num_heads=12, head_dim=128, params=1.54e9)
@@ -61,12 +65,17 @@ def previous_row_counts(total_tokens: int, row_len: int, n_devices: int, budget:
     return [min(max(1, budget // row_len), 1 << (needed - 1).bit_length())]
 
 
+def previous_layout(lengths, n_devices, budget, attention_weight=0.0, step_overhead=0, book=None):
+    """The rule before: the cheapest layout in positions alone, whatever its shape."""
+    return layout.step_layout(lengths, n_devices, budget, attention_weight, step_overhead=0)
+
+
 @contextlib.contextmanager
 def previous_rule():
     """Trainer.update and step_layout pack with the rule before while this is open."""
     counts, pack = layout.row_counts, batch_mod.step_layout
     layout.row_counts = previous_row_counts
-    batch_mod.step_layout = functools.partial(layout.step_layout, step_overhead=0)
+    batch_mod.step_layout = previous_layout
     try:
         yield
     finally:
@@ -87,20 +96,24 @@ def lengths_of(w: dict, rng: np.random.Generator) -> list[list[int]]:
     return [[lengths[i] for i in part] for part in np.array_split(rng.permutation(w["n"]), w["minibatches"])]
 
 
-def layout_figures(w: dict, updates: int, seed: int) -> dict:
-    """Per rule: real share of the computed positions, micro-steps per minibatch, distinct shapes, host ms."""
+def layout_figures(w: dict, updates: int, seed: int, new_shape_cost: float) -> dict:
+    """Per rule: real share of the computed positions, micro-steps per minibatch, distinct shapes, host ms. The
+    rules: previous; cheapest (now, every minibatch in its cheapest layout); now (the trainer's default: new
+    shapes through a `layout.ShapeBook` of `new_shape_cost`)."""
     s = w["shape"]
     weight = s["num_layers"] * s["num_heads"] * s["head_dim"] / s["params"]
     out = {}
-    for rule in ("previous", "now"):
+    for rule in ("previous", "cheapest", "now"):
         rng = np.random.default_rng(seed)
+        book = layout.ShapeBook(new_shape_cost if rule == "now" else 0.0)
         real = positions = steps = calls = 0
         shapes, seconds = set(), 0.0
         with previous_rule() if rule == "previous" else contextlib.nullcontext():
             for _ in range(updates):
                 for lengths in lengths_of(w, rng):
                     t = time.perf_counter()
-                    row_len, per_device, rows = batch_mod.step_layout(lengths, w["devices"], w["budget"], weight)
+                    row_len, per_device, rows = batch_mod.step_layout(lengths, w["devices"], w["budget"], weight,
+                                                                      layout.MICRO_STEP_OVERHEAD, book)
                     seconds += time.perf_counter() - t
                     n = len(rows) // (w["devices"] * per_device)
                     real, positions = real + sum(lengths), positions + len(rows) * row_len
@@ -118,7 +131,7 @@ def timed_updates(args) -> dict:
     from jax.sharding import Mesh
 
     from areal_jax.testing import models as testing
-    from areal_jax.trainer import Trainer, TrainerConfig, Trajectory
+    from areal_jax.trainer import Trainer, Trajectory
 
     model_args = add_model_args(argparse.ArgumentParser()).parse_args([])
     cfg = model_config(model_args)
@@ -133,8 +146,10 @@ def timed_updates(args) -> dict:
              for p, c in zip(*(x.tolist() for x in draw(w, rng)))]
     devices = jax.devices()[: w["devices"]]
     mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tensor"))
+    # new_shape_cost=0: every update packs each minibatch in its cheapest layout (the rules compared), compiled in
+    # the warm-up.
     tcfg = TrainerConfig(lr=1e-5, micro_batch_tokens=w["budget"], logits_chunk=256, ppo_minibatches=w["minibatches"],
-                         prox_mode="loglinear")
+                         prox_mode="loglinear", new_shape_cost=0.0)
     trainers = {}
     for rule in ("previous", "now"):
         with previous_rule() if rule == "previous" else contextlib.nullcontext():
@@ -161,16 +176,19 @@ def main(argv=None) -> dict:
     p.add_argument("--time-budget", type=int, default=2048, help="micro_batch_tokens of the timed update")
     p.add_argument("--repeats", type=int, default=2, help="timed updates per rule (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-shape-cost", type=float, default=TrainerConfig.new_shape_cost,
+                   help="the ShapeBook's cost of a new shape in micro-steps (train.new_shape_cost)")
     args = p.parse_args(argv)
     result = {"layouts": {}}
     print(f"{'workload':10s} {'rule':9s} {'real share':>10s} {'micro-steps':>11s} {'shapes':>6s} {'host ms':>8s}")
     for name, w in WORKLOADS.items():
-        figs = layout_figures(w, args.updates, args.seed)
+        figs = layout_figures(w, args.updates, args.seed, args.new_shape_cost)
         for rule, f in figs.items():
             print(f"{name:10s} {rule:9s} {f['real_share']:10.1%} {f['micro_steps']:11.2f} {f['shapes']:6d} "
                   f"{f['host_ms']:8.1f}")
         ratio = figs["previous"]["positions"] / figs["now"]["positions"]
-        print(f"{'':10s} computed positions previous / now: {ratio:.3f}x")
+        print(f"{'':10s} computed positions previous / now: {ratio:.3f}x; now / cheapest: "
+              f"{figs['now']['positions'] / figs['cheapest']['positions']:.3f}x")
         result["layouts"][name] = {**figs, "positions_ratio": ratio}
     if not args.skip_time:
         t = timed_updates(args)

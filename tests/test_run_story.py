@@ -62,6 +62,11 @@ def _config(assets, run_dir, steps, **overrides):
     return c
 
 
+def _checkpoint_meta(run_dir, step):
+    with open(os.path.join(run_dir, "checkpoint_meta", str(step), "process_0.json")) as f:
+        return json.load(f)
+
+
 def _run(config):
     job = RLJob(config, log_fn=lambda *a, **k: None, machine={"matmul_peak_gflops": 12.5})
     try:
@@ -80,8 +85,13 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
     assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
 
+    layouts = _checkpoint_meta(run_dir, 2)["layouts"]  # the trainer's ShapeBook, so a resume packs alike
+    assert layouts["compiled"] and all(r > 0 and k > 0 for r, k in layouts["compiled"])
+
     resumed = _run(_config(assets, run_dir, steps=3))  # continues from the step-2 checkpoint
     assert resumed["steps"] == 3
+    assert {tuple(s) for s in layouts["compiled"]} <= {tuple(s) for s in _checkpoint_meta(run_dir, 3)["layouts"]
+                                                       ["compiled"]}
     assert resumed["evaluations"]["start"] == start  # measured by the first process, kept in the run's state
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["evaluations"]["start"]["greedy_pass@1"] == start["greedy_pass@1"]

@@ -238,6 +238,7 @@ class RLJob:
         user_errors.check_same_model(meta.get("model"), user_errors.model_signature(self.model_config), c.run_dir,
                                      c.model.path)
         self.trainer.state = state
+        self.trainer.layouts.load_state(meta.get("layouts"))  # pack as the run this one continues
         self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version}).")
         self.sample_log.truncate_from(self.trainer.version)
         return meta
@@ -256,6 +257,7 @@ class RLJob:
             "saved_at": time.time(),
             "model": user_errors.model_signature(self.model_config),
             "evaluations": self.evaluations,  # a resumed run still reports its start evaluation
+            "layouts": self.trainer.layouts.state(),
         }
         with self.timeline.span("checkpoint", lane="trainer"):
             self.sample_log.sync()  # on an object store: a resume must find every line it restores

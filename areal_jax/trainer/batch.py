@@ -34,7 +34,7 @@ from areal_jax.rl.advantages import gae
 from areal_jax.rl.aggregation import token_weights
 from areal_jax.rl.packing import balanced_microbatches
 from areal_jax.rl.staleness import sample_staleness, staleness_mask
-from areal_jax.trainer.layout import step_layout
+from areal_jax.trainer.layout import MICRO_STEP_OVERHEAD, ShapeBook, step_layout
 
 STEP_FIELDS = (
     "tokens", "positions", "segment_ids", "targets", "mask", "behav_logp", "versions", "advantages",
@@ -241,6 +241,8 @@ def pack_steps(
     micro_batch_tokens: int,
     trainer_version: int,
     attention_weight: float = 0.0,
+    step_overhead: int = MICRO_STEP_OVERHEAD,
+    book: ShapeBook | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Pack the trajectories `indices` into micro-steps.
 
@@ -253,6 +255,8 @@ def pack_steps(
       micro_batch_tokens: token budget of one device's share of a micro-step.
       trainer_version: fills `versions` at non-completion positions.
       attention_weight: attention's relative cost per position of row length (`layout.step_layout`).
+      step_overhead: the fixed cost of one micro-step, in positions (`layout.step_layout`).
+      book: the shapes compiled so far (`layout.ShapeBook`; None: the cheapest layout, whatever its shape).
     Returns:
       micro-steps: dicts of numpy [n_devices * R, T] arrays named in STEP_FIELDS (R rows per device;
       device d holds rows d*R .. d*R + R - 1) (int32: tokens, positions, segment_ids, targets,
@@ -267,7 +271,8 @@ def pack_steps(
             f"Trajectory {i} needs {n} packed tokens, more than micro_batch_tokens={micro_batch_tokens}; "
             "raise micro_batch_tokens to at least the longest prompt + completion."
         )
-    row_len, per_device, groups = step_layout(lengths, n_devices, micro_batch_tokens, attention_weight)
+    row_len, per_device, groups = step_layout(lengths, n_devices, micro_batch_tokens, attention_weight, step_overhead,
+                                              book)
     per_step = n_devices * per_device  # groups: rows sorted by decreasing token count
     steps = []
     for s in range(0, len(groups), per_step):

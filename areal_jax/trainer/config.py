@@ -45,6 +45,12 @@ class TrainerConfig(Section):
                                 "acts (pi / pi_prox = 1)")
     micro_batch_tokens: int = knob(4096, "token budget of one device's share of a micro-step (its packed rows "
                                    "together); must hold the longest trajectory")
+    micro_step_overhead: int = knob(256, "the fixed cost of one micro-step in positions of work, against which "
+                                    "packing weighs padding (trainer.layout.step_layout); raise it where launching "
+                                    "a micro-step costs more (a small model on a large accelerator)")
+    new_shape_cost: float = knob(8.0, "a micro-step shape not compiled yet is taken once the padding it would have "
+                                 "saved adds up to this many micro-steps of micro_batch_tokens (trainer.layout."
+                                 "ShapeBook); 0 always packs the cheapest layout, whatever it compiles")
     kl_coef: float = knob(0.0, "weight of the KL penalty to the starting checkpoint (0 disables it)")
     kl_estimator: str = knob("k3", "KL estimator", choices=("k1", "k2", "k3"))
     entropy_coef: float = knob(0.0, "weight of the entropy bonus (subtracted from the loss)")
@@ -100,6 +106,8 @@ class TrainerConfig(Section):
                 f"{k('batch_groups')}={self.batch_groups} is not divisible by {k('ppo_minibatches')}="
                 f"{self.ppo_minibatches}.")
         require(self.micro_batch_tokens >= 8, f"{k('micro_batch_tokens')}={self.micro_batch_tokens} must be at least 8.")
+        require(self.micro_step_overhead >= 0, f"{k('micro_step_overhead')}={self.micro_step_overhead} must be >= 0.")
+        require(self.new_shape_cost >= 0, f"{k('new_shape_cost')}={self.new_shape_cost} must be >= 0.")
         require(self.kl_coef >= 0, f"{k('kl_coef')}={self.kl_coef} must be >= 0.")
         require(self.entropy_coef >= 0, f"{k('entropy_coef')}={self.entropy_coef} must be >= 0.")
         require(self.logits_chunk >= 1, f"{k('logits_chunk')}={self.logits_chunk} must be at least 1.")

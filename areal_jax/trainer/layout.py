@@ -2,6 +2,7 @@
 into, and which trajectories share each row (`step_layout`, used by trainer.batch.pack_steps)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from areal_jax.rl.packing import balanced_microbatches
@@ -49,7 +50,8 @@ MICRO_STEP_OVERHEAD = 256
 
 
 def step_layout(lengths: Sequence[int], n_devices: int, budget: int, attention_weight: float = 0.0,
-                step_overhead: int = MICRO_STEP_OVERHEAD) -> tuple[int, int, list[list[int]]]:
+                step_overhead: int = MICRO_STEP_OVERHEAD, book: ShapeBook | None = None
+                ) -> tuple[int, int, list[list[int]]]:
     """(row length, rows per device, rows as lists of indices into `lengths`) for packing trajectories
     of these packed lengths into micro-steps of at most `budget` tokens per device.
 
@@ -59,6 +61,8 @@ def step_layout(lengths: Sequence[int], n_devices: int, budget: int, attention_w
     positions per micro-step; the cheapest wins, the shorter rows and then the more of them (the fewer
     micro-steps) on a tie. attention_weight is attention's cost per position of row length relative to
     the rest of a token's work (`attention_weight(model_cfg, n_params)`, which the Trainer passes).
+    With a `book` (the shapes the caller has compiled programs for), a shape not compiled yet is taken
+    only as `ShapeBook` decides, and the book records the choice.
 
     Every micro-step of a minibatch has the same shape, so the row length and the rows per device decide
     how full the last one is: rows of 96 under a budget of 2,048 hold 21 x 96 = 2,016 tokens, so 1,950
@@ -67,24 +71,118 @@ def step_layout(lengths: Sequence[int], n_devices: int, budget: int, attention_w
     one micro-step of 4 x 2 rows of 6,144 and left 19k for a second of the same size (70% of the positions
     real); three micro-steps of 4 x 4 rows of 1,536 hold them at 93%.
     """
-    total = int(sum(lengths))
+    total, longest = int(sum(lengths)), max(lengths)
+    shapes = {(row_len, per_device) for row_len in _row_sizes(longest, budget)
+              for per_device in row_counts(total, row_len, n_devices, budget)}
+    if book is not None:  # the compiled shapes that hold the longest trajectory are candidates too
+        shapes |= {s for s in book.compiled if s[0] >= longest}
     options = []
-    for row_len in _row_sizes(max(lengths), budget):
-        weight = 1.0 + attention_weight * row_len
-        for per_device in row_counts(total, row_len, n_devices, budget):
-            step_cost = per_device * row_len * weight + step_overhead
-            # No packing takes fewer micro-steps than whole ones holding every token.
-            floor = _ceil_div(total, n_devices * per_device * row_len) * step_cost
-            options.append((floor, row_len, per_device, step_cost))
+    for row_len, per_device in shapes:
+        step_cost = per_device * row_len * (1.0 + attention_weight * row_len) + step_overhead
+        # No packing takes fewer micro-steps than whole ones holding every token.
+        floor = _ceil_div(total, n_devices * per_device * row_len) * step_cost
+        options.append((floor, row_len, per_device, step_cost))
+    options.sort()
+    packed = {}
+
+    def evaluate(option) -> _Packed:
+        _, row_len, per_device, step_cost = option
+        if (row_len, per_device) not in packed:
+            rows = balanced_microbatches(lengths, row_len, n_devices * per_device)
+            packed[row_len, per_device] = _Packed(len(rows) // (n_devices * per_device) * step_cost, row_len,
+                                                  per_device, rows)
+        return packed[row_len, per_device]
+
+    best = _cheapest(options, evaluate)
+    if book is not None:
+        best = book.settle(best, options, evaluate, book.new_shape_cost * (budget + step_overhead))
+    return best.row_len, best.per_device, best.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """One candidate layout packed: its cost, shape and rows."""
+
+    cost: float
+    row_len: int
+    per_device: int
+    rows: list[list[int]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.row_len, self.per_device
+
+    @property
+    def rank(self) -> tuple[float, int, int]:
+        """The order of preference: cheaper, then shorter rows, then more rows per device."""
+        return self.cost, self.row_len, -self.per_device
+
+
+def _cheapest(options, evaluate) -> _Packed:
+    """The cheapest of `options` (sorted by their floor cost), packing only those whose floor can still win."""
     best = None
-    for floor, row_len, per_device, step_cost in sorted(options):
-        if best is not None and floor > best[0]:
+    for option in options:
+        if best is not None and option[0] > best.cost:
             break
-        rows = balanced_microbatches(lengths, row_len, n_devices * per_device)
-        cost = len(rows) // (n_devices * per_device) * step_cost
-        if best is None or (cost, row_len, -per_device) < (best[0], best[1], -best[2]):
-            best = (cost, row_len, per_device, rows)
-    return best[1], best[2], best[3]
+        candidate = evaluate(option)
+        if best is None or candidate.rank < best.rank:
+            best = candidate
+    return best
+
+
+@dataclasses.dataclass
+class ShapeBook:
+    """The micro-step shapes (row length, rows per device) a trainer has compiled programs for, and for each
+    shape it has not, the positions that shape would have saved so far over the best compiled one.
+
+    Every new shape costs a compile of the update's programs: seconds for a small model on a CPU, tens of
+    seconds at a real model size on an accelerator. `step_layout` with a book takes the cheapest layout when
+    its shape is compiled already or when no compiled shape holds the minibatch (the longest trajectory
+    outgrew their rows); otherwise the best compiled layout, while each new shape that would have been
+    cheaper adds what it would have saved. A new shape is compiled once its savings reach `new_shape_cost`
+    micro-steps of the budget (plus the micro-step overhead): ski rental, which pays at most about twice
+    what knowing the coming minibatches would have, in compiles and padding together (for one shape against
+    the compiled ones). 0 takes a cheapest layout always, a compiled one on a tie.
+
+    The choices depend only on the lengths packed so far, so every process of a job makes the same ones; the
+    book goes into checkpoints (`state` / `load_state`), so a resumed run packs as the run it continues.
+    """
+
+    new_shape_cost: float = 0.0
+    compiled: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    saved: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+
+    def settle(self, best: _Packed, options, evaluate, threshold: float) -> _Packed:
+        """The layout to use, given the cheapest one; records it as compiled."""
+        known = [o for o in options if (o[1], o[2]) in self.compiled]
+        pick = best
+        if best.shape not in self.compiled and known:
+            pick = _cheapest(known, evaluate)
+            ready = []
+            for option in options:
+                if (option[1], option[2]) in self.compiled or option[0] >= pick.cost:
+                    continue
+                candidate = evaluate(option)
+                if candidate.cost < pick.cost:
+                    saved = self.saved[candidate.shape] = self.saved.get(candidate.shape, 0.0) + pick.cost - candidate.cost
+                    if saved >= threshold:
+                        ready.append(candidate)
+            if ready:
+                pick = min(ready, key=lambda c: c.rank)
+        self.compiled.add(pick.shape)
+        self.saved.pop(pick.shape, None)
+        return pick
+
+    def state(self) -> dict:
+        """A JSON-able copy of what the book holds."""
+        return {"compiled": sorted([list(s) for s in self.compiled]),
+                "saved": sorted([[*s, v] for s, v in self.saved.items()])}
+
+    def load_state(self, state: dict | None) -> None:
+        """Restore what `state` returned (None: an empty book)."""
+        state = state or {}
+        self.compiled = {(int(r), int(c)) for r, c in state.get("compiled", [])}
+        self.saved = {(int(r), int(c)): float(v) for r, c, v in state.get("saved", [])}
 
 
 def row_counts(total_tokens: int, row_len: int, n_devices: int, budget: int) -> list[int]:

@@ -72,6 +72,9 @@ class Trainer:
                              "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
         self._attention_weight = _attention_weight(model, params, other)
+        # The micro-step shapes packed so far (what this trainer has compiled); checkpoints hold its state.
+        self.layouts = layout.ShapeBook(cfg.new_shape_cost)
+        self._packed = np.zeros(2, np.int64)
         self._tx = make_optimizer(cfg, schedule_steps)
         self._schedule = make_schedule(cfg, schedule_steps)
         value_head = None
@@ -147,11 +150,14 @@ class Trainer:
         return put_global({k: step[k] for k in fields}, self._fns.batch_sharding)
 
     def _steps(self, trajs, indices, masks, weights, version):
-        return batching.pack_steps(
+        steps = batching.pack_steps(
             trajs, indices, masks, weights, n_devices=self.n_devices,
             micro_batch_tokens=self.cfg.micro_batch_tokens, trainer_version=version,
-            attention_weight=self._attention_weight,
+            attention_weight=self._attention_weight, step_overhead=self.cfg.micro_step_overhead, book=self.layouts,
         )
+        for step in steps:  # tokens and positions packed, for the update's packed_fraction
+            self._packed += (int(np.count_nonzero(step["segment_ids"])), step["segment_ids"].size)
+        return steps
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
         """Log-probs of each trajectory's completion tokens under the current params.
@@ -282,13 +288,17 @@ class Trainer:
 
         Returns metrics (python floats): loss, pg_loss, kl, clip_fraction, dual_clip_fraction, behav_weight_mean,
         behav_weight_max, masked_fraction, approx_kl, entropy, grad_norm, n_tokens, n_seqs,
-        staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version; with a
-        critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
+        staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version, packed_fraction
+        (the share of the packed positions that hold tokens), compiled_shapes (micro-step shapes packed so far,
+        `layouts`); with a critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
         value_error (token mean of (V - return)^2), at the params before each optimizer step.
         """
         trajs = list(trajectories)
         version = self.version
+        self._packed[:] = 0
         minibatches, masks, staleness = self._prepare(trajs, version)
+        packing = {"packed_fraction": float(self._packed[0] / max(self._packed[1], 1)),
+                   "compiled_shapes": float(len(self.layouts.compiled))}
         rep = replicated(self.mesh)
         version_arr = put_global(jnp.asarray(version, jnp.int32), rep)
         sums_total, infos = None, []
@@ -303,7 +313,7 @@ class Trainer:
             sums_total = sums if sums_total is None else _merge_sums(sums_total, sums)
         return _metrics(
             jax.device_get(sums_total), jax.device_get(infos), masks, trajs, staleness, len(minibatches), self.state
-        )
+        ) | packing
 
 
 def _attention_weight(model: nnx.Module, *states: nnx.State) -> float:
