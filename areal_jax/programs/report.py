@@ -1,13 +1,19 @@
-"""Plots of a run: `python -m areal_jax.programs.report RUN_DIR [--out DIR]` writes PNGs into RUN_DIR/plots
-(or DIR).
+"""Plots of a run: `python -m areal_jax.programs.report RUN_DIR [--out DIR]` writes into RUN_DIR/plots (or DIR):
 
 - curves.png: training reward and accuracy against steps and against wall time (plus eval points);
 - timeline.png: when the sampler and the trainer were busy (from timeline.json), with each lane's
-  busy fraction, which is where asynchronous RL's gain shows.
+  busy fraction, which is where asynchronous RL's gain shows;
+- tasks.csv: per training task (dataset file and row), from samples*.jsonl: the groups and samples trained on
+  it, how many samples solved it (reward >= 1) and their mean reward; the tasks never solved in two groups or
+  more come first. A task no sample ever solves gives group advantages of zero: compute spent on no signal, and
+  with a policy that solves its neighbours, often a sign of wrong tests or a wrong answer key. The command prints
+  how many tasks that is and the share of the samples they took.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import sys
 from collections import defaultdict
@@ -129,13 +135,107 @@ def make_report(run_dir: str, out: str | None = None) -> list[str]:
     return [str(p) for p in outs]
 
 
+SOLVED = 1.0  # a sample solves its task at reward >= 1, the threshold of the accuracy metric
+TASK_COLUMNS = ("task", "groups", "samples", "solved", "solve_rate", "mean_reward", "first_trained_version",
+                "last_trained_version")
+
+
+def read_samples(run_dir: str) -> list[dict]:
+    """Rows of the run's samples.jsonl (samples.process_<i>.jsonl of every process in a multi-process run): one
+    per trained group. A line a kill cut short is skipped."""
+    root = paths.join(run_dir)
+    files = sorted(f for f in root.iterdir() if f.name.startswith("samples") and f.name.endswith(".jsonl")) \
+        if root.exists() else []
+    rows = []
+    for f in files:
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def task_outcomes(rows: list[dict], min_groups: int = 2) -> tuple[list[dict], dict]:
+    """(one dict per task with TASK_COLUMNS, never-solved tasks of min_groups groups or more first, then by solve
+    rate; a summary). A task is a uid without its epoch ("<file>:<row>")."""
+    tasks = {}
+    for r in rows:
+        key = r["uid"].rsplit(":", 1)[0]
+        t = tasks.setdefault(key, {"task": key, "groups": 0, "samples": 0, "solved": 0, "reward_sum": 0.0,
+                                   "first_trained_version": r["trained_version"], "last_trained_version": 0,
+                                   "uniform_groups": 0})
+        rewards = [float(x) for x in r["rewards"]]
+        t["groups"] += 1
+        t["samples"] += len(rewards)
+        t["solved"] += sum(x >= SOLVED for x in rewards)
+        t["reward_sum"] += sum(rewards)
+        t["uniform_groups"] += int(len(set(rewards)) <= 1)
+        t["first_trained_version"] = min(t["first_trained_version"], r["trained_version"])
+        t["last_trained_version"] = max(t["last_trained_version"], r["trained_version"])
+    table = []
+    for t in tasks.values():
+        t["solve_rate"] = t["solved"] / max(t["samples"], 1)
+        t["mean_reward"] = t.pop("reward_sum") / max(t["samples"], 1)
+        table.append(t)
+    never = [t for t in table if t["groups"] >= min_groups and t["solved"] == 0]
+    always = [t for t in table if t["groups"] >= min_groups and t["solved"] == t["samples"]]
+    table.sort(key=lambda t: (not (t["groups"] >= min_groups and t["solved"] == 0), t["solve_rate"], -t["samples"],
+                              t["task"]))
+    samples = max(sum(t["samples"] for t in table), 1)
+    groups = max(sum(t["groups"] for t in table), 1)
+    summary = {
+        "tasks": len(table), "groups": sum(t["groups"] for t in table), "min_groups": min_groups,
+        "tasks_in_min_groups": sum(t["groups"] >= min_groups for t in table),
+        "never_solved": len(never), "never_solved_sample_share": sum(t["samples"] for t in never) / samples,
+        "always_solved": len(always), "always_solved_sample_share": sum(t["samples"] for t in always) / samples,
+        "uniform_group_share": sum(t.pop("uniform_groups") for t in table) / groups,
+    }
+    return table, summary
+
+
+def write_task_table(run_dir: str, out: str | None = None, min_groups: int = 2) -> tuple[str, dict] | None:
+    """Write tasks.csv into `out` (default RUN_DIR/plots); returns (its path, the summary), or None when the run
+    recorded no samples (log.samples off, or no step trained yet)."""
+    rows = read_samples(run_dir)
+    if not rows:
+        return None
+    table, summary = task_outcomes(rows, min_groups)
+    out_dir = paths.join(out) if out else paths.join(run_dir, "plots")
+    paths.makedirs(out_dir)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=TASK_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for t in table:
+        writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in t.items()})
+    path = out_dir / "tasks.csv"
+    with paths.atomic_open(path, "w") as f:
+        f.write(buf.getvalue())
+    return str(path), summary
+
+
+def task_lines(summary: dict) -> list[str]:
+    """The summary of write_task_table in words."""
+    s, k = summary, summary["min_groups"]
+    return [
+        f"tasks: {s['tasks']:,} trained in {s['groups']:,} groups ({s['tasks_in_min_groups']:,} in {k} groups or "
+        f"more); groups whose samples all scored alike (no group advantage): {s['uniform_group_share']:.1%}",
+        f"never solved in {k} groups or more: {s['never_solved']:,} tasks, {s['never_solved_sample_share']:.1%} of "
+        f"the samples (check their tests or answers; code sets: python -m areal_jax.programs.check_code_data); "
+        f"solved by every sample: {s['always_solved']:,} tasks, {s['always_solved_sample_share']:.1%}",
+    ]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m areal_jax.programs.report",
         description="Plot a run of areal_jax.main: curves.png (reward and test accuracy against steps and wall "
-                    "time) and timeline.png (when the trainer, sampler and reward lanes were busy).")
+                    "time), timeline.png (when the trainer, sampler and reward lanes were busy) and tasks.csv (per "
+                    "training task: groups, samples, solve rate; never-solved tasks first).")
     parser.add_argument("run_dir", help="the run's directory (config.run_dir; holds metrics.jsonl, timeline.json)")
-    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR/plots)")
+    parser.add_argument("--out", default=None, help="directory for the PNGs and tasks.csv (default: RUN_DIR/plots)")
+    parser.add_argument("--min-groups", type=int, default=2, help="a task counts as never (or always) solved once "
+                        "trained in this many groups")
     return parser.parse_args(argv)
 
 
@@ -145,8 +245,18 @@ def main(argv: list[str]) -> None:
         print(f"error: {args.run_dir!r} is not a run directory (it has no metrics.jsonl); pass the run_dir of a "
               "run of areal_jax.main, e.g. runs/math.", file=sys.stderr)
         sys.exit(2)
+    if args.min_groups < 1:
+        print(f"error: --min-groups={args.min_groups} must be at least 1.", file=sys.stderr)
+        sys.exit(2)
     for p in make_report(args.run_dir, args.out):
         print(p)
+    tasks = write_task_table(args.run_dir, args.out, args.min_groups)
+    if tasks is None:
+        print("no samples*.jsonl in the run directory (log.samples off, or no step trained): no tasks.csv",
+              file=sys.stderr)
+    else:
+        print(tasks[0])
+        print("\n".join(task_lines(tasks[1])))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def batch_summary(groups: list[Group], trainer_version: int) -> dict[str, float]
         "staleness": float(stale.mean()),
         "staleness_max": float(stale.max()),
         "group_reward_std": float(np.mean([g.rewards.std() for g in groups])),
+        # Groups whose samples all scored alike: zero group advantage, so generated for no gradient.
+        "uniform_group_fraction": float(np.mean([np.all(g.rewards == g.rewards[0]) for g in groups])),
         "completion_tokens": float(lengths.sum()),
     }
 
