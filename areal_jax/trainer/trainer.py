@@ -72,7 +72,8 @@ class Trainer:
                              "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
         self._attention_weight = _attention_weight(model, params, other)
-        # The micro-step shapes packed so far (what this trainer has compiled); checkpoints hold its state.
+        # The micro-step shapes packed so far (what this trainer has compiled). A checkpoint that should resume
+        # bit for bit saves layouts.state() beside `state` and restores it with layouts.load_state (as RLJob does).
         self.layouts = layout.ShapeBook(cfg.new_shape_cost)
         self._packed = np.zeros(2, np.int64)
         self._tx = make_optimizer(cfg, schedule_steps)
