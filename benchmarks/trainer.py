@@ -169,6 +169,7 @@ def forward_flops(cfg, trajs: list[Trajectory]) -> float:
 
 
 FIRST_UPDATE_S: dict[str, float] = {}  # prox_mode -> seconds of the warm-up update
+FIRST_UPDATE_METRICS: dict[str, dict] = {}  # prox_mode -> what the warm-up update returned
 
 
 def trainer_step(model, cfg: TrainerConfig, trajs):
@@ -176,7 +177,7 @@ def trainer_step(model, cfg: TrainerConfig, trajs):
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
     trainer = Trainer(model, cfg, mesh)
     start = time.perf_counter()
-    trainer.update(trajs)  # compile
+    FIRST_UPDATE_METRICS[cfg.prox_mode] = trainer.update(trajs)  # compile
     FIRST_UPDATE_S[cfg.prox_mode] = time.perf_counter() - start  # tracing + compiling (cold or cached) + one update
     return (lambda: trainer.update(trajs)), trainer  # update returns host floats: the step has finished
 
@@ -319,6 +320,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"speed-up a/c: {ratio:.2f}x")
     for mode, seconds in FIRST_UPDATE_S.items():
         print(f"first update (prox {mode}; tracing and compiling included): {seconds:.1f} s")
+    # What one compile of the update's programs costs in micro-steps of this workload: the train.new_shape_cost
+    # (trainer.layout.ShapeBook) this device and model call for.
+    packing, compile_steps = FIRST_UPDATE_METRICS.get("loglinear", {}), None
+    if packing and "a" in medians:
+        per_step = medians["a"] / packing["micro_steps"]
+        compile_steps = max(FIRST_UPDATE_S["loglinear"] - medians["a"], 0.0) / per_step
+        print(f"packing: {int(packing['micro_steps'])} micro-steps, {packing['packed_fraction']:.1%} of positions "
+              f"real; one compile ~ {compile_steps:.1f} micro-steps' time (train.new_shape_cost)")
     rss = rss_peak_bytes()
     if platform == "cpu":
         print(f"peak memory: n/a per engine on the CPU; process peak RSS {rss / 2**30:.2f} GiB (all engines)")
@@ -336,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_bytes": {names[k]: memory.get(k) for k in names},
         "process_peak_rss_bytes": rss, "scan_layers": args.scan_layers,
         "first_update_s": {("jax_" + k): round(v, 2) for k, v in FIRST_UPDATE_S.items()},
+        "micro_steps": packing.get("micro_steps"), "packed_fraction": packing.get("packed_fraction"),
+        "compile_in_micro_steps": None if compile_steps is None else round(compile_steps, 2),
     }
     print(json.dumps(report))
     return report

@@ -42,6 +42,10 @@ def test_qwen_preset_at_toy_size_bf16_with_same_device_baseline():
     assert report["speedup_vs_hf"] > 0
     assert set(report["peak_memory_bytes"]) == {"jax_loglinear", "jax_recompute", "hf_torch"}
     assert report["process_peak_rss_bytes"] > 0
+    # One device: each micro-step holds at most micro_batch_tokens positions, so at least this share is real.
+    steps, budget = report["micro_steps"], report["micro_batch_tokens"]
+    assert steps >= 1 and report["tokens"] / (steps * budget) <= report["packed_fraction"] <= 1
+    assert report["compile_in_micro_steps"] >= 0 and "one compile ~" in text
     assert "(bfloat16, jitted" in text and "HF transformers + PyTorch (cpu)" in text
 
 

@@ -291,7 +291,7 @@ class Trainer:
         behav_weight_max, masked_fraction, approx_kl, entropy, grad_norm, n_tokens, n_seqs,
         staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version, packed_fraction
         (the share of the packed positions that hold tokens), compiled_shapes (micro-step shapes packed so far,
-        `layouts`); with a critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
+        `layouts`), micro_steps (in this update); with a critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
         value_error (token mean of (V - return)^2), at the params before each optimizer step.
         """
         trajs = list(trajectories)
@@ -299,7 +299,8 @@ class Trainer:
         self._packed[:] = 0
         minibatches, masks, staleness = self._prepare(trajs, version)
         packing = {"packed_fraction": float(self._packed[0] / max(self._packed[1], 1)),
-                   "compiled_shapes": float(len(self.layouts.compiled))}
+                   "compiled_shapes": float(len(self.layouts.compiled)),
+                   "micro_steps": float(sum(len(placed) for placed, _ in minibatches))}
         rep = replicated(self.mesh)
         version_arr = put_global(jnp.asarray(version, jnp.int32), rep)
         sums_total, infos = None, []
