@@ -43,6 +43,14 @@ def test_a_minibatch_no_compiled_shape_holds_takes_its_cheapest_layout():
     assert book.compiled == {(24, 1), (48, 1)}
 
 
+def test_compiled_shapes_past_a_smaller_budget_are_not_taken():
+    """A run resumed with a smaller micro_batch_tokens: the book's shapes that no longer fit are passed over."""
+    book = ShapeBook(new_shape_cost=1e9)
+    assert step_layout([60] * 8, 1, 256, step_overhead=0, book=book)[:2] == (64, 4)
+    row_len, per_device, _ = step_layout([60] * 8, 1, 128, step_overhead=0, book=book)
+    assert row_len * per_device <= 128 and (row_len, per_device) in book.compiled
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_book_packs_validly_and_at_cost_zero_as_cheaply_as_without_it(seed):
     """Random minibatches on 1-4 devices: with any cost every trajectory is packed once, within its row, the

@@ -74,8 +74,9 @@ def step_layout(lengths: Sequence[int], n_devices: int, budget: int, attention_w
     total, longest = int(sum(lengths)), max(lengths)
     shapes = {(row_len, per_device) for row_len in _row_sizes(longest, budget)
               for per_device in row_counts(total, row_len, n_devices, budget)}
-    if book is not None:  # the compiled shapes that hold the longest trajectory are candidates too
-        shapes |= {s for s in book.compiled if s[0] >= longest}
+    if book is not None:  # the compiled shapes that hold the longest trajectory within the budget are candidates too
+        shapes |= {(r, k) for r, k in book.compiled
+                   if longest <= r <= _round_up(budget, 8) and k <= max(1, budget // r)}
     options = []
     for row_len, per_device in shapes:
         step_cost = per_device * row_len * (1.0 + attention_weight * row_len) + step_overhead
