@@ -178,6 +178,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--new-shape-cost", type=float, default=TrainerConfig.new_shape_cost,
                    help="the ShapeBook's cost of a new shape in micro-steps (train.new_shape_cost)")
+    p.add_argument("--compile-micro-steps", type=float, default=10.3,
+                   help="what one compile costs in micro-steps' time, for the totals with compiles (default: "
+                        "benchmarks/trainer.py at the default job's shape on the 2-core CPU)")
     args = p.parse_args(argv)
     result = {"layouts": {}}
     print(f"{'workload':10s} {'rule':9s} {'real share':>10s} {'micro-steps':>11s} {'shapes':>6s} {'host ms':>8s}")
@@ -187,8 +190,14 @@ def main(argv=None) -> dict:
             print(f"{name:10s} {rule:9s} {f['real_share']:10.1%} {f['micro_steps']:11.2f} {f['shapes']:6d} "
                   f"{f['host_ms']:8.1f}")
         ratio = figs["previous"]["positions"] / figs["now"]["positions"]
+        # Compiles in positions: a micro-step is `budget` positions on each device, all devices at once.
+        compile_positions = args.compile_micro_steps * w["budget"] * w["devices"]
+        for f in figs.values():
+            f["with_compiles"] = f["positions"] + f["shapes"] * compile_positions
         print(f"{'':10s} computed positions previous / now: {ratio:.3f}x; now / cheapest: "
-              f"{figs['now']['positions'] / figs['cheapest']['positions']:.3f}x")
+              f"{figs['now']['positions'] / figs['cheapest']['positions']:.3f}x; with a compile costing "
+              f"{args.compile_micro_steps:g} micro-steps, now / cheapest: "
+              f"{figs['now']['with_compiles'] / figs['cheapest']['with_compiles']:.3f}x")
         result["layouts"][name] = {**figs, "positions_ratio": ratio}
     if not args.skip_time:
         t = timed_updates(args)
