@@ -31,6 +31,10 @@ def test_layout_figures_against_the_rule_before():
             f = figs[rule]
             assert 0 < f["real_share"] <= 1 and f["micro_steps"] >= 1 and f["shapes"] >= 1
         assert figs["positions_ratio"] == pytest.approx(figs["previous"]["positions"] / figs["now"]["positions"])
+    for name, figs in report["layouts"].items():  # each compile as 10.3 micro-steps of every device's budget
+        w = bench.WORKLOADS[name]
+        for f in figs.values():
+            assert f["with_compiles"] == pytest.approx(f["positions"] + f["shapes"] * 10.3 * w["budget"] * w["devices"])
     # A GSM8K-sized minibatch is a little more than one micro-step of 4 devices: the rule before paid for a second,
     # mostly empty one.
     gsm8k = report["layouts"]["gsm8k"]
