@@ -196,7 +196,7 @@ def _records(text: str) -> list[tuple]:
 
 @pytest.mark.slow
 def test_run_and_resume_on_the_store_match_a_file_url_run(tmp_path, store, monkeypatch):
-    from areal_jax.programs.report import make_report
+    from areal_jax.programs.report import make_report, write_task_table
     from areal_jax.system.job import RLJob
     from areal_jax.testing.tiny import tiny_config, write_tiny_assets
 
@@ -230,4 +230,7 @@ def test_run_and_resume_on_the_store_match_a_file_url_run(tmp_path, store, monke
     plots = make_report("fake-gs://bucket/run")
     assert plots == ["fake-gs://bucket/run/plots/curves.png", "fake-gs://bucket/run/plots/timeline.png"]
     assert (run / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table, summary = write_task_table("fake-gs://bucket/run")  # samples.jsonl read from the store, line by line
+    assert table == "fake-gs://bucket/run/plots/tasks.csv" and summary["groups"] == len(records["store"])
+    assert (run / "plots" / "tasks.csv").read_text().startswith("task,groups,samples,solved,")
     assert not [n for n in os.listdir(tmp_path) if n.startswith("fake-gs")]

@@ -17,6 +17,7 @@ import io
 import json
 import sys
 from collections import defaultdict
+from typing import Iterable, Iterator
 
 import matplotlib
 
@@ -140,23 +141,23 @@ TASK_COLUMNS = ("task", "groups", "samples", "solved", "solve_rate", "mean_rewar
                 "last_trained_version")
 
 
-def read_samples(run_dir: str) -> list[dict]:
-    """Rows of the run's samples.jsonl (samples.process_<i>.jsonl of every process in a multi-process run): one
-    per trained group. A line a kill cut short is skipped."""
+def read_samples(run_dir: str) -> Iterator[dict]:
+    """Rows of the run's samples.jsonl (samples.process_<i>.jsonl of every process in a multi-process run), one
+    per trained group, read line by line (a long run's log need not fit in memory). A line a kill cut short is
+    skipped."""
     root = paths.join(run_dir)
     files = sorted(f for f in root.iterdir() if f.name.startswith("samples") and f.name.endswith(".jsonl")) \
         if root.exists() else []
-    rows = []
     for f in files:
-        for line in f.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+        with f.open("r") as lines:
+            for line in lines:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
 
 
-def task_outcomes(rows: list[dict], min_groups: int = 2) -> tuple[list[dict], dict]:
+def task_outcomes(rows: Iterable[dict], min_groups: int = 2) -> tuple[list[dict], dict]:
     """(one dict per task with TASK_COLUMNS, never-solved tasks of min_groups groups or more first, then by solve
     rate; a summary). A task is a uid without its epoch ("<file>:<row>")."""
     tasks = {}
@@ -197,10 +198,9 @@ def task_outcomes(rows: list[dict], min_groups: int = 2) -> tuple[list[dict], di
 def write_task_table(run_dir: str, out: str | None = None, min_groups: int = 2) -> tuple[str, dict] | None:
     """Write tasks.csv into `out` (default RUN_DIR/plots); returns (its path, the summary), or None when the run
     recorded no samples (log.samples off, or no step trained yet)."""
-    rows = read_samples(run_dir)
-    if not rows:
+    table, summary = task_outcomes(read_samples(run_dir), min_groups)
+    if not table:
         return None
-    table, summary = task_outcomes(rows, min_groups)
     out_dir = paths.join(out) if out else paths.join(run_dir, "plots")
     paths.makedirs(out_dir)
     buf = io.StringIO()
