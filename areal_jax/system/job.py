@@ -308,6 +308,8 @@ class RLJob:
     def run(self) -> dict:
         c = self.config
         self.stop.install()
+        if c.train.warm_up:  # the update compiles while the sampler runs
+            self.trainer.warm_up(c.rollout.max_len - 1, background=True, log=self.log)
         if c.eval.at_start and self.trainer.version == 0:
             self.evaluate("start")
         self.controller.start()

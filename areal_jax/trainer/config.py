@@ -51,6 +51,9 @@ class TrainerConfig(Section):
     new_shape_cost: float = knob(8.0, "a micro-step shape not compiled yet is taken once the padding it would have "
                                  "saved adds up to this many micro-steps of micro_batch_tokens (trainer.layout."
                                  "ShapeBook); 0 always packs the cheapest layout, whatever it compiles")
+    warm_up: bool = knob(True, "the job compiles the update's programs for rows holding rollout.max_len tokens (as "
+                         "many as micro_batch_tokens holds) while the start evaluation and first rollouts run, "
+                         "instead of when the first batch arrives (trainer.warmup)")
     kl_coef: float = knob(0.0, "weight of the KL penalty to the starting checkpoint (0 disables it)")
     kl_estimator: str = knob("k3", "KL estimator", choices=("k1", "k2", "k3"))
     entropy_coef: float = knob(0.0, "weight of the entropy bonus (subtracted from the loss)")

@@ -130,6 +130,14 @@ class Trainer:
             _FNS_CACHE.popitem(last=False)
         return fns
 
+    def warm_up(self, longest: int, background: bool = False, log=None):
+        """Compile the update's programs for the shape of rows holding `longest` packed tokens, as many as
+        micro_batch_tokens holds, and record it in `layouts`; in a daemon thread (returned) when background
+        (trainer.warmup)."""
+        from areal_jax.trainer.warmup import warm_up
+
+        return warm_up(self, longest, background=background, log=log)
+
     # ------------------------------------------------------------------ accessors
     @property
     def params(self) -> nnx.State:
