@@ -11,7 +11,6 @@ exactly what was opened (reward workers, the sampler thread, logs), in reverse o
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Callable
 
@@ -264,21 +263,6 @@ class RLJob:
             self.metrics.flush()
             self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
 
-    def _record_digests(self) -> None:
-        """Fingerprints of the trainer's params (gathered independently of the ParamChannel), of what
-        the rollout slice received, and of what the sampler decodes with now: log.param_digests."""
-        from jax.experimental import multihost_utils
-
-        trainer_params = self.trainer.params
-        if jax.process_count() > 1:
-            trainer_params = multihost_utils.process_allgather(trainer_params, tiled=True)
-        version, published = self.channel.latest()
-        sampler_version, sampler_params = self.sampler.versioned_params()
-        row = {"version": self.trainer.version, "trainer": multihost.params_digest(trainer_params),
-               "published_version": version, "published": multihost.params_digest(published),
-               "sampler_version": sampler_version, "sampler": multihost.params_digest(sampler_params)}
-        self._digest_log.write(json.dumps(row) + "\n")
-
     # ---- evaluation -------------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict | None:
         c = self.config
@@ -336,7 +320,7 @@ class RLJob:
                 self.sampler.update_params(published, self.trainer.version)  # swapped in between two decode steps
             self.sample_log.write(groups, version)
             if c.log.param_digests:
-                self._record_digests()
+                runner.record_digests(self.trainer, self.channel, self.sampler, self._digest_log)
             trained_tokens += int(sum(len(t.tokens) for t in trajectories))
             elapsed = time.perf_counter() - t_start
             stats = self.sampler.stats()

@@ -184,3 +184,22 @@ def wait_for_batch(buffer: TrajectoryBuffer, n: int, controller: RolloutControll
                 f"is stuck (controller counters: {dict(controller.counters)})."
             )
     return None
+
+
+def record_digests(trainer, channel, sampler: ManagedSampler, log) -> None:
+    """Append to `log` (log.param_digests) fingerprints of the trainer's params (gathered independently of the
+    ParamChannel), of what the rollout slice received, and of what the sampler decodes with now."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from areal_jax.runtime import multihost
+
+    trainer_params = trainer.params
+    if jax.process_count() > 1:
+        trainer_params = multihost_utils.process_allgather(trainer_params, tiled=True)
+    version, published = channel.latest()
+    sampler_version, sampler_params = sampler.versioned_params()
+    row = {"version": trainer.version, "trainer": multihost.params_digest(trainer_params),
+           "published_version": version, "published": multihost.params_digest(published),
+           "sampler_version": sampler_version, "sampler": multihost.params_digest(sampler_params)}
+    log.write(json.dumps(row) + "\n")
