@@ -85,6 +85,11 @@ class TrainerConfig(Section):
     value_clip: float | None = knob(0.2, "critic: clip of the value change around the update-start values "
                                     "(None: plain squared error)")
 
+    @property
+    def recomputes_prox(self) -> bool:
+        """Whether an update runs a forward of its starting params for the proximal log-probs."""
+        return self.loss in ("decoupled", "gspo") and self.prox_mode == "recompute"
+
     def check(self) -> None:
         k = self.key
         require(self.batch_groups >= 1, f"{k('batch_groups')}={self.batch_groups} must be at least 1.")

@@ -79,7 +79,7 @@ def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
     fields = MODEL_FIELDS + LOSS_FIELDS
     if cfg.critic == "value_head":
         fields += CRITIC_FIELDS
-    if cfg.loss in ("decoupled", "gspo") and cfg.prox_mode == "recompute":
+    if cfg.recomputes_prox:
         fields += ("prox_logp",)
     if cfg.kl_coef > 0:
         fields += ("ref_logp",)

@@ -229,7 +229,7 @@ class Trainer:
         if not trajs:
             raise ValueError("Trainer.update got no trajectories; pass at least one.")
         masks, staleness = batching.effective_masks(trajs, version, self.max_staleness)
-        need_prox = cfg.loss in ("decoupled", "gspo") and cfg.prox_mode == "recompute"
+        need_prox = cfg.recomputes_prox
         plan = []  # per minibatch: (host micro-steps, n_valid tokens)
         for indices in batching.split_minibatches(trajs, cfg.ppo_minibatches):
             weights = [None] * len(trajs)

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.trainer import layout
+from areal_jax.trainer.memory import INT_FIELDS, batch_fields
 from areal_jax.trainer.state import replicated
-from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, zero_metric_sums
-
-INT_FIELDS = frozenset({"tokens", "positions", "segment_ids", "targets", "versions"})
+from areal_jax.trainer.update import MODEL_FIELDS, zero_metric_sums
 
 
 def seed_shape(longest: int, budget: int) -> tuple[int, int]:
@@ -49,17 +48,11 @@ def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], 
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
                                                         sharding=p.sharding), train)
     sums = jax.tree.map(lambda x: scalar(x.dtype), jax.eval_shape(zero_metric_sums))
-    critic = state.value_head is not None
-    need_prox = cfg.loss in ("decoupled", "gspo") and cfg.prox_mode == "recompute"
-    with_ref = trainer._ref is not None and cfg.kl_coef > 0
-    # The fields of a placed micro-step, as Trainer._prepare builds them.
-    fields = MODEL_FIELDS + LOSS_FIELDS + (CRITIC_FIELDS if critic else ()) + (("prox_logp",) if need_prox else ()) \
-        + (("ref_logp",) if with_ref else ())
     rows = trainer.n_devices * per_device
     batch = {k: jax.ShapeDtypeStruct((rows, row_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
-                                     sharding=fns.batch_sharding) for k in fields}
+                                     sharding=fns.batch_sharding) for k in batch_fields(cfg)}
     thunks = []
-    if need_prox or critic or with_ref:
+    if cfg.recomputes_prox or cfg.critic == "value_head" or cfg.kl_coef > 0:  # a forward before the micro-steps
         model_inputs = {k: batch[k] for k in MODEL_FIELDS}
         thunks.append(lambda: fns.forward.lower(train, other, model_inputs).compile())
     thunks += [
