@@ -86,9 +86,19 @@ def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
     return fields
 
 
-def abstract(tree: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs of `tree`'s leaves laid out by `shardings` (same structure), to lower programs with."""
+def abstract(tree: Any, shardings: Any = None) -> Any:
+    """ShapeDtypeStructs of `tree`'s leaves laid out by `shardings` (same structure; default each leaf's own
+    .sharding), to lower programs with."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def accumulator_specs(train: Any) -> Any:
+    """ShapeDtypeStructs of the gradient accumulators of `train` (arrays or ShapeDtypeStructs with shardings):
+    float32 at least, sharded like the params."""
+    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
+                                                       sharding=p.sharding), train)
 
 
 def extended_to_depth(at: Callable[[int], int | None], layers: int, base: int) -> int | None:
@@ -128,8 +138,7 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     fns = build_update_fns(graphdef, cfg, tx, make_schedule(cfg, 1), shardings, other_sharding, mesh)
     train = (params, head) if head is not None else params
     train_in = abstract(train, shardings.trainable())
-    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32),
-                                                        sharding=x.sharding), train_in)
+    grads = accumulator_specs(train_in)
     rep = NamedSharding(mesh, PartitionSpec())
     sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(zero_metric_sums))
     rows = (int(mesh.shape["fsdp"]), int(tokens or cfg.micro_batch_tokens))

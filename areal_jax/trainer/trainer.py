@@ -99,8 +99,7 @@ class Trainer:
     def held_bytes(self) -> int:
         """Bytes the trainer holds on each train device between updates (params, optimizer state, frozen
         and reference weights), plus the gradient accumulators an update adds."""
-        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
-                                                            sharding=p.sharding), self.state.trainable())
+        grads = memory.accumulator_specs(self.state.trainable())
         return memory.per_device_bytes((self.state, self._other, self._ref, grads))
 
     def _choose_remat(self, model: nnx.Module) -> tuple[str, int | None]:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.trainer import layout
-from areal_jax.trainer.memory import INT_FIELDS, batch_fields
+from areal_jax.trainer.memory import INT_FIELDS, abstract, accumulator_specs, batch_fields
 from areal_jax.trainer.state import replicated
 from areal_jax.trainer.update import MODEL_FIELDS, zero_metric_sums
 
@@ -33,20 +33,15 @@ def seed_shape(longest: int, budget: int) -> tuple[int, int]:
     return row_len, max(1, budget // row_len)
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], Any]]:
     """One thunk per program an update with micro-steps of this shape runs, each compiling it; the values
     they lower with are abstracted now."""
     cfg, fns = trainer.cfg, trainer._fns
     rep = replicated(trainer.mesh)
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=rep)  # noqa: E731
-    state = _abstract(trainer.state)
-    train, other = state.trainable(), _abstract(trainer._other)
-    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.promote_types(p.dtype, jnp.float32),
-                                                        sharding=p.sharding), train)
+    state = abstract(trainer.state)
+    train, other = state.trainable(), abstract(trainer._other)
+    grads = accumulator_specs(train)
     sums = jax.tree.map(lambda x: scalar(x.dtype), jax.eval_shape(zero_metric_sums))
     rows = trainer.n_devices * per_device
     batch = {k: jax.ShapeDtypeStruct((rows, row_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
