@@ -29,6 +29,7 @@ PREVIOUS_DEFAULTS = {
     "rollout.temperature": 1.0, "rollout.top_k": None, "rollout.top_p": None, "rollout.on_update": "recompute",
     "rollout.decode_steps": 4, "rollout.kv_cache": "dense", "rollout.page_size": 16, "rollout.kv_pages": None,
     "rollout.max_staleness": 4, "rollout.max_concurrent": None, "rollout.filter_uniform_groups": False,
+    "rollout.retire_solved": 0, "rollout.retire_unsolved": 0,
     "rollout.advantage_mode": "grpo", "rollout.param_dtype": "same",
     "train.batch_groups": 16, "train.lr": 1e-5, "train.warmup_steps": 0, "train.schedule": "constant",
     "train.weight_decay": 0.0, "train.max_grad_norm": 1.0, "train.loss": "decoupled", "train.eps_clip": 0.2,

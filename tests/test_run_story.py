@@ -80,7 +80,7 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     assets = str(tmp_path / "assets")
     tiny_config(assets)  # writes the tiny model and data
     run_dir = str(tmp_path / "run")
-    first = _run(_config(assets, run_dir, steps=2))
+    first = _run(_config(assets, run_dir, steps=2, rollout__retire_unsolved=1))
     start = first["evaluations"]["start"]
     assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
     assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
@@ -88,8 +88,13 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     layouts = _checkpoint_meta(run_dir, 2)["layouts"]  # the trainer's ShapeBook, so a resume packs alike
     assert layouts["compiled"] and all(r > 0 and k > 0 for r, k in layouts["compiled"])
 
-    resumed = _run(_config(assets, run_dir, steps=3))  # continues from the step-2 checkpoint
+    retirement = _checkpoint_meta(run_dir, 2)["retirement"]  # the retired tasks, so a resume skips the same ones
+    assert retirement["unsolved_after"] == 1 and retirement["resets"] == 0 and retirement["retired"]
+    assert first["retired_tasks"]["retired_unsolved"] == len(retirement["retired"])
+
+    resumed = _run(_config(assets, run_dir, steps=3, rollout__retire_unsolved=1))  # continues from step 2
     assert resumed["steps"] == 3
+    assert retirement["retired"].items() <= _checkpoint_meta(run_dir, 3)["retirement"]["retired"].items()
     assert {tuple(s) for s in layouts["compiled"]} <= {tuple(s) for s in _checkpoint_meta(run_dir, 3)["layouts"]
                                                        ["compiled"]}
     assert resumed["evaluations"]["start"] == start  # measured by the first process, kept in the run's state

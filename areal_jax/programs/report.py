@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from areal_jax import paths  # noqa: E402  (run directories may be file:// or object-store URLs)
+from areal_jax.system.retire import SOLVED, task_key  # noqa: E402  (the job's solved threshold and task key)
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -136,7 +137,6 @@ def make_report(run_dir: str, out: str | None = None) -> list[str]:
     return [str(p) for p in outs]
 
 
-SOLVED = 1.0  # a sample solves its task at reward >= 1, the threshold of the accuracy metric
 TASK_COLUMNS = ("task", "groups", "samples", "solved", "solve_rate", "mean_reward", "first_trained_version",
                 "last_trained_version")
 
@@ -162,7 +162,7 @@ def task_outcomes(rows: Iterable[dict], min_groups: int = 2) -> tuple[list[dict]
     rate; a summary). A task is a uid without its epoch ("<file>:<row>")."""
     tasks = {}
     for r in rows:
-        key = r["uid"].rsplit(":", 1)[0]
+        key = task_key(r["uid"])
         t = tasks.setdefault(key, {"task": key, "groups": 0, "samples": 0, "solved": 0, "reward_sum": 0.0,
                                    "first_trained_version": r["trained_version"], "last_trained_version": 0,
                                    "uniform_groups": 0})

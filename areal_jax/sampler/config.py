@@ -78,6 +78,10 @@ class RolloutConfig(Section):
                                      "max_concurrent")
     max_concurrent: int | None = knob(None, "groups in flight at most (None: bounded by eta only)")
     filter_uniform_groups: bool = knob(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    retire_solved: int = knob(0, "skip a task in later epochs once this many of its groups in a row solved it in "
+                              "every sample (reward >= 1; system/retire.py); 0: never")
+    retire_unsolved: int = knob(0, "skip a task in later epochs once this many of its groups in a row solved it in no "
+                                "sample; 0: never")
     advantage_mode: str = knob("grpo", "group advantages (rl.advantages.group_advantages): grpo (mean / std within "
                                "the group) | dr_grpo (mean only) | rloo (leave-one-out mean) | rank (centred ranks in [-1/2, 1/2]: only the "
                                "order of the rewards counts, e.g. code pass rates)", choices=GROUP_MODES)
@@ -175,5 +179,8 @@ class RolloutConfig(Section):
         require(self.feedback_turns == 0 or self.feedback_template == "chat" or "{feedback}" in self.feedback_template,
                 f"{k('feedback_template')}={self.feedback_template!r} lacks the '{{feedback}}' placeholder (or give "
                 "'chat' for the tokenizer's chat template's frame).")
+        require(self.retire_solved >= 0 and self.retire_unsolved >= 0,
+                f"{k('retire_solved')}={self.retire_solved} and {k('retire_unsolved')}={self.retire_unsolved} must be "
+                ">= 0 (groups in a row; 0 = never retire).")
         require(self.max_concurrent is None or self.max_concurrent >= 1,
                 f"{k('max_concurrent')}={self.max_concurrent} must be at least 1.")

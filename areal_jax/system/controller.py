@@ -6,7 +6,9 @@ A thread that keeps the sampler busy without ever letting a trained token be mor
   2. score: send each finished completion's text to the RewardPool (worker processes, timeouts);
   3. assemble: when a group has all its rewards, shape them (DAPO's overlong penalty, if on), compute its
      advantages, optionally filter it (DAPO: all rewards equal), and hand it to the TrajectoryBuffer,
-     which serves the trainer in admission order.
+     which serves the trainer in admission order;
+  4. retire: with rollout.retire_solved / retire_unsolved, a task whose recent groups all solved it (or none did)
+     is skipped when the prompt stream serves it again (system/retire.py).
 Counting is in groups: accepted (cumulative, complete and not filtered) + running (admitted, not
 complete) is what the admission rule bounds by (eta + v + 1) * B, with v the sampler's params version.
 With ``turns`` (sampler.turns.FeedbackTurns, rollout.feedback_turns > 0) a finished sample may first go back to the
@@ -27,6 +29,7 @@ from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.requests import Request
 from areal_jax.system.buffer import Group, TrajectoryBuffer
 from areal_jax.system.interfaces import PromptStream, RewardService, RolloutSampler
+from areal_jax.system.retire import TaskRetirement
 from areal_jax.timeline import SpanRecorder
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ class RolloutController:
       batch_groups: B of the admission rule: this process's share of train.batch_groups.
       stop_token_ids: tokens that end a completion (the tokenizer's end-of-sequence ids).
       turns: multi-turn rollouts with execution feedback (None: one turn per sample).
+      retirement: TaskRetirement.state() of the run this one continues (None: nothing retired yet).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class RolloutController:
         first_gid: int = 0,
         timeline: SpanRecorder | None = None,
         turns: FeedbackTurns | None = None,
+        retirement: dict | None = None,
     ):
         self.s = config
         self.batch_groups = batch_groups
@@ -95,6 +100,8 @@ class RolloutController:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._exhausted = False
+        self.retirement = TaskRetirement(config.retire_solved, config.retire_unsolved)
+        self.retirement.load_state(retirement)
 
     # ---- thread control -------------------------------------------------------------------------
     def start(self) -> "RolloutController":
@@ -148,13 +155,20 @@ class RolloutController:
     def _next_example(self) -> PromptExample | None:
         if self._resubmit:
             return self._resubmit.popleft()
-        if self._exhausted:
-            return None
-        try:
-            return next(self.prompts)
-        except StopIteration:
-            self._exhausted = True
-            return None
+        skipped = 0
+        while not self._exhausted:
+            try:
+                example = next(self.prompts)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            if not self.retirement.is_retired(example.uid):
+                return example
+            self.counters["skipped_retired"] += 1
+            skipped += 1
+            if skipped >= getattr(self.prompts, "shard_size", float("inf")):  # a whole pass: every task is retired
+                self.retirement.start_over()
+        return None
 
     def _admit(self) -> int:
         n = 0
@@ -276,6 +290,9 @@ class RolloutController:
             rewards=rewards, reward_status=rec["status"], advantages=np.asarray(adv, np.float32),
             shaped_rewards=shaped, token_advantages=token_adv,
         )
+        # The raw rewards: a solved task is one every sample solved, whatever the shaping ("sampler_error" is no
+        # reward status of "ok", so such a group is no evidence).
+        self.retirement.record(rec["example"].uid, rewards, rec["status"])
         if any(c.finish_reason == "error" for c in rec["completions"]):
             group.filtered, group.filter_reason = True, "sampler_error"
         elif self.s.filter_uniform_groups and np.all(rewards == rewards[0]):
@@ -297,7 +314,8 @@ class RolloutController:
 
         pending: examples admitted (or queued for re-admission) but not yet handed to the trainer, in
         admission order, so a resumed run regenerates exactly those before drawing new prompts;
-        prompts_state: the prompt iterator's state just after the last drawn example.
+        prompts_state: the prompt iterator's state just after the last drawn example; retirement: the retired
+        tasks and streaks (TaskRetirement.state()).
         """
         with self._lock:
             pending = []
@@ -309,4 +327,5 @@ class RolloutController:
                     if group is not None and not group.filtered:
                         pending.append(group.example)
             pending.extend(self._resubmit)
-            return {"pending": pending, "prompts_state": self.prompts.get_state(), "counters": dict(self.counters)}
+            return {"pending": pending, "prompts_state": self.prompts.get_state(), "counters": dict(self.counters),
+                    "retirement": self.retirement.state()}

@@ -200,7 +200,7 @@ class RLJob:
             from areal_jax.rewards.isolation import sandbox_layers
 
             self.log(f"Code sandbox: {sandbox_layers()}.")
-        resubmit, accepted, first_gid = [], 0, 0
+        resubmit, accepted, first_gid, retirement = [], 0, 0, None
         if meta is not None:
             from areal_jax.data import PromptExample
 
@@ -209,12 +209,13 @@ class RLJob:
             resubmit = [PromptExample(**d) for d in meta["pending"]]
             accepted = self.trainer.version * self.local_groups
             first_gid = int(meta["next_gid"])
+            retirement = meta.get("retirement")
         self.buffer = TrajectoryBuffer(first_gid=first_gid)
         self.controller = RolloutController(
             r, self.sampler, self.reward_pool, self.prompts, self.tokenizer.decode, self.buffer,
             batch_groups=self.local_groups, stop_token_ids=tuple(self.tokenizer.eos_token_ids),
             resubmit=resubmit, accepted=accepted, first_gid=first_gid, timeline=self.timeline,
-            turns=FeedbackTurns.for_job(c, self.tokenizer),
+            turns=FeedbackTurns.for_job(c, self.tokenizer), retirement=retirement,
         )
         close_later.callback(self.controller.stop)
         self.stop = runner.StopFlag()
@@ -252,6 +253,7 @@ class RLJob:
             "pending": [example_to_json(e) for e in snap["pending"]],
             "prompts_state": snap["prompts_state"],
             "counters": snap["counters"],
+            "retirement": snap["retirement"],
             "seed": self.config.seed,
             "saved_at": time.time(),
             "model": user_errors.model_signature(self.model_config),
@@ -335,6 +337,7 @@ class RLJob:
                  "sampler/preempted": float(stats.get("preempted", 0)),
                  "publish/s": self.channel.last_publish_s, "publish/bytes": float(self.channel.last_bytes),
                  **{f"rollout/{k}": float(v) for k, v in self.controller.counters.items()},
+                 **{f"rollout/{k}": float(v) for k, v in self.controller.retirement.counts().items()},
                  **self.buffer.sizes()}
             last_gen = gen
             history.append({k: m[k] for k in SUMMARY_KEYS if k in m})  # bounded per step (long runs)
@@ -372,7 +375,8 @@ class RLJob:
             "staleness_max": float(np.max(pick("staleness_max"))) if history else None,
             "sampler_occupancy": float(np.mean(pick("sampler/occupancy"))) if history else None,
             "evaluations": self.evaluations,
-            "skipped_rows": self.skipped_rows, "remat": self.trainer.cfg.remat,
+            "skipped_rows": self.skipped_rows, "retired_tasks": self.controller.retirement.counts(),
+            "remat": self.trainer.cfg.remat,
             "memory_plan_bytes": self.memory.plan.parts, "device_memory_bytes": self.memory.device_bytes,
             **self.machine,
         }
