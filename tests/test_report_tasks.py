@@ -93,3 +93,22 @@ def test_batch_summary_counts_groups_whose_samples_all_scored_alike():
 
     summary = batch_summary([G([0, 0, 0]), G([1, 1, 1]), G([0, 1, 0]), G([0.5, 0.5, 0.5])], trainer_version=3)
     assert summary["uniform_group_fraction"] == 0.75
+
+
+def test_tasks_csv_marks_the_tasks_retired_at_the_latest_checkpoint(run_dir, tmp_path):
+    def meta(step, process, retired):
+        path = os.path.join(run_dir, "checkpoint_meta", str(step), f"process_{process}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"version": step, "retirement": {"retired": retired, "streaks": {}, "resets": 0}}, f)
+
+    meta(2, 0, {"t.jsonl:2": "solved"})  # an older checkpoint: not read
+    meta(4, 0, {"t.jsonl:4": "solved"})
+    meta(4, 1, {"t.jsonl:1": "unsolved"})
+    assert report.read_retired(run_dir) == {"t.jsonl:4": "solved", "t.jsonl:1": "unsolved"}
+    path, summary = report.write_task_table(run_dir, str(tmp_path / "out"))
+    with open(path) as f:
+        assert {r["task"]: r["retired"] for r in csv.DictReader(f)} == {
+            "t.jsonl:1": "unsolved", "t.jsonl:3": "", "t.jsonl:2": "", "t.jsonl:4": "solved"}
+    assert report.task_lines(summary)[-1].endswith(": 1 solved, 1 unsolved")
+    assert report.read_retired(str(tmp_path)) == {}  # no checkpoint_meta: nothing retired

@@ -138,7 +138,7 @@ def make_report(run_dir: str, out: str | None = None) -> list[str]:
 
 
 TASK_COLUMNS = ("task", "groups", "samples", "solved", "solve_rate", "mean_reward", "first_trained_version",
-                "last_trained_version")
+                "last_trained_version", "retired")
 
 
 def read_samples(run_dir: str) -> Iterator[dict]:
@@ -195,12 +195,34 @@ def task_outcomes(rows: Iterable[dict], min_groups: int = 2) -> tuple[list[dict]
     return table, summary
 
 
+def read_retired(run_dir: str) -> dict[str, str]:
+    """The tasks retired (rollout.retire_solved / retire_unsolved; task -> "solved" | "unsolved") at the run's latest
+    checkpoint, over every process's meta file; {} when the run saved none."""
+    root = paths.join(run_dir, "checkpoint_meta")
+    steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True) if root.exists() else []
+    for step in steps:
+        files = [f for f in (root / str(step)).iterdir() if f.name.startswith("process_") and f.name.endswith(".json")]
+        if not files:
+            continue
+        retired: dict[str, str] = {}
+        for f in files:
+            retired.update((json.loads(f.read_text()).get("retirement") or {}).get("retired", {}))
+        return retired
+    return {}
+
+
 def write_task_table(run_dir: str, out: str | None = None, min_groups: int = 2) -> tuple[str, dict] | None:
     """Write tasks.csv into `out` (default RUN_DIR/plots); returns (its path, the summary), or None when the run
-    recorded no samples (log.samples off, or no step trained yet)."""
+    recorded no samples (log.samples off, or no step trained yet). Its `retired` column says which tasks the run had
+    retired at its latest checkpoint (system/retire.py), and how."""
     table, summary = task_outcomes(read_samples(run_dir), min_groups)
     if not table:
         return None
+    retired = read_retired(run_dir)
+    for t in table:
+        t["retired"] = retired.get(t["task"], "")
+    summary["retired_solved"] = sum(kind == "solved" for kind in retired.values())
+    summary["retired_unsolved"] = len(retired) - summary["retired_solved"]
     out_dir = paths.join(out) if out else paths.join(run_dir, "plots")
     paths.makedirs(out_dir)
     buf = io.StringIO()
@@ -223,7 +245,8 @@ def task_lines(summary: dict) -> list[str]:
         f"never solved in {k} groups or more: {s['never_solved']:,} tasks, {s['never_solved_sample_share']:.1%} of "
         f"the samples (check their tests or answers; code sets: python -m areal_jax.programs.check_code_data); "
         f"solved by every sample: {s['always_solved']:,} tasks, {s['always_solved_sample_share']:.1%}",
-    ]
+    ] + ([f"retired at the latest checkpoint (rollout.retire_solved / retire_unsolved): {s['retired_solved']:,} "
+          f"solved, {s['retired_unsolved']:,} unsolved"] if s.get("retired_solved") or s.get("retired_unsolved") else [])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
