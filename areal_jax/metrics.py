@@ -154,12 +154,15 @@ class MetricsLogger:
       total_steps: for step/total and the ETA.
       start_step: step this process starts at (non-zero when resuming), for the ETA rate.
       tensorboard: also write TensorBoard scalars.
+      wandb: keyword arguments of wandb_sink.WandbSink (project, entity, name, mode, config, log) to also log the
+        numbers to Weights & Biases; None: not.
       clock: seconds of a monotonic clock (default time.monotonic; tests pass a synthetic one).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool | None = None,
                  total_steps: int | None = None, start_step: int = 0,
-                 tensorboard: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 tensorboard: bool = True, clock: Callable[[], float] = time.monotonic,
+                 wandb: Mapping[str, Any] | None = None) -> None:
         self.run_dir = os.fspath(run_dir)  # local, file:// or an object store (areal_jax.paths)
         self.enabled = _default_enabled() if enabled is None else bool(enabled)
         self.total_steps = total_steps
@@ -171,12 +174,17 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._tb_dir = None
+        self._wandb = None
         if self.enabled:
             paths.makedirs(self.run_dir)
             self._jsonl = paths.AppendFile(paths.join(self.run_dir, "metrics.jsonl"))
             if tensorboard:  # event files in a node-local mirror when run_dir is an object store
                 self._tb_dir = paths.MirroredDir(self.run_dir)
                 self._tb = _import_summary_writer()(logdir=self._tb_dir.local, flush_secs=10)
+            if wandb:
+                from areal_jax.wandb_sink import WandbSink
+
+                self._wandb = WandbSink(self.run_dir, **wandb)
 
     @property
     def elapsed_s(self) -> float:
@@ -211,6 +219,8 @@ class MetricsLogger:
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         self._tb.add_scalar(name, float(value), global_step=int(step),
                                             walltime=record["time"])
+            if self._wandb is not None:
+                self._wandb.log(step, flat)
         return record
 
     def progress_line(self, step: int, metrics: Mapping[str, Any]) -> str:
@@ -244,6 +254,9 @@ class MetricsLogger:
                 self._tb.close()
                 self._tb = None
                 self._tb_dir.close()
+            if self._wandb is not None:
+                self._wandb.close()
+                self._wandb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -265,9 +278,31 @@ class LogConfig(Section):
                                     "ones are counted")
     console: bool = knob(True, "print a progress line per logged step")
     param_digests: bool = knob(False, "record params fingerprints per step (multi-process checks)")
+    wandb_project: str = knob("", "also log the metrics to this Weights & Biases project (pip install wandb); empty: "
+                              "not")
+    wandb_entity: str = knob("", "W&B entity (team or user); empty: the account's default")
+    wandb_name: str = knob("", "W&B run name; empty: the run directory's name")
+    wandb_mode: str = knob("online", "online | offline (files under run_dir/wandb; upload later with wandb sync)",
+                           choices=("online", "offline"))
 
     def check(self) -> None:
         require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0.")
         require(self.timeline_max_events >= 1,
                 f"{self.key('timeline_max_events')}={self.timeline_max_events} must be >= 1 (set "
                 "--config.log.timeline=False to record no timeline).")
+        require(self.wandb_project or not (self.wandb_entity or self.wandb_name),
+                f"{self.key('wandb_entity')} / {self.key('wandb_name')} are set but {self.key('wandb_project')} is "
+                "empty: give the project to log to Weights & Biases.")
+        if self.wandb_project:
+            import importlib.util
+
+            require(importlib.util.find_spec("wandb") is not None,
+                    f"{self.key('wandb_project')}={self.wandb_project!r} logs to Weights & Biases, which is not "
+                    "installed: pip install wandb (or leave the project empty).")
+
+    def wandb_settings(self, run_config: Mapping[str, Any], log: Callable[[str], None]) -> dict | None:
+        """MetricsLogger's `wandb` argument: None when no project is set."""
+        if not self.wandb_project:
+            return None
+        return {"project": self.wandb_project, "entity": self.wandb_entity, "name": self.wandb_name,
+                "mode": self.wandb_mode, "config": run_config, "log": log}

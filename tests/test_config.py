@@ -47,7 +47,8 @@ PREVIOUS_DEFAULTS = {
     "eval.decode_steps": 0,
     "checkpoint.every_steps": 10, "checkpoint.keep": 2, "checkpoint.resume": True,
     "log.every_steps": 1, "log.tensorboard": True, "log.timeline": True, "log.timeline_max_events": 1_000_000,
-    "log.console": True, "log.param_digests": False,
+    "log.console": True, "log.param_digests": False, "log.wandb_project": "", "log.wandb_entity": "",
+    "log.wandb_name": "", "log.wandb_mode": "online",
     "distributed.enabled": False, "distributed.coordinator_address": "", "distributed.num_processes": None,
     "distributed.process_id": None, "distributed.heartbeat_timeout_s": 60.0, "distributed.file_heartbeats": False,
 }

@@ -13,6 +13,14 @@ from areal_jax.metrics import MetricsLogger
 from areal_jax.programs.rl import format_summary
 from areal_jax.system.job import RLJob
 from areal_jax.testing.tiny import tiny_config
+from areal_jax.testing.wandb_files import wandb_history
+
+try:
+    import wandb  # noqa: F401
+
+    WANDB_PROJECT = "areal-jax-test"  # the first run also logs to W&B, offline
+except ImportError:
+    WANDB_PROJECT = ""
 
 
 class FakeClock:
@@ -80,11 +88,18 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     assets = str(tmp_path / "assets")
     tiny_config(assets)  # writes the tiny model and data
     run_dir = str(tmp_path / "run")
-    first = _run(_config(assets, run_dir, steps=2, rollout__retire_unsolved=1))
+    first = _run(_config(assets, run_dir, steps=2, rollout__retire_unsolved=1, log__wandb_project=WANDB_PROJECT,
+                         log__wandb_mode="offline"))
     start = first["evaluations"]["start"]
     assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
     assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
 
+    if WANDB_PROJECT:  # the job's metrics reached W&B (offline files), the same numbers as metrics.jsonl
+        run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()
+        (history,), _ = wandb_history(run_dir, run_id)
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        assert sorted(history) == sorted({r["step"] for r in rows}) == [0, 1, 2]  # eval/* at 0, the steps after
+        assert [history[s]["reward"] for s in (1, 2)] == [r["reward"] for r in rows if "reward" in r]
     layouts = _checkpoint_meta(run_dir, 2)["layouts"]  # the trainer's ShapeBook, so a resume packs alike
     assert layouts["compiled"] and all(r > 0 and k > 0 for r, k in layouts["compiled"])
 

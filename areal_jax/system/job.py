@@ -11,6 +11,7 @@ exactly what was opened (reward workers, the sampler thread, logs), in reverse o
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Callable
 
@@ -162,7 +163,8 @@ class RLJob:
             close_later.callback(self._digest_log.close)
         meta = self._maybe_resume()
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
-                                             start_step=self.trainer.version)
+                                             start_step=self.trainer.version, tensorboard=c.log.tensorboard,
+                                             wandb=c.log.wandb_settings(json.loads(c.to_json()), self.log))
         close_later.callback(self.metrics.close)
         # Only process 0 writes timeline.json (the others record nothing and save nothing).
         self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,

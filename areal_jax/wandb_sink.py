@@ -1,0 +1,66 @@
+"""Weights & Biases as one more place a job's metrics go (config keys log.wandb_*; `pip install wandb`).
+
+The run's W&B id is kept in ``run_dir/wandb_run_id``, so a resumed job logs into the same W&B run. W&B keeps one
+row per step and drops a row whose step is lower than one it already has: after a resume, the steps between the
+checkpoint and the crash that were logged before are not logged again there (metrics.jsonl has every row).
+W&B's own files go to ``run_dir/wandb`` (a local run directory) or to a local temporary directory (a run directory
+on an object store; offline mode then keeps them only there, and says where).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Mapping
+
+from areal_jax import paths
+
+ID_FILE = "wandb_run_id"
+
+
+def _new_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)
+
+
+class WandbSink:
+    """One W&B run for a job's run directory.
+
+    Args:
+      run_dir: the job's run directory (local, file:// or an object store).
+      project, entity: where the run goes (entity "": the account's default).
+      name: the run's display name ("": the run directory's last component).
+      mode: "online" or "offline" (files only; upload later with `wandb sync DIR`).
+      config: the job's config, shown with the run.
+      log: where a line about the run goes (its local directory).
+    """
+
+    def __init__(self, run_dir: str, *, project: str, entity: str = "", name: str = "", mode: str = "online",
+                 config: Mapping[str, Any] | None = None, log: Callable[[str], None] = print) -> None:
+        import wandb
+
+        id_path = paths.join(run_dir, ID_FILE)
+        run_id = id_path.read_text().strip() if id_path.exists() else ""
+        if not run_id:
+            run_id = _new_id()
+            paths.write_text(id_path, run_id + "\n")
+        local = paths.local_path(run_dir)
+        if local is None:
+            local = tempfile.mkdtemp(prefix="areal_jax-wandb-")
+        os.makedirs(local, exist_ok=True)
+        self.run = wandb.init(
+            project=project, entity=entity or None, name=name or os.path.basename(os.fspath(run_dir).rstrip("/")),
+            id=run_id, resume="allow", dir=local, mode=mode, config=dict(config or {}),
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.id = run_id
+        log(f"Weights & Biases: run {run_id} in project {project!r} ({mode}; files under {local}/wandb).")
+
+    def log(self, step: int, flat: Mapping[str, Any]) -> None:
+        """The numbers of one flattened metrics record at `step` (strings and arrays stay in metrics.jsonl)."""
+        numbers = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self.run.log(numbers, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
