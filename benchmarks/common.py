@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 from areal_jax.metrics import matmul_peak_gflops  # noqa: F401  (shared with the entry points)
 
@@ -64,3 +67,16 @@ def raw_copy_seconds(nbytes: int, src, dst, repeats: int = 5) -> float:
         copy = jax.jit(jnp.copy)
         return best_seconds(lambda: copy(x), repeats)
     return best_seconds(lambda: jax.device_put(x, dst, may_alias=False), repeats)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main_job(config: str, run_dir: str, overrides: list[str], env: dict | None = None) -> None:
+    """One run of `python -m areal_jax.main --config=CONFIG` into run_dir, in its own process, with --config.KEY=VALUE
+    overrides ("KEY=VALUE"); raises with its stderr's tail if it fails."""
+    cmd = [sys.executable, "-m", "areal_jax.main", f"--config={config}", f"--config.run_dir={run_dir}"]
+    cmd += [f"--config.{kv}" for kv in overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the run in {run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

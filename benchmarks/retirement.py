@@ -16,11 +16,10 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
+from common import run_main_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
@@ -51,15 +50,6 @@ def write_subset(n: int, path: str) -> int:
         rows = [line for _, line in zip(range(n), src)]
         dst.writelines(rows)
     return len(rows)
-
-
-def run_job(run_dir: str, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "areal_jax.main", f"--config={CONFIG}", f"--config.run_dir={run_dir}"]
-    cmd += [f"--config.{kv}" for kv in overrides]
-    env = {**os.environ, "AREAL_JAX_COMPILE_CACHE": os.path.join(run_dir, "xla-cache")}  # cold, as every run
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the run in {run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def read_run(run_dir: str) -> dict:
@@ -125,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in args.seeds:
         for name, extra in variants.items():
             run_dir = os.path.join(out, f"{name}_seed{seed}")
-            run_job(run_dir, [*common, f"seed={seed}", *extra])
+            env = {**os.environ, "AREAL_JAX_COMPILE_CACHE": os.path.join(run_dir, "xla-cache")}  # cold, every run
+            run_main_job(CONFIG, run_dir, [*common, f"seed={seed}", *extra], env=env)
             runs[name].append(read_run(run_dir))
             got = runs[name][-1]
             print(f"  seed {seed} {name:>6}: " + ", ".join(f"{k} {_fmt(f, got[k])}" for k, f in FIELDS)

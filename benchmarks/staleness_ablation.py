@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
+from common import run_main_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_ETAS = "0,1,2,4,8,16,unbounded"
@@ -99,12 +98,8 @@ def cell_overrides(eta: int | None, loss: str, seed: int, unbounded_concurrent: 
 
 
 def run_cell(config: str, overrides: list[str], run_dir: str) -> None:
-    """One run of the main job in its own process; raises with its stderr's tail if it fails."""
-    cmd = [sys.executable, "-m", "areal_jax.main", f"--config={config}", f"--config.run_dir={run_dir}"]
-    cmd += [f"--config.{kv}" for kv in overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the run in {run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    """One run of the main job in its own process (common.run_main_job)."""
+    run_main_job(config, run_dir, overrides)
 
 
 def read_cell(run_dir: str) -> dict:

@@ -1,5 +1,4 @@
 """benchmarks/loop.py at a toy size, and the synthetic-load pieces it is built from (system/loadgen.py)."""
-import importlib.util
 import json
 import os
 
@@ -8,15 +7,13 @@ import pytest
 
 from areal_jax.models.transformer import cache_dtype
 from areal_jax.system import loadgen
+from areal_jax.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("loop_bench", os.path.join(ROOT, "benchmarks", "loop.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/loop.py")
 
 
 def test_long_tail_lengths_have_the_asked_median_tail_and_cap():

@@ -1,6 +1,5 @@
 """benchmarks/packing.py: the layout figures it prints are the layouts the trainer packs with, and its timed part
 runs Trainer.update under both rules at toy size."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,18 +7,13 @@ import sys
 
 import pytest
 
+from areal_jax.testing.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_benchmark():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("packing_benchmark", os.path.join(ROOT, "benchmarks", "packing.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.pop(0)
+    return load_script("benchmarks/packing.py")
 
 
 def test_layout_figures_against_the_rule_before():

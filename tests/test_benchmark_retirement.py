@@ -1,7 +1,6 @@
 """benchmarks/retirement.py: its JSON holds both variants, and the retiring run's own sample log shows no group of a
 retired task admitted after the update that trained the group retiring it (eta = 0: every group of a batch is
 scored before the next batch is admitted)."""
-import importlib.util
 import json
 import os
 
@@ -9,15 +8,13 @@ import pytest
 
 from areal_jax.programs.report import read_samples, task_outcomes
 from areal_jax.system.retire import task_key
+from areal_jax.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("retirement_bench", os.path.join(ROOT, "benchmarks", "retirement.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/retirement.py")
 
 
 @pytest.mark.slow

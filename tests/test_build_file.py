@@ -8,7 +8,6 @@ areal_jax.main` in a subprocess command), which the toy-package tests check.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,16 +15,14 @@ import textwrap
 
 import pytest
 
+from areal_jax.testing.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "areal_jax"
 
 
 def _gen_build():
-    if "gen_build" not in sys.modules:  # registered before running: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location("gen_build", os.path.join(ROOT, "tools", "gen_build.py"))
-        sys.modules["gen_build"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["gen_build"])
-    return sys.modules["gen_build"]
+    return load_script("tools/gen_build.py")
 
 
 def _rules(text: str) -> list[dict]:

@@ -124,14 +124,11 @@ def test_layout_check_names_the_leaf_that_differs():
 def test_handoff_benchmark_at_toy_size(capsys):
     """benchmarks/handoff.py runs end to end and reports the bytes a bf16 hand-off writes (half the
     float32 source) and positive timings, in its last line of JSON."""
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "handoff.py")
-    spec = importlib.util.spec_from_file_location("handoff_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from areal_jax.testing.scripts import load_script
+
+    mod = load_script("benchmarks/handoff.py")
     report = mod.main(["--preset", "tiny", "--host-only", "--repeats", "2"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(report))

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from areal_jax.testing.processes import cpu_env
+from areal_jax.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,13 +57,7 @@ def test_soak_600_steps_holds_bounded_state(tmp_path):
 
 
 def _soak_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("soak_bench", os.path.join(ROOT, "benchmarks", "soak.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/soak.py")
 
 
 def test_heap_growth_estimator_sees_a_leak_through_one_off_compiles():

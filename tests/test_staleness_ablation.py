@@ -1,6 +1,5 @@
 """benchmarks/staleness_ablation.py at toy size: 2 etas x 2 losses x 1 seed of the tiny run, its table,
 PNG and JSON line, resuming a half-finished sweep, and the statistics it reports."""
-import importlib.util
 import json
 import os
 import shutil
@@ -8,15 +7,13 @@ import shutil
 import numpy as np
 import pytest
 
+from areal_jax.testing.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("staleness_ablation",
-                                                  os.path.join(ROOT, "benchmarks", "staleness_ablation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/staleness_ablation.py")
 
 
 @pytest.fixture(scope="module")
