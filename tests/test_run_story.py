@@ -118,6 +118,8 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     table = format_summary(resumed)
     before = next(line for line in table.splitlines() if line.startswith("test greedy pass@1")).split()[3]
     assert before == f"{100 * start['greedy_pass@1']:.1f}%"
+    assert (f"tasks retired (rollout.retire_solved / retire_unsolved): 0 solved, "
+            f"{resumed['retired_tasks']['retired_unsolved']} unsolved") in table
 
     # The same run directory with a model of another shape: one sentence naming the keys to change.
     from areal_jax.data.math_tokenizer import build_math_tokenizer

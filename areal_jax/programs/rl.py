@@ -92,6 +92,11 @@ def format_summary(summary: dict) -> str:
     row = _eval_row(summary, summary.get("tokens_per_s"))
     if row:
         lines.append(row)
+    retired = summary.get("retired_tasks") or {}
+    if retired.get("retired_solved") or retired.get("retired_unsolved") or retired.get("retirement_resets"):
+        lines.append(f"tasks retired (rollout.retire_solved / retire_unsolved): {retired['retired_solved']} solved, "
+                     f"{retired['retired_unsolved']} unsolved; retirement started over "
+                     f"{retired['retirement_resets']} times")
     if summary.get("matmul_peak_gflops"):
         lines.append(f"machine: float32 matmul peak {summary['matmul_peak_gflops']:.0f} GFLOP/s (measured at start)")
     return "\n".join(lines)
