@@ -59,7 +59,7 @@ def test_each_layout_becomes_the_tests_it_describes(tmp_path):
 @pytest.mark.parametrize("row, message", BAD_ROWS)
 def test_malformed_rows_name_file_and_line_or_are_skipped(tmp_path, row, message):
     path = _write_jsonl(tmp_path / "bad.jsonl", [MBPP, row])
-    with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: .*{message}.*on_bad_row=skip"):
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: .*{message}.*on_bad_row='skip'"):
         read_code_records(path)
     records, stats = read_code_records(path, on_bad_row="skip")
     assert len(records) == 1 and stats.bad_rows_skipped == 1 and "line 2" in stats.bad_row_messages[0]

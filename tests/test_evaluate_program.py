@@ -147,6 +147,12 @@ def test_the_command_line_reports_bad_flags_with_exit_status_2(tmp_path):
     cmd = [sys.executable, "-m", "areal_jax.programs.evaluate", "--config=configs/code.py", "--run_dir=runs/x"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "not both" in r.stderr
+    bad = tmp_path / "bad.jsonl"  # a code task whose tests are not a list: the file, its line and this flag
+    bad.write_text(json.dumps({"question": "Add.", "tests": "assert f(1) == 2"}) + "\n{\n")
+    cmd = [sys.executable, "-m", "areal_jax.programs.evaluate", f"--model={CODE}", f"--data={bad}", "--task=code"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and f"Error: {bad}, line 1: " in r.stderr, r.stderr[-2000:]
+    assert r.stderr.rstrip().endswith("Fix the row, or skip such rows with --on_bad_row=skip."), r.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ from typing import Any, Iterator, Sequence
 
 from areal_jax.data.codeforces import codeforces_spec, codeforces_statement, is_codeforces_row, with_checker
 from areal_jax.data.compressed_tests import decode_compressed_cases
-from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, jsonl_rows, read_each
+from areal_jax.data.readers import ReadStats, Record, _BadRow, _check_on_bad_row, collect_rows, jsonl_rows, read_each
 from areal_jax.rewards.code_tests import CALL_PRELUDE, TestSpec, asserts_to_spec, encode_tests
 
 __all__ = ["read_code_jsonl", "read_code_parquet", "read_code_records", "code_row_to_record",
@@ -323,20 +323,8 @@ def code_row_to_record(path: str, number: int, row: Any, question_field: str = "
 
 def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_field: str, on_bad_row: str,
              stats: ReadStats) -> list[Record]:
-    records = []
-    for number, row in rows:
-        try:
-            if isinstance(row, _BadRow):
-                raise row
-            records.append(code_row_to_record(path, number, row, question_field))
-        except _BadRow as err:
-            message = f"{path}, {where} {number}: {err}."
-            if on_bad_row == "error":
-                raise ValueError(message + " Fix the row, or pass --config.data.on_bad_row=skip to skip such "
-                                 "rows.") from None
-            stats.add_bad(message)
-    stats.rows_kept += len(records)
-    return records
+    return collect_rows(rows, path, where, lambda number, row: code_row_to_record(path, number, row, question_field),
+                        on_bad_row, stats)
 
 
 def read_code_jsonl(path: str, *, question_field: str = "auto", on_bad_row: str = "error",

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["BadRowError", "Record", "ReadStats", "extract_reference_answer", "read_jsonl", "read_parquet",
            "read_records", "ANSWER_FORMATS", "MATH_QUESTION_FIELDS"]
@@ -149,15 +149,16 @@ def _check_on_bad_row(on_bad_row: str) -> None:
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}.")
 
 
-def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_field: str,
-             answer_field: str, answer_format: str, on_bad_row: str,
-             stats: ReadStats) -> list[Record]:
+def collect_rows(rows: Iterator[tuple[int, Any]], path: str, where: str, make: Callable[[int, Any], Record],
+                 on_bad_row: str, stats: ReadStats) -> list[Record]:
+    """`make(number, row)` of every (number, row) of a file; a row it rejects (_BadRow) stops the read with a
+    BadRowError naming the file and its `where` ("line" / "row index") number, or is counted in `stats` and skipped."""
     records = []
     for number, row in rows:
         try:
             if isinstance(row, _BadRow):
                 raise row
-            records.append(_make_record(path, number, row, question_field, answer_field, answer_format))
+            records.append(make(number, row))
         except _BadRow as err:
             message = f"{path}, {where} {number}: {err}."
             if on_bad_row == "error":
@@ -165,6 +166,13 @@ def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_fi
             stats.add_bad(message)
     stats.rows_kept += len(records)
     return records
+
+
+def _collect(rows: Iterator[tuple[int, Any]], path: str, where: str, question_field: str,
+             answer_field: str, answer_format: str, on_bad_row: str,
+             stats: ReadStats) -> list[Record]:
+    return collect_rows(rows, path, where, lambda number, row: _make_record(
+        path, number, row, question_field, answer_field, answer_format), on_bad_row, stats)
 
 
 def read_jsonl(path: str, *, question_field: str = "auto", answer_field: str = "answer",

@@ -283,7 +283,11 @@ def main(argv: list[str]) -> None:
     try:
         res = evaluate(settings)
     except (FileNotFoundError, ValueError) as e:  # a missing checkpoint, an unusable data file
-        print(f"Error: {flag_names(str(e))}", file=sys.stderr)
+        from areal_jax.data.readers import BadRowError
+
+        text = f"{e.problem} Fix the row, or skip such rows with --on_bad_row=skip." if isinstance(
+            e, BadRowError) else flag_names(str(e))
+        print(f"Error: {text}", file=sys.stderr)
         sys.exit(2)
     print(summary_line(res))
     if settings.out:
