@@ -72,7 +72,7 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     store = tmp_path / "store"
     monkeypatch.setenv("AREAL_FAKE_STORE_ROOT", str(store))
     monkeypatch.setenv("AREAL_JAX_SCRATCH", str(tmp_path / "scratch"))
-    store_dir = ["--config.run_dir=fake-gs://bucket/mh"]
+    store_dir = ["--config.run_dir=fake-gs://bucket/mh", "--config.rollout.retire_unsolved=1"]
     run_dir = str(store / "bucket" / "mh")  # where the fake store keeps the objects
     code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 3), *store_dir], os.path.join(assets, "logs1"),
                   module="areal_jax.testing.fake_store",
@@ -85,6 +85,9 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
         assert all(s["trained_version"] - s["min_token_version"] <= ETA for s in samples)
         assert os.path.exists(os.path.join(run_dir, "checkpoint_meta", "3", f"process_{p}.json"))
     assert not os.path.exists(os.path.join(run_dir, "samples.jsonl"))  # per-process files only
+    retired = [json.load(open(os.path.join(run_dir, "checkpoint_meta", "3", f"process_{p}.json")))["retirement"]
+               ["retired"] for p in range(2)]  # each process retires the tasks of its own shard
+    assert any(retired) and not set(retired[0]) & set(retired[1])
     # Resume from the multi-host checkpoint and continue to step 5.
     code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 5), *store_dir], os.path.join(assets, "logs2"),
                   module="areal_jax.testing.fake_store",
@@ -94,6 +97,9 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     assert "Resumed from checkpoint step 3" in log0
     _check_digests(run_dir, 5)
     assert json.load(open(os.path.join(run_dir, "summary.json")))["steps"] == 5  # written by process 0
+    for p in range(2):  # restored from its own meta file, and kept
+        meta = json.load(open(os.path.join(run_dir, "checkpoint_meta", "5", f"process_{p}.json")))
+        assert retired[p].items() <= meta["retirement"]["retired"].items()
     assert os.listdir(tmp_path / "scratch" / "areal_jax") == []  # local mirrors removed at the end
 
 
