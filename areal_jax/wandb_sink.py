@@ -48,11 +48,19 @@ class WandbSink:
         if local is None:
             local = tempfile.mkdtemp(prefix="areal_jax-wandb-")
         os.makedirs(local, exist_ok=True)
-        self.run = wandb.init(
-            project=project, entity=entity or None, name=name or os.path.basename(os.fspath(run_dir).rstrip("/")),
-            id=run_id, resume="allow", dir=local, mode=mode, config=dict(config or {}),
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=project, entity=entity or None, name=name or os.path.basename(os.fspath(run_dir).rstrip("/")),
+                id=run_id, resume="allow", dir=local, mode=mode, config=dict(config or {}),
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except Exception as e:  # no login, no network, a project the account cannot write
+            from areal_jax.config import ConfigError
+
+            raise ConfigError(
+                f"--config.log.wandb_project={project!r}: Weights & Biases could not start the run "
+                f"({type(e).__name__}: {e}). Log in with `wandb login` (or set WANDB_API_KEY), log offline with "
+                "--config.log.wandb_mode=offline, or leave the project empty.") from e
         self.id = run_id
         log(f"Weights & Biases: run {run_id} in project {project!r} ({mode}; files under {local}/wandb).")
 

@@ -8,6 +8,7 @@ the config key, file, row or tensor to fix.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -139,11 +140,15 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
         "checkpoint_misshaped_tensor": {"model.path": misshaped, "model.tokenizer_path": paths["model"]},
         "memory_does_not_fit_the_device": {"mesh.device_memory_gib": 1e-4},
     }
+    if importlib.util.find_spec("wandb") is not None:  # online W&B without a login (HOME and the key cleared below)
+        cases["wandb_without_login"] = {"log.wandb_project": "areal-jax-test"}
     cases_path, out_path, driver = tmp_path / "cases.json", tmp_path / "out.json", tmp_path / "driver.py"
     cases_path.write_text(json.dumps(cases))
     driver.write_text(NO_COMPILE_DRIVER)
+    env = {k: v for k, v in cpu_env(4).items() if k != "WANDB_API_KEY"}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
     proc = subprocess.run([sys.executable, str(driver), assets, str(cases_path), str(out_path)],
-                          env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out_path.read_text())
 
@@ -182,6 +187,9 @@ def test_mistakes_fail_with_a_sentence_before_anything_compiles(tmp_path):
         "memory_does_not_fit_the_device": ("ConfigError", ["This run does not fit its devices", "MiB per device of 0.0 GiB",
                                                            "The largest part is", "--config."]),
     }
+    if "wandb_without_login" in cases:
+        expected["wandb_without_login"] = ("ConfigError", ["Weights & Biases could not start the run", "wandb login",
+                                                          "--config.log.wandb_mode=offline"])
     assert set(res) == set(expected)
     for name, (etype, phrases) in expected.items():
         r = res[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_metrics_reach_wandb_as_in_metrics_jsonl_and_a_resume_continues_the_run(
             m.log(step, {"reward": 0.25 * step, "train": {"loss": -1.5 / step}, "note": "text", "flag": True})
     run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()
     assert lines == [f"Weights & Biases: run {run_id} in project 'areal-jax-test' (offline; files under {run_dir}/wandb)."]
+    time.sleep(1.1)  # W&B names an offline run's directory by the second it starts (a real resume takes longer)
     with _logger(run_dir, start_step=2) as m:  # resumed from the step-2 checkpoint: step 3 again, then 4
         for step in (3, 4):
             m.log(step, {"reward": 1.0 + step, "train": {"loss": 0.5}})

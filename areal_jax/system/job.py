@@ -123,6 +123,11 @@ class RLJob:
             self.log(f"Data: skipped {self.skipped_rows['malformed']} malformed rows and "
                      f"{self.skipped_rows['too_long']} prompts longer than data.max_prompt_len="
                      f"{d.max_prompt_len} tokens.")
+        # Metrics sinks before the model loads, so a W&B login problem costs seconds (start_step: mark_loop_start).
+        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
+                                             tensorboard=c.log.tensorboard,
+                                             wandb=c.log.wandb_settings(json.loads(c.to_json()), self.log))
+        close_later.callback(self.metrics.close)
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
@@ -162,10 +167,6 @@ class RLJob:
                 paths.join(c.run_dir, f"params_digests.process_{jax.process_index()}.jsonl"))
             close_later.callback(self._digest_log.close)
         meta = self._maybe_resume()
-        self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
-                                             start_step=self.trainer.version, tensorboard=c.log.tensorboard,
-                                             wandb=c.log.wandb_settings(json.loads(c.to_json()), self.log))
-        close_later.callback(self.metrics.close)
         # Only process 0 writes timeline.json (the others record nothing and save nothing).
         self.timeline = metrics.Timeline(paths.join(c.run_dir, "timeline.json") if self.primary else None,
                                          enabled=self.primary and c.log.timeline,
