@@ -55,7 +55,7 @@ class WandbSink:
                 settings=wandb.Settings(console="off", silent=True),
             )
         except Exception as e:  # no login, no network, a project the account cannot write
-            from areal_jax.config import ConfigError
+            from areal_jax.knobs import ConfigError
 
             raise ConfigError(
                 f"--config.log.wandb_project={project!r}: Weights & Biases could not start the run "
