@@ -104,15 +104,15 @@ def test_checkpoint_restores_adapters_and_moments_bit_exactly(tmp_path):
     first.update(random_trajectories(6, vocab=97, seed=1))
     first.update(random_trajectories(6, vocab=97, seed=2))
     ckpt = Checkpointer(str(tmp_path / "run"))
-    # The job's checkpoint holds the trainer's book of compiled shapes beside its state, so a resumed run packs alike.
-    ckpt.save(first.version, first.state, {"version": first.version, "layouts": first.layouts.state()})
+    # The trainer's checkpoint meta (its book of compiled shapes) beside its state, so the resumed trainer packs alike.
+    ckpt.save(first.version, first.state, {"version": first.version, **first.checkpoint_meta()})
     saved = jax.device_get(first.state)
     # What is saved: adapters and their moments only (the frozen base stays with the model directory).
     assert all(p[-1] in ("lora_a", "lora_b") for p, _ in nnx.to_flat_state(first.state.params))
     second = trainer()
     state, meta = ckpt.restore(ckpt.latest_step(), second.state)
-    second.state = state
-    second.layouts.load_state(meta["layouts"])
+    second.restore(state, meta)
+    assert second.layouts.state() == first.layouts.state() and first.layouts.compiled
     ckpt.close()
     assert meta["version"] == 2 and second.version == 2
     for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(second.state))):

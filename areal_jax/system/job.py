@@ -240,8 +240,7 @@ class RLJob:
             raise user_errors.restore_failed(e, c.run_dir, c.model.path) from e
         user_errors.check_same_model(meta.get("model"), user_errors.model_signature(self.model_config), c.run_dir,
                                      c.model.path)
-        self.trainer.state = state
-        self.trainer.layouts.load_state(meta.get("layouts"))  # pack as the run this one continues
+        self.trainer.restore(state, meta)  # its state, and the micro-step shapes of the run this one continues
         self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version}).")
         self.sample_log.truncate_from(self.trainer.version)
         return meta
@@ -261,7 +260,7 @@ class RLJob:
             "saved_at": time.time(),
             "model": user_errors.model_signature(self.model_config),
             "evaluations": self.evaluations,  # a resumed run still reports its start evaluation
-            "layouts": self.trainer.layouts.state(),
+            **self.trainer.checkpoint_meta(),  # the trainer's book of compiled shapes ("layouts")
         }
         with self.timeline.span("checkpoint", lane="trainer"):
             self.sample_log.sync()  # on an object store: a resume must find every line it restores

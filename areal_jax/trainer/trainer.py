@@ -72,8 +72,7 @@ class Trainer:
                              "(models.lora.apply_lora) or train every nnx.Param.")
         self._has_other = bool(jax.tree.leaves(other))
         self._attention_weight = _attention_weight(model, params, other)
-        # The micro-step shapes packed so far (what this trainer has compiled). A checkpoint that should resume
-        # bit for bit saves layouts.state() beside `state` and restores it with layouts.load_state (as RLJob does).
+        # The micro-step shapes packed so far (what this trainer has compiled); checkpoint_meta() / restore() carry it.
         self.layouts = layout.ShapeBook(cfg.new_shape_cost)
         self._packed = np.zeros(2, np.int64)
         self._tx = make_optimizer(cfg, schedule_steps)
@@ -152,6 +151,17 @@ class Trainer:
     @property
     def graphdef(self) -> nnx.GraphDef:
         return self._graphdef
+
+    def checkpoint_meta(self) -> dict:
+        """JSON a checkpoint keeps beside `state` so that restore() resumes bit for bit: the book of compiled shapes
+        (a resumed trainer packs its micro-steps as the one it continues)."""
+        return {"layouts": self.layouts.state()}
+
+    def restore(self, state: TrainState, meta: dict | None) -> None:
+        """Continue from a checkpoint: its `state` and the meta saved with it (holding checkpoint_meta(); None, or a
+        meta from before the book existed: the book starts empty)."""
+        self.state = state
+        self.layouts.load_state((meta or {}).get("layouts"))
 
     # ------------------------------------------------------------------ helpers
     def _place(self, step: dict[str, np.ndarray], fields: Sequence[str]) -> dict[str, jax.Array]:
