@@ -147,3 +147,36 @@ def test_every_task_retired_starts_over(train_file):
     assert [u.rsplit(":", 1)[1] for u in admitted] == ["0"] * 7 + ["2"] * 7
     assert ctl.counters["skipped_retired"] == 7
     assert ctl.retirement.counts() == {"retired_solved": 7, "retired_unsolved": 0, "retirement_resets": 1}
+
+
+def test_the_trainer_thread_reads_while_the_controller_thread_records():
+    """The controller's thread records groups while the job's thread saves state() and logs counts(): every read
+    sees a consistent snapshot (a dict copied while another thread resizes it would raise)."""
+    import threading
+
+    r = TaskRetirement(solved_after=1, unsolved_after=1)
+    done, errors, reads = threading.Event(), [], []
+
+    def record():
+        for i in range(8_000):
+            r.record(f"t:{i}:0", [1] * 4 if i % 3 else [0] * 4, OK4)
+            if i % 2000 == 1999:
+                r.start_over()
+        done.set()
+
+    def read():
+        try:
+            while not done.is_set():
+                state = r.state()
+                reads.append(len(state["retired"]))
+                assert set(r.counts()) == {"retired_solved", "retired_unsolved", "retirement_resets"}
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=record), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and reads and r.resets == 4
+    assert r.counts() == {"retired_solved": 0, "retired_unsolved": 0, "retirement_resets": 4}

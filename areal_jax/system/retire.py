@@ -18,6 +18,7 @@ stream's position, so a resumed run skips the same tasks.
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -33,7 +34,8 @@ def task_key(uid: str) -> str:
 class TaskRetirement:
     """Streaks of all-solved / none-solved groups per task and the tasks they retired.
 
-    solved_after / unsolved_after: groups in a row that retire a task (0: that kind never retires).
+    solved_after / unsolved_after: groups in a row that retire a task (0: that kind never retires). Thread-safe: the
+    controller's thread records and skips while the trainer's thread reads counts() and state().
     """
 
     def __init__(self, solved_after: int = 0, unsolved_after: int = 0) -> None:
@@ -45,6 +47,7 @@ class TaskRetirement:
         self._streak: dict[str, int] = {}  # > 0: all-solved groups in a row; < 0: none-solved groups in a row
         self.retired: dict[str, str] = {}  # task -> "solved" | "unsolved"
         self.resets = 0
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -55,10 +58,13 @@ class TaskRetirement:
         "unsolved" when this group retires the task, else None."""
         if not self.enabled or any(s != "ok" for s in statuses):
             return None
-        key = task_key(uid)
+        solved = np.asarray(rewards, np.float64) >= SOLVED
+        with self._lock:
+            return self._record(task_key(uid), solved)
+
+    def _record(self, key: str, solved: np.ndarray) -> str | None:
         if key in self.retired:
             return None
-        solved = np.asarray(rewards, np.float64) >= SOLVED
         prev = self._streak.get(key, 0)
         if solved.all():
             streak = max(prev, 0) + 1
@@ -81,34 +87,46 @@ class TaskRetirement:
         return kind
 
     def is_retired(self, uid: str) -> bool:
-        return self.enabled and bool(self.retired) and task_key(uid) in self.retired
+        if not (self.enabled and self.retired):
+            return False
+        with self._lock:
+            return task_key(uid) in self.retired
 
     def start_over(self) -> None:
         """Every task is retired: forget the retirements and streaks (counted in `resets`)."""
-        self._streak.clear()
-        self.retired.clear()
-        self.resets += 1
+        with self._lock:
+            self._streak.clear()
+            self.retired.clear()
+            self.resets += 1
 
     def counts(self) -> dict[str, int]:
         """Tasks retired now, by kind, and how many times retirement started over."""
-        solved = sum(kind == "solved" for kind in self.retired.values())
-        return {"retired_solved": solved, "retired_unsolved": len(self.retired) - solved,
-                "retirement_resets": self.resets}
+        with self._lock:
+            solved = sum(kind == "solved" for kind in self.retired.values())
+            return {"retired_solved": solved, "retired_unsolved": len(self.retired) - solved,
+                    "retirement_resets": self.resets}
 
     def state(self) -> dict:
         """JSON-serialisable; `load_state` restores it exactly. Streaks of 0 are not stored."""
-        return {"solved_after": self.solved_after, "unsolved_after": self.unsolved_after,
-                "streaks": dict(self._streak), "retired": dict(self.retired), "resets": self.resets}
+        with self._lock:
+            return {"solved_after": self.solved_after, "unsolved_after": self.unsolved_after,
+                    "streaks": dict(self._streak), "retired": dict(self.retired), "resets": self.resets}
 
     def load_state(self, state: dict | None) -> None:
         """Restore `state()` output (None: a checkpoint from before retirement existed; nothing retired). The
         streak lengths of this run's config apply from here on: a task whose saved streak already reaches them
         retires at its next counted group, and the tasks retired by a kind this run turned off (0) are back."""
-        self._streak.clear()
-        self.retired.clear()
-        self.resets = 0
-        if state is None:
-            return
+        streaks, retired, resets = {}, {}, 0
+        if state is not None:
+            streaks, retired, resets = self._parse(state)
+        on = {"solved": self.solved_after > 0, "unsolved": self.unsolved_after > 0}
+        with self._lock:
+            self._streak = streaks
+            self.retired = {k: kind for k, kind in retired.items() if on[kind]}
+            self.resets = resets
+
+    @staticmethod
+    def _parse(state: dict) -> tuple[dict[str, int], dict[str, str], int]:
         try:
             streaks = {str(k): int(v) for k, v in state["streaks"].items()}
             retired = {str(k): str(v) for k, v in state["retired"].items()}
@@ -119,7 +137,4 @@ class TaskRetirement:
         bad = sorted(set(retired.values()) - {"solved", "unsolved"})
         if bad:
             raise ValueError(f"Not a task-retirement state: retirement kinds {bad} (expected solved / unsolved).")
-        on = {"solved": self.solved_after > 0, "unsolved": self.unsolved_after > 0}
-        self._streak.update(streaks)
-        self.retired.update({k: kind for k, kind in retired.items() if on[kind]})
-        self.resets = resets
+        return streaks, retired, resets
