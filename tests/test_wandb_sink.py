@@ -1,41 +1,58 @@
 """Metrics to Weights & Biases (offline mode): what W&B wrote to its run file, read back record by record, equals
-metrics.jsonl; a resumed logger continues the same W&B run; a bad log.wandb_* config fails before anything runs."""
+metrics.jsonl; a resumed job's logger continues the same W&B run; a bad log.wandb_* config fails before anything
+runs."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from areal_jax.config import ConfigError
-from areal_jax.metrics import LogConfig, MetricsLogger
+from areal_jax.metrics import LogConfig
 
 wandb = pytest.importorskip("wandb")
 from areal_jax.testing.wandb_files import wandb_history  # noqa: E402
 
-
-def _logger(run_dir, start_step=0, lines=None):
-    settings = LogConfig(wandb_project="areal-jax-test", wandb_mode="offline").wandb_settings(
-        {"seed": 7}, (lines if lines is not None else []).append)
-    return MetricsLogger(run_dir, enabled=True, total_steps=5, start_step=start_step, tensorboard=False,
-                         wandb=settings)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_metrics_reach_wandb_as_in_metrics_jsonl_and_a_resume_continues_the_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
+# One process of a job: its logger, as the job builds it (W&B offline), logging steps given as JSON.
+LOGGER_PROCESS = """
+import json, sys
+from areal_jax.metrics import LogConfig, MetricsLogger
+run_dir, steps = sys.argv[1], json.loads(sys.argv[2])
+lines = []
+settings = LogConfig(wandb_project="areal-jax-test", wandb_mode="offline").wandb_settings({"seed": 7}, lines.append)
+with MetricsLogger(run_dir, enabled=True, total_steps=5, tensorboard=False, wandb=settings) as m:
+    for step, metrics in steps:
+        m.log(step, metrics)
+print(json.dumps(lines))
+"""
+
+
+def _process(run_dir, steps):
+    """A job process that logs `steps` and exits (W&B's files complete); the lines it printed."""
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", LOGGER_PROCESS, run_dir, json.dumps(steps)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_metrics_reach_wandb_as_in_metrics_jsonl_and_a_resume_continues_the_run(tmp_path):
     run_dir = str(tmp_path / "run")
-    lines = []
-    with _logger(run_dir, lines=lines) as m:
-        for step in (1, 2, 3):
-            m.log(step, {"reward": 0.25 * step, "train": {"loss": -1.5 / step}, "note": "text", "flag": True})
+    lines = _process(run_dir, [(step, {"reward": 0.25 * step, "train": {"loss": -1.5 / step}, "note": "text",
+                                       "flag": True}) for step in (1, 2, 3)])
     run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()
     assert lines == [f"Weights & Biases: run {run_id} in project 'areal-jax-test' (offline; files under {run_dir}/wandb)."]
     time.sleep(1.1)  # W&B names an offline run's directory by the second it starts (a real resume takes longer)
-    with _logger(run_dir, start_step=2) as m:  # resumed from the step-2 checkpoint: step 3 again, then 4
-        for step in (3, 4):
-            m.log(step, {"reward": 1.0 + step, "train": {"loss": 0.5}})
-    assert open(os.path.join(run_dir, "wandb_run_id")).read().strip() == run_id  # the same W&B run
+    # The resumed job (from the step-2 checkpoint): step 3 again, then 4, into the same W&B run.
+    _process(run_dir, [(step, {"reward": 1.0 + step, "train": {"loss": 0.5}}) for step in (3, 4)])
+    assert open(os.path.join(run_dir, "wandb_run_id")).read().strip() == run_id
 
     (first_run, resumed), runs = wandb_history(run_dir, run_id)
     assert {r.run_id for r in runs} == {run_id} and {r.project for r in runs} == {"areal-jax-test"}
