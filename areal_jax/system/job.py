@@ -11,7 +11,6 @@ exactly what was opened (reward workers, the sampler thread, logs), in reverse o
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Callable
 
@@ -21,7 +20,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from areal_jax import config as config_lib
-from areal_jax import paths
+from areal_jax import knobs, paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.config import JobConfig
 from areal_jax.models.hf_io import DTYPES
@@ -126,7 +125,7 @@ class RLJob:
         # Metrics sinks before the model loads, so a W&B login problem costs seconds (start_step: mark_loop_start).
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
                                              tensorboard=c.log.tensorboard,
-                                             wandb=c.log.wandb_settings(json.loads(c.to_json()), self.log))
+                                             wandb=c.log.wandb_settings(knobs.to_dict(c), self.log))
         close_later.callback(self.metrics.close)
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
