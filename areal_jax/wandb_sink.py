@@ -71,4 +71,9 @@ class WandbSink:
             self.run.log(numbers, step=int(step))
 
     def close(self) -> None:
+        """Finish the run and stop W&B's service process, so every row is in its files (offline) or sent when this
+        returns: finish() alone can leave the service still writing."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
