@@ -11,13 +11,22 @@ through epath, the state through orbax (gs:// natively, with tensorstore's gcs d
 The meta files are written (atomically, by rename) before the state, and orbax writes each step into a
 temporary directory that it renames only when complete. So a checkpoint cut short by a crash is never
 listed, let alone loaded: `latest_step()` only sees finished ones, and those always have their meta.
-Saves and restores run inside areal_jax.orbax_compat's scoped workaround for two tensorstore leaks.
+
+With ``async_save`` (config key checkpoint.async_save, the default) `save()` returns once the state is copied
+off the devices (on a CPU: once orbax holds a view of it, which makes the next update allocate fresh buffers
+instead of donating these), and orbax writes it in a background thread while training goes on. One save is in
+flight at most: the next save, `wait()`, `close()`, a restore or a listing of steps waits for it, and an error
+of the write is raised there, naming the step. A kill during the write leaves the step unlisted, as above.
+Saves and restores run inside areal_jax.orbax_compat's scoped workaround for two tensorstore leaks; an
+asynchronous save keeps the scope open until its write is finished.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from typing import Any, ClassVar
+import time
+from typing import Any, Callable, ClassVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -36,37 +45,103 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-class Checkpointer:
-    """Numbered checkpoints under `<run_dir>/checkpoints`, keeping the newest `keep`."""
+class CheckpointWriteError(RuntimeError):
+    """An asynchronous checkpoint write failed (raised by the next save, wait, restore or close)."""
 
-    def __init__(self, run_dir: str, *, keep: int = 2):
+
+class Checkpointer:
+    """Numbered checkpoints under `<run_dir>/checkpoints`, keeping the newest `keep`.
+
+    Args:
+      async_save: write the state in a background thread (see the module doc); False blocks in `save()`.
+      on_written: called with (step, seconds from the start of `save()` until the step was complete) once a
+        step is complete; from orbax's thread for an asynchronous save.
+    """
+
+    def __init__(self, run_dir: str, *, keep: int = 2, async_save: bool = False,
+                 on_written: Callable[[int, float], None] | None = None):
         self.run_dir = paths.run_path(run_dir)
         self.directory = paths.checkpoint_directory(self.run_dir / "checkpoints")
         self.meta_root = self.run_dir / "checkpoint_meta"
-        self._mngr = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
-        )
+        self.async_save = bool(async_save)
+        self._on_written = on_written
+        self._pending: int | None = None  # the step being written in the background
+        self._t0 = 0.0
+        self._scope = contextlib.ExitStack()  # the tensorstore workaround, open while a save is in flight
+        self.last_blocked_s = 0.0  # how long the last save() held its caller
+        self.last_write_s: float | None = None  # start of the last complete save to its completion
+        # The barriers of a multi-process write wait up to timeout_secs: a large state on an object store is slow.
+        async_options = (ocp.AsyncOptions(timeout_secs=3600, post_finalization_callback=self._written)
+                         if self.async_save else None)
+        self._mngr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=self.async_save, async_options=async_options))
+
+    def _written(self, step: int | None = None) -> None:
+        step = self._pending if step is None else step
+        self.last_write_s = time.perf_counter() - self._t0
+        if self._on_written is not None and step is not None:
+            self._on_written(step, self.last_write_s)
 
     def latest_step(self) -> int | None:
+        """The newest complete step (after the save in flight, if any, is finished)."""
+        self.wait()
         self._mngr.reload()
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
+        self.wait()
         self._mngr.reload()
         return list(self._mngr.all_steps())
+
+    def has_step(self, step: int) -> bool:
+        """Whether `step` is saved or being saved (does not wait for a save of `step` itself)."""
+        return step == self._pending or step in self.all_steps()
+
+    @property
+    def pending_step(self) -> int | None:
+        return self._pending
 
     def _meta_path(self, step: int) -> Any:
         return self.meta_root / str(step) / f"process_{jax.process_index()}.json"
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write checkpoint `step` (blocking; the rename at the end makes it visible atomically)."""
+        """Write checkpoint `step`: the meta files now, the state now or in the background (``async_save``); the
+        rename at the end of the state's write makes the step visible atomically."""
+        t_call = time.perf_counter()
+        self.wait()  # one save in flight at most; the last one's errors surface here
+        t0 = time.perf_counter()
         path = self._meta_path(step)
         paths.makedirs(path.parent)
         write_json(path, meta)
-        with tensorstore_leak_workarounds():  # areal_jax/orbax_compat.py
+        self._scope.enter_context(tensorstore_leak_workarounds())  # areal_jax/orbax_compat.py
+        self._pending, self._t0 = step, t0
+        try:
             self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+        except BaseException:
+            self._pending = None
+            self._scope.close()
+            raise
+        if not self.async_save:
+            self.wait()
+        self.last_blocked_s = time.perf_counter() - t_call
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; raise CheckpointWriteError if it failed."""
+        step = self._pending
+        if step is None:
+            return
+        try:
             self._mngr.wait_until_finished()
+        except Exception as e:
+            raise CheckpointWriteError(
+                f"Checkpoint step {step} could not be written to {self.directory} ({type(e).__name__}: {e}). "
+                "The previous complete step is still there to resume from; check the disk's space and "
+                "permissions (or the object store's credentials).") from e
+        finally:
+            self._pending = None
+            self._scope.close()
+        if not self.async_save:
+            self._written(step)
         self._prune_meta()
 
     def _prune_meta(self) -> None:
@@ -87,6 +162,7 @@ class Checkpointer:
 
     def restore(self, step: int, like_state: Any) -> tuple[Any, dict]:
         """Load checkpoint `step` into the structure, shapes and shardings of `like_state`."""
+        self.wait()
         path = self._meta_path(step)
         if not path.exists():
             raise FileNotFoundError(
@@ -102,7 +178,11 @@ class Checkpointer:
         return restored["state"], meta
 
     def close(self) -> None:
-        self._mngr.close()
+        """Wait for the save in flight, then release orbax's resources."""
+        try:
+            self.wait()
+        finally:
+            self._mngr.close()
 
 
 def example_to_json(example: Any) -> dict:
@@ -124,6 +204,10 @@ class CheckpointConfig(Section):
     every_steps: int = knob(10, "save every this many steps; 0 = only at the end")
     keep: int = knob(2, "checkpoints kept (older ones are deleted)")
     resume: bool = knob(True, "continue from the latest checkpoint in run_dir")
+    async_save: bool = knob(True, "write the train state in a background thread while training goes on: a save "
+                            "holds the trainer only while the state is copied off the devices (it needs host memory "
+                            "for one copy of the state until written; areal_jax.checkpoint). False: the trainer "
+                            "waits for the write")
 
     def check(self) -> None:
         require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0 (0 = only at the end).")

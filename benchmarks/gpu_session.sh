@@ -28,6 +28,8 @@
 #              programs at the 1.5B shape, 128 slots x 16,512 positions (benchmarks/sampler_memory.py: the decode
 #              dispatch and the longest prefill, probe against full depth, and the prefill without its bounds) (~7 min).
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
+#   checkpoint05  the train state of the 0.5B shape (5.5 GiB, float32 params + AdamW) saved every 2 updates, in the
+#              background (checkpoint.async_save) against saves the trainer waits for, each mode twice (~6 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -168,6 +170,9 @@ EOF
       --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
     step trainer05_traj32k 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
       --trajectory-len 32768 --micro-batch-tokens 32768 --remat full --skip-recompute --skip-hf --repeats 2
+    ;;
+  checkpoint05)
+    step checkpoint05 420 $PY benchmarks/checkpoint.py --preset qwen2.5-0.5b --updates 4 --every 2 --dir "$WORK/ckpt"
     ;;
   staleness)
     step staleness 540 $PY benchmarks/staleness_ablation.py --etas 0,16,4,unbounded --seeds 0,1,2 --steps 30 \

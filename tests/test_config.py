@@ -45,7 +45,7 @@ PREVIOUS_DEFAULTS = {
     "eval.n_test": 500, "eval.at_start": True, "eval.at_end": True, "eval.every_steps": 0,
     "eval.max_new_tokens": 64, "eval.samples": 8, "eval.start_samples": -1, "eval.num_slots": 256,
     "eval.decode_steps": 0,
-    "checkpoint.every_steps": 10, "checkpoint.keep": 2, "checkpoint.resume": True,
+    "checkpoint.every_steps": 10, "checkpoint.keep": 2, "checkpoint.resume": True, "checkpoint.async_save": True,
     "log.every_steps": 1, "log.tensorboard": True, "log.timeline": True, "log.timeline_max_events": 1_000_000,
     "log.console": True, "log.param_digests": False, "log.wandb_project": "", "log.wandb_entity": "",
     "log.wandb_name": "", "log.wandb_mode": "online",

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("flash", "trainer05", "sampler05", "handoff", "trainer15", "loop05", "lora15", "sampler_more",
-          "memory05", "trainer_long", "staleness")
+          "memory05", "trainer_long", "checkpoint05", "staleness")
 RECORDER = """#!/bin/sh
 printf '%s\\037' "$@" >> "$RECORD"
 printf '\\n' >> "$RECORD"
@@ -51,7 +51,8 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
         parsed.append(argv[0] if argv[0] != "-m" else argv[1])
     want = {"benchmarks/trainer.py", "benchmarks/trace_top.py", "benchmarks/sampler.py", "benchmarks/handoff.py",
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
-            "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py"}
+            "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
+            "benchmarks/checkpoint.py"}
     assert set(parsed) == want and len(parsed) >= 20
 
 

@@ -93,6 +93,14 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     start = first["evaluations"]["start"]
     assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
     assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
+    # Saves are written in the background (checkpoint.async_save): each write is a span on the timeline's
+    # "checkpoint" lane, and the summary adds them up beside the time the trainer waited.
+    with open(os.path.join(run_dir, "timeline.json")) as f:
+        events = json.load(f)["traceEvents"]
+    writes = [e for e in events if e.get("name") == "checkpoint_write"]
+    assert 2 in {e["args"]["step"] for e in writes}
+    assert first["checkpoint_write_s"] == pytest.approx(sum(e["dur"] for e in writes) / 1e6, abs=1e-5 * len(writes))
+    assert 0 < first["checkpoint_blocked_s"] and "checkpoints: written in" in format_summary(first)
 
     if WANDB_PROJECT:  # the job's metrics reached W&B (offline files), the same numbers as metrics.jsonl
         run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()

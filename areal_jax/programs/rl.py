@@ -97,6 +97,9 @@ def format_summary(summary: dict) -> str:
         lines.append(f"tasks retired (rollout.retire_solved / retire_unsolved): {retired['retired_solved']} solved, "
                      f"{retired['retired_unsolved']} unsolved; retirement started over "
                      f"{retired['retirement_resets']} times")
+    if summary.get("checkpoint_write_s"):
+        lines.append(f"checkpoints: written in {summary['checkpoint_write_s']:.1f} s, of which the trainer waited "
+                     f"{summary.get('checkpoint_blocked_s', 0.0):.1f} s")
     if summary.get("matmul_peak_gflops"):
         lines.append(f"machine: float32 matmul peak {summary['matmul_peak_gflops']:.0f} GFLOP/s (measured at start)")
     return "\n".join(lines)

@@ -47,6 +47,7 @@ class RLJob:
         self._t_created = time.perf_counter()
         self.machine = dict(machine or {})
         self._eval_seconds = 0.0
+        self._ckpt_seconds = [0.0, 0.0]  # the trainer held by saves; saves from start to complete
         self.config = config_lib.validate(config)
         self._exit = contextlib.ExitStack()
         try:
@@ -156,7 +157,8 @@ class RLJob:
                                schedule_steps=c.optimizer_steps, max_staleness=c.rollout.eta)
         self.graphdef = nnx.graphdef(model)
 
-        self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep)
+        self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
+                                         on_written=self._checkpoint_written)
         close_later.callback(self.checkpointer.close)
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
         close_later.callback(self.sample_log.close)
@@ -245,8 +247,8 @@ class RLJob:
         return meta
 
     def save_checkpoint(self) -> None:
-        if self.checkpointer.latest_step() == self.trainer.version:
-            return  # this version is already saved (e.g. the periodic save of the last step)
+        if self.checkpointer.has_step(self.trainer.version):
+            return  # this version is saved or being saved (e.g. the periodic save of the last step)
         snap = self.controller.snapshot()
         meta = {
             "version": self.trainer.version,
@@ -265,6 +267,12 @@ class RLJob:
             self.sample_log.sync()  # on an object store: a resume must find every line it restores
             self.metrics.flush()
             self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
+        self._ckpt_seconds[0] += self.checkpointer.last_blocked_s
+
+    def _checkpoint_written(self, step: int, seconds: float) -> None:  # from orbax's thread when asynchronous
+        self._ckpt_seconds[1] += seconds
+        if getattr(self, "timeline", None) is not None:
+            self.timeline.complete("checkpoint_write", seconds, lane="checkpoint", step=step)
 
     # ---- evaluation -------------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict | None:
@@ -357,7 +365,8 @@ class RLJob:
         wall = time.perf_counter() - t_start
         self.save_checkpoint()
         if not interrupted and c.eval.at_end:
-            self.evaluate("end")
+            self.evaluate("end")  # beside the last checkpoint's write
+        self.checkpointer.wait()
         return self._summary(history, wall, interrupted)
 
     def _summary(self, history: list[dict], wall: float, interrupted: bool) -> dict:
@@ -383,7 +392,8 @@ class RLJob:
         }
         job_wall = time.perf_counter() - self._t_created
         out.update({"job_wall_s": job_wall, "eval_s": self._eval_seconds,
-                    "eval_share": self._eval_seconds / max(job_wall, 1e-9)})
+                    "eval_share": self._eval_seconds / max(job_wall, 1e-9),
+                    "checkpoint_blocked_s": self._ckpt_seconds[0], "checkpoint_write_s": self._ckpt_seconds[1]})
         if self.primary:
             write_json(paths.join(self.config.run_dir, "summary.json"), out)
         return out
