@@ -45,6 +45,32 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+# A background save keeps the state it writes in host memory beside the state the updates go on with (on a CPU:
+# the next update cannot donate the buffers being written), and tensorstore's write buffers come on top.
+BACKGROUND_HOST_COPIES = 2.5
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel can still give (MemAvailable, Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def local_state_bytes(state: Any) -> int:
+    """Bytes of `state` this process writes: its addressable shards, each replicated shard once."""
+    total = 0
+    for x in jax.tree.leaves(state):
+        if isinstance(x, jax.Array):
+            total += sum(s.data.nbytes for s in x.addressable_shards if s.replica_id == 0)
+    return total
+
+
 class CheckpointWriteError(RuntimeError):
     """An asynchronous checkpoint write failed (raised by the next save, wait, restore or close)."""
 
@@ -59,12 +85,14 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, *, keep: int = 2, async_save: bool = False,
-                 on_written: Callable[[int, float], None] | None = None):
+                 on_written: Callable[[int, float], None] | None = None, log: Callable[[str], None] = print):
         self.run_dir = paths.run_path(run_dir)
         self.directory = paths.checkpoint_directory(self.run_dir / "checkpoints")
         self.meta_root = self.run_dir / "checkpoint_meta"
         self.async_save = bool(async_save)
         self._on_written = on_written
+        self._log = log
+        self.blocking_fallbacks = 0  # background saves made blocking for want of host memory
         self._pending: int | None = None  # the step being written in the background
         self._t0 = 0.0
         self._scope = contextlib.ExitStack()  # the tensorstore workaround, open while a save is in flight
@@ -115,15 +143,31 @@ class Checkpointer:
         write_json(path, meta)
         self._scope.enter_context(tensorstore_leak_workarounds())  # areal_jax/orbax_compat.py
         self._pending, self._t0 = step, t0
+        blocking = not self.async_save or not self._host_room(step, state)
         try:
             self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
         except BaseException:
             self._pending = None
             self._scope.close()
             raise
-        if not self.async_save:
+        if blocking:
             self.wait()
         self.last_blocked_s = time.perf_counter() - t_call
+
+    def _host_room(self, step: int, state: Any) -> bool:
+        """Whether the host has the memory a background save of `state` needs now; if not, this save blocks (the
+        first time, a line says so)."""
+        free, need = available_host_bytes(), BACKGROUND_HOST_COPIES * local_state_bytes(state)
+        if free is None or need <= free:
+            return True
+        if not self.blocking_fallbacks:
+            self._log(f"Checkpoint step {step} is written before training goes on, not in the background: the host "
+                      f"has {free / 2**30:.1f} GiB of memory available and a background save of this "
+                      f"{need / BACKGROUND_HOST_COPIES / 2**30:.1f} GiB state needs about {need / 2**30:.1f} GiB (a copy "
+                      "kept until written). Later saves do the same while memory is short; "
+                      "--config.checkpoint.async_save=False makes every save blocking.")
+        self.blocking_fallbacks += 1
+        return False
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raise CheckpointWriteError if it failed."""
@@ -206,8 +250,8 @@ class CheckpointConfig(Section):
     resume: bool = knob(True, "continue from the latest checkpoint in run_dir")
     async_save: bool = knob(True, "write the train state in a background thread while training goes on: a save "
                             "holds the trainer only while the state is copied off the devices (it needs host memory "
-                            "for one copy of the state until written; areal_jax.checkpoint). False: the trainer "
-                            "waits for the write")
+                            "for a copy of the state until written; a save for which the host lacks it blocks, and "
+                            "the job says so; areal_jax.checkpoint). False: the trainer waits for every write")
 
     def check(self) -> None:
         require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0 (0 = only at the end).")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 
-from areal_jax import orbax_compat
-from areal_jax.checkpoint import Checkpointer, CheckpointWriteError
+from areal_jax import checkpoint, orbax_compat
+from areal_jax.checkpoint import Checkpointer, CheckpointWriteError, local_state_bytes
 
 
 @pytest.fixture
@@ -111,3 +111,37 @@ def test_close_finishes_the_write_and_sync_saves_hold_the_caller(tmp_path):
         assert meta == {"version": 2}
         np.testing.assert_array_equal(np.asarray(restored["b"][0]), np.full(5, 2.0))
         again.close()
+
+
+def test_a_save_blocks_while_the_host_lacks_memory_for_the_copy(tmp_path, monkeypatch, gate):
+    state = _state(1.0)
+    assert local_state_bytes(state) == (12 + 5 + 2) * 4
+    free = [2 * local_state_bytes(state)]  # below the 2.5 copies a background save is given
+    monkeypatch.setattr(checkpoint, "available_host_bytes", lambda: free[0])
+    lines = []
+    ck = Checkpointer(str(tmp_path), async_save=True, log=lines.append)
+    gate.set()
+    for step in (1, 2):
+        ck.save(step, state, {"version": step})
+        assert ck.pending_step is None and ck.all_steps()[-1] == step  # written before save() returned
+    assert ck.blocking_fallbacks == 2 and len(lines) == 1  # said once
+    assert "Checkpoint step 1 is written before training goes on" in lines[0]
+    assert "--config.checkpoint.async_save=False" in lines[0]
+    free[0] = 10**12  # memory again: back in the background
+    gate.clear()
+    ck.save(3, state, {"version": 3})
+    assert ck.pending_step == 3 and ck.blocking_fallbacks == 2
+    gate.set()
+    ck.close()
+
+
+def test_local_state_bytes_counts_each_shard_this_process_writes_once():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    x = jnp.zeros((8, 16), jnp.float32)
+    replicated = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    split = jax.device_put(x, NamedSharding(mesh, PartitionSpec("a", "b")))
+    half = jax.device_put(x, NamedSharding(mesh, PartitionSpec("a")))  # each row block on two devices
+    for arr in (replicated, split, half):
+        assert local_state_bytes({"w": arr, "n": 3}) == 8 * 16 * 4

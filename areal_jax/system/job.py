@@ -158,7 +158,7 @@ class RLJob:
         self.graphdef = nnx.graphdef(model)
 
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
-                                         on_written=self._checkpoint_written)
+                                         on_written=self._checkpoint_written, log=log_fn)  # every host's own
         close_later.callback(self.checkpointer.close)
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
         close_later.callback(self.sample_log.close)
@@ -393,7 +393,8 @@ class RLJob:
         job_wall = time.perf_counter() - self._t_created
         out.update({"job_wall_s": job_wall, "eval_s": self._eval_seconds,
                     "eval_share": self._eval_seconds / max(job_wall, 1e-9),
-                    "checkpoint_blocked_s": self._ckpt_seconds[0], "checkpoint_write_s": self._ckpt_seconds[1]})
+                    "checkpoint_blocked_s": self._ckpt_seconds[0], "checkpoint_write_s": self._ckpt_seconds[1],
+                    "checkpoint_blocking_fallbacks": self.checkpointer.blocking_fallbacks})
         if self.primary:
             write_json(paths.join(self.config.run_dir, "summary.json"), out)
         return out
