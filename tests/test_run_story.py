@@ -88,8 +88,12 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
     assets = str(tmp_path / "assets")
     tiny_config(assets)  # writes the tiny model and data
     run_dir = str(tmp_path / "run")
-    first = _run(_config(assets, run_dir, steps=2, rollout__retire_unsolved=1, log__wandb_project=WANDB_PROJECT,
-                         log__wandb_mode="offline"))
+    def config(steps, **overrides):  # synchronous (eta = 0): the samples, and so the tasks retired, do not depend on
+        c = _config(assets, run_dir, steps=steps, rollout__retire_unsolved=1, rollout__max_staleness=0, **overrides)
+        c.seed = 1  # the machine's timing; seed 1 leaves 4 tasks unsolved by a whole group in the first 2 steps
+        return c
+
+    first = _run(config(2, log__wandb_project=WANDB_PROJECT, log__wandb_mode="offline"))
     start = first["evaluations"]["start"]
     assert start["n"] == 6 and 0.0 <= start["greedy_pass@1"] <= 1.0
     assert first["matmul_peak_gflops"] == 12.5 and 0 < first["eval_share"] < 1
@@ -113,9 +117,10 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
 
     retirement = _checkpoint_meta(run_dir, 2)["retirement"]  # the retired tasks, so a resume skips the same ones
     assert retirement["unsolved_after"] == 1 and retirement["resets"] == 0 and retirement["retired"]
-    assert first["retired_tasks"]["retired_unsolved"] == len(retirement["retired"])
+    # The summary also counts groups that finished between the step-2 save and the controller's stop.
+    assert first["retired_tasks"]["retired_unsolved"] >= len(retirement["retired"])
 
-    resumed = _run(_config(assets, run_dir, steps=3, rollout__retire_unsolved=1))  # continues from step 2
+    resumed = _run(config(3))  # continues from step 2
     assert resumed["steps"] == 3
     assert retirement["retired"].items() <= _checkpoint_meta(run_dir, 3)["retirement"]["retired"].items()
     assert {tuple(s) for s in layouts["compiled"]} <= {tuple(s) for s in _checkpoint_meta(run_dir, 3)["layouts"]
