@@ -247,6 +247,9 @@ class CheckpointConfig(Section):
 
     every_steps: int = knob(10, "save every this many steps; 0 = only at the end")
     keep: int = knob(2, "checkpoints kept (older ones are deleted)")
+    every_minutes: float = knob(0.0, "also save once this many minutes have passed since the last save, checked "
+                                "after each step (for steps of minutes, or a preemptible machine); 0 = never. With "
+                                "several processes, process 0's clock decides")
     resume: bool = knob(True, "continue from the latest checkpoint in run_dir")
     async_save: bool = knob(True, "write the train state in a background thread while training goes on: a save "
                             "holds the trainer only while the state is copied off the devices (it needs host memory "
@@ -256,3 +259,4 @@ class CheckpointConfig(Section):
     def check(self) -> None:
         require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0 (0 = only at the end).")
         require(self.keep >= 1, f"{self.key('keep')}={self.keep} must be at least 1.")
+        require(self.every_minutes >= 0, f"{self.key('every_minutes')}={self.every_minutes} must be >= 0 (0 = never).")

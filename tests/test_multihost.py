@@ -160,13 +160,17 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim, file
 @pytest.mark.slow
 def test_two_processes_train_a_value_head_beside_lora_adapters(assets, tmp_path):
     """train.critic=value_head with LoRA across two processes: both finish, agree on the trained weights after
-    every publish (digests), and report a finite value loss at every step."""
+    every publish (digests), and report a finite value loss at every step. They save by process 0's clock
+    (checkpoint.every_minutes): a save is a collective, so both must decide alike at every step."""
     run_dir = str(tmp_path / "run")
     logs = str(tmp_path / "logs")
     code = launch(2, 2, [*_job_args(assets, 3), f"--config.run_dir={run_dir}",
                          "--config.train.critic=value_head", "--config.lora.enabled=True", "--config.lora.rank=4",
-                         "--config.train.lr=3e-3"], logs, timeout_s=400, echo=False)
+                         "--config.train.lr=3e-3", "--config.checkpoint.every_steps=0",
+                         "--config.checkpoint.every_minutes=1e-9", "--config.checkpoint.keep=5"],
+                  logs, timeout_s=400, echo=False)
     assert code == 0, open(os.path.join(logs, "process_0.log")).read()[-3000:]
+    assert sorted(int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n.isdigit()) == [1, 2, 3]
     _check_digests(run_dir, 3, published_is_trainer=False)
     rows = [r for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")) if "train/value_loss" in r]
     assert len(rows) == 3 and all(0 <= r["train/value_loss"] < float("inf") for r in rows), rows

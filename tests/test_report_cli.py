@@ -94,6 +94,21 @@ def test_timeline_is_one_call_per_lane_and_kind_with_the_same_picture(run_dir, t
     assert widths.size == 0 or widths.max() <= 2, widths.max()
 
 
+def test_every_kind_of_span_gets_its_own_colour(tmp_path, monkeypatch):
+    # A job's timeline holds a dozen kinds (checkpoint_write and eval_end were both drawn in C0 with ten colours).
+    names = [f"kind{i}" for i in range(14)]
+    spans = {"trainer": [(float(i), 0.5, n) for i, n in enumerate(names[:7])],
+             "checkpoint": [(float(i), 0.5, n) for i, n in enumerate(names[7:])]}
+    drawn = {}
+    real = matplotlib.axes.Axes.broken_barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "broken_barh",
+                        lambda self, xranges, yrange, **k: drawn.setdefault(yrange, []).append(k["color"])
+                        or real(self, xranges, yrange, **k))
+    report.plot_timeline(spans, str(tmp_path / "t.png"))
+    colours = [matplotlib.colors.to_rgba(c) for lane in drawn.values() for c in lane]
+    assert len(colours) == 14 and len(set(colours)) == 14
+
+
 def test_help_and_out(run_dir, tmp_path):
     out = _report("--help")
     assert out.returncode == 0 and "--out" in out.stdout and "run_dir" in out.stdout, out.stderr

@@ -100,6 +100,10 @@ def busy_fractions(spans: dict[str, list[tuple[float, float, str]]]) -> dict[str
             for lane, v in spans.items()}
 
 
+# matplotlib's ten default colours, then eight that differ from them: a job's lanes hold a dozen kinds of span.
+SPAN_COLORS = [f"C{i}" for i in range(10)] + ["black", "gold", "teal", "lime", "navy", "salmon", "darkviolet", "peru"]
+
+
 def plot_timeline(spans: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 1.5 + 0.6 * max(1, len(spans))))
     if spans:
@@ -109,7 +113,7 @@ def plot_timeline(spans: dict, out: str) -> None:
         for i, (lane, v) in enumerate(sorted(spans.items())):
             kinds: dict[str, list[tuple[float, float]]] = {}  # one draw call per span kind of a lane
             for s, d, name in v:
-                colors.setdefault(name, f"C{len(colors) % 10}")
+                colors.setdefault(name, SPAN_COLORS[len(colors) % len(SPAN_COLORS)])
                 kinds.setdefault(name, []).append((s - t0, max(d, 1e-4)))
             for name in sorted(kinds, key=lambda n: not n.startswith("wait")):  # waits below busy spans
                 ax.broken_barh(kinds[name], (i - 0.4, 0.8), color=colors[name],

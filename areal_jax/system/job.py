@@ -157,6 +157,7 @@ class RLJob:
                                schedule_steps=c.optimizer_steps, max_staleness=c.rollout.eta)
         self.graphdef = nnx.graphdef(model)
 
+        self.checkpoint_clock = runner.CheckpointClock(c.checkpoint.every_steps, c.checkpoint.every_minutes)
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
                                          on_written=self._checkpoint_written, log=log_fn)  # every host's own
         close_later.callback(self.checkpointer.close)
@@ -251,13 +252,9 @@ class RLJob:
             return  # this version is saved or being saved (e.g. the periodic save of the last step)
         snap = self.controller.snapshot()
         meta = {
-            "version": self.trainer.version,
-            "next_gid": self.buffer.next_gid,
-            "pending": [example_to_json(e) for e in snap["pending"]],
-            "prompts_state": snap["prompts_state"],
-            "counters": snap["counters"],
-            "retirement": snap["retirement"],
-            "seed": self.config.seed,
+            "version": self.trainer.version, "next_gid": self.buffer.next_gid,
+            "pending": [example_to_json(e) for e in snap["pending"]], "prompts_state": snap["prompts_state"],
+            "counters": snap["counters"], "retirement": snap["retirement"], "seed": self.config.seed,
             "saved_at": time.time(),
             "model": user_errors.model_signature(self.model_config),
             "evaluations": self.evaluations,  # a resumed run still reports its start evaluation
@@ -267,6 +264,7 @@ class RLJob:
             self.sample_log.sync()  # on an object store: a resume must find every line it restores
             self.metrics.flush()
             self.checkpointer.save(self.trainer.version, self.trainer.state, meta)
+        self.checkpoint_clock.saved()
         self._ckpt_seconds[0] += self.checkpointer.last_blocked_s
 
     def _checkpoint_written(self, step: int, seconds: float) -> None:  # from orbax's thread when asynchronous
@@ -357,7 +355,7 @@ class RLJob:
                     self.log(self.metrics.progress_line(step, m))
             if c.eval.every_steps and step % c.eval.every_steps == 0 and step < c.total_steps:
                 self.evaluate(f"step{step}")
-            if c.checkpoint.every_steps and step % c.checkpoint.every_steps == 0:
+            if self.checkpoint_clock.due(step):
                 self.save_checkpoint()
         interrupted = self.stop.requested.is_set()
         self.controller.stop()

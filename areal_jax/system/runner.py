@@ -12,7 +12,7 @@ import json
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -132,6 +132,43 @@ class SampleLog:
                 "rewards": [float(r) for r in g.rewards],
             }) + "\n")
         self._file.write("".join(lines))  # one write per step: a kill leaves at most one torn line
+
+
+class CheckpointClock:
+    """When the loop saves: after every `every_steps`-th step, and once `every_minutes` have passed since the last
+    save (or the loop's start), checked after each step. A save is a collective, so with several processes the
+    clock of process 0 decides for all: one broadcast of a flag per step, only when `every_minutes` is set.
+
+    clock / broadcast: time.monotonic and a function giving every process process 0's value (tests pass theirs).
+    """
+
+    def __init__(self, every_steps: int, every_minutes: float, *, clock: Callable[[], float] = time.monotonic,
+                 broadcast: Callable[[bool], bool] | None = None):
+        self.every_steps, self.every_s = int(every_steps), 60.0 * float(every_minutes)
+        self._clock, self._broadcast = clock, broadcast
+        self._last = clock()
+
+    def saved(self) -> None:
+        self._last = self._clock()
+
+    def due(self, step: int) -> bool:
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        if self.every_s <= 0:
+            return False
+        late = self._clock() - self._last >= self.every_s
+        broadcast = self._broadcast if self._broadcast is not None else _from_process_0
+        return bool(broadcast(late))
+
+
+def _from_process_0(flag: bool) -> bool:
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 class StopFlag:
