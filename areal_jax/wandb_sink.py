@@ -1,8 +1,10 @@
 """Weights & Biases as one more place a job's metrics go (config keys log.wandb_*; `pip install wandb`).
 
-The run's W&B id is kept in ``run_dir/wandb_run_id``, so a resumed job logs into the same W&B run. W&B keeps one
-row per step and drops a row whose step is lower than one it already has: after a resume, the steps between the
-checkpoint and the crash that were logged before are not logged again there (metrics.jsonl has every row).
+The run's W&B id is kept in ``run_dir/wandb_run_id``, so a resumed job logs into the same W&B run. Every number is
+plotted against the job's step, logged as the metric ``step`` (``define_metric``'s custom x-axis), while W&B's own row
+counter only ever grows: W&B drops a row logged at a lower step than one it already has, and a job resumed from a
+checkpoint logs again the steps between that checkpoint and the crash. Those steps then appear twice on the step
+axis, the second time as the resumed run trained them (metrics.jsonl, too, has both).
 W&B's own files go to ``run_dir/wandb`` (a local run directory) or to a local temporary directory (a run directory
 on an object store; offline mode then keeps them only there, and says where).
 """
@@ -15,6 +17,7 @@ from typing import Any, Callable, Mapping
 from areal_jax import paths
 
 ID_FILE = "wandb_run_id"
+STEP_METRIC = "step"  # the job's step, the x-axis of every metric
 
 
 def _new_id() -> str:
@@ -61,6 +64,10 @@ class WandbSink:
                 f"--config.log.wandb_project={project!r}: Weights & Biases could not start the run "
                 f"({type(e).__name__}: {e}). Log in with `wandb login` (or set WANDB_API_KEY), log offline with "
                 "--config.log.wandb_mode=offline, or leave the project empty.") from e
+        # The x-axis of every metric is the job's step; W&B's internal step (one per log call) keeps growing across a
+        # resume, so the steps trained again after it are kept rather than dropped as "lower than the latest".
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
         self.id = run_id
         log(f"Weights & Biases: run {run_id} in project {project!r} ({mode}; files under {local}/wandb).")
 
@@ -68,7 +75,8 @@ class WandbSink:
         """The numbers of one flattened metrics record at `step` (strings and arrays stay in metrics.jsonl)."""
         numbers = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if numbers:
-            self.run.log(numbers, step=int(step))
+            numbers.pop(STEP_METRIC, None)
+            self.run.log({STEP_METRIC: int(step), **numbers})
 
     def close(self) -> None:
         """Finish the run and stop W&B's service process, so every row is in its files (offline) or sent when this

@@ -108,7 +108,7 @@ def test_resume_keeps_the_start_evaluation_and_refuses_another_model(tmp_path):
 
     if WANDB_PROJECT:  # the job's metrics reached W&B (offline files), the same numbers as metrics.jsonl
         run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()
-        (history,), _ = wandb_history(run_dir, run_id)
+        (history,), _, _ = wandb_history(run_dir, run_id)
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
         assert sorted(history) == sorted({r["step"] for r in rows}) == [0, 1, 2]  # eval/* at 0, the steps after
         assert [history[s]["reward"] for s in (1, 2)] == [r["reward"] for r in rows if "reward" in r]

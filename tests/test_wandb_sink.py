@@ -1,5 +1,6 @@
 """Metrics to Weights & Biases (offline mode): what W&B wrote to its run file, read back record by record, equals
-metrics.jsonl; a resumed job's logger continues the same W&B run; a bad log.wandb_* config fails before anything
+metrics.jsonl, plotted against the job's step; a resumed job's logger continues the same W&B run, and logs again the
+steps it trains again without W&B's row counter going back; a bad log.wandb_* config fails before anything
 runs."""
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_metrics_reach_wandb_as_in_metrics_jsonl_and_a_resume_continues_the_run(
     _process(run_dir, [(step, {"reward": 1.0 + step, "train": {"loss": 0.5}}) for step in (3, 4)])
     assert open(os.path.join(run_dir, "wandb_run_id")).read().strip() == run_id
 
-    (first_run, resumed), runs = wandb_history(run_dir, run_id)
+    (first_run, resumed), runs, (first_file, resumed_file) = wandb_history(run_dir, run_id)
     assert {r.run_id for r in runs} == {run_id} and {r.project for r in runs} == {"areal-jax-test"}
     assert {r.display_name for r in runs} == {"run"}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -62,6 +63,13 @@ def test_metrics_reach_wandb_as_in_metrics_jsonl_and_a_resume_continues_the_run(
     for history, logged in ((first_run, rows[:3]), (resumed, rows[3:])):  # numbers only: no string, no bool
         assert history == {r["step"]: {"reward": r["reward"], "train/loss": r["train/loss"]} for r in logged}
     assert resumed[4] == {"reward": 5.0, "train/loss": 0.5}
+    # Every number is plotted against the job's step, and W&B's own row counter only grows: a row of a step lower
+    # than one W&B has (step 3 again after the resume) is not one W&B drops.
+    for info, steps in ((first_file, [1, 2, 3]), (resumed_file, [3, 4])):
+        assert ("step", "") in info["metrics"] and ("*", "step") in info["metrics"]
+        assert [s for _, s in info["rows"]] == steps
+        counters = [c for c, _ in info["rows"]]
+        assert counters == sorted(set(counters))
 
 
 def test_bad_wandb_configs_fail_early(monkeypatch):

@@ -37,24 +37,31 @@ def read_wandb_records(path: str) -> list:
     return out
 
 
-def wandb_history(run_dir: str, run_id: str) -> tuple[list[dict[int, dict]], list]:
+def wandb_history(run_dir: str, run_id: str) -> tuple[list[dict[int, dict]], list, list]:
     """Per offline run file of W&B run `run_id` under run_dir/wandb (one per process that logged to it, oldest
-    first): {step: {name: value}}; and the run records (id, project, name)."""
+    first): {step: {name: value}}, a row's step the value of its logged metric "step" (the job's step) or else W&B's
+    internal row counter; the run records (id, project, name); and per file, in the order written, the pairs (W&B's
+    internal row counter, the logged "step") and the metric definitions (name or glob, its step metric)."""
     files = sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")))
     if not files:
         raise FileNotFoundError(f"no offline run file of W&B run {run_id} under {run_dir}/wandb")
-    histories, runs = [], []
+    histories, runs, files_info = [], [], []
     for path in files:
-        history = {}
+        history, counters, metrics = {}, [], []
         histories.append(history)
+        files_info.append({"rows": counters, "metrics": metrics})
         for record in read_wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                row = history.setdefault(record.history.step.num, {})
-                for item in record.history.item:
-                    name = item.key or "/".join(item.nested_key)
-                    if not name.startswith("_"):
-                        row[name] = json.loads(item.value_json)
+                values = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                          for item in record.history.item}
+                step = values.pop("step", None)
+                counters.append((record.history.step.num, step))
+                row = history.setdefault(record.history.step.num if step is None else int(step), {})
+                row.update({k: v for k, v in values.items() if not k.startswith("_")})
             elif kind == "run":
                 runs.append(record.run)
-    return histories, runs
+            elif kind == "metric":
+                m = record.metric
+                metrics.append((m.name or m.glob_name, m.step_metric))
+    return histories, runs, files_info
