@@ -10,6 +10,7 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax.data.code_synthetic import write_splits
 from areal_jax.data.code_tokenizer import build_code_tokenizer
+from areal_jax.evaluation.sets import flatten
 from areal_jax.rewards.code import code_tests_reward
 from areal_jax.system.job import RLJob
 from areal_jax.testing.models import tiny_config as tiny_model_config
@@ -82,8 +83,8 @@ def test_code_job_scores_sandboxed_tests_and_trains(tmp_path):
     for tag, k in (("start", 0), ("end", 2)):  # the per-problem records beside the run, rescored directly
         with open(os.path.join(c.run_dir, "evaluations", f"{tag}.jsonl")) as f:
             records = [json.loads(line) for line in f]
-        assert [r["uid"] for r in records] == [e.uid for e in job.eval_examples]
-        for r, e in zip(records, job.eval_examples):
+        assert [r["uid"] for r in records] == [e.uid for e in flatten(job.eval_sets)]
+        for r, e in zip(records, flatten(job.eval_sets)):
             assert len(r["samples"]) == k
             assert [r["greedy_reward"], *r["sample_rewards"]] == [code_tests_reward(t, e.answer)
                                                                  for t in (r["greedy"], *r["samples"])]

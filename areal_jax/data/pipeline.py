@@ -235,7 +235,8 @@ class DataConfig(Section):
     section: ClassVar[str] = "data"
 
     train_path: str = knob("", "training prompts: JSONL or Parquet with question / answer fields")
-    test_path: str = knob("", "evaluation split (same layout); empty = no evaluation")
+    test_path: str = knob("", "evaluation split (same layout); several as NAME=PATH,NAME=PATH (each scored apart "
+                              "and pooled, evaluation.sets); empty = no evaluation")
     question_field: str = knob("auto", "field of a row holding the question; auto: math rows take question / "
                                "problem / prompt, code rows their layout's statement field")
     answer_field: str = knob("answer", "field of a row holding the reference answer (code: the hidden tests)")

@@ -20,13 +20,17 @@ class JobEvaluator:
     """Evaluates the policy on the job's test prompts as its config says (the `eval` section, the rollout's
     temperature and decode steps, the data formatting the examples were loaded with).
 
-    config: the JobConfig; graphdef / model_config: the policy's; examples: the loaded test prompts
-    (evaluation.scoring.load_eval_examples); mesh: the rollout slice the engine decodes on."""
+    config: the JobConfig; graphdef / model_config: the policy's; sets: {set name: its loaded test prompts}
+    (evaluation.sets.load_eval_sets; a list is one set), all evaluated in one sampler pass; mesh: the rollout slice
+    the engine decodes on."""
 
-    def __init__(self, config: Any, graphdef: Any, model_config: Any, tokenizer: Any, examples: list,
+    def __init__(self, config: Any, graphdef: Any, model_config: Any, tokenizer: Any, sets: dict | list,
                  mesh: Any = None) -> None:
+        from areal_jax.evaluation.sets import flatten
+
         self.config, self.graphdef, self.model_config = config, graphdef, model_config
-        self.tokenizer, self.examples, self.mesh = tokenizer, examples, mesh
+        self.sets = sets if isinstance(sets, dict) else {"test": list(sets)}
+        self.tokenizer, self.examples, self.mesh = tokenizer, flatten(self.sets), mesh
         backend = jax.default_backend()
         self.streams = config.eval.streams_for(backend)
         self.decode_steps = config.eval.decode_steps_for(config.rollout.decode_steps, backend)
@@ -56,6 +60,7 @@ class JobEvaluator:
         a progress line at each further tenth of the sequences, at most one per 5 s (a long evaluation at real
         sizes takes minutes)."""
         from areal_jax.evaluation.scoring import evaluate_params
+        from areal_jax.evaluation.sets import evaluate_sets
 
         c = self.config
         turns = c.eval.feedback_turns_for(c.rollout.feedback_turns)
@@ -64,14 +69,32 @@ class JobEvaluator:
             from areal_jax.sampler.turns import FeedbackTurns
 
             repair = FeedbackTurns.factory(c, self.tokenizer, turns)
-        res = evaluate_params(
-            self.graphdef, params, self.tokenizer, c.data.test_path, n=c.eval.n_test,
-            max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=c.eval.samples_for(tag),
-            temperature=c.rollout.temperature or 1.0, examples=self.examples, engine=self.engine(), pool=pool,
-            decode_steps=self.decode_steps, streams=self.streams, records=True, repair=repair,
-            log=None if log is None else (lambda line: log(line.replace("[eval]", f"[eval {tag}]", 1))))
+        k = c.eval.samples_for(tag)
+
+        def evaluate(examples: list) -> dict:
+            return evaluate_params(
+                self.graphdef, params, self.tokenizer, c.data.test_path, n=len(examples),
+                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
+                temperature=c.rollout.temperature or 1.0, examples=examples, engine=self.engine(), pool=pool,
+                decode_steps=self.decode_steps, streams=self.streams, records=True, repair=repair,
+                log=None if log is None else (lambda line: log(line.replace("[eval]", f"[eval {tag}]", 1))))
+
+        res = evaluate_sets(self.sets, evaluate, k)
         problems = res.pop("problems")
         target = records_path(c.run_dir, tag)
         paths.makedirs(target.parent)
         paths.write_text(target, "".join(json.dumps(p) + "\n" for p in problems))
         return res
+
+
+def result_lines(tag: str, res: dict) -> list[str]:
+    """The log lines of an evaluation's result: the pooled figures, then one line per set when there are several."""
+    from areal_jax.evaluation.sets import set_lines
+
+    repair = (f", {res['repair_greedy_pass@1']:.3f} after repair turns ({100 * res['repair_share']:.0f}% of the "
+              f"sequences got feedback, {100 * res['repair_fixed']:.0f}% of those passed)"
+              if "repair_greedy_pass@1" in res else "")
+    pooled = f" (all {len(res['sets'])} sets)" if res.get("sets") else ""
+    return ([f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f}{repair} on {res['n']} problems{pooled} "
+             f"({res['seconds']:.0f} s, {res['tokens_per_s']:,.0f} generated tokens/s)"]
+            + [f"[eval {tag}]   {line}" for line in set_lines(res)])

@@ -20,7 +20,8 @@ tenth of the sequences; the end prints pass@1 and pass@j for j = 2, 4, ... up to
 `--feedback_turns=N` (code tasks) gives each sequence up to N repair attempts after execution feedback on its
 task's first cases, as training's rollout.feedback_turns does, and reports pass@1 of the first and of the last
 attempts. `--out=FILE.jsonl` keeps one line per problem (its uid "<file>:<row>:0", question, greedy completion and
-reward, the k samples and their rewards).
+reward, the k samples and their rewards). `--data=NAME=PATH,NAME=PATH` evaluates several sets in one pass, printing
+each set's figures after those of all of them pooled (each record then names its "set"; areal_jax.evaluation.sets).
 """
 from __future__ import annotations
 
@@ -100,8 +101,16 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
     if not data.test_path:
         raise ConfigError("no evaluation data: pass --data=FILE (JSONL or Parquet), or a config / run with "
                           "data.test_path set.")
-    if not os.path.exists(data.test_path):
-        raise ConfigError(f"--data={data.test_path!r} does not exist.")
+    from areal_jax.evaluation.sets import parse_eval_sets
+
+    try:
+        sets = parse_eval_sets(data.test_path, key="data")
+    except ValueError as e:
+        raise ConfigError(str(e).replace("--config.data", "--data")) from None
+    for s in sets:
+        if not os.path.exists(s.path):
+            raise ConfigError(f"--data={s.path!r} does not exist." if len(sets) == 1 else
+                              f"--data: {s.path!r} (the set {s.name!r}) does not exist.")
     if run_dir is None and not os.path.isdir(sections["model"].path or ""):
         raise ConfigError(f"--model={sections['model'].path!r} is not a directory: point it at an HF checkpoint "
                           "directory (config.json + model.safetensors + tokenizer files), or pass --run_dir=RUN.")
@@ -153,7 +162,8 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     """Load the policy, evaluate it as ``settings`` say, write the records; returns the results (the JSON line)."""
     import jax
 
-    from areal_jax.evaluation.scoring import evaluate_examples, load_eval_examples
+    from areal_jax.evaluation.scoring import evaluate_examples
+    from areal_jax.evaluation.sets import evaluate_sets, flatten, load_eval_sets
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 
@@ -182,10 +192,12 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
         source = c.model.path
     tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     tokenizer.template_variables.update(c.data.template_variables)
-    examples = load_eval_examples(c.data.test_path, tokenizer, c.data, c.eval.n_test)
+    sets = load_eval_sets(c.data.test_path, tokenizer, c.data, c.eval.n_test)
+    examples = flatten(sets)
     k, backend = c.eval.samples, jax.default_backend()
     temperature = c.rollout.temperature
-    log(f"Evaluating {source} on {c.data.test_path}: {len(examples)} {c.data.task} problems, greedy"
+    where = c.data.test_path if len(sets) == 1 else ", ".join(f"{name} ({len(e)})" for name, e in sets.items())
+    log(f"Evaluating {source} on {where}: {len(examples)} {c.data.task} problems, greedy"
         + (f" + {k} samples at temperature {temperature:g}" + (f", top_p {settings.top_p:g}" if settings.top_p else "")
            if k else "") + f", reward {c.reward.fn}, {c.eval.max_new_tokens} new tokens at most.")
     for note in settings.notes:
@@ -198,11 +210,11 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
         log(f"  (up to {turns} repair turn(s) per sequence after feedback on {c.rollout.feedback_cases} shown case(s); "
             "pass@1 of first and of last attempts)")
     with c.reward.make_pool() as pool:
-        res = evaluate_examples(model, tokenizer, examples, max_new_tokens=c.eval.max_new_tokens, k=k,
-                                temperature=temperature, top_p=settings.top_p, num_slots=c.eval.num_slots,
-                                seed=c.seed, pool=pool, streams=c.eval.streams_for(backend),
-                                decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, backend),
-                                records=True, log=log, mesh=mesh, repair=repair)
+        res = evaluate_sets(sets, lambda examples: evaluate_examples(
+            model, tokenizer, examples, max_new_tokens=c.eval.max_new_tokens, k=k, temperature=temperature,
+            top_p=settings.top_p, num_slots=c.eval.num_slots, seed=c.seed, pool=pool,
+            streams=c.eval.streams_for(backend), decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, backend),
+            records=True, log=log, mesh=mesh, repair=repair), k)
     problems = res.pop("problems")
     if repair is None:
         res.update(pass_at_powers([p["correct"] for p in problems], k))
@@ -220,8 +232,12 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
 
 
 def summary_line(res: dict) -> str:
+    """The result as text: the pass's figures, then with several sets one line per set."""
+    from areal_jax.evaluation.sets import set_lines
+
     k = res.get("k", 0)
-    line = f"{res['model']} on {res['data']} ({res['n']} problems): greedy pass@1 {res['greedy_pass@1']:.3f}"
+    data = res["data"] if not res.get("sets") else f"all {len(res['sets'])} sets"
+    line = f"{res['model']} on {data} ({res['n']} problems): greedy pass@1 {res['greedy_pass@1']:.3f}"
     if k:
         line += f", sampled pass@1 {res['sampled_pass@1']:.3f}"
         line += "".join(f", pass@{j} {res[f'pass@{j}']:.3f}" for j in _powers(k) if j > 1)
@@ -232,7 +248,7 @@ def summary_line(res: dict) -> str:
             line += f", sampled pass@1 {res['repair_sampled_pass@1']:.3f}"
             line += "".join(f", pass@{j} {res[f'repair_pass@{j}']:.3f}" for j in _powers(k) if j > 1)
         line += f" ({100 * res['repair_share']:.0f}% of sequences got feedback, {100 * res['repair_fixed']:.0f}% fixed)"
-    return line
+    return "\n".join([line] + [f"  {set_line}" for set_line in set_lines(res)])
 
 
 def _powers(k: int) -> list[int]:
@@ -303,7 +319,8 @@ def define_flags() -> None:
     flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: the model's).")
     flags.DEFINE_string("run_dir", None, "evaluate this run's checkpoint with the run's own config.")
     flags.DEFINE_integer("step", None, "with --run_dir: the checkpoint step (default: the latest).")
-    flags.DEFINE_string("data", None, "JSONL or Parquet split (default: the config's data.test_path).")
+    flags.DEFINE_string("data", None, "JSONL or Parquet split, or several as NAME=PATH,NAME=PATH (scored apart and "
+                        "pooled; default: the config's data.test_path).")
     flags.DEFINE_enum("task", d.data.task, ["math", "code"], "math rows (question / answer) or programming tasks.")
     flags.DEFINE_string("question_field", d.data.question_field, "row field holding the question (auto: by layout).")
     flags.DEFINE_string("answer_field", d.data.answer_field, "row field holding the answer (math).")

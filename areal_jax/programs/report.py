@@ -60,6 +60,13 @@ def _series(rows: list[dict], key: str, x: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def eval_set_names(rows: list[dict]) -> list[str]:
+    """The evaluation sets a run's metrics name (eval/<set>/greedy_pass@1), in order of first appearance."""
+    suffix = "/greedy_pass@1"
+    return list(dict.fromkeys(k[len("eval/"):-len(suffix)] for r in rows for k in r
+                              if k.startswith("eval/") and k.endswith(suffix) and k.count("/") == 2))
+
+
 def plot_curves(rows: list[dict], out: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, x, label in ((axes[0], "step", "step"), (axes[1], "time/elapsed_s", "wall time (s)")):
@@ -70,6 +77,9 @@ def plot_curves(rows: list[dict], out: str) -> None:
         xs, ys = _series(rows, "eval/greedy_pass@1", x if x == "step" else "step")
         if xs and x == "step":
             ax.plot(xs, ys, "o", label="test greedy pass@1")
+            for name in eval_set_names(rows):  # several evaluation sets: each set's own points beside the pooled
+                xs, ys = _series(rows, f"eval/{name}/greedy_pass@1", "step")
+                ax.plot(xs, ys, "x", label=f"{name} greedy pass@1")
         ax.set_xlabel(label)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)

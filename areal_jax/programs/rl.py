@@ -70,6 +70,13 @@ def format_summary(summary: dict) -> str:
 
     rows.append(("test greedy pass@1", acc("start", "greedy_pass@1"), acc("end", "greedy_pass@1")))
     rows.append(("test sampled pass@1", acc("start", "sampled_pass@1"), acc("end", "sampled_pass@1")))
+    names = list(dict.fromkeys(n for e in ev.values() if isinstance(e, dict) for n in e.get("sets") or {}))
+    for name in names:  # several evaluation sets: the rows above pool them, these are each set's
+
+        def set_acc(tag, key, name=name):
+            v = ev.get(tag, {}).get("sets", {}).get(name, {}).get(key)
+            return "-" if v is None else f"{100 * v:.1f}%"
+        rows.append((f"  {name}: greedy pass@1", set_acc("start", "greedy_pass@1"), set_acc("end", "greedy_pass@1")))
     if any("repair_greedy_pass@1" in e for e in ev.values()):
         rows.append(("  after repair turns, greedy", acc("start", "repair_greedy_pass@1"),
                      acc("end", "repair_greedy_pass@1")))

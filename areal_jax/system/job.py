@@ -110,12 +110,12 @@ class RLJob:
                 shuffle=d.shuffle, seed=c.seed, process_index=jax.process_index(),
                 process_count=jax.process_count(), task=d.task,
             )
-        self.eval_examples: list = []
+        self.eval_sets: dict[str, list] = {}  # {set name: prompts} (evaluation.sets; one set unless test_path lists more)
         if c.eval.enabled and d.test_path:
-            from areal_jax.evaluation.scoring import load_eval_examples
+            from areal_jax.evaluation.sets import load_eval_sets
 
-            with user_errors.data_file("data.test_path", d.test_path):
-                self.eval_examples = load_eval_examples(d.test_path, self.tokenizer, d, c.eval.n_test)
+            self.eval_sets = load_eval_sets(d.test_path, self.tokenizer, d, c.eval.n_test,
+                                            on_file=lambda path: user_errors.data_file("data.test_path", path))
         self._evaluator = None  # evaluation.in_job.JobEvaluator, built at the first evaluation
         self.skipped_rows = {"malformed": self.prompts.num_bad_rows_skipped,
                              "too_long": self.prompts.num_too_long_skipped}
@@ -274,6 +274,9 @@ class RLJob:
 
     # ---- evaluation -------------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict | None:
+        from areal_jax.evaluation.in_job import JobEvaluator, result_lines
+        from areal_jax.evaluation.sets import metric_items
+
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
             return None
@@ -281,20 +284,15 @@ class RLJob:
         if not self.primary:
             return None
         if self._evaluator is None:
-            from areal_jax.evaluation.in_job import JobEvaluator
-
-            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_examples,
+            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_sets,
                                            self.meshes.rollout_mesh)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = self._evaluator.run(params, self.reward_pool, tag, log=self.log)
         self.evaluations[tag] = res
         self._eval_seconds += res["seconds"]
-        repair = (f", {res['repair_greedy_pass@1']:.3f} after repair turns ({100 * res['repair_share']:.0f}% of the "
-                  f"sequences got feedback, {100 * res['repair_fixed']:.0f}% of those passed)"
-                  if "repair_greedy_pass@1" in res else "")
-        self.log(f"[eval {tag}] greedy pass@1 = {res['greedy_pass@1']:.3f}{repair} on {res['n']} problems "
-                 f"({res['seconds']:.0f} s, {res['tokens_per_s']:,.0f} generated tokens/s)")
-        self.metrics.log(self.trainer.version, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)})
+        for line in result_lines(tag, res):
+            self.log(line)
+        self.metrics.log(self.trainer.version, metric_items(res))
         return res
 
     # ---- the loop ---------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Several evaluation sets in one evaluation: ``data.test_path`` may name more than one file.
+
+    --config.data.test_path=gsm8k=/data/gsm8k/test.jsonl,math500=/data/math500/test.jsonl
+
+Each comma-separated item is ``NAME=PATH`` or a bare ``PATH`` (named by its file's stem). ``eval.n_test`` takes the
+first n problems of each set. All sets' sequences go through one sampler pass (the slots stay full across sets); the
+figures of the pass (greedy_pass@1, sampled_pass@1, pass@k, and the repair ones) are those of all problems pooled,
+and with more than one set ``sets`` holds each set's own, computed from its problems' records. Each record of an
+evaluation's records file then names its set ("set"). The sets share the job's prompt formatting and reward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    name: str
+    path: str
+
+
+def parse_eval_sets(test_path: str, key: str = "data.test_path") -> list[EvalSet]:
+    """The sets of ``test_path`` ("" -> none). A ValueError names what is wrong: an empty item, a name that is not
+    letters, digits, ``_ . -``, or two sets of one name (two files of one stem must be named)."""
+    if not test_path.strip():
+        return []
+    out: list[EvalSet] = []
+    for item in test_path.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"--config.{key}={test_path!r} has an empty item: separate sets by single commas, "
+                             "each NAME=PATH or PATH.")
+        name, sep, path = item.partition("=")
+        if sep and not os.path.exists(item) and "/" not in name:
+            if not NAME.match(name):
+                raise ValueError(f"--config.{key}: the set name {name!r} may only hold letters, digits, '_', '.' "
+                                 "and '-'.")
+        else:
+            path = item
+            name = os.path.splitext(os.path.basename(path.rstrip("/")))[0] or "test"
+        if not path:
+            raise ValueError(f"--config.{key}: the set {name!r} names no file (NAME=PATH).")
+        if any(s.name == name for s in out):
+            raise ValueError(f"--config.{key}: two sets are named {name!r}; name them apart as NAME=PATH,NAME=PATH.")
+        out.append(EvalSet(name, path))
+    return out
+
+
+def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
+                   on_file: Callable[[str], Any] | None = None) -> dict[str, list]:
+    """{set name: its first n prompts, formatted like training} for every set of ``test_path``, in order. on_file:
+    a context manager maker given the file read (e.g. system.user_errors.data_file), to name it in a read error."""
+    import contextlib
+
+    from areal_jax.evaluation.scoring import load_eval_examples
+
+    out = {}
+    for s in parse_eval_sets(test_path):
+        with (on_file(s.path) if on_file is not None else contextlib.nullcontext()):
+            out[s.name] = load_eval_examples(s.path, tokenizer, data_config, n)
+    return out
+
+
+def flatten(sets: Mapping[str, Sequence[Any]]) -> list:
+    """Every set's examples, one list in set order (what one sampler pass evaluates)."""
+    return [e for examples in sets.values() for e in examples]
+
+
+def set_figures(problems: Sequence[Mapping[str, Any]], k: int) -> dict:
+    """greedy_pass@1 (and with k > 0 sampled_pass@1, pass@k) of problem records (evaluation.scoring.problem_records),
+    with a repair evaluation's first-attempt figures as the plain ones and its last attempts' as repair_*, as
+    evaluate_examples reports them for the whole pass."""
+    from areal_jax.evaluation.scoring import pass_at_k
+
+    def figures(greedy: Sequence[float], correct: Sequence[int]) -> dict:
+        out = {"greedy_pass@1": float(np.mean(np.asarray(greedy) >= 1.0)) if len(greedy) else 0.0}
+        if k > 0:
+            out["sampled_pass@1"] = float(np.mean(np.asarray(correct) / k)) if len(correct) else 0.0
+            out[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(c), k) for c in correct])) if len(correct) else 0.0
+        return out
+
+    out: dict[str, Any] = {"n": len(problems)}
+    repair = any("greedy_first_reward" in p for p in problems)
+    if repair:
+        out.update(figures([p["greedy_first_reward"] for p in problems], [p["correct_first"] for p in problems]))
+        out.update({f"repair_{name}": v for name, v in figures([p["greedy_reward"] for p in problems],
+                                                               [p["correct"] for p in problems]).items()})
+    else:
+        out.update(figures([p["greedy_reward"] for p in problems], [p["correct"] for p in problems]))
+    return out
+
+
+def evaluate_sets(sets: Mapping[str, Sequence[Any]], evaluate: Callable[[list], dict], k: int) -> dict:
+    """One evaluation of every set: ``evaluate`` (given all examples in set order, returning evaluate_examples' dict
+    with "problems") runs once; with more than one set, each problem record gets its "set" and the result a "sets"
+    entry, {name: set_figures of its problems}."""
+    res = evaluate(flatten(sets))
+    if len(sets) > 1:
+        problems, start, per_set = res["problems"], 0, {}
+        for name, examples in sets.items():
+            mine = problems[start:start + len(examples)]
+            start += len(examples)
+            for p in mine:
+                p["set"] = name
+            per_set[name] = set_figures(mine, k)
+        res["sets"] = per_set
+    return res
+
+
+def set_lines(res: Mapping[str, Any]) -> list[str]:
+    """One line per set of a multi-set evaluation: "name: greedy pass@1 0.550 on 200 problems" (+ sampled, repair)."""
+    lines = []
+    for name, f in (res.get("sets") or {}).items():
+        line = f"{name}: greedy pass@1 {f['greedy_pass@1']:.3f}"
+        if "sampled_pass@1" in f:
+            line += f", sampled pass@1 {f['sampled_pass@1']:.3f}"
+        if "repair_greedy_pass@1" in f:
+            line += f", after repair turns {f['repair_greedy_pass@1']:.3f}"
+        lines.append(f"{line} on {f['n']} problems")
+    return lines
+
+
+def metric_items(res: Mapping[str, Any]) -> dict[str, float]:
+    """The evaluation's numbers as metrics: eval/<figure> for the pass, eval/<set>/<figure> for each set."""
+    out = {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}
+    for name, f in (res.get("sets") or {}).items():
+        out.update({f"eval/{name}/{k}": float(v) for k, v in f.items() if isinstance(v, (int, float))})
+    return out
