@@ -281,15 +281,17 @@ def _check_paths(job: JobConfig) -> None:
     require(os.path.isdir(m.path), f"--config.model.path={m.path!r} is not a directory. Point it at an HF checkpoint "
             "directory (config.json + model.safetensors).")
     require(bool(d.train_path), "--config.data.train_path is empty: point it at a JSONL or Parquet file.")
-    require(not d.train_path or os.path.exists(d.train_path), f"--config.data.train_path={d.train_path!r} does not exist.")
-    from areal_jax.evaluation.sets import parse_eval_sets
+    from areal_jax.data.sources import parse_named_paths, parse_weights
 
-    try:
-        sets = parse_eval_sets(d.test_path)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    for s in sets:
-        require(os.path.exists(s.path), f"--config.data.test_path={s.path!r} does not exist." if len(sets) == 1 else
-                f"--config.data.test_path: {s.path!r} (the set {s.name!r}) does not exist.")
+    for key in ("train_path", "test_path"):
+        try:
+            files = parse_named_paths(getattr(d, key), f"data.{key}")
+            if key == "train_path":
+                parse_weights(d.train_weights, len(files))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for f in files:
+            require(os.path.exists(f.path), f"--config.data.{key}={f.path!r} does not exist." if len(files) == 1
+                    else f"--config.data.{key}: {f.path!r} (the file named {f.name!r}) does not exist.")
     require(not job.eval.enabled or bool(d.test_path),
             "eval is on but data.test_path is empty; set it or --config.eval.n_test=0.")

@@ -27,10 +27,10 @@ def test_a_list_of_sets_is_named_by_its_names_or_file_stems():
 
 
 @pytest.mark.parametrize("value, needle", [
-    ("/d/test.jsonl,/m/test.jsonl", "two sets are named 'test'; name them apart as NAME=PATH,NAME=PATH"),
+    ("/d/test.jsonl,/m/test.jsonl", "two files are named 'test'; name them apart as NAME=PATH,NAME=PATH"),
     ("a.jsonl,,b.jsonl", "has an empty item"),
-    ("my set=/d/a.jsonl", "the set name 'my set' may only hold letters"),
-    ("a=", "the set 'a' names no file"),
+    ("my set=/d/a.jsonl", "the name 'my set' may only hold letters"),
+    ("a=", "'a' names no file"),
 ])
 def test_a_bad_list_of_sets_says_what_is_wrong(value, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
@@ -46,11 +46,11 @@ def test_the_job_config_names_the_missing_file_of_a_set(tmp_path):
         return c.replace(data=c.data.replace(train_path=str(tmp_path / "train.jsonl"), test_path=test_path))
 
     validate(config(f"a={good},b={good}"))
-    with pytest.raises(ConfigError, match=r"--config.data.test_path: '/nowhere.jsonl' \(the set 'b'\) does not exist"):
+    with pytest.raises(ConfigError, match=r"--config.data.test_path: '/nowhere.jsonl' \(the file named 'b'\) does not exist"):
         validate(config(f"a={good},b=/nowhere.jsonl"))
     with pytest.raises(ConfigError, match=r"--config.data.test_path='/nowhere.jsonl' does not exist\."):
         validate(config("/nowhere.jsonl"))
-    with pytest.raises(ConfigError, match="two sets are named 'test'"):
+    with pytest.raises(ConfigError, match="two files are named 'test'"):
         validate(config(f"{good},{good}"))
 
 

@@ -12,6 +12,7 @@ in the calling thread (no worker processes or threads).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -95,9 +96,17 @@ def _default_process(process_index: int | None, process_count: int | None) -> tu
     return process_index, process_count
 
 
-def _mix_seed(seed: int) -> int:
-    """A 32-bit shuffle seed from the user's seed, so that seed s+1 is not seed s one epoch later."""
-    return int.from_bytes(hashlib.sha256(f"prompt-shuffle/{int(seed)}".encode()).digest()[:4], "big")
+def _mix_seed(seed: int, source: int = 0) -> int:
+    """A 32-bit shuffle seed from the user's seed, so that seed s+1 is not seed s one epoch later (source: the
+    index of a source of a weighted mixture after the first, each shuffled apart)."""
+    text = f"prompt-shuffle/{int(seed)}" + (f"/source{source}" if source else "")
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def _to_example(shard_size: int, index: int, item: _Item) -> PromptExample:
+    """The index-th draw of a repeated shard of shard_size items: its uid carries the epoch it belongs to."""
+    return PromptExample(uid=f"{item.key}:{index // shard_size}", prompt_tokens=list(item.prompt_tokens),
+                         answer=item.answer, question=item.question)
 
 
 def _shard_items(source: PromptSource, process_index: int, process_count: int) -> list[_Item]:
@@ -113,38 +122,52 @@ class PromptIterator:
 
     Within an epoch every prompt of the shard appears once, in an order fixed by (seed, epoch); uids
     are "<file name>:<row>:<epoch>". ``get_state`` / ``set_state`` checkpoint the position.
+
+    weights (one per source of a list of sources, data.sources): each source is sharded, shuffled and repeated
+    on its own (its own epochs), and the stream interleaves them in these proportions (grain's mix: deterministic,
+    each source's share of every prefix stays close to its weight). Without weights, a list of sources is one
+    dataset (every row of every source once per epoch).
     """
 
-    def __init__(self, source: PromptSource, *, seed: int = 0, shuffle: bool = True,
+    def __init__(self, source: PromptSource | Sequence[PromptSource], *, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int | None = None,
-                 process_count: int | None = None) -> None:
+                 process_count: int | None = None, weights: Sequence[float] | None = None) -> None:
         if num_epochs is not None and num_epochs < 1:
             raise ValueError(f"num_epochs must be a positive count or None (endless), got {num_epochs}.")
-        self.source = source
+        sources = list(source) if isinstance(source, (list, tuple)) else [source]
+        if weights is not None and len(weights) != len(sources):
+            raise ValueError(f"{len(weights)} weights for {len(sources)} prompt sources: give one per source.")
+        if weights is None and len(sources) > 1:
+            sources = [PromptSource(items=[i for s in sources for i in s.items],
+                                    num_bad_rows_skipped=sum(s.num_bad_rows_skipped for s in sources),
+                                    num_too_long_skipped=sum(s.num_too_long_skipped for s in sources))]
+        self.source = sources[0] if len(sources) == 1 else sources
         self.seed = int(seed)
         self.shuffle = shuffle
         self.num_epochs = num_epochs
         self.process_index, self.process_count = _default_process(process_index, process_count)
-        shard = _shard_items(source, self.process_index, self.process_count)
-        self.shard_size = len(shard)
-        dataset = grain.MapDataset.source(shard)
-        if shuffle:
-            dataset = dataset.shuffle(seed=_mix_seed(self.seed))
-        dataset = dataset.repeat(num_epochs).map_with_index(self._to_example)
+        shards = [_shard_items(s, self.process_index, self.process_count) for s in sources]
+        self.shard_sizes = [len(shard) for shard in shards]
+        self.shard_size = sum(self.shard_sizes)  # a whole pass, for the controller's every-task-retired check
+        datasets = []
+        for i, shard in enumerate(shards):
+            dataset = grain.MapDataset.source(shard)
+            if shuffle:  # source 0 keeps the one-source seed, so a single file's order does not change
+                dataset = dataset.shuffle(seed=_mix_seed(self.seed) if i == 0 else _mix_seed(self.seed, i))
+            datasets.append(dataset.repeat(num_epochs).map_with_index(functools.partial(_to_example, len(shard))))
+        dataset = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, list(map(float, weights)))
         self._dataset = dataset
         self._iterator = dataset.to_iter_dataset(
             grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).__iter__()
         digest = hashlib.sha256()
-        for item in shard:
-            digest.update(json.dumps([item.key, item.prompt_tokens, item.answer]).encode())
+        for shard in shards:
+            for item in shard:
+                digest.update(json.dumps([item.key, item.prompt_tokens, item.answer]).encode())
         self._fingerprint = {"seed": self.seed, "shuffle": shuffle, "num_epochs": num_epochs,
                              "process_index": self.process_index, "process_count": self.process_count,
                              "shard_size": self.shard_size, "content_sha256": digest.hexdigest()[:16]}
-
-    def _to_example(self, index: int, item: _Item) -> PromptExample:
-        epoch = index // self.shard_size
-        return PromptExample(uid=f"{item.key}:{epoch}", prompt_tokens=list(item.prompt_tokens),
-                             answer=item.answer, question=item.question)
+        if len(shards) > 1:
+            self._fingerprint.update(shard_sizes=self.shard_sizes, weights=[float(w) for w in weights])
 
     def __iter__(self) -> "PromptIterator":
         return self
@@ -169,16 +192,20 @@ class PromptIterator:
 
     @property
     def epoch(self) -> int:
-        """The epoch of the next example."""
+        """The epoch of the next example (one dataset; a weighted mixture's sources each count their own)."""
+        if len(self.shard_sizes) > 1:
+            raise ValueError("a weighted mixture has no single epoch: each source counts its own (in the uids).")
         return self.next_index // self.shard_size
 
     @property
     def num_bad_rows_skipped(self) -> int:
-        return self.source.num_bad_rows_skipped
+        sources = self.source if isinstance(self.source, list) else [self.source]
+        return sum(s.num_bad_rows_skipped for s in sources)
 
     @property
     def num_too_long_skipped(self) -> int:
-        return self.source.num_too_long_skipped
+        sources = self.source if isinstance(self.source, list) else [self.source]
+        return sum(s.num_too_long_skipped for s in sources)
 
     def get_state(self) -> dict[str, Any]:
         """The position plus a fingerprint of the configuration; JSON-serialisable."""
@@ -234,7 +261,10 @@ class DataConfig(Section):
 
     section: ClassVar[str] = "data"
 
-    train_path: str = knob("", "training prompts: JSONL or Parquet with question / answer fields")
+    train_path: str = knob("", "training prompts: JSONL or Parquet with question / answer fields; several as "
+                               "NAME=PATH,NAME=PATH (data.sources)")
+    train_weights: str = knob("", "with several train_path files: their sampling proportions, e.g. 0.3,0.7 (each "
+                                  "file shuffled and repeated on its own); empty = one dataset of all their rows")
     test_path: str = knob("", "evaluation split (same layout); several as NAME=PATH,NAME=PATH (each scored apart "
                               "and pooled, evaluation.sets); empty = no evaluation")
     question_field: str = knob("auto", "field of a row holding the question; auto: math rows take question / "

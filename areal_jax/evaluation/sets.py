@@ -2,7 +2,7 @@
 
     --config.data.test_path=gsm8k=/data/gsm8k/test.jsonl,math500=/data/math500/test.jsonl
 
-Each comma-separated item is ``NAME=PATH`` or a bare ``PATH`` (named by its file's stem). ``eval.n_test`` takes the
+Each comma-separated item is ``NAME=PATH`` or a bare ``PATH`` (named by its file's stem; areal_jax.data.sources). ``eval.n_test`` takes the
 first n problems of each set. All sets' sequences go through one sampler pass (the slots stay full across sets); the
 figures of the pass (greedy_pass@1, sampled_pass@1, pass@k, and the repair ones) are those of all problems pooled,
 and with more than one set ``sets`` holds each set's own, computed from its problems' records. Each record of an
@@ -10,47 +10,18 @@ evaluation's records file then names its set ("set"). The sets share the job's p
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+from areal_jax.data.sources import NamedPath, parse_named_paths
+
+EvalSet = NamedPath  # (name, path) of one evaluation set
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalSet:
-    name: str
-    path: str
-
-
-def parse_eval_sets(test_path: str, key: str = "data.test_path") -> list[EvalSet]:
-    """The sets of ``test_path`` ("" -> none). A ValueError names what is wrong: an empty item, a name that is not
-    letters, digits, ``_ . -``, or two sets of one name (two files of one stem must be named)."""
-    if not test_path.strip():
-        return []
-    out: list[EvalSet] = []
-    for item in test_path.split(","):
-        item = item.strip()
-        if not item:
-            raise ValueError(f"--config.{key}={test_path!r} has an empty item: separate sets by single commas, "
-                             "each NAME=PATH or PATH.")
-        name, sep, path = item.partition("=")
-        if sep and not os.path.exists(item) and "/" not in name:
-            if not NAME.match(name):
-                raise ValueError(f"--config.{key}: the set name {name!r} may only hold letters, digits, '_', '.' "
-                                 "and '-'.")
-        else:
-            path = item
-            name = os.path.splitext(os.path.basename(path.rstrip("/")))[0] or "test"
-        if not path:
-            raise ValueError(f"--config.{key}: the set {name!r} names no file (NAME=PATH).")
-        if any(s.name == name for s in out):
-            raise ValueError(f"--config.{key}: two sets are named {name!r}; name them apart as NAME=PATH,NAME=PATH.")
-        out.append(EvalSet(name, path))
-    return out
+def parse_eval_sets(test_path: str, key: str = "data.test_path") -> list[NamedPath]:
+    """The sets of ``test_path`` ("" -> none); a ValueError says what is wrong (data.sources.parse_named_paths)."""
+    return parse_named_paths(test_path, key)
 
 
 def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,

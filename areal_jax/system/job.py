@@ -23,6 +23,7 @@ from areal_jax import config as config_lib
 from areal_jax import knobs, paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.config import JobConfig
+from areal_jax.data.sources import source_summary
 from areal_jax.models.hf_io import DTYPES
 from areal_jax.rewards.config import MATH_REWARD_WARMUP  # noqa: F401  (re-exported: what a math worker scores first)
 from areal_jax.runtime import multihost
@@ -68,7 +69,7 @@ class RLJob:
 
     def _build(self, log_fn: Callable[..., None]) -> None:
         from areal_jax import metrics
-        from areal_jax.data import make_prompt_iterator
+        from areal_jax.data.sources import load_train_prompts, source_names
         from areal_jax.models import load_hf_checkpoint
         from areal_jax.models.config import ModelConfig
         from areal_jax.runtime.distributed import is_primary
@@ -102,14 +103,10 @@ class RLJob:
             raise config_lib.ConfigError(f"--config.rollout.{e}") from e
         # The data next, so a bad dataset fails before the model is loaded and anything compiles.
         d = c.data
-        with user_errors.data_file("data.train_path", d.train_path):
-            self.prompts = make_prompt_iterator(
-                d.train_path, self.tokenizer, question_field=d.question_field, answer_field=d.answer_field,
-                prompt_template=d.prompt_template, use_chat_template=d.use_chat_template,
-                system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len, on_bad_row=d.on_bad_row,
-                shuffle=d.shuffle, seed=c.seed, process_index=jax.process_index(),
-                process_count=jax.process_count(), task=d.task,
-            )
+        self.prompts = load_train_prompts(  # several files: a mixture (data.sources), each step logs each one
+            d, self.tokenizer, seed=c.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+            on_file=lambda path: user_errors.data_file("data.train_path", path))
+        self.source_names = source_names(d)
         self.eval_sets: dict[str, list] = {}  # {set name: prompts} (evaluation.sets; one set unless test_path lists more)
         if c.eval.enabled and d.test_path:
             from areal_jax.evaluation.sets import load_eval_sets
@@ -318,7 +315,7 @@ class RLJob:
                 break
             t_wait = time.perf_counter() - t0
             version = self.trainer.version
-            summary = runner.batch_summary(groups, version)
+            summary = {**runner.batch_summary(groups, version), **source_summary(groups, self.source_names)}
             trajectories = gather.allgather_trajectories(runner.groups_to_trajectories(groups))
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)

@@ -1,0 +1,118 @@
+"""Several data files under one config key: ``data.train_path`` (a training mixture) and ``data.test_path``
+(several evaluation sets, areal_jax.evaluation.sets) take a comma-separated list of ``NAME=PATH`` or bare ``PATH``
+items (a bare path is named by its file's stem).
+
+Training from several files:
+
+    --config.data.train_path=gsm8k=/data/gsm8k/train.jsonl,math=/data/math/train.jsonl
+    --config.data.train_weights=0.3,0.7          # optional
+
+Without weights the files form one dataset: every row of every file once per epoch. With weights (one per file,
+any positive scale) each file is shuffled and repeated on its own and the stream draws from them in those
+proportions, so a small file is seen more often than its share of the rows. A task's uid is then
+"<name>:<row>:<epoch>" (the file's own epoch), and every step also logs each source's reward, accuracy and group
+count (``source/<name>/...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedPath:
+    name: str
+    path: str
+
+
+def parse_named_paths(value: str, key: str) -> list[NamedPath]:
+    """The files of ``value`` ("" -> none). A ValueError names ``key`` and what is wrong: an empty item, a name that
+    is not letters, digits, ``_ . -``, or two files of one name (two files of one stem must be named)."""
+    if not value.strip():
+        return []
+    out: list[NamedPath] = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"--config.{key}={value!r} has an empty item: separate files by single commas, "
+                             "each NAME=PATH or PATH.")
+        name, sep, path = item.partition("=")
+        if sep and not os.path.exists(item) and "/" not in name:
+            if not NAME.match(name):
+                raise ValueError(f"--config.{key}: the name {name!r} may only hold letters, digits, '_', '.' and '-'.")
+        else:
+            path = item
+            name = os.path.splitext(os.path.basename(path.rstrip("/")))[0] or "data"
+        if not path:
+            raise ValueError(f"--config.{key}: {name!r} names no file (NAME=PATH).")
+        if any(s.name == name for s in out):
+            raise ValueError(f"--config.{key}: two files are named {name!r}; name them apart as NAME=PATH,NAME=PATH.")
+        out.append(NamedPath(name, path))
+    return out
+
+
+def parse_weights(value: str, count: int, key: str = "data.train_weights") -> list[float] | None:
+    """The mixture weights of ``value`` ("" -> None: no mixture), one positive number per file of the list."""
+    if not value.strip():
+        return None
+    try:
+        weights = [float(w) for w in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--config.{key}={value!r} is not a comma-separated list of numbers (e.g. 0.3,0.7).") from None
+    if len(weights) != count:
+        raise ValueError(f"--config.{key}={value!r} gives {len(weights)} weight(s) for {count} file(s) of "
+                         "data.train_path: give one per file, in its order.")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"--config.{key}={value!r}: every weight must be a positive number.")
+    return weights
+
+
+def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: int, process_count: int,
+                       on_file: Callable[[str], Any]) -> Any:
+    """The job's training stream (data.pipeline.PromptIterator) over every file of data.train_path, formatted as
+    ``data`` (the config's data section) says, mixed by data.train_weights. on_file(path): a context manager that
+    names the file in a read error (system.user_errors.data_file)."""
+    from areal_jax.data.pipeline import PromptIterator, load_prompt_source
+
+    files = parse_named_paths(data.train_path, "data.train_path")
+    sources = []
+    for f in files:
+        with on_file(f.path):
+            source = load_prompt_source(
+                f.path, tokenizer, question_field=data.question_field, answer_field=data.answer_field,
+                prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
+                system_prompt=data.system_prompt, max_prompt_len=data.max_prompt_len, on_bad_row=data.on_bad_row,
+                task=data.task)
+        if len(files) > 1:  # "<name>:<row>": files of one base name in two directories stay apart
+            source.items = [dataclasses.replace(i, key=f"{f.name}:{i.key.rsplit(':', 1)[1]}") for i in source.items]
+        sources.append(source)
+    return PromptIterator(sources, seed=seed, shuffle=data.shuffle, process_index=process_index,
+                          process_count=process_count, weights=parse_weights(data.train_weights, len(files)))
+
+
+def source_names(data: Any) -> list[str]:
+    """The names of data.train_path's files when there are several (their uids start with them), else []."""
+    files = parse_named_paths(data.train_path, "data.train_path")
+    return [f.name for f in files] if len(files) > 1 else []
+
+
+def source_summary(groups: Sequence[Any], names: Sequence[str]) -> dict[str, float]:
+    """Per training source of a batch's groups (by uid "<name>:<row>:<epoch>"): mean reward, accuracy (share of
+    samples scoring 1) and number of groups, as ``source/<name>/...``; a source absent from the batch logs 0 groups
+    only."""
+    out: dict[str, float] = {}
+    for name in names:
+        mine = [g for g in groups if g.example.uid.split(":", 1)[0] == name]
+        out[f"source/{name}/groups"] = float(len(mine))
+        if mine:
+            rewards = np.concatenate([np.asarray(g.rewards, np.float64) for g in mine])
+            out[f"source/{name}/reward"] = float(rewards.mean())
+            out[f"source/{name}/accuracy"] = float(np.mean(rewards >= 1.0))
+    return out
