@@ -80,11 +80,19 @@ class JobConfig(Section):
                 f"The cosine schedule's total_steps x train.ppo_minibatches = {self.optimizer_steps} optimizer steps "
                 f"must exceed --config.train.warmup_steps={t.warmup_steps}; raise total_steps or use "
                 "--config.train.schedule=constant.")
-        task, fn = self.data.task, self.reward.fn
-        require(not (task == "code" and fn in ("math", "exact")),
+        from areal_jax.data.sources import file_tasks
+
+        fn = self.reward.fn
+        tasks = (set(file_tasks(self.data, "train")) | (set(file_tasks(self.data, "test")) if self.eval.enabled else set())
+                 or {self.data.task})  # no files named yet: the task the files will be read as
+        mixed = len(tasks) > 1
+        require(not (tasks == {"code"} and fn in ("math", "exact")),
                 f"--config.data.task=code gives hidden tests as answers, which reward.fn={fn!r} cannot score; pass "
                 "--config.reward.fn=code.")
-        require(not (fn == "code" and task != "code"),
+        require(not (mixed and fn in ("math", "exact", "code")),
+                f"data.train_tasks / data.test_tasks mix math and programming tasks, which reward.fn={fn!r} cannot "
+                "all score; pass --config.reward.fn=mixed (each row scored by its task's reward).")
+        require(not (fn == "code" and tasks != {"code"}),
                 "--config.reward.fn=code needs programming tasks with tests; pass --config.data.task=code.")
         require(r.feedback_turns == 0 or fn == "code",
                 f"--config.rollout.feedback_turns={r.feedback_turns} runs each program on its task's tests for "
@@ -281,15 +289,10 @@ def _check_paths(job: JobConfig) -> None:
     require(os.path.isdir(m.path), f"--config.model.path={m.path!r} is not a directory. Point it at an HF checkpoint "
             "directory (config.json + model.safetensors).")
     require(bool(d.train_path), "--config.data.train_path is empty: point it at a JSONL or Parquet file.")
-    from areal_jax.data.sources import parse_named_paths, parse_weights
+    from areal_jax.data.sources import parse_named_paths
 
     for key in ("train_path", "test_path"):
-        try:
-            files = parse_named_paths(getattr(d, key), f"data.{key}")
-            if key == "train_path":
-                parse_weights(d.train_weights, len(files))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        files = parse_named_paths(getattr(d, key), f"data.{key}")  # well-formed: DataConfig.check
         for f in files:
             require(os.path.exists(f.path), f"--config.data.{key}={f.path!r} does not exist." if len(files) == 1
                     else f"--config.data.{key}: {f.path!r} (the file named {f.name!r}) does not exist.")

@@ -280,6 +280,9 @@ class DataConfig(Section):
                            choices=("error", "skip"))
     task: str = knob("math", "math (question / answer rows) | code (programming tasks with hidden tests)",
                      choices=("math", "code"))
+    train_tasks: str = knob("", "with several train_path files: each one's task, e.g. math,code (reward.fn=mixed "
+                                "scores each row by its task); empty = data.task for every file")
+    test_tasks: str = knob("", "with several test_path sets: each one's task, as train_tasks; empty = data.task")
     shuffle: bool = knob(True, "shuffle the prompts (seeded by the job's seed)")
 
     @property
@@ -289,6 +292,14 @@ class DataConfig(Section):
 
     def check(self) -> None:
         require(self.max_prompt_len >= 1, f"{self.key('max_prompt_len')}={self.max_prompt_len} must be at least 1.")
+        from areal_jax.data.sources import file_tasks, parse_named_paths, parse_weights
+
+        try:  # the lists of files, their weights and tasks (the files' existence: config._check_paths)
+            parse_weights(self.train_weights, len(parse_named_paths(self.train_path, "data.train_path")))
+            file_tasks(self, "train")
+            file_tasks(self, "test")
+        except ValueError as e:
+            require(False, str(e))
         if self.chat_template_vars.strip():
             try:
                 variables = json.loads(self.chat_template_vars)

@@ -9,7 +9,9 @@ Training from several files:
 
 Without weights the files form one dataset: every row of every file once per epoch. With weights (one per file,
 any positive scale) each file is shuffled and repeated on its own and the stream draws from them in those
-proportions, so a small file is seen more often than its share of the rows. A task's uid is then
+proportions, so a small file is seen more often than its share of the rows. ``data.train_tasks=math,code`` (and
+``data.test_tasks`` for the evaluation sets) gives each file its task: math and programming tasks in one run, each
+row scored by its own reward (``reward.fn=mixed``, areal_jax.rewards.mixed). A task's uid is then
 "<name>:<row>:<epoch>" (the file's own epoch), and every step also logs each source's reward, accuracy and group
 count (``source/<name>/...``).
 """
@@ -74,6 +76,27 @@ def parse_weights(value: str, count: int, key: str = "data.train_weights") -> li
     return weights
 
 
+TASKS = ("math", "code")
+
+
+def file_tasks(data: Any, split: str) -> list[str]:
+    """The task of each file of data.<split>_path ("train" / "test"): data.<split>_tasks, one per file in order, or
+    data.task for every file when it is empty. A ValueError names the key and what is wrong."""
+    files = parse_named_paths(getattr(data, f"{split}_path"), f"data.{split}_path")
+    value = getattr(data, f"{split}_tasks")
+    if not value.strip():
+        return [data.task] * len(files)
+    tasks = [t.strip() for t in value.split(",")]
+    if len(tasks) != len(files):
+        raise ValueError(f"--config.data.{split}_tasks={value!r} gives {len(tasks)} task(s) for {len(files)} file(s) "
+                         f"of data.{split}_path: give one per file, in its order.")
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ValueError(f"--config.data.{split}_tasks={value!r}: {bad[0]!r} is not a task; each is one of "
+                         f"{', '.join(TASKS)}.")
+    return tasks
+
+
 def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: int, process_count: int,
                        on_file: Callable[[str], Any]) -> Any:
     """The job's training stream (data.pipeline.PromptIterator) over every file of data.train_path, formatted as
@@ -83,13 +106,13 @@ def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: i
 
     files = parse_named_paths(data.train_path, "data.train_path")
     sources = []
-    for f in files:
+    for f, task in zip(files, file_tasks(data, "train")):
         with on_file(f.path):
             source = load_prompt_source(
                 f.path, tokenizer, question_field=data.question_field, answer_field=data.answer_field,
                 prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
                 system_prompt=data.system_prompt, max_prompt_len=data.max_prompt_len, on_bad_row=data.on_bad_row,
-                task=data.task)
+                task=task)
         if len(files) > 1:  # "<name>:<row>": files of one base name in two directories stay apart
             source.items = [dataclasses.replace(i, key=f"{f.name}:{i.key.rsplit(':', 1)[1]}") for i in source.items]
         sources.append(source)

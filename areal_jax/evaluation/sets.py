@@ -29,13 +29,17 @@ def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
     """{set name: its first n prompts, formatted like training} for every set of ``test_path``, in order. on_file:
     a context manager maker given the file read (e.g. system.user_errors.data_file), to name it in a read error."""
     import contextlib
+    import dataclasses
 
+    from areal_jax.data.sources import file_tasks
     from areal_jax.evaluation.scoring import load_eval_examples
 
+    sets = parse_eval_sets(test_path)
+    tasks = file_tasks(dataclasses.replace(data_config, test_path=test_path), "test")
     out = {}
-    for s in parse_eval_sets(test_path):
+    for s, task in zip(sets, tasks):  # each set read as its task (data.test_tasks)
         with (on_file(s.path) if on_file is not None else contextlib.nullcontext()):
-            out[s.name] = load_eval_examples(s.path, tokenizer, data_config, n)
+            out[s.name] = load_eval_examples(s.path, tokenizer, dataclasses.replace(data_config, task=task), n)
     return out
 
 

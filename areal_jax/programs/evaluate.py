@@ -36,7 +36,7 @@ from areal_jax.config import ConfigError, JobConfig
 
 # flag -> (section, field) of the job config it overrides when given
 _OVERRIDES = {
-    "data": ("data", "test_path"), "task": ("data", "task"), "question_field": ("data", "question_field"),
+    "data": ("data", "test_path"), "task": ("data", "task"), "tasks": ("data", "test_tasks"), "question_field": ("data", "question_field"),
     "answer_field": ("data", "answer_field"), "prompt_template": ("data", "prompt_template"),
     "chat_template": ("data", "use_chat_template"), "system_prompt": ("data", "system_prompt"),
     "chat_template_vars": ("data", "chat_template_vars"),
@@ -82,11 +82,16 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
     fn = changes["reward"].get("fn", base.reward.fn)
     case_s = changes["reward"].get("code_case_timeout_s", base.reward.code_case_timeout_s)
     sample_s = changes["reward"].get("code_sample_timeout_s", base.reward.code_sample_timeout_s)
-    if task == "code" and fn == "math" and "reward_fn" not in given:
+    tasks = {t.strip() for t in changes["data"].get("test_tasks", base.data.test_tasks).split(",") if t.strip()}
+    if task == "code" and fn == "math" and "reward_fn" not in given and tasks <= {"code"}:
         changes["reward"]["fn"] = fn = "code"
         notes.append(f"a code task: rewards by the code sandbox (reward.fn=code), {case_s:g} s per test case, "
                      f"{sample_s:g} s per sample")
-    if fn == "code" and "reward_timeout_s" not in given:  # the worker's limit above the tests' own
+    if len(tasks) > 1 and fn == "math" and "reward_fn" not in given:
+        changes["reward"]["fn"] = fn = "mixed"
+        notes.append(f"math and code sets: each scored by its task's reward (reward.fn=mixed), {case_s:g} s per test "
+                     f"case, {sample_s:g} s per sample")
+    if fn in ("code", "mixed") and "reward_timeout_s" not in given:  # the worker's limit above the tests' own
         changes["reward"]["timeout_s"] = max(base.reward.timeout_s, sample_s + 5.0)
     if task == "math" and fn == "code":
         raise ConfigError("the reward is the code sandbox (reward.fn=code) but the data is read as math rows; "
@@ -322,6 +327,8 @@ def define_flags() -> None:
     flags.DEFINE_string("data", None, "JSONL or Parquet split, or several as NAME=PATH,NAME=PATH (scored apart and "
                         "pooled; default: the config's data.test_path).")
     flags.DEFINE_enum("task", d.data.task, ["math", "code"], "math rows (question / answer) or programming tasks.")
+    flags.DEFINE_string("tasks", d.data.test_tasks, "with several --data sets: each one's task, e.g. math,code "
+                        "(each scored by its task's reward; default: --task for every set).")
     flags.DEFINE_string("question_field", d.data.question_field, "row field holding the question (auto: by layout).")
     flags.DEFINE_string("answer_field", d.data.answer_field, "row field holding the answer (math).")
     flags.DEFINE_string("prompt_template", d.data.prompt_template, "prompt text around {question}.")

@@ -26,7 +26,8 @@ class RewardConfig(Section):
 
     section: ClassVar[str] = "reward"
 
-    fn: str = knob("math", "math | exact | code | module:function (a function (completion, answer) -> float)")
+    fn: str = knob("math", "math | exact | code | mixed (math rows by math, programming tasks by code: "
+                           "data.train_tasks) | module:function (a function (completion, answer) -> float)")
     num_workers: int = knob(2, "reward worker processes")
     timeout_s: float = knob(5.0, "wall-clock limit per sample; a worker past it is killed and the sample scores 0")
     memory_mb: int = knob(4096, "address-space limit per reward worker; 0 = none")
@@ -58,10 +59,10 @@ class RewardConfig(Section):
         require(self.num_workers >= 1, f"{k('num_workers')}={self.num_workers} must be >= 1.")
         require(self.cache_size >= 0, f"{k('cache_size')}={self.cache_size} must be >= 0 (0 = no cache).")
         require(self.memory_mb >= 0, f"{k('memory_mb')}={self.memory_mb} must be >= 0 (0 = no limit).")
-        require(self.fn in REWARD_FUNCTIONS or self.fn == "code" or ":" in self.fn,
-                f"{k('fn')}={self.fn!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code) nor an "
+        require(self.fn in REWARD_FUNCTIONS or self.fn in ("code", "mixed") or ":" in self.fn,
+                f"{k('fn')}={self.fn!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}, code, mixed) nor an "
                 "importable 'module:function' path.")
-        if self.fn == "code":
+        if self.fn in ("code", "mixed"):
             require(self.code_time_limit_factor >= 0,
                     f"{k('code_time_limit_factor')}={self.code_time_limit_factor} must be >= 0 (0: tasks' own time "
                     "limits unused).")
@@ -85,16 +86,24 @@ class RewardConfig(Section):
         from areal_jax.rewards.pool import RewardPool
 
         return RewardPool(self.scorer(), num_workers=self.num_workers, timeout_s=self.timeout_s,
-                          warmup=MATH_REWARD_WARMUP if self.fn == "math" else None,
+                          warmup=MATH_REWARD_WARMUP if self.fn in ("math", "mixed") else None,
                           memory_mb=self.memory_mb or None, cache_size=self.cache_size)
 
     def scorer(self) -> Any:
         """What the RewardPool runs: an importable "module:function" string, or for fn=code the sandboxed
-        test reward (rewards/code.py) with code_mode and its time limits bound in."""
-        if self.fn == "code":
+        test reward (rewards/code.py) with code_mode and its time limits bound in (fn=mixed: that or the math reward,
+        by each row's answer; rewards/mixed.py)."""
+        if self.fn in ("code", "mixed"):
             from areal_jax.rewards.code import make_code_reward
 
-            return make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s,
+            code = make_code_reward(self.code_mode, self.code_case_timeout_s, self.code_sample_timeout_s,
                                     allow_numpy=self.code_allow_numpy, output_match=self.code_output_match,
                                     time_limit_factor=self.code_time_limit_factor)
+            if self.fn == "mixed":  # math rows by the math reward, programming tasks by the sandbox
+                import functools
+
+                from areal_jax.rewards.mixed import mixed_reward
+
+                return functools.partial(mixed_reward, code_reward=code, math_reward=REWARD_FUNCTIONS["math"])
+            return code
         return REWARD_FUNCTIONS.get(self.fn, self.fn)

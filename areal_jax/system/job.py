@@ -198,7 +198,7 @@ class RLJob:
         close_later.callback(self.sampler.stop, graceful=False)
         self.reward_pool = c.reward.make_pool()
         close_later.callback(self.reward_pool.close)
-        if c.reward.fn == "code":
+        if c.reward.fn in ("code", "mixed"):
             from areal_jax.rewards.isolation import sandbox_layers
 
             self.log(f"Code sandbox: {sandbox_layers()}.")
