@@ -112,3 +112,26 @@ def test_a_job_scores_each_training_and_evaluation_row_by_its_task(tmp_path):
         want = code_reward if r["set"] == "code" else math_reward
         assert [r["greedy_reward"], *r["sample_rewards"]] == [want(t, e.answer) for t in (r["greedy"], *r["samples"])]
     assert set(summary["evaluations"]["end"]["sets"]) == {"math", "code"}
+
+
+def test_the_math_and_code_config_file_is_a_valid_mixture():
+    from areal_jax.config import load_config_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = config_lib.validate(load_config_file(os.path.join(root, "configs", "math_code_qwen.py")), check_paths=False)
+    assert job.reward.fn == "mixed" and job.data.train_tasks == job.data.test_tasks == "math,code"
+    assert job.reward.timeout_s > job.reward.code_sample_timeout_s  # the sandbox's limits, from code_qwen.py
+
+
+def test_the_evaluate_program_scores_math_and_code_sets_each_by_its_reward(tmp_path):
+    from areal_jax.config import JobConfig
+    from areal_jax.programs.evaluate import resolve_settings
+
+    c, math, code = _config(tmp_path)
+    given = {"model": c.model.path, "data": f"m={math['test']},c={code['test']}", "tasks": "math,code"}
+    settings = resolve_settings(JobConfig(), given)
+    r = settings.config.reward
+    assert r.fn == "mixed" and r.timeout_s > r.code_sample_timeout_s
+    assert any("reward.fn=mixed" in note for note in settings.notes)
+    with pytest.raises(ConfigError, match="gives 1 task"):
+        resolve_settings(JobConfig(), {**given, "tasks": "math"})
