@@ -171,3 +171,16 @@ def test_a_job_trains_on_a_weighted_mixture_and_logs_each_source(tmp_path):
             if mine:
                 assert m[f"source/{name}/reward"] == pytest.approx(np.mean([r for s in mine for r in s["rewards"]]))
     assert {s["uid"].split(":")[0] for s in samples} == {"main", "other"}
+
+
+@pytest.mark.parametrize("weights", ["1,3", "20,1", "1,1"])
+def test_a_pass_of_a_mixture_draws_every_row_of_every_file(files, tok, weights):
+    """pass_draws, the run of retired draws after which the controller takes every task as retired: within that
+    many draws every row of every file has come (and for weights 1,3: max(7 / 0.25, 31 / 0.75) = 42 draws)."""
+    small, large = files
+    stream = _stream(_data(f"s={small},l={large}", weights), tok)
+    seen = {u.rsplit(":", 1)[0] for u in _uids(stream, stream.pass_draws)}
+    assert seen == {f"s:{r}" for r in range(1, SMALL + 1)} | {f"l:{r}" for r in range(1, LARGE + 1)}
+    if weights == "1,3":
+        assert stream.pass_draws == 42
+    assert _stream(_data(small), tok).pass_draws == SMALL

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 from typing import Any, ClassVar, Sequence
 
@@ -148,7 +149,12 @@ class PromptIterator:
         self.process_index, self.process_count = _default_process(process_index, process_count)
         shards = [_shard_items(s, self.process_index, self.process_count) for s in sources]
         self.shard_sizes = [len(shard) for shard in shards]
-        self.shard_size = sum(self.shard_sizes)  # a whole pass, for the controller's every-task-retired check
+        self.shard_size = sum(self.shard_sizes)
+        # Draws in which every source goes through all of its rows (a source of share w needs size / w draws): a run
+        # of that many retired draws means every task is retired (the controller then starts retirement over).
+        shares = [1.0] if weights is None or len(shards) == 1 else [w / sum(weights) for w in weights]
+        self.pass_draws = max(math.ceil(n / w) for n, w in zip(self.shard_sizes, shares)) if len(shards) > 1 \
+            else self.shard_size
         datasets = []
         for i, shard in enumerate(shards):
             dataset = grain.MapDataset.source(shard)

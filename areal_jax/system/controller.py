@@ -166,7 +166,7 @@ class RolloutController:
                 return example
             self.counters["skipped_retired"] += 1
             skipped += 1
-            if skipped >= getattr(self.prompts, "shard_size", float("inf")):  # a whole pass: every task is retired
+            if skipped >= getattr(self.prompts, "pass_draws", float("inf")):  # a whole pass: every task is retired
                 self.retirement.start_over()
         return None
 
