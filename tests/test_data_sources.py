@@ -171,6 +171,12 @@ def test_a_job_trains_on_a_weighted_mixture_and_logs_each_source(tmp_path):
             if mine:
                 assert m[f"source/{name}/reward"] == pytest.approx(np.mean([r for s in mine for r in s["rewards"]]))
     assert {s["uid"].split(":")[0] for s in samples} == {"main", "other"}
+    from areal_jax.programs.report import plot_curves
+    from areal_jax.programs.report import source_names as plotted_sources
+
+    assert plotted_sources(metrics) == ["main", "other"]  # the curves plot draws each file's reward
+    plot_curves(metrics, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("weights", ["1,3", "20,1", "1,1"])

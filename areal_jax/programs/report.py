@@ -60,11 +60,19 @@ def _series(rows: list[dict], key: str, x: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _names(rows: list[dict], prefix: str, suffix: str) -> list[str]:
+    return list(dict.fromkeys(k[len(prefix):-len(suffix)] for r in rows for k in r
+                              if k.startswith(prefix) and k.endswith(suffix) and k.count("/") == 2))
+
+
 def eval_set_names(rows: list[dict]) -> list[str]:
     """The evaluation sets a run's metrics name (eval/<set>/greedy_pass@1), in order of first appearance."""
-    suffix = "/greedy_pass@1"
-    return list(dict.fromkeys(k[len("eval/"):-len(suffix)] for r in rows for k in r
-                              if k.startswith("eval/") and k.endswith(suffix) and k.count("/") == 2))
+    return _names(rows, "eval/", "/greedy_pass@1")
+
+
+def source_names(rows: list[dict]) -> list[str]:
+    """The training files of a mixture a run's metrics name (source/<name>/reward), in order of first appearance."""
+    return _names(rows, "source/", "/reward")
 
 
 def plot_curves(rows: list[dict], out: str) -> None:
@@ -74,6 +82,9 @@ def plot_curves(rows: list[dict], out: str) -> None:
             xs, ys = _series(rows, key, x)
             if xs:
                 ax.plot(xs, ys, style, label=f"train {key}")
+        for name in source_names(rows):  # a mixture of training files: each file's reward
+            xs, ys = _series(rows, f"source/{name}/reward", x)
+            ax.plot(xs, ys, ":", label=f"train reward ({name})")
         xs, ys = _series(rows, "eval/greedy_pass@1", x if x == "step" else "step")
         if xs and x == "step":
             ax.plot(xs, ys, "o", label="test greedy pass@1")
