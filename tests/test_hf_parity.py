@@ -31,8 +31,14 @@ HF_CONFIGS = {
         max_position_embeddings=512, bos_token_id=1, eos_token_id=[2, 3],
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16, "rope_theta": 500000.0}),
+    # Mistral: Llama's layer without its RoPE scaling, full attention (sliding_window null, as from v0.2 on).
+    "mistral": lambda tied: transformers.MistralConfig(
+        vocab_size=109, hidden_size=40, intermediate_size=76, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=1, head_dim=12, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        max_position_embeddings=512, sliding_window=None),
 }
-HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+              "mistral": "MistralForCausalLM"}
 CASES = [(arch, tied) for arch in HF_CONFIGS for tied in (False, True)]
 
 

@@ -212,7 +212,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 
 
 def test_config_validation_and_hf_dict_round_trip():
-    for arch in ARCHS:
+    for arch in ARCHS + ["mistral"]:
         cfg = tiny_config(arch, tie_word_embeddings=arch == "qwen3", eos_token_id=(2, 5))
         again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
         assert again == cfg and hash(again) == hash(cfg)
@@ -221,7 +221,13 @@ def test_config_validation_and_hf_dict_round_trip():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         tiny_config("qwen2", num_kv_heads=3)
     with pytest.raises(ValueError, match="Unknown architecture"):
-        ModelConfig.from_hf_dict({"model_type": "mistral"})
+        ModelConfig.from_hf_dict({"model_type": "gemma"})
+    mistral = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).architecture == "mistral"
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(attention over the last 4096 positions only\)"):
+        ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096})  # Mistral v0.1's window
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 32768}).head_dim == 4  # a window as long: full
     with pytest.raises(ValueError, match="not supported"):
         tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     legacy = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,

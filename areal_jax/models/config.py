@@ -9,8 +9,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama")
-_HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+_HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM"}
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -134,6 +135,11 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported (the MLP projections here have no bias).")
         if d.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True is not supported; only full attention is implemented.")
+        window = d.get("sliding_window") if model_type == "mistral" else None
+        if window is not None and int(window) < int(d.get("max_position_embeddings", 4096)):
+            raise ValueError(f"sliding_window={window} (attention over the last {window} positions only) is not "
+                             "supported; only full attention is implemented (Mistral v0.2 and later have "
+                             "sliding_window null).")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d.get('hidden_act')!r} is not supported; only 'silu' (SwiGLU) is.")
         if model_type == "qwen2":
@@ -199,8 +205,8 @@ class ModelConfig:
                              "or choose another architecture.")
         if self.architecture == "qwen3" and (self.attention_bias or not self.qk_norm):
             raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-        if self.architecture == "llama" and (self.attention_bias or self.qk_norm):
-            raise ValueError("HF Llama with attention_bias also biases o_proj and has no q/k norm; set "
+        if self.architecture in ("llama", "mistral") and (self.attention_bias or self.qk_norm):
+            raise ValueError(f"HF {self.architecture.title()} has no q/k/v bias and no q/k norm; set "
                              "attention_bias=False, qk_norm=False.")
         rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -234,6 +240,8 @@ class ModelConfig:
             d["attention_bias"] = False
         if self.architecture == "llama":
             d["mlp_bias"] = False
+        elif self.architecture == "mistral":
+            d["sliding_window"] = None
         else:
             d["use_sliding_window"] = False
             d["sliding_window"] = None
