@@ -1,9 +1,12 @@
 """Parity with HF transformers (PyTorch, float32): logits, checkpoint round trips, bfloat16 compute."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
+from areal_jax.models import Transformer, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.hf_io import read_safetensors_dir
 from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 
@@ -94,6 +97,34 @@ def test_logits_match_transformers(tmp_path, arch, tied):
     ref = _hf_logits(hf, tokens, positions)
     got = np.asarray(ours(jnp.asarray(tokens), jnp.asarray(positions)))
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch, scaling", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),  # Qwen2.5's layout
+    ("qwen3", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48, "beta_fast": 16.0,
+               "beta_slow": 2.0, "mscale": 1.2, "mscale_all_dim": 0.8}),
+    ("qwen3", {"type": "yarn", "factor": 2.0, "attention_factor": 1.3, "truncate": False}),  # old key; no original
+])
+def test_yarn_rope_scaling_matches_transformers(tmp_path, arch, scaling):
+    """YaRN long-context RoPE (Qwen2.5 / Qwen3 past 32k): logits at positions before and far past the pretraining
+    length equal transformers', for the default attention factor, the mscale ratio and a given factor."""
+    cfg = HF_CONFIGS[arch](False)
+    cfg.rope_scaling = cfg.rope_parameters = {**scaling, "rope_theta": 10000.0}
+    torch.manual_seed(5)
+    hf = _randomize_torch(getattr(transformers, HF_CLASSES[arch])(cfg).to(torch.float32).eval(), 5)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    assert ours.cfg.rope_scaling["rope_type"] == "yarn"
+    tokens = _tokens(ours.cfg.vocab_size, (2, 40), seed=5)
+    for start in (0, 300):
+        positions = np.broadcast_to(np.arange(start, start + 40, dtype=np.int32), (2, 40))
+        ref = _hf_logits(hf, tokens, positions)
+        np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), jnp.asarray(positions))), ref, atol=1e-4,
+                                   rtol=0)
+    # the scaling has teeth: the same weights under plain RoPE give other logits
+    plain = Transformer(dataclasses.replace(ours.cfg, rope_scaling=None), rngs=nnx.Rngs(0))
+    nnx.update(plain, nnx.state(ours))
+    assert np.abs(np.asarray(plain(jnp.asarray(tokens))) - _hf_logits(hf, tokens)).max() > 1e-2
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen3", False), ("llama", True)])

@@ -19,9 +19,10 @@ def _jitted(model):
     return state, full, cached
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3-yarn"])
 def test_kv_cache_decode_matches_full_forward(arch):
-    cfg = tiny_config(arch)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6}  # the decode runs past 6
+    cfg = tiny_config("qwen3", rope_scaling=yarn) if arch == "qwen3-yarn" else tiny_config(arch)
     model = random_model(cfg, seed=1)
     state, full, cached = _jitted(model)
     rng = np.random.default_rng(0)
@@ -229,7 +230,7 @@ def test_config_validation_and_hf_dict_round_trip():
         ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096})  # Mistral v0.1's window
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 32768}).head_dim == 4  # a window as long: full
     with pytest.raises(ValueError, match="not supported"):
-        tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        tiny_config("llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
     legacy = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
               "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 5e5,
               "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -108,7 +108,9 @@ def test_tpu_kernel_needs_head_dim_a_multiple_of_128_and_the_default_path_knows(
 
 @pytest.fixture(scope="module")
 def model():
-    return testing.random_model(testing.tiny_config("qwen2", num_layers=L), seed=0)
+    # YaRN RoPE past a pretraining length of 8 (cos and sin scaled): the paged path rotates as the dense one does
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    return testing.random_model(testing.tiny_config("qwen2", num_layers=L, rope_scaling=yarn), seed=0)
 
 
 _JITTED = {}

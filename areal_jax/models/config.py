@@ -12,7 +12,7 @@ import numpy as np
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM"}
-_ROPE_TYPES = ("default", "llama3")
+_ROPE_TYPES = ("default", "llama3", "yarn")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -36,7 +36,8 @@ class ModelConfig:
 
     architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), or "llama" (optionally llama3 RoPE scaling).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
-      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, or YaRN's
+      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long context).
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
@@ -90,6 +91,13 @@ class ModelConfig:
                 missing = [k for k in _LLAMA3_KEYS if k not in scaling]
                 if missing:
                     raise ValueError(f"rope_scaling of type 'llama3' needs keys {', '.join(missing)}; got {scaling}.")
+            if rope_type == "yarn":
+                if scaling.get("original_max_position_embeddings") is None:  # as transformers: the model's own
+                    scaling["original_max_position_embeddings"] = self.max_position_embeddings
+                if scaling.get("factor") is None:
+                    scaling["factor"] = self.max_position_embeddings / scaling["original_max_position_embeddings"]
+                if not float(scaling["factor"]) > 0:
+                    raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
             scaling.pop("type", None)
             scaling["rope_type"] = rope_type
             object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)

@@ -52,13 +52,16 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "llama3" scaling when configured."""
+    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "llama3" or "yarn" scaling when
+    configured."""
     dim = cfg.head_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
     scaling = cfg.rope_scaling
     if scaling is None or scaling.get("rope_type") == "default":
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(cfg, inv_freq)
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -71,11 +74,55 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: [B, T] int32 -> (cos, sin): [B, T, head_dim] float32 (frequencies repeated twice, HF layout)."""
+def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """YaRN (arXiv 2309.00071): the high-frequency dimensions (more than beta_fast rotations over the pretraining
+    length) keep theta^(-2i/d), the low-frequency ones (fewer than beta_slow) are interpolated by 1 / factor, and a
+    linear ramp over the dimension index blends the two in between, in float32 as transformers computes it."""
+    s, dim, base = cfg.rope_scaling, cfg.head_dim, float(cfg.rope_theta)
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dimension(rotations: float) -> float:  # the (fractional) dimension index that turns `rotations` times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(fast), dimension(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)  # 1: extrapolate (the original frequency), 0: interpolate
+    interpolated = (inv_freq / np.float32(factor)).astype(np.float32)
+    return (interpolated * (np.float32(1) - keep) + inv_freq * keep).astype(np.float32)
+
+
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: 1, or with YaRN its attention_factor (by default
+    0.1 ln(factor) + 1, or the ratio of the mscale / mscale_all_dim forms when both are given)."""
+    s = cfg.rope_scaling
+    if s is None or s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"])))
+    return float(mscale())
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """positions: [B, T] int32 -> (cos, sin): [B, T, head_dim] float32 (frequencies repeated twice, HF layout), each
+    times ``scale`` (rope_attention_scale)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if scale == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * jnp.float32(scale), jnp.sin(emb) * jnp.float32(scale)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import MASK_VALUE, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from areal_jax.models.transformer import cache_dtype
 
 PagedPath = Literal["gather", "kernel"]
@@ -215,7 +215,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     if path == "kernel" and t != 1:
         path = "gather"  # prefill-style calls read through the gathered view
     page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), rope_attention_scale(cfg))
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
     k_all, v_all = list(cache.k), list(cache.v)
     for i, layer in enumerate(model.layers):

@@ -10,7 +10,7 @@ from flax import nnx
 
 from areal_jax.models.cache_attention import cached_attention
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from areal_jax.models.packed_attention import decoder_layer, decoder_stack, packed_attention, packed_mask  # noqa: F401 (re-export)
 
 
@@ -146,7 +146,7 @@ class Transformer(nnx.Module):
                 raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected {(b, t)} like tokens.")
             attend = packed_attention(segment_ids, attention)  # masks built once, shared by every layer
 
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), rope_attention_scale(cfg))
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
         if cache is None:
             return self.final_norm(decoder_stack(self.layers, x, cos, sin, attend, remat, scan_layers))
