@@ -97,22 +97,29 @@ def file_tasks(data: Any, split: str) -> list[str]:
     return tasks
 
 
+def load_file(data: Any, path: str, task: str, tokenizer: Any) -> Any:
+    """One file's prompts (data.pipeline.PromptSource) read as ``task`` and formatted as ``data`` (the config's data
+    section) says: field names, prompt and chat templates, system prompt, length limit, bad-row policy."""
+    from areal_jax.data.pipeline import load_prompt_source
+
+    return load_prompt_source(
+        path, tokenizer, question_field=data.question_field, answer_field=data.answer_field,
+        prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
+        system_prompt=data.system_prompt, max_prompt_len=data.max_prompt_len, on_bad_row=data.on_bad_row, task=task)
+
+
 def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: int, process_count: int,
                        on_file: Callable[[str], Any]) -> Any:
     """The job's training stream (data.pipeline.PromptIterator) over every file of data.train_path, formatted as
     ``data`` (the config's data section) says, mixed by data.train_weights. on_file(path): a context manager that
     names the file in a read error (system.user_errors.data_file)."""
-    from areal_jax.data.pipeline import PromptIterator, load_prompt_source
+    from areal_jax.data.pipeline import PromptIterator
 
     files = parse_named_paths(data.train_path, "data.train_path")
     sources = []
     for f, task in zip(files, file_tasks(data, "train")):
         with on_file(f.path):
-            source = load_prompt_source(
-                f.path, tokenizer, question_field=data.question_field, answer_field=data.answer_field,
-                prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
-                system_prompt=data.system_prompt, max_prompt_len=data.max_prompt_len, on_bad_row=data.on_bad_row,
-                task=task)
+            source = load_file(data, f.path, task, tokenizer)
         if len(files) > 1:  # "<name>:<row>": files of one base name in two directories stay apart
             source.items = [dataclasses.replace(i, key=f"{f.name}:{i.key.rsplit(':', 1)[1]}") for i in source.items]
         sources.append(source)

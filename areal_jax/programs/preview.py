@@ -38,8 +38,7 @@ def _answer_text(answer: str, limit: int = 160) -> str:
 
 def preview(job: JobConfig, n: int = 2, log: Callable[[str], None] = print) -> dict:
     """Read every data file of ``job`` as its run will and report it (see the module doc); returns the figures."""
-    from areal_jax.data.pipeline import load_prompt_source
-    from areal_jax.data.sources import file_tasks, parse_named_paths, parse_weights
+    from areal_jax.data.sources import file_tasks, load_file, parse_named_paths, parse_weights
     from areal_jax.system import user_errors
     from areal_jax.tokenizer import Tokenizer
 
@@ -57,11 +56,7 @@ def preview(job: JobConfig, n: int = 2, log: Callable[[str], None] = print) -> d
         shares = [w / sum(weights) for w in weights] if weights else None
         for i, (f, task) in enumerate(zip(files, file_tasks(d, split))):
             with user_errors.data_file(key, f.path):
-                source = load_prompt_source(
-                    f.path, tokenizer, question_field=d.question_field, answer_field=d.answer_field,
-                    prompt_template=d.prompt_template, use_chat_template=d.use_chat_template,
-                    system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len, on_bad_row=d.on_bad_row,
-                    task=task)
+                source = load_file(d, f.path, task, tokenizer)
             lengths = np.asarray([len(item.prompt_tokens) for item in source.items])
             entry = {"name": f.name, "path": f.path, "task": task, "prompts": int(len(lengths)),
                      "malformed_skipped": source.num_bad_rows_skipped, "too_long_skipped": source.num_too_long_skipped,
