@@ -4,7 +4,9 @@ The run's W&B id is kept in ``run_dir/wandb_run_id``, so a resumed job logs into
 plotted against the job's step, logged as the metric ``step`` (``define_metric``'s custom x-axis), while W&B's own row
 counter only ever grows: W&B drops a row logged at a lower step than one it already has, and a job resumed from a
 checkpoint logs again the steps between that checkpoint and the crash. Those steps then appear twice on the step
-axis, the second time as the resumed run trained them (metrics.jsonl, too, has both).
+axis, the second time as the resumed run trained them (metrics.jsonl, too, has both). Offline, the row counter is
+kept in the W&B directory (``wandb_next_row``), so each resumed process's offline file continues the previous one's
+rows and the files sync into one run in order (``wandb sync --append``).
 W&B's own files go to ``run_dir/wandb`` (a local run directory) or to a local temporary directory (a run directory
 on an object store; offline mode then keeps them only there, and says where).
 """
@@ -18,6 +20,7 @@ from areal_jax import paths
 
 ID_FILE = "wandb_run_id"
 STEP_METRIC = "step"  # the job's step, the x-axis of every metric
+ROW_FILE = "wandb_next_row"  # offline: W&B's next row counter, so a resumed process's file continues the last one's
 
 
 def _new_id() -> str:
@@ -68,6 +71,17 @@ class WandbSink:
         # resume, so the steps trained again after it are kept rather than dropped as "lower than the latest".
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
+        # W&B's row counter: online, a resumed run continues the server's; offline, each process's file would start
+        # again at 0, so the next row is kept beside the run (local run directories) and a resumed process's file
+        # follows the last one's rows (the files then sync into one run in order: `wandb sync --append`).
+        self._row_path = os.path.join(local, ROW_FILE) if mode == "offline" else None
+        saved = 0
+        if self._row_path is not None and os.path.exists(self._row_path):
+            try:
+                saved = int(open(self._row_path).read().strip() or 0)
+            except ValueError:
+                saved = 0
+        self._row = max(int(self.run.step or 0), saved)
         self.id = run_id
         log(f"Weights & Biases: run {run_id} in project {project!r} ({mode}; files under {local}/wandb).")
 
@@ -76,7 +90,10 @@ class WandbSink:
         numbers = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if numbers:
             numbers.pop(STEP_METRIC, None)
-            self.run.log({STEP_METRIC: int(step), **numbers})
+            self.run.log({STEP_METRIC: int(step), **numbers}, step=self._row)
+            self._row += 1
+            if self._row_path is not None:
+                paths.write_text(self._row_path, f"{self._row}\n")
 
     def close(self) -> None:
         """Finish the run and stop W&B's service process, so every row is in its files (offline) or sent when this
