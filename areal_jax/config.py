@@ -289,12 +289,13 @@ def _check_paths(job: JobConfig) -> None:
     require(os.path.isdir(m.path), f"--config.model.path={m.path!r} is not a directory. Point it at an HF checkpoint "
             "directory (config.json + model.safetensors).")
     require(bool(d.train_path), "--config.data.train_path is empty: point it at a JSONL or Parquet file.")
-    from areal_jax.data.sources import parse_named_paths
+    from areal_jax.data.sources import missing_files, parse_named_paths
 
     for key in ("train_path", "test_path"):
         files = parse_named_paths(getattr(d, key), f"data.{key}")  # well-formed: DataConfig.check
         for f in files:
-            require(os.path.exists(f.path), f"--config.data.{key}={f.path!r} does not exist." if len(files) == 1
-                    else f"--config.data.{key}: {f.path!r} (the file named {f.name!r}) does not exist.")
+            why = missing_files(f.path)
+            require(why is None, f"--config.data.{key}={f.path!r} {why}." if len(files) == 1
+                    else f"--config.data.{key}: {f.path!r} (the file named {f.name!r}) {why}.")
     require(not job.eval.enabled or bool(d.test_path),
             "eval is on but data.test_path is empty; set it or --config.eval.n_test=0.")

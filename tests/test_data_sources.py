@@ -190,3 +190,31 @@ def test_a_pass_of_a_mixture_draws_every_row_of_every_file(files, tok, weights):
     if weights == "1,3":
         assert stream.pass_draws == 42
     assert _stream(_data(small), tok).pass_draws == SMALL
+
+
+def test_a_directory_or_glob_of_shards_reads_as_one_file(files, tok, tmp_path):
+    small, large = files
+    rows = open(large).read().splitlines()
+    shards = tmp_path / "taco"
+    shards.mkdir()
+    for i in range(3):  # a dataset's shards, as the Hub writes them
+        (shards / f"train-{i:05d}-of-00003.jsonl").write_text("\n".join(rows[i::3]) + "\n")
+    (shards / "README.md").write_text("not data\n")
+    one = _stream(_data(str(shards)), tok)  # a bare directory: one dataset, named by the directory
+    assert source_names(_data(f"{shards},s={small}")) == ["taco", "s"]
+    assert sorted(u.rsplit(":", 1)[0] for u in _uids(one, LARGE)) == sorted(
+        f"train-{i:05d}-of-00003.jsonl:{r}" for i in range(3) for r in range(1, len(rows[i::3]) + 1))
+    mixed = _stream(_data(f"t={shards}/train-*.jsonl,s={small}", "1,1"), tok)  # a glob inside a mixture
+    keys = {u.rsplit(":", 1)[0] for u in _uids(mixed, 4 * LARGE) if u.startswith("t:")}
+    assert keys == {f"t:train-{i:05d}-of-00003:{r}" for i in range(3) for r in range(1, len(rows[i::3]) + 1)}
+    from areal_jax.data.sources import parse_named_paths
+
+    assert parse_named_paths(f"{shards}/*.jsonl", "data.train_path")[0].name == "taco"
+    model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "math_reasoner")
+    c = JobConfig().replace(model=JobConfig().model.replace(path=model), eval=JobConfig().eval.replace(n_test=0))
+    with pytest.raises(ConfigError, match=r"'.*/taco/\*.parquet' \(the file named 'p'\) matches no .jsonl or .parquet"):
+        validate(c.replace(data=_data(f"s={small},p={shards}/*.parquet")))
+    from areal_jax.evaluation.sets import load_eval_sets
+
+    sets = load_eval_sets(f"taco={shards}", tok, _data(small), n=50)  # an evaluation set of shards: all its rows
+    assert len(sets["taco"]) == LARGE

@@ -1,6 +1,7 @@
 """Several data files under one config key: ``data.train_path`` (a training mixture) and ``data.test_path``
 (several evaluation sets, areal_jax.evaluation.sets) take a comma-separated list of ``NAME=PATH`` or bare ``PATH``
-items (a bare path is named by its file's stem).
+items (a bare path is named by its file's stem). A path may be a glob pattern or a directory: its *.jsonl /
+*.parquet files (a dataset's shards), in name order, read as one file (named by the directory).
 
 Training from several files:
 
@@ -18,6 +19,7 @@ count (``source/<name>/...``).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 import re
@@ -32,6 +34,35 @@ NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 class NamedPath:
     name: str
     path: str
+
+
+GLOB_CHARS = "*?["
+DATA_SUFFIXES = (".jsonl", ".parquet")
+
+
+def is_pattern(path: str) -> bool:
+    """Whether ``path`` names several files: a glob pattern or a directory."""
+    return any(c in path for c in GLOB_CHARS) or os.path.isdir(path)
+
+
+def expand_files(path: str) -> list[str]:
+    """The data files ``path`` names, sorted: a glob pattern's matches or a directory's files (each *.jsonl or
+    *.parquet: the shards of a dataset), else the path itself. [] when a pattern matches none."""
+    if any(c in path for c in GLOB_CHARS):
+        matches = glob.glob(path)
+    elif os.path.isdir(path):
+        matches = [os.path.join(path, name) for name in os.listdir(path)]
+    else:
+        return [path]
+    return sorted(m for m in matches if m.endswith(DATA_SUFFIXES) and os.path.isfile(m))
+
+
+def missing_files(path: str) -> str | None:
+    """Why ``path`` names no data (a missing file, or a pattern / directory without *.jsonl or *.parquet files), or
+    None when it names some."""
+    if is_pattern(path):
+        return None if expand_files(path) else "matches no .jsonl or .parquet file"
+    return None if os.path.exists(path) else "does not exist"
 
 
 def parse_named_paths(value: str, key: str) -> list[NamedPath]:
@@ -51,7 +82,10 @@ def parse_named_paths(value: str, key: str) -> list[NamedPath]:
                 raise ValueError(f"--config.{key}: the name {name!r} may only hold letters, digits, '_', '.' and '-'.")
         else:
             path = item
-            name = os.path.splitext(os.path.basename(path.rstrip("/")))[0] or "data"
+            last = path.rstrip("/")
+            if is_pattern(path):  # a pattern or a directory: named by its directory
+                last = os.path.dirname(last) if any(c in os.path.basename(last) for c in GLOB_CHARS) else last
+            name = os.path.splitext(os.path.basename(last))[0] or "data"
         if not path:
             raise ValueError(f"--config.{key}: {name!r} names no file (NAME=PATH).")
         if any(s.name == name for s in out):
@@ -103,7 +137,7 @@ def load_file(data: Any, path: str, task: str, tokenizer: Any) -> Any:
     from areal_jax.data.pipeline import load_prompt_source
 
     return load_prompt_source(
-        path, tokenizer, question_field=data.question_field, answer_field=data.answer_field,
+        expand_files(path), tokenizer, question_field=data.question_field, answer_field=data.answer_field,
         prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
         system_prompt=data.system_prompt, max_prompt_len=data.max_prompt_len, on_bad_row=data.on_bad_row, task=task)
 
@@ -120,11 +154,18 @@ def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: i
     for f, task in zip(files, file_tasks(data, "train")):
         with on_file(f.path):
             source = load_file(data, f.path, task, tokenizer)
-        if len(files) > 1:  # "<name>:<row>": files of one base name in two directories stay apart
-            source.items = [dataclasses.replace(i, key=f"{f.name}:{i.key.rsplit(':', 1)[1]}") for i in source.items]
+        if len(files) > 1:  # "<name>:<row>" (of several shards "<name>:<shard>:<row>"): files stay apart by name
+            shards = len(expand_files(f.path)) > 1
+            source.items = [dataclasses.replace(i, key=_mixture_key(f.name, i.key, shards)) for i in source.items]
         sources.append(source)
     return PromptIterator(sources, seed=seed, shuffle=data.shuffle, process_index=process_index,
                           process_count=process_count, weights=parse_weights(data.train_weights, len(files)))
+
+
+def _mixture_key(name: str, key: str, shards: bool) -> str:
+    """A mixture's task key of an item keyed "<file name>:<row>" in the file named ``name`` of data.train_path."""
+    base, row = key.rsplit(":", 1)
+    return f"{name}:{os.path.splitext(base)[0]}:{row}" if shards else f"{name}:{row}"
 
 
 def source_names(data: Any) -> list[str]:

@@ -112,10 +112,13 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
         sets = parse_eval_sets(data.test_path, key="data")
     except ValueError as e:
         raise ConfigError(str(e).replace("--config.data", "--data")) from None
+    from areal_jax.data.sources import missing_files
+
     for s in sets:
-        if not os.path.exists(s.path):
-            raise ConfigError(f"--data={s.path!r} does not exist." if len(sets) == 1 else
-                              f"--data: {s.path!r} (the set {s.name!r}) does not exist.")
+        why = missing_files(s.path)
+        if why is not None:
+            raise ConfigError(f"--data={s.path!r} {why}." if len(sets) == 1 else
+                              f"--data: {s.path!r} (the set {s.name!r}) {why}.")
     if run_dir is None and not os.path.isdir(sections["model"].path or ""):
         raise ConfigError(f"--model={sections['model'].path!r} is not a directory: point it at an HF checkpoint "
                           "directory (config.json + model.safetensors + tokenizer files), or pass --run_dir=RUN.")
