@@ -10,11 +10,11 @@ Training from several files:
 
 Without weights the files form one dataset: every row of every file once per epoch. With weights (one per file,
 any positive scale) each file is shuffled and repeated on its own and the stream draws from them in those
-proportions, so a small file is seen more often than its share of the rows. ``data.train_tasks=math,code`` (and
-``data.test_tasks`` for the evaluation sets) gives each file its task: math and programming tasks in one run, each
-row scored by its own reward (``reward.fn=mixed``, areal_jax.rewards.mixed). A task's uid is then
-"<name>:<row>:<epoch>" (the file's own epoch), and every step also logs each source's reward, accuracy and group
-count (``source/<name>/...``).
+proportions, so a small file is seen more often than its share of the rows. With several files a task's uid is
+"<name>:<row>:<epoch>" (with weights, the file's own epoch), and every step also logs each file's reward, accuracy
+and group count (``source/<name>/...``). ``data.train_tasks=math,code`` (and ``data.test_tasks`` for the evaluation
+sets) gives each file its task: math and programming tasks in one run, each row scored by its own reward
+(``reward.fn=mixed``, areal_jax.rewards.mixed).
 """
 from __future__ import annotations
 
