@@ -121,6 +121,11 @@ def test_the_math_and_code_config_file_is_a_valid_mixture():
     job = config_lib.validate(load_config_file(os.path.join(root, "configs", "math_code_qwen.py")), check_paths=False)
     assert job.reward.fn == "mixed" and job.data.train_tasks == job.data.test_tasks == "math,code"
     assert job.reward.timeout_s > job.reward.code_sample_timeout_s  # the sandbox's limits, from code_qwen.py
+    from areal_jax.data.sources import for_task
+
+    code, math = for_task(job.data, "code"), for_task(job.data, "math")
+    assert "python" in code.system_prompt and "boxed" in math.system_prompt
+    assert (code.max_prompt_len, math.max_prompt_len) == (1536, 512)
 
 
 def test_the_evaluate_program_scores_math_and_code_sets_each_by_its_reward(tmp_path):
@@ -135,3 +140,35 @@ def test_the_evaluate_program_scores_math_and_code_sets_each_by_its_reward(tmp_p
     assert any("reward.fn=mixed" in note for note in settings.notes)
     with pytest.raises(ConfigError, match="gives 1 task"):
         resolve_settings(JobConfig(), {**given, "tasks": "math"})
+
+
+def test_task_overrides_format_each_tasks_files_their_own_way(tmp_path):
+    """data.task_overrides: the code files of a mixed run read with their own prompt template and length limit, the
+    math files with the section's; the training stream, the evaluation sets and the budget check all apply it."""
+    import contextlib
+
+    from areal_jax.data.sources import load_train_prompts
+    from areal_jax.evaluation.sets import flatten, load_eval_sets
+
+    c, _, _ = _config(tmp_path)
+    c.data.task_overrides = json.dumps({"code": {"prompt_template": "Task: {question}\nProgram:",
+                                                 "max_prompt_len": 150}})
+    job = config_lib.validate(c)
+    tok = build_code_tokenizer()
+    stream = load_train_prompts(job.data, tok, seed=0, process_index=0, process_count=1,
+                                on_file=lambda path: contextlib.nullcontext())
+    for e in stream.take(24):
+        text = tok.decode(e.prompt_tokens)
+        if e.uid.startswith("code:"):
+            assert text.startswith("Task: ") and text.endswith("\nProgram:") and len(e.prompt_tokens) <= 150
+        else:
+            assert text.startswith("Question: ") and text.endswith("\nAnswer:")
+    sets = load_eval_sets(job.data.test_path, tok, job.data, 3)
+    assert all(tok.decode(e.prompt_tokens).startswith("Task: ") for e in sets["code"])
+    assert all(tok.decode(e.prompt_tokens).startswith("Question: ") for e in flatten({"m": sets["math"]}))
+    c.data.task_overrides = json.dumps({"code": {"max_prompt_len": 250}})  # 250 + 8 new tokens > max_len 208
+    with pytest.raises(ConfigError, match=r"data.task_overrides\['code'\].max_prompt_len \(250\) \+ rollout"):
+        config_lib.validate(c)
+    c.data.task_overrides = json.dumps({"code": {"shuffle": False}})
+    with pytest.raises(ConfigError, match="'shuffle' cannot differ per task"):
+        config_lib.validate(c)

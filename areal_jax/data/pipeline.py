@@ -288,6 +288,9 @@ class DataConfig(Section):
                      choices=("math", "code"))
     train_tasks: str = knob("", "with several train_path files: each one's task, e.g. math,code (reward.fn=mixed "
                                 "scores each row by its task); empty = data.task for every file")
+    task_overrides: str = knob("", "data keys that differ for one task's files in a mixed run, a JSON object, e.g. "
+                                   "'{\"code\": {\"system_prompt\": \"Answer in one python block.\"}}' (keys: "
+                                   "question_field, answer_field, prompt_template, system_prompt, max_prompt_len)")
     test_tasks: str = knob("", "with several test_path sets: each one's task, as train_tasks; empty = data.task")
     shuffle: bool = knob(True, "shuffle the prompts (seeded by the job's seed)")
 
@@ -298,12 +301,14 @@ class DataConfig(Section):
 
     def check(self) -> None:
         require(self.max_prompt_len >= 1, f"{self.key('max_prompt_len')}={self.max_prompt_len} must be at least 1.")
-        from areal_jax.data.sources import file_tasks, parse_named_paths, parse_weights
+        from areal_jax.data.sources import file_tasks, for_task, parse_named_paths, parse_weights, task_overrides
 
         try:  # the lists of files, their weights and tasks (the files' existence: config._check_paths)
             parse_weights(self.train_weights, len(parse_named_paths(self.train_path, "data.train_path")))
             file_tasks(self, "train")
             file_tasks(self, "test")
+            for task in task_overrides(self):
+                for_task(self, task)
         except ValueError as e:
             require(False, str(e))
         if self.chat_template_vars.strip():

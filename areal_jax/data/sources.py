@@ -131,11 +131,49 @@ def file_tasks(data: Any, split: str) -> list[str]:
     return tasks
 
 
+OVERRIDABLE = ("question_field", "answer_field", "prompt_template", "system_prompt", "max_prompt_len")
+
+
+def task_overrides(data: Any) -> dict[str, dict]:
+    """data.task_overrides as {task: {data key: value}} ({} when empty); a ValueError says what is wrong."""
+    import json
+
+    text = data.task_overrides.strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config.data.task_overrides is not JSON ({e}); write e.g. "
+                         "'{\"code\": {\"system_prompt\": \"...\"}}'.") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError("--config.data.task_overrides must be a JSON object of task -> object of data keys, e.g. "
+                         "'{\"code\": {\"system_prompt\": \"...\"}}'.")
+    for task, keys in value.items():
+        if task not in TASKS:
+            raise ValueError(f"--config.data.task_overrides: {task!r} is not a task; each is one of {', '.join(TASKS)}.")
+        bad = [k for k in keys if k not in OVERRIDABLE]
+        if bad:
+            raise ValueError(f"--config.data.task_overrides: {bad[0]!r} cannot differ per task; the keys that can are "
+                             f"{', '.join(OVERRIDABLE)}.")
+    return value
+
+
+def for_task(data: Any, task: str) -> Any:
+    """The data section as ``task``'s files read it: data.task_overrides[task] applied, the task set."""
+    try:
+        return data.replace(task=task, task_overrides="", **task_overrides(data).get(task, {}))
+    except Exception as e:  # a value of the wrong type or range: the section's own check, named for this key
+        raise ValueError(f"--config.data.task_overrides[{task!r}]: {e}") from None
+
+
 def load_file(data: Any, path: str, task: str, tokenizer: Any) -> Any:
     """One file's prompts (data.pipeline.PromptSource) read as ``task`` and formatted as ``data`` (the config's data
-    section) says: field names, prompt and chat templates, system prompt, length limit, bad-row policy."""
+    section) says, with data.task_overrides for that task: field names, prompt and chat templates, system prompt,
+    length limit, bad-row policy."""
     from areal_jax.data.pipeline import load_prompt_source
 
+    data = for_task(data, task)
     return load_prompt_source(
         expand_files(path), tokenizer, question_field=data.question_field, answer_field=data.answer_field,
         prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
