@@ -9,7 +9,7 @@ from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
 from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.testing.models import random_model, tiny_config
 
-ARCHS = ["qwen2", "qwen3", "llama"]
+ARCHS = ["qwen2", "qwen3", "llama", "gemma3"]  # gemma3: a sliding layer (window 8) and a full one
 
 
 def _jitted(model):
@@ -213,8 +213,10 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 
 
 def test_config_validation_and_hf_dict_round_trip():
-    for arch in ARCHS + ["mistral"]:
-        cfg = tiny_config(arch, tie_word_embeddings=arch == "qwen3", eos_token_id=(2, 5))
+    for arch, extra in [*((a, {}) for a in ARCHS), ("mistral", {}), ("mistral", {"sliding_window": 6}),
+                        ("qwen2", {"sliding_window": 6, "layer_types": ("full_attention", "sliding_attention")}),
+                        ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})]:
+        cfg = tiny_config(arch, tie_word_embeddings=arch == "qwen3", eos_token_id=(2, 5), **extra)
         again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
         assert again == cfg and hash(again) == hash(cfg)
     with pytest.raises(ValueError, match="Unknown architecture"):
@@ -222,13 +224,12 @@ def test_config_validation_and_hf_dict_round_trip():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         tiny_config("qwen2", num_kv_heads=3)
     with pytest.raises(ValueError, match="Unknown architecture"):
-        ModelConfig.from_hf_dict({"model_type": "gemma"})
+        ModelConfig.from_hf_dict({"model_type": "gemma"})  # Gemma 1 / 2: not supported (Gemma 3 text is)
     mistral = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
                "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
-    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).architecture == "mistral"
-    with pytest.raises(ValueError, match=r"sliding_window=4096 \(attention over the last 4096 positions only\)"):
-        ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096})  # Mistral v0.1's window
-    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 32768}).head_dim == 4  # a window as long: full
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096}).layer_window(0) == 4096  # Mistral v0.1
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 32768}).sliding_window is None  # as long: full
     with pytest.raises(ValueError, match="not supported"):
         tiny_config("llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
     legacy = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,

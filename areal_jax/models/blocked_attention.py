@@ -44,29 +44,37 @@ def attention_block(t: int, backend: str | None = None) -> int | None:
     return block
 
 
-def block_masks(segment_ids: jax.Array, block: int) -> dict[tuple[int, int], tuple[jax.Array, jax.Array]]:
-    """For each block pair (i, j), j <= i, of rows cut into `block`-token blocks: the [B, block, block]
-    mask (i attends j iff j <= i and both have the same segment id, as `transformer.packed_mask`) and
-    whether any query of the micro-batch may attend that block (a scalar bool)."""
+def block_masks(segment_ids: jax.Array, block: int,
+                window: int | None = None) -> dict[tuple[int, int], tuple[jax.Array, jax.Array]]:
+    """For each block pair (i, j), j <= i, of rows cut into `block`-token blocks that a sliding `window` (if
+    any) does not rule out: the [B, block, block] mask (i attends j iff j <= i, both have the same segment id
+    and i - j < window, as `transformer.packed_mask`) and whether any query of the micro-batch may attend that
+    block (a scalar bool). Pairs farther apart than the window are left out (never visited)."""
     seg = jnp.asarray(segment_ids, jnp.int32)
     n = seg.shape[1] // block
-    tri = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+    offsets = jnp.arange(block)[:, None] - jnp.arange(block)[None, :]
     out = {}
     for i in range(n):
         for j in range(i + 1):
+            if window is not None and (i - j - 1) * block + 1 >= window:
+                continue  # the nearest query-key pair of these blocks is already out of the window
             same = seg[:, i * block:(i + 1) * block, None] == seg[:, None, j * block:(j + 1) * block]
-            mask = same & tri[None] if i == j else same
+            distance = offsets + (i - j) * block
+            near = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+            mask = same if i != j and (window is None or (i - j + 1) * block - 1 < window) else same & near[None]
             out[i, j] = (mask, mask.any())
     return out
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int,
-                      masks: dict[tuple[int, int], tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
+                      masks: dict[tuple[int, int], tuple[jax.Array, jax.Array]] | None = None,
+                      window: int | None = None) -> jax.Array:
     """Grouped-query attention of packed rows, visiting only the key blocks some query may attend.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both have
     the same id, as `transformer.packed_mask`); block: tokens per block, dividing T; masks: `block_masks`
-    of those segment ids, when the caller shares them between layers. Every query must be
+    of those segment ids (and window), when the caller shares them between layers; window: a sliding window
+    (i also needs i - j < window). Every query must be
     able to attend itself (true of that mask), so no row is left without keys.
     Returns [B, T, H, Dh] in q's dtype, float32 softmax like `layers.dot_attention`.
     """
@@ -78,7 +86,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     qg = _group_queries(q, kv)  # [B, T, K, G, Dh]
     g = qg.shape[3]
     scale = np.float32(1.0 / math.sqrt(dh))
-    masks = block_masks(segment_ids, block) if masks is None else masks
+    masks = block_masks(segment_ids, block, window) if masks is None else masks
 
     outs = []
     for i in range(n):
@@ -89,6 +97,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
             jnp.zeros((b, kv, g, block, dh), jnp.float32),  # running weighted values
         )
         for j in range(i + 1):
+            if (i, j) not in masks:
+                continue  # out of the sliding window
             k_j = k[:, j * block:(j + 1) * block]
             v_j = v[:, j * block:(j + 1) * block]
             mask, any_visible = masks[i, j]

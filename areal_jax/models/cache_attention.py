@@ -130,13 +130,14 @@ def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elem
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                      chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS,
-                     counted: bool | None = None) -> jax.Array:
+                     counted: bool | None = None, window: int | None = None) -> jax.Array:
     """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
 
     q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
     holding this call's keys and values; positions: [B, T] int32. Query (b, t) attends cache indices
     0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0: such a query
-    gets zeros). Returns [B, T, H, Dh] in q's dtype.
+    gets zeros); with a sliding `window`, only indices above positions[b, t] - window. Returns [B, T, H, Dh] in
+    q's dtype.
 
     The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
     softmax: the layer is never transposed or repeated per kv head (and, in one chunk, never copied), and the
@@ -164,18 +165,19 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)
     if block >= t:
-        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted)
+        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted, window)
     n = -(-t // block)  # query blocks; the padding queries sit at position -1 and attend nothing
     qs = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, dh).swapaxes(0, 1)
     ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
-    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted), (qs, ps))
+    out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted, window), (qs, ps))
     return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
 
 
 def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                   chunk: int, counted: bool = False) -> jax.Array:
+                   chunk: int, counted: bool = False, window: int | None = None) -> jax.Array:
     """`cached_attention` of one block of queries, `chunk` cache positions per step (every chunk when
-    ``counted``, else up to the chunk of the largest position)."""
+    ``counted``, else from the chunk of the smallest position's window start up to that of the largest
+    position)."""
     b, t, h, dh = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     qg = _group_queries(q, kv)
@@ -203,6 +205,8 @@ def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positio
         index = start + offsets
         # ... and masks the indices that an earlier chunk covered.
         visible = (index[None, None, :] <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]
+        if window is not None:
+            visible = visible & (index[None, None, :] > positions[:, :, None] - window)
         visible = visible[:, None, None]
         scores, weigh_values = chunk_attention(k, v)
         scores = jnp.where(visible, scores, MASK_VALUE)
@@ -223,6 +227,8 @@ def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positio
         _, run_sum, acc = jax.lax.fori_loop(0, -(-s // chunk), step, init)
     else:
         last = jnp.clip(jnp.max(positions), 0, s - 1)
-        _, run_sum, acc = jax.lax.fori_loop(0, last // chunk + 1, step, init)
+        lo = 0 if window is None else jnp.clip(jnp.min(jnp.where(positions >= 0, positions, last)) - window + 1,
+                                               0, last) // chunk
+        _, run_sum, acc = jax.lax.fori_loop(lo, last // chunk + 1, step, init)
     out = jnp.where(run_sum[..., None] > 0, acc / jnp.maximum(run_sum, 1e-30)[..., None], 0.0)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)

@@ -1,18 +1,22 @@
-"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama) and HF config.json I/O."""
+"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3) and HF
+config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3")
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM"}
-_ROPE_TYPES = ("default", "llama3", "yarn")
+             "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -30,14 +34,76 @@ def _dtype_name(dt: np.dtype) -> str:
     return jnp.dtype(dt).name
 
 
+def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
+                         max_pos: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of an HF config, as its model class applies them: Mistral slides every
+    layer when sliding_window is set; Qwen2 / Qwen3 slide the layers `layer_types` names (by default those from
+    max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
+    layer. Outside Gemma (whose layer types also pick each layer's RoPE base), a window at least as long as the
+    model's context is dropped (it would change nothing)."""
+    if model_type == "llama":
+        return None, None
+    window = d.get("sliding_window")
+    if model_type == "mistral":
+        types = None
+    elif model_type in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window"):
+            return None, None
+        types = d.get("layer_types") or [
+            "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
+            for i in range(num_layers)]
+    else:  # gemma3
+        window = d.get("sliding_window", 4096)
+        pattern = int(d.get("sliding_window_pattern", 6))
+        types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    types = tuple(types) if types is not None else None
+    if model_type == "gemma3":  # its layer types also choose each layer's RoPE base: kept whatever the window
+        return int(window or max_pos), types
+    if window is None or int(window) >= max_pos:
+        return None, None
+    if types is not None and "sliding_attention" not in types:
+        return None, None
+    return int(window), types
+
+
+def _hf_rope(d: dict, gemma: bool) -> tuple[dict, float | None]:
+    """(the global layers' rope parameters, Gemma's local rope base or None) of an HF config: a flat
+    rope_parameters / rope_scaling, or Gemma 3's per-layer-type dictionary."""
+    params = dict(d.get("rope_parameters") or {})
+    local = None
+    if gemma:
+        if "full_attention" in params or "sliding_attention" in params:
+            local_params = dict(params.get("sliding_attention") or {})
+            params = dict(params.get("full_attention") or {})
+            if local_params.get("rope_type", "default") != "default":
+                raise ValueError(f"Gemma 3's sliding layers have rope {local_params}; only the default RoPE is "
+                                 "supported there.")
+            local = local_params.get("rope_theta")
+        local = float(local if local is not None else d.get("rope_local_base_freq", 10000.0))
+    if d.get("rope_scaling"):
+        params.update(d["rope_scaling"])
+    return params, local
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one decoder-only transformer.
 
-    architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), or "llama" (optionally llama3 RoPE scaling).
+    architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), "llama" (optionally llama3 RoPE scaling),
+      "mistral", or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
+      MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
-      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, or YaRN's
-      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long context).
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
+      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
+      context), or {"rope_type": "linear", "factor": 8.0} (positions divided by the factor).
+    sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
+      (HF's convention: the last `sliding_window` tokens, itself included).
+    layer_types: per layer "full_attention" or "sliding_attention" (None: every layer sliding when
+      sliding_window is set, else every layer full).
+    rope_local_theta: the RoPE base of sliding layers, which then take no rope_scaling (Gemma 3's
+      rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
+    query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
@@ -60,6 +126,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -81,12 +151,15 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", _to_dtype(self.param_dtype, "param_dtype"))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check_attention_layout()
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             if rope_type not in _ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported types are "
                                  f"{', '.join(_ROPE_TYPES)} (or rope_scaling=None).")
+            if rope_type == "linear" and not float(scaling.get("factor") or 0) > 0:
+                raise ValueError(f"rope_scaling of type 'linear' needs a positive factor; got {scaling}.")
             if rope_type == "llama3":
                 missing = [k for k in _LLAMA3_KEYS if k not in scaling]
                 if missing:
@@ -109,6 +182,52 @@ class ModelConfig:
             values.append(tuple(sorted(v.items())) if isinstance(v, dict) else v)
         return hash(tuple(values))
 
+    def _check_attention_layout(self) -> None:
+        window, types = self.sliding_window, self.layer_types
+        if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
+                                   or window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive integer or None, got {window!r}.")
+        if types is not None:
+            types = tuple(types)
+            object.__setattr__(self, "layer_types", types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ValueError(f"ModelConfig.layer_types must hold num_layers={self.num_layers} entries, each one of "
+                                 f"{', '.join(LAYER_TYPES)}; got {list(types)}.")
+            if "sliding_attention" in types and window is None:
+                raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
+                                 "set the window (positions each query looks back over).")
+        if self.query_pre_attn_scalar is not None and not float(self.query_pre_attn_scalar) > 0:
+            raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}.")
+        if self.rope_local_theta is not None and not float(self.rope_local_theta) > 0:
+            raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {self.rope_local_theta}.")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return int(self.sliding_window)
+        return None
+
+    def layer_rope(self, i: int) -> str:
+        """Which RoPE table layer i reads: "local" (a sliding layer with its own base, rope_local_theta) or
+        "global"."""
+        return "local" if self.rope_local_theta is not None and self.layer_window(i) is not None else "global"
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer form: norms scale by 1 + w (stored as w), a norm on the attention output and around the
+        MLP, a GELU-tanh MLP, embeddings times sqrt(hidden_size)."""
+        return self.architecture == "gemma3"
+
+    @property
+    def attention_scale_factor(self) -> float:
+        """What queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
+        query_pre_attn_scalar ** -0.5 (1.0 when it is unset or equals head_dim)."""
+        if self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) == float(self.head_dim):
+            return 1.0
+        return math.sqrt(self.head_dim / float(self.query_pre_attn_scalar))
+
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **kwargs)
@@ -119,7 +238,7 @@ class ModelConfig:
         d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if self.attention_bias else 0)
         attn += 2 * hd if self.qk_norm else 0
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
 
@@ -132,24 +251,34 @@ class ModelConfig:
             archs = d.get("architectures") or []
             inverse = {v: k for k, v in _HF_CLASS.items()}
             model_type = next((inverse[a] for a in archs if a in inverse), None)
+        if model_type == "gemma3":
+            raise ValueError("model_type='gemma3' is Gemma 3's image-and-text model (Gemma3ForConditionalGeneration); "
+                             "only the text-only form is supported (model_type 'gemma3_text', Gemma3ForCausalLM, "
+                             "as google/gemma-3-1b-it).")
+        model_type = {v: k for k, v in _HF_MODEL_TYPE.items()}.get(model_type, model_type)
         if model_type not in ARCHITECTURES:
             raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures="
-                             f"{d.get('architectures')!r}; supported model types are {', '.join(ARCHITECTURES)}.")
+                             f"{d.get('architectures')!r}; supported model types are "
+                             f"{', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"HF config for {model_type} lacks required keys {', '.join(missing)}.")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported (the MLP projections here have no bias).")
-        if d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported; only full attention is implemented.")
-        window = d.get("sliding_window") if model_type == "mistral" else None
-        if window is not None and int(window) < int(d.get("max_position_embeddings", 4096)):
-            raise ValueError(f"sliding_window={window} (attention over the last {window} positions only) is not "
-                             "supported; only full attention is implemented (Mistral v0.2 and later have "
-                             "sliding_window null).")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={d.get('hidden_act')!r} is not supported; only 'silu' (SwiGLU) is.")
+        gemma = model_type == "gemma3"
+        act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        wanted_act = "gelu_pytorch_tanh" if gemma else "silu"
+        if act != wanted_act:
+            raise ValueError(f"hidden activation {act!r} is not supported for {model_type}; only {wanted_act!r} is.")
+        if gemma:
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if d.get(key) is not None:
+                    raise ValueError(f"{key}={d[key]} (Gemma 2's tanh soft-capping) is not supported; Gemma 3 "
+                                     "checkpoints have it null.")
+            if d.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention=True (an encoder) is not supported; a decoder is "
+                                 "causal.")
         if model_type == "qwen2":
             attention_bias = True
         else:
@@ -157,33 +286,39 @@ class ModelConfig:
                 raise ValueError(f"attention_bias=True for {model_type} also adds an o_proj bias, which is not "
                                  "supported.")
             attention_bias = False
-        rope = dict(d.get("rope_parameters") or {})
-        if d.get("rope_scaling"):
-            rope.update(d["rope_scaling"])
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        num_layers = d["num_hidden_layers"]
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        window, layer_types = _hf_attention_layout(d, model_type, num_layers, max_pos)
+        rope, local_theta = _hf_rope(d, gemma)
+        theta = rope.pop("rope_theta", d.get("rope_theta", 1_000_000.0 if gemma else 10000.0))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported.")
         rope.pop("partial_rotary_factor", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
         return cls(
             architecture=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else rope,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            max_position_embeddings=max_pos,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            sliding_window=window,
+            layer_types=layer_types,
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
             dtype=dtype,
             param_dtype=param_dtype,
         )
@@ -216,13 +351,30 @@ class ModelConfig:
         if self.architecture in ("llama", "mistral") and (self.attention_bias or self.qk_norm):
             raise ValueError(f"HF {self.architecture.title()} has no q/k/v bias and no q/k norm; set "
                              "attention_bias=False, qk_norm=False.")
+        if self.gemma and (self.attention_bias or not self.qk_norm):
+            raise ValueError("HF Gemma 3 has q/k norm and no q/k/v bias; set qk_norm=True, attention_bias=False.")
+        sliding = any(self.layer_window(i) is not None for i in range(self.num_layers))
+        if sliding and self.architecture == "llama":
+            raise ValueError("HF Llama has no sliding-window attention; set sliding_window=None or choose mistral, "
+                             "qwen2, qwen3 or gemma3.")
+        if sliding and self.architecture == "mistral" and self.layer_types is not None \
+                and "full_attention" in self.layer_types:
+            raise ValueError("HF Mistral slides every layer or none; set layer_types=None.")
+        if self.rope_local_theta is not None and not self.gemma:
+            raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's; HF "
+                             f"{self.architecture} has one base for every layer.")
+        if self.query_pre_attn_scalar is not None and not self.gemma:
+            raise ValueError(f"query_pre_attn_scalar is Gemma 3's; HF {self.architecture} scales attention by "
+                             "head_dim ** -0.5.")
         rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        types = [("sliding_attention" if self.layer_window(i) is not None else "full_attention")
+                 for i in range(self.num_layers)]
         d = {
             "architectures": [_HF_CLASS[self.architecture]],
-            "model_type": self.architecture,
+            "model_type": _HF_MODEL_TYPE.get(self.architecture, self.architecture),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -230,7 +382,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.gemma else "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
@@ -249,12 +401,24 @@ class ModelConfig:
         if self.architecture == "llama":
             d["mlp_bias"] = False
         elif self.architecture == "mistral":
-            d["sliding_window"] = None
+            d["sliding_window"] = self.sliding_window if sliding else None
+        elif self.gemma:
+            local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
+            if self.rope_local_theta is None:
+                local = dict(rope_parameters)
+            d.pop("rope_scaling")
+            scalar = float(self.query_pre_attn_scalar or self.head_dim)
+            d.update(hidden_activation="gelu_pytorch_tanh",
+                     query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar, sliding_window=self.sliding_window or self.max_position_embeddings,
+                     layer_types=types, rope_local_base_freq=local["rope_theta"],
+                     rope_parameters={"full_attention": rope_parameters, "sliding_attention": local},
+                     attn_logit_softcapping=None, final_logit_softcapping=None)
         else:
-            d["use_sliding_window"] = False
-            d["sliding_window"] = None
+            d["use_sliding_window"] = sliding
+            d["sliding_window"] = self.sliding_window if sliding else None
+            d["layer_types"] = types
+            d["max_window_layers"] = types.index("sliding_attention") if sliding else self.num_layers
         return d
-
 
 def model_config_of(model: Any, *, required: bool = True) -> ModelConfig | None:
     """The ModelConfig a Transformer carries (as `config` or `cfg`). Without one: a TypeError, or None

@@ -11,7 +11,8 @@ block i then loops over key blocks from (earliest first position of its queries)
 the causal diagonal, and the backward's key block j loops over query blocks from its diagonal up to
 (latest last position of its keys) // block_q. The bounds are exact for any segment ids (repeated,
 non-contiguous ids only make the loops longer); the mask inside a tile does the rest. A row of
-sequences of length n costs O(T * n) work rather than O(T^2).
+sequences of length n costs O(T * n) work rather than O(T^2). A sliding window of w positions (Mistral, Gemma 3)
+narrows both loops to the blocks the window reaches: O(T * min(n, w)).
 
 Kernels (written for the Pallas Triton lowering on NVIDIA GPUs; `interpret=True` runs the same code
 on any backend, which is how CPU tests execute them):
@@ -82,20 +83,33 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _tile_mask(seg_q: jax.Array, seg_k: jax.Array, q0: jax.Array, k0: jax.Array) -> jax.Array:
-    """[bq, bk] bool: same segment and key position <= query position (tiles starting at q0, k0)."""
+def _tile_mask(seg_q: jax.Array, seg_k: jax.Array, q0: jax.Array, k0: jax.Array, window: int = 0) -> jax.Array:
+    """[bq, bk] bool: same segment and key position <= query position (tiles starting at q0, k0), and with a
+    sliding window (window > 0) query position - key position < window."""
     pos_q = q0 + jnp.arange(seg_q.shape[0], dtype=jnp.int32)
     pos_k = k0 + jnp.arange(seg_k.shape[0], dtype=jnp.int32)
-    return (seg_q[:, None] == seg_k[None, :]) & (pos_q[:, None] >= pos_k[None, :])
+    mask = (seg_q[:, None] == seg_k[None, :]) & (pos_q[:, None] >= pos_k[None, :])
+    if window:
+        mask = mask & (pos_q[:, None] - pos_k[None, :] < window)
+    return mask
+
+
+def _first_key_block(first_ref, q0, block_k: int, window: int):
+    """The first key block a query block starting at q0 may see: that of its earliest segment start, or with a
+    sliding window that of its first query's window start when later."""
+    lo = jnp.min(first_ref[...])
+    if window:
+        lo = jnp.maximum(lo, q0 - window + 1)
+    return lax.div(lo, block_k)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, scale: float, block_q: int,
-                    block_k: int):
+                    block_k: int, window: int):
     i = pl.program_id(0)
     q0 = i * block_q
     q = q_ref[...]
     seg_q = seg_ref[pl.ds(q0, block_q)]
-    lo = lax.div(jnp.min(first_ref[...]), block_k)
+    lo = _first_key_block(first_ref, q0, block_k, window)
     hi = lax.div(q0 + block_q + block_k - 1, block_k)
 
     def body(j, carry):
@@ -103,7 +117,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
         k0 = j * block_k
         keys = pl.ds(k0, block_k)
         s = _dot_nt(q, k_ref[keys, :]) * scale
-        mask = _tile_mask(seg_q, seg_ref[keys], q0, k0)
+        mask = _tile_mask(seg_q, seg_ref[keys], q0, k0, window)
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, MASK_VALUE), axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         keep = jnp.exp(m - m_new)
@@ -118,20 +132,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale: float,
-               block_q: int, block_k: int):
+               block_q: int, block_k: int, window: int):
     i = pl.program_id(0)
     q0 = i * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     seg_q = seg_ref[pl.ds(q0, block_q)]
-    lo = lax.div(jnp.min(first_ref[...]), block_k)
+    lo = _first_key_block(first_ref, q0, block_k, window)
     hi = lax.div(q0 + block_q + block_k - 1, block_k)
 
     def body(j, dq):
         k0 = j * block_k
         keys = pl.ds(k0, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
-        mask = _tile_mask(seg_q, seg_ref[keys], q0, k0)
+        mask = _tile_mask(seg_q, seg_ref[keys], q0, k0, window)
         p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
         ds = p * (_dot_nt(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
@@ -141,20 +155,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, do_ref, lse_ref, delta_r
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, last_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                scale: float, block_q: int, block_k: int):
+                scale: float, block_q: int, block_k: int, window: int):
     j = pl.program_id(0)
     k0 = j * block_k
     k, v = k_ref[...], v_ref[...]
     seg_k = seg_ref[pl.ds(k0, block_k)]
     lo = lax.div(k0, block_q)
-    hi = lax.div(jnp.max(last_ref[...]), block_q) + 1
+    last = jnp.max(last_ref[...])
+    if window:  # the last query whose window reaches this block's last key
+        last = jnp.minimum(last, k0 + block_k - 1 + window - 1)
+    hi = lax.div(last, block_q) + 1
 
     def body(i, carry):
         dk, dv = carry
         q0 = i * block_q
         rows = pl.ds(q0, block_q)
         q, do = q_ref[rows, :], do_ref[rows, :]
-        mask = _tile_mask(seg_ref[rows], seg_k, q0, k0)
+        mask = _tile_mask(seg_ref[rows], seg_k, q0, k0, window)
         p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * scale - lse_ref[rows][:, None]), 0.0)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = p * (_dot_nt(do, v) - delta_ref[rows][:, None])
@@ -174,12 +191,12 @@ def _compiler_params(interpret: bool, head_dim: int):
     return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _forward(q, k, v, seg, first, *, scale, block_q, block_k, interpret):
+def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, interpret):
     b, t, h, dh = q.shape
     group = h // k.shape[2]
     row = lambda i, bi, hi: (bi, 0)  # noqa: E731
     o, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, block_q=block_q, block_k=block_k),
+        functools.partial(_forward_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
         grid=(t // block_q, b, h),
         in_specs=[
             pl.BlockSpec((None, block_q, None, dh), lambda i, bi, hi: (bi, i, hi, 0)),
@@ -200,7 +217,7 @@ def _forward(q, k, v, seg, first, *, scale, block_q, block_k, interpret):
     return o, lse
 
 
-def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k, interpret):
+def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k, window, interpret):
     b, t, h, dh = q.shape
     kv = k.shape[2]
     group = h // kv
@@ -213,7 +230,7 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
     per_head_row = pl.BlockSpec((None, None, t), lambda g, bi, hi: (bi, hi, 0))
     params = _compiler_params(interpret, dh)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_q=block_q, block_k=block_k),
+        functools.partial(_dq_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
         grid=(t // block_q, b, h),
         in_specs=[q_block, whole_kv, whole_kv, row, pl.BlockSpec((None, block_q), lambda g, bi, hi: (bi, g)),
                   q_block, pl.BlockSpec((None, None, block_q), lambda g, bi, hi: (bi, hi, g)),
@@ -225,7 +242,7 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
         name="packed_flash_dq",
     )(q, k, v, seg, first, do, lse, delta)
     dk_heads, dv_heads = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, block_q=block_q, block_k=block_k),
+        functools.partial(_dkv_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
         grid=(t // block_k, b, h),
         in_specs=[whole_q, kv_block, kv_block, row, pl.BlockSpec((None, block_k), lambda g, bi, hi: (bi, g)),
                   whole_q, per_head_row, per_head_row],
@@ -240,20 +257,22 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash(q, k, v, seg, first, last, scale, block_q, block_k, interpret):
-    return _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, seg, first, last, scale, block_q, block_k, window, interpret):
+    return _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                    interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, first, last, scale, block_q, block_k, interpret):
-    o, lse = _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
+def _flash_fwd(q, k, v, seg, first, last, scale, block_q, block_k, window, interpret):
+    o, lse = _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                      interpret=interpret)
     return o, (q, k, v, seg, first, last, o, lse)
 
 
-def _flash_bwd(scale, block_q, block_k, interpret, res, do):
+def _flash_bwd(scale, block_q, block_k, window, interpret, res, do):
     q, k, v, seg, first, last, o, lse = res
     dq, dk, dv = _backward(q, k, v, seg, first, last, o, lse, do, scale=scale, block_q=block_q, block_k=block_k,
-                           interpret=interpret)
+                           window=window, interpret=interpret)
     return dq, dk, dv, None, None, None
 
 
@@ -262,7 +281,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                     block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, window: int | None = None) -> jax.Array:
     """Causal grouped-query attention of packed rows, differentiable in q, k and v.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh] (H a multiple of K); segment_ids: [B, T] int (i attends j iff
@@ -270,7 +289,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     and the gradient accumulators are float32. block_q, block_k: tile sizes (powers of two, at least
     16 for the Triton lowering). T is padded up to a multiple of both and head_dim to a power of two
     inside (padding gets its own segment). interpret: run the Pallas interpreter (default: on any
-    backend but GPU).
+    backend but GPU). window: a sliding window (i also needs i - j < window); each query block then visits
+    only the key blocks its window reaches.
     """
     b, t, h, dh = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != dh or h % k.shape[2]:
@@ -294,5 +314,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         pad_id = jnp.min(seg) - 1  # a segment of its own: padded queries see only padding
         seg = jnp.concatenate([seg, jnp.broadcast_to(pad_id, (b, t_pad - t))], axis=1)
     first, last = segment_bounds(seg)
-    out = _flash(q, k, v, seg, first, last, float(np.float32(scale)), block_q, block_k, bool(interpret))
+    if window is not None and window < 1:
+        raise ValueError(f"flash_attention: window={window} must be a positive number of positions (or None).")
+    out = _flash(q, k, v, seg, first, last, float(np.float32(scale)), block_q, block_k, int(window or 0),
+                 bool(interpret))
     return out[:, :t, :, :dh]

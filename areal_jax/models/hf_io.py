@@ -105,6 +105,9 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
             entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
         entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
+        if cfg.gemma:
+            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
+            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
         entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))

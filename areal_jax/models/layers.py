@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm, rotary embeddings (HF convention), grouped-query attention, SwiGLU MLP.
+"""Building blocks: RMSNorm, rotary embeddings (HF convention), grouped-query attention, gated MLP, decoder layer.
 
 Every parameter is an `nnx.Param` annotated with logical axis names (see sharding.py) through its
 `out_sharding` metadata. Parameters are stored in `cfg.param_dtype` and cast to `cfg.dtype` on use.
@@ -33,33 +33,42 @@ def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str |
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x: [..., D] any float dtype; scale: [D]. Normalises in float32 and returns x's dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """x: [..., D] any float dtype; scale: [D]. Normalises in float32 and returns x's dtype; with offset the
+    factor is 1 + scale (Gemma's form, its weights stored as the offset from one)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    factor = scale.astype(jnp.float32)
+    return (y * (1.0 + factor if offset else factor)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis with a learned scale (initialised to ones)."""
+    """Root-mean-square norm over the last axis with a learned scale (initialised to the identity: ones, or
+    zeros with `offset`, where the factor is 1 + scale)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype):
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, offset: bool = False):
         self.eps = eps
-        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.offset = offset
+        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="zeros" if offset else "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "llama3" or "yarn" scaling when
-    configured."""
+def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "linear", "llama3" or "yarn" scaling
+    when configured. table "local": the sliding layers' own table (`cfg.rope_local_theta`, no scaling) where
+    the model has one (`ModelConfig.layer_rope`)."""
     dim = cfg.head_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
-    scaling = cfg.rope_scaling
+    local = table == "local" and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    scaling = None if local else cfg.rope_scaling
     if scaling is None or scaling.get("rope_type") == "default":
         return inv_freq
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg, inv_freq)
     factor = float(scaling["factor"])
@@ -72,6 +81,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """positions [B, T] -> {table: (cos, sin)} for each RoPE table the model's layers read
+    (`ModelConfig.layer_rope`: "global", and "local" where sliding layers have a base of their own)."""
+    names = sorted({cfg.layer_rope(i) for i in range(cfg.num_layers)})
+    return {n: rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n)) for n in names}
 
 
 def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
@@ -97,11 +113,11 @@ def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
     return (interpolated * (np.float32(1) - keep) + inv_freq * keep).astype(np.float32)
 
 
-def rope_attention_scale(cfg: ModelConfig) -> float:
+def rope_attention_scale(cfg: ModelConfig, table: str = "global") -> float:
     """The factor cos and sin are multiplied by: 1, or with YaRN its attention_factor (by default
     0.1 ln(factor) + 1, or the ratio of the mscale / mscale_all_dim forms when both are given)."""
     s = cfg.rope_scaling
-    if s is None or s.get("rope_type") != "yarn":
+    if s is None or s.get("rope_type") != "yarn" or (table == "local" and cfg.rope_local_theta is not None):
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
@@ -202,23 +218,29 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt)
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
         else:
             self.q_norm = self.k_norm = None
+        self.query_factor = cfg.attention_scale_factor
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
         y = project(x, w, self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh] in the compute dtype, RoPE applied to q, k."""
+        """x: [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh] in the compute dtype, RoPE applied to q, k.
+        q comes times `ModelConfig.attention_scale_factor` (1 unless query_pre_attn_scalar != head_dim), so
+        every attention path's 1 / sqrt(head_dim) gives the model's own scale."""
         q = self._project(x, self.q_proj, self.q_bias)
         k = self._project(x, self.k_proj, self.k_bias)
         v = self._project(x, self.v_proj, self.v_bias)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = apply_rope(q, cos, sin)
+        if self.query_factor != 1.0:
+            q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
+        return q, apply_rope(k, cos, sin), v
 
     def out(self, attn: jax.Array) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D]."""
@@ -226,11 +248,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+    """Gated feed-forward: down(act(x @ gate) * (x @ up)), act SiLU (SwiGLU) or, for Gemma, GELU with the tanh
+    approximation."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.dtype = cfg.dtype
+        self.gelu = cfg.gemma
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
@@ -239,15 +263,35 @@ class MLP(nnx.Module):
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
         gate = project(x, self.gate_proj, self.dtype)
         up = project(x, self.up_proj, self.dtype)
-        return project(jax.nn.silu(gate) * up, self.down_proj, self.dtype)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return project(act * up, self.down_proj, self.dtype)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). The attention step is driven by Transformer
-    so that the KV cache can be written in place."""
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); Gemma also normalises the attention's and the
+    MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`).
+    Elsewhere `post_attn_norm` is the pre-MLP norm (HF's post_attention_layernorm in both cases)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        offset = cfg.gemma
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
         self.attn = Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.gemma:
+            self.pre_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
+        else:
+            self.pre_ffn_norm = self.post_ffn_norm = None
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend) -> jax.Array:
+        """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
+        [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
+        caller's function may also write."""
+        q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
+        a = self.attn.out(attend(q, k, v))
+        if self.post_ffn_norm is None:
+            x = x + a
+            return x + self.mlp(self.post_attn_norm(x))
+        x = x + self.post_attn_norm(a)
+        return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))

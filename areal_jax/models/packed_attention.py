@@ -51,16 +51,20 @@ def resolve_attention(choice: str, t: int, backend: str | None = None) -> str:
     return choice
 
 
-def packed_mask(segment_ids: jax.Array) -> jax.Array:
-    """segment_ids: [B, T] int32 -> [B, T, T] bool: i attends j iff j <= i and both share a segment id."""
+def packed_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
+    """segment_ids: [B, T] int32 -> [B, T, T] bool: i attends j iff j <= i and both share a segment id (and, with
+    a sliding window, i - j < window)."""
     t = segment_ids.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
+    causal = distance >= 0 if window is None else (distance >= 0) & (distance < window)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return causal[None] & same
 
 
-def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str | None = None) -> AttentionFn:
-    """attention(q [B, T, H, Dh], k [B, T, K, Dh], v) -> [B, T, H, Dh] for rows with these segment ids.
+def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str | None = None,
+                     window: int | None = None) -> AttentionFn:
+    """attention(q [B, T, H, Dh], k [B, T, K, Dh], v) -> [B, T, H, Dh] for rows with these segment ids (and a
+    sliding window of `window` positions, or full causal attention when None).
 
     Whatever depends only on the segment ids (dense mask, block masks) is built here once and shared by
     every layer that calls the result.
@@ -68,15 +72,28 @@ def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str 
     t = segment_ids.shape[1]
     impl = resolve_attention(choice, t, backend)
     if impl == "dense":
-        mask = packed_mask(segment_ids)
+        mask = packed_mask(segment_ids, window)
         return lambda q, k, v: dot_attention(q, k, v, mask)
     if impl == "blocked":
         block = attention_block(t, "cpu")
-        masks = block_masks(segment_ids, block)
-        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks)
+        masks = block_masks(segment_ids, block, window)
+        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window)
     if impl == "splash":
-        return lambda q, k, v: splash_attention(q, k, v, segment_ids)
-    return lambda q, k, v: flash_attention(q, k, v, segment_ids)
+        return lambda q, k, v: splash_attention(q, k, v, segment_ids, window=window)
+    return lambda q, k, v: flash_attention(q, k, v, segment_ids, window=window)
+
+
+def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
+                    backend: str | None = None) -> list[AttentionFn]:
+    """Each decoder layer's `packed_attention` (one function per distinct window, shared by its layers)."""
+    by_window: dict[int | None, AttentionFn] = {}
+    out = []
+    for i in range(cfg.num_layers):
+        w = cfg.layer_window(i)
+        if w not in by_window:
+            by_window[w] = packed_attention(segment_ids, choice, backend, w)
+        out.append(by_window[w])
+    return out
 
 
 def remat_policy(choice: str) -> Callable | None:
@@ -89,15 +106,13 @@ def remat_policy(choice: str) -> Callable | None:
 
 def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn,
                   remat: str = "none") -> jax.Array:
-    """One pre-norm decoder layer of the cache-free forward: x + attn(norm(x)), then + mlp(norm(.)).
+    """One decoder layer of the cache-free forward (`layers.DecoderLayer.__call__`).
 
     layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
     """
     def apply(lyr: nnx.Module, x: jax.Array) -> jax.Array:
-        q, k, v = lyr.attn.qkv(lyr.input_norm(x), cos, sin)
-        x = x + lyr.attn.out(attend(q, k, v))
-        return x + lyr.mlp(lyr.post_attn_norm(x))
+        return lyr(x, cos, sin, attend)
 
     if remat == "none":
         return apply(layer, x)
@@ -121,19 +136,23 @@ def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
     return graphdef, [state for _, state in splits]
 
 
-def decoder_stack(layers, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn, remat: str = "none",
-                  scan: bool = True) -> jax.Array:
-    """Every decoder layer of the cache-free forward, in order.
+def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]], attends: list[AttentionFn],
+                  remat: str = "none", scan: bool = True) -> jax.Array:
+    """Every decoder layer of the cache-free forward, in order; layer i reads RoPE table ropes[i] (cos, sin) and
+    attends with attends[i].
 
-    With scan (and layers of one structure, `scannable`), one `lax.scan` over the layers' states stacked on
-    a leading axis: the program holds a single layer, so tracing and compiling cost about one layer's time
-    instead of L (the backward too), for one stacking copy of the layer weights per call and one unstacking
-    of their gradients. The results equal the unrolled loop's up to float rounding."""
-    shared = scannable(layers) if scan else None
+    With scan (and layers of one structure, `scannable`, that share one table and one attention), one
+    `lax.scan` over the layers' states stacked on a leading axis: the program holds a single layer, so tracing
+    and compiling cost about one layer's time instead of L (the backward too), for one stacking copy of the
+    layer weights per call and one unstacking of their gradients. The results equal the unrolled loop's up to
+    float rounding. Layers of differing windows or tables (Gemma 3's local and global layers) run unrolled."""
+    uniform = all(r is ropes[0] for r in ropes) and all(a is attends[0] for a in attends)
+    shared = scannable(layers) if scan and uniform else None
     if shared is None:
-        for layer in layers:
+        for layer, (cos, sin), attend in zip(layers, ropes, attends):
             x = decoder_layer(layer, x, cos, sin, attend, remat)
         return x
+    (cos, sin), attend = ropes[0], attends[0]
     graphdef, states = shared
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import MASK_VALUE, rope_attention_scale, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import MASK_VALUE, rope_tables
 from areal_jax.models.transformer import cache_dtype
 
 PagedPath = Literal["gather", "kernel"]
@@ -110,19 +110,23 @@ def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 
 def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array,
-                     positions: jax.Array) -> jax.Array:
+                     positions: jax.Array, window: int | None = None) -> jax.Array:
     """Grouped-query attention over a paged cache, by gathering each row's pages.
 
     q: [B, T, H, Dh] (RoPE applied); cache already holding this call's keys / values; page_table [B, P];
     positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
-    zeros). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
+    zeros; with a sliding window only those above positions[b, t] - window). Returns [B, T, H, Dh] in q's
+    dtype, with a float32 softmax."""
     b, t, h, dh = q.shape
     k, v = gather_rows(cache.k[layer], page_table), gather_rows(cache.v[layer], page_table)
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * np.float32(1.0 / math.sqrt(dh))
-    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    index = jnp.arange(k.shape[1])[None, None, :]
+    visible = index <= positions[:, :, None]  # [B, T, S]
+    if window is not None:
+        visible = visible & (index > positions[:, :, None] - window)
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
     probs = jnp.where(visible[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -203,9 +207,11 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
     token's key / value is written at its position (through the page table; writes to missing pages are
-    dropped), then attention reads positions 0..p of the row. Returns (final-norm hidden states [B, T, D]
-    in the compute dtype, the new cache). path: "gather" or "kernel" (T must be 1), default
-    ``default_path(head_dim)``; platform: whose kernel "kernel" runs (``kernel_attention``)."""
+    dropped), then attention reads positions 0..p of the row (a sliding layer: its window). Returns
+    (final-norm hidden states [B, T, D] in the compute dtype, the new cache). path: "gather" or "kernel" (T
+    must be 1), default ``default_path(head_dim)``; platform: whose kernel "kernel" runs
+    (``kernel_attention``). JAX's paged kernels take no window: sliding layers read through the gathered view
+    on either path."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -215,17 +221,18 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     if path == "kernel" and t != 1:
         path = "gather"  # prefill-style calls read through the gathered view
     page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), rope_attention_scale(cfg))
-    x = jnp.take(model.embedding[...], tokens, axis=0).astype(cfg.dtype)
+    tables = rope_tables(cfg, positions)
+    x = model.embed(tokens)
     k_all, v_all = list(cache.k), list(cache.v)
     for i, layer in enumerate(model.layers):
-        q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
-        k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
-        current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
-        if path == "kernel":
-            attn = kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform)
-        else:
-            attn = gather_attention(q, current, i, page_table, positions)
-        x = x + layer.attn.out(attn)
-        x = x + layer.mlp(layer.post_attn_norm(x))
+        window = cfg.layer_window(i)
+
+        def attend(q, k, v, i=i, window=window):
+            k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
+            current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
+            if path == "kernel" and window is None:
+                return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform)
+            return gather_attention(q, current, i, page_table, positions, window)
+
+        x = layer(x, *tables[cfg.layer_rope(i)], attend)
     return model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))

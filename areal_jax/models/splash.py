@@ -1,4 +1,5 @@
-"""Packed-row attention on TPU through JAX's Pallas splash-attention kernel (segment ids, causal mask).
+"""Packed-row attention on TPU through JAX's Pallas splash-attention kernel (segment ids, causal or sliding-window
+mask).
 
 Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) computes one key/value head
 against several query heads (its "MQA" form) with a static causal block mask and run-time segment
@@ -22,11 +23,14 @@ def _block(t: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(t: int, group: int, interpret: bool):
+def _kernel(t: int, group: int, interpret: bool, window: int = 0):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(group)])
+    def one() -> object:  # causal, or a window of `window` positions ending at the query (a causal local mask)
+        return sm.LocalMask((t, t), window_size=(window - 1, 0), offset=0) if window else sm.CausalMask((t, t))
+
+    mask = sm.MultiHeadMask([one() for _ in range(group)])
     b = _block(t)
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
@@ -36,11 +40,13 @@ def _kernel(t: int, group: int, interpret: bool):
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, window: int | None = None) -> jax.Array:
     """Causal grouped-query attention of packed rows with the splash kernel.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both
-    have the same id). Returns [B, T, H, Dh] in q's dtype. interpret: default on any backend but TPU.
+    have the same id; with a sliding window also i - j < window: the kernel's local mask, whose block
+    tables skip the blocks outside it). Returns [B, T, H, Dh] in q's dtype. interpret: default on any
+    backend but TPU.
     """
     b, t, h, dh = q.shape
     kv = k.shape[2]
@@ -56,7 +62,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         widths = ((0, 0), (0, t_pad - t), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
         seg = jnp.concatenate([seg, jnp.broadcast_to(jnp.min(seg) - 1, (b, t_pad - t))], axis=1)
-    kernel, segment_ids_type = _kernel(t_pad, group, bool(interpret))
+    kernel, segment_ids_type = _kernel(t_pad, group, bool(interpret), int(window or 0))
     scale = jnp.asarray(1.0 / math.sqrt(dh), q.dtype)
     qg = (q * scale).reshape(b, t_pad, kv, group, dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]

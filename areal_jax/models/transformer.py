@@ -1,4 +1,5 @@
-"""The decoder-only Transformer (Qwen2 / Qwen3 / Llama) with packed-sequence masks and a KV-cache path."""
+"""The decoder-only Transformer (Qwen2 / Qwen3 / Llama / Mistral / Gemma 3) with packed-sequence masks and a KV-cache
+path."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,14 @@ from flax import nnx
 
 from areal_jax.models.cache_attention import cached_attention
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_attention_scale, rope_cos_sin, rope_inv_freq
-from areal_jax.models.packed_attention import decoder_layer, decoder_stack, packed_attention, packed_mask  # noqa: F401 (re-export)
+from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables
+from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
+    decoder_layer,
+    decoder_stack,
+    layer_attention,
+    packed_attention,
+    packed_mask,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -83,7 +90,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset=cfg.gemma)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -99,7 +106,8 @@ class Transformer(nnx.Module):
         (segment_ids default all ones; id 0 marks padding).
         With a cache: each token's key/value is written at index positions[b, t] of row b (indices outside
         [0, S) are dropped), then a query at position p attends to cache indices 0..p of its row (all S for
-        p >= S; none for p < 0, giving a zero attention output). The cache path reads each layer in chunks
+        p >= S; none for p < 0, giving a zero attention output). A sliding layer (`ModelConfig.layer_window`)
+        also drops keys more than its window behind the query, in both modes. The cache path reads each layer in chunks
         up to the largest position in the batch (`cache_attention.cached_attention`) and is forward-only.
         """
         out = self.hidden(tokens, positions, segment_ids, cache)
@@ -144,25 +152,34 @@ class Transformer(nnx.Module):
             segment_ids = jnp.asarray(segment_ids, jnp.int32)
             if segment_ids.shape != (b, t):
                 raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected {(b, t)} like tokens.")
-            attend = packed_attention(segment_ids, attention)  # masks built once, shared by every layer
+            attends = layer_attention(cfg, segment_ids, attention)  # masks built once, shared by the layers
 
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), rope_attention_scale(cfg))
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(cfg.dtype)
+        tables = rope_tables(cfg, positions)
+        ropes = [tables[cfg.layer_rope(i)] for i in range(cfg.num_layers)]
+        x = self.embed(tokens)
         if cache is None:
-            return self.final_norm(decoder_stack(self.layers, x, cos, sin, attend, remat, scan_layers))
+            return self.final_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers))
         s = cache.max_len
         rows = jnp.arange(b)[:, None]
         write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
-        ks, vs = [], []
-        for layer, k_layer, v_layer in zip(self.layers, cache.k, cache.v):
-            q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)
-            k_layer = k_layer.at[rows, write_at].set(k.astype(k_layer.dtype), mode="drop")
-            v_layer = v_layer.at[rows, write_at].set(v.astype(v_layer.dtype), mode="drop")
-            ks.append(k_layer)
-            vs.append(v_layer)
-            x = x + layer.attn.out(cached_attention(q, k_layer, v_layer, positions))
-            x = x + layer.mlp(layer.post_attn_norm(x))
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+            def attend(q, k, v, i=i):
+                ks[i] = ks[i].at[rows, write_at].set(k.astype(ks[i].dtype), mode="drop")
+                vs[i] = vs[i].at[rows, write_at].set(v.astype(vs[i].dtype), mode="drop")
+                return cached_attention(q, ks[i], vs[i], positions, window=cfg.layer_window(i))
+
+            x = layer(x, *ropes[i], attend)
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> the embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(hidden_size), rounded
+        to the parameter dtype as HF does)."""
+        cfg = self.cfg
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if cfg.gemma:
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        return x.astype(cfg.dtype)
 
     def unembed_matrix(self) -> jax.Array:
         """[hidden_size, vocab] in the param dtype: the tied embedding transposed, or lm_head."""
