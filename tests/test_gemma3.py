@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
 from areal_jax.models import Transformer, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
@@ -115,6 +116,48 @@ def test_our_gemma3_checkpoint_loads_in_transformers(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), _hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
+def test_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text decoder under text_config and under a
+    prefix (language_model.model.* on the hub, model.language_model.* as transformers names it in memory). Its
+    text-only logits equal the HF model's on text tokens, and re-saving writes a Gemma3ForCausalLM that
+    transformers loads with the same logits."""
+    text = dict(vocab_size=101, hidden_size=48, intermediate_size=88, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=5, max_position_embeddings=512,
+                layer_types=TYPES[:3], query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=100, boi_token_index=98, eoi_token_index=99)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name:
+                noise = torch.randn(p.shape, generator=gen)
+                p.copy_(0.1 * noise if name.endswith("norm.weight") else
+                        noise if p.ndim == 1 or "embed_tokens" in name else noise / p.shape[1] ** 0.5)
+    hf.save_pretrained(tmp_path / "hub")
+    tokens = _tokens(98, (2, 24), seed=4)  # text tokens only (no image placeholders)
+    ref = _hf_logits(hf, tokens)
+    ours = load_hf_checkpoint(tmp_path / "hub")
+    assert ours.cfg.architecture == "gemma3" and [ours.cfg.layer_window(i) for i in range(3)] == [5, None, 5]
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), ref, atol=1e-4, rtol=0)
+    # the in-memory names: model.language_model.*
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    tensors = read_safetensors_dir(tmp_path / "hub")
+    save_file({name.replace("language_model.model.", "model.language_model."): t for name, t in tensors.items()},
+              str(renamed / "model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(load_hf_checkpoint(renamed)(jnp.asarray(tokens))),
+                                  np.asarray(ours(jnp.asarray(tokens))))
+    save_hf_checkpoint(ours, tmp_path / "text")
+    text_only = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(text_only).__name__ == "Gemma3ForCausalLM"
+    np.testing.assert_allclose(_hf_logits(text_only, tokens), ref, atol=1e-4, rtol=0)
+
+
 def test_gemma3_bfloat16_compute_stays_close_to_float32(tmp_path):
     hf = _hf_model("gemma3", True, tmp_path, seed=6)
     tokens = _tokens(101, (2, 32), seed=3)
@@ -143,8 +186,18 @@ def test_hf_config_layouts():
                               ("hidden_activation", "gelu", "not supported for gemma3")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_dict({**gemma_1b, key: value})
-    with pytest.raises(ValueError, match="image-and-text"):
-        ModelConfig.from_hf_dict({**gemma_1b, "model_type": "gemma3"})
+    # gemma-3-4b-it's config.json: its text_config lists only what differs from transformers' defaults
+    gemma_4b = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                "sliding_window": 1024}}
+    cfg = ModelConfig.from_hf_dict(gemma_4b)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262_208)
+    assert cfg.rope_scaling == {"factor": 8.0, "rope_type": "linear"} and cfg.rope_local_theta == 10000
+    assert [i for i in range(34) if cfg.layer_window(i) is None] == [5, 11, 17, 23, 29]
+    assert cfg.layer_window(0) == 1024 and cfg.eos_token_id == (1, 106)
+    with pytest.raises(ValueError, match="needs a text_config"):
+        ModelConfig.from_hf_dict({"model_type": "gemma3"})
     # a window at least the context long changes nothing and is dropped (Mistral's kernels stay window-free)
     mistral = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 4096}

@@ -17,6 +17,14 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
+# their text_config that differ from these.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "bos_token_id": 2,
+    "eos_token_id": 1}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -251,11 +259,16 @@ class ModelConfig:
             archs = d.get("architectures") or []
             inverse = {v: k for k, v in _HF_CLASS.items()}
             model_type = next((inverse[a] for a in archs if a in inverse), None)
-        if model_type == "gemma3":
-            raise ValueError("model_type='gemma3' is Gemma 3's image-and-text model (Gemma3ForConditionalGeneration); "
-                             "only the text-only form is supported (model_type 'gemma3_text', Gemma3ForCausalLM, "
-                             "as google/gemma-3-1b-it).")
+        if model_type == "gemma3":  # the image-and-text model (4B and up): its text decoder, under text_config
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("model_type='gemma3' (Gemma3ForConditionalGeneration) needs a text_config dictionary "
+                                 "describing its text decoder; this config.json has none.")
+            outer = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+            return cls.from_hf_dict({**outer, **text, "model_type": "gemma3_text"}, dtype=dtype, param_dtype=param_dtype)
         model_type = {v: k for k, v in _HF_MODEL_TYPE.items()}.get(model_type, model_type)
+        if model_type == "gemma3":  # keys a Gemma 3 config.json leaves out take transformers' defaults
+            d = {**_GEMMA3_TEXT_DEFAULTS, **d}
         if model_type not in ARCHITECTURES:
             raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures="
                              f"{d.get('architectures')!r}; supported model types are "

@@ -121,6 +121,10 @@ def _state_path(keypath: tuple[Any, ...]) -> tuple[str | int, ...]:
     return tuple(k.key for k in keypath if isinstance(k, jax.tree_util.DictKey))
 
 
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+
+
 class _Reader:
     """Finds which safetensors file holds each tensor of a checkpoint directory and reads them."""
 
@@ -149,15 +153,26 @@ class _Reader:
                     for key in fh.keys():
                         self.weight_map[key] = os.path.basename(file)
         self._handles: dict[str, Any] = {}
+        # An image-and-text checkpoint (Gemma 3 4B and up) holds its decoder under a prefix: the hub's
+        # language_model.model.* / language_model.lm_head.*, or model.language_model.* as transformers names it in
+        # memory. Those tensors answer to the text model's own names; the vision tower's are never read.
+        self.names = {name: name for name in self.weight_map}
+        for name in self.weight_map:
+            for prefix, ours in _TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    self.names.setdefault(ours + name[len(prefix):], name)
+
+    def has(self, name: str) -> bool:
+        return name in self.names
 
     def file_of(self, name: str) -> str:
-        return os.path.join(self.path, self.weight_map[name])
+        return os.path.join(self.path, self.weight_map[self.names[name]])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self.names[name])
 
     def _handle(self, name: str) -> Any:
         file = self.file_of(name)
@@ -168,7 +183,8 @@ class _Reader:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
                        dtype: Any = None) -> Transformer:
-    """Loads an HF Qwen2 / Qwen3 / Llama checkpoint directory into a Transformer.
+    """Loads an HF Qwen2 / Qwen3 / Llama / Mistral / Gemma 3 checkpoint directory into a Transformer (of an
+    image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
 
     param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
     (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
@@ -191,7 +207,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
         entry = by_path.get(spath)
         if entry is None:
             raise RuntimeError(f"Parameter {'/'.join(map(str, spath))} has no HF tensor mapping.")
-        if entry.hf_name not in reader.weight_map:
+        if not reader.has(entry.hf_name):
             raise KeyError(f"Tensor {entry.hf_name!r} is missing from the checkpoint in {path!r}; config.json "
                            f"describes a {cfg.architecture} model that needs it.")
         got, want = reader.shape(entry.hf_name), entry.hf_shape(tuple(leaf.shape))
