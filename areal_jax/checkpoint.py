@@ -255,8 +255,17 @@ class CheckpointConfig(Section):
                             "holds the trainer only while the state is copied off the devices (it needs host memory "
                             "for a copy of the state until written; a save for which the host lacks it blocks, and "
                             "the job says so; areal_jax.checkpoint). False: the trainer waits for every write")
+    hf_every_steps: int = knob(0, "also write the policy as an HF directory (config, safetensors, tokenizer; a LoRA "
+                               "run's adapters merged) to RUN_DIR/hf/step_N every this many steps and after the "
+                               "last, in a background thread, for evaluation with other tools; 0 = never")
+    hf_keep: int = knob(0, "HF directories kept (the oldest deleted first); 0 = all")
+    hf_dtype: str = knob("auto", "tensor dtype of the HF directories: auto (the model's storage dtype), bfloat16 "
+                         "(half the bytes) or float32", choices=("auto", "bfloat16", "float32"))
 
     def check(self) -> None:
         require(self.every_steps >= 0, f"{self.key('every_steps')}={self.every_steps} must be >= 0 (0 = only at the end).")
         require(self.keep >= 1, f"{self.key('keep')}={self.keep} must be at least 1.")
         require(self.every_minutes >= 0, f"{self.key('every_minutes')}={self.every_minutes} must be >= 0 (0 = never).")
+        require(self.hf_every_steps >= 0,
+                f"{self.key('hf_every_steps')}={self.hf_every_steps} must be >= 0 (0 = never).")
+        require(self.hf_keep >= 0, f"{self.key('hf_keep')}={self.hf_keep} must be >= 0 (0 = keep all).")

@@ -46,7 +46,7 @@ PREVIOUS_DEFAULTS = {
     "eval.max_new_tokens": 64, "eval.samples": 8, "eval.start_samples": -1, "eval.num_slots": 256,
     "eval.decode_steps": 0,
     "checkpoint.every_steps": 10, "checkpoint.every_minutes": 0.0, "checkpoint.keep": 2, "checkpoint.resume": True,
-    "checkpoint.async_save": True,
+    "checkpoint.async_save": True, "checkpoint.hf_every_steps": 0, "checkpoint.hf_keep": 0, "checkpoint.hf_dtype": "auto",
     "log.every_steps": 1, "log.tensorboard": True, "log.timeline": True, "log.timeline_max_events": 1_000_000,
     "log.console": True, "log.param_digests": False, "log.wandb_project": "", "log.wandb_entity": "",
     "log.wandb_name": "", "log.wandb_mode": "online",
@@ -122,6 +122,7 @@ def test_int_is_accepted_for_a_float_and_stored_as_float():
     ({"eval__start_samples": -2}, "--config.eval.start_samples=-2 must be -1"),
     ({"checkpoint__keep": 0}, "--config.checkpoint.keep=0 must be at least 1"),
     ({"checkpoint__every_minutes": -1.0}, "--config.checkpoint.every_minutes=-1.0 must be >= 0"),
+    ({"checkpoint__hf_every_steps": -2}, "--config.checkpoint.hf_every_steps=-2 must be >= 0"),
     ({"data__task": "code", "reward__fn": "code", "reward__timeout_s": 30.0, "reward__code_time_limit_factor": -1.0},
      "--config.reward.code_time_limit_factor=-1.0 must be >= 0"),
 ])

@@ -247,16 +247,8 @@ def _plan_shards(sizes: list[int], max_shard_size: int | None) -> list[list[int]
     return shards
 
 
-def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard_size: int | None = None,
-                       dtype: Any = None) -> None:
-    """Writes `model` as an HF checkpoint directory that transformers' from_pretrained loads.
-
-    Files: config.json and model.safetensors, or, when the weights exceed max_shard_size bytes,
-    model-0000i-of-0000n.safetensors plus model.safetensors.index.json. dtype: tensor dtype on disk
-    (default: the model's param_dtype). Sharded and multi-host arrays are gathered one tensor at a time;
-    only process 0 writes.
-    """
-    path = os.fspath(path)
+def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[_Entry], dict, np.dtype, list[int]]:
+    """(config.json dictionary, tensor table, the model's parameters by path, dtype on disk, bytes per tensor)."""
     cfg: ModelConfig = model.cfg
     save_dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
     hf_config = cfg.to_hf_dict()
@@ -267,8 +259,14 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard
     if missing:
         raise ValueError(f"Model state lacks parameters {missing}; it does not match its config.")
     sizes = [int(np.prod(flat[e.path].shape)) * save_dtype.itemsize for e in entries]
+    return hf_config, entries, flat, save_dtype, sizes
+
+
+def _write_files(path: str, hf_config: dict, names: list[str], sizes: list[int], tensor, writer: bool,
+                 max_shard_size: int | None) -> None:
+    """Writes config.json and the safetensors file(s) of `names` (tensor(i): the i-th one on the host, called
+    on every process in order: gathers may need all of them), one shard in memory at a time."""
     plan = _plan_shards(sizes, max_shard_size)
-    writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
         for stale in [INDEX_FILE, SINGLE_FILE] + [f for f in os.listdir(path) if _SHARD_PATTERN.fullmatch(f)]:
@@ -281,15 +279,60 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard
         file = SINGLE_FILE if len(plan) == 1 else f"model-{n + 1:05d}-of-{len(plan):05d}.safetensors"
         tensors = {}
         for i in group:
-            e = entries[i]
-            tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype)))
-            weight_map[e.hf_name] = file
+            tensors[names[i]] = tensor(i)
+            weight_map[names[i]] = file
         if writer:
             save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
     if writer and len(plan) > 1:
         with open(os.path.join(path, INDEX_FILE), "w") as fh:
             json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, fh, indent=2,
                       sort_keys=True)
+
+
+def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard_size: int | None = None,
+                       dtype: Any = None) -> None:
+    """Writes `model` as an HF checkpoint directory that transformers' from_pretrained loads.
+
+    Files: config.json and model.safetensors, or, when the weights exceed max_shard_size bytes,
+    model-0000i-of-0000n.safetensors plus model.safetensors.index.json. dtype: tensor dtype on disk
+    (default: the model's param_dtype). Sharded and multi-host arrays are gathered one tensor at a time;
+    only process 0 writes.
+    """
+    hf_config, entries, flat, save_dtype, sizes = _hf_layout(model, dtype)
+
+    def tensor(i: int) -> np.ndarray:
+        e = entries[i]
+        return np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype)))
+
+    _write_files(os.fspath(path), hf_config, [e.hf_name for e in entries], sizes, tensor,
+                 jax.process_index() == 0, max_shard_size)
+
+
+@dataclass(frozen=True)
+class HostCheckpoint:
+    """An HF checkpoint held in host memory (`host_checkpoint`), to be written later, e.g. by another thread."""
+
+    config: dict
+    names: list[str]
+    tensors: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def write(self, path: str | os.PathLike, max_shard_size: int | None = None) -> None:
+        """The checkpoint directory, as `save_hf_checkpoint` writes it."""
+        _write_files(os.fspath(path), self.config, self.names, [t.nbytes for t in self.tensors],
+                     lambda i: self.tensors[i], True, max_shard_size)
+
+
+def host_checkpoint(model: Transformer, dtype: Any = None) -> HostCheckpoint:
+    """Every tensor of `model` copied to the host in HF's layout and `dtype` (default: its param_dtype), with
+    its config.json: a snapshot the model's later updates do not change. Every process must call it
+    (multi-host arrays are gathered)."""
+    hf_config, entries, flat, save_dtype, _ = _hf_layout(model, dtype)
+    tensors = [np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype))) for e in entries]
+    return HostCheckpoint(hf_config, [e.hf_name for e in entries], tensors)
 
 
 def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:

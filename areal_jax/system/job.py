@@ -31,6 +31,7 @@ from areal_jax.sampler.turns import FeedbackTurns, repair_turn_notes
 from areal_jax.system import gather, runner, user_errors
 from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
+from areal_jax.system.hf_export import HFExporter
 from areal_jax.system.interfaces import ManagedSampler
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
@@ -158,6 +159,9 @@ class RLJob:
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
                                          on_written=self._checkpoint_written, log=log_fn)  # every host's own
         close_later.callback(self.checkpointer.close)
+        self.hf_export = HFExporter(c.run_dir, self.tokenizer, c.checkpoint, log=log_fn,
+                                    lora_scale=None if lora_cfg is None else lora_cfg.scale)
+        close_later.callback(self.hf_export.close)
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
         close_later.callback(self.sample_log.close)
         self._digest_log = None
@@ -352,14 +356,17 @@ class RLJob:
                 self.evaluate(f"step{step}")
             if self.checkpoint_clock.due(step):
                 self.save_checkpoint()
+            self.hf_export.maybe_export(lambda: nnx.merge(self.graphdef, self.trainer.params), step)
         interrupted = self.stop.requested.is_set()
         self.controller.stop()
         self.sampler.stop(graceful=False)
         wall = time.perf_counter() - t_start
         self.save_checkpoint()
+        self.hf_export.maybe_export(lambda: nnx.merge(self.graphdef, self.trainer.params), self.trainer.version, True)
         if not interrupted and c.eval.at_end:
-            self.evaluate("end")  # beside the last checkpoint's write
+            self.evaluate("end")  # beside the last checkpoint's (and HF directory's) write
         self.checkpointer.wait()
+        self.hf_export.wait()
         return self._summary(history, wall, interrupted)
 
     def _summary(self, history: list[dict], wall: float, interrupted: bool) -> dict:
