@@ -30,6 +30,9 @@
 #   trainer_long  0.5B at micro_batch_tokens 65536 with remat full, and one 32,768-token trajectory (~3 min).
 #   checkpoint05  the train state of the 0.5B shape (5.5 GiB, float32 params + AdamW) saved every 2 updates, in the
 #              background (checkpoint.async_save) against saves the trainer waits for, each mode twice (~6 min).
+#   sliding    Gemma 3's layout (5 sliding layers of 6, window 512, gemma-3-1b's heads), bf16: a decode step of 128
+#              rows at depths up to 16,384 with each sliding layer reading its window against the whole context, the
+#              dense cache and the paged one (benchmarks/sliding_window.py) (~1 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -170,6 +173,9 @@ EOF
       --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
     step trainer05_traj32k 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
       --trajectory-len 32768 --micro-batch-tokens 32768 --remat full --skip-recompute --skip-hf --repeats 2
+    ;;
+  sliding)
+    step sliding 120 $PY benchmarks/sliding_window.py --dtype bfloat16 --context 16384 --rows 128 --page-size 16
     ;;
   checkpoint05)
     step checkpoint05 420 $PY benchmarks/checkpoint.py --preset qwen2.5-0.5b --updates 4 --every 2 --dir "$WORK/ckpt"

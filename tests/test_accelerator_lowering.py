@@ -30,14 +30,16 @@ def spec(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("platform,heads,head_dim", [("cuda", (14, 2), 64), ("cuda", (12, 2), 128),
-                                                    ("tpu", (14, 2), 64), ("tpu", (12, 2), 128)])
-def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head_dim):
+@pytest.mark.parametrize("platform,heads,head_dim,window", [
+    ("cuda", (14, 2), 64, None), ("cuda", (12, 2), 128, None), ("tpu", (14, 2), 64, None),
+    ("tpu", (12, 2), 128, None),
+    ("cuda", (4, 1), 256, 512), ("tpu", (4, 1), 256, 512)])  # gemma-3-1b's heads and sliding window
+def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head_dim, window):
     (h, kv), t = heads, 2048
     attend = flash_attention if platform == "cuda" else splash_attention
 
     def loss(q, k, v, seg):
-        return attend(q, k, v, seg, interpret=False).astype(jnp.float32).sum()
+        return attend(q, k, v, seg, interpret=False, window=window).astype(jnp.float32).sum()
 
     shapes = (spec((2, t, h, head_dim)), spec((2, t, kv, head_dim)), spec((2, t, kv, head_dim)),
               spec((2, t), jnp.int32))

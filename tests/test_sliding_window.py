@@ -151,6 +151,23 @@ def test_cache_attention_with_a_window_equals_the_reference(chunk):
                 np.testing.assert_allclose(got[r, i], want, atol=2e-5)
 
 
+def test_windowed_decode_reads_only_the_window_and_equals_the_chunked_path():
+    from areal_jax.models.cache_attention import _attend_chunks, window_decode_attention
+
+    rng = np.random.default_rng(11)
+    b, s, h, kv, dh, window = 4, 200, 4, 1, 16, 20
+    kc, vc = (jnp.asarray(rng.normal(size=(b, s, kv, dh)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(b, 1, h, dh)), jnp.float32)
+    pos = jnp.asarray([[150], [3], [-1], [199]], jnp.int32)
+    want = _attend_chunks(q, kc, vc, pos, 40, window=window)  # every chunk up to the largest position
+    np.testing.assert_allclose(np.asarray(window_decode_attention(q, kc, vc, pos, window)), np.asarray(want),
+                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(cached_attention(q, kc, vc, pos, window=window)), np.asarray(want),
+                               atol=2e-5)
+    program = jax.jit(lambda *a: cached_attention(*a, window=window)).lower(q, kc, vc, pos).as_text()
+    assert "while" not in program  # one gather of 24 positions per row, no loop over the 200-position cache
+
+
 def test_paged_gather_with_a_window_equals_the_dense_cache():
     rng = np.random.default_rng(6)
     b, ps, per_row, kv, dh, h = 2, 4, 6, 2, 8, 4
@@ -167,6 +184,12 @@ def test_paged_gather_with_a_window_equals_the_dense_cache():
     got = gather_attention(q, cache, 0, jnp.asarray(table), pos, window=6)
     want = cached_attention(q, jnp.asarray(dense_k), jnp.asarray(dense_v), pos, window=6)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    # decode: only the pages the window reaches are gathered (3 of 6 here), at any position, inactive rows too
+    for p0, p1 in [(17, 21), (0, 3), (23, -1), (5, 9)]:
+        pos1 = jnp.asarray([[p0], [p1]], jnp.int32)
+        got = gather_attention(q[:, :1], cache, 0, jnp.asarray(table), pos1, window=6)
+        want = cached_attention(q[:, :1], jnp.asarray(dense_k), jnp.asarray(dense_v), pos1, chunk_size=24, window=6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, err_msg=str((p0, p1)))
     unwindowed = cached_attention(q, jnp.asarray(dense_k), jnp.asarray(dense_v), pos)
     assert np.abs(np.asarray(unwindowed) - np.asarray(want)).max() > 1e-2  # the window has teeth
 

@@ -136,8 +136,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
     holding this call's keys and values; positions: [B, T] int32. Query (b, t) attends cache indices
     0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0: such a query
-    gets zeros); with a sliding `window`, only indices above positions[b, t] - window. Returns [B, T, H, Dh] in
-    q's dtype.
+    gets zeros); with a sliding `window`, only indices above positions[b, t] - window (a decode call then reads
+    only each row's window: `window_decode_attention`). Returns [B, T, H, Dh] in q's dtype.
 
     The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
     softmax: the layer is never transposed or repeated per kv head (and, in one chunk, never copied), and the
@@ -161,6 +161,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     chunk = cache_chunk_size(s) if chunk_size is None else min(int(chunk_size), s)
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    if window is not None and t == 1 and window_span(window) < s:
+        return window_decode_attention(q, k_cache, v_cache, positions, window)
     if counted is None:
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)
@@ -171,6 +173,25 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
     out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted, window), (qs, ps))
     return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
+
+
+def window_span(window: int) -> int:
+    """Cache positions a decode query of a sliding layer reads: its window, rounded up to a multiple of 8."""
+    return -(-int(window) // 8) * 8
+
+
+def window_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                            window: int) -> jax.Array:
+    """`cached_attention` of one query per row in a sliding layer: each row reads only the `window_span` cache
+    positions ending at its own position (one gather per row), so the cost follows the window, not the context
+    or the cache's length. q: [B, 1, H, Dh]; positions [B, 1]."""
+    b, s = k_cache.shape[:2]
+    span = min(s, window_span(window))
+    start = jnp.clip(positions[:, 0] - span + 1, 0, s - span)  # [B]
+    index = start[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, span]
+    rows = jnp.arange(b)[:, None]
+    return _attend_chunks(q, k_cache[rows, index], v_cache[rows, index], positions - start[:, None], span,
+                          window=window)
 
 
 def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,

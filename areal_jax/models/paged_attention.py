@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.models.cache_attention import window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables
 from areal_jax.models.transformer import cache_dtype
@@ -115,9 +116,16 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
 
     q: [B, T, H, Dh] (RoPE applied); cache already holding this call's keys / values; page_table [B, P];
     positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
-    zeros; with a sliding window only those above positions[b, t] - window). Returns [B, T, H, Dh] in q's
-    dtype, with a float32 softmax."""
+    zeros; with a sliding window only those above positions[b, t] - window, and a decode call gathers only the
+    pages that window reaches). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
     b, t, h, dh = q.shape
+    ps, per_row = cache.page_size, page_table.shape[1]
+    if window is not None and t == 1:  # decode in a sliding layer: only the pages its window reaches
+        span = min(per_row, (window_span(window) + ps - 2) // ps + 1)
+        if span < per_row:
+            first = jnp.clip((positions[:, 0] - window + 1) // ps, 0, per_row - span)  # [B]
+            table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(span)[None, :], axis=1)
+            return gather_attention(q, cache, layer, table, positions - first[:, None] * ps, window)
     k, v = gather_rows(cache.k[layer], page_table), gather_rows(cache.v[layer], page_table)
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
@@ -210,7 +218,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     dropped), then attention reads positions 0..p of the row (a sliding layer: its window). Returns
     (final-norm hidden states [B, T, D] in the compute dtype, the new cache). path: "gather" or "kernel" (T
     must be 1), default ``default_path(head_dim)``; platform: whose kernel "kernel" runs
-    (``kernel_attention``). JAX's paged kernels take no window: sliding layers read through the gathered view
+    (``kernel_attention``). JAX's paged kernels take no window: sliding layers gather their window's pages
     on either path."""
     cfg = model.cfg
     b, t = tokens.shape
