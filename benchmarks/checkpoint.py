@@ -21,7 +21,6 @@ The last line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -95,7 +94,7 @@ def one_run(args) -> dict:
     dev = jax.devices()[0]
     cfg = loadgen.model_config(args.preset, args.seq_len, "float32")
     if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+        cfg = cfg.with_layers(args.layers)
     meshes = build_meshes(MeshConfig(), devices=[dev])
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tcfg = TrainerConfig(micro_batch_tokens=max(args.seq_len * args.seqs, 256), warm_up=False,

@@ -18,11 +18,10 @@ def run_hf(args, cfg, path: str | None, prompts, lengths, batch: int) -> tuple[f
     if path is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
-        hf_cfg = transformers.Qwen2Config(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_position_embeddings, rope_theta=1e6, tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype)
+        fields = cfg.to_hf_dict()  # the same architecture and shape (Qwen2, Gemma 3, ...)
+        fields.pop("architectures")
+        hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(dtype)
     model = model.to(device).eval()
     model.generation_config.eos_token_id = None
 

@@ -30,15 +30,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from areal_jax.system.loadgen import MODEL_SHAPES  # noqa: E402
 from benchmarks.common import add_model_args, best_seconds, matmul_peak_gflops, model_config  # noqa: E402
 
-# Qwen2.5 shapes (config.json of the instruct checkpoints); tied embeddings.
-QWEN = {
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                 num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                 num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
-}
+# Qwen2.5 shapes (areal_jax.system.loadgen.MODEL_SHAPES); tied embeddings.
+QWEN = {size: {k: v for k, v in MODEL_SHAPES[f"qwen2.5-{size}"].items() if k != "architecture"}
+        for size in ("0.5b", "1.5b")}
 
 
 def byte_table(cfg, lcfg) -> dict:

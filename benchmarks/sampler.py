@@ -41,17 +41,18 @@ from areal_jax.models import load_hf_checkpoint
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.config import default_standby_rows, prompt_bucket
 from areal_jax.sampler.paged_engine import PagedEngine
+from areal_jax.system.loadgen import shape_config
 from areal_jax.testing import models as testing
 
-# Qwen2.5-0.5B / -1.5B shapes (tied embeddings, q/k/v bias, RoPE theta 1e6) and the workload that goes with them.
+# Model shapes (areal_jax.system.loadgen.MODEL_SHAPES) and the workload that goes with each.
 PRESETS = {
     "tiny": dict(model=None, dtype="float32", slots=64, prompts=192, median=16, cap=128, prompt_len=(8, 48)),
-    "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                                    num_heads=14, num_kv_heads=2, head_dim=64),
-                         dtype="bfloat16", slots=256, prompts=1024, median=256, cap=1024, prompt_len=(64, 128)),
-    "qwen2.5-1.5b": dict(model=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                                    num_heads=12, num_kv_heads=2, head_dim=128),
-                         dtype="bfloat16", slots=128, prompts=256, median=1024, cap=16384, prompt_len=(64, 128)),
+    "qwen2.5-0.5b": dict(model="qwen2.5-0.5b", dtype="bfloat16", slots=256, prompts=1024, median=256, cap=1024,
+                         prompt_len=(64, 128)),
+    "qwen2.5-1.5b": dict(model="qwen2.5-1.5b", dtype="bfloat16", slots=128, prompts=256, median=1024, cap=16384,
+                         prompt_len=(64, 128)),
+    "gemma3-1b": dict(model="gemma3-1b", dtype="bfloat16", slots=256, prompts=1024, median=256, cap=1024,
+                      prompt_len=(64, 128)),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -110,12 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace):
     dtype, max_len = DTYPES[args.dtype], args.prompt_len[1] + args.max_new_tokens
-    fields = PRESETS[args.preset]["model"]
-    if fields is None:
+    shape = PRESETS[args.preset]["model"]
+    if shape is None:
         return model_config(args, dtype=dtype, param_dtype=dtype, max_position_embeddings=max(4096, max_len))
-    return testing.tiny_config("qwen2", **fields, rope_theta=1e6, tie_word_embeddings=True, dtype=dtype,
-                               param_dtype=dtype, max_position_embeddings=max(32768, max_len), bos_token_id=None,
-                               eos_token_id=None)
+    return shape_config(shape, max_len=max_len, dtype=args.dtype, param_dtype=args.dtype)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from sampler import DTYPES, PRESETS
 
 from areal_jax.models import cache_attention
-from areal_jax.models.config import ModelConfig
 from areal_jax.sampler import engine as engine_module
 from areal_jax.sampler import memory as sampler_memory
 from areal_jax.sampler.config import RolloutConfig
+from areal_jax.system.loadgen import shape_config
 
 GiB = 2**30
 
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     preset = PRESETS[args.preset]
     dtype = DTYPES[args.dtype or preset["dtype"]]
     max_len = args.max_len or -(-(preset["prompt_len"][1] + preset["cap"]) // 128) * 128
-    cfg = ModelConfig(architecture="qwen2", attention_bias=True, tie_word_embeddings=True, rope_theta=1e6,
-                      dtype=dtype, param_dtype=dtype, max_position_embeddings=max(32768, max_len), **preset["model"])
+    name = jnp.dtype(dtype).name
+    cfg = shape_config(preset["model"], max_len=max_len, dtype=name, param_dtype=name)
     r = RolloutConfig(num_slots=args.num_slots or preset["slots"], group_size=1, max_len=max_len,
                       decode_steps=args.decode_steps, on_update=args.on_update).for_prompts(preset["prompt_len"][1])
     longest = sampler_memory.longest_prefill(r, preset["prompt_len"][1])

@@ -49,27 +49,20 @@ from torch_baseline import hf_step, torch_device  # noqa: E402
 
 from areal_jax.models import load_hf_checkpoint  # noqa: E402
 from areal_jax.models.config import ModelConfig  # noqa: E402
+from areal_jax.system.loadgen import MODEL_SHAPES, shape_config  # noqa: E402
 from areal_jax.testing import models as testing  # noqa: E402
 from areal_jax.trainer import Trainer, TrainerConfig, Trajectory  # noqa: E402
 from areal_jax.trainer.batch import split_minibatches  # noqa: E402
 
-# Model shapes of the Hugging Face configs of Qwen/Qwen2.5-{0.5B,1.5B,7B} (q/k/v bias, RoPE theta 1e6;
-# the two small ones tie their embeddings) and the workload of the trainer issue for each: trajectories,
-# prompt lengths, completion median / cap (log-normal, sigma 1), micro_batch_tokens, logits_chunk.
-PRESETS = {
-    "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                                    num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
-                         workload=dict(num_seqs=128, prompt_len=(64, 128), median_completion=256,
-                                       max_completion=1024, micro_batch_tokens=16384, logits_chunk=4096)),
-    "qwen2.5-1.5b": dict(model=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                                    num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
-                         workload=dict(num_seqs=64, prompt_len=(64, 128), median_completion=256,
-                                       max_completion=1024, micro_batch_tokens=16384, logits_chunk=4096)),
-    "qwen2.5-7b": dict(model=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-                                  num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
-                       workload=dict(num_seqs=32, prompt_len=(64, 128), median_completion=256,
-                                     max_completion=1024, micro_batch_tokens=8192, logits_chunk=2048)),
-}
+# The model shapes of areal_jax.system.loadgen.MODEL_SHAPES and the workload of the trainer issue for each:
+# trajectories, prompt lengths, completion median / cap (log-normal, sigma 1), micro_batch_tokens, logits_chunk.
+_SMALL = dict(num_seqs=128, prompt_len=(64, 128), median_completion=256, max_completion=1024, micro_batch_tokens=16384,
+              logits_chunk=4096)
+_MEDIUM = dict(_SMALL, num_seqs=64)
+_LARGE = dict(num_seqs=32, prompt_len=(64, 128), median_completion=256, max_completion=1024, micro_batch_tokens=8192,
+              logits_chunk=2048)
+PRESETS = {"qwen2.5-0.5b": dict(workload=_SMALL), "qwen2.5-1.5b": dict(workload=_MEDIUM),
+           "qwen2.5-7b": dict(workload=_LARGE), "gemma3-1b": dict(workload=_SMALL), "gemma3-4b": dict(workload=_MEDIUM)}
 TINY_WORKLOAD = dict(num_seqs=64, prompt_len=(16, 64), median_completion=64, max_completion=256,
                      micro_batch_tokens=1024, logits_chunk=256)
 # --toy: a preset's head layout and embedding tying at a size that runs in seconds (the smoke test).
@@ -129,12 +122,12 @@ def bench_model_config(args: argparse.Namespace) -> ModelConfig:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset == "tiny":
         return model_config(args, dtype=dtype)
-    fields = dict(PRESETS[args.preset]["model"])
+    fields = {}
     if args.toy:
-        fields.update(TOY_MODEL, hidden_size=fields["num_heads"] * 16, intermediate_size=fields["num_heads"] * 40)
-    max_pos = max(4096, args.trajectory_len or 0, args.prompt_len[1] + args.max_completion)
-    return testing.tiny_config("qwen2", **fields, rope_theta=1e6, max_position_embeddings=max_pos,
-                               eos_token_id=None, dtype=dtype, param_dtype=jnp.float32)
+        heads = MODEL_SHAPES[args.preset]["num_heads"]
+        fields = dict(TOY_MODEL, hidden_size=heads * 16, intermediate_size=heads * 40)
+    max_len = max(4096, args.trajectory_len or 0, args.prompt_len[1] + args.max_completion)
+    return shape_config(args.preset, max_len=max_len, dtype=jnp.dtype(dtype).name, param_dtype="float32", **fields)
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> list[Trajectory]:

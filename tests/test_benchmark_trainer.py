@@ -59,3 +59,16 @@ def test_one_long_trajectory_with_remat_and_flash_attention():
     assert report["tokens_per_s"]["jax_loglinear"] > 0
     assert report["tokens_per_s"]["jax_recompute"] is None and report["tokens_per_s"]["hf_torch"] is None
     assert report["speedup_vs_hf"] is None
+
+
+@pytest.mark.slow
+def test_gemma_preset_at_toy_size_against_the_same_device_baseline():
+    """Gemma 3's layout (a sliding layer and a global one at toy size) through the update and the HF + PyTorch
+    step built from the same shape (Gemma3ForCausalLM)."""
+    report, text = run("--preset", "gemma3-1b", "--sequential", "--skip-recompute", "--dtype", "float32")
+    assert report["preset"] == "gemma3-1b" and report["toy"] and report["hf_note"] is None
+    d, f, hd = 4 * 16, 4 * 40, 16  # gemma3-1b's 4 query heads / 1 kv head, head_dim 16 at toy size
+    layer = d * 4 * hd * 2 + d * hd * 2 + 2 * hd + 3 * d * f + 4 * d
+    assert report["params"] == 2 * layer + 512 * d + d
+    assert report["tokens_per_s"]["jax_loglinear"] > 0 and report["tokens_per_s"]["hf_torch"] > 0
+    assert "HF transformers + PyTorch (cpu)" in text

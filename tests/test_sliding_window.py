@@ -204,6 +204,8 @@ def test_per_layer_windows_and_rope_tables():
                       layer_types=("sliding_attention", "full_attention", "sliding_attention"), **base)
     assert [cfg.layer_window(i) for i in range(3)] == [4, None, 4]
     assert [cfg.layer_rope(i) for i in range(3)] == ["local", "global", "local"]
+    probe = cfg.with_layers(5)  # what the memory plan compiles: full attention bounds a window's memory
+    assert probe.num_layers == 5 and all(probe.layer_window(i) is None for i in range(5))
     assert ModelConfig(architecture="qwen2", **base).layer_window(0) is None
     with pytest.raises(ValueError, match="layer_types must hold num_layers=3"):
         ModelConfig(architecture="qwen2", sliding_window=4, layer_types=("full_attention",), **base)

@@ -236,6 +236,11 @@ class ModelConfig:
             return 1.0
         return math.sqrt(self.head_dim / float(self.query_pre_attn_scalar))
 
+    def with_layers(self, n: int) -> ModelConfig:
+        """This model with `n` decoder layers, all of full attention: what memory probes compile and extrapolate
+        from (a sliding window never needs more memory than full attention, so they bound the real model)."""
+        return self.replace(num_layers=n, layer_types=None, sliding_window=None)
+
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **kwargs)

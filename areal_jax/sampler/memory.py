@@ -69,7 +69,7 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}.")
-    small = dataclasses.replace(model_cfg, num_layers=layers)
+    small = model_cfg.with_layers(layers)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0))))
     if rollout.param_dtype != "same":
         cast = jnp.dtype(rollout.param_dtype)

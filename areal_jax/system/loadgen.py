@@ -1,6 +1,8 @@
 """Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
 
-- `PRESETS`: Qwen2.5-shaped model configs (random weights) and the rollout sizes that go with them;
+- `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B and Gemma 3 1B / 4B (text), as
+  ModelConfigs for random weights: every benchmark's presets name one;
+- `PRESETS`: those shapes (and a tiny one) with the rollout sizes that go with them;
 - `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
 - `ForcedLengths`: wraps a SamplerLoop so each request generates exactly its drawn length (no stop
   token), which is how a random-weight model is made to behave like a reasoning model's long tail;
@@ -24,31 +26,69 @@ if TYPE_CHECKING:
     from areal_jax.sampler.requests import Request
 
 
-# Model shapes follow the Hugging Face configs of Qwen/Qwen2.5-0.5B and -1.5B (tied embeddings,
-# q/k/v bias, RoPE theta 1e6); the rollout sizes are what the benchmark uses unless flags say otherwise.
+# The Hugging Face configs of Qwen/Qwen2.5-{0.5B,1.5B,7B} (q/k/v bias, RoPE theta 1e6; the two small ones tie
+# their embeddings) and of google/gemma-3-1b-it and the text decoder of gemma-3-4b-it (sliding layers between
+# every sixth global one, their own RoPE base, linear RoPE scaling on 4B's global layers).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(architecture="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+    "gemma3-1b": dict(architecture="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, tie_word_embeddings=True,
+                      sliding_window=512),
+    "gemma3-4b": dict(architecture="gemma3", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                      num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, tie_word_embeddings=True,
+                      sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+}
+
+
+def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtype: str = "float32",
+                 **overrides: Any):
+    """The ModelConfig of MODEL_SHAPES[name] for random weights (no BOS / EOS: lengths are forced), with
+    `overrides` applied (e.g. num_layers; Gemma's layer types follow the layer count)."""
+    import jax.numpy as jnp
+
+    from areal_jax.models.config import ModelConfig
+
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"Unknown model shape {name!r}; choose one of {', '.join(MODEL_SHAPES)}.")
+    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    fields = dict(MODEL_SHAPES[name], rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+                  max_position_embeddings=max(32768, max_len), dtype=dtypes[dtype], param_dtype=dtypes[param_dtype])
+    if fields["architecture"] == "qwen2":
+        fields.update(attention_bias=True, rope_theta=1e6)
+    else:
+        fields.update(qk_norm=True, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256.0)
+    fields.update(overrides)
+    if fields["architecture"] == "gemma3":
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                      for i in range(fields["num_layers"]))
+    return ModelConfig(**fields)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(model=dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
                  dtype="float32", median=24, cap=64, slots=32, group_size=4, batch_groups=4, steps=6),
-    "qwen2.5-0.5b": dict(model=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                                    num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
-                                    rope_theta=1e6),
-                         dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
-    "qwen2.5-1.5b": dict(model=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                                    num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True,
-                                    rope_theta=1e6),
-                         dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=4),
+    "qwen2.5-0.5b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
+    "qwen2.5-1.5b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=4),
+    "gemma3-1b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
 }
 
 
 def model_config(preset: str, max_len: int, dtype: str):
-    """The ModelConfig of `preset` (qwen2 architecture, float32 params, compute `dtype`, no EOS)."""
+    """The ModelConfig of `preset` (float32 params, compute `dtype`, no EOS)."""
     import jax.numpy as jnp
 
     from areal_jax.models.config import ModelConfig
 
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    if preset in MODEL_SHAPES:
+        return shape_config(preset, max_len=max_len, dtype=dtype)
     fields = dict(architecture="qwen2", rms_norm_eps=1e-6, attention_bias=True, bos_token_id=None,
                   eos_token_id=None, max_position_embeddings=max(32768, max_len), param_dtype=jnp.float32,
                   dtype={"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])

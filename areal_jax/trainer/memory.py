@@ -125,7 +125,7 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     build(model_cfg) makes the model (with adapters, for LoRA); it runs under nnx.eval_shape, so no
     parameter is allocated. Compiles one small program. remat "auto" is measured as "none". None where the
     backend gives no memory analysis."""
-    small = dataclasses.replace(model_cfg, num_layers=layers)
+    small = model_cfg.with_layers(layers)
     if cfg.remat == "auto":
         cfg = dataclasses.replace(cfg, remat="none")
     graphdef, params, other = nnx.split(nnx.eval_shape(lambda: build(small)), wrt, ...)

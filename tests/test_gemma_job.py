@@ -1,0 +1,58 @@
+"""A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms): the memory
+plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour log-prob
+the sampler recorded equals a full forward of the policy version that generated it."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.data.math_tokenizer import build_math_tokenizer
+from areal_jax.models import load_hf_checkpoint
+from areal_jax.system.job import RLJob
+from areal_jax.testing.models import tiny_config as tiny_model_config
+from areal_jax.testing.models import write_random_hf_checkpoint
+from areal_jax.testing.tiny import tiny_config
+
+
+def test_a_run_on_a_sliding_window_model(tmp_path):
+    tok = build_math_tokenizer()
+    model_dir = str(tmp_path / "gemma")
+    cfg = tiny_model_config("gemma3", num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, sliding_window=6, tie_word_embeddings=True)
+    assert [cfg.layer_window(i) for i in range(3)] == [6, None, 6]
+    write_random_hf_checkpoint(model_dir, cfg, seed=0)
+    tok.save_pretrained(model_dir)
+    c = tiny_config(str(tmp_path), eta=1, steps=2)
+    c.model.path = model_dir
+    c.rollout.max_new_tokens = 16  # completions run past the window
+    c.checkpoint.hf_every_steps = 2
+    lines, trained = [], []
+    job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    update = job.trainer.update
+
+    def recording(trajectories):  # what the trainer receives: the sampler's tokens, log-probs and versions
+        trained.extend(trajectories)
+        return update(trajectories)
+
+    job.trainer.update = recording
+    try:
+        summary = job.run()
+    finally:
+        job.close()
+    assert summary["steps"] == 2 and any("Device memory" in line for line in lines)
+    assert trained and max(len(t.tokens) - t.prompt_len for t in trained) > 6
+    # the behaviour log-probs of version-0 tokens equal a full forward of the starting checkpoint
+    start = load_hf_checkpoint(model_dir)
+    checked = 0
+    for t in trained:
+        if np.asarray(t.versions).max() != 0:
+            continue
+        seq, n = np.asarray(t.tokens, np.int32), t.prompt_len
+        logp = jax.nn.log_softmax(start(jnp.asarray(seq[None]))[0], axis=-1)
+        want = np.asarray(logp[n - 1:-1])[np.arange(len(seq) - n), seq[n:]]
+        np.testing.assert_allclose(t.behav_logp, want, atol=2e-4)
+        checked += 1
+    assert checked >= 2
+    exported = load_hf_checkpoint(os.path.join(c.run_dir, "hf", "step_2"))
+    assert exported.cfg.layer_types == cfg.layer_types and exported.cfg.sliding_window == 6
