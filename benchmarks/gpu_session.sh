@@ -33,6 +33,8 @@
 #   sliding    Gemma 3's layout (5 sliding layers of 6, window 512, gemma-3-1b's heads), bf16: a decode step of 128
 #              rows at depths up to 16,384 with each sliding layer reading its window against the whole context, the
 #              dense cache and the paged one (benchmarks/sliding_window.py) (~1 min).
+#   gemma1b    the gemma3-1b shape (sliding layers, 262k vocabulary), bf16: the update against HF + PyTorch on the same
+#              GPU, and the sampler's steady state against HF generate (~5 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -173,6 +175,13 @@ EOF
       --micro-batch-tokens 65536 --remat full --skip-recompute --skip-hf --repeats 2
     step trainer05_traj32k 120 $PY benchmarks/trainer.py --preset qwen2.5-0.5b --dtype bfloat16 \
       --trajectory-len 32768 --micro-batch-tokens 32768 --remat full --skip-recompute --skip-hf --repeats 2
+    ;;
+  gemma1b)
+    step gemma_trainer 150 $PY benchmarks/trainer.py --preset gemma3-1b --dtype bfloat16 --skip-recompute --repeats 3 \
+      --attention "$ATTN" --skip-hf
+    step gemma_trainer_torch 100 $PY benchmarks/trainer.py --preset gemma3-1b --dtype bfloat16 --skip-jax --repeats 3
+    step gemma_sampler 200 $PY benchmarks/sampler.py --preset gemma3-1b --dtype bfloat16 --num-slots 256 \
+      --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   sliding)
     step sliding 120 $PY benchmarks/sliding_window.py --dtype bfloat16 --context 16384 --rows 128 --page-size 16
