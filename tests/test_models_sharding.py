@@ -47,7 +47,8 @@ def test_shardings_follow_state_structure():
 
 
 @pytest.mark.parametrize("arch,axis_type", [("qwen2", AxisType.Auto), ("qwen3", AxisType.Explicit),
-                                            ("llama", AxisType.Auto), ("gemma3", AxisType.Auto)])
+                                            ("llama", AxisType.Auto), ("gemma3", AxisType.Auto),
+                                            ("olmo3", AxisType.Explicit)])
 def test_sharded_forward_matches_single_device(arch, axis_type):
     mesh = _mesh(axis_type)
     cfg = tiny_config(arch, tie_word_embeddings=arch == "qwen3")

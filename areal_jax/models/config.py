@@ -1,5 +1,5 @@
-"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3) and HF
-config.json I/O."""
+"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3, OLMo 2 / 3) and
+HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +11,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3")
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+             "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+             "olmo3": "Olmo3ForCausalLM"}
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -47,9 +48,9 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     """(sliding_window, layer_types) of an HF config, as its model class applies them: Mistral slides every
     layer when sliding_window is set; Qwen2 / Qwen3 slide the layers `layer_types` names (by default those from
     max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
-    layer. Outside Gemma (whose layer types also pick each layer's RoPE base), a window at least as long as the
-    model's context is dropped (it would change nothing)."""
-    if model_type == "llama":
+    layer, OLMo 3 all but every fourth. Outside Gemma and OLMo 3 (whose layer types also pick each layer's RoPE),
+    a window at least as long as the model's context is dropped (it would change nothing)."""
+    if model_type in ("llama", "olmo2"):
         return None, None
     window = d.get("sliding_window")
     if model_type == "mistral":
@@ -60,13 +61,13 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
         types = d.get("layer_types") or [
             "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
             for i in range(num_layers)]
-    else:  # gemma3
+    else:  # gemma3, olmo3
         window = d.get("sliding_window", 4096)
-        pattern = int(d.get("sliding_window_pattern", 6))
+        pattern = int(d.get("sliding_window_pattern", 6)) if model_type == "gemma3" else 4
         types = d.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     types = tuple(types) if types is not None else None
-    if model_type == "gemma3":  # its layer types also choose each layer's RoPE base: kept whatever the window
+    if model_type in ("gemma3", "olmo3"):  # their layer types also choose each layer's RoPE: kept whatever the window
         return int(window or max_pos), types
     if window is None or int(window) >= max_pos:
         return None, None
@@ -75,20 +76,24 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     return int(window), types
 
 
-def _hf_rope(d: dict, gemma: bool) -> tuple[dict, float | None]:
-    """(the global layers' rope parameters, Gemma's local rope base or None) of an HF config: a flat
-    rope_parameters / rope_scaling, or Gemma 3's per-layer-type dictionary."""
+def _hf_rope(d: dict, model_type: str) -> tuple[dict, float | None]:
+    """(the global layers' rope parameters, the sliding layers' own rope base or None) of an HF config: a flat
+    rope_parameters / rope_scaling, or Gemma 3's / OLMo 3's per-layer-type dictionary (their sliding layers take
+    the default RoPE of their own base: Gemma's rope_local_base_freq, OLMo 3's rope_theta without the global
+    layers' scaling)."""
     params = dict(d.get("rope_parameters") or {})
     local = None
-    if gemma:
+    if model_type in ("gemma3", "olmo3"):
         if "full_attention" in params or "sliding_attention" in params:
             local_params = dict(params.get("sliding_attention") or {})
             params = dict(params.get("full_attention") or {})
             if local_params.get("rope_type", "default") != "default":
-                raise ValueError(f"Gemma 3's sliding layers have rope {local_params}; only the default RoPE is "
-                                 "supported there.")
+                raise ValueError(f"The sliding layers have rope {local_params}; only the default RoPE is supported "
+                                 "there.")
             local = local_params.get("rope_theta")
-        local = float(local if local is not None else d.get("rope_local_base_freq", 10000.0))
+        fallback = d.get("rope_local_base_freq", 10000.0) if model_type == "gemma3" else \
+            params.get("rope_theta", d.get("rope_theta", 500_000.0))
+        local = float(local if local is not None else fallback)
     if d.get("rope_scaling"):
         params.update(d["rope_scaling"])
     return params, local
@@ -100,7 +105,9 @@ class ModelConfig:
 
     architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), "llama" (optionally llama3 RoPE scaling),
       "mistral", or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
-      MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm).
+      MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm), or "olmo2" / "olmo3" (norms on
+      the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
+      also slides a window over three layers of every four).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -229,6 +236,12 @@ class ModelConfig:
         return self.architecture == "gemma3"
 
     @property
+    def olmo(self) -> bool:
+        """OLMo 2 / 3's layer form: x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either), and q/k
+        norms over the whole projection (all heads together) rather than per head."""
+        return self.architecture in ("olmo2", "olmo3")
+
+    @property
     def attention_scale_factor(self) -> float:
         """What queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
         query_pre_attn_scalar ** -0.5 (1.0 when it is unset or equals head_dim)."""
@@ -250,7 +263,7 @@ class ModelConfig:
         """Total number of parameters (embedding counted once when tied)."""
         d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if self.attention_bias else 0)
-        attn += 2 * hd if self.qk_norm else 0
+        attn += ((h + k) * hd if self.olmo else 2 * hd) if self.qk_norm else 0
         layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
@@ -307,8 +320,9 @@ class ModelConfig:
         num_layers = d["num_hidden_layers"]
         max_pos = int(d.get("max_position_embeddings", 4096))
         window, layer_types = _hf_attention_layout(d, model_type, num_layers, max_pos)
-        rope, local_theta = _hf_rope(d, gemma)
-        theta = rope.pop("rope_theta", d.get("rope_theta", 1_000_000.0 if gemma else 10000.0))
+        rope, local_theta = _hf_rope(d, model_type)
+        default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0}.get(model_type, 10000.0)
+        theta = rope.pop("rope_theta", d.get("rope_theta", default_theta))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported.")
         rope.pop("partial_rotary_factor", None)
@@ -329,7 +343,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3"),
+            qk_norm=model_type in ("qwen3", "gemma3", "olmo2", "olmo3"),
             max_position_embeddings=max_pos,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -369,18 +383,19 @@ class ModelConfig:
         if self.architecture in ("llama", "mistral") and (self.attention_bias or self.qk_norm):
             raise ValueError(f"HF {self.architecture.title()} has no q/k/v bias and no q/k norm; set "
                              "attention_bias=False, qk_norm=False.")
-        if self.gemma and (self.attention_bias or not self.qk_norm):
-            raise ValueError("HF Gemma 3 has q/k norm and no q/k/v bias; set qk_norm=True, attention_bias=False.")
+        if (self.gemma or self.olmo) and (self.attention_bias or not self.qk_norm):
+            raise ValueError(f"HF {self.architecture} has q/k norm and no q/k/v bias; set qk_norm=True, "
+                             "attention_bias=False.")
         sliding = any(self.layer_window(i) is not None for i in range(self.num_layers))
-        if sliding and self.architecture == "llama":
-            raise ValueError("HF Llama has no sliding-window attention; set sliding_window=None or choose mistral, "
-                             "qwen2, qwen3 or gemma3.")
+        if sliding and self.architecture in ("llama", "olmo2"):
+            raise ValueError(f"HF {self.architecture} has no sliding-window attention; set sliding_window=None or "
+                             "choose mistral, qwen2, qwen3, gemma3 or olmo3.")
         if sliding and self.architecture == "mistral" and self.layer_types is not None \
                 and "full_attention" in self.layer_types:
             raise ValueError("HF Mistral slides every layer or none; set layer_types=None.")
-        if self.rope_local_theta is not None and not self.gemma:
-            raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's; HF "
-                             f"{self.architecture} has one base for every layer.")
+        if self.rope_local_theta is not None and self.architecture not in ("gemma3", "olmo3"):
+            raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
+                             f"3's; HF {self.architecture} has one base for every layer.")
         if self.query_pre_attn_scalar is not None and not self.gemma:
             raise ValueError(f"query_pre_attn_scalar is Gemma 3's; HF {self.architecture} scales attention by "
                              "head_dim ** -0.5.")
@@ -431,7 +446,12 @@ class ModelConfig:
                      layer_types=types, rope_local_base_freq=local["rope_theta"],
                      rope_parameters={"full_attention": rope_parameters, "sliding_attention": local},
                      attn_logit_softcapping=None, final_logit_softcapping=None)
-        else:
+        elif self.architecture == "olmo3":
+            local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
+            d.pop("rope_scaling")
+            d.update(sliding_window=self.sliding_window or self.max_position_embeddings, layer_types=types,
+                     rope_parameters={"full_attention": rope_parameters, "sliding_attention": local})
+        elif self.architecture != "olmo2":
             d["use_sliding_window"] = sliding
             d["sliding_window"] = self.sliding_window if sliding else None
             d["layer_types"] = types

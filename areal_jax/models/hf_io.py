@@ -95,7 +95,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
-        entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
+        if not cfg.olmo:
+            entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
         for name in ("q", "k", "v"):
             entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
             if cfg.attention_bias:
@@ -107,6 +108,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
         if cfg.gemma:
             entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
+        if cfg.gemma or cfg.olmo:
             entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
         entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))

@@ -217,11 +217,12 @@ class Attention(nnx.Module):
             self.v_bias = make_param(rngs, (k, hd), ("kv_heads", "head_dim"), pdt, init="zeros")
         else:
             self.q_bias = self.k_bias = self.v_bias = None
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+        if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo)
+            self.q_norm = RMSNorm(h * hd if cfg.olmo else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+            self.k_norm = RMSNorm(k * hd if cfg.olmo else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
         else:
             self.q_norm = self.k_norm = None
+        self.flat_qk_norm = cfg.olmo
         self.query_factor = cfg.attention_scale_factor
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
@@ -235,7 +236,10 @@ class Attention(nnx.Module):
         q = self._project(x, self.q_proj, self.q_bias)
         k = self._project(x, self.k_proj, self.k_bias)
         v = self._project(x, self.v_proj, self.v_bias)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.flat_qk_norm:
+            q = self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+            k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         if self.query_factor != 1.0:
@@ -269,29 +273,29 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); Gemma also normalises the attention's and the
-    MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`).
-    Elsewhere `post_attn_norm` is the pre-MLP norm (HF's post_attention_layernorm in both cases)."""
+    MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`), and
+    OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
+    pre-MLP norm (HF's post_attention_layernorm in every case)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        offset = cfg.gemma
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.gemma)
+
+        self.input_norm = None if cfg.olmo else norm()
         self.attn = Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
+        self.post_attn_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
-        if cfg.gemma:
-            self.pre_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
-            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset)
-        else:
-            self.pre_ffn_norm = self.post_ffn_norm = None
+        self.pre_ffn_norm = norm() if cfg.gemma else None
+        self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend) -> jax.Array:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
         caller's function may also write."""
-        q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
+        q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
         a = self.attn.out(attend(q, k, v))
         if self.post_ffn_norm is None:
             x = x + a
             return x + self.mlp(self.post_attn_norm(x))
         x = x + self.post_attn_norm(a)
-        return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
+        return x + self.post_ffn_norm(self.mlp(x if self.pre_ffn_norm is None else self.pre_ffn_norm(x)))

@@ -16,7 +16,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     """A 2-layer float32 model with odd sizes: hidden 64, 4 heads, 2 kv heads, head_dim 16, vocab 97.
 
     Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 and gemma3 have q/k norm, llama uses llama3 RoPE
-    scaling, gemma3 slides a window of 8 over every layer but the second (its own local RoPE base there).
+    scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
+    base there).
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -34,7 +35,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         bos_token_id=1,
         eos_token_id=2,
         attention_bias=architecture == "qwen2",
-        qk_norm=architecture in ("qwen3", "gemma3"),
+        qk_norm=architecture in ("qwen3", "gemma3", "olmo2", "olmo3"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -42,10 +43,13 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         fields["rope_theta"] = 500000.0
+    layers = int(overrides.get("num_layers", 2))
     if architecture == "gemma3":
         fields.update(sliding_window=8, rope_local_theta=10000.0, rope_theta=1000000.0, query_pre_attn_scalar=16.0,
-                      layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention"
-                                        for i in range(int(overrides.get("num_layers", 2)))))
+                      layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention" for i in range(layers)))
+    if architecture == "olmo3":
+        fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
+                      layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
     fields.update(overrides)
     return ModelConfig(**fields)
 

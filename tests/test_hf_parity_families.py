@@ -1,5 +1,5 @@
-"""Gemma 3 (text) and sliding-window Mistral / Qwen2 against HF transformers (PyTorch, float32): logits past
-several windows, checkpoint round trips, bfloat16 compute, and the HF config's layouts."""
+"""Gemma 3 (text), OLMo 2 / 3 and sliding-window Mistral / Qwen2 against HF transformers (PyTorch, float32):
+logits past several windows, checkpoint round trips, bfloat16 compute, and the HF configs' layouts."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,14 +31,27 @@ HF_CONFIGS = {
         vocab_size=109, hidden_size=40, intermediate_size=76, num_hidden_layers=2, num_attention_heads=5,
         num_key_value_heads=1, head_dim=12, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         max_position_embeddings=512, sliding_window=6),
+    # OLMo 2: norms after attention and MLP only, q/k norms over all heads together.
+    "olmo2": lambda tied: transformers.Olmo2Config(
+        vocab_size=103, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=tied, max_position_embeddings=512),
+    # OLMo 3: OLMo 2's layer, a window over three layers of four, YaRN on the global layers only (as 7B's 64k).
+    "olmo3": lambda tied: transformers.Olmo3Config(
+        vocab_size=107, hidden_size=48, intermediate_size=88, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=512, sliding_window=6,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                            "original_max_position_embeddings": 64},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}),
     # Qwen2 with use_sliding_window: layers from max_window_layers on slide.
     "qwen2": lambda tied: transformers.Qwen2Config(
         vocab_size=101, hidden_size=48, intermediate_size=88, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=tied, max_position_embeddings=512,
         use_sliding_window=True, sliding_window=7, max_window_layers=1),
 }
-HF_CLASSES = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-CASES = [("gemma3", True), ("gemma3", False), ("mistral", False), ("qwen2", True)]
+HF_CLASSES = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+CASES = [("gemma3", True), ("gemma3", False), ("mistral", False), ("qwen2", True), ("olmo2", False), ("olmo2", True),
+         ("olmo3", False)]
 
 
 def _hf_model(arch, tied, path, seed=0):
@@ -75,7 +88,8 @@ def test_logits_match_transformers_past_several_windows(tmp_path, arch, tied):
     cfg = ours.cfg
     assert cfg.architecture == arch and cfg.tie_word_embeddings == tied
     windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
-    assert windows == {"gemma3": [5, None, 5, 5], "mistral": [6, 6], "qwen2": [None, 7, 7]}[arch]
+    assert windows == {"gemma3": [5, None, 5, 5], "mistral": [6, 6], "qwen2": [None, 7, 7], "olmo2": [None, None],
+                       "olmo3": [6, 6, 6, None]}[arch]
     tokens = _tokens(cfg.vocab_size, (2, 40))
     ref = _hf_logits(hf, tokens)
     assert np.abs(ref).max() > 1.0
@@ -83,6 +97,8 @@ def test_logits_match_transformers_past_several_windows(tmp_path, arch, tied):
     positions = np.broadcast_to(np.arange(300, 340, dtype=np.int32), (2, 40))
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), jnp.asarray(positions))),
                                _hf_logits(hf, tokens, positions), atol=1e-4, rtol=0)
+    if arch == "olmo2":
+        return
     # the windows have teeth: the same weights attending everything give other logits
     full_cfg = cfg.replace(sliding_window=1000)  # longer than the rows: every layer attends everything
     unwindowed = Transformer(full_cfg, rngs=nnx.Rngs(0))
