@@ -52,7 +52,7 @@ def test_peft_directory_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3", "olmo3"])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch):
     torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
     transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
