@@ -55,6 +55,31 @@ def test_scanned_layers_give_the_unrolled_values_and_gradients(attention, remat)
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=5e-5)
 
 
+@pytest.mark.parametrize("arch,layers,period", [("gemma3", 13, 6), ("olmo3", 9, 4)])
+def test_a_repeating_pattern_of_windows_scans_in_groups(arch, layers, period):
+    """Gemma 3 (5 sliding layers then a global one, each kind with its RoPE table) and OLMo 3 (3 + 1): one scan
+    over whole groups of the pattern, the remainder unrolled; values and gradients as the unrolled loop's."""
+    types = tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers))
+    cfg = testing.tiny_config(arch, num_layers=layers, layer_types=types, sliding_window=40, hidden_size=32,
+                              intermediate_size=48, num_heads=2, num_kv_heads=1, max_position_embeddings=512)
+    model = testing.random_model(cfg, seed=3)
+    graphdef, params = nnx.split(model)
+    tokens, pos, seg = packed_rows(128)
+    tokens = tokens % cfg.vocab_size
+    w = jnp.asarray(np.random.default_rng(4).normal(size=(2, 128, cfg.hidden_size)), jnp.float32)
+
+    def loss(p, scan):
+        h = nnx.merge(graphdef, p).hidden(tokens, pos, seg, attention="dense", remat="full", scan_layers=scan)
+        return jnp.sum(h * w)
+
+    jaxpr = str(jax.make_jaxpr(lambda p: loss(p, True))(params))
+    assert jaxpr.count("scan[") == 1 and f"length={layers // period}" in jaxpr
+    (v0, g0), (v1, g1) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, s) for s in (False, True))
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):  # 13 float32 layers summed in another order
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-4 * float(jnp.abs(a).max()))
+
+
 def test_layers_of_different_structure_or_with_rng_state_are_unrolled():
     assert scannable(testing.random_model(dataclasses.replace(CFG, num_layers=1)).layers) is None  # one layer
     some = apply_lora(testing.random_model(CFG), LoRAConfig(rank=2, targets="re:layers\\.0\\.attn\\.q_proj"),

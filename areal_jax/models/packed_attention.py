@@ -141,22 +141,39 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
     """Every decoder layer of the cache-free forward, in order; layer i reads RoPE table ropes[i] (cos, sin) and
     attends with attends[i].
 
-    With scan (and layers of one structure, `scannable`, that share one table and one attention), one
-    `lax.scan` over the layers' states stacked on a leading axis: the program holds a single layer, so tracing
-    and compiling cost about one layer's time instead of L (the backward too), for one stacking copy of the
-    layer weights per call and one unstacking of their gradients. The results equal the unrolled loop's up to
-    float rounding. Layers of differing windows or tables (Gemma 3's local and global layers) run unrolled."""
-    uniform = all(r is ropes[0] for r in ropes) and all(a is attends[0] for a in attends)
-    shared = scannable(layers) if scan and uniform else None
+    With scan (and layers of one structure, `scannable`), one `lax.scan` over the layers' states stacked on a
+    leading axis: the program holds a single layer, so tracing and compiling cost about one layer's time instead
+    of L (the backward too), for one stacking copy of the layer weights per call and one unstacking of their
+    gradients. Layers whose tables or attentions repeat with a period p (Gemma 3's five local layers and one
+    global, p = 6; OLMo 3's p = 4) scan over groups of p layers, the body running one of each, and the layers
+    past the last whole group run unrolled. The results equal the unrolled loop's up to float rounding."""
+    period = _period(ropes, attends) if scan else None
+    shared = scannable(layers) if period is not None else None
     if shared is None:
         for layer, (cos, sin), attend in zip(layers, ropes, attends):
             x = decoder_layer(layer, x, cos, sin, attend, remat)
         return x
-    (cos, sin), attend = ropes[0], attends[0]
     graphdef, states = shared
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    groups = len(layers) // period
+    stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *states[j:groups * period:period]) for j in range(period)]
 
-    def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-        return decoder_layer(nnx.merge(graphdef, state), h, cos, sin, attend, remat), None
+    def body(h: jax.Array, group: list[nnx.State]) -> tuple[jax.Array, None]:
+        for j, state in enumerate(group):
+            h = decoder_layer(nnx.merge(graphdef, state), h, *ropes[j], attends[j], remat)
+        return h, None
 
-    return jax.lax.scan(body, x, stacked)[0]
+    x = jax.lax.scan(body, x, stacked)[0]
+    for i in range(groups * period, len(layers)):
+        x = decoder_layer(layers[i], x, *ropes[i], attends[i], remat)
+    return x
+
+
+def _period(ropes: list, attends: list) -> int | None:
+    """The smallest p such that layer i reads the same RoPE table and attention as layer i mod p, for every layer
+    of the (at least two) whole groups of p; None when there is none."""
+    n = len(ropes)
+    for p in range(1, n // 2 + 1):  # at least two whole groups
+        whole = n // p * p
+        if all(ropes[i] is ropes[i % p] and attends[i] is attends[i % p] for i in range(whole)):
+            return p
+    return None
