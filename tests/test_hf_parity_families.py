@@ -42,6 +42,11 @@ HF_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                             "original_max_position_embeddings": 64},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}),
+    # SmolLM3: Llama's layer, every fourth one without rotary embeddings (NoPE).
+    "smollm3": lambda tied: transformers.SmolLM3Config(
+        vocab_size=109, hidden_size=40, intermediate_size=76, num_hidden_layers=4, num_attention_heads=5,
+        num_key_value_heads=1, rope_theta=5e6, tie_word_embeddings=tied, max_position_embeddings=512,
+        pad_token_id=0),
     # Qwen2 with use_sliding_window: layers from max_window_layers on slide.
     "qwen2": lambda tied: transformers.Qwen2Config(
         vocab_size=101, hidden_size=48, intermediate_size=88, num_hidden_layers=3, num_attention_heads=4,
@@ -49,9 +54,9 @@ HF_CONFIGS = {
         use_sliding_window=True, sliding_window=7, max_window_layers=1),
 }
 HF_CLASSES = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+              "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 CASES = [("gemma3", True), ("gemma3", False), ("mistral", False), ("qwen2", True), ("olmo2", False), ("olmo2", True),
-         ("olmo3", False)]
+         ("olmo3", False), ("smollm3", True)]
 
 
 def _hf_model(arch, tied, path, seed=0):
@@ -89,7 +94,7 @@ def test_logits_match_transformers_past_several_windows(tmp_path, arch, tied):
     assert cfg.architecture == arch and cfg.tie_word_embeddings == tied
     windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
     assert windows == {"gemma3": [5, None, 5, 5], "mistral": [6, 6], "qwen2": [None, 7, 7], "olmo2": [None, None],
-                       "olmo3": [6, 6, 6, None]}[arch]
+                       "olmo3": [6, 6, 6, None], "smollm3": [None] * 4}[arch]
     tokens = _tokens(cfg.vocab_size, (2, 40))
     ref = _hf_logits(hf, tokens)
     assert np.abs(ref).max() > 1.0
@@ -99,8 +104,10 @@ def test_logits_match_transformers_past_several_windows(tmp_path, arch, tied):
                                _hf_logits(hf, tokens, positions), atol=1e-4, rtol=0)
     if arch == "olmo2":
         return
-    # the windows have teeth: the same weights attending everything give other logits
-    full_cfg = cfg.replace(sliding_window=1000)  # longer than the rows: every layer attends everything
+    # the windows (SmolLM3: the layers without RoPE) have teeth: the same weights otherwise give other logits
+    if arch == "smollm3":
+        assert cfg.rope_layers == (1, 1, 1, 0) and [cfg.layer_rope(i) for i in range(4)][-1] == "none"
+    full_cfg = cfg.replace(rope_layers=None) if arch == "smollm3" else cfg.replace(sliding_window=1000)
     unwindowed = Transformer(full_cfg, rngs=nnx.Rngs(0))
     nnx.update(unwindowed, nnx.state(ours))
     assert np.abs(np.asarray(unwindowed(jnp.asarray(tokens))) - ref).max() > 1e-2

@@ -11,10 +11,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3", "smollm3")
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM"}
+             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -55,7 +55,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     window = d.get("sliding_window")
     if model_type == "mistral":
         types = None
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", "smollm3"):
         if not d.get("use_sliding_window"):
             return None, None
         types = d.get("layer_types") or [
@@ -74,6 +74,16 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     if types is not None and "sliding_attention" not in types:
         return None, None
     return int(window), types
+
+
+def _hf_rope_layers(d: dict, model_type: str, num_layers: int) -> tuple[int, ...] | None:
+    """SmolLM3's per-layer RoPE flags (no_rope_layers: 1 rotates, 0 does not; by default every
+    no_rope_layer_interval-th layer does not); None for the other families (every layer rotates)."""
+    if model_type != "smollm3":
+        return None
+    flags = d.get("no_rope_layers") or [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0)
+                                         for i in range(num_layers)]
+    return None if all(flags) else tuple(int(x) for x in flags)
 
 
 def _hf_rope(d: dict, model_type: str) -> tuple[dict, float | None]:
@@ -119,6 +129,7 @@ class ModelConfig:
     rope_local_theta: the RoPE base of sliding layers, which then take no rope_scaling (Gemma 3's
       rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
+    rope_layers: per layer 1 (rotary embeddings) or 0 (none: SmolLM3's NoPE layers); None: every layer rotates.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
@@ -145,6 +156,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
+    rope_layers: tuple[int, ...] | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -211,6 +223,12 @@ class ModelConfig:
             if "sliding_attention" in types and window is None:
                 raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
                                  "set the window (positions each query looks back over).")
+        if self.rope_layers is not None:
+            flags = tuple(int(x) for x in self.rope_layers)
+            object.__setattr__(self, "rope_layers", flags)
+            if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
+                raise ValueError(f"ModelConfig.rope_layers must hold num_layers={self.num_layers} flags, each 1 "
+                                 f"(rotary embeddings) or 0 (none); got {list(flags)}.")
         if self.query_pre_attn_scalar is not None and not float(self.query_pre_attn_scalar) > 0:
             raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}.")
         if self.rope_local_theta is not None and not float(self.rope_local_theta) > 0:
@@ -225,8 +243,10 @@ class ModelConfig:
         return None
 
     def layer_rope(self, i: int) -> str:
-        """Which RoPE table layer i reads: "local" (a sliding layer with its own base, rope_local_theta) or
-        "global"."""
+        """Which RoPE table layer i reads: "none" (no rotation: `rope_layers`), "local" (a sliding layer with its
+        own base, rope_local_theta) or "global"."""
+        if self.rope_layers is not None and not self.rope_layers[i]:
+            return "none"
         return "local" if self.rope_local_theta is not None and self.layer_window(i) is not None else "global"
 
     @property
@@ -351,6 +371,7 @@ class ModelConfig:
             layer_types=layer_types,
             rope_local_theta=local_theta,
             query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
+            rope_layers=_hf_rope_layers(d, model_type, num_layers),
             dtype=dtype,
             param_dtype=param_dtype,
         )
@@ -380,7 +401,7 @@ class ModelConfig:
                              "or choose another architecture.")
         if self.architecture == "qwen3" and (self.attention_bias or not self.qk_norm):
             raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-        if self.architecture in ("llama", "mistral") and (self.attention_bias or self.qk_norm):
+        if self.architecture in ("llama", "mistral", "smollm3") and (self.attention_bias or self.qk_norm):
             raise ValueError(f"HF {self.architecture.title()} has no q/k/v bias and no q/k norm; set "
                              "attention_bias=False, qk_norm=False.")
         if (self.gemma or self.olmo) and (self.attention_bias or not self.qk_norm):
@@ -396,6 +417,9 @@ class ModelConfig:
         if self.rope_local_theta is not None and self.architecture not in ("gemma3", "olmo3"):
             raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
                              f"3's; HF {self.architecture} has one base for every layer.")
+        if self.rope_layers is not None and self.architecture != "smollm3":
+            raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's; HF {self.architecture} "
+                             "rotates in every layer.")
         if self.query_pre_attn_scalar is not None and not self.gemma:
             raise ValueError(f"query_pre_attn_scalar is Gemma 3's; HF {self.architecture} scales attention by "
                              "head_dim ** -0.5.")
@@ -452,6 +476,9 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window or self.max_position_embeddings, layer_types=types,
                      rope_parameters={"full_attention": rope_parameters, "sliding_attention": local})
         elif self.architecture != "olmo2":
+            if self.architecture == "smollm3":
+                d.update(no_rope_layers=list(self.rope_layers or (1,) * self.num_layers), mlp_bias=False,
+                         pad_token_id=None)  # its default (128004) lies outside a smaller vocabulary
             d["use_sliding_window"] = sliding
             d["sliding_window"] = self.sliding_window if sliding else None
             d["layer_types"] = types

@@ -85,9 +85,17 @@ def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
     """positions [B, T] -> {table: (cos, sin)} for each RoPE table the model's layers read
-    (`ModelConfig.layer_rope`: "global", and "local" where sliding layers have a base of their own)."""
+    (`ModelConfig.layer_rope`: "global"; "local" where sliding layers have a base of their own; "none", cos 1 and
+    sin 0, where layers do not rotate)."""
     names = sorted({cfg.layer_rope(i) for i in range(cfg.num_layers)})
-    return {n: rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n)) for n in names}
+    tables = {}
+    for n in names:
+        if n == "none":
+            shape = (*positions.shape, cfg.head_dim)
+            tables[n] = (jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        else:
+            tables[n] = rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n))
+    return tables
 
 
 def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:

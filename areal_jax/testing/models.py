@@ -17,7 +17,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
 
     Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 and gemma3 have q/k norm, llama uses llama3 RoPE
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
-    base there).
+    base there), smollm3 leaves every second layer without rotary embeddings.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -47,6 +47,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "gemma3":
         fields.update(sliding_window=8, rope_local_theta=10000.0, rope_theta=1000000.0, query_pre_attn_scalar=16.0,
                       layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention" for i in range(layers)))
+    if architecture == "smollm3":  # its NoPE layers: the second of every pair here
+        fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
