@@ -70,13 +70,11 @@ class JobConfig(Section):
     def check(self) -> None:
         r, t = self.rollout, self.train
         require(self.total_steps >= 1, f"--config.total_steps={self.total_steps} must be at least 1.")
-        from areal_jax.data.sources import for_task, task_overrides
+        from areal_jax.data.sources import files_as_read
 
-        for task in ("",) + tuple(task_overrides(self.data)):  # the data section, then each task's overrides
-            d = for_task(self.data, task) if task else self.data
-            where = f"data.task_overrides[{task!r}].max_prompt_len" if task else "data.max_prompt_len"
+        for where, d in files_as_read(self.data):  # the data section, each task's and each file's overrides
             require(d.max_prompt_len + r.max_new_tokens <= r.max_len,
-                    f"{where} ({d.max_prompt_len}) + rollout.max_new_tokens ({r.max_new_tokens}) "
+                    f"{where}.max_prompt_len ({d.max_prompt_len}) + rollout.max_new_tokens ({r.max_new_tokens}) "
                     f"exceeds rollout.max_len ({r.max_len}); raise --config.rollout.max_len or lower one of them.")
         require(t.micro_batch_tokens >= r.max_len,
                 f"--config.train.micro_batch_tokens={t.micro_batch_tokens} is smaller than rollout.max_len="

@@ -291,6 +291,9 @@ class DataConfig(Section):
     task_overrides: str = knob("", "data keys that differ for one task's files in a mixed run, a JSON object, e.g. "
                                    "'{\"code\": {\"system_prompt\": \"Answer in one python block.\"}}' (keys: "
                                    "question_field, answer_field, prompt_template, system_prompt, max_prompt_len)")
+    file_overrides: str = knob("", "data keys that differ for one file of train_path or test_path (its NAME in "
+                                   "NAME=PATH, else the file's stem), a JSON object as task_overrides, e.g. "
+                                   "'{\"math500\": {\"question_field\": \"problem\"}}'; applied after task_overrides")
     test_tasks: str = knob("", "with several test_path sets: each one's task, as train_tasks; empty = data.task")
     shuffle: bool = knob(True, "shuffle the prompts (seeded by the job's seed)")
 
@@ -301,14 +304,11 @@ class DataConfig(Section):
 
     def check(self) -> None:
         require(self.max_prompt_len >= 1, f"{self.key('max_prompt_len')}={self.max_prompt_len} must be at least 1.")
-        from areal_jax.data.sources import file_tasks, for_task, parse_named_paths, parse_weights, task_overrides
+        from areal_jax.data.sources import files_as_read, parse_named_paths, parse_weights
 
-        try:  # the lists of files, their weights and tasks (the files' existence: config._check_paths)
+        try:  # the lists of files, their weights, tasks and overrides (their existence: config._check_paths)
             parse_weights(self.train_weights, len(parse_named_paths(self.train_path, "data.train_path")))
-            file_tasks(self, "train")
-            file_tasks(self, "test")
-            for task in task_overrides(self):
-                for_task(self, task)
+            files_as_read(self)
         except ValueError as e:
             require(False, str(e))
         if self.chat_template_vars.strip():

@@ -134,46 +134,94 @@ def file_tasks(data: Any, split: str) -> list[str]:
 OVERRIDABLE = ("question_field", "answer_field", "prompt_template", "system_prompt", "max_prompt_len")
 
 
-def task_overrides(data: Any) -> dict[str, dict]:
-    """data.task_overrides as {task: {data key: value}} ({} when empty); a ValueError says what is wrong."""
+def _parse_overrides(text: str, key: str, names: tuple[str, ...] | None, what: str, unit: str,
+                     example: str) -> dict[str, dict]:
+    """A JSON object of name -> object of OVERRIDABLE data keys (`key`'s value), checked: each name one of `names`
+    (`what` they are; None: any), each key overridable. {} when empty."""
     import json
 
-    text = data.task_overrides.strip()
-    if not text:
+    if not text.strip():
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--config.data.task_overrides is not JSON ({e}); write e.g. "
-                         "'{\"code\": {\"system_prompt\": \"...\"}}'.") from None
+        raise ValueError(f"--config.data.{key} is not JSON ({e}); write e.g. '{example}'.") from None
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError("--config.data.task_overrides must be a JSON object of task -> object of data keys, e.g. "
-                         "'{\"code\": {\"system_prompt\": \"...\"}}'.")
-    for task, keys in value.items():
-        if task not in TASKS:
-            raise ValueError(f"--config.data.task_overrides: {task!r} is not a task; each is one of {', '.join(TASKS)}.")
+        raise ValueError(f"--config.data.{key} must be a JSON object of {what} -> object of data keys, e.g. "
+                         f"'{example}'.")
+    for name, keys in value.items():
+        if names is not None and name not in names:
+            raise ValueError(f"--config.data.{key}: {name!r} is not {what}; each is one of {', '.join(names)}.")
         bad = [k for k in keys if k not in OVERRIDABLE]
         if bad:
-            raise ValueError(f"--config.data.task_overrides: {bad[0]!r} cannot differ per task; the keys that can are "
+            raise ValueError(f"--config.data.{key}: {bad[0]!r} cannot differ per {unit}; the keys that can are "
                              f"{', '.join(OVERRIDABLE)}.")
     return value
+
+
+def task_overrides(data: Any) -> dict[str, dict]:
+    """data.task_overrides as {task: {data key: value}} ({} when empty); a ValueError says what is wrong."""
+    return _parse_overrides(data.task_overrides, "task_overrides", TASKS, "a task", "task",
+                            '{"code": {"system_prompt": "..."}}')
+
+
+def file_names(data: Any) -> tuple[str, ...]:
+    """The names of data.train_path's and data.test_path's files (NAME of NAME=PATH, else the file's stem)."""
+    names = [f.name for split in ("train", "test") for f in parse_named_paths(getattr(data, f"{split}_path"),
+                                                                                f"data.{split}_path")]
+    return tuple(dict.fromkeys(names))
+
+
+def file_overrides(data: Any, check_names: bool = True) -> dict[str, dict]:
+    """data.file_overrides as {file name: {data key: value}} ({} when empty); a ValueError says what is wrong (with
+    check_names, also a name that is not one of data.train_path's or data.test_path's files)."""
+    return _parse_overrides(data.file_overrides, "file_overrides", file_names(data) if check_names else None,
+                            "a file name of data.train_path or data.test_path", "file",
+                            '{"math500": {"max_prompt_len": 512}}')
 
 
 def for_task(data: Any, task: str) -> Any:
     """The data section as ``task``'s files read it: data.task_overrides[task] applied, the task set."""
     try:
-        return data.replace(task=task, task_overrides="", **task_overrides(data).get(task, {}))
+        return data.replace(task=task, task_overrides="", file_overrides="", **task_overrides(data).get(task, {}))
     except Exception as e:  # a value of the wrong type or range: the section's own check, named for this key
         raise ValueError(f"--config.data.task_overrides[{task!r}]: {e}") from None
 
 
-def load_file(data: Any, path: str, task: str, tokenizer: Any) -> Any:
+def for_file(data: Any, task: str, name: str | None) -> Any:
+    """The data section as the file ``name`` (of ``task``) is read: data.task_overrides[task], then
+    data.file_overrides[name] applied."""
+    keys = file_overrides(data, check_names=False).get(name, {}) if name is not None else {}
+    section = for_task(data, task)
+    try:
+        return section.replace(**keys) if keys else section
+    except Exception as e:
+        raise ValueError(f"--config.data.file_overrides[{name!r}]: {e}") from None
+
+
+def files_as_read(data: Any) -> list[tuple[str, Any]]:
+    """(where, data section) for every way the run reads a file: the data section itself, each task of
+    data.task_overrides, and each file of data.file_overrides (with its task's overrides under it); `where` names
+    the section's source in an error ("data", "data.task_overrides['code']", "data.file_overrides['x']").
+    A ValueError says what is wrong in either override."""
+    out = [("data", data)]
+    out += [(f"data.task_overrides[{t!r}]", for_task(data, t)) for t in task_overrides(data)]
+    named = file_overrides(data)
+    for split in ("train", "test"):
+        files = parse_named_paths(getattr(data, f"{split}_path"), f"data.{split}_path")
+        for f, task in zip(files, file_tasks(data, split)):
+            if f.name in named:
+                out.append((f"data.file_overrides[{f.name!r}]", for_file(data, task, f.name)))
+    return out
+
+
+def load_file(data: Any, path: str, task: str, tokenizer: Any, name: str | None = None) -> Any:
     """One file's prompts (data.pipeline.PromptSource) read as ``task`` and formatted as ``data`` (the config's data
-    section) says, with data.task_overrides for that task: field names, prompt and chat templates, system prompt,
-    length limit, bad-row policy."""
+    section) says, with data.task_overrides for that task and data.file_overrides for the file ``name``: field
+    names, prompt and chat templates, system prompt, length limit, bad-row policy."""
     from areal_jax.data.pipeline import load_prompt_source
 
-    data = for_task(data, task)
+    data = for_file(data, task, name)
     return load_prompt_source(
         expand_files(path), tokenizer, question_field=data.question_field, answer_field=data.answer_field,
         prompt_template=data.prompt_template, use_chat_template=data.use_chat_template,
@@ -191,7 +239,7 @@ def load_train_prompts(data: Any, tokenizer: Any, *, seed: int, process_index: i
     sources = []
     for f, task in zip(files, file_tasks(data, "train")):
         with on_file(f.path):
-            source = load_file(data, f.path, task, tokenizer)
+            source = load_file(data, f.path, task, tokenizer, f.name)
         if len(files) > 1:  # "<name>:<row>" (of several shards "<name>:<shard>:<row>"): files stay apart by name
             shards = len(expand_files(f.path)) > 1
             source.items = [dataclasses.replace(i, key=_mixture_key(f.name, i.key, shards)) for i in source.items]

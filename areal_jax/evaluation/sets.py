@@ -31,7 +31,7 @@ def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
     import contextlib
     import dataclasses
 
-    from areal_jax.data.sources import expand_files, file_tasks, for_task
+    from areal_jax.data.sources import expand_files, file_tasks, for_file
     from areal_jax.evaluation.scoring import load_eval_examples
 
     sets = parse_eval_sets(test_path)
@@ -39,7 +39,7 @@ def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
     out = {}
     for s, task in zip(sets, tasks):  # each set read as its task (data.test_tasks)
         with (on_file(s.path) if on_file is not None else contextlib.nullcontext()):
-            out[s.name] = load_eval_examples(expand_files(s.path), tokenizer, for_task(data_config, task), n)
+            out[s.name] = load_eval_examples(expand_files(s.path), tokenizer, for_file(data_config, task, s.name), n)
     return out
 
 

@@ -56,7 +56,7 @@ def preview(job: JobConfig, n: int = 2, log: Callable[[str], None] = print) -> d
         shares = [w / sum(weights) for w in weights] if weights else None
         for i, (f, task) in enumerate(zip(files, file_tasks(d, split))):
             with user_errors.data_file(key, f.path):
-                source = load_file(d, f.path, task, tokenizer)
+                source = load_file(d, f.path, task, tokenizer, f.name)
             lengths = np.asarray([len(item.prompt_tokens) for item in source.items])
             entry = {"name": f.name, "path": f.path, "task": task, "prompts": int(len(lengths)),
                      "malformed_skipped": source.num_bad_rows_skipped, "too_long_skipped": source.num_too_long_skipped,
