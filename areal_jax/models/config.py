@@ -409,8 +409,8 @@ class ModelConfig:
                              "attention_bias=False.")
         sliding = any(self.layer_window(i) is not None for i in range(self.num_layers))
         if sliding and self.architecture in ("llama", "olmo2"):
-            raise ValueError(f"HF {self.architecture} has no sliding-window attention; set sliding_window=None or "
-                             "choose mistral, qwen2, qwen3, gemma3 or olmo3.")
+            raise ValueError(f"HF {self.architecture.title()} has no sliding-window attention; set "
+                             "sliding_window=None or choose mistral, qwen2, qwen3, gemma3 or olmo3.")
         if sliding and self.architecture == "mistral" and self.layer_types is not None \
                 and "full_attention" in self.layer_types:
             raise ValueError("HF Mistral slides every layer or none; set layer_types=None.")
