@@ -71,6 +71,14 @@ class JobConfig(Section):
         r, t = self.rollout, self.train
         require(self.total_steps >= 1, f"--config.total_steps={self.total_steps} must be at least 1.")
         from areal_jax.data.sources import files_as_read
+        from areal_jax.evaluation.sets import parse_eval_sets, parse_set_budgets
+
+        if self.eval.set_max_new_tokens.strip():
+            try:
+                names = [s.name for s in parse_eval_sets(self.data.test_path)]
+                parse_set_budgets(self.eval.set_max_new_tokens, names)
+            except ValueError as e:
+                require(False, str(e))
 
         for where, d in files_as_read(self.data):  # the data section, each task's and each file's overrides
             require(d.max_prompt_len + r.max_new_tokens <= r.max_len,

@@ -43,7 +43,7 @@ PREVIOUS_DEFAULTS = {
     "reward.fn": "math", "reward.num_workers": 2, "reward.timeout_s": 5.0, "reward.memory_mb": 4096,
     "reward.code_mode": "all_pass", "reward.code_case_timeout_s": 4.0, "reward.code_sample_timeout_s": 20.0,
     "eval.n_test": 500, "eval.at_start": True, "eval.at_end": True, "eval.every_steps": 0,
-    "eval.max_new_tokens": 64, "eval.samples": 8, "eval.start_samples": -1, "eval.num_slots": 256,
+    "eval.max_new_tokens": 64, "eval.set_max_new_tokens": "", "eval.samples": 8, "eval.start_samples": -1, "eval.num_slots": 256,
     "eval.decode_steps": 0,
     "checkpoint.every_steps": 10, "checkpoint.every_minutes": 0.0, "checkpoint.keep": 2, "checkpoint.resume": True,
     "checkpoint.async_save": True, "checkpoint.hf_every_steps": 0, "checkpoint.hf_keep": 0, "checkpoint.hf_dtype": "auto",

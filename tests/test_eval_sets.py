@@ -158,3 +158,37 @@ def test_a_job_evaluates_each_set_and_logs_each_sets_figures(tmp_path):
             logged = [m[f"eval/{name}/greedy_pass@1"] for m in metrics if f"eval/{name}/greedy_pass@1" in m]
             assert res["sets"][name]["greedy_pass@1"] in logged
         assert any(line.startswith(f"[eval {tag}]   easy: greedy pass@1") for line in lines)
+
+
+def test_a_set_with_its_own_budget(tmp_path):
+    """eval.set_max_new_tokens: the first set's completions stop at 3 tokens (each the start of what it writes with
+    the whole budget), the other set's are those of an evaluation without it; a bad list fails in the config."""
+    from areal_jax.programs.evaluate import evaluate, resolve_settings
+    from areal_jax.tokenizer import Tokenizer
+
+    test = f"{MATH}/data/test.jsonl"
+    other = tmp_path / "later.jsonl"
+    other.write_text("\n".join(open(test).read().splitlines()[40:50]) + "\n")
+    given = {"model": MATH, "data": f"first={test},later={other}", "n": 4, "k": 0, "max_new_tokens": 40}
+    runs = {}
+    for name, budgets in (("whole", ""), ("own", "first=3")):
+        out = str(tmp_path / f"{name}.jsonl")
+        evaluate(resolve_settings(JobConfig(), {**given, "set_max_new_tokens": budgets}, out=out),
+                 log=lambda *_: None)
+        runs[name] = [json.loads(line) for line in open(out)]
+    tok = Tokenizer.from_pretrained(MATH)
+    for whole, own in zip(runs["whole"], runs["own"]):
+        if own["set"] == "first":
+            assert len(tok.encode(own["greedy"])) <= 3 and whole["greedy"].startswith(own["greedy"])
+            assert own["greedy_finish"] == "length" or own["greedy"] == whole["greedy"]
+        else:
+            assert own["greedy"] == whole["greedy"]
+    assert any(len(tok.encode(p["greedy"])) > 3 for p in runs["whole"] if p["set"] == "first")
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    c = JobConfig().replace(model=JobConfig().model.replace(path=MATH))
+    c = c.replace(data=c.data.replace(train_path=str(tmp_path / "train.jsonl"), test_path=f"first={test},later={other}"))
+    validate(c.replace(eval=c.eval.replace(set_max_new_tokens="later=7")))
+    for value, needle in (("gsm8k=3", "'gsm8k=3' must be NAME=N with NAME one of the evaluation sets (first, later)"),
+                          ("first=0", "first's budget '0' must be a positive integer")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            validate(c.replace(eval=c.eval.replace(set_max_new_tokens=value)))

@@ -85,7 +85,7 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 
 
 def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
-                      temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                      temperature: float, max_new_tokens: int | Sequence[int], stop_token_ids: Sequence[int] = (),
                       seed: int = 0, decode_steps: int = 1, streams: int = 1, top_p: float | None = None,
                       on_completion: Callable[[str, int, int, Completion], None] | None = None,
                       repair: Callable[..., Any] | None = None,
@@ -94,7 +94,8 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
 
     Args:
       engine: the Engine to decode with (see :func:`eval_engine`); params: its model state.
-      prompts: n token-id lists.
+      prompts: n token-id lists; max_new_tokens: the completion budget, or one per prompt (repair turns then
+        continue with the largest).
       k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0); top_p: their nucleus
         (None: the whole distribution).
       streams: sampler loops run side by side on the engine, each with its own decode state of
@@ -122,6 +123,10 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
     if streams < 1:
         raise ValueError(f"streams={streams} must be at least 1.")
     n = len(prompts)
+    budgets = [int(max_new_tokens)] * n if isinstance(max_new_tokens, (int, np.integer)) else \
+        [int(b) for b in max_new_tokens]
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {n} prompts.")
     greedy: list[Completion | None] = [None] * n
     sampled: list[list[Completion | None]] = [[None] * k for _ in range(n)]
     stop = tuple(int(t) for t in stop_token_ids)
@@ -144,18 +149,19 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
     def run_stream(s: int, problems: Sequence[int]) -> None:
         turns = {}
         if repair is not None:  # one per temperature: a continuation is sampled as its first attempt was
-            turns = {"greedy": repair(max_new_tokens=max_new_tokens, max_len=engine.max_len,
+            most = max(budgets, default=1)
+            turns = {"greedy": repair(max_new_tokens=most, max_len=engine.max_len,
                                       request=dict(temperature=0.0, stop_token_ids=stop)),
-                     "sampled": repair(max_new_tokens=max_new_tokens, max_len=engine.max_len,
+                     "sampled": repair(max_new_tokens=most, max_len=engine.max_len,
                                        request=dict(temperature=temperature, top_p=top_p, stop_token_ids=stop))}
         try:
             with SamplerLoop(engine, params, seed=seed + s, decode_steps=decode_steps) as loop:
                 for i in problems:  # a problem's greedy and sampled requests side by side
-                    loop.submit(Request(id=("greedy", i), prompt=list(prompts[i]), max_new_tokens=max_new_tokens,
+                    loop.submit(Request(id=("greedy", i), prompt=list(prompts[i]), max_new_tokens=budgets[i],
                                         n=1, temperature=0.0, stop_token_ids=stop))
                     if k:
                         loop.submit(Request(id=("sampled", i), prompt=list(prompts[i]),
-                                            max_new_tokens=max_new_tokens, n=k, temperature=temperature, top_p=top_p,
+                                            max_new_tokens=budgets[i], n=k, temperature=temperature, top_p=top_p,
                                             stop_token_ids=stop))
                 left = len(problems) * (1 + k)
                 while left:

@@ -26,11 +26,12 @@ class JobEvaluator:
 
     def __init__(self, config: Any, graphdef: Any, model_config: Any, tokenizer: Any, sets: dict | list,
                  mesh: Any = None) -> None:
-        from areal_jax.evaluation.sets import flatten
+        from areal_jax.evaluation.sets import example_budgets, flatten
 
         self.config, self.graphdef, self.model_config = config, graphdef, model_config
         self.sets = sets if isinstance(sets, dict) else {"test": list(sets)}
         self.tokenizer, self.examples, self.mesh = tokenizer, flatten(self.sets), mesh
+        self.budgets = example_budgets(self.sets, config.eval)  # per example, in flatten order
         backend = jax.default_backend()
         self.streams = config.eval.streams_for(backend)
         self.decode_steps = config.eval.decode_steps_for(config.rollout.decode_steps, backend)
@@ -45,7 +46,7 @@ class JobEvaluator:
             # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
             # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
             prompt = max((len(e.prompt_tokens) for e in self.examples), default=1)
-            longest = prompt + c.eval.max_new_tokens
+            longest = max((len(e.prompt_tokens) + b for e, b in zip(self.examples, self.budgets)), default=2)
             self._engine = eval_engine(
                 self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
                 max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
@@ -74,7 +75,7 @@ class JobEvaluator:
         def evaluate(examples: list) -> dict:
             return evaluate_params(
                 self.graphdef, params, self.tokenizer, c.data.test_path, n=len(examples),
-                max_new_tokens=c.eval.max_new_tokens, data_config=c.data, seed=c.seed, k=k,
+                max_new_tokens=self.budgets, data_config=c.data, seed=c.seed, k=k,
                 temperature=c.rollout.temperature or 1.0, examples=examples, engine=self.engine(), pool=pool,
                 decode_steps=self.decode_steps, streams=self.streams, records=True, repair=repair,
                 log=None if log is None else (lambda line: log(line.replace("[eval]", f"[eval {tag}]", 1))))

@@ -34,7 +34,7 @@ def score_completions(texts: Sequence[str], answers: Sequence[str], reward_fn: A
     return np.asarray([by_key[i] for i in range(len(texts))], np.float32)
 
 
-def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tokens: int, k: int = 8,
+def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tokens: int | Sequence[int], k: int = 8,
                       temperature: float = 1.0, num_slots: int = 256, max_len: int | None = None,
                       seed: int = 0, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                       reward_timeout_s: float = 5.0, engine: Any = None, params: Any = None,
@@ -45,7 +45,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     """Greedy pass@1, sampled pass@1 and pass@k (k samples per problem at `temperature`).
 
     model: an areal_jax Transformer (or None when `engine` and `params` are given); examples:
-    data.PromptExample list. k = 0 skips sampling. All n x (1 + k) sequences go through one sampler
+    data.PromptExample list; max_new_tokens: the completion budget, or one per example. k = 0 skips sampling. All n x (1 + k) sequences go through one sampler
     loop (areal_jax.evaluation.batch) and are scored while it runs.
     reward_fn: a "module:function" string or picklable callable (see RewardPool); pool: an open
     RewardPool to score with instead (e.g. the job's), reward_fn is then unused; reward_cache_size: its own
@@ -85,9 +85,13 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     prompts = [list(e.prompt_tokens) for e in examples]
     answers = [e.answer for e in examples]
     stop = tuple(tokenizer.eos_token_ids)
+    budgets = [int(max_new_tokens)] * n if isinstance(max_new_tokens, (int, np.integer)) else \
+        [int(b) for b in max_new_tokens]
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {n} examples.")
     if engine is None:
         if max_len is None:
-            max_len = max(2, max((len(p) for p in prompts), default=1) + int(max_new_tokens))
+            max_len = max(2, max((len(p) + b for p, b in zip(prompts, budgets)), default=1))
         engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
                              max_stop_tokens=max(8, len(stop)),
                              longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
@@ -114,7 +118,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
             progress.add(generated_tokens(completion))
 
         gen = generate_for_eval(engine, params, prompts, k=k, temperature=temperature,
-                                max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed,
+                                max_new_tokens=budgets, stop_token_ids=stop, seed=seed,
                                 decode_steps=decode_steps, streams=streams, on_completion=score, top_p=top_p,
                                 repair=repair, answers=answers)
         rewards = scorer.finish()
@@ -214,7 +218,8 @@ def load_eval_examples(path: str, tokenizer: Any, data_config: Any, n: int) -> l
     )[:n]
 
 
-def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int, max_new_tokens: int,
+def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n: int,
+                    max_new_tokens: int | Sequence[int],
                     data_config: Any, num_slots: int = 256, max_len: int | None = None, mesh: Any = None,
                     seed: int = 0, k: int = 8, reward_fn: Any = "areal_jax.rewards.math:math_reward",
                     reward_timeout_s: float = 5.0, examples: list | None = None, engine: Any = None,
@@ -233,6 +238,8 @@ def evaluate_params(graphdef: Any, params: Any, tokenizer: Any, path: str, *, n:
     if examples is None:
         examples = load_eval_examples(path, tokenizer, data_config, n)
     examples = examples[:n]
+    if not isinstance(max_new_tokens, (int, np.integer)):
+        max_new_tokens = list(max_new_tokens)[:n]
     model = nnx.merge(graphdef, as_tree(params)) if engine is None else None
     return evaluate_examples(model, tokenizer, examples, max_new_tokens=max_new_tokens, k=k,
                              temperature=temperature, num_slots=num_slots, max_len=max_len, seed=seed,
@@ -252,6 +259,8 @@ class EvalConfig(Section):
     at_end: bool = knob(True, "evaluate after the last update")
     every_steps: int = knob(0, "also evaluate every this many steps; 0 = never in between")
     max_new_tokens: int = knob(64, "completion tokens at most per evaluation sample")
+    set_max_new_tokens: str = knob("", "evaluation sets with a budget of their own, NAME=N,... of data.test_path's set "
+                                   "names (the others take eval.max_new_tokens), e.g. gsm8k=256,aime=4096")
     samples: int = knob(8, "sampled completions per problem (sampled pass@1, pass@k); 0 = greedy only")
     feedback_turns: int = knob(-1, "code tasks: repair turns of each evaluation sequence, each after execution "
                                    "feedback on the task's first cases as in training (rollout.feedback_cases, "

@@ -6,7 +6,8 @@ Each comma-separated item is ``NAME=PATH`` or a bare ``PATH`` (named by its file
 first n problems of each set. All sets' sequences go through one sampler pass (the slots stay full across sets); the
 figures of the pass (greedy_pass@1, sampled_pass@1, pass@k, and the repair ones) are those of all problems pooled,
 and with more than one set ``sets`` holds each set's own, computed from its problems' records. Each record of an
-evaluation's records file then names its set ("set"). The sets share the job's prompt formatting and reward.
+evaluation's records file then names its set ("set"). The sets share the job's prompt formatting (but for
+data.file_overrides) and reward; eval.set_max_new_tokens gives a set a completion budget of its own.
 """
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
         with (on_file(s.path) if on_file is not None else contextlib.nullcontext()):
             out[s.name] = load_eval_examples(expand_files(s.path), tokenizer, for_file(data_config, task, s.name), n)
     return out
+
+
+def parse_set_budgets(text: str, names: Sequence[str], key: str = "eval.set_max_new_tokens") -> dict[str, int]:
+    """``NAME=N,...`` -> {set name: completion budget}; a ValueError names a set that is not one of ``names`` or a
+    budget that is not a positive integer."""
+    out: dict[str, int] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ValueError(f"--config.{key}={text!r}: {item!r} must be NAME=N with NAME one of the evaluation sets "
+                             f"({', '.join(names) or 'none: data.test_path is empty'}).")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            out[name] = 0
+        if out[name] < 1:
+            raise ValueError(f"--config.{key}={text!r}: {name}'s budget {value.strip()!r} must be a positive integer.")
+    return out
+
+
+def example_budgets(sets: Mapping[str, Sequence[Any]], eval_config: Any) -> list[int]:
+    """Each example's completion budget, in `flatten` order: its set's from eval.set_max_new_tokens, else
+    eval.max_new_tokens."""
+    own = parse_set_budgets(eval_config.set_max_new_tokens, list(sets))
+    return [own.get(name, eval_config.max_new_tokens) for name, examples in sets.items() for _ in examples]
 
 
 def flatten(sets: Mapping[str, Sequence[Any]]) -> list:

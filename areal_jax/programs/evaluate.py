@@ -47,6 +47,7 @@ _OVERRIDES = {
     "code_allow_numpy": ("reward", "code_allow_numpy"), "code_output_match": ("reward", "code_output_match"),
     "code_time_limit_factor": ("reward", "code_time_limit_factor"),
     "n": ("eval", "n_test"), "k": ("eval", "samples"), "max_new_tokens": ("eval", "max_new_tokens"),
+    "set_max_new_tokens": ("eval", "set_max_new_tokens"),
     "num_slots": ("eval", "num_slots"), "streams": ("eval", "streams"), "decode_steps": ("eval", "decode_steps"),
     "temperature": ("rollout", "temperature"), "model": ("model", "path"), "tokenizer": ("model", "tokenizer_path"),
     "dtype": ("model", "dtype"), "feedback_turns": ("eval", "feedback_turns"),
@@ -171,7 +172,7 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     import jax
 
     from areal_jax.evaluation.scoring import evaluate_examples
-    from areal_jax.evaluation.sets import evaluate_sets, flatten, load_eval_sets
+    from areal_jax.evaluation.sets import evaluate_sets, example_budgets, flatten, load_eval_sets
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 
@@ -201,13 +202,14 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     tokenizer.template_variables.update(c.data.template_variables)
     sets = load_eval_sets(c.data.test_path, tokenizer, c.data, c.eval.n_test)
-    examples = flatten(sets)
+    examples, budgets = flatten(sets), example_budgets(sets, c.eval)
     k, backend = c.eval.samples, jax.default_backend()
     temperature = c.rollout.temperature
     where = c.data.test_path if len(sets) == 1 else ", ".join(f"{name} ({len(e)})" for name, e in sets.items())
     log(f"Evaluating {source} on {where}: {len(examples)} {c.data.task} problems, greedy"
         + (f" + {k} samples at temperature {temperature:g}" + (f", top_p {settings.top_p:g}" if settings.top_p else "")
-           if k else "") + f", reward {c.reward.fn}, {c.eval.max_new_tokens} new tokens at most.")
+           if k else "") + f", reward {c.reward.fn}, {c.eval.max_new_tokens} new tokens at most"
+        + (f" ({c.eval.set_max_new_tokens})." if c.eval.set_max_new_tokens else "."))
     for note in settings.notes:
         log(f"  ({note})")
     repair, turns = None, c.eval.feedback_turns_for(c.rollout.feedback_turns)
@@ -219,7 +221,7 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
             "pass@1 of first and of last attempts)")
     with c.reward.make_pool() as pool:
         res = evaluate_sets(sets, lambda examples: evaluate_examples(
-            model, tokenizer, examples, max_new_tokens=c.eval.max_new_tokens, k=k, temperature=temperature,
+            model, tokenizer, examples, max_new_tokens=budgets, k=k, temperature=temperature,
             top_p=settings.top_p, num_slots=c.eval.num_slots, seed=c.seed, pool=pool,
             streams=c.eval.streams_for(backend), decode_steps=c.eval.decode_steps_for(c.rollout.decode_steps, backend),
             records=True, log=log, mesh=mesh, repair=repair), k)
@@ -362,6 +364,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("n", d.eval.n_test, "problems to evaluate (the first n).")
     flags.DEFINE_integer("k", d.eval.samples, "sampled completions per problem (0: greedy pass@1 only).")
     flags.DEFINE_integer("max_new_tokens", d.eval.max_new_tokens, "completion budget.")
+    flags.DEFINE_string("set_max_new_tokens", d.eval.set_max_new_tokens, "sets with a budget of their own: NAME=N,...")
     flags.DEFINE_float("temperature", d.rollout.temperature, "temperature of the sampled completions.")
     flags.DEFINE_float("top_p", None, "nucleus of the sampled completions (default: off).")
     flags.DEFINE_integer("num_slots", d.eval.num_slots, "sampler slots (all greedy and sampled sequences share them).")
