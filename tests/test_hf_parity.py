@@ -8,6 +8,9 @@ from flax import nnx
 
 from areal_jax.models import Transformer, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.hf_io import read_safetensors_dir
+from areal_jax.testing.hf import hf_logits as _hf_logits
+from areal_jax.testing.hf import random_tokens as _tokens
+from areal_jax.testing.hf import randomize_torch as _randomize_torch
 from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 
 torch = pytest.importorskip("torch", reason="parity tests need PyTorch (pip install areal_jax[parity])")
@@ -45,23 +48,6 @@ HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama":
 CASES = [(arch, tied) for arch in HF_CONFIGS for tied in (False, True)]
 
 
-def _randomize_torch(model, seed):
-    """HF initialises biases to 0 and norms to 1; draw them (and O(1)-scale weights) so every tensor matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embed_tokens" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            else:
-                p.copy_(noise)
-    return model
-
-
 def _hf_model(arch, tied, path, seed=0):
     torch.manual_seed(seed)
     cfg = HF_CONFIGS[arch](tied)
@@ -69,16 +55,6 @@ def _hf_model(arch, tied, path, seed=0):
     _randomize_torch(model, seed)
     model.save_pretrained(path)
     return model
-
-
-def _hf_logits(model, tokens, positions=None):
-    with torch.no_grad():
-        kwargs = {} if positions is None else {"position_ids": torch.tensor(np.asarray(positions))}
-        return model(torch.tensor(np.asarray(tokens)), **kwargs).logits.float().numpy()
-
-
-def _tokens(vocab, shape, seed=0):
-    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
 
 @pytest.mark.parametrize("arch,tied", CASES)

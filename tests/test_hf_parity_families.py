@@ -9,6 +9,9 @@ from safetensors.numpy import save_file
 from areal_jax.models import Transformer, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import read_safetensors_dir
+from areal_jax.testing.hf import hf_logits as _hf_logits
+from areal_jax.testing.hf import random_tokens as _tokens
+from areal_jax.testing.hf import randomize_torch
 from areal_jax.testing.models import tiny_config, write_random_hf_checkpoint
 
 torch = pytest.importorskip("torch", reason="parity tests need PyTorch (pip install areal_jax[parity])")
@@ -62,28 +65,9 @@ CASES = [("gemma3", True), ("gemma3", False), ("mistral", False), ("qwen2", True
 def _hf_model(arch, tied, path, seed=0):
     torch.manual_seed(seed)
     model = getattr(transformers, HF_CLASSES[arch])(HF_CONFIGS[arch](tied)).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # O(1) weights and non-trivial norms and biases, so that every tensor matters
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(noise if p.ndim == 1 or "embed_tokens" in name else noise / p.shape[1] ** 0.5)
+    randomize_torch(model, seed, norm_center=0.0 if arch == "gemma3" else 1.0)  # every tensor matters
     model.save_pretrained(path)
     return model
-
-
-def _hf_logits(model, tokens, positions=None):
-    with torch.no_grad():
-        kwargs = {} if positions is None else {"position_ids": torch.tensor(np.asarray(positions))}
-        return model(torch.tensor(np.asarray(tokens)), **kwargs).logits.float().numpy()
-
-
-def _tokens(vocab, shape, seed=0):
-    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
 
 @pytest.mark.parametrize("arch,tied", CASES)
