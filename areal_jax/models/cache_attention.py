@@ -194,11 +194,32 @@ def window_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                           window=window)
 
 
+def ring_attention(q: jax.Array, k_ring: jax.Array, v_ring: jax.Array, positions: jax.Array,
+                   window: int) -> jax.Array:
+    """`cached_attention` of one query per row in a sliding layer whose cache is a ring: k_ring, v_ring
+    [B, R, K, Dh] hold position p at index p % R (R >= window, or R >= every position the row reaches:
+    `ring_length`), so a row keeps only its last R positions whatever its length. Index j holds, for a query at position p, position p - ((p - j) % R); it is
+    read where that is >= 0 and within the window. The ring is read in place, in index order (attention does
+    not depend on the keys' order), every chunk of it. q: [B, 1, H, Dh]; positions [B, 1]."""
+    b, t = positions.shape
+    r = k_ring.shape[1]
+    if t != 1:
+        raise ValueError(f"ring_attention takes one query per row (decode), got {t}: a longer call would "
+                         "overwrite positions its own queries read; prefill into a full-length cache instead.")
+    return _attend_chunks(q, k_ring, v_ring, positions, cache_chunk_size(r), counted=True, window=window, ring=True)
+
+
+def ring_length(window: int, max_len: int) -> int:
+    """Positions of a sliding layer's ring cache for sequences of up to max_len: its window rounded up to a
+    multiple of 8 (`window_span`), or max_len when that is shorter (then no position ever wraps)."""
+    return min(int(max_len), window_span(window))
+
+
 def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                   chunk: int, counted: bool = False, window: int | None = None) -> jax.Array:
+                   chunk: int, counted: bool = False, window: int | None = None, ring: bool = False) -> jax.Array:
     """`cached_attention` of one block of queries, `chunk` cache positions per step (every chunk when
     ``counted``, else from the chunk of the smallest position's window start up to that of the largest
-    position)."""
+    position). ring: the cache is a ring (`ring_attention`; every chunk is read)."""
     b, t, h, dh = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     qg = _group_queries(q, kv)
@@ -225,9 +246,14 @@ def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positio
             v = jax.lax.dynamic_slice(v_cache, (0, start, 0, 0), (b, chunk, kv, dh))
         index = start + offsets
         # ... and masks the indices that an earlier chunk covered.
-        visible = (index[None, None, :] <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]
+        held = index[None, None, :]  # [1, 1, C] the position each index holds
+        if ring:
+            held = positions[:, :, None] - jnp.remainder(positions[:, :, None] - held, s)
+            visible = (held >= 0) & (index >= first)[None, None, :]
+        else:
+            visible = (held <= positions[:, :, None]) & (index >= first)[None, None, :]  # [B, T, C]
         if window is not None:
-            visible = visible & (index[None, None, :] > positions[:, :, None] - window)
+            visible = visible & (held > positions[:, :, None] - window)
         visible = visible[:, None, None]
         scores, weigh_values = chunk_attention(k, v)
         scores = jnp.where(visible, scores, MASK_VALUE)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.cache_attention import cached_attention
+from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
@@ -30,7 +30,10 @@ class KVCache:
     Row b's entry at index s holds the token written at position s (see `Transformer.__call__`). Each layer
     is its own buffer, so a decode step writes it in place and attends to it directly (one stacked
     [L, B, S, ...] array made XLA:CPU copy a layer out of the stack per layer per step: 1.19x slower at
-    256 slots x 88 positions of the default model)."""
+    256 slots x 88 positions of the default model).
+
+    A sliding layer's buffer may be a *ring* shorter than the others (`init_cache(ring=True)`): it holds position
+    p at index p % R, only its window's worth (`cache_attention.ring_attention`)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -49,7 +52,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        """Positions of the longest layer buffer (a ring layer's is shorter)."""
+        return max(x.shape[1] for x in self.k)
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """(k, v) as [L, B, S, K, Dh] arrays (a copy)."""
@@ -68,14 +72,21 @@ def cache_dtype(cfg: ModelConfig, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if backend == "cpu" and dtype.itemsize < 4 else dtype
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-    """A zero KV cache for `batch_size` rows of `max_len` positions; dtype defaults to `cache_dtype(cfg)`."""
+def cache_lengths(cfg: ModelConfig, max_len: int, ring: bool = False) -> tuple[int, ...]:
+    """Positions of each layer's cache buffer: max_len, or with ``ring`` a sliding layer's `ring_length` (its
+    window, rounded up to a multiple of 8, when that is shorter than max_len)."""
+    return tuple(max_len if not ring or cfg.layer_window(i) is None else ring_length(cfg.layer_window(i), max_len)
+                 for i in range(cfg.num_layers))
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, ring: bool = False) -> KVCache:
+    """A zero KV cache for `batch_size` rows of `max_len` positions; dtype defaults to `cache_dtype(cfg)`. ring:
+    sliding layers hold only their window, as rings (`cache_lengths`; decode with ``ring=True`` then)."""
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs positive batch_size and max_len, got {batch_size} and {max_len}.")
-    shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    shapes = [(batch_size, n, cfg.num_kv_heads, cfg.head_dim) for n in cache_lengths(cfg, max_len, ring)]
+    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
 class Transformer(nnx.Module):
@@ -98,7 +109,7 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache: KVCache | None = None, *, ring: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
         """Logits [B, T, vocab] float32; with a cache, returns (logits, new_cache).
 
         tokens: [B, T] int32. positions: [B, T] int32 (RoPE positions; default 0..T-1 per row).
@@ -109,8 +120,9 @@ class Transformer(nnx.Module):
         p >= S; none for p < 0, giving a zero attention output). A sliding layer (`ModelConfig.layer_window`)
         also drops keys more than its window behind the query, in both modes. The cache path reads each layer in chunks
         up to the largest position in the batch (`cache_attention.cached_attention`) and is forward-only.
+        ring: the sliding layers' buffers are rings (`init_cache(ring=True)`; one token per row).
         """
-        out = self.hidden(tokens, positions, segment_ids, cache)
+        out = self.hidden(tokens, positions, segment_ids, cache, ring=ring)
         if cache is None:
             return self.unembed(out)
         h, new_cache = out
@@ -118,12 +130,12 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                cache: KVCache | None = None, *, attention: str = "auto",
-               remat: str = "none", scan_layers: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
+               remat: str = "none", scan_layers: bool = False, ring: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
         """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
 
         attention, remat, scan_layers: the cache-free (training) forward's attention backend, per-layer
         rematerialisation and whether its layers run as one scan (models.packed_attention.decoder_stack);
-        the cache path ignores them.
+        the cache path ignores them. ring: as in `__call__`.
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -140,12 +152,17 @@ class Transformer(nnx.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache: in cache mode a query at position p "
                                  "attends cache indices 0..p of its row. Pass one sequence per row instead.")
             got = [tuple(x.shape) for x in (*cache.k, *cache.v)]
-            s = got[0][1] if got and len(got[0]) == 4 else None
-            expected = (b, s, cfg.num_kv_heads, cfg.head_dim)
-            if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or any(g != expected for g in got):
+            s = max((g[1] for g in got if len(g) == 4), default=None)
+            rings = ring and cfg.sliding_window is not None
+            lengths = cache_lengths(cfg, s or 0, rings)
+            expected = [(b, n, cfg.num_kv_heads, cfg.head_dim) for n in lengths] * 2
+            if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or got != expected:
                 raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} layers of shapes {sorted(set(got))}, "
-                                 f"expected {cfg.num_layers} layers of {expected}; build it with "
-                                 f"init_cache(cfg, batch_size={b}, max_len=...).")
+                                 f"expected {cfg.num_layers} layers of {sorted(set(expected))}; build it with "
+                                 f"init_cache(cfg, batch_size={b}, max_len=..., ring={rings}).")
+            if rings and t != 1:
+                raise ValueError(f"a ring cache takes one token per row (decode), got {t}: prefill into "
+                                 "init_cache(ring=False) and copy the rows in (sampler.prefill.write_rows).")
         else:
             if segment_ids is None:
                 segment_ids = jnp.ones((b, t), jnp.int32)
@@ -164,10 +181,16 @@ class Transformer(nnx.Module):
         write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
-            def attend(q, k, v, i=i):
-                ks[i] = ks[i].at[rows, write_at].set(k.astype(ks[i].dtype), mode="drop")
-                vs[i] = vs[i].at[rows, write_at].set(v.astype(vs[i].dtype), mode="drop")
-                return cached_attention(q, ks[i], vs[i], positions, window=cfg.layer_window(i))
+            window = cfg.layer_window(i)
+            r = ks[i].shape[1]
+            at = jnp.where(positions >= 0, positions % r, r) if ring and window is not None else write_at
+
+            def attend(q, k, v, i=i, window=window, at=at):
+                ks[i] = ks[i].at[rows, at].set(k.astype(ks[i].dtype), mode="drop")
+                vs[i] = vs[i].at[rows, at].set(v.astype(vs[i].dtype), mode="drop")
+                if ring and window is not None:
+                    return ring_attention(q, ks[i], vs[i], positions, window)
+                return cached_attention(q, ks[i], vs[i], positions, window=window)
 
             x = layer(x, *ropes[i], attend)
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))

@@ -138,7 +138,8 @@ class PagedEngine(Engine):
         return dataclasses.replace(state, standby=dataclasses.replace(state.standby, cache=table[s:]))
 
     def _place_fn(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        def move_rows(cache: PagedCacheState, standby_table: jax.Array, targets: jax.Array) -> PagedCacheState:
+        def move_rows(cache: PagedCacheState, standby_table: jax.Array, targets: jax.Array,
+                      lengths: jax.Array) -> PagedCacheState:
             return PagedCacheState(cache.pages, cache.table.at[targets].set(standby_table, mode="drop"))
 
         return place_standby(state, move_rows)

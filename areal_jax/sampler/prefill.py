@@ -42,12 +42,26 @@ def row_prefixes(cache: KVCache, logits: jax.Array, tokens: jax.Array, lengths: 
         for r in range(tokens.shape[0]))
 
 
-def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
+def ring_rows(src: jax.Array, lengths: jax.Array, ring: int) -> jax.Array:
+    """Rows [R, P, ...] holding positions 0..P-1 (real below lengths [R]) laid out as rings of ``ring`` < P
+    positions (`Transformer.hidden(ring=True)`): index j gets the row's last real position congruent to j mod
+    ring. Indices no real position reaches get a copy of position 0; attention never reads them before the
+    decode writes them."""
+    last = lengths.reshape(-1, 1).astype(jnp.int32) - 1  # [R, 1]
+    held = last - jnp.remainder(last - jnp.arange(ring, dtype=jnp.int32)[None, :], ring)  # [R, ring]
+    index = jnp.clip(held, 0, src.shape[1] - 1).reshape(held.shape + (1,) * (src.ndim - 2))
+    return jnp.take_along_axis(src, jnp.broadcast_to(index, held.shape + src.shape[2:]), axis=1)
+
+
+def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array, lengths: jax.Array) -> KVCache:
     """Write each layer's rows [R, P, ...] into positions 0..P-1 of `slots` [n] of the decode cache; one row
-    (R = 1) is copied to every slot. Slots out of range are dropped (padding of a batched call)."""
+    (R = 1) is copied to every slot. Slots out of range are dropped (padding of a batched call). lengths [R]
+    (or []): each row's real positions, which a ring layer shorter than P keeps the last of (`ring_rows`)."""
     n = slots.shape[0]
 
     def write(dst: jax.Array, src: jax.Array) -> jax.Array:
+        if src.shape[1] > dst.shape[1]:  # a ring: a sliding layer's buffer is shorter than any prompt bucket
+            src = ring_rows(src, jnp.broadcast_to(lengths, src.shape[:1]), dst.shape[1])
         p = src.shape[1]
         return dst.at[slots, :p].set(jnp.broadcast_to(src.astype(dst.dtype), (n,) + src.shape[1:]), mode="drop")
 

@@ -93,12 +93,12 @@ def release_slots(state: DecodeState, free: jax.Array, placements: jax.Array) ->
 
 
 def place_standby(state: DecodeState,
-                  write_cache: Callable[[Any, Any, jax.Array], Any]) -> tuple[DecodeState, jax.Array]:
+                  write_cache: Callable[[Any, Any, jax.Array, jax.Array], Any]) -> tuple[DecodeState, jax.Array]:
     """Move the standby's waiting rows into free slots: waiting row number i (in row order) takes the i-th
     free slot (in slot order), as far as free slots go.
 
-    write_cache(cache, standby cache, targets [R]) writes standby row j's cache into slot targets[j] (an
-    out-of-range target, S, is dropped). Returns (state, targets [R] int32: the slot each row moved into, S
+    write_cache(cache, standby cache, targets [R], lengths [R]) writes standby row j's cache (lengths[j]
+    positions) into slot targets[j] (an out-of-range target, S, is dropped). Returns (state, targets [R] int32: the slot each row moved into, S
     where it did not). The moved rows are armed exactly as an insert would arm them and leave the standby.
 
     Branch-free: every step scatters all R rows, those that do not move to no slot (dropped), so the step holds
@@ -113,7 +113,7 @@ def place_standby(state: DecodeState,
     moved = target < s
     settings = SlotSettings(temperature=sb.temperature, top_k=sb.top_k, top_p=sb.top_p, max_new=sb.max_new,
                             stop_ids=sb.stop_ids)
-    armed = arm_slots(dataclasses.replace(state, cache=write_cache(state.cache, sb.cache, target)), sb.logits,
+    armed = arm_slots(dataclasses.replace(state, cache=write_cache(state.cache, sb.cache, target, sb.lengths)), sb.logits,
                       sb.lengths, sb.last_tokens, target, settings, mode="drop")
     return dataclasses.replace(armed, placements=armed.placements.at[target].add(1, mode="drop"),
                                standby=dataclasses.replace(sb, done=sb.done | moved)), target

@@ -28,6 +28,7 @@ import numpy as np
 
 from areal_jax.models import init_cache
 from areal_jax.sampler.config import STANDBY_LEN
+from areal_jax.sampler.prefill import write_rows
 from areal_jax.sampler.sampling import SamplingParams
 from areal_jax.sampler.slots import empty_decode_state, free_slots, place_standby
 from areal_jax.sampler.state import DecodeState, Prefix, SlotSettings
@@ -54,12 +55,12 @@ def standby_size(rows: int, length: int | None, max_len: int) -> tuple[int, int]
     return rows, length
 
 
-def write_moved_rows(cache: Any, rows: Any, targets: jax.Array) -> Any:
-    """Write rows[j] ([standby_len, ...] per layer) into positions 0.. of slot targets[j], for the j whose target
-    is a slot (< S; the others are dropped): one in-place scatter per layer buffer, with no branch on how many
-    rows move."""
-    return jax.tree.map(lambda dst, src: dst.at[targets, : src.shape[1]].set(src.astype(dst.dtype), mode="drop"),
-                        cache, rows)
+def write_moved_rows(cache: Any, rows: Any, targets: jax.Array, lengths: jax.Array) -> Any:
+    """Write rows[j] ([standby_len, ...] per layer, lengths[j] real positions) into positions 0.. of slot
+    targets[j], for the j whose target is a slot (< S; the others are dropped): one in-place scatter per layer
+    buffer, with no branch on how many rows move (a ring layer takes each row's last positions,
+    ``prefill.write_rows``)."""
+    return write_rows(cache, rows, targets, lengths)
 
 
 class StandbyRows:
