@@ -143,3 +143,53 @@ def test_recompute_into_rings_equals_full_rows():
         out.append((result.tokens[:, [2, 0]], result.logprobs[:, [2, 0]]))
     np.testing.assert_array_equal(out[0][0], out[1][0])
     np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["gather", "kernel"])
+def test_paged_engine_keeps_sliding_layers_in_rings(path):
+    """A PagedEngine over a Gemma-form model: the sliding layers have no pages, only rings per slot and standby
+    row, the full layer keeps its pages; the SamplerLoop's greedy completions (standby rows, prompts longer than the
+    ring, completions past several windows; the full layer through the gather or the interpreted kernel) equal
+    greedy decoding by full forwards and those of the engine without rings."""
+    from areal_jax.sampler.paged_engine import PagedEngine
+    from areal_jax.testing.sampler import full_forward_logp, greedy_reference
+
+    model = _gemma(num_layers=3)
+    _, params = nnx.split(model)
+    prompts = [[5, 9, 13, 2, 40, 41, 42, 43, 44, 45, 46, 47], [7, 30], [11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    kw = dict(num_slots=2, max_len=48, page_size=4, standby_rows=2, attention=path)
+    engine = PagedEngine(model, **kw)
+    shapes = jax.eval_shape(engine._init_fn)
+    assert [x.shape[1] for x in shapes.cache.pages.k] == [0, engine.num_pages, 0]
+    assert [x.shape[:2] for x in shapes.cache.rings.k] == [(2, 8), (2, 0), (2, 8)]
+    assert [x.shape[:2] for x in shapes.standby.cache.rings.k] == [(2, 8), (2, 0), (2, 8)]
+    got = _serve(engine, params, prompts, 24, decode_steps=4)
+    ref = _serve(PagedEngine(model, ring_cache=False, **kw), params, prompts, 24, decode_steps=4)
+    logp = full_forward_logp(model, 48)
+    for a, b, prompt in zip(got, ref, prompts):
+        tokens, lps, _ = greedy_reference(logp, prompt, 24)
+        assert list(a.tokens) == list(b.tokens) == tokens
+        np.testing.assert_allclose(a.logprobs, lps, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_memory_plan_counts_the_rings_as_allocated(kv_cache):
+    """`system.memory.kv_cache_bytes` of a rollout section equals the bytes of the decode state its engine
+    allocates (cache, rings, standby rows, logits: every leaf but the small per-row fields), and it is below that of
+    the same model without windows."""
+    from areal_jax.sampler.config import RolloutConfig
+    from areal_jax.system.memory import kv_cache_bytes
+
+    model = _gemma(num_layers=6, window=5)
+    rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, kv_cache=kv_cache, page_size=4, kv_pages=40, standby_rows=2,
+                            standby_len=16)
+    engine = rollout.make_engine(model, mesh=None, config=model.cfg)
+    state = jax.eval_shape(engine._init_fn)
+
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim >= 2 and x.dtype != jnp.int32)
+
+    allocated = nbytes(state.cache) + nbytes(state.logits) + nbytes(state.standby.cache) + nbytes(state.standby.logits)
+    assert kv_cache_bytes(model.cfg, rollout, 1) == allocated
+    full = _gemma(num_layers=6, window=64)  # no window shorter than max_len: no rings
+    assert kv_cache_bytes(model.cfg, rollout, 1) < kv_cache_bytes(full.cfg, rollout, 1)

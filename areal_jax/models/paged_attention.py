@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from areal_jax.models.cache_attention import window_span
+from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables
-from areal_jax.models.transformer import cache_dtype
+from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths
 
 PagedPath = Literal["gather", "kernel"]
 
@@ -40,7 +40,8 @@ PagedPath = Literal["gather", "kernel"]
 @dataclasses.dataclass
 class PagedKVCache:
     """Keys and values of every layer in pages. k, v: tuples of L arrays [K, num_pages, page_size, Dh]
-    (compute dtype)."""
+    (compute dtype); a layer whose rows live in rings instead (`paged_hidden`'s ``rings``) has no pages
+    ([K, 0, page_size, Dh])."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -53,22 +54,33 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        return max(x.shape[1] for x in self.k)
 
     @property
     def page_size(self) -> int:
         return self.k[0].shape[2]
 
 
-def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None,
+                     rings: tuple[int, ...] = ()) -> PagedKVCache:
     """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to
-    ``transformer.cache_dtype(cfg)`` (float32 on the CPU)."""
+    ``transformer.cache_dtype(cfg)`` (float32 on the CPU). The layers in ``rings`` get no pages (their rows are
+    rings: `init_rings`)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    return PagedKVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    shapes = [(cfg.num_kv_heads, 0 if i in rings else num_pages, page_size, cfg.head_dim)
+              for i in range(cfg.num_layers)]
+    return PagedKVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
+
+
+def init_rings(cfg: ModelConfig, rows: int, max_len: int, rings: tuple[int, ...], dtype: Any = None) -> KVCache:
+    """Ring rows beside a paged cache: the layers in ``rings`` (sliding layers, `transformer.ring_layers`) as a
+    KVCache of [rows, ring_length, K, Dh], every other layer [rows, 0, K, Dh] (it lives in pages)."""
+    dtype = cache_dtype(cfg) if dtype is None else dtype
+    lengths = cache_lengths(cfg, max_len, ring=True)
+    shapes = [(rows, lengths[i] if i in rings else 0, cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
+    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
 def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int,
@@ -209,8 +221,8 @@ def default_path(head_dim: int | None = None, platform: str | None = None) -> Pa
 
 
 def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
-                 path: PagedPath | None = None, interpret: bool = False,
-                 platform: str | None = None) -> tuple[jax.Array, PagedKVCache]:
+                 path: PagedPath | None = None, interpret: bool = False, platform: str | None = None,
+                 rings: KVCache | None = None) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, KVCache]:
     """The cache branch of ``Transformer.hidden`` over a paged cache.
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
@@ -219,7 +231,9 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     (final-norm hidden states [B, T, D] in the compute dtype, the new cache). path: "gather" or "kernel" (T
     must be 1), default ``default_path(head_dim)``; platform: whose kernel "kernel" runs
     (``kernel_attention``). JAX's paged kernels take no window: sliding layers gather their window's pages
-    on either path."""
+    on either path. rings (`init_rings`, one row per row of the batch; T must be 1): the layers with ring rows
+    there write and read them (`cache_attention.ring_attention`) instead of pages, and the new rings are
+    returned third."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -232,8 +246,22 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     tables = rope_tables(cfg, positions)
     x = model.embed(tokens)
     k_all, v_all = list(cache.k), list(cache.v)
+    ring_k, ring_v = (list(rings.k), list(rings.v)) if rings is not None else ([], [])
+    if rings is not None and t != 1:
+        raise ValueError(f"ring rows take one token per row (decode), got {t}.")
     for i, layer in enumerate(model.layers):
         window = cfg.layer_window(i)
+        if rings is not None and ring_k[i].shape[1]:
+            r = ring_k[i].shape[1]
+            at, rows = jnp.where(positions >= 0, positions % r, r), jnp.arange(b)[:, None]
+
+            def attend(q, k, v, i=i, window=window, at=at, rows=rows):
+                ring_k[i] = ring_k[i].at[rows, at].set(k.astype(ring_k[i].dtype), mode="drop")
+                ring_v[i] = ring_v[i].at[rows, at].set(v.astype(ring_v[i].dtype), mode="drop")
+                return ring_attention(q, ring_k[i], ring_v[i], positions, window)
+
+            x = layer(x, *tables[cfg.layer_rope(i)], attend)
+            continue
 
         def attend(q, k, v, i=i, window=window):
             k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
@@ -243,4 +271,5 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             return gather_attention(q, current, i, page_table, positions, window)
 
         x = layer(x, *tables[cfg.layer_rope(i)], attend)
-    return model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
+    out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
+    return out if rings is None else (*out, KVCache(k=tuple(ring_k), v=tuple(ring_v)))

@@ -79,6 +79,11 @@ def cache_lengths(cfg: ModelConfig, max_len: int, ring: bool = False) -> tuple[i
                  for i in range(cfg.num_layers))
 
 
+def ring_layers(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
+    """The layers whose ring (`cache_lengths` with ring) is shorter than max_len: those a sampler keeps as rings."""
+    return tuple(i for i, n in enumerate(cache_lengths(cfg, max_len, ring=True)) if n < max_len)
+
+
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, ring: bool = False) -> KVCache:
     """A zero KV cache for `batch_size` rows of `max_len` positions; dtype defaults to `cache_dtype(cfg)`. ring:
     sliding layers hold only their window, as rings (`cache_lengths`; decode with ``ring=True`` then)."""

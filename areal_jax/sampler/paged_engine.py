@@ -34,19 +34,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from areal_jax.models import KVCache
 from areal_jax.models.config import model_config_of
 from areal_jax.models.paged_attention import (
     PagedKVCache,
     PagedPath,
     default_path,
     init_paged_cache,
+    init_rings,
     page_coordinates,
     paged_hidden,
     write_pages,
 )
+from areal_jax.models.transformer import ring_layers
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.pages import PageAllocator
-from areal_jax.sampler.prefill import last_tokens
+from areal_jax.sampler.prefill import last_tokens, write_rows
 from areal_jax.sampler.sampling import SamplingParams
 from areal_jax.sampler.slots import empty_decode_state, place_standby
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings
@@ -55,21 +58,31 @@ from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSe
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedCacheState:
-    """The cache field of a paged DecodeState: pages (L layers of [K, N, page_size, Dh]) and table [S, P] int32
-    (-1 = none)."""
+    """The cache field of a paged DecodeState: pages (L layers of [K, N, page_size, Dh]), table [S, P] int32
+    (-1 = none) and, for a model with sliding-window layers, their rows as rings (`paged_attention.init_rings`
+    [S, window, K, Dh]; those layers have no pages). A paged standby's cache is one too, without pages."""
 
-    pages: PagedKVCache
+    pages: PagedKVCache | None
     table: jax.Array
+    rings: KVCache | None = None
 
 
-def _write_rows(pages: PagedKVCache, table: jax.Array, cache: Any) -> PagedKVCache:
-    """Write a dense prefill cache (a KVCache of L layers [R, T, K, Dh], positions 0..T-1) into the pages of
-    table [R, P]."""
-    r, t = cache.k[0].shape[0], cache.k[0].shape[1]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (r, t))
-    page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
-    return PagedKVCache(k=tuple(write_pages(dst, page, offset, src) for dst, src in zip(pages.k, cache.k)),
-                        v=tuple(write_pages(dst, page, offset, src) for dst, src in zip(pages.v, cache.v)))
+def _write_rows(cache: PagedCacheState, table: jax.Array, rows: Any, slots: jax.Array,
+                lengths: jax.Array) -> PagedCacheState:
+    """Write a dense prefill cache (``rows``: a KVCache of L layers [R, T, K, Dh], positions 0..T-1, lengths [R]
+    or [] real ones; R = 1 is copied to every row) into the pages of table [n, P] and the ring rows ``slots`` [n]
+    (out of range: dropped)."""
+    pages, rings = cache.pages, cache.rings
+    if rings is not None:
+        rings = write_rows(rings, rows, slots, lengths)
+    if pages is not None:
+        n, t = table.shape[0], rows.k[0].shape[1]
+        full = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), rows)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (n, t))
+        page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
+        write = lambda dst, src: write_pages(dst, page, offset, src) if dst.shape[1] else dst  # noqa: E731
+        pages = PagedKVCache(k=tuple(map(write, pages.k, full.k)), v=tuple(map(write, pages.v, full.v)))
+    return PagedCacheState(pages, cache.table, rings)
 
 
 class PagedEngine(Engine):
@@ -80,6 +93,8 @@ class PagedEngine(Engine):
       num_pages: pages in the pool; default the dense cache's memory (num_slots x max_len positions).
       attention: "gather" or "kernel" (the Pallas paged-attention kernel of the backend: GPU, or TPU when
         head_dim is a multiple of 128); default ``default_path(head_dim)``.
+    Sliding-window layers keep rings of their window per slot and standby row instead of pages (``ring_cache``,
+    as in Engine), so a page holds only the other layers.
     """
 
     def __init__(self, model_graphdef_or_model: nnx.Module | nnx.GraphDef, *, num_slots: int, max_len: int,
@@ -103,6 +118,7 @@ class PagedEngine(Engine):
             raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
                              f"({per_sequence} pages of {self.page_size}); raise num_pages or lower max_len.")
         self._rows = int(num_slots) + max(0, int(kwargs.get("standby_rows") or 0))  # allocator rows: slots, standby
+        self.rings = ring_layers(cfg, int(max_len)) if cfg is not None and kwargs.get("ring_cache", True) else ()
         self.allocator = PageAllocator(self.num_pages, self.page_size, self._rows, self.pages_per_slot)
         self._limit: dict[int, int] = {}  # active row -> most positions its request can reach
         self._upper: dict[int, int] = {}  # active row -> upper bound of positions written so far
@@ -118,12 +134,17 @@ class PagedEngine(Engine):
         return PartitionSpec()  # pages are replicated over the rollout mesh
 
     def _init_fn(self) -> DecodeState:
-        cfg, n = self.config, self.num_slots
-        cache = PagedCacheState(init_paged_cache(cfg, self.num_pages, self.page_size),
-                                jnp.full((n, self.pages_per_slot), -1, jnp.int32))
+        cfg, n, rings = self.config, self.num_slots, self.rings
+
+        def ring_rows(rows: int) -> KVCache | None:
+            return init_rings(cfg, rows, self.max_len, rings) if rings else None
+
+        cache = PagedCacheState(init_paged_cache(cfg, self.num_pages, self.page_size, rings=rings),
+                                jnp.full((n, self.pages_per_slot), -1, jnp.int32), ring_rows(n))
         standby = None
-        if self.standby_rows:  # a standby row's cache is its page-table row (its pages live in the pool)
-            standby = empty_decode_state(jnp.full((self.standby_rows, self.pages_per_slot), -1, jnp.int32),
+        if self.standby_rows:  # a standby row's cache is its page-table row (its pages live in the pool) and rings
+            table = jnp.full((self.standby_rows, self.pages_per_slot), -1, jnp.int32)
+            standby = empty_decode_state(PagedCacheState(None, table, ring_rows(self.standby_rows)),
                                          cfg.vocab_size, self.standby_rows, self.max_stop_tokens)
         return empty_decode_state(cache, cfg.vocab_size, n, self.max_stop_tokens, standby)
 
@@ -132,58 +153,60 @@ class PagedEngine(Engine):
         then the standby rows."""
         s = self.num_slots
         rows = jnp.where((state.placements == placements)[:, None], table[:s], state.cache.table)
-        state = dataclasses.replace(state, cache=PagedCacheState(state.cache.pages, rows))
+        state = dataclasses.replace(state, cache=dataclasses.replace(state.cache, table=rows))
         if state.standby is None:
             return state
-        return dataclasses.replace(state, standby=dataclasses.replace(state.standby, cache=table[s:]))
+        sb = state.standby
+        return dataclasses.replace(state, standby=dataclasses.replace(sb, cache=dataclasses.replace(sb.cache,
+                                                                                                   table=table[s:])))
 
     def _place_fn(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        def move_rows(cache: PagedCacheState, standby_table: jax.Array, targets: jax.Array,
+        def move_rows(cache: PagedCacheState, standby: PagedCacheState, targets: jax.Array,
                       lengths: jax.Array) -> PagedCacheState:
-            return PagedCacheState(cache.pages, cache.table.at[targets].set(standby_table, mode="drop"))
+            rings = None if cache.rings is None else jax.tree.map(  # a ring row is copied; pages are not
+                lambda dst, src: dst.at[targets].set(src, mode="drop"), cache.rings, standby.rings)
+            return PagedCacheState(cache.pages, cache.table.at[targets].set(standby.table, mode="drop"), rings)
 
         return place_standby(state, move_rows)
 
     def _stage_fn(self, prefix: Prefix, state: DecodeState, rows: jax.Array, settings: SlotSettings) -> DecodeState:
         sb = state.standby
-        n = rows.shape[0]
-        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), prefix.cache)
-        pages = _write_rows(state.cache.pages, sb.cache.at[rows].get(mode="fill", fill_value=-1), cache)
-        sb = self._set_slot_fields(sb, prefix.logits, prefix.true_length, prefix.last_token, rows, settings,
-                                   mode="drop")
-        return dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table), standby=sb)
+        table = sb.cache.table.at[rows].get(mode="fill", fill_value=-1)  # the rows' pages (in the pool), rings
+        written = _write_rows(PagedCacheState(state.cache.pages, table, sb.cache.rings), table, prefix.cache, rows,
+                              prefix.true_length)
+        sb = self._set_slot_fields(dataclasses.replace(sb, cache=dataclasses.replace(sb.cache, rings=written.rings)),
+                                   prefix.logits, prefix.true_length, prefix.last_token, rows, settings, mode="drop")
+        return dataclasses.replace(state, cache=dataclasses.replace(state.cache, pages=written.pages), standby=sb)
 
     def _rows_of(self, state: DecodeState, slots: jax.Array) -> jax.Array:
         return state.cache.table.at[slots].get(mode="fill", fill_value=-1)  # padding slots: no pages
 
     def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, settings: SlotSettings) -> DecodeState:
-        pages = _write_rows(state.cache.pages, self._rows_of(state, slot[None]), prefix.cache)
-        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
-        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slot,
-                                     settings, mode=None)
+        cache = _write_rows(state.cache, self._rows_of(state, slot[None]), prefix.cache, slot[None],
+                            prefix.true_length)
+        return self._set_slot_fields(dataclasses.replace(state, cache=cache), prefix.logits, prefix.true_length,
+                                     prefix.last_token, slot, settings, mode=None)
 
     def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
                         settings: SlotSettings) -> DecodeState:
-        n = slots.shape[0]
-        rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), prefix.cache)
-        pages = _write_rows(state.cache.pages, self._rows_of(state, slots), rows)
-        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
-        return self._set_slot_fields(state, prefix.logits, prefix.true_length, prefix.last_token, slots,
+        cache = _write_rows(state.cache, self._rows_of(state, slots), prefix.cache, slots, prefix.true_length)
+        return self._set_slot_fields(dataclasses.replace(state, cache=cache), prefix.logits, prefix.true_length, prefix.last_token, slots,
                                      settings, mode="drop")
 
     def _prefill_insert_fn(self, params: nnx.State, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
                            slots: jax.Array, settings: SlotSettings) -> DecodeState:
-        cache, logits = self._prefill_rows(params, tokens, lengths)
-        pages = _write_rows(state.cache.pages, self._rows_of(state, slots), cache)
-        state = dataclasses.replace(state, cache=PagedCacheState(pages, state.cache.table))
+        rows, logits = self._prefill_rows(params, tokens, lengths)
+        state = dataclasses.replace(state, cache=_write_rows(state.cache, self._rows_of(state, slots), rows, slots,
+                                                             lengths))
         return self._set_slot_fields(state, logits, lengths, last_tokens(tokens, lengths), slots, settings,
                                      mode="drop")
 
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
                         cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
-        h, pages = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
-                                interpret=jax.default_backend() not in ("gpu", "tpu"))  # kernels interpreted elsewhere
-        return model.unembed(h), PagedCacheState(pages, cache.table)
+        h, pages, *rings = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
+                                        interpret=jax.default_backend() not in ("gpu", "tpu"),  # interpreted elsewhere
+                                        rings=cache.rings)
+        return model.unembed(h), PagedCacheState(pages, cache.table, *rings)
 
     # ----------------------------------------------------------------------------- host-side pages
     def _outstanding(self) -> int:

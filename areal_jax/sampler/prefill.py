@@ -60,6 +60,8 @@ def write_rows(cache: KVCache, rows: KVCache, slots: jax.Array, lengths: jax.Arr
     n = slots.shape[0]
 
     def write(dst: jax.Array, src: jax.Array) -> jax.Array:
+        if dst.shape[1] == 0:  # a layer held elsewhere (in pages, beside rings: paged_attention.init_rings)
+            return dst
         if src.shape[1] > dst.shape[1]:  # a ring: a sliding layer's buffer is shorter than any prompt bucket
             src = ring_rows(src, jnp.broadcast_to(lengths, src.shape[:1]), dst.shape[1])
         p = src.shape[1]

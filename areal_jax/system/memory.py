@@ -28,7 +28,7 @@ from flax import nnx
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import logical_to_mesh_sharding
-from areal_jax.models.transformer import cache_dtype
+from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
 from areal_jax.trainer.memory import per_device_bytes
 
 GiB = 2**30
@@ -91,10 +91,11 @@ class MemoryPlan:
             f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {hints[largest]}.")
 
 
-def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True) -> int:
-    """Keys and values of one position, every layer, on one device (kv heads split over `tensor` when `split`
-    and they divide)."""
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache_dtype(cfg).itemsize
+def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers: int | None = None) -> int:
+    """Keys and values of one position in `layers` layers (default every layer) on one device (kv heads split over
+    `tensor` when `split` and they divide)."""
+    layers = cfg.num_layers if layers is None else layers
+    per_position = 2 * layers * cfg.num_kv_heads * cfg.head_dim * cache_dtype(cfg).itemsize
     return per_position // tensor if split and tensor > 1 and cfg.num_kv_heads % tensor == 0 else per_position
 
 
@@ -139,14 +140,21 @@ def pool_pages(rollout: Any) -> int:
 def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache splits its
     kv heads over the rollout mesh's tensor axis when they divide, a page pool is replicated), with the standby
-    rows' and the decode logits [rows, vocab]."""
-    per_position = kv_position_bytes(cfg, tensor, split=rollout.kv_cache == "dense")
+    rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
+    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket)."""
+    dense = rollout.kv_cache == "dense"
     rows = rollout.num_slots + rollout.standby
+    rings = ring_layers(cfg, rollout.max_len)
+    lengths = cache_lengths(cfg, rollout.max_len, ring=True)
+    ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
+    layer_position = kv_position_bytes(cfg, tensor, split=dense, layers=1)
+    full = kv_position_bytes(cfg, tensor, split=dense, layers=cfg.num_layers - len(rings))
     if rollout.kv_cache == "paged":
-        positions = pool_pages(rollout) * rollout.page_size
-    else:
-        positions = rollout.num_slots * rollout.max_len + rollout.standby * rollout.standby_length()
-    return positions * per_position + rows * cfg.vocab_size * 4
+        pool = pool_pages(rollout) * rollout.page_size * full
+        return pool + rows * ring_positions * layer_position + rows * cfg.vocab_size * 4
+    slots = rollout.num_slots * (rollout.max_len * full + ring_positions * layer_position)
+    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor, split=dense)
+    return slots + standby + rows * cfg.vocab_size * 4
 
 
 def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelConfig], nnx.Module],
