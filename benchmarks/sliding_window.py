@@ -10,6 +10,10 @@ with the window's read turned off (`cache_attention.window_span` made larger tha
 then reads positions 0..p under the mask. Checks both give the same logits, prints the median step times side by
 side with their ratio, and ends with one JSON line.
 
+A third variant keeps each sliding layer's rows as rings of its window (`init_cache(ring=True)`; for the paged
+cache, rings beside pages that then hold only the global layers), what the sampler's engines allocate by default:
+its step time and the cache's size are printed beside the full-length rows'.
+
     python benchmarks/sliding_window.py                      # about a minute on 2 CPU cores
     python benchmarks/sliding_window.py --context 16384 --rows 16
 """
@@ -26,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models import cache_attention, paged_attention
-from areal_jax.models.paged_attention import init_paged_cache, paged_hidden
-from areal_jax.models.transformer import init_cache
+from areal_jax.models.paged_attention import gather_rows, init_paged_cache, init_rings, paged_hidden
+from areal_jax.models.transformer import init_cache, ring_layers
+from areal_jax.sampler.prefill import ring_rows
 from areal_jax.testing import models as testing
 
 
@@ -95,29 +100,62 @@ def main(argv: list[str] | None = None) -> dict:
     paged = type(paged)(k=tuple(filled(x) for x in paged.k), v=tuple(filled(x) for x in paged.v))
     table = jnp.asarray(rng.permutation(b * pages_per_row).reshape(b, pages_per_row), jnp.int32)
 
-    def dense_step(params, cache, tokens, positions):
-        return nnx.merge(graphdef, params)(tokens, positions, cache=cache)[0]
+    # The ring variants hold the same positions: each sliding layer's last ring-length positions before the new one.
+    rings = ring_layers(cfg, s)
+    as_ring = lambda x, i: ring_rows(x, positions[:, 0], x_len[i]) if i in rings else x  # noqa: E731
+    x_len = [x.shape[1] for x in init_cache(cfg, 1, s, ring=True).k]
+    dense_ring = type(dense)(k=tuple(as_ring(x, i) for i, x in enumerate(dense.k)),
+                             v=tuple(as_ring(x, i) for i, x in enumerate(dense.v)))
+    no_pages = lambda x, i: x[:, :0] if i in rings else x  # noqa: E731
+    paged_ring = type(paged)(k=tuple(no_pages(x, i) for i, x in enumerate(paged.k)),
+                             v=tuple(no_pages(x, i) for i, x in enumerate(paged.v)))
+    ring_rows_of = init_rings(cfg, b, s, rings)
+    ring_rows_of = type(ring_rows_of)(  # the paged rows' own positions, gathered through the table
+        k=tuple(as_ring(gather_rows(x, table), i) if i in rings else r for i, (x, r) in
+                enumerate(zip(paged.k, ring_rows_of.k))),
+        v=tuple(as_ring(gather_rows(x, table), i) if i in rings else r for i, (x, r) in
+                enumerate(zip(paged.v, ring_rows_of.v))))
 
-    def paged_step(params, pages, table, tokens, positions):
+    def dense_step(params, cache, tokens, positions, ring=False):
+        return nnx.merge(graphdef, params)(tokens, positions, cache=cache, ring=ring)[0]
+
+    def paged_step(params, pages, table, tokens, positions, rings=None):
         m = nnx.merge(graphdef, params)
-        return m.unembed(paged_hidden(m, tokens, positions, pages, table, path="gather")[0])
+        return m.unembed(paged_hidden(m, tokens, positions, pages, table, path="gather", rings=rings)[0])
+
+    def mib(*trees):
+        return sum(x.size * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t)) / 2**20
 
     rows, results = [], {}
-    for name, step, args in (("dense", dense_step, (params, dense, tokens, positions)),
-                             ("paged", paged_step, (params, paged, table, tokens, positions))):
+    for name, step, args, ring_step, ring_args, sizes in (
+            ("dense", dense_step, (params, dense, tokens, positions),
+             lambda *x: dense_step(*x, ring=True), (params, dense_ring, tokens, positions),
+             (mib(dense), mib(dense_ring))),
+            ("paged", paged_step, (params, paged, table, tokens, positions),
+             paged_step, (params, paged_ring, table, tokens, positions, ring_rows_of),
+             (mib(paged), mib(paged_ring, ring_rows_of)))):
         with whole_context_reads():  # a function of its own: jax.jit caches its trace per function
             base_s, base_out = median_seconds(jax.jit(lambda *x, step=step: step(*x)), args, a.repeats)
         new_s, new_out = median_seconds(jax.jit(lambda *x, step=step: step(*x)), args, a.repeats)
+        ring_s, ring_out = median_seconds(jax.jit(lambda *x, step=ring_step: step(*x)), ring_args, a.repeats)
         err = float(np.abs(np.asarray(new_out) - np.asarray(base_out)).max())
-        assert err < (1e-3 if a.dtype == "float32" else 0.1), f"{name}: the windowed read changed the logits by {err}"
+        ring_err = float(np.abs(np.asarray(ring_out) - np.asarray(base_out)).max())
+        bound = 1e-3 if a.dtype == "float32" else 0.1
+        assert err < bound, f"{name}: the windowed read changed the logits by {err}"
+        assert ring_err < bound, f"{name}: the ring cache changed the logits by {ring_err}"
         results[name] = {"whole_context_ms": base_s * 1e3, "window_ms": new_s * 1e3, "speedup": base_s / new_s,
-                         "max_logit_diff": err}
-        rows.append(f"{name:6s} {base_s * 1e3:12.1f} {new_s * 1e3:12.1f} {base_s / new_s:8.2f}x   {err:.1e}")
+                         "max_logit_diff": err, "ring_ms": ring_s * 1e3, "ring_vs_window": new_s / ring_s,
+                         "ring_max_logit_diff": ring_err, "cache_mib": sizes[0], "ring_cache_mib": sizes[1],
+                         "ring_memory_ratio": sizes[0] / sizes[1]}
+        rows.append(f"{name:6s} {base_s * 1e3:12.1f} {new_s * 1e3:12.1f} {base_s / new_s:8.2f}x   {err:.1e}   "
+                    f"{ring_s * 1e3:10.1f} {new_s / ring_s:7.2f}x   {sizes[0]:9.1f} {sizes[1]:9.1f} "
+                    f"{sizes[0] / sizes[1]:6.2f}x")
     device = f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}, {len(jax.devices())} device(s))"
     sliding = sum(t == "sliding_attention" for t in types)
     print(f"device: {device}; {a.layers} layers ({sliding} sliding, window {a.window}), {a.heads} heads / {a.kv_heads}"
           f" kv heads x {a.head_dim}, {b} rows at positions {a.window}-{s - 1} of a {s}-position cache, {a.dtype}")
-    print(f"{'cache':6s} {'whole (ms)':>12s} {'window (ms)':>12s} {'ratio':>9s}   max |logit diff|")
+    print(f"{'cache':6s} {'whole (ms)':>12s} {'window (ms)':>12s} {'ratio':>9s}   max diff   {'ring (ms)':>10s} "
+          f"{'vs win':>7s}   {'full MiB':>9s} {'ring MiB':>9s} {'ratio':>6s}")
     print("\n".join(rows))
     summary = {"benchmark": "sliding_window", "device": device, "layers": a.layers, "sliding_layers": sliding,
                "window": a.window, "rows": b, "context": s, "head_dim": a.head_dim, "dtype": a.dtype, **results}

@@ -1,4 +1,5 @@
-"""benchmarks/sliding_window.py at toy size: both variants run and agree, and its baseline really reads the whole
+"""benchmarks/sliding_window.py at toy size: every variant (whole context, window, ring) runs and agrees, the rings
+hold the window's share of the cache, and its baseline really reads the whole
 context (the switch it flips changes the compiled decode step)."""
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ def test_the_benchmark_reports_both_caches_and_its_baseline_reads_everything():
     for cache in ("dense", "paged"):
         figures = report[cache]
         assert figures["max_logit_diff"] < 1e-3 and figures["window_ms"] > 0 and figures["whole_context_ms"] > 0
+        assert figures["ring_max_logit_diff"] < 1e-3 and figures["ring_ms"] > 0
+        # 2 sliding layers of 3 keep 16 of 128 positions: (1 * 128 + 2 * 16) / (3 * 128) of the cache
+        assert abs(figures["ring_cache_mib"] / figures["cache_mib"] - 160 / 384) < 1e-9
     q = jax.ShapeDtypeStruct((2, 1, 2, 16), jnp.float32)
     kv = jax.ShapeDtypeStruct((2, 128, 1, 16), jnp.float32)
     pos = jax.ShapeDtypeStruct((2, 1), jnp.int32)
