@@ -52,12 +52,16 @@ def test_peft_directory_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3", "olmo3"])
-def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch):
+@pytest.mark.parametrize("arch,targets", [("qwen2", "all"), ("llama", "all"), ("gemma3", "all"), ("olmo3", "all"),
+                                          ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj")])
+def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
+    """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
+    adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), and
+    reading the directory back gives the same adapters."""
     torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
     transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
     peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft (pip install peft)")
-    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch=arch)
+    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch=arch, targets=targets)
     out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -68,6 +72,11 @@ def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch):
     want = np.asarray(model(jnp.asarray(TOKENS)))
     assert np.abs(want - base_logits).max() > 1e-2  # the adapters matter
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    fresh = load_hf_checkpoint(base_dir)
+    lora.apply_lora(fresh, lcfg, rngs=nnx.Rngs(99))
+    load_peft_adapter(fresh, out)
+    for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):

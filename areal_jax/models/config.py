@@ -1,5 +1,5 @@
-"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3, OLMo 2 / 3) and
-HF config.json I/O."""
+"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3, OLMo 2 / 3, SmolLM3,
+Phi-3 / Phi-4-mini) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +11,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3", "smollm3")
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3", "smollm3", "phi3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -39,11 +39,16 @@ class ModelConfig:
       "mistral", or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
       MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm), or "olmo2" / "olmo3" (norms on
       the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
-      also slides a window over three layers of every four).
+      also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
+      "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
+      embeddings, LongRoPE).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
-      context), or {"rope_type": "linear", "factor": 8.0} (positions divided by the factor).
+      context), {"rope_type": "linear", "factor": 8.0} (positions divided by the factor), or Phi's
+      {"rope_type": "longrope", "short_factor": [...], "long_factor": [...], "original_max_position_embeddings":
+      4096} (each frequency divided by its factor; the long factors where "use_long_factor" is set:
+      `for_sequence_length`).
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
     layer_types: per layer "full_attention" or "sliding_attention" (None: every layer sliding when
@@ -52,6 +57,8 @@ class ModelConfig:
       rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
     rope_layers: per layer 1 (rotary embeddings) or 0 (none: SmolLM3's NoPE layers); None: every layer rotates.
+    rotary_dim: the leading dimensions of each head that rotate (Phi's partial_rotary_factor; the rest pass
+      through); None: all head_dim.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
@@ -79,6 +86,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     rope_layers: tuple[int, ...] | None = None
+    rotary_dim: int | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -96,6 +104,13 @@ class ModelConfig:
                              f"({self.num_kv_heads}) for grouped-query attention.")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        if self.rotary_dim is not None:
+            if not isinstance(self.rotary_dim, (int, np.integer)) or not 2 <= self.rotary_dim <= self.head_dim \
+                    or self.rotary_dim % 2:
+                raise ValueError(f"ModelConfig.rotary_dim must be an even number in [2, head_dim={self.head_dim}] "
+                                 f"or None, got {self.rotary_dim!r}.")
+            if self.rotary_dim == self.head_dim:
+                object.__setattr__(self, "rotary_dim", None)
         object.__setattr__(self, "dtype", _to_dtype(self.dtype, "dtype"))
         object.__setattr__(self, "param_dtype", _to_dtype(self.param_dtype, "param_dtype"))
         if isinstance(self.eos_token_id, list):
@@ -120,9 +135,42 @@ class ModelConfig:
                     scaling["factor"] = self.max_position_embeddings / scaling["original_max_position_embeddings"]
                 if not float(scaling["factor"]) > 0:
                     raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
+            if rope_type == "longrope":
+                self._check_longrope(scaling)
             scaling.pop("type", None)
             scaling["rope_type"] = rope_type
             object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of a head that rotate (`rotary_dim`, else head_dim)."""
+        return self.rotary_dim or self.head_dim
+
+    def _check_longrope(self, scaling: dict) -> None:
+        """LongRoPE's keys, completed as transformers completes them (factor from the context lengths); its
+        factor lists become tuples of floats (the config stays hashable)."""
+        if scaling.get("original_max_position_embeddings") is None:
+            raise ValueError(f"rope_scaling of type 'longrope' needs original_max_position_embeddings; got {scaling}.")
+        for key in ("short_factor", "long_factor"):
+            values = scaling.get(key)
+            if not isinstance(values, (list, tuple)) or len(values) != self.rope_dim // 2:
+                raise ValueError(f"rope_scaling of type 'longrope' needs {key} as a list of rotary_dim / 2 = "
+                                 f"{self.rope_dim // 2} numbers; got {values!r}.")
+            scaling[key] = tuple(float(v) for v in values)
+        if scaling.get("factor") is None:
+            scaling["factor"] = self.max_position_embeddings / scaling["original_max_position_embeddings"]
+        scaling["use_long_factor"] = bool(scaling.get("use_long_factor", False))
+
+    def for_sequence_length(self, length: int) -> "ModelConfig":
+        """This config for sequences of up to `length` tokens: with LongRoPE, its long factors when `length`
+        exceeds original_max_position_embeddings, else its short ones (transformers picks per forward call by
+        the call's longest position; one choice per run keeps the sampler and the trainer on the same
+        positions). Other configs are returned as they are."""
+        s = self.rope_scaling
+        if s is None or s.get("rope_type") != "longrope":
+            return self
+        use_long = int(length) > int(s["original_max_position_embeddings"])
+        return self if use_long == s["use_long_factor"] else self.replace(rope_scaling={**s, "use_long_factor": use_long})
 
     def __hash__(self) -> int:
         values = []

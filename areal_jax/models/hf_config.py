@@ -10,7 +10,7 @@ from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
 # their text_config that differ from these.
@@ -32,7 +32,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     if model_type in ("llama", "olmo2"):
         return None, None
     window = d.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         types = None
     elif model_type in ("qwen2", "qwen3", "smollm3"):
         if not d.get("use_sliding_window"):
@@ -142,10 +142,15 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     rope, local_theta = _hf_rope(d, model_type)
     default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0}.get(model_type, 10000.0)
     theta = rope.pop("rope_theta", d.get("rope_theta", default_theta))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported.")
-    rope.pop("partial_rotary_factor", None)
+    partial = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0 and model_type != "phi3":
+        raise ValueError(f"partial_rotary_factor != 1 is not supported for {model_type} (only Phi's is).")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names of LongRoPE, as transformers reads them
+        rope_type = rope["rope_type"] = "longrope"
+        rope.pop("type", None)
+    if rope_type == "longrope":
+        rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings", 4096))
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     return cls(
@@ -171,6 +176,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rope_local_theta=local_theta,
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
         rope_layers=_hf_rope_layers(d, model_type, num_layers),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -202,12 +208,23 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture != "smollm3":
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's; HF {cfg.architecture} "
                          "rotates in every layer.")
+    if cfg.rotary_dim is not None and cfg.architecture != "phi3":
+        raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
+                         "dimension of a head.")
+    if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):
+        raise ValueError("HF Phi3 has no q/k/v bias and no q/k norm; set attention_bias=False, qk_norm=False.")
+    if sliding and cfg.architecture == "phi3" and cfg.layer_types is not None and "full_attention" in cfg.layer_types:
+        raise ValueError("HF Phi3 slides every layer or none; set layer_types=None.")
     if cfg.query_pre_attn_scalar is not None and not cfg.gemma:
         raise ValueError(f"query_pre_attn_scalar is Gemma 3's; HF {cfg.architecture} scales attention by "
                          "head_dim ** -0.5.")
     rope_parameters = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
         rope_parameters.update(cfg.rope_scaling)
+        rope_parameters.pop("use_long_factor", None)  # this run's choice (ModelConfig.for_sequence_length)
+        for key in ("short_factor", "long_factor"):
+            if key in rope_parameters:
+                rope_parameters[key] = list(rope_parameters[key])
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     types = [("sliding_attention" if cfg.layer_window(i) is not None else "full_attention")
              for i in range(cfg.num_layers)]
@@ -241,6 +258,13 @@ def config_to_hf(cfg: Any) -> dict:
         d["mlp_bias"] = False
     elif cfg.architecture == "mistral":
         d["sliding_window"] = cfg.sliding_window if sliding else None
+    elif cfg.architecture == "phi3":
+        partial = cfg.rope_dim / cfg.head_dim
+        rope_parameters["partial_rotary_factor"] = partial
+        d.update(sliding_window=cfg.sliding_window if sliding else None, rope_scaling=None, partial_rotary_factor=partial,
+                 rope_parameters=rope_parameters, pad_token_id=None,  # its default (32000) lies outside a small vocabulary
+                 original_max_position_embeddings=int(rope_parameters.get("original_max_position_embeddings",
+                                                                           cfg.max_position_embeddings)))
     elif cfg.gemma:
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
         if cfg.rope_local_theta is None:

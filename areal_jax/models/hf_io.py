@@ -60,11 +60,19 @@ class _Entry:
 
     kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
     "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)].
+    rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
+    gate_up_proj): ours is its rows start..stop of total.
     """
 
     path: tuple[str | int, ...]
     hf_name: str
     kind: str
+    rows: tuple[int, int, int] | None = None
+
+    def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole HF tensor's shape (the fused one where `rows` is set)."""
+        own = self.hf_shape(shape)
+        return own if self.rows is None else (self.rows[2],) + own[1:]
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.kind == "same":
@@ -91,13 +99,19 @@ class _Entry:
 
 
 def weight_entries(cfg: ModelConfig) -> list[_Entry]:
-    """The parameter <-> HF tensor table for `cfg`, in HF order."""
+    """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
             entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
-        for name in ("q", "k", "v"):
+        for name, rows in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+            if fused:
+                entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
+                                      (*rows, q + 2 * kv)))
+                continue
             entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
             if cfg.attention_bias:
                 entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
@@ -110,8 +124,12 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
         if cfg.gemma or cfg.olmo:
             entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
-        entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
-        entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
+        if fused:
+            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
+            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
+        else:
+            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
+            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
     entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
     if not cfg.tie_word_embeddings:
@@ -173,8 +191,11 @@ class _Reader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
-    def read(self, name: str) -> np.ndarray:
-        return self._handle(name).get_tensor(self.names[name])
+    def read(self, name: str, rows: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor, or its first-axis rows[0]..rows[1] (one part of a fused tensor)."""
+        if rows is None:
+            return self._handle(name).get_tensor(self.names[name])
+        return self._handle(name).get_slice(self.names[name])[rows[0]:rows[1]]
 
     def _handle(self, name: str) -> Any:
         file = self.file_of(name)
@@ -184,9 +205,11 @@ class _Reader:
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
-                       dtype: Any = None) -> Transformer:
-    """Loads an HF Qwen2 / Qwen3 / Llama / Mistral / Gemma 3 checkpoint directory into a Transformer (of an
+                       dtype: Any = None, max_len: int | None = None) -> Transformer:
+    """Loads an HF checkpoint directory of a supported family (models.hf_config) into a Transformer (of an
     image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
+    max_len: the longest sequence the run holds, which picks LongRoPE's factors (`ModelConfig.for_sequence_length`;
+    None: the short ones).
 
     param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
     (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
@@ -194,6 +217,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
     """
     path = os.fspath(path)
     cfg = ModelConfig.from_pretrained(path, dtype=param_dtype if dtype is None else dtype, param_dtype=param_dtype)
+    if max_len is not None:
+        cfg = cfg.for_sequence_length(max_len)
     reader = _Reader(path)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
@@ -212,11 +237,11 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
         if not reader.has(entry.hf_name):
             raise KeyError(f"Tensor {entry.hf_name!r} is missing from the checkpoint in {path!r}; config.json "
                            f"describes a {cfg.architecture} model that needs it.")
-        got, want = reader.shape(entry.hf_name), entry.hf_shape(tuple(leaf.shape))
+        got, want = reader.shape(entry.hf_name), entry.fused_shape(tuple(leaf.shape))
         if got != want:
             raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, but "
                              f"config.json implies {want}; the weights do not match the config.")
-        host = entry.to_ours(reader.read(entry.hf_name), tuple(leaf.shape)).astype(cfg.param_dtype)
+        host = entry.to_ours(reader.read(entry.hf_name, entry.rows), tuple(leaf.shape)).astype(cfg.param_dtype)
         if shardings is None:
             return jnp.asarray(host)
         sharding = sharding_leaves[spath]
@@ -249,8 +274,9 @@ def _plan_shards(sizes: list[int], max_shard_size: int | None) -> list[list[int]
     return shards
 
 
-def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[_Entry], dict, np.dtype, list[int]]:
-    """(config.json dictionary, tensor table, the model's parameters by path, dtype on disk, bytes per tensor)."""
+def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[list[_Entry]], dict, np.dtype, list[int]]:
+    """(config.json dictionary, the HF tensors as groups of table entries (one entry each, or a fused tensor's
+    parts in row order), the model's parameters by path, dtype on disk, bytes per HF tensor)."""
     cfg: ModelConfig = model.cfg
     save_dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
     hf_config = cfg.to_hf_dict()
@@ -260,8 +286,17 @@ def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[_Entry], dict
     missing = [e.path for e in entries if e.path not in flat]
     if missing:
         raise ValueError(f"Model state lacks parameters {missing}; it does not match its config.")
-    sizes = [int(np.prod(flat[e.path].shape)) * save_dtype.itemsize for e in entries]
-    return hf_config, entries, flat, save_dtype, sizes
+    groups: dict[str, list[_Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.hf_name, []).append(e)
+    sizes = [sum(int(np.prod(flat[e.path].shape)) for e in g) * save_dtype.itemsize for g in groups.values()]
+    return hf_config, list(groups.values()), flat, save_dtype, sizes
+
+
+def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any) -> np.ndarray:
+    """One HF tensor on the host: its entry's parameter in HF's layout, or a fused tensor's parts stacked."""
+    parts = [e.to_hf(_to_host(flat[e.path]).astype(save_dtype)) for e in group]
+    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
 
 def _write_files(path: str, hf_config: dict, names: list[str], sizes: list[int], tensor, writer: bool,
@@ -300,14 +335,9 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard
     (default: the model's param_dtype). Sharded and multi-host arrays are gathered one tensor at a time;
     only process 0 writes.
     """
-    hf_config, entries, flat, save_dtype, sizes = _hf_layout(model, dtype)
-
-    def tensor(i: int) -> np.ndarray:
-        e = entries[i]
-        return np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype)))
-
-    _write_files(os.fspath(path), hf_config, [e.hf_name for e in entries], sizes, tensor,
-                 jax.process_index() == 0, max_shard_size)
+    hf_config, groups, flat, save_dtype, sizes = _hf_layout(model, dtype)
+    _write_files(os.fspath(path), hf_config, [g[0].hf_name for g in groups], sizes,
+                 lambda i: _hf_tensor(groups[i], flat, save_dtype), jax.process_index() == 0, max_shard_size)
 
 
 @dataclass(frozen=True)
@@ -332,9 +362,9 @@ def host_checkpoint(model: Transformer, dtype: Any = None) -> HostCheckpoint:
     """Every tensor of `model` copied to the host in HF's layout and `dtype` (default: its param_dtype), with
     its config.json: a snapshot the model's later updates do not change. Every process must call it
     (multi-host arrays are gathered)."""
-    hf_config, entries, flat, save_dtype, _ = _hf_layout(model, dtype)
-    tensors = [np.ascontiguousarray(e.to_hf(_to_host(flat[e.path]).astype(save_dtype))) for e in entries]
-    return HostCheckpoint(hf_config, [e.hf_name for e in entries], tensors)
+    hf_config, groups, flat, save_dtype, _ = _hf_layout(model, dtype)
+    tensors = [_hf_tensor(g, flat, save_dtype) for g in groups]
+    return HostCheckpoint(hf_config, [g[0].hf_name for g in groups], tensors)
 
 
 def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:

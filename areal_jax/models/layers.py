@@ -56,10 +56,10 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] float32: theta^(-2i/d), with HF "linear", "llama3" or "yarn" scaling
-    when configured. table "local": the sliding layers' own table (`cfg.rope_local_theta`, no scaling) where
-    the model has one (`ModelConfig.layer_rope`)."""
-    dim = cfg.head_dim
+    """Inverse frequencies [d // 2] float32 (d = `ModelConfig.rope_dim`): theta^(-2i/d), with HF "linear", "llama3",
+    "yarn" or "longrope" scaling when configured. table "local": the sliding layers' own table
+    (`cfg.rope_local_theta`, no scaling) where the model has one (`ModelConfig.layer_rope`)."""
+    dim = cfg.rope_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     local = table == "local" and cfg.rope_local_theta is not None
     theta = cfg.rope_local_theta if local else cfg.rope_theta
@@ -71,6 +71,9 @@ def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg, inv_freq)
+    if scaling["rope_type"] == "longrope":  # 1 / (factor_i * theta^(2i/d)), in float32 as transformers computes it
+        factors = np.asarray(scaling["long_factor" if scaling["use_long_factor"] else "short_factor"], np.float32)
+        return (np.float32(1.0) / (factors * (np.float32(theta) ** exponent))).astype(np.float32)
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -102,7 +105,7 @@ def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
     """YaRN (arXiv 2309.00071): the high-frequency dimensions (more than beta_fast rotations over the pretraining
     length) keep theta^(-2i/d), the low-frequency ones (fewer than beta_slow) are interpolated by 1 / factor, and a
     linear ramp over the dimension index blends the two in between, in float32 as transformers computes it."""
-    s, dim, base = cfg.rope_scaling, cfg.head_dim, float(cfg.rope_theta)
+    s, dim, base = cfg.rope_scaling, cfg.rope_dim, float(cfg.rope_theta)
     factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
     fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
@@ -123,13 +126,17 @@ def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
 
 def rope_attention_scale(cfg: ModelConfig, table: str = "global") -> float:
     """The factor cos and sin are multiplied by: 1, or with YaRN its attention_factor (by default
-    0.1 ln(factor) + 1, or the ratio of the mscale / mscale_all_dim forms when both are given)."""
+    0.1 ln(factor) + 1, or the ratio of the mscale / mscale_all_dim forms when both are given), with LongRoPE
+    its attention_factor (by default sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
     s = cfg.rope_scaling
-    if s is None or s.get("rope_type") != "yarn" or (table == "local" and cfg.rope_local_theta is not None):
+    if s is None or s.get("rope_type") not in ("yarn", "longrope") or (table == "local" and
+                                                                       cfg.rope_local_theta is not None):
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     factor = float(s["factor"])
+    if s["rope_type"] == "longrope":
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
 
     def mscale(m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -140,8 +147,8 @@ def rope_attention_scale(cfg: ModelConfig, table: str = "global") -> float:
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """positions: [B, T] int32 -> (cos, sin): [B, T, head_dim] float32 (frequencies repeated twice, HF layout), each
-    times ``scale`` (rope_attention_scale)."""
+    """positions: [B, T] int32 -> (cos, sin): [B, T, 2 * len(inv_freq)] float32 (frequencies repeated twice, HF
+    layout), each times ``scale`` (rope_attention_scale)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     if scale == 1.0:
@@ -150,7 +157,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, N, head_dim]; cos/sin: [B, T, head_dim] float32. x*cos + rotate_half(x)*sin, in x's dtype."""
+    """x: [B, T, N, head_dim]; cos/sin: [B, T, d] float32, d <= head_dim. x*cos + rotate_half(x)*sin on the first d
+    dimensions (partial rotary embeddings: the rest pass through), in x's dtype."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -5,11 +5,17 @@ Layout: PEFT keeps nn.Linear's [out, in] convention, lora_A.weight [r, in] and l
 `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`; here A is [*in, r] and B [r, *out]
 (q_proj A [D, r], B [r, H, Dh]; o_proj A [H, Dh, r], B [r, D]), so each tensor is a reshape and a transpose.
 PEFT's scale is lora_alpha / r, the same as ours.
+
+Phi (phi3) fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj. The adapters of a fused module's n
+adapted parts are written as one adapter of rank n * r: A stacks the parts' A, B places each part's B in its own
+rows and rank columns (zeros elsewhere), and rank_pattern / lora_alpha_pattern give that module rank n * r and
+alpha n * alpha, so its scale stays alpha / r and its update is exactly the parts' updates side by side.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -36,22 +42,67 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     return out
 
 
-def module_name(layer: int, short: str) -> str:
-    """HF module path of a projection, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj"."""
+_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # phi3's fused modules, parts in row order
+
+
+def _fused_module(model_or_cfg: Any, short: str) -> str | None:
+    """The fused HF module holding projection `short` in this model's family (phi3), else None."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    if getattr(cfg, "architecture", None) != "phi3":
+        return None
+    return next((m for m, parts in _FUSED.items() if short in parts), None)
+
+
+def module_name(layer: int, short: str, fused: str | None = None) -> str:
+    """HF module path of a projection, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj" (with `fused`, the
+    fused module's: "model.layers.0.self_attn.qkv_proj")."""
     part, attr, _ = PROJECTIONS[short]
-    return f"model.layers.{layer}.{_HF_PART[part]}.{attr}"
+    return f"model.layers.{layer}.{_HF_PART[part]}.{fused or attr}"
+
+
+def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
+    """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
+    out: dict[str, list[tuple[str, LoRAProjection]]] = {}
+    for i, short, node in _adapted(model):
+        out.setdefault(module_name(i, short, _fused_module(model, short)), []).append((short, node))
+    return list(out.items())
+
+
+def _fused_rows(model: nnx.Module, module: str, fused: str) -> dict[str, tuple[int, int]]:
+    """{part: (first row, rows)} of each part of fused HF module `module` (adapted or not) in its weight."""
+    layer = model.layers[int(module.split(".")[2])]
+    out, offset = {}, 0
+    for short in _FUSED[fused]:
+        part, attr, _ = PROJECTIONS[short]
+        node = getattr(getattr(layer, part), attr)
+        rows = int(np.prod((node.lora_b if isinstance(node, LoRAProjection) else node).shape[1:]))
+        out[short], offset = (offset, rows), offset + rows
+    return out
 
 
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
-    """Every adapter as PEFT names it: {...q_proj.lora_A.weight: [r, in], ...lora_B.weight: [out, r]} float32."""
+    """Every adapter as PEFT names it: {...q_proj.lora_A.weight: [r, in], ...lora_B.weight: [out, r]} float32
+    (a fused module's: rank n * r, see the module docstring)."""
     tensors = {}
-    for i, short, node in _adapted(model):
-        a = np.asarray(jax.device_get(node.lora_a[...]), np.float32)
-        b = np.asarray(jax.device_get(node.lora_b[...]), np.float32)
-        r = a.shape[-1]
-        name = f"base_model.model.{module_name(i, short)}"
-        tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
-        tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+    for module, parts in _groups(model):
+        a_rows, b_cols = [], []
+        for _, node in parts:
+            a = np.asarray(jax.device_get(node.lora_a[...]), np.float32)
+            b = np.asarray(jax.device_get(node.lora_b[...]), np.float32)
+            r = a.shape[-1]
+            a_rows.append(a.reshape(-1, r).T)
+            b_cols.append(b.reshape(r, -1).T)
+        name = f"base_model.model.{module}"
+        tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
+        fused = _fused_module(model, parts[0][0])
+        if fused is None:
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_cols[0])
+            continue
+        rows, r = _fused_rows(model, module, fused), a_rows[0].shape[0]
+        b = np.zeros((sum(n for _, n in rows.values()), r * len(parts)), np.float32)
+        for j, ((short, _), col) in enumerate(zip(parts, b_cols)):
+            b[rows[short][0]:rows[short][0] + col.shape[0], j * r:(j + 1) * r] = col
+        tensors[f"{name}.lora_B.weight"] = b
     return tensors
 
 
@@ -62,20 +113,23 @@ def save_peft_adapter(model: nnx.Module, cfg: LoRAConfig, path: str | os.PathLik
     target_modules lists the short projection names when every layer adapts the same ones, else the full
     module paths (PEFT matches a list entry against the end of each module name)."""
     path = os.fspath(path)
-    adapted = _adapted(model)
+    groups = _groups(model)
     by_layer: dict[int, set[str]] = {}
-    for i, short, _ in adapted:
-        by_layer.setdefault(i, set()).add(short)
+    for module, parts in groups:
+        by_layer.setdefault(int(module.split(".")[2]), set()).add(module.rsplit(".", 1)[1])
     sets = {frozenset(v) for v in by_layer.values()}
     if len(by_layer) == model.cfg.num_layers and len(sets) == 1:
-        targets = sorted(PROJECTIONS[s][1] for s in next(iter(sets)))
+        targets = sorted(next(iter(sets)))
     else:
-        targets = [module_name(i, s) for i, s, _ in adapted]
+        targets = [module for module, _ in groups]
+    wide = {re.escape(module): len(parts) for module, parts in groups if len(parts) > 1}  # fused: rank n * r
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "rank_pattern": {k: n * cfg.rank for k, n in wide.items()},
+        "alpha_pattern": {k: n * cfg.alpha for k, n in wide.items()},
     }
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
@@ -90,15 +144,22 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
     with open(os.path.join(path, CONFIG_FILE)) as fh:
         config: dict[str, Any] = json.load(fh)
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
-    for i, short, node in _adapted(model):
-        name = f"base_model.model.{module_name(i, short)}"
-        if f"{name}.lora_A.weight" not in tensors:
-            raise KeyError(f"{path} has no adapter for {module_name(i, short)}; it was saved for other targets "
-                           f"({config.get('target_modules')}).")
-        r = node.lora_a.shape[-1]
-        if config.get("r") != r or abs(float(config.get("lora_alpha")) / r - node.scale) > 1e-12:
-            raise ValueError(f"{path} holds r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
-                             f"adapters have rank {r} and scale {node.scale}.")
-        node.lora_a.set_value(tensors[f"{name}.lora_A.weight"].T.reshape(node.lora_a.shape))
-        node.lora_b.set_value(tensors[f"{name}.lora_B.weight"].T.reshape(node.lora_b.shape))
+    saved = peft_tensors(model)  # where each part's rows and rank columns sit in this model's layout
+    for module, parts in _groups(model):
+        name = f"base_model.model.{module}"
+        if f"{name}.lora_A.weight" not in tensors or tensors[f"{name}.lora_A.weight"].shape != \
+                saved[f"{name}.lora_A.weight"].shape:
+            raise KeyError(f"{path} has no adapter for {module} of this model's rank and parts; it was saved for "
+                           f"other targets ({config.get('target_modules')}) or another rank.")
+        a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+        fused = _fused_module(model, parts[0][0])
+        rows = _fused_rows(model, module, fused) if fused is not None else None
+        for j, (short, node) in enumerate(parts):
+            r = node.lora_a.shape[-1]
+            if config.get("r") != r or abs(float(config.get("lora_alpha")) / r - node.scale) > 1e-12:
+                raise ValueError(f"{path} holds r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the "
+                                 f"model's adapters have rank {r} and scale {node.scale}.")
+            first, count = rows[short] if rows is not None else (0, b.shape[0])
+            node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
+            node.lora_b.set_value(b[first:first + count, j * r:(j + 1) * r].T.reshape(node.lora_b.shape))
     return model

@@ -53,7 +53,7 @@ def restore_policy(run_dir: str, step: int | None = None) -> tuple[Any, JobConfi
             raise FileNotFoundError(f"{run_dir} holds no checkpoint of step {chosen}; it has steps {sorted(steps)}.")
         mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
         model = load_hf_checkpoint(config.model.path, mesh=mesh, param_dtype=config.model.storage_dtype,
-                                   dtype=config.model.compute_dtype)
+                                   dtype=config.model.compute_dtype, max_len=config.rollout.max_len)
         if lora_cfg is not None:
             from areal_jax.models.lora import apply_lora
 

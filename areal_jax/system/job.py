@@ -137,7 +137,7 @@ class RLJob:
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                       dtype=dtype)
+                                       dtype=dtype, max_len=c.rollout.max_len)
         self.model_config = model.cfg
         lora_cfg = c.lora if c.lora.enabled else None  # adapters only are trained, the base is frozen
         if lora_cfg is not None:
@@ -147,7 +147,7 @@ class RLJob:
         ref_model = None
         if c.train.kl_coef > 0:  # the reference policy for the KL penalty: the starting checkpoint, frozen
             ref_model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                           dtype=dtype)
+                                           dtype=dtype, max_len=c.rollout.max_len)
             if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
                 apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
         self.trainer = Trainer(model, train_cfg, self.meshes.train_mesh, ref_model=ref_model,

@@ -17,7 +17,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
 
     Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 and gemma3 have q/k norm, llama uses llama3 RoPE
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
-    base there), smollm3 leaves every second layer without rotary embeddings.
+    base there), smollm3 leaves every second layer without rotary embeddings, phi3 rotates 12 of 16 dimensions
+    with LongRoPE.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -49,6 +50,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention" for i in range(layers)))
     if architecture == "smollm3":  # its NoPE layers: the second of every pair here
         fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
+    if architecture == "phi3":  # Phi-4-mini's form: 3/4 of each head rotates, LongRoPE (short factors by default)
+        fields.update(rotary_dim=12, rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0]})
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
