@@ -62,7 +62,8 @@ _MEDIUM = dict(_SMALL, num_seqs=64)
 _LARGE = dict(num_seqs=32, prompt_len=(64, 128), median_completion=256, max_completion=1024, micro_batch_tokens=8192,
               logits_chunk=2048)
 PRESETS = {"qwen2.5-0.5b": dict(workload=_SMALL), "qwen2.5-1.5b": dict(workload=_MEDIUM),
-           "qwen2.5-7b": dict(workload=_LARGE), "gemma3-1b": dict(workload=_SMALL), "gemma3-4b": dict(workload=_MEDIUM)}
+           "qwen2.5-7b": dict(workload=_LARGE), "gemma3-1b": dict(workload=_SMALL), "gemma3-4b": dict(workload=_MEDIUM),
+           "phi4-mini": dict(workload=_MEDIUM)}
 TINY_WORKLOAD = dict(num_seqs=64, prompt_len=(16, 64), median_completion=64, max_completion=256,
                      micro_batch_tokens=1024, logits_chunk=256)
 # --toy: a preset's head layout and embedding tying at a size that runs in seconds (the smoke test).

@@ -72,3 +72,16 @@ def test_gemma_preset_at_toy_size_against_the_same_device_baseline():
     assert report["params"] == 2 * layer + 512 * d + d
     assert report["tokens_per_s"]["jax_loglinear"] > 0 and report["tokens_per_s"]["hf_torch"] > 0
     assert "HF transformers + PyTorch (cpu)" in text
+
+
+@pytest.mark.slow
+def test_phi_preset_at_toy_size_against_the_same_device_baseline():
+    """Phi-4-mini's layout at toy size (24 / 8 heads of 16, 12 rotating dimensions, LongRoPE) through the update and
+    the HF + PyTorch step built from the same shape (Phi3ForCausalLM, fused q/k/v)."""
+    report, text = run("--preset", "phi4-mini", "--sequential", "--skip-recompute", "--dtype", "float32")
+    assert report["preset"] == "phi4-mini" and report["toy"] and report["hf_note"] is None
+    d, f, hd = 24 * 16, 24 * 40, 16
+    layer = d * 24 * hd * 2 + d * 8 * hd * 2 + 3 * d * f + 2 * d
+    assert report["params"] == 2 * layer + 512 * d + d
+    assert report["tokens_per_s"]["jax_loglinear"] > 0 and report["tokens_per_s"]["hf_torch"] > 0
+    assert "HF transformers + PyTorch (cpu)" in text

@@ -1,6 +1,7 @@
 """Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
 
-- `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B and Gemma 3 1B / 4B (text), as
+- `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B, Gemma 3 1B / 4B (text) and
+  Phi-4-mini, as
   ModelConfigs for random weights: every benchmark's presets name one;
 - `PRESETS`: those shapes (and a tiny one) with the rollout sizes that go with them;
 - `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
@@ -42,6 +43,10 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "gemma3-4b": dict(architecture="gemma3", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
                       num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, tie_word_embeddings=True,
                       sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    # microsoft/Phi-4-mini-instruct (and -reasoning): fused q/k/v and gate/up on disk, 3/4 of each head rotates
+    # (96 of 128), LongRoPE past 4,096 positions (`shape_config` adds it, with placeholder factor lists).
+    "phi4-mini": dict(architecture="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                      num_layers=32, num_heads=24, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
 }
 
 
@@ -60,9 +65,17 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
                   max_position_embeddings=max(32768, max_len), dtype=dtypes[dtype], param_dtype=dtypes[param_dtype])
     if fields["architecture"] == "qwen2":
         fields.update(attention_bias=True, rope_theta=1e6)
+    elif fields["architecture"] == "phi3":
+        fields.update(max_position_embeddings=max(131072, max_len))
     else:
         fields.update(qk_norm=True, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256.0)
     fields.update(overrides)
+    if fields["architecture"] == "phi3":  # 3/4 of head_dim rotates, whatever head_dim the overrides give
+        rotary = fields["head_dim"] * 3 // 4 // 2 * 2
+        fields.update(rope_theta=10000.0, rotary_dim=rotary, rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 4096, "short_factor": [1.0] * (rotary // 2),
+            "long_factor": [1.0 + i / 8 for i in range(rotary // 2)]})
+        return ModelConfig(**fields).for_sequence_length(max_len)
     if fields["architecture"] == "gemma3":
         fields["layer_types"] = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
                                       for i in range(fields["num_layers"]))
