@@ -30,16 +30,17 @@ def spec(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("platform,heads,head_dim,window", [
-    ("cuda", (14, 2), 64, None), ("cuda", (12, 2), 128, None), ("tpu", (14, 2), 64, None),
-    ("tpu", (12, 2), 128, None),
-    ("cuda", (4, 1), 256, 512), ("tpu", (4, 1), 256, 512)])  # gemma-3-1b's heads and sliding window
-def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head_dim, window):
+@pytest.mark.parametrize("platform,heads,head_dim,window,softcap", [
+    ("cuda", (14, 2), 64, None, None), ("cuda", (12, 2), 128, None, None), ("tpu", (14, 2), 64, None, None),
+    ("tpu", (12, 2), 128, None, None),
+    ("cuda", (4, 1), 256, 512, None), ("tpu", (4, 1), 256, 512, None),  # gemma-3-1b's heads and sliding window
+    ("cuda", (8, 4), 256, 1024, 50.0), ("tpu", (8, 4), 256, 1024, 50.0)])  # gemma-2-2b's, with its score cap
+def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head_dim, window, softcap):
     (h, kv), t = heads, 2048
     attend = flash_attention if platform == "cuda" else splash_attention
 
     def loss(q, k, v, seg):
-        return attend(q, k, v, seg, interpret=False, window=window).astype(jnp.float32).sum()
+        return attend(q, k, v, seg, interpret=False, window=window, softcap=softcap).astype(jnp.float32).sum()
 
     shapes = (spec((2, t, h, head_dim)), spec((2, t, kv, head_dim)), spec((2, t, kv, head_dim)),
               spec((2, t), jnp.int32))
@@ -49,13 +50,15 @@ def test_packed_flash_attention_forward_and_backward_lower(platform, heads, head
     assert f"{t}x{t}x" not in text  # no [.., T, T] tensor anywhere: memory linear in the row length
 
 
-@pytest.mark.parametrize("platform,head_dim", [("cuda", 64), ("cuda", 128), ("tpu", 128)])
-def test_paged_decode_attention_lowers(platform, head_dim):
+@pytest.mark.parametrize("platform,head_dim,softcap", [("cuda", 64, None), ("cuda", 128, None), ("tpu", 128, None),
+                                                       ("cuda", 128, 50.0), ("tpu", 128, 50.0)])
+def test_paged_decode_attention_lowers(platform, head_dim, softcap):
     rows, h, kv, page_size, per_row, pages = 256, 14, 2, 16, 80, 256 * 80
 
     def attend(q, k_pages, v_pages, table, positions):
         cache = PagedKVCache((k_pages,), (v_pages,))
-        return kernel_attention(q, cache, 0, table, positions, platform="gpu" if platform == "cuda" else "tpu")
+        return kernel_attention(q, cache, 0, table, positions, platform="gpu" if platform == "cuda" else "tpu",
+                                softcap=softcap)
 
     text = lowered(attend, platform, spec((rows, 1, h, head_dim)), spec((kv, pages, page_size, head_dim)),
                    spec((kv, pages, page_size, head_dim)), spec((rows, per_row), jnp.int32),

@@ -10,7 +10,7 @@ from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.testing.models import random_model, tiny_config
 
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings
-ARCHS = ["qwen2", "qwen3", "llama", "gemma3", "olmo2", "olmo3", "smollm3", "phi3"]
+ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3"]
 
 
 def _jitted(model):

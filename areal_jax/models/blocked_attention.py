@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from areal_jax.models.layers import MASK_VALUE, _group_queries
+from areal_jax.models.layers import MASK_VALUE, _group_queries, soft_cap
 
 MIN_BLOCK = 128  # tokens per block at the least; a row of T tokens uses max(MIN_BLOCK, T // MAX_BLOCKS)
 MAX_BLOCKS = 8  # blocks per row at the most: n (n + 1) / 2 block pairs are unrolled into the program
@@ -68,13 +68,13 @@ def block_masks(segment_ids: jax.Array, block: int,
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int,
                       masks: dict[tuple[int, int], tuple[jax.Array, jax.Array]] | None = None,
-                      window: int | None = None) -> jax.Array:
+                      window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention of packed rows, visiting only the key blocks some query may attend.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both have
     the same id, as `transformer.packed_mask`); block: tokens per block, dividing T; masks: `block_masks`
     of those segment ids (and window), when the caller shares them between layers; window: a sliding window
-    (i also needs i - j < window). Every query must be
+    (i also needs i - j < window); softcap: the scaled scores' `layers.soft_cap`. Every query must be
     able to attend itself (true of that mask), so no row is left without keys.
     Returns [B, T, H, Dh] in q's dtype, float32 softmax like `layers.dot_attention`.
     """
@@ -105,7 +105,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
 
             def visit(c, q_i=q_i, k_j=k_j, v_j=v_j, mask=mask):
                 m, l, acc = c
-                s = jnp.einsum("btkgd,bskd->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+                s = soft_cap(jnp.einsum("btkgd,bskd->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale,
+                             softcap)
                 s = jnp.where(mask[:, None, None], s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 p = jnp.exp(s - m_new[..., None])

@@ -1,4 +1,4 @@
-"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 3, OLMo 2 / 3, SmolLM3,
+"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
 Phi-3 / Phi-4-mini) and HF config.json I/O."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3", "olmo2", "olmo3", "smollm3", "phi3")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -36,7 +36,8 @@ class ModelConfig:
     """Hyper-parameters of one decoder-only transformer.
 
     architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), "llama" (optionally llama3 RoPE scaling),
-      "mistral", or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
+      "mistral", "gemma2" (Gemma 2: Gemma 3's layer without q/k norm, every other layer sliding, tanh
+      soft-capping of attention scores and logits), or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
       MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm), or "olmo2" / "olmo3" (norms on
       the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
       also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
@@ -59,6 +60,8 @@ class ModelConfig:
     rope_layers: per layer 1 (rotary embeddings) or 0 (none: SmolLM3's NoPE layers); None: every layer rotates.
     rotary_dim: the leading dimensions of each head that rotate (Phi's partial_rotary_factor; the rest pass
       through); None: all head_dim.
+    attn_logit_softcap, final_logit_softcap: Gemma 2's tanh soft-capping, c * tanh(x / c), of the attention
+      scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
@@ -87,6 +90,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_layers: tuple[int, ...] | None = None
     rotary_dim: int | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -111,6 +116,10 @@ class ModelConfig:
                                  f"or None, got {self.rotary_dim!r}.")
             if self.rotary_dim == self.head_dim:
                 object.__setattr__(self, "rotary_dim", None)
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float, np.floating)) and value > 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}.")
         object.__setattr__(self, "dtype", _to_dtype(self.dtype, "dtype"))
         object.__setattr__(self, "param_dtype", _to_dtype(self.param_dtype, "param_dtype"))
         if isinstance(self.eos_token_id, list):
@@ -222,8 +231,8 @@ class ModelConfig:
     @property
     def gemma(self) -> bool:
         """Gemma's layer form: norms scale by 1 + w (stored as w), a norm on the attention output and around the
-        MLP, a GELU-tanh MLP, embeddings times sqrt(hidden_size)."""
-        return self.architecture == "gemma3"
+        MLP, a GELU-tanh MLP, embeddings times sqrt(hidden_size) (Gemma 2 and 3)."""
+        return self.architecture in ("gemma2", "gemma3")
 
     @property
     def olmo(self) -> bool:

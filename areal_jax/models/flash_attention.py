@@ -103,8 +103,13 @@ def _first_key_block(first_ref, q0, block_k: int, window: int):
     return lax.div(lo, block_k)
 
 
+def _capped(s: jax.Array, softcap: float) -> jax.Array:
+    """Gemma 2's soft-capping of scaled scores, softcap * tanh(s / softcap) (0: none)."""
+    return jnp.tanh(s / softcap) * softcap if softcap else s
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, scale: float, block_q: int,
-                    block_k: int, window: int):
+                    block_k: int, window: int, softcap: float):
     i = pl.program_id(0)
     q0 = i * block_q
     q = q_ref[...]
@@ -116,7 +121,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
         acc, m, l = carry
         k0 = j * block_k
         keys = pl.ds(k0, block_k)
-        s = _dot_nt(q, k_ref[keys, :]) * scale
+        s = _capped(_dot_nt(q, k_ref[keys, :]) * scale, softcap)
         mask = _tile_mask(seg_q, seg_ref[keys], q0, k0, window)
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, MASK_VALUE), axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -132,7 +137,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale: float,
-               block_q: int, block_k: int, window: int):
+               block_q: int, block_k: int, window: int, softcap: float):
     i = pl.program_id(0)
     q0 = i * block_q
     q, do = q_ref[...], do_ref[...]
@@ -146,8 +151,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, do_ref, lse_ref, delta_r
         keys = pl.ds(k0, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         mask = _tile_mask(seg_q, seg_ref[keys], q0, k0, window)
-        p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
+        s = _capped(_dot_nt(q, k) * scale, softcap)
+        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
         ds = p * (_dot_nt(do, v) - delta[:, None])
+        if softcap:  # d(capped)/d(s) = 1 - tanh^2
+            ds = ds * (1.0 - jnp.square(s / softcap))
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -155,7 +163,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, do_ref, lse_ref, delta_r
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, last_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                scale: float, block_q: int, block_k: int, window: int):
+                scale: float, block_q: int, block_k: int, window: int, softcap: float):
     j = pl.program_id(0)
     k0 = j * block_k
     k, v = k_ref[...], v_ref[...]
@@ -172,9 +180,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, last_ref, do_ref, lse_ref, delta_r
         rows = pl.ds(q0, block_q)
         q, do = q_ref[rows, :], do_ref[rows, :]
         mask = _tile_mask(seg_ref[rows], seg_k, q0, k0, window)
-        p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * scale - lse_ref[rows][:, None]), 0.0)
+        s = _capped(_dot_nt(q, k) * scale, softcap)
+        p = jnp.where(mask, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = p * (_dot_nt(do, v) - delta_ref[rows][:, None])
+        if softcap:
+            ds = ds * (1.0 - jnp.square(s / softcap))
         return dk + _dot_tn(ds.astype(q.dtype), q), dv
 
     zeros = jnp.zeros((block_k, k.shape[1]), jnp.float32)
@@ -191,12 +202,13 @@ def _compiler_params(interpret: bool, head_dim: int):
     return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, interpret):
+def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, softcap, interpret):
     b, t, h, dh = q.shape
     group = h // k.shape[2]
     row = lambda i, bi, hi: (bi, 0)  # noqa: E731
     o, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
+        functools.partial(_forward_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                          softcap=softcap),
         grid=(t // block_q, b, h),
         in_specs=[
             pl.BlockSpec((None, block_q, None, dh), lambda i, bi, hi: (bi, i, hi, 0)),
@@ -217,7 +229,7 @@ def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, interpret)
     return o, lse
 
 
-def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k, window, interpret):
+def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k, window, softcap, interpret):
     b, t, h, dh = q.shape
     kv = k.shape[2]
     group = h // kv
@@ -230,7 +242,7 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
     per_head_row = pl.BlockSpec((None, None, t), lambda g, bi, hi: (bi, hi, 0))
     params = _compiler_params(interpret, dh)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
+        functools.partial(_dq_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window, softcap=softcap),
         grid=(t // block_q, b, h),
         in_specs=[q_block, whole_kv, whole_kv, row, pl.BlockSpec((None, block_q), lambda g, bi, hi: (bi, g)),
                   q_block, pl.BlockSpec((None, None, block_q), lambda g, bi, hi: (bi, hi, g)),
@@ -242,7 +254,8 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
         name="packed_flash_dq",
     )(q, k, v, seg, first, do, lse, delta)
     dk_heads, dv_heads = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window),
+        functools.partial(_dkv_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                          softcap=softcap),
         grid=(t // block_k, b, h),
         in_specs=[whole_q, kv_block, kv_block, row, pl.BlockSpec((None, block_k), lambda g, bi, hi: (bi, g)),
                   whole_q, per_head_row, per_head_row],
@@ -257,22 +270,22 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _flash(q, k, v, seg, first, last, scale, block_q, block_k, window, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, seg, first, last, scale, block_q, block_k, window, softcap, interpret):
     return _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
-                    interpret=interpret)[0]
+                    softcap=softcap, interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, first, last, scale, block_q, block_k, window, interpret):
+def _flash_fwd(q, k, v, seg, first, last, scale, block_q, block_k, window, softcap, interpret):
     o, lse = _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
-                      interpret=interpret)
+                      softcap=softcap, interpret=interpret)
     return o, (q, k, v, seg, first, last, o, lse)
 
 
-def _flash_bwd(scale, block_q, block_k, window, interpret, res, do):
+def _flash_bwd(scale, block_q, block_k, window, softcap, interpret, res, do):
     q, k, v, seg, first, last, o, lse = res
     dq, dk, dv = _backward(q, k, v, seg, first, last, o, lse, do, scale=scale, block_q=block_q, block_k=block_k,
-                           window=window, interpret=interpret)
+                           window=window, softcap=softcap, interpret=interpret)
     return dq, dk, dv, None, None, None
 
 
@@ -281,7 +294,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                     block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
-                    interpret: bool | None = None, window: int | None = None) -> jax.Array:
+                    interpret: bool | None = None, window: int | None = None,
+                    softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention of packed rows, differentiable in q, k and v.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh] (H a multiple of K); segment_ids: [B, T] int (i attends j iff
@@ -290,7 +304,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     16 for the Triton lowering). T is padded up to a multiple of both and head_dim to a power of two
     inside (padding gets its own segment). interpret: run the Pallas interpreter (default: on any
     backend but GPU). window: a sliding window (i also needs i - j < window); each query block then visits
-    only the key blocks its window reaches.
+    only the key blocks its window reaches. softcap: Gemma 2's softcap * tanh(s / softcap) of the scaled
+    scores (the backward multiplies by its derivative, 1 - tanh^2).
     """
     b, t, h, dh = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != dh or h % k.shape[2]:
@@ -317,5 +332,5 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     if window is not None and window < 1:
         raise ValueError(f"flash_attention: window={window} must be a positive number of positions (or None).")
     out = _flash(q, k, v, seg, first, last, float(np.float32(scale)), block_q, block_k, int(window or 0),
-                 bool(interpret))
+                 float(softcap or 0.0), bool(interpret))
     return out[:, :t, :, :dh]

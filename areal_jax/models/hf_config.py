@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+             "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -40,14 +40,16 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
         types = d.get("layer_types") or [
             "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
             for i in range(num_layers)]
-    else:  # gemma3, olmo3
+    else:  # gemma2, gemma3, olmo3
         window = d.get("sliding_window", 4096)
-        pattern = int(d.get("sliding_window_pattern", 6)) if model_type == "gemma3" else 4
+        pattern = {"gemma3": int(d.get("sliding_window_pattern", 6)), "gemma2": 2}.get(model_type, 4)
         types = d.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     types = tuple(types) if types is not None else None
     if model_type in ("gemma3", "olmo3"):  # their layer types also choose each layer's RoPE: kept whatever the window
         return int(window or max_pos), types
+    if model_type == "gemma2" and window is None:
+        return None, None
     if window is None or int(window) >= max_pos:
         return None, None
     if types is not None and "sliding_attention" not in types:
@@ -116,14 +118,14 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         raise ValueError(f"HF config for {model_type} lacks required keys {', '.join(missing)}.")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported (the MLP projections here have no bias).")
-    gemma = model_type == "gemma3"
+    gemma = model_type in ("gemma2", "gemma3")
     act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
     wanted_act = "gelu_pytorch_tanh" if gemma else "silu"
     if act != wanted_act:
         raise ValueError(f"hidden activation {act!r} is not supported for {model_type}; only {wanted_act!r} is.")
     if gemma:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if d.get(key) is not None:
+            if d.get(key) is not None and model_type == "gemma3":
                 raise ValueError(f"{key}={d[key]} (Gemma 2's tanh soft-capping) is not supported; Gemma 3 "
                                  "checkpoints have it null.")
         if d.get("use_bidirectional_attention"):
@@ -141,6 +143,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     window, layer_types = _hf_attention_layout(d, model_type, num_layers, max_pos)
     rope, local_theta = _hf_rope(d, model_type)
     default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0}.get(model_type, 10000.0)
+    softcaps = {"gemma2": (d.get("attn_logit_softcapping", 50.0), d.get("final_logit_softcapping", 30.0))}.get(
+        model_type, (None, None))
     theta = rope.pop("rope_theta", d.get("rope_theta", default_theta))
     partial = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0 and model_type != "phi3":
@@ -177,6 +181,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
         rope_layers=_hf_rope_layers(d, model_type, num_layers),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
+        final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -192,9 +198,15 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.architecture in ("llama", "mistral", "smollm3") and (cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
                          "attention_bias=False, qk_norm=False.")
-    if (cfg.gemma or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
+    if (cfg.architecture == "gemma3" or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture} has q/k norm and no q/k/v bias; set qk_norm=True, "
                          "attention_bias=False.")
+    if cfg.architecture == "gemma2" and (cfg.attention_bias or cfg.qk_norm):
+        raise ValueError("HF Gemma2 has no q/k norm and no q/k/v bias; set qk_norm=False, attention_bias=False.")
+    if (cfg.attn_logit_softcap is not None or cfg.final_logit_softcap is not None) and cfg.architecture != "gemma2":
+        raise ValueError(f"logit soft-capping is Gemma 2's; HF {cfg.architecture} has none.")
+    if cfg.architecture == "gemma2" and cfg.rope_local_theta is not None:
+        raise ValueError("HF Gemma2 has one RoPE base for every layer; set rope_local_theta=None.")
     sliding = any(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
     if sliding and cfg.architecture in ("llama", "olmo2"):
         raise ValueError(f"HF {cfg.architecture.title()} has no sliding-window attention; set "
@@ -202,7 +214,7 @@ def config_to_hf(cfg: Any) -> dict:
     if sliding and cfg.architecture == "mistral" and cfg.layer_types is not None \
             and "full_attention" in cfg.layer_types:
         raise ValueError("HF Mistral slides every layer or none; set layer_types=None.")
-    if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma3", "olmo3"):
+    if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
                          f"3's; HF {cfg.architecture} has one base for every layer.")
     if cfg.rope_layers is not None and cfg.architecture != "smollm3":
@@ -265,6 +277,11 @@ def config_to_hf(cfg: Any) -> dict:
                  rope_parameters=rope_parameters, pad_token_id=None,  # its default (32000) lies outside a small vocabulary
                  original_max_position_embeddings=int(rope_parameters.get("original_max_position_embeddings",
                                                                            cfg.max_position_embeddings)))
+    elif cfg.architecture == "gemma2":
+        scalar = float(cfg.query_pre_attn_scalar or cfg.head_dim)
+        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar.is_integer() else
+                 scalar, sliding_window=cfg.sliding_window or cfg.max_position_embeddings, layer_types=types,
+                 attn_logit_softcapping=cfg.attn_logit_softcap, final_logit_softcapping=cfg.final_logit_softcap)
     elif cfg.gemma:
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
         if cfg.rope_local_theta is None:

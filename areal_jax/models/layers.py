@@ -169,6 +169,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's soft-capping, cap * tanh(x / cap), of float32 scores or logits; x itself when cap is None."""
+    return x if cap is None else jnp.tanh(x / np.float32(cap)) * np.float32(cap)
+
+
 def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     """q: [B, T, H, Dh] -> [B, T, K, H // K, Dh]: query head h = k * group + g uses key/value head k."""
     b, t, h, dh = q.shape
@@ -178,17 +183,19 @@ def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, dh)
 
 
-def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                  softcap: float | None = None) -> jax.Array:
     """Grouped-query attention over whole sequences (the packed, cache-free path) with a float32 softmax.
 
     q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (H a multiple of K; key/value heads are shared by their query
     group through the einsum, never repeated); mask: [B, T, S] bool (True = may attend).
-    Returns [B, T, H, Dh] in q's dtype. A query that may attend nothing gets the mean of v.
+    Returns [B, T, H, Dh] in q's dtype. A query that may attend nothing gets the mean of v. softcap: the scaled
+    scores' `soft_cap` (Gemma 2).
     """
     b, t, h, dh = q.shape
     qg = _group_queries(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * np.float32(1.0 / math.sqrt(dh))
+    scores = soft_cap(scores * np.float32(1.0 / math.sqrt(dh)), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)

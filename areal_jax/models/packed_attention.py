@@ -62,9 +62,10 @@ def packed_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
 
 
 def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str | None = None,
-                     window: int | None = None) -> AttentionFn:
+                     window: int | None = None, softcap: float | None = None) -> AttentionFn:
     """attention(q [B, T, H, Dh], k [B, T, K, Dh], v) -> [B, T, H, Dh] for rows with these segment ids (and a
-    sliding window of `window` positions, or full causal attention when None).
+    sliding window of `window` positions, or full causal attention when None; softcap: Gemma 2's soft-capping
+    of the scaled scores).
 
     Whatever depends only on the segment ids (dense mask, block masks) is built here once and shared by
     every layer that calls the result.
@@ -73,14 +74,14 @@ def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str 
     impl = resolve_attention(choice, t, backend)
     if impl == "dense":
         mask = packed_mask(segment_ids, window)
-        return lambda q, k, v: dot_attention(q, k, v, mask)
+        return lambda q, k, v: dot_attention(q, k, v, mask, softcap)
     if impl == "blocked":
         block = attention_block(t, "cpu")
         masks = block_masks(segment_ids, block, window)
-        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window)
+        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window, softcap)
     if impl == "splash":
-        return lambda q, k, v: splash_attention(q, k, v, segment_ids, window=window)
-    return lambda q, k, v: flash_attention(q, k, v, segment_ids, window=window)
+        return lambda q, k, v: splash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
+    return lambda q, k, v: flash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
 
 
 def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
@@ -91,7 +92,7 @@ def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
     for i in range(cfg.num_layers):
         w = cfg.layer_window(i)
         if w not in by_window:
-            by_window[w] = packed_attention(segment_ids, choice, backend, w)
+            by_window[w] = packed_attention(segment_ids, choice, backend, w, cfg.attn_logit_softcap)
         out.append(by_window[w])
     return out
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import MASK_VALUE, rope_tables
+from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths
 
 PagedPath = Literal["gather", "kernel"]
@@ -123,13 +123,14 @@ def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 
 def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array,
-                     positions: jax.Array, window: int | None = None) -> jax.Array:
+                     positions: jax.Array, window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention over a paged cache, by gathering each row's pages.
 
     q: [B, T, H, Dh] (RoPE applied); cache already holding this call's keys / values; page_table [B, P];
     positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
     zeros; with a sliding window only those above positions[b, t] - window, and a decode call gathers only the
-    pages that window reaches). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
+    pages that window reaches; softcap: the scaled scores' `layers.soft_cap`). Returns [B, T, H, Dh] in q's
+    dtype, with a float32 softmax."""
     b, t, h, dh = q.shape
     ps, per_row = cache.page_size, page_table.shape[1]
     if window is not None and t == 1:  # decode in a sliding layer: only the pages its window reaches
@@ -137,12 +138,12 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
         if span < per_row:
             first = jnp.clip((positions[:, 0] - window + 1) // ps, 0, per_row - span)  # [B]
             table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(span)[None, :], axis=1)
-            return gather_attention(q, cache, layer, table, positions - first[:, None] * ps, window)
+            return gather_attention(q, cache, layer, table, positions - first[:, None] * ps, window, softcap)
     k, v = gather_rows(cache.k[layer], page_table), gather_rows(cache.v[layer], page_table)
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * np.float32(1.0 / math.sqrt(dh))
+    scores = soft_cap(scores * np.float32(1.0 / math.sqrt(dh)), softcap)
     index = jnp.arange(k.shape[1])[None, None, :]
     visible = index <= positions[:, :, None]  # [B, T, S]
     if window is not None:
@@ -161,13 +162,15 @@ def _largest_power_of_two_divisor(n: int, cap: int) -> int:
 
 
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
-                     *, interpret: bool = False, platform: str | None = None) -> jax.Array:
+                     *, interpret: bool = False, platform: str | None = None,
+                     softcap: float | None = None) -> jax.Array:
     """``gather_attention`` for one query per row through a Pallas paged-attention kernel.
 
     q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). platform (default: JAX's
     default backend) picks the kernel: "tpu" the Mosaic kernel (head_dim a multiple of 128; blocks of up to
     512 positions), anything else the GPU kernel, which splits each row's pages into up to 16 partitions
-    combined by an online softmax. interpret=True runs the chosen kernel on any backend (the CPU tests)."""
+    combined by an online softmax. interpret=True runs the chosen kernel on any backend (the CPU tests).
+    softcap: both kernels' attn_logits_soft_cap (Gemma 2)."""
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
@@ -177,20 +180,20 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     scaled = (q[:, 0].astype(jnp.float32) * np.float32(1.0 / math.sqrt(dh))).astype(q.dtype)
     table = jnp.maximum(page_table, 0)
     if platform == "tpu":
-        out = _tpu_kernel(scaled, cache.k[layer], cache.v[layer], lengths, table, interpret)
+        out = _tpu_kernel(scaled, cache.k[layer], cache.v[layer], lengths, table, interpret, softcap)
     else:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         splits = _largest_power_of_two_divisor(per_row, 16)
         block = _largest_power_of_two_divisor(per_row // splits, 8)
-        out = paged_attention(scaled, cache.k[layer], cache.v[layer], table, lengths,
+        out = paged_attention(scaled, cache.k[layer], cache.v[layer], table, lengths, attn_logits_soft_cap=softcap,
                               k_splits=splits, pages_per_compute_block=block, interpret=interpret)
     out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
     return out[:, None].astype(q.dtype)
 
 
 def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array,
-                interpret: bool) -> jax.Array:
+                interpret: bool, softcap: float | None = None) -> jax.Array:
     """The TPU kernel on q [B, H, Dh] (already scaled): blocks of the largest power-of-two count of pages
     dividing the row's pages and holding at most 512 positions."""
     from jax.experimental.pallas import tpu as pltpu
@@ -202,7 +205,7 @@ def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: j
                          "gather path (PagedEngine(attention='gather'), the default on TPUs for such models).")
     block = _largest_power_of_two_divisor(table.shape[1], max(1, 512 // page_size))
     call = lambda: paged_attention(q, k_pages, v_pages, lengths, table,  # noqa: E731
-                                   pages_per_compute_block=block)
+                                   pages_per_compute_block=block, attn_logits_soft_cap=softcap)
     if interpret:
         with pltpu.force_tpu_interpret_mode():
             return call()
@@ -258,7 +261,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             def attend(q, k, v, i=i, window=window, at=at, rows=rows):
                 ring_k[i] = ring_k[i].at[rows, at].set(k.astype(ring_k[i].dtype), mode="drop")
                 ring_v[i] = ring_v[i].at[rows, at].set(v.astype(ring_v[i].dtype), mode="drop")
-                return ring_attention(q, ring_k[i], ring_v[i], positions, window)
+                return ring_attention(q, ring_k[i], ring_v[i], positions, window, cfg.attn_logit_softcap)
 
             x = layer(x, *tables[cfg.layer_rope(i)], attend)
             continue
@@ -267,8 +270,9 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
             current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
             if path == "kernel" and window is None:
-                return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform)
-            return gather_attention(q, current, i, page_table, positions, window)
+                return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform,
+                                        softcap=cfg.attn_logit_softcap)
+            return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap)
 
         x = layer(x, *tables[cfg.layer_rope(i)], attend)
     out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))

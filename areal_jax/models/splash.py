@@ -23,7 +23,7 @@ def _block(t: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(t: int, group: int, interpret: bool, window: int = 0):
+def _kernel(t: int, group: int, interpret: bool, window: int = 0, softcap: float = 0.0):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -35,18 +35,20 @@ def _kernel(t: int, group: int, interpret: bool, window: int = 0):
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     with jax.ensure_compile_time_eval():  # the kernel's mask tables are constants, even when built under jit
-        kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+        kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
+                                                  attn_logits_soft_cap=softcap or None)
     return kernel, sk.SegmentIds
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     interpret: bool | None = None, window: int | None = None) -> jax.Array:
+                     interpret: bool | None = None, window: int | None = None,
+                     softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention of packed rows with the splash kernel.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both
     have the same id; with a sliding window also i - j < window: the kernel's local mask, whose block
     tables skip the blocks outside it). Returns [B, T, H, Dh] in q's dtype. interpret: default on any
-    backend but TPU.
+    backend but TPU. softcap: Gemma 2's soft-capping of the scaled scores (the kernel's attn_logits_soft_cap).
     """
     b, t, h, dh = q.shape
     kv = k.shape[2]
@@ -62,7 +64,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         widths = ((0, 0), (0, t_pad - t), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
         seg = jnp.concatenate([seg, jnp.broadcast_to(jnp.min(seg) - 1, (b, t_pad - t))], axis=1)
-    kernel, segment_ids_type = _kernel(t_pad, group, bool(interpret), int(window or 0))
+    kernel, segment_ids_type = _kernel(t_pad, group, bool(interpret), int(window or 0), float(softcap or 0.0))
     scale = jnp.asarray(1.0 / math.sqrt(dh), q.dtype)
     qg = (q * scale).reshape(b, t_pad, kv, group, dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]

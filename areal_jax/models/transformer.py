@@ -11,7 +11,7 @@ from flax import nnx
 
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables
+from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
     decoder_layer,
     decoder_stack,
@@ -194,8 +194,8 @@ class Transformer(nnx.Module):
                 ks[i] = ks[i].at[rows, at].set(k.astype(ks[i].dtype), mode="drop")
                 vs[i] = vs[i].at[rows, at].set(v.astype(vs[i].dtype), mode="drop")
                 if ring and window is not None:
-                    return ring_attention(q, ks[i], vs[i], positions, window)
-                return cached_attention(q, ks[i], vs[i], positions, window=window)
+                    return ring_attention(q, ks[i], vs[i], positions, window, cfg.attn_logit_softcap)
+                return cached_attention(q, ks[i], vs[i], positions, window=window, softcap=cfg.attn_logit_softcap)
 
             x = layer(x, *ropes[i], attend)
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
@@ -216,6 +216,7 @@ class Transformer(nnx.Module):
         return self.lm_head[...]
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """h: [..., hidden_size] -> logits [..., vocab] float32."""
+        """h: [..., hidden_size] -> logits [..., vocab] float32 (Gemma 2: soft-capped, `layers.soft_cap`)."""
         w = self.unembed_matrix().astype(self.cfg.dtype)
-        return jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
+        return soft_cap(logits, self.cfg.final_logit_softcap)

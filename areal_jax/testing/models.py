@@ -18,7 +18,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 and gemma3 have q/k norm, llama uses llama3 RoPE
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
     base there), smollm3 leaves every second layer without rotary embeddings, phi3 rotates 12 of 16 dimensions
-    with LongRoPE.
+    with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5).
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -45,6 +45,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         fields["rope_theta"] = 500000.0
     layers = int(overrides.get("num_layers", 2))
+    if architecture == "gemma2":  # every other layer slides; soft caps small enough to bite at this size
+        fields.update(sliding_window=8, query_pre_attn_scalar=24.0, attn_logit_softcap=3.0, final_logit_softcap=5.0,
+                      layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)))
     if architecture == "gemma3":
         fields.update(sliding_window=8, rope_local_theta=10000.0, rope_theta=1000000.0, query_pre_attn_scalar=16.0,
                       layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention" for i in range(layers)))
