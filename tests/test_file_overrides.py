@@ -52,6 +52,8 @@ def test_one_file_reads_with_its_own_fields_and_template(files):
             assert text.startswith("Question: ") and text.endswith("\nAnswer:")
     assert seen["gsm"] and seen["other"]
     sets = load_eval_sets(data.test_path, tok, data, 4)
+    uids = [e.uid for examples in sets.values() for e in examples]  # both files are test.jsonl: told apart by set
+    assert len(set(uids)) == 8 and {u.split(":")[0] for u in uids} == {"gsm", "other"} and uids[0] == "gsm:1:0"
     assert not any(tok.decode(e.prompt_tokens).startswith("Question") for e in sets["other"])
     assert [tok.decode(e.prompt_tokens)[:10] for e in sets["gsm"]] == ["Question: "] * 4
     # the same problems under both layouts: the same answers

@@ -28,11 +28,13 @@ def parse_eval_sets(test_path: str, key: str = "data.test_path") -> list[NamedPa
 def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
                    on_file: Callable[[str], Any] | None = None) -> dict[str, list]:
     """{set name: its first n prompts, formatted like training} for every set of ``test_path``, in order. on_file:
-    a context manager maker given the file read (e.g. system.user_errors.data_file), to name it in a read error."""
+    a context manager maker given the file read (e.g. system.user_errors.data_file), to name it in a read error.
+    With several sets, uids start with the set's name ("<name>:<row>:0", of shards "<name>:<shard>:<row>:0", as a
+    training mixture's), so sets whose files share a name stay apart."""
     import contextlib
     import dataclasses
 
-    from areal_jax.data.sources import expand_files, file_tasks, for_file
+    from areal_jax.data.sources import _mixture_key, expand_files, file_tasks, for_file
     from areal_jax.evaluation.scoring import load_eval_examples
 
     sets = parse_eval_sets(test_path)
@@ -41,6 +43,10 @@ def load_eval_sets(test_path: str, tokenizer: Any, data_config: Any, n: int,
     for s, task in zip(sets, tasks):  # each set read as its task (data.test_tasks)
         with (on_file(s.path) if on_file is not None else contextlib.nullcontext()):
             out[s.name] = load_eval_examples(expand_files(s.path), tokenizer, for_file(data_config, task, s.name), n)
+        if len(sets) > 1:
+            shards = len(expand_files(s.path)) > 1
+            out[s.name] = [dataclasses.replace(e, uid=_mixture_key(s.name, e.uid.rsplit(":", 1)[0], shards) + ":0")
+                           for e in out[s.name]]
     return out
 
 
