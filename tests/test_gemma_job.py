@@ -1,7 +1,10 @@
-"""A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms): the memory
-plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour log-prob
-the sampler recorded equals a full forward of the policy version that generated it."""
+"""A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms), a Gemma 2 one
+(soft caps) and a Phi one (partial rotary embeddings, LongRoPE's long factors chosen by the run's max_len): the
+memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
+log-prob the sampler recorded equals a full forward of the policy version that generated it."""
 import os
+
+import pytest
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +18,15 @@ from areal_jax.testing.models import write_random_hf_checkpoint
 from areal_jax.testing.tiny import tiny_config
 
 
-def test_a_run_on_a_sliding_window_model(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3"])
+def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     tok = build_math_tokenizer()
-    model_dir = str(tmp_path / "gemma")
-    cfg = tiny_model_config("gemma3", num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
-                            eos_token_id=tok.eos_token_id, sliding_window=6, tie_word_embeddings=True)
-    assert [cfg.layer_window(i) for i in range(3)] == [6, None, 6]
+    model_dir = str(tmp_path / arch)
+    window = {"phi3": {}}.get(arch, {"sliding_window": 6})
+    cfg = tiny_model_config(arch, num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **window)
+    if arch != "phi3":
+        assert [cfg.layer_window(i) for i in range(3)] == [6, None, 6]
     write_random_hf_checkpoint(model_dir, cfg, seed=0)
     tok.save_pretrained(model_dir)
     c = tiny_config(str(tmp_path), eta=1, steps=2)
@@ -42,8 +48,11 @@ def test_a_run_on_a_sliding_window_model(tmp_path):
         job.close()
     assert summary["steps"] == 2 and any("Device memory" in line for line in lines)
     assert trained and max(len(t.tokens) - t.prompt_len for t in trained) > 6
-    # the behaviour log-probs of version-0 tokens equal a full forward of the starting checkpoint
-    start = load_hf_checkpoint(model_dir)
+    # the behaviour log-probs of version-0 tokens equal a full forward of the starting checkpoint (Phi: with the
+    # LongRoPE factors of the run's max_len, past its original_max_position_embeddings of 32)
+    start = load_hf_checkpoint(model_dir, max_len=c.rollout.max_len)
+    if arch == "phi3":
+        assert c.rollout.max_len > 32 and start.cfg.rope_scaling["use_long_factor"]
     checked = 0
     for t in trained:
         if np.asarray(t.versions).max() != 0:
@@ -55,4 +64,5 @@ def test_a_run_on_a_sliding_window_model(tmp_path):
         checked += 1
     assert checked >= 2
     exported = load_hf_checkpoint(os.path.join(c.run_dir, "hf", "step_2"))
-    assert exported.cfg.layer_types == cfg.layer_types and exported.cfg.sliding_window == 6
+    assert exported.cfg.layer_types == cfg.layer_types and exported.cfg.sliding_window == window.get("sliding_window")
+    assert exported.cfg.replace(dtype=cfg.dtype) == cfg.replace(eos_token_id=exported.cfg.eos_token_id)
