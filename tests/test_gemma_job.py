@@ -4,11 +4,10 @@ memory plan's probes, the sampler, the trainer, the hand-off and the HF export a
 log-prob the sampler recorded equals a full forward of the policy version that generated it."""
 import os
 
-import pytest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from areal_jax.data.math_tokenizer import build_math_tokenizer
 from areal_jax.models import load_hf_checkpoint
