@@ -109,8 +109,9 @@ def test_two_sets_in_one_pass_give_each_sets_figures_from_its_records(tmp_path):
     res = evaluate(resolve_settings(JobConfig(), given, out=out), log=lambda *_: None)
     problems = [json.loads(line) for line in open(out)]
     assert [p["set"] for p in problems] == ["first"] * 6 + ["later"] * 6
-    assert [p["uid"] for p in problems] == ([f"test.jsonl:{i}:0" for i in range(1, 7)]
-                                            + [f"later.jsonl:{i}:0" for i in range(1, 7)])
+    # each uid starts with its set's name, as a training mixture's keys do
+    assert [p["uid"] for p in problems] == ([f"first:{i}:0" for i in range(1, 7)]
+                                            + [f"later:{i}:0" for i in range(1, 7)])
     assert res["n"] == 12 and list(res["sets"]) == ["first", "later"]
     for p in problems:  # every reward re-scored directly, without the pool
         line = int(p["uid"].split(":")[1])
