@@ -9,8 +9,9 @@ from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
 from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.testing.models import random_model, tiny_config
 
-# gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings
-ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3"]
+# gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; qwen3_moe,
+# mixtral: 2 of 4 experts per token
+ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral"]
 
 
 def _jitted(model):
@@ -216,7 +217,9 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 def test_config_validation_and_hf_dict_round_trip():
     for arch, extra in [*((a, {}) for a in ARCHS), ("mistral", {}), ("mistral", {"sliding_window": 6}),
                         ("qwen2", {"sliding_window": 6, "layer_types": ("full_attention", "sliding_attention")}),
-                        ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})]:
+                        ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+                        ("qwen3_moe", {"moe_layers": (0, 1), "norm_topk_prob": False}),
+                        ("mixtral", {"sliding_window": 6})]:
         cfg = tiny_config(arch, tie_word_embeddings=arch == "qwen3", eos_token_id=(2, 5), **extra)
         again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
         assert again == cfg and hash(again) == hash(cfg)

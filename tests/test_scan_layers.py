@@ -80,6 +80,29 @@ def test_a_repeating_pattern_of_windows_scans_in_groups(arch, layers, period):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-4 * float(jnp.abs(a).max()))
 
 
+@pytest.mark.parametrize("impl", ["dense", "ragged"])
+def test_expert_layers_scan_too(impl):
+    """A mixture-of-experts model (every layer with experts) scans like a dense one, on either expert path, with
+    the router's top-k and the ragged path's sort inside the scanned, rematerialised body; one dense layer among
+    them makes the layers differ in structure, and the loop stays unrolled."""
+    cfg = testing.tiny_config("qwen3_moe", num_layers=3, moe_impl=impl, max_position_embeddings=512)
+    model = testing.random_model(cfg, seed=5)
+    graphdef, params = nnx.split(model)
+    tokens, pos, seg = packed_rows(96)
+    w = jnp.asarray(np.random.default_rng(6).normal(size=(2, 96, cfg.hidden_size)), jnp.float32)
+
+    def loss(p, scan):
+        h = nnx.merge(graphdef, p).hidden(tokens, pos, seg, attention="dense", remat="full", scan_layers=scan)
+        return jnp.sum(h * w)
+
+    assert scannable(model.layers) is not None
+    assert scannable(testing.random_model(cfg.replace(moe_layers=(1, 0, 1))).layers) is None
+    (v0, g0), (v1, g1) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, s) for s in (False, True))
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=5e-5)
+
+
 def test_layers_of_different_structure_or_with_rng_state_are_unrolled():
     assert scannable(testing.random_model(dataclasses.replace(CFG, num_layers=1)).layers) is None  # one layer
     some = apply_lora(testing.random_model(CFG), LoRAConfig(rank=2, targets="re:layers\\.0\\.attn\\.q_proj"),

@@ -1,5 +1,5 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
-Phi-3 / Phi-4-mini) and HF config.json I/O."""
+Phi-3 / Phi-4-mini, and the mixture-of-experts Qwen3-MoE and Mixtral) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3")
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
+                 "qwen3_moe", "mixtral")
+MOE_IMPLS = ("auto", "dense", "ragged")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -42,7 +44,7 @@ class ModelConfig:
       the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
       also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
       "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
-      embeddings, LongRoPE).
+      embeddings, LongRoPE), or the mixtures of experts "qwen3_moe" (Qwen3's attention) and "mixtral" (Mistral's).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -64,6 +66,15 @@ class ModelConfig:
       scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    num_experts, num_experts_per_tok: a mixture-of-experts feed-forward (models.moe) of num_experts gated MLPs of
+      width moe_intermediate_size (None: intermediate_size), each token sent to its top num_experts_per_tok by a
+      softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
+    moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
+      None: every layer has experts when num_experts > 0.
+    moe_impl: how the experts compute (not a property of the checkpoint): "dense" runs every expert on every token
+      and weights the outputs (num_experts / num_experts_per_tok times the matmul work, no data-dependent
+      shapes), "ragged" sorts the tokens by expert and runs `jax.lax.ragged_dot`, "auto" dense on the CPU and
+      ragged elsewhere. Both are dropless and give every token the same output whatever else is in the batch.
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """
 
@@ -92,6 +103,12 @@ class ModelConfig:
     rotary_dim: int | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] | None = None
+    moe_impl: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -125,6 +142,7 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
+        self._check_experts()
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -213,6 +231,41 @@ class ModelConfig:
         if self.rope_local_theta is not None and not float(self.rope_local_theta) > 0:
             raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {self.rope_local_theta}.")
 
+    def _check_experts(self) -> None:
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not isinstance(e, (int, np.integer)) or e < 0 or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"ModelConfig.num_experts and num_experts_per_tok must be integers >= 0, got {e!r} and "
+                             f"{k!r}.")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
+        moe_arch = self.architecture in ("qwen3_moe", "mixtral")
+        if moe_arch != (e > 0):
+            raise ValueError(f"architecture {self.architecture!r} with num_experts={e}: the mixture-of-experts "
+                             "architectures (qwen3_moe, mixtral) need num_experts >= 1, the others take 0.")
+        if e and not 1 <= k <= e:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
+        if self.moe_intermediate_size is not None and (not isinstance(self.moe_intermediate_size, (int, np.integer))
+                                                       or self.moe_intermediate_size <= 0):
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be a positive integer or None, got "
+                             f"{self.moe_intermediate_size!r}.")
+        if self.moe_layers is not None:
+            flags = tuple(int(x) for x in self.moe_layers)
+            object.__setattr__(self, "moe_layers", flags)
+            if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
+                raise ValueError(f"ModelConfig.moe_layers must hold num_layers={self.num_layers} flags, each 1 "
+                                 f"(experts) or 0 (a dense MLP); got {list(flags)}.")
+            if all(flags):
+                object.__setattr__(self, "moe_layers", None)
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size)."""
+        return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[i]))
+
+    @property
+    def expert_size(self) -> int:
+        """The hidden width of one expert (moe_intermediate_size, else intermediate_size)."""
+        return int(self.moe_intermediate_size or self.intermediate_size)
+
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i (None: full causal attention)."""
         if self.sliding_window is None:
@@ -251,7 +304,8 @@ class ModelConfig:
     def with_layers(self, n: int) -> ModelConfig:
         """This model with `n` decoder layers, all of full attention: what memory probes compile and extrapolate
         from (a sliding window never needs more memory than full attention, so they bound the real model)."""
-        return self.replace(num_layers=n, layer_types=None, sliding_window=None)
+        moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
+        return self.replace(num_layers=n, layer_types=None, sliding_window=None, moe_layers=moe)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""
@@ -263,9 +317,11 @@ class ModelConfig:
         d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if self.attention_bias else 0)
         attn += ((h + k) * hd if self.olmo else 2 * hd) if self.qk_norm else 0
-        layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
+        layer = attn + (4 if self.gemma else 2) * d
+        ffn = sum(self.num_experts * 3 * d * self.expert_size + d * self.num_experts if self.layer_is_moe(i)
+                  else 3 * d * f for i in range(self.num_layers))
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + d
+        return self.num_layers * layer + ffn + emb + d
 
     # ---------------------------------------------------------------- HF config.json
     @classmethod

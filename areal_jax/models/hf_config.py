@@ -10,7 +10,8 @@ from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
 # their text_config that differ from these.
@@ -32,7 +33,11 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     if model_type in ("llama", "olmo2"):
         return None, None
     window = d.get("sliding_window")
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral"):
+        types = None
+    elif model_type == "qwen3_moe":  # every layer slides when use_sliding_window is set
+        if not d.get("use_sliding_window"):
+            return None, None
         types = None
     elif model_type in ("qwen2", "qwen3", "smollm3"):
         if not d.get("use_sliding_window"):
@@ -88,6 +93,26 @@ def _hf_rope(d: dict, model_type: str) -> tuple[dict, float | None]:
     if d.get("rope_scaling"):
         params.update(d["rope_scaling"])
     return params, local
+
+
+def _hf_experts(d: dict, model_type: str, num_layers: int) -> dict:
+    """ModelConfig's mixture-of-experts fields of an HF config (none for the dense families): Qwen3-MoE's experts
+    in every decoder_sparse_step-th layer outside mlp_only_layers; Mixtral's in every layer, of intermediate_size,
+    their weights always renormalised."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = d.get("num_experts", d.get("num_local_experts"))  # transformers writes Qwen3-MoE's as the latter
+    if not experts or not d.get("num_experts_per_tok"):
+        raise ValueError(f"HF config for {model_type} needs num_experts (or num_local_experts) and "
+                         "num_experts_per_tok.")
+    out = dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]))
+    if model_type == "mixtral":
+        return {**out, "norm_topk_prob": True}
+    step, dense_only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
+    flags = tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers))
+    return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "moe_intermediate_size": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            "moe_layers": None if all(flags) else flags}
 
 
 def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> Any:
@@ -171,7 +196,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        qk_norm=model_type in ("qwen3", "gemma3", "olmo2", "olmo3"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
         max_position_embeddings=max_pos,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
@@ -183,6 +208,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
+        **_hf_experts(d, model_type, num_layers),
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -193,9 +219,9 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.architecture == "qwen2" and (not cfg.attention_bias or cfg.qk_norm):
         raise ValueError("HF Qwen2 always has q/k/v bias and no q/k norm; set attention_bias=True, qk_norm=False "
                          "or choose another architecture.")
-    if cfg.architecture == "qwen3" and (cfg.attention_bias or not cfg.qk_norm):
+    if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    if cfg.architecture in ("llama", "mistral", "smollm3") and (cfg.attention_bias or cfg.qk_norm):
+    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral") and (cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
                          "attention_bias=False, qk_norm=False.")
     if (cfg.architecture == "gemma3" or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
@@ -211,9 +237,13 @@ def config_to_hf(cfg: Any) -> dict:
     if sliding and cfg.architecture in ("llama", "olmo2"):
         raise ValueError(f"HF {cfg.architecture.title()} has no sliding-window attention; set "
                          "sliding_window=None or choose mistral, qwen2, qwen3, gemma3 or olmo3.")
-    if sliding and cfg.architecture == "mistral" and cfg.layer_types is not None \
+    if sliding and cfg.architecture in ("mistral", "mixtral", "qwen3_moe") and cfg.layer_types is not None \
             and "full_attention" in cfg.layer_types:
-        raise ValueError("HF Mistral slides every layer or none; set layer_types=None.")
+        raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
+    if cfg.architecture == "mixtral" and (cfg.moe_layers is not None or not cfg.norm_topk_prob
+                                          or cfg.expert_size != cfg.intermediate_size):
+        raise ValueError("HF Mixtral has experts of intermediate_size in every layer and renormalises their weights; "
+                         "set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
     if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
                          f"3's; HF {cfg.architecture} has one base for every layer.")
@@ -270,6 +300,15 @@ def config_to_hf(cfg: Any) -> dict:
         d["mlp_bias"] = False
     elif cfg.architecture == "mistral":
         d["sliding_window"] = cfg.sliding_window if sliding else None
+    elif cfg.architecture == "mixtral":
+        d.update(sliding_window=cfg.sliding_window if sliding else None, num_local_experts=cfg.num_experts,
+                 num_experts_per_tok=cfg.num_experts_per_tok, router_jitter_noise=0.0, output_router_logits=False)
+    elif cfg.architecture == "qwen3_moe":
+        dense = [i for i in range(cfg.num_layers) if not cfg.layer_is_moe(i)]
+        d.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
+                 num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.expert_size, norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+                 mlp_only_layers=dense, output_router_logits=False)
     elif cfg.architecture == "phi3":
         partial = cfg.rope_dim / cfg.head_dim
         rope_parameters["partial_rotary_factor"] = partial

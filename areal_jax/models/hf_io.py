@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.hf_names import _Entry, weight_entries
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import Transformer
 
@@ -52,89 +53,6 @@ class ModelLoadConfig(Section):
     @property
     def storage_dtype(self) -> Any:
         return DTYPES[self.param_dtype]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One parameter: our state path, its HF tensor name and the layout conversion.
-
-    kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
-    "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)].
-    rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
-    gate_up_proj): ours is its rows start..stop of total.
-    """
-
-    path: tuple[str | int, ...]
-    hf_name: str
-    kind: str
-    rows: tuple[int, int, int] | None = None
-
-    def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The whole HF tensor's shape (the fused one where `rows` is set)."""
-        own = self.hf_shape(shape)
-        return own if self.rows is None else (self.rows[2],) + own[1:]
-
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.kind == "same":
-            return shape
-        if self.kind == "flat":
-            return (int(np.prod(shape)),)
-        if self.kind == "in_first":
-            return (int(np.prod(shape[1:])), shape[0])
-        return (shape[-1], int(np.prod(shape[:-1])))
-
-    def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        if self.kind in ("same", "flat"):
-            return hf.reshape(shape)
-        return hf.T.reshape(shape)
-
-    def to_hf(self, ours: np.ndarray) -> np.ndarray:
-        if self.kind == "same":
-            return ours
-        if self.kind == "flat":
-            return ours.reshape(-1)
-        if self.kind == "in_first":
-            return ours.reshape(ours.shape[0], -1).T
-        return ours.reshape(-1, ours.shape[-1]).T
-
-
-def weight_entries(cfg: ModelConfig) -> list[_Entry]:
-    """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
-    entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
-    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj
-    for i in range(cfg.num_layers):
-        p, hf = ("layers", i), f"model.layers.{i}"
-        if not cfg.olmo:
-            entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
-        for name, rows in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-            if fused:
-                entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
-                                      (*rows, q + 2 * kv)))
-                continue
-            entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
-            if cfg.attention_bias:
-                entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
-        entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
-        if cfg.qk_norm:
-            entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
-            entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
-        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
-        if cfg.gemma:
-            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
-        if cfg.gemma or cfg.olmo:
-            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
-        if fused:
-            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
-            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
-        else:
-            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
-            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
-        entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
-    entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
-    if not cfg.tie_word_embeddings:
-        entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
-    return entries
 
 
 def _state_path(keypath: tuple[Any, ...]) -> tuple[str | int, ...]:
@@ -223,7 +141,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     shardings = logical_to_mesh_sharding(abs_state, mesh) if mesh is not None else None
-    by_path = {e.path: e for e in weight_entries(cfg)}
+    by_path: dict[tuple, list[_Entry]] = {}
+    for e in weight_entries(cfg):
+        by_path.setdefault(e.path, []).append(e)
     sharding_leaves = {}
     if shardings is not None:
         for keypath, s in jax.tree_util.tree_flatten_with_path(shardings)[0]:
@@ -231,17 +151,20 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
 
     def load(keypath: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
         spath = _state_path(keypath)
-        entry = by_path.get(spath)
-        if entry is None:
+        entries = by_path.get(spath)
+        if entries is None:
             raise RuntimeError(f"Parameter {'/'.join(map(str, spath))} has no HF tensor mapping.")
-        if not reader.has(entry.hf_name):
-            raise KeyError(f"Tensor {entry.hf_name!r} is missing from the checkpoint in {path!r}; config.json "
-                           f"describes a {cfg.architecture} model that needs it.")
-        got, want = reader.shape(entry.hf_name), entry.fused_shape(tuple(leaf.shape))
-        if got != want:
-            raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, but "
-                             f"config.json implies {want}; the weights do not match the config.")
-        host = entry.to_ours(reader.read(entry.hf_name, entry.rows), tuple(leaf.shape)).astype(cfg.param_dtype)
+        parts = []
+        for entry in entries:  # one, or one per expert
+            if not reader.has(entry.hf_name):
+                raise KeyError(f"Tensor {entry.hf_name!r} is missing from the checkpoint in {path!r}; config.json "
+                               f"describes a {cfg.architecture} model that needs it.")
+            got, want = reader.shape(entry.hf_name), entry.fused_shape(tuple(leaf.shape))
+            if got != want:
+                raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, "
+                                 f"but config.json implies {want}; the weights do not match the config.")
+            parts.append(entry.to_ours(reader.read(entry.hf_name, entry.rows), tuple(leaf.shape)).astype(cfg.param_dtype))
+        host = parts[0] if entries[0].expert is None else np.stack(parts)
         if shardings is None:
             return jnp.asarray(host)
         sharding = sharding_leaves[spath]
@@ -289,13 +212,25 @@ def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[list[_Entry]]
     groups: dict[str, list[_Entry]] = {}
     for e in entries:
         groups.setdefault(e.hf_name, []).append(e)
-    sizes = [sum(int(np.prod(flat[e.path].shape)) for e in g) * save_dtype.itemsize for g in groups.values()]
+    sizes = [sum(int(np.prod(e.hf_shape(tuple(flat[e.path].shape)))) for e in g) * save_dtype.itemsize
+             for g in groups.values()]
     return hf_config, list(groups.values()), flat, save_dtype, sizes
 
 
-def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any) -> np.ndarray:
-    """One HF tensor on the host: its entry's parameter in HF's layout, or a fused tensor's parts stacked."""
-    parts = [e.to_hf(_to_host(flat[e.path]).astype(save_dtype)) for e in group]
+def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | None = None) -> np.ndarray:
+    """One HF tensor on the host: its entry's parameter in HF's layout, or a fused tensor's parts stacked, or one
+    expert's slice. held: the last parameter fetched to the host, kept for the next experts' slices of it."""
+    held = {} if held is None else held
+
+    def host(e: _Entry) -> np.ndarray:
+        if e.expert is None:
+            return _to_host(flat[e.path])
+        if e.path not in held:
+            held.clear()
+            held[e.path] = _to_host(flat[e.path])
+        return held[e.path][e.expert]
+
+    parts = [e.to_hf(host(e).astype(save_dtype)) for e in group]
     return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
 
@@ -336,8 +271,9 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, max_shard
     only process 0 writes.
     """
     hf_config, groups, flat, save_dtype, sizes = _hf_layout(model, dtype)
+    held: dict = {}
     _write_files(os.fspath(path), hf_config, [g[0].hf_name for g in groups], sizes,
-                 lambda i: _hf_tensor(groups[i], flat, save_dtype), jax.process_index() == 0, max_shard_size)
+                 lambda i: _hf_tensor(groups[i], flat, save_dtype, held), jax.process_index() == 0, max_shard_size)
 
 
 @dataclass(frozen=True)
@@ -363,7 +299,8 @@ def host_checkpoint(model: Transformer, dtype: Any = None) -> HostCheckpoint:
     its config.json: a snapshot the model's later updates do not change. Every process must call it
     (multi-host arrays are gathered)."""
     hf_config, groups, flat, save_dtype, _ = _hf_layout(model, dtype)
-    tensors = [_hf_tensor(g, flat, save_dtype) for g in groups]
+    held: dict = {}
+    tensors = [_hf_tensor(g, flat, save_dtype, held) for g in groups]
     return HostCheckpoint(hf_config, [g[0].hf_name for g in groups], tensors)
 
 

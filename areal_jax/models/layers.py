@@ -301,16 +301,19 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); Gemma also normalises the attention's and the
     MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`), and
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
-    pre-MLP norm (HF's post_attention_layernorm in every case)."""
+    pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
+    (`models.moe.MoE`) rather than one MLP."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+        from areal_jax.models.moe import MoE  # noqa: PLC0415 (moe builds on this module)
+
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.gemma)
 
         self.input_norm = None if cfg.olmo else norm()
         self.attn = Attention(cfg, rngs=rngs)
         self.post_attn_norm = norm()
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = norm() if cfg.gemma else None
         self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
 

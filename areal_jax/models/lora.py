@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +95,16 @@ class LoRAConfig(Section):
                                  f"{', '.join(GROUPS)} or 're:<regex>' over paths like 'layers.0.attn.q_proj'.")
         return names, patterns
 
-    def target_paths(self, num_layers: int) -> list[tuple[int, str]]:
-        """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order."""
+    def target_paths(self, num_layers: int, experts: Sequence[int] = ()) -> list[tuple[int, str]]:
+        """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
+        layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`), whose gate / up / down are
+        not adapted (their experts' weights are left frozen and unadapted)."""
         names, patterns = self.target_rules()
         out = []
         for i in range(num_layers):
             for short, (part, attr, _) in PROJECTIONS.items():
+                if part == "mlp" and i in experts:
+                    continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
                     out.append((i, short))
@@ -182,10 +186,11 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     """
     if has_lora(model):
         raise ValueError("The model already has LoRA adapters; apply_lora once per model.")
-    targets = cfg.target_paths(model.cfg.num_layers)
+    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg))
     if not targets:
         raise ValueError(f"lora.targets={cfg.targets!r} selects no projection of this {model.cfg.num_layers}-layer "
-                         "model; paths look like 'layers.0.attn.q_proj'.")
+                         "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
+                         "adapters: target attention there, e.g. 'attn').")
     for salt, (i, short) in enumerate(targets):
         part, attr, n_in = PROJECTIONS[short]
         owner = getattr(model.layers[i], part)
@@ -264,4 +269,10 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
                       model_cfg.num_kv_heads, model_cfg.head_dim)
     dims = {"q": (d, h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d)}
-    return sum(cfg.rank * sum(dims[s]) * itemsize for _, s in cfg.target_paths(model_cfg.num_layers))
+    return sum(cfg.rank * sum(dims[s]) * itemsize
+               for _, s in cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg)))
+
+
+def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
+    """The layers of `model_cfg` whose feed-forward is a mixture of experts (no LoRA on their MLP)."""
+    return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_moe(i))

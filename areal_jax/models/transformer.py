@@ -98,14 +98,15 @@ class Transformer(nnx.Module):
     """Decoder-only language model.
 
     Parameters (logical axes in brackets): embedder.embedding [vocab, embed]; per layer (in `layers`, an
-    nnx.List) attention q/k/v/o projections, optional q/k/v bias and q/k norm, SwiGLU MLP and two RMSNorms;
+    nnx.List) attention q/k/v/o projections, optional q/k/v bias and q/k norm, SwiGLU MLP (or a mixture of
+    experts: models.moe) and two RMSNorms;
     final_norm [norm]; lm_head [embed, vocab] unless the embeddings are tied.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i)) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset=cfg.gemma)
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -7,7 +7,8 @@ import numpy as np
 def randomize_torch(model, seed: int, norm_center: float = 1.0):
     """HF initialises biases to 0 and norms to 1; draw them (and O(1)-scale weights) so every tensor matters. Norm
     weights are norm_center + N(0, 0.1) (0 for Gemma, whose norms scale by 1 + w); matrices N(0, 1 / fan_in),
-    except the embedding; everything else N(0, 1). Returns the model."""
+    except the embedding (a stack of experts' [E, out, in]: each expert's fan_in); everything else N(0, 1).
+    Returns the model."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -18,8 +19,8 @@ def randomize_torch(model, seed: int, norm_center: float = 1.0):
                 p.copy_(norm_center + 0.1 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embed_tokens" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
+            elif p.ndim >= 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[-1] ** 0.5)
             else:
                 p.copy_(noise)
     return model

@@ -18,7 +18,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     Architecture defaults follow HF: qwen2 has q/k/v bias, qwen3 and gemma3 have q/k norm, llama uses llama3 RoPE
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
     base there), smollm3 leaves every second layer without rotary embeddings, phi3 rotates 12 of 16 dimensions
-    with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5).
+    with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5), qwen3_moe
+    (q/k norm) and mixtral route each token to 2 of 4 experts (of width 32 for qwen3_moe, renormalised weights).
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -36,7 +37,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         bos_token_id=1,
         eos_token_id=2,
         attention_bias=architecture == "qwen2",
-        qk_norm=architecture in ("qwen3", "gemma3", "olmo2", "olmo3"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -57,6 +58,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rotary_dim=12, rope_scaling={
             "rope_type": "longrope", "original_max_position_embeddings": 32,
             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0]})
+    if architecture in ("qwen3_moe", "mixtral"):
+        fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      moe_intermediate_size=32 if architecture == "qwen3_moe" else None)
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
@@ -67,7 +71,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
 def randomize_params(model: Transformer, seed: int = 0) -> Transformer:
     """Re-draws every parameter in place so that activations are O(1) and outputs are far from uniform.
 
-    Projections: N(0, 1/fan_in); embedding: N(0, 1); norm scales: 1 + N(0, 0.1); biases: N(0, 0.1).
+    Projections (and each expert's): N(0, 1/fan_in); embedding: N(0, 1); norm scales: 1 + N(0, 0.1); biases: N(0, 0.1).
     """
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -83,6 +87,8 @@ def randomize_params(model: Transformer, seed: int = 0) -> Transformer:
             value = 0.1 * noise
         elif name == "embedding":
             value = noise
+        elif name.startswith("experts_"):  # [E, in, out]
+            value = noise / jnp.sqrt(leaf.shape[1])
         elif name == "o_proj":
             value = noise / jnp.sqrt(leaf.shape[0] * leaf.shape[1])
         else:

@@ -1,0 +1,120 @@
+"""The table between a model's parameters and an HF checkpoint's tensors (`weight_entries`): which tensor each
+parameter is, and the exact transposes and reshapes between the layouts (HF linear weights are [out, in]; ours
+[in, ...out]: q_proj [D, H, Dh], o_proj [H, Dh, D], gate/up [D, F], down [F, D], lm_head [D, V], a layer's experts
+stacked [E, ...]). models.hf_io reads and writes checkpoints with it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_jax.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parameter: our state path, its HF tensor name and the layout conversion.
+
+    kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
+    "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)].
+    rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
+    gate_up_proj): ours is its rows start..stop of total.
+    expert: the HF tensor is this expert's slice of ours (ours stacks a layer's experts on its first axis; HF
+    keeps one tensor per expert); shapes given to the methods are then ours whole, and `to_ours` / `to_hf` take
+    and return the one expert's slice.
+    """
+
+    path: tuple[str | int, ...]
+    hf_name: str
+    kind: str
+    rows: tuple[int, int, int] | None = None
+    expert: int | None = None
+
+    def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole HF tensor's shape (the fused one where `rows` is set)."""
+        own = self.hf_shape(shape)
+        return own if self.rows is None else (self.rows[2],) + own[1:]
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.expert is not None:
+            shape = shape[1:]
+        if self.kind == "same":
+            return shape
+        if self.kind == "flat":
+            return (int(np.prod(shape)),)
+        if self.kind == "in_first":
+            return (int(np.prod(shape[1:])), shape[0])
+        return (shape[-1], int(np.prod(shape[:-1])))
+
+    def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.expert is not None:
+            shape = shape[1:]
+        if self.kind in ("same", "flat"):
+            return hf.reshape(shape)
+        return hf.T.reshape(shape)
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.kind == "same":
+            return ours
+        if self.kind == "flat":
+            return ours.reshape(-1)
+        if self.kind == "in_first":
+            return ours.reshape(ours.shape[0], -1).T
+        return ours.reshape(-1, ours.shape[-1]).T
+
+
+def weight_entries(cfg: ModelConfig) -> list[_Entry]:
+    """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
+    entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj
+    for i in range(cfg.num_layers):
+        p, hf = ("layers", i), f"model.layers.{i}"
+        if not cfg.olmo:
+            entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
+        for name, rows in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+            if fused:
+                entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
+                                      (*rows, q + 2 * kv)))
+                continue
+            entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
+            if cfg.attention_bias:
+                entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
+        entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
+        if cfg.qk_norm:
+            entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
+            entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
+        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
+        if cfg.gemma:
+            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
+        if cfg.gemma or cfg.olmo:
+            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
+        if cfg.layer_is_moe(i):
+            entries.extend(_expert_entries(cfg, p + ("mlp",), hf))
+        elif fused:
+            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
+            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
+        else:
+            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
+            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
+        if not cfg.layer_is_moe(i):
+            entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
+    entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
+    if not cfg.tie_word_embeddings:
+        entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
+    return entries
+
+
+def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and mlp.experts.{j}.{gate,up,down}_proj,
+    Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down)."""
+    if cfg.architecture == "mixtral":
+        base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
+    else:
+        base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    out = [_Entry(path + ("router",), f"{base}.gate.weight", "in_first")]
+    for part in ("gate", "up", "down"):
+        kind = "out_last" if part == "down" else "in_first"
+        out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
+                for j in range(cfg.num_experts)]
+    return out

@@ -1,0 +1,161 @@
+"""Mixture-of-experts feed-forward (models.moe): routing against a NumPy reference, the dense and ragged expert paths
+against a per-token loop (values) and each other (gradients), dropless token independence, sharded forward and
+gradients, LoRA on a model with experts, config checks."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from areal_jax.models import Transformer, shard_params
+from areal_jax.models.lora import LoRAConfig, apply_lora
+from areal_jax.models.moe import MoE, resolve_moe_impl, route
+from areal_jax.testing.models import random_model, tiny_config
+
+
+def _np_route(logits, k, renormalize):
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    experts = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(p, experts, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+def test_route_matches_a_numpy_softmax_top_k():
+    logits = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float32) * 2
+    for renormalize in (False, True):
+        w, e = route(jnp.asarray(logits), 2, renormalize)
+        rw, re = _np_route(logits.astype(np.float64), 2, renormalize)
+        np.testing.assert_array_equal(np.asarray(e), re)
+        np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-5)
+    w, _ = route(jnp.asarray(logits), 3, True)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+    _, e = route(jnp.zeros((1, 4)), 2, False)  # a tie goes to the lower expert index
+    assert np.asarray(e).tolist() == [[0, 1]]
+
+
+def _moe(impl, arch="qwen3_moe", seed=0, **kw):
+    cfg = tiny_config(arch, moe_impl=impl, **kw)
+    layer = MoE(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for name in ("router", "experts_gate", "experts_up", "experts_down"):
+        p = getattr(layer, name)
+        fan_in = p.shape[0] if name == "router" else p.shape[1]
+        p.set_value(jnp.asarray(rng.normal(size=p.shape) / np.sqrt(fan_in), jnp.float32))
+    return cfg, layer
+
+
+def _np_moe(layer, x, cfg):
+    """Each token through its own top-k experts, one at a time (float64)."""
+    router, gate, up, down = (np.asarray(getattr(layer, n)[...], np.float64)
+                              for n in ("router", "experts_gate", "experts_up", "experts_down"))
+    flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    weights, experts = _np_route(flat @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    out = np.zeros_like(flat)
+    for n, h in enumerate(flat):
+        for w, e in zip(weights[n], experts[n]):
+            g = h @ gate[e]
+            out[n] += w * ((g / (1 + np.exp(-g)) * (h @ up[e])) @ down[e])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_dense_and_ragged_experts_equal_a_per_token_loop(arch):
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, 64)), jnp.float32)
+    for impl in ("dense", "ragged"):
+        cfg, layer = _moe(impl, arch, num_experts=5, num_experts_per_tok=2 if arch == "mixtral" else 3,
+                          norm_topk_prob=arch == "mixtral")
+        np.testing.assert_allclose(np.asarray(layer(x)), _np_moe(layer, np.asarray(x), cfg), atol=2e-5, rtol=1e-5)
+
+
+def test_dense_and_ragged_gradients_agree():
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5, 64)), jnp.float32)
+    t = jnp.asarray(np.random.default_rng(3).normal(size=(3, 5, 64)), jnp.float32)
+    grads = {}
+    for impl in ("dense", "ragged"):
+        _, layer = _moe(impl, seed=4)
+        graphdef, state = nnx.split(layer)
+
+        def loss(st, xx):
+            return jnp.sum((nnx.merge(graphdef, st)(xx) - t) ** 2)
+
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+    flat_d, flat_r = jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads["ragged"])
+    assert len(flat_d) == 5  # router, three expert stacks, x
+    for d, r in zip(flat_d, flat_r):
+        assert float(jnp.abs(d).max()) > 0  # every parameter gets a gradient, the router's through the weights
+        np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["dense", "ragged"])
+def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch(impl):
+    """No capacity, no dropped tokens: what the sampler computes for a token alone, the trainer computes for it in
+    a packed batch (the PPO ratios rest on it)."""
+    cfg, layer = _moe(impl, seed=5)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(1, 40, 64)), jnp.float32)
+    crowd = jnp.asarray(rng.normal(size=(1, 40, 64)), jnp.float32).at[0, 17].set(x[0, 17])
+    np.testing.assert_allclose(np.asarray(layer(crowd))[0, 17], np.asarray(layer(x))[0, 17], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(layer(x[:, 17:18]))[0, 0], np.asarray(layer(x))[0, 17], atol=1e-6)
+
+
+def test_resolve_moe_impl():
+    assert resolve_moe_impl("auto", "cpu") == "dense" and resolve_moe_impl("auto", "gpu") == "ragged"
+    assert resolve_moe_impl("auto", "tpu") == "ragged" and resolve_moe_impl("ragged", "cpu") == "ragged"
+
+
+@pytest.mark.parametrize("impl", ["dense", "ragged"])
+def test_sharded_forward_and_gradients_match_one_device(impl):
+    assert len(jax.devices()) >= 4
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    cfg = tiny_config("qwen3_moe", moe_impl=impl, moe_layers=(1, 0))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (4, 9)), jnp.int32)
+    reference = random_model(cfg, seed=8)
+    model = shard_params(random_model(cfg, seed=8), mesh)
+    gate = model.layers[0].mlp.experts_gate[...]
+    assert gate.addressable_shards[0].data.shape == (4, 32, 16)  # [E, D / fsdp, F / tensor]
+
+    def loss(m, t):
+        return jnp.mean(jax.nn.logsumexp(m(t), axis=-1))
+
+    want_val, want_grad = nnx.value_and_grad(loss)(reference, tokens)
+    got_val, got_grad = nnx.jit(nnx.value_and_grad(loss))(model, tokens)
+    np.testing.assert_allclose(float(got_val), float(want_val), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4)
+
+
+def test_lora_leaves_experts_alone_and_adapts_the_rest():
+    cfg = tiny_config("qwen3_moe", moe_layers=(1, 0))
+    lora = LoRAConfig(enabled=True, rank=4, targets="all")
+    assert lora.target_paths(2, experts=(0,)) == [(0, "q"), (0, "k"), (0, "v"), (0, "o"), (1, "q"), (1, "k"),
+                                                  (1, "v"), (1, "o"), (1, "gate"), (1, "up"), (1, "down")]
+    model = apply_lora(random_model(cfg), lora, rngs=nnx.Rngs(0))
+    assert isinstance(model.layers[0].mlp, MoE) and type(model.layers[0].mlp.experts_gate) is nnx.Param
+    assert hasattr(model.layers[1].mlp.gate_proj, "lora_a") and hasattr(model.layers[0].attn.q_proj, "lora_a")
+    with pytest.raises(ValueError, match="experts take no adapters"):
+        apply_lora(random_model(tiny_config("mixtral")), LoRAConfig(enabled=True, targets="mlp"), rngs=nnx.Rngs(0))
+
+
+def test_expert_config_checks():
+    with pytest.raises(ValueError, match="need num_experts >= 1"):
+        tiny_config("mixtral", num_experts=0)
+    with pytest.raises(ValueError, match="need num_experts >= 1, the others take 0"):
+        tiny_config("qwen3", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must lie in \[1, num_experts=4\]"):
+        tiny_config("qwen3_moe", num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="moe_layers must hold num_layers=2 flags"):
+        tiny_config("qwen3_moe", moe_layers=(1,))
+    with pytest.raises(ValueError, match="moe_impl='fast' is unknown"):
+        tiny_config("qwen3_moe", moe_impl="fast")
+    with pytest.raises(ValueError, match="HF Mixtral has experts of intermediate_size in every layer"):
+        tiny_config("mixtral", moe_layers=(1, 0)).to_hf_dict()
+    cfg = tiny_config("qwen3_moe", moe_layers=(1, 1))
+    assert cfg.moe_layers is None and cfg.layer_is_moe(1) and cfg.expert_size == 32
+    assert tiny_config("qwen3_moe", moe_layers=(0, 1)).with_layers(3).moe_layers is None  # probes: expert layers
+    model = Transformer(tiny_config("qwen3_moe", moe_layers=(0, 1)), rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert params == tiny_config("qwen3_moe", moe_layers=(0, 1)).num_params
