@@ -37,6 +37,9 @@
 #              GPU, and the sampler's steady state against HF generate (~5 min).
 #   phi4mini   the phi4-mini shape (3.8B, fused q/k/v on disk, partial rotary, LongRoPE), bf16: the update against HF +
 #              PyTorch on the same GPU, and the sampler's steady state against HF generate (~6 min).
+#   moe        one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16, 16,384 tokens,
+#              forward + backward: the blocked, ragged and dense paths against transformers' block on the same GPU
+#              (benchmarks/moe.py) (~2 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -192,6 +195,9 @@ EOF
     step phi_sampler 200 $PY benchmarks/sampler.py --preset phi4-mini --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
+  moe)
+    step moe 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
+    ;;
   sliding)
     step sliding 120 $PY benchmarks/sliding_window.py --dtype bfloat16 --context 16384 --rows 128 --page-size 16
     ;;
@@ -203,7 +209,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe staleness)"
      exit 2 ;;
   esac
 done

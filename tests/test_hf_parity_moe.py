@@ -1,5 +1,5 @@
 """Mixtures of experts against HF transformers (PyTorch, float32): Qwen3-MoE (Qwen3MoeForCausalLM, with dense layers
-between expert ones) and Mixtral (MixtralForCausalLM, with a sliding window); both expert paths; checkpoint round
+between expert ones) and Mixtral (MixtralForCausalLM, with a sliding window); every expert path; checkpoint round
 trips through the per-expert tensors; what the real checkpoints' config.json says."""
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +40,7 @@ def _hf_model(path, arch, seed=0, **kw):
     ("qwen3_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),  # experts in the second layer only
     ("mixtral", {"sliding_window": 7}),
 ])
-def test_logits_match_transformers_on_both_expert_paths(tmp_path, arch, extra):
+def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     hf = _hf_model(tmp_path, arch, seed=1, **extra)
     ours = load_hf_checkpoint(tmp_path)
     cfg = ours.cfg
@@ -50,7 +50,7 @@ def test_logits_match_transformers_on_both_expert_paths(tmp_path, arch, extra):
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=2)
     ref = hf_logits(hf, tokens)
     assert np.abs(ref).max() > 1.0
-    for impl in ("dense", "ragged"):
+    for impl in ("blocked", "dense", "ragged"):
         model = Transformer(cfg.replace(moe_impl=impl), rngs=nnx.Rngs(0))
         nnx.update(model, nnx.state(ours))
         np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), ref, atol=1e-4, rtol=0)

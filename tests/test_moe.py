@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward (models.moe): routing against a NumPy reference, the dense and ragged expert paths
-against a per-token loop (values) and each other (gradients), dropless token independence, sharded forward and
+"""Mixture-of-experts feed-forward (models.moe): routing against a NumPy reference, the blocked, ragged and dense expert
+paths against a per-token loop (values) and each other (gradients), dropless token independence, sharded forward and
 gradients, LoRA on a model with experts, config checks."""
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 
 from areal_jax.models import Transformer, shard_params
 from areal_jax.models.lora import LoRAConfig, apply_lora
-from areal_jax.models.moe import MoE, resolve_moe_impl, route
+from areal_jax.models.moe import MoE, expert_block, resolve_moe_impl, route
 from areal_jax.testing.models import random_model, tiny_config
 
 
@@ -63,19 +63,20 @@ def _np_moe(layer, x, cfg):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_dense_and_ragged_experts_equal_a_per_token_loop(arch):
+def test_every_expert_path_equals_a_per_token_loop(arch):
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, 64)), jnp.float32)
-    for impl in ("dense", "ragged"):
+    for impl in ("blocked", "dense", "ragged"):
         cfg, layer = _moe(impl, arch, num_experts=5, num_experts_per_tok=2 if arch == "mixtral" else 3,
                           norm_topk_prob=arch == "mixtral")
         np.testing.assert_allclose(np.asarray(layer(x)), _np_moe(layer, np.asarray(x), cfg), atol=2e-5, rtol=1e-5)
 
 
-def test_dense_and_ragged_gradients_agree():
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5, 64)), jnp.float32)
-    t = jnp.asarray(np.random.default_rng(3).normal(size=(3, 5, 64)), jnp.float32)
+@pytest.mark.parametrize("tokens", [15, 300])  # blocks of 8 rows; of 64, with some experts' groups empty
+def test_expert_paths_gradients_agree(tokens):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(1, tokens, 64)), jnp.float32)
+    t = jnp.asarray(np.random.default_rng(3).normal(size=(1, tokens, 64)), jnp.float32)
     grads = {}
-    for impl in ("dense", "ragged"):
+    for impl in ("dense", "ragged", "blocked"):
         _, layer = _moe(impl, seed=4)
         graphdef, state = nnx.split(layer)
 
@@ -83,14 +84,15 @@ def test_dense_and_ragged_gradients_agree():
             return jnp.sum((nnx.merge(graphdef, st)(xx) - t) ** 2)
 
         grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
-    flat_d, flat_r = jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads["ragged"])
+    flat_d = jax.tree.leaves(grads["dense"])
     assert len(flat_d) == 5  # router, three expert stacks, x
-    for d, r in zip(flat_d, flat_r):
-        assert float(jnp.abs(d).max()) > 0  # every parameter gets a gradient, the router's through the weights
-        np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=1e-4, rtol=1e-4)
+    for impl in ("ragged", "blocked"):
+        for d, r in zip(flat_d, jax.tree.leaves(grads[impl])):
+            assert float(jnp.abs(d).max()) > 0  # every parameter gets a gradient, the router's through the weights
+            np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["blocked", "dense", "ragged"])
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch(impl):
     """No capacity, no dropped tokens: what the sampler computes for a token alone, the trainer computes for it in
     a packed batch (the PPO ratios rest on it)."""
@@ -102,12 +104,14 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch(impl):
     np.testing.assert_allclose(np.asarray(layer(x[:, 17:18]))[0, 0], np.asarray(layer(x))[0, 17], atol=1e-6)
 
 
-def test_resolve_moe_impl():
-    assert resolve_moe_impl("auto", "cpu") == "dense" and resolve_moe_impl("auto", "gpu") == "ragged"
-    assert resolve_moe_impl("auto", "tpu") == "ragged" and resolve_moe_impl("ragged", "cpu") == "ragged"
+def test_resolve_moe_impl_and_block_sizes():
+    assert resolve_moe_impl("auto", "cpu") == "blocked" and resolve_moe_impl("auto", "gpu") == "blocked"
+    assert resolve_moe_impl("auto", "tpu") == "ragged" and resolve_moe_impl("dense", "cpu") == "dense"
+    assert expert_block(30, 4) == 8 and expert_block(300 * 2, 4) == 128 and expert_block(1024, 128) == 8
+    assert expert_block(16384 * 8, 128) == 128 and expert_block(2048 * 4, 16) == 128 and expert_block(640, 16) == 32
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged"])
 def test_sharded_forward_and_gradients_match_one_device(impl):
     assert len(jax.devices()) >= 4
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)

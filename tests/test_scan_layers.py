@@ -80,7 +80,7 @@ def test_a_repeating_pattern_of_windows_scans_in_groups(arch, layers, period):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-4 * float(jnp.abs(a).max()))
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged"])
 def test_expert_layers_scan_too(impl):
     """A mixture-of-experts model (every layer with experts) scans like a dense one, on either expert path, with
     the router's top-k and the ragged path's sort inside the scanned, rematerialised body; one dense layer among

@@ -13,7 +13,7 @@ import numpy as np
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "qwen3_moe", "mixtral")
-MOE_IMPLS = ("auto", "dense", "ragged")
+MOE_IMPLS = ("auto", "blocked", "dense", "ragged")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -71,10 +71,11 @@ class ModelConfig:
       softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
-    moe_impl: how the experts compute (not a property of the checkpoint): "dense" runs every expert on every token
-      and weights the outputs (num_experts / num_experts_per_tok times the matmul work, no data-dependent
-      shapes), "ragged" sorts the tokens by expert and runs `jax.lax.ragged_dot`, "auto" dense on the CPU and
-      ragged elsewhere. Both are dropless and give every token the same output whatever else is in the batch.
+    moe_impl: how the experts compute (not a property of the checkpoint; models.moe): "blocked" sorts the tokens by
+      expert into expert-aligned blocks and scans over them, "ragged" runs `jax.lax.ragged_dot` on the sorted
+      tokens, "dense" runs every expert on every token and weights the outputs (num_experts / num_experts_per_tok
+      times the work); "auto": ragged on TPU, blocked elsewhere. All are dropless and give every token the same
+      output whatever else is in the batch.
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """
 

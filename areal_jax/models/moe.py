@@ -8,16 +8,21 @@ that token alone: the trainer's packed rows, the sampler's decode steps and HF's
 the batch, which the PPO ratios need. No load-balancing loss is added (a reinforcement-learning update of a
 trained router; HF adds one only when asked for router logits).
 
-Two ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
+Three ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
 
-- ``dense``: every expert on every token, outputs weighted by the routing weights (zero off the top k).
-  num_experts / num_experts_per_tok times the matmul work, plain dots with static shapes: the CPU's choice and a
-  reference.
-- ``ragged``: the (token, expert) pairs sorted by expert, each expert's rows multiplied by its weights with
-  `jax.lax.ragged_dot`, and summed back per token (`jax.ops.segment_sum`): the top-k work only, where the backend
-  has a grouped matmul for ragged_dot (TPU); XLA:GPU may expand it densely.
+- ``blocked`` (the default off TPU): the (token, expert) pairs sorted by expert into blocks of `expert_block` rows,
+  each expert's group padded to whole blocks (at most num_experts * (block - 1) padding rows: a static bound), and
+  a `lax.scan` over the blocks multiplies each by its expert's weights: the top-k work plus the padding, static
+  shapes, no dense expansion. 1.7x the dense path's forward + backward at 16 experts, top 4, on a 2-core CPU
+  (`benchmarks/moe.py`).
+- ``ragged``: the sorted pairs through `jax.lax.ragged_dot` (TPU's choice: a grouped matmul there; XLA:CPU and
+  XLA:GPU may expand it to every expert, 3.6x slower than dense on the CPU).
+- ``dense``: every expert on every token, outputs weighted by the routing weights (zero off the top k):
+  num_experts / num_experts_per_tok times the matmul work in plain dots; the reference.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +33,20 @@ from areal_jax.models.layers import make_param
 
 
 def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
-    """The expert computation `choice` stands for on `backend` (default JAX's): "auto" is dense on the CPU."""
+    """The expert computation `choice` stands for on `backend` (default JAX's): "auto" is ragged on TPU, else
+    blocked."""
     if choice != "auto":
         return choice
     backend = jax.default_backend() if backend is None else backend
-    return "dense" if backend == "cpu" else "ragged"
+    return "ragged" if backend == "tpu" else "blocked"
+
+
+def expert_block(pairs: int, experts: int) -> int:
+    """Rows per block of the blocked path: the power of two nearest the mean group size pairs / experts, within
+    [8, 128] (each expert's group then takes about one or two blocks, and the padding stays at most about the
+    pairs themselves; 128 rows keep a block's matmul efficient)."""
+    mean = max(pairs / experts, 1.0)
+    return int(min(128, max(8, 2 ** round(math.log2(mean)))))
 
 
 def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -72,6 +86,39 @@ def _ragged_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arra
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
 
 
+def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+                     experts: jax.Array) -> jax.Array:
+    """The sorted pairs in expert-aligned blocks, one `lax.scan` step a block; same arguments as the dense path."""
+    n, k = experts.shape
+    e = gate.shape[0]
+    block = expert_block(n * k, e)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    sorted_expert = flat[order]
+    # the i-th sorted pair goes to its expert's first padded row plus its rank within the expert's group
+    dest = (padded_end - padded)[sorted_expert] + jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
+    rows = -(-(n * k + e * (block - 1)) // block) * block
+    token = order // k
+    xs = jnp.zeros((rows, x.shape[1]), x.dtype).at[dest].set(x[token], unique_indices=True)
+    # a block's expert: the group its first row lies in (blocks past the last group hold zeros; any expert serves)
+    owner = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(rows // block) * block, side="right"), e - 1)
+
+    def body(_, inp):
+        xb, j = inp
+        h = jax.nn.silu(xb @ gate[j]) * (xb @ up[j])
+        return None, jnp.dot(h, down[j], preferred_element_type=jnp.float32)
+
+    _, ys = jax.lax.scan(body, None, (xs.reshape(rows // block, block, -1), owner))
+    y = ys.reshape(rows, -1)[dest] * weights.reshape(-1)[order][:, None]
+    return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
+
+
+_PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts}
+
+
 class MoE(nnx.Module):
     """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
     experts_down [E, F, D] (logical axes "experts" (replicated by default), "embed", "mlp": an expert's weights
@@ -100,7 +147,7 @@ class MoE(nnx.Module):
         weights, experts = self.routing(x)
         k = self.top_k
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        run = _dense_experts if resolve_moe_impl(self.impl) == "dense" else _ragged_experts
+        run = _PATHS[resolve_moe_impl(self.impl)]
         out = run(h, self.experts_gate[...].astype(self.dtype), self.experts_up[...].astype(self.dtype),
                   self.experts_down[...].astype(self.dtype), weights.reshape(-1, k), experts.reshape(-1, k))
         return out.reshape(x.shape)

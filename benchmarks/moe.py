@@ -1,0 +1,178 @@
+"""One mixture-of-experts feed-forward (models.moe.MoE), forward + backward, on its three expert paths and against
+transformers' own block (Qwen3MoeSparseMoeBlock, eager PyTorch) on the same device, in the same precision, on the
+same tokens and weights.
+
+- blocked: tokens sorted into expert-aligned blocks, a scan over the blocks (the top-k work plus padding);
+- ragged: tokens sorted by expert through jax.lax.ragged_dot (the top-k work where the backend groups it);
+- dense: every expert on every token, weighted (num_experts / top_k times the work, static shapes);
+- torch: HF's block, a Python loop over the experts that received tokens (index_add into the output).
+
+Each is timed as a jitted (JAX) or eager (PyTorch) step computing the layer's output and the gradients of a fixed
+projection of it with respect to the input and every weight. The figures: median ms per step, tokens/s, and the
+TFLOP/s of the *active* work (the top-k experts' matmuls and the router, x3 for forward + backward) with its share
+of the measured matmul peak of the dtype. Ends with one JSON line.
+
+    python benchmarks/moe.py                                  # small shape, CPU float32, ~1 min
+    python benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384   # one layer at Qwen3-30B-A3B's shape
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import device_peak_gflops  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from areal_jax.models.moe import MoE  # noqa: E402
+from areal_jax.testing.models import tiny_config  # noqa: E402
+
+PRESETS = {  # hidden, experts, top-k, expert width, renormalised
+    "small": (512, 16, 4, 256, True),
+    "qwen3-30b-a3b": (2048, 128, 8, 768, True),
+    "mixtral-8x7b": (4096, 8, 2, 14336, True),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small", choices=tuple(PRESETS))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--impls", default="blocked,ragged,dense,torch",
+                   help="comma-separated subset of blocked, ragged, dense, torch")
+    return p.parse_args(argv)
+
+
+def layer_weights(preset: str, seed: int = 0) -> dict[str, np.ndarray]:
+    d, e, _, f, _ = PRESETS[preset]
+    rng = np.random.default_rng(seed)
+    return {"router": rng.normal(size=(d, e)).astype(np.float32) / np.sqrt(d),
+            "gate": rng.normal(size=(e, d, f)).astype(np.float32) / np.sqrt(d),
+            "up": rng.normal(size=(e, d, f)).astype(np.float32) / np.sqrt(d),
+            "down": rng.normal(size=(e, f, d)).astype(np.float32) / np.sqrt(f)}
+
+
+def active_flops(preset: str, tokens: int) -> float:
+    """Forward + backward matmul FLOPs of the work a token really needs: its k experts and the router."""
+    d, e, k, f, _ = PRESETS[preset]
+    return 3 * tokens * (2 * d * e + k * 3 * 2 * d * f)
+
+
+def _median_ms(step, repeats: int) -> float:
+    step()  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def time_jax(impl: str, args, w: dict, x: np.ndarray, probe: np.ndarray) -> tuple[float, np.ndarray]:
+    d, e, k, f, renorm = PRESETS[args.preset]
+    dtype = jnp.dtype(args.dtype)
+    cfg = tiny_config("qwen3_moe", hidden_size=d, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
+                      norm_topk_prob=renorm, moe_impl=impl, dtype=dtype, param_dtype=dtype)
+    layer = nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(layer)
+    values = {"router": w["router"], "experts_gate": w["gate"], "experts_up": w["up"], "experts_down": w["down"]}
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jnp.asarray(values[path[0].key], dtype), state)
+
+    @jax.jit
+    def step(st, xx):
+        def loss(st, xx):
+            return jnp.sum(nnx.merge(graphdef, st)(xx).astype(jnp.float32) * probe)
+        out = nnx.merge(graphdef, st)(xx)
+        return out, jax.grad(loss, argnums=(0, 1))(st, xx)
+
+    xj = jnp.asarray(x, dtype)
+    ms = _median_ms(lambda: jax.block_until_ready(step(state, xj)), args.repeats)
+    return ms, np.asarray(step(state, xj)[0], np.float32)
+
+
+def time_torch(args, w: dict, x: np.ndarray, probe: np.ndarray) -> tuple[float, np.ndarray] | None:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    d, e, k, f, renorm = PRESETS[args.preset]
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"  # the device JAX runs on
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    config = transformers.Qwen3MoeConfig(hidden_size=d, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
+                                         norm_topk_prob=renorm, num_attention_heads=8, num_key_value_heads=8)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(w["router"].T.copy()))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(
+            np.concatenate([w["gate"], w["up"]], axis=2).transpose(0, 2, 1).copy()))
+        block.experts.down_proj.copy_(torch.from_numpy(w["down"].transpose(0, 2, 1).copy()))
+    block = block.to(device=device, dtype=dtype)
+    xt = torch.from_numpy(x).to(device=device, dtype=dtype)[None].requires_grad_(True)
+    pt = torch.from_numpy(probe).to(device=device)[None]
+
+    def step():
+        for p in (*block.parameters(), xt):
+            p.grad = None
+        out = block(xt)
+        (out.float() * pt).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    ms = _median_ms(step, args.repeats)
+    return ms, step()[0].detach().float().cpu().numpy()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    d, e, k, f, _ = PRESETS[args.preset]
+    w = layer_weights(args.preset)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(args.tokens, d)).astype(np.float32)
+    probe = rng.normal(size=(args.tokens, d)).astype(np.float32)
+    peak = device_peak_gflops(args.dtype)
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    print(f"MoE layer {args.preset}: hidden {d}, {e} experts, top {k}, width {f}; {args.tokens} tokens, {args.dtype}, "
+          f"{device}; {args.dtype} matmul peak {peak:.0f} GFLOP/s")
+    flops = active_flops(args.preset, args.tokens)
+    results, outputs = {}, {}
+    for impl in args.impls.split(","):
+        got = time_torch(args, w, x, probe) if impl == "torch" else time_jax(impl, args, w, x, probe)
+        if got is None:
+            print(f"  {impl:7s} skipped (no torch / transformers)")
+            continue
+        ms, outputs[impl] = got
+        results[impl] = {"ms": ms, "tokens_per_s": args.tokens / ms * 1e3,
+                         "active_tflops": flops / ms / 1e9, "share_of_peak": flops / ms / 1e6 / peak}
+        r = results[impl]
+        print(f"  {impl:7s} {ms:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  active {r['active_tflops']:7.3f} TFLOP/s "
+              f"({100 * r['share_of_peak']:.1f}% of peak)")
+    ref = outputs.get("dense", next(iter(outputs.values()), None))
+    errors = {name: float(np.abs(out - ref).max()) for name, out in outputs.items()} if ref is not None else {}
+    ratios = {f"{a}_over_{b}": results[b]["ms"] / results[a]["ms"]
+              for a, b in (("blocked", "dense"), ("ragged", "dense"), ("blocked", "torch"), ("ragged", "torch"),
+                           ("dense", "torch"))
+              if a in results and b in results}
+    for name, value in ratios.items():
+        print(f"  speed {name.replace('_over_', ' / ')}: {value:.2f}x")
+    print(f"  outputs: max |difference| to the dense path {errors}")
+    summary = {"benchmark": "moe", "preset": args.preset, "tokens": args.tokens, "dtype": args.dtype, "device": device,
+               "peak_gflops": peak, "results": results, "ratios": ratios, "max_abs_diff": errors}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
