@@ -11,7 +11,8 @@ from areal_jax.testing.models import random_model, tiny_config
 
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; qwen3_moe,
 # mixtral: 2 of 4 experts per token
-ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral"]
+ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
+         "granite", "granitemoe"]
 
 
 def _jitted(model):

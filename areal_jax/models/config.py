@@ -1,5 +1,5 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
-Phi-3 / Phi-4-mini, and the mixture-of-experts Qwen3-MoE and Mixtral) and HF config.json I/O."""
+Phi-3 / Phi-4-mini, Granite 3, and the mixture-of-experts Qwen3-MoE, Mixtral and Granite 3 MoE) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral")
+                 "qwen3_moe", "mixtral", "granite", "granitemoe")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -44,7 +44,8 @@ class ModelConfig:
       the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
       also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
       "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
-      embeddings, LongRoPE), or the mixtures of experts "qwen3_moe" (Qwen3's attention) and "mixtral" (Mistral's).
+      embeddings, LongRoPE), "granite" (Llama's layer with Granite's four multipliers), or the mixtures of experts
+      "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's) and "granitemoe" (Granite's).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -66,6 +67,10 @@ class ModelConfig:
       scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: Granite's scalars: the
+      embeddings are multiplied by the first, each attention and MLP output by the second before it is added to the
+      residual stream, attention scores are q.k times the third (instead of head_dim ** -0.5), and the logits are
+      divided by the fourth; None: not applied.
     num_experts, num_experts_per_tok: a mixture-of-experts feed-forward (models.moe) of num_experts gated MLPs of
       width moe_intermediate_size (None: intermediate_size), each token sent to its top num_experts_per_tok by a
       softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
@@ -104,6 +109,10 @@ class ModelConfig:
     rotary_dim: int | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
@@ -134,7 +143,8 @@ class ModelConfig:
                                  f"or None, got {self.rotary_dim!r}.")
             if self.rotary_dim == self.head_dim:
                 object.__setattr__(self, "rotary_dim", None)
-        for name in ("attn_logit_softcap", "final_logit_softcap"):
+        for name in ("attn_logit_softcap", "final_logit_softcap", "embedding_multiplier", "residual_multiplier",
+                     "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float, np.floating)) and value > 0):
                 raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}.")
@@ -239,10 +249,10 @@ class ModelConfig:
                              f"{k!r}.")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
-        moe_arch = self.architecture in ("qwen3_moe", "mixtral")
+        moe_arch = self.architecture in ("qwen3_moe", "mixtral", "granitemoe")
         if moe_arch != (e > 0):
             raise ValueError(f"architecture {self.architecture!r} with num_experts={e}: the mixture-of-experts "
-                             "architectures (qwen3_moe, mixtral) need num_experts >= 1, the others take 0.")
+                             "architectures (qwen3_moe, mixtral, granitemoe) need num_experts >= 1, the others take 0.")
         if e and not 1 <= k <= e:
             raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
         if self.moe_intermediate_size is not None and (not isinstance(self.moe_intermediate_size, (int, np.integer))
@@ -297,7 +307,10 @@ class ModelConfig:
     @property
     def attention_scale_factor(self) -> float:
         """What queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
-        query_pre_attn_scalar ** -0.5 (1.0 when it is unset or equals head_dim)."""
+        query_pre_attn_scalar ** -0.5, or Granite's attention_multiplier (1.0 when neither is set, or the scalar
+        equals head_dim)."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier) * math.sqrt(self.head_dim)
         if self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) == float(self.head_dim):
             return 1.0
         return math.sqrt(self.head_dim / float(self.query_pre_attn_scalar))

@@ -11,7 +11,9 @@ from areal_jax.models.config import ARCHITECTURES, _dtype_name
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
+             "granitemoe": "GraniteMoeForCausalLM"}
+_GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
 # their text_config that differ from these.
@@ -30,7 +32,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
     layer, OLMo 3 all but every fourth. Outside Gemma and OLMo 3 (whose layer types also pick each layer's RoPE),
     a window at least as long as the model's context is dropped (it would change nothing)."""
-    if model_type in ("llama", "olmo2"):
+    if model_type in ("llama", "olmo2", "granite", "granitemoe"):
         return None, None
     window = d.get("sliding_window")
     if model_type in ("mistral", "phi3", "mixtral"):
@@ -99,14 +101,14 @@ def _hf_experts(d: dict, model_type: str, num_layers: int) -> dict:
     """ModelConfig's mixture-of-experts fields of an HF config (none for the dense families): Qwen3-MoE's experts
     in every decoder_sparse_step-th layer outside mlp_only_layers; Mixtral's in every layer, of intermediate_size,
     their weights always renormalised."""
-    if model_type not in ("qwen3_moe", "mixtral"):
+    if model_type not in ("qwen3_moe", "mixtral", "granitemoe"):
         return {}
     experts = d.get("num_experts", d.get("num_local_experts"))  # transformers writes Qwen3-MoE's as the latter
     if not experts or not d.get("num_experts_per_tok"):
         raise ValueError(f"HF config for {model_type} needs num_experts (or num_local_experts) and "
                          "num_experts_per_tok.")
     out = dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]))
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):  # Granite's softmax over the top-k logits: renormalised weights
         return {**out, "norm_topk_prob": True}
     step, dense_only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
     flags = tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers))
@@ -209,6 +211,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
         **_hf_experts(d, model_type, num_layers),
+        **({k: float(d.get(k, 1.0)) for k in _GRANITE_SCALARS} if model_type.startswith("granite") else {}),
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -221,7 +224,8 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral") and (cfg.attention_bias or cfg.qk_norm):
+    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
+            cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
                          "attention_bias=False, qk_norm=False.")
     if (cfg.architecture == "gemma3" or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
@@ -240,10 +244,15 @@ def config_to_hf(cfg: Any) -> dict:
     if sliding and cfg.architecture in ("mistral", "mixtral", "qwen3_moe") and cfg.layer_types is not None \
             and "full_attention" in cfg.layer_types:
         raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
-    if cfg.architecture == "mixtral" and (cfg.moe_layers is not None or not cfg.norm_topk_prob
+    granite = cfg.architecture in ("granite", "granitemoe")
+    if not granite and any(getattr(cfg, k) is not None for k in _GRANITE_SCALARS):
+        raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
+    if sliding and granite:
+        raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
+    if cfg.architecture in ("mixtral", "granitemoe") and (cfg.moe_layers is not None or not cfg.norm_topk_prob
                                           or cfg.expert_size != cfg.intermediate_size):
-        raise ValueError("HF Mixtral has experts of intermediate_size in every layer and renormalises their weights; "
-                         "set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
+        raise ValueError(f"HF {cfg.architecture} has experts of intermediate_size in every layer and renormalises their "
+                         "weights; set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
     if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
                          f"3's; HF {cfg.architecture} has one base for every layer.")
@@ -303,6 +312,13 @@ def config_to_hf(cfg: Any) -> dict:
     elif cfg.architecture == "mixtral":
         d.update(sliding_window=cfg.sliding_window if sliding else None, num_local_experts=cfg.num_experts,
                  num_experts_per_tok=cfg.num_experts_per_tok, router_jitter_noise=0.0, output_router_logits=False)
+    elif granite:
+        d.update(mlp_bias=False, embedding_multiplier=cfg.embedding_multiplier or 1.0,
+                 residual_multiplier=cfg.residual_multiplier or 1.0, logits_scaling=cfg.logits_scaling or 1.0,
+                 attention_multiplier=cfg.attention_multiplier or cfg.head_dim ** -0.5)
+        if cfg.architecture == "granitemoe":
+            d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                     output_router_logits=False)
     elif cfg.architecture == "qwen3_moe":
         dense = [i for i in range(cfg.num_layers) if not cfg.layer_is_moe(i)]
         d.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,

@@ -109,11 +109,11 @@ class _Reader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
-    def read(self, name: str, rows: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor, or its first-axis rows[0]..rows[1] (one part of a fused tensor)."""
+    def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0) -> np.ndarray:
+        """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor)."""
         if rows is None:
             return self._handle(name).get_tensor(self.names[name])
-        return self._handle(name).get_slice(self.names[name])[rows[0]:rows[1]]
+        return self._handle(name).get_slice(self.names[name])[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
 
     def _handle(self, name: str) -> Any:
         file = self.file_of(name)
@@ -163,7 +163,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
             if got != want:
                 raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, "
                                  f"but config.json implies {want}; the weights do not match the config.")
-            parts.append(entry.to_ours(reader.read(entry.hf_name, entry.rows), tuple(leaf.shape)).astype(cfg.param_dtype))
+            parts.append(entry.to_ours(reader.read(entry.hf_name, entry.rows, entry.row_axis), tuple(leaf.shape)).astype(cfg.param_dtype))
         host = parts[0] if entries[0].expert is None else np.stack(parts)
         if shardings is None:
             return jnp.asarray(host)
@@ -231,7 +231,7 @@ def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | No
         return held[e.path][e.expert]
 
     parts = [e.to_hf(host(e).astype(save_dtype)) for e in group]
-    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].row_axis))
 
 
 def _write_files(path: str, hf_config: dict, names: list[str], sizes: list[int], tensor, writer: bool,

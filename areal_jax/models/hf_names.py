@@ -16,9 +16,10 @@ class _Entry:
     """One parameter: our state path, its HF tensor name and the layout conversion.
 
     kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
-    "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)].
+    "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)];
+    "swap_last": ours [E, a, b] <-> HF [E, b, a] (Granite's stacked experts).
     rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
-    gate_up_proj): ours is its rows start..stop of total.
+    gate_up_proj; for "swap_last", its second: Granite's input_linear): ours is its rows start..stop of total.
     expert: the HF tensor is this expert's slice of ours (ours stacks a layer's experts on its first axis; HF
     keeps one tensor per expert); shapes given to the methods are then ours whole, and `to_ours` / `to_hf` take
     and return the one expert's slice.
@@ -30,10 +31,18 @@ class _Entry:
     rows: tuple[int, int, int] | None = None
     expert: int | None = None
 
+    @property
+    def row_axis(self) -> int:
+        """The HF tensor's axis that `rows` indexes."""
+        return 1 if self.kind == "swap_last" else 0
+
     def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole HF tensor's shape (the fused one where `rows` is set)."""
         own = self.hf_shape(shape)
-        return own if self.rows is None else (self.rows[2],) + own[1:]
+        if self.rows is None:
+            return own
+        a = self.row_axis
+        return own[:a] + (self.rows[2],) + own[a + 1:]
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.expert is not None:
@@ -44,6 +53,8 @@ class _Entry:
             return (int(np.prod(shape)),)
         if self.kind == "in_first":
             return (int(np.prod(shape[1:])), shape[0])
+        if self.kind == "swap_last":
+            return (shape[0], shape[2], shape[1])
         return (shape[-1], int(np.prod(shape[:-1])))
 
     def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -51,6 +62,8 @@ class _Entry:
             shape = shape[1:]
         if self.kind in ("same", "flat"):
             return hf.reshape(shape)
+        if self.kind == "swap_last":
+            return hf.transpose(0, 2, 1).reshape(shape)
         return hf.T.reshape(shape)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
@@ -58,6 +71,8 @@ class _Entry:
             return ours
         if self.kind == "flat":
             return ours.reshape(-1)
+        if self.kind == "swap_last":
+            return ours.transpose(0, 2, 1)
         if self.kind == "in_first":
             return ours.reshape(ours.shape[0], -1).T
         return ours.reshape(-1, ours.shape[-1]).T
@@ -107,7 +122,15 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
 
 def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
     """A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and mlp.experts.{j}.{gate,up,down}_proj,
-    Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down)."""
+    Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down), Granite's
+    block_sparse_moe.router.layer and its experts stacked: input_linear [E, 2F, D] (gate rows, then up) and
+    output_linear [E, D, F]."""
+    if cfg.architecture == "granitemoe":
+        base, f = f"{hf}.block_sparse_moe", cfg.expert_size
+        return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
+                _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
+                _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
+                _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last")]
     if cfg.architecture == "mixtral":
         base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
     else:

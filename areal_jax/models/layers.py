@@ -316,6 +316,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = norm() if cfg.gemma else None
         self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend) -> jax.Array:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
@@ -323,6 +324,10 @@ class DecoderLayer(nnx.Module):
         caller's function may also write."""
         q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
         a = self.attn.out(attend(q, k, v))
+        if self.residual_multiplier is not None:
+            m = jnp.asarray(self.residual_multiplier, a.dtype)
+            x = x + a * m
+            return x + self.mlp(self.post_attn_norm(x)) * m
         if self.post_ffn_norm is None:
             x = x + a
             return x + self.mlp(self.post_attn_norm(x))

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
@@ -202,12 +203,14 @@ class Transformer(nnx.Module):
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] -> the embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(hidden_size), rounded
-        to the parameter dtype as HF does)."""
+        """tokens [B, T] -> the embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(hidden_size); Granite:
+        times embedding_multiplier; rounded to the parameter dtype as HF does)."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens, axis=0)
         if cfg.gemma:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        if cfg.embedding_multiplier is not None:
+            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
         return x.astype(cfg.dtype)
 
     def unembed_matrix(self) -> jax.Array:
@@ -217,7 +220,10 @@ class Transformer(nnx.Module):
         return self.lm_head[...]
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """h: [..., hidden_size] -> logits [..., vocab] float32 (Gemma 2: soft-capped, `layers.soft_cap`)."""
+        """h: [..., hidden_size] -> logits [..., vocab] float32 (Granite: divided by logits_scaling; Gemma 2:
+        soft-capped, `layers.soft_cap`)."""
         w = self.unembed_matrix().astype(self.cfg.dtype)
         logits = jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
+        if self.cfg.logits_scaling is not None:
+            logits = logits / np.float32(self.cfg.logits_scaling)
         return soft_cap(logits, self.cfg.final_logit_softcap)

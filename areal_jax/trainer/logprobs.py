@@ -16,15 +16,17 @@ from flax import nnx
 from areal_jax.models.layers import soft_cap
 
 
-def _logits(h: jax.Array, w: jax.Array, softcap: float | None) -> jax.Array:
-    """Rows h [N, D] against w [D, V]: float32 logits, soft-capped (Gemma 2) when softcap is set."""
-    return soft_cap(jnp.matmul(h, w, preferred_element_type=jnp.float32), softcap)
+def _logits(h: jax.Array, w: jax.Array, softcap: float | None, scaling: float | None = None) -> jax.Array:
+    """Rows h [N, D] against w [D, V]: float32 logits, divided by `scaling` (Granite's logits_scaling) and then
+    soft-capped (Gemma 2) where those are set."""
+    logits = jnp.matmul(h, w, preferred_element_type=jnp.float32)
+    return soft_cap(logits if scaling is None else logits / np.float32(scaling), softcap)
 
 
 def _chunk_forward(h: jax.Array, w: jax.Array, targets: jax.Array, with_entropy: bool,
-                   softcap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   softcap: float | None = None, scaling: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logp, entropy, lse) of rows h [N, D] against w [D, V] (float32 logits, never returned)."""
-    logits = _logits(h, w, softcap)
+    logits = _logits(h, w, softcap, scaling)
     lse = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
     if not with_entropy:
@@ -40,17 +42,18 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape((-1,) + x.shape[2:])
 
 
-def _forward_chunks(h, w, targets, with_entropy, softcap=None):
+def _forward_chunks(h, w, targets, with_entropy, softcap=None, scaling=None):
     def one(args):
         h_c, t_c = args
-        return tuple(x.reshape(t_c.shape) for x in _chunk_forward(_rows(h_c), w, _rows(t_c), with_entropy, softcap))
+        return tuple(x.reshape(t_c.shape)
+                     for x in _chunk_forward(_rows(h_c), w, _rows(t_c), with_entropy, softcap, scaling))
 
     return jax.lax.map(one, (h, targets))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array,
-                        with_entropy: bool = True, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, with_entropy: bool = True,
+                        softcap: float | None = None, scaling: float | None = None) -> tuple[jax.Array, jax.Array]:
     """log softmax(h @ w)[targets] and the entropy of softmax(h @ w) over chunks, without keeping any logits.
 
     h: [n, B, c, D] (n chunks of B rows x c positions) and w: [D, V] in the compute dtype; targets: [n, B, c]
@@ -66,24 +69,25 @@ def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array,
     float32 by the float32 cotangent (at the Qwen2.5-0.5B shape on an H200 the promoted products were 21% of
     an update's kernel time). The entropy's gradient assumes finite logits (true of a matrix product).
     softcap: the logits are Gemma 2's softcap * tanh((h @ w) / softcap); the backward then multiplies
-    d(loss)/d(logits) by 1 - tanh^2 before the products.
+    d(loss)/d(logits) by 1 - tanh^2 before the products. scaling: the logits are (h @ w) / scaling (Granite's
+    logits_scaling, before any cap); the backward divides by it too.
     """
-    logp, ent, _ = _forward_chunks(h, w, targets, with_entropy, softcap)
+    logp, ent, _ = _forward_chunks(h, w, targets, with_entropy, softcap, scaling)
     return logp, ent
 
 
-def _lpe_fwd(h, w, targets, with_entropy, softcap):
-    logp, ent, lse = _forward_chunks(h, w, targets, with_entropy, softcap)
+def _lpe_fwd(h, w, targets, with_entropy, softcap, scaling):
+    logp, ent, lse = _forward_chunks(h, w, targets, with_entropy, softcap, scaling)
     return (logp, ent), (h, w, targets, lse, ent)
 
 
-def _lpe_bwd(with_entropy, softcap, res, g):
+def _lpe_bwd(with_entropy, softcap, scaling, res, g):
     h, w, targets, lse, ent = res
     g_logp, g_ent = g
 
     def one(dw, xs):
         h_c, t_c, lse_c, ent_c, gl_c, ge_c = (_rows(x) for x in xs)
-        logits = _logits(h_c, w, softcap)
+        logits = _logits(h_c, w, softcap, scaling)
         centred = logits - lse_c[:, None]
         p = jnp.exp(centred)
         onehot = jnp.arange(logits.shape[-1], dtype=t_c.dtype)[None, :] == t_c[:, None]
@@ -92,6 +96,8 @@ def _lpe_bwd(with_entropy, softcap, res, g):
             dlogits = dlogits - ge_c[:, None] * p * (centred + ent_c[:, None])
         if softcap is not None:
             dlogits = dlogits * (1.0 - jnp.square(logits / np.float32(softcap)))
+        if scaling is not None:
+            dlogits = dlogits / np.float32(scaling)
         dlogits = dlogits.astype(h.dtype)
         dh_c = jnp.matmul(dlogits, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
         dw = dw + jnp.matmul(h_c.T, dlogits, preferred_element_type=jnp.float32)
@@ -106,7 +112,7 @@ logits_logp_entropy.defvjp(_lpe_fwd, _lpe_bwd)
 
 def chunked_logprobs(
     h: jax.Array, unembed: jax.Array, targets: jax.Array, chunk: int, *, with_entropy: bool = True,
-    softcap: float | None = None
+    softcap: float | None = None, scaling: float | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each target token and the entropy of each next-token distribution.
 
@@ -117,6 +123,7 @@ def chunked_logprobs(
       chunk: tokens per chunk of the T axis (T is padded up to a multiple internally).
       with_entropy: False skips the entropy (returns zeros), saving one pass over the chunk's logits.
       softcap: Gemma 2's final-logit soft-capping (ModelConfig.final_logit_softcap).
+      scaling: Granite's logits divisor (ModelConfig.logits_scaling).
     Returns:
       logp: [B, T] float32, log softmax(h @ unembed)[targets].
       entropy: [B, T] float32.
@@ -131,7 +138,7 @@ def chunked_logprobs(
     # Chunk axis first, batch axis kept whole so its data-parallel sharding is untouched.
     h_chunks = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
     t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2).astype(jnp.int32)
-    logp, ent = logits_logp_entropy(h_chunks, unembed.astype(h.dtype), t_chunks, with_entropy, softcap)
+    logp, ent = logits_logp_entropy(h_chunks, unembed.astype(h.dtype), t_chunks, with_entropy, softcap, scaling)
     logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     return logp, ent
@@ -173,7 +180,7 @@ def model_outputs(
     model = nnx.merge(graphdef, params, other)
     h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat, scan_layers=scan_layers)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy,
-                                 softcap=model.cfg.final_logit_softcap)
+                                 softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling)
     values = None if value_head is None else apply_value_head(value_head, h)
     return logp, ent, values
 
