@@ -53,7 +53,8 @@ def test_peft_directory_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("arch,targets", [("qwen2", "all"), ("llama", "all"), ("gemma3", "all"), ("olmo3", "all"),
-                                          ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj")])
+                                          ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj"),
+                                          ("qwen3_moe", "all"), ("granitemoe", "all")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), and

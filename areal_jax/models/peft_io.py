@@ -34,7 +34,7 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
         for short, (part, attr, _) in PROJECTIONS.items():
-            node = getattr(getattr(layer, part), attr)
+            node = getattr(getattr(layer, part), attr, None)  # None: a mixture of experts' MLP (never adapted)
             if isinstance(node, LoRAProjection):
                 out.append((i, short, node))
     if not out:
