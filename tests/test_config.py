@@ -19,6 +19,7 @@ from areal_jax.config import ConfigError, JobConfig
 PREVIOUS_DEFAULTS = {
     "run_dir": "runs/default", "seed": 0, "total_steps": 100,
     "model.path": "", "model.tokenizer_path": "", "model.dtype": "float32", "model.param_dtype": "float32",
+    "model.moe_impl": "auto",
     "data.train_path": "", "data.train_weights": "", "data.train_tasks": "", "data.task_overrides": "", "data.file_overrides": "", "data.test_tasks": "", "data.test_path": "", "data.question_field": "auto",  # was "question"; auto since "data.answer_field": "answer",
     "data.prompt_template": "Question: {question}\nAnswer:", "data.use_chat_template": False,
     "data.system_prompt": "", "data.max_prompt_len": 256, "data.on_bad_row": "error", "data.task": "math",

@@ -33,6 +33,8 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     c.model.path = model_dir
     c.rollout.max_new_tokens = 16  # completions run past the window
     c.checkpoint.hf_every_steps = 2
+    if arch == "qwen3_moe":  # the experts through jax.lax.ragged_dot (the CPU's default is blocked)
+        c.model.moe_impl = "ragged"
     lines, trained = [], []
     job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
     update = job.trainer.update
@@ -47,6 +49,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     finally:
         job.close()
     assert summary["steps"] == 2 and any("Device memory" in line for line in lines)
+    assert job.model_config.moe_impl == ("ragged" if arch == "qwen3_moe" else "auto")
     assert trained and max(len(t.tokens) - t.prompt_len for t in trained) > 6
     # the behaviour log-probs of version-0 tokens equal a full forward of the starting checkpoint (Phi: with the
     # LongRoPE factors of the run's max_len, past its original_max_position_embeddings of 32)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import MOE_IMPLS, ModelConfig
 from areal_jax.models.hf_names import _Entry, weight_entries
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import Transformer
@@ -45,6 +45,8 @@ class ModelLoadConfig(Section):
     tokenizer_path: str = knob("", "directory of the tokenizer files; defaults to model.path")
     dtype: str = knob("float32", "compute dtype", choices=tuple(DTYPES))
     param_dtype: str = knob("float32", "storage dtype of the trained params", choices=tuple(DTYPES))
+    moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, else blocked) "
+                         "| blocked | ragged | dense; other models ignore it", choices=MOE_IMPLS)
 
     @property
     def compute_dtype(self) -> Any:
@@ -123,11 +125,11 @@ class _Reader:
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
-                       dtype: Any = None, max_len: int | None = None) -> Transformer:
+                       dtype: Any = None, max_len: int | None = None, moe_impl: str | None = None) -> Transformer:
     """Loads an HF checkpoint directory of a supported family (models.hf_config) into a Transformer (of an
     image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
     max_len: the longest sequence the run holds, which picks LongRoPE's factors (`ModelConfig.for_sequence_length`;
-    None: the short ones).
+    None: the short ones). moe_impl: a mixture of experts' computation (`ModelConfig.moe_impl`; None: "auto").
 
     param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
     (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
@@ -137,6 +139,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
     cfg = ModelConfig.from_pretrained(path, dtype=param_dtype if dtype is None else dtype, param_dtype=param_dtype)
     if max_len is not None:
         cfg = cfg.for_sequence_length(max_len)
+    if moe_impl is not None:
+        cfg = cfg.replace(moe_impl=moe_impl)
     reader = _Reader(path)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)

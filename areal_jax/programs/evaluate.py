@@ -197,7 +197,7 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
         source = f"{settings.run_dir} (step {step})"
     else:
         model = load_hf_checkpoint(c.model.path, mesh=mesh, param_dtype=c.model.storage_dtype,
-                                   dtype=c.model.compute_dtype, max_len=c.rollout.max_len)
+                                   dtype=c.model.compute_dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
         source = c.model.path
     tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     tokenizer.template_variables.update(c.data.template_variables)

@@ -123,12 +123,12 @@ class RLJob:
                      f"{d.max_prompt_len} tokens.")
         # Metrics sinks before the model loads, so a W&B login problem costs seconds (start_step: mark_loop_start).
         self.metrics = metrics.MetricsLogger(c.run_dir, enabled=self.primary, total_steps=c.total_steps,
-                                             tensorboard=c.log.tensorboard,
-                                             wandb=c.log.wandb_settings(knobs.to_dict(c), self.log))
+                                             tensorboard=c.log.tensorboard, wandb=c.log.wandb_settings(knobs.to_dict(c), self.log))
         close_later.callback(self.metrics.close)
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
-            model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype)
+            model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype).replace(
+                moe_impl=c.model.moe_impl)
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.rollout_mesh)  # sampler programs, kv_pages
@@ -137,7 +137,7 @@ class RLJob:
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                       dtype=dtype, max_len=c.rollout.max_len)
+                                       dtype=dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
         self.model_config = model.cfg
         lora_cfg = c.lora if c.lora.enabled else None  # adapters only are trained, the base is frozen
         if lora_cfg is not None:
@@ -147,7 +147,7 @@ class RLJob:
         ref_model = None
         if c.train.kl_coef > 0:  # the reference policy for the KL penalty: the starting checkpoint, frozen
             ref_model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                           dtype=dtype, max_len=c.rollout.max_len)
+                                           dtype=dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
             if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
                 apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
         self.trainer = Trainer(model, train_cfg, self.meshes.train_mesh, ref_model=ref_model,
