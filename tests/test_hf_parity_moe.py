@@ -1,5 +1,6 @@
 """Mixtures of experts against HF transformers (PyTorch, float32): Qwen3-MoE (Qwen3MoeForCausalLM, with dense layers
-between expert ones) and Mixtral (MixtralForCausalLM, with a sliding window); every expert path; checkpoint round
+between expert ones), Mixtral (MixtralForCausalLM, with a sliding window), OLMoE (OlmoeForCausalLM) and Qwen2-MoE
+(Qwen2MoeForCausalLM, with its shared expert); every expert path; checkpoint round
 trips through the per-expert tensors; what the real checkpoints' config.json says."""
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +28,14 @@ def _hf_model(path, arch, seed=0, **kw):
         config = transformers.Qwen3MoeConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 3,
                                                 "moe_intermediate_size": 24, "norm_topk_prob": False, **kw})
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "olmoe":
+        config = transformers.OlmoeConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 2, **kw})
+        model = transformers.OlmoeForCausalLM(config)
+    elif arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                                                **kw})
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(**{**SHAPE, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
         model = transformers.MixtralForCausalLM(config)
@@ -39,14 +48,17 @@ def _hf_model(path, arch, seed=0, **kw):
     ("qwen3_moe", {"mlp_only_layers": [1]}),  # a dense MLP of intermediate_size between two expert layers
     ("qwen3_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),  # experts in the second layer only
     ("mixtral", {"sliding_window": 7}),
+    ("olmoe", {"norm_topk_prob": False}),
+    ("qwen2_moe", {"mlp_only_layers": [1]}),  # the shared expert beside the routed ones, a dense layer between
 ])
 def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     hf = _hf_model(tmp_path, arch, seed=1, **extra)
     ours = load_hf_checkpoint(tmp_path)
     cfg = ours.cfg
-    assert cfg.architecture == arch and cfg.num_experts == (8 if arch == "qwen3_moe" else 4)
+    assert cfg.architecture == arch and cfg.num_experts == (4 if arch == "mixtral" else 8)
     flags = [int(cfg.layer_is_moe(i)) for i in range(3)]
     assert flags == {"mlp_only_layers": [1, 0, 1], "decoder_sparse_step": [0, 1, 0]}.get(next(iter(extra)), [1, 1, 1])
+    assert cfg.shared_expert_size == (40 if arch == "qwen2_moe" else None)
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=2)
     ref = hf_logits(hf, tokens)
     assert np.abs(ref).max() > 1.0
@@ -60,11 +72,11 @@ def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     assert np.abs(np.asarray(ours(jnp.asarray(tokens))) - ref).max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_hf_to_ours_to_hf_is_byte_identical_and_loads_back(tmp_path, arch):
     """Each expert's tensors are stacked on loading and split again on saving: every tensor comes back byte for
     byte (sharded files too), and transformers loads our directory with the same logits."""
-    _hf_model(tmp_path / "hf", arch, seed=3, **({"mlp_only_layers": [2]} if arch == "qwen3_moe" else {}))
+    _hf_model(tmp_path / "hf", arch, seed=3, **({"mlp_only_layers": [2]} if arch.endswith("_moe") else {}))
     ours = load_hf_checkpoint(tmp_path / "hf")
     save_hf_checkpoint(ours, tmp_path / "ours", max_shard_size=40_000)
     before, after = read_safetensors_dir(tmp_path / "hf"), read_safetensors_dir(tmp_path / "ours")
@@ -79,12 +91,13 @@ def test_hf_to_ours_to_hf_is_byte_identical_and_loads_back(tmp_path, arch):
     np.testing.assert_array_equal(hf_logits(again, tokens), hf_logits(original, tokens))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_a_config_of_ours_loads_in_transformers(tmp_path, arch):
-    cfg = tiny_config(arch, num_layers=3, **({"moe_layers": (0, 1, 1)} if arch == "qwen3_moe" else {}))
+    cfg = tiny_config(arch, num_layers=3, **({"moe_layers": (0, 1, 1)} if arch.endswith("_moe") else {}))
     ours = write_random_hf_checkpoint(tmp_path, cfg, seed=5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=6)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
@@ -123,3 +136,23 @@ def test_moe_config_layouts():
     assert round(cfg.num_params / 1e9, 1) == 46.7
     with pytest.raises(ValueError, match="needs num_experts"):
         ModelConfig.from_hf_dict({**mixtral, "num_local_experts": 0})
+    olmoe = {  # allenai/OLMoE-1B-7B-0924
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+        "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+    cfg = ModelConfig.from_hf_dict(olmoe)
+    assert cfg.qk_norm and cfg.flat_qk_norm and not cfg.olmo and not cfg.norm_topk_prob
+    assert round(cfg.num_params / 1e9, 2) == 6.92  # "1B active and 7B total parameters"
+    with pytest.raises(ValueError, match="clip_qkv=8.0"):
+        ModelConfig.from_hf_dict({**olmoe, "clip_qkv": 8.0})
+    qwen2 = {  # Qwen/Qwen1.5-MoE-A2.7B
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
+        "hidden_act": "silu"}
+    cfg = ModelConfig.from_hf_dict(qwen2)
+    assert cfg.attention_bias and cfg.shared_expert_size == 5632 and cfg.expert_size == 1408
+    assert round(cfg.num_params / 1e9, 1) == 14.3  # "14.3B parameters in total and 2.7B activated"

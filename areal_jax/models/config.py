@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral", "granite", "granitemoe")
+                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -45,7 +45,8 @@ class ModelConfig:
       also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
       "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
       embeddings, LongRoPE), "granite" (Llama's layer with Granite's four multipliers), or the mixtures of experts
-      "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's) and "granitemoe" (Granite's).
+      "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's), "granitemoe" (Granite's), "olmoe" (Llama's layer,
+      OLMo's q/k norm over all heads) and "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -74,6 +75,8 @@ class ModelConfig:
     num_experts, num_experts_per_tok: a mixture-of-experts feed-forward (models.moe) of num_experts gated MLPs of
       width moe_intermediate_size (None: intermediate_size), each token sent to its top num_experts_per_tok by a
       softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
+    shared_expert_size: the width of Qwen2-MoE's shared expert, a gated MLP every token goes through besides its
+      routed experts, its output scaled by sigmoid(x . shared_expert_gate); None: none.
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint; models.moe): "blocked" sorts the tokens by
@@ -117,6 +120,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = False
+    shared_expert_size: int | None = None
     moe_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
     dtype: Any = jnp.float32
@@ -249,16 +253,16 @@ class ModelConfig:
                              f"{k!r}.")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
-        moe_arch = self.architecture in ("qwen3_moe", "mixtral", "granitemoe")
+        moe_arch = self.architecture in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe")
         if moe_arch != (e > 0):
             raise ValueError(f"architecture {self.architecture!r} with num_experts={e}: the mixture-of-experts "
-                             "architectures (qwen3_moe, mixtral, granitemoe) need num_experts >= 1, the others take 0.")
+                             "architectures (qwen3_moe, mixtral, granitemoe, olmoe, qwen2_moe) need num_experts >= 1, the others take 0.")
         if e and not 1 <= k <= e:
             raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
-        if self.moe_intermediate_size is not None and (not isinstance(self.moe_intermediate_size, (int, np.integer))
-                                                       or self.moe_intermediate_size <= 0):
-            raise ValueError(f"ModelConfig.moe_intermediate_size must be a positive integer or None, got "
-                             f"{self.moe_intermediate_size!r}.")
+        for name in ("moe_intermediate_size", "shared_expert_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive integer or None, got {value!r}.")
         if self.moe_layers is not None:
             flags = tuple(int(x) for x in self.moe_layers)
             object.__setattr__(self, "moe_layers", flags)
@@ -305,6 +309,11 @@ class ModelConfig:
         return self.architecture in ("olmo2", "olmo3")
 
     @property
+    def flat_qk_norm(self) -> bool:
+        """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE) rather than per head."""
+        return self.olmo or self.architecture == "olmoe"
+
+    @property
     def attention_scale_factor(self) -> float:
         """What queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
         query_pre_attn_scalar ** -0.5, or Granite's attention_multiplier (1.0 when neither is set, or the scalar
@@ -330,9 +339,10 @@ class ModelConfig:
         """Total number of parameters (embedding counted once when tied)."""
         d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if self.attention_bias else 0)
-        attn += ((h + k) * hd if self.olmo else 2 * hd) if self.qk_norm else 0
+        attn += ((h + k) * hd if self.flat_qk_norm else 2 * hd) if self.qk_norm else 0
         layer = attn + (4 if self.gemma else 2) * d
-        ffn = sum(self.num_experts * 3 * d * self.expert_size + d * self.num_experts if self.layer_is_moe(i)
+        shared = 3 * d * self.shared_expert_size + d if self.shared_expert_size else 0
+        ffn = sum(self.num_experts * 3 * d * self.expert_size + d * self.num_experts + shared if self.layer_is_moe(i)
                   else 3 * d * f for i in range(self.num_layers))
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + ffn + emb + d

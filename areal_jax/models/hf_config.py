@@ -12,7 +12,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
-             "granitemoe": "GraniteMoeForCausalLM"}
+             "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -32,7 +32,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
     layer, OLMo 3 all but every fourth. Outside Gemma and OLMo 3 (whose layer types also pick each layer's RoPE),
     a window at least as long as the model's context is dropped (it would change nothing)."""
-    if model_type in ("llama", "olmo2", "granite", "granitemoe"):
+    if model_type in ("llama", "olmo2", "granite", "granitemoe", "olmoe"):
         return None, None
     window = d.get("sliding_window")
     if model_type in ("mistral", "phi3", "mixtral"):
@@ -41,7 +41,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
         if not d.get("use_sliding_window"):
             return None, None
         types = None
-    elif model_type in ("qwen2", "qwen3", "smollm3"):
+    elif model_type in ("qwen2", "qwen3", "smollm3", "qwen2_moe"):
         if not d.get("use_sliding_window"):
             return None, None
         types = d.get("layer_types") or [
@@ -101,7 +101,7 @@ def _hf_experts(d: dict, model_type: str, num_layers: int) -> dict:
     """ModelConfig's mixture-of-experts fields of an HF config (none for the dense families): Qwen3-MoE's experts
     in every decoder_sparse_step-th layer outside mlp_only_layers; Mixtral's in every layer, of intermediate_size,
     their weights always renormalised."""
-    if model_type not in ("qwen3_moe", "mixtral", "granitemoe"):
+    if model_type not in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe"):
         return {}
     experts = d.get("num_experts", d.get("num_local_experts"))  # transformers writes Qwen3-MoE's as the latter
     if not experts or not d.get("num_experts_per_tok"):
@@ -110,8 +110,12 @@ def _hf_experts(d: dict, model_type: str, num_layers: int) -> dict:
     out = dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]))
     if model_type in ("mixtral", "granitemoe"):  # Granite's softmax over the top-k logits: renormalised weights
         return {**out, "norm_topk_prob": True}
+    if model_type == "olmoe":  # experts of intermediate_size in every layer
+        return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
     step, dense_only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
     flags = tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers))
+    if model_type == "qwen2_moe":
+        out["shared_expert_size"] = int(d.get("shared_expert_intermediate_size") or 0) or None
     return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "moe_intermediate_size": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
             "moe_layers": None if all(flags) else flags}
@@ -158,7 +162,10 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=True (an encoder) is not supported; a decoder is "
                              "causal.")
-    if model_type == "qwen2":
+    if model_type == "olmoe" and d.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv={d['clip_qkv']} (clamping q/k/v) is not supported; OLMoE's released checkpoints "
+                         "have it null.")
+    if model_type in ("qwen2", "qwen2_moe"):
         attention_bias = True
     else:
         if d.get("attention_bias"):
@@ -198,7 +205,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
         max_position_embeddings=max_pos,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
@@ -219,7 +226,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
 
 def config_to_hf(cfg: Any) -> dict:
     """A config.json dictionary that transformers loads as the matching *ForCausalLM model."""
-    if cfg.architecture == "qwen2" and (not cfg.attention_bias or cfg.qk_norm):
+    if cfg.architecture in ("qwen2", "qwen2_moe") and (not cfg.attention_bias or cfg.qk_norm):
         raise ValueError("HF Qwen2 always has q/k/v bias and no q/k norm; set attention_bias=True, qk_norm=False "
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
@@ -228,7 +235,7 @@ def config_to_hf(cfg: Any) -> dict:
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
                          "attention_bias=False, qk_norm=False.")
-    if (cfg.architecture == "gemma3" or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
+    if (cfg.architecture in ("gemma3", "olmoe") or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture} has q/k norm and no q/k/v bias; set qk_norm=True, "
                          "attention_bias=False.")
     if cfg.architecture == "gemma2" and (cfg.attention_bias or cfg.qk_norm):
@@ -249,6 +256,10 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
+    if cfg.shared_expert_size is not None and cfg.architecture != "qwen2_moe":
+        raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
+    if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
+        raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
     if cfg.architecture in ("mixtral", "granitemoe") and (cfg.moe_layers is not None or not cfg.norm_topk_prob
                                           or cfg.expert_size != cfg.intermediate_size):
         raise ValueError(f"HF {cfg.architecture} has experts of intermediate_size in every layer and renormalises their "
@@ -303,7 +314,7 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
-    if cfg.architecture != "qwen2":
+    if cfg.architecture not in ("qwen2", "qwen2_moe"):
         d["attention_bias"] = False
     if cfg.architecture == "llama":
         d["mlp_bias"] = False
@@ -319,12 +330,20 @@ def config_to_hf(cfg: Any) -> dict:
         if cfg.architecture == "granitemoe":
             d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                      output_router_logits=False)
-    elif cfg.architecture == "qwen3_moe":
+    elif cfg.architecture == "olmoe":
+        if cfg.expert_size != cfg.intermediate_size:
+            raise ValueError("HF OLMoE's experts are of intermediate_size; set moe_intermediate_size=None.")
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None, output_router_logits=False, pad_token_id=None)
+    elif cfg.architecture in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(cfg.num_layers) if not cfg.layer_is_moe(i)]
         d.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
                  num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                  moe_intermediate_size=cfg.expert_size, norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
                  mlp_only_layers=dense, output_router_logits=False)
+        if cfg.architecture == "qwen2_moe":
+            d.update(shared_expert_intermediate_size=cfg.shared_expert_size or 0, qkv_bias=True,
+                     layer_types=types, max_window_layers=types.index("sliding_attention") if sliding else cfg.num_layers)
     elif cfg.architecture == "phi3":
         partial = cfg.rope_dim / cfg.head_dim
         rope_parameters["partial_rotary_factor"] = partial

@@ -124,7 +124,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
     """A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and mlp.experts.{j}.{gate,up,down}_proj,
     Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down), Granite's
     block_sparse_moe.router.layer and its experts stacked: input_linear [E, 2F, D] (gate rows, then up) and
-    output_linear [E, D, F]."""
+    output_linear [E, D, F]; Qwen2-MoE's and OLMoE's as Qwen3-MoE's (Qwen2-MoE with its shared expert)."""
     if cfg.architecture == "granitemoe":
         base, f = f"{hf}.block_sparse_moe", cfg.expert_size
         return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
@@ -140,4 +140,10 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
+    if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate
+        shared = path + ("shared_expert",)
+        out += [_Entry(shared + ("gate_proj",), f"{base}.shared_expert.gate_proj.weight", "in_first"),
+                _Entry(shared + ("up_proj",), f"{base}.shared_expert.up_proj.weight", "in_first"),
+                _Entry(shared + ("down_proj",), f"{base}.shared_expert.down_proj.weight", "out_last"),
+                _Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first")]
     return out

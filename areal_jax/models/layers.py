@@ -243,12 +243,12 @@ class Attention(nnx.Module):
             self.v_bias = make_param(rngs, (k, hd), ("kv_heads", "head_dim"), pdt, init="zeros")
         else:
             self.q_bias = self.k_bias = self.v_bias = None
-        if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo)
-            self.q_norm = RMSNorm(h * hd if cfg.olmo else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
-            self.k_norm = RMSNorm(k * hd if cfg.olmo else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+        if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo, OLMoE)
+            self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+            self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
         else:
             self.q_norm = self.k_norm = None
-        self.flat_qk_norm = cfg.olmo
+        self.flat_qk_norm = cfg.flat_qk_norm
         self.query_factor = cfg.attention_scale_factor
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:

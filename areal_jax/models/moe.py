@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import make_param
+from areal_jax.models.layers import MLP, make_param
 
 
 def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
@@ -122,7 +122,7 @@ _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocke
 class MoE(nnx.Module):
     """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
     experts_down [E, F, D] (logical axes "experts" (replicated by default), "embed", "mlp": an expert's weights
-    shard like a dense MLP's)."""
+    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, e, pdt = cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.param_dtype
@@ -134,6 +134,11 @@ class MoE(nnx.Module):
         self.experts_gate = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_up = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), ("experts", "mlp", "embed"), pdt)
+        if cfg.shared_expert_size:  # Qwen2-MoE: every token also goes through one gated MLP, scaled by a sigmoid
+            self.shared_expert = MLP(cfg.replace(intermediate_size=cfg.shared_expert_size), rngs=rngs)
+            self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights, experts), each [..., k], of tokens x [..., D]."""
@@ -150,4 +155,7 @@ class MoE(nnx.Module):
         run = _PATHS[resolve_moe_impl(self.impl)]
         out = run(h, self.experts_gate[...].astype(self.dtype), self.experts_up[...].astype(self.dtype),
                   self.experts_down[...].astype(self.dtype), weights.reshape(-1, k), experts.reshape(-1, k))
+        if self.shared_expert is not None:
+            scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
+            out = out + scale * self.shared_expert(h)
         return out.reshape(x.shape)

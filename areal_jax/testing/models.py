@@ -19,8 +19,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
     base there), smollm3 leaves every second layer without rotary embeddings, phi3 rotates 12 of 16 dimensions
     with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5), qwen3_moe
-    (q/k norm), mixtral and granitemoe route each token to 2 of 4 experts (of width 32 for qwen3_moe, renormalised
-    weights), granite and granitemoe take Granite's four scalars.
+    (q/k norm), mixtral, granitemoe, olmoe (q/k norm over all heads) and qwen2_moe (q/k/v bias, a shared expert of
+    width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
+    for qwen2_moe), granite and granitemoe take Granite's four scalars.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -37,8 +38,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        attention_bias=architecture == "qwen2",
-        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
+        attention_bias=architecture in ("qwen2", "qwen2_moe"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -59,9 +60,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rotary_dim=12, rope_scaling={
             "rope_type": "longrope", "original_max_position_embeddings": 32,
             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0]})
-    if architecture in ("qwen3_moe", "mixtral", "granitemoe"):
-        fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                      moe_intermediate_size=32 if architecture == "qwen3_moe" else None)
+    if architecture in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe"):
+        fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=architecture != "qwen2_moe",
+                      moe_intermediate_size=32 if architecture in ("qwen3_moe", "qwen2_moe") else None,
+                      shared_expert_size=40 if architecture == "qwen2_moe" else None)
     if architecture.startswith("granite"):  # granite-3.x-2b's scalars but the logits', kept small enough to matter
         fields.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                       logits_scaling=2.0)
