@@ -15,8 +15,7 @@ from common import best_seconds
 def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
     """Model FLOPs of prefilling every prompt and generating every token (real context only)."""
     d, hq, hd, layers = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
-    per_layer = d * hd * (hq + 2 * cfg.num_kv_heads) + hq * hd * d + 3 * d * cfg.intermediate_size
-    dense = 2 * (layers * per_layer + d * cfg.vocab_size)  # per token, incl. the unembedding
+    dense = 2 * (cfg.matmul_params_per_token + d * cfg.vocab_size)  # per token, incl. the unembedding
     total = 0.0
     for p, n in zip(prompts, lengths):
         ctx = np.arange(1, len(p) + n + 1, dtype=np.float64)  # context each token attends to

@@ -40,6 +40,9 @@
 #   moe        one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16, 16,384 tokens,
 #              forward + backward: the blocked, ragged and dense paths against transformers' block on the same GPU
 #              (benchmarks/moe.py) (~2 min).
+#   granitemoe the granite3-moe-1b shape (granite-3.1-1b-a400m: 8 of 32 experts, 1.3B), bf16: the update against HF +
+#              PyTorch on the same GPU (GraniteMoeForCausalLM), and the sampler's steady state against HF generate
+#              (~7 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -198,6 +201,14 @@ EOF
   moe)
     step moe 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
     ;;
+  granitemoe)
+    step granitemoe_trainer 180 $PY benchmarks/trainer.py --preset granite3-moe-1b --dtype bfloat16 --skip-recompute \
+      --repeats 3 --attention "$ATTN" --skip-hf
+    step granitemoe_trainer_torch 120 $PY benchmarks/trainer.py --preset granite3-moe-1b --dtype bfloat16 --skip-jax \
+      --repeats 3
+    step granitemoe_sampler 200 $PY benchmarks/sampler.py --preset granite3-moe-1b --dtype bfloat16 --num-slots 256 \
+      --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    ;;
   sliding)
     step sliding 120 $PY benchmarks/sliding_window.py --dtype bfloat16 --context 16384 --rows 128 --page-size 16
     ;;
@@ -209,7 +220,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe granitemoe staleness)"
      exit 2 ;;
   esac
 done

@@ -63,7 +63,7 @@ _LARGE = dict(num_seqs=32, prompt_len=(64, 128), median_completion=256, max_comp
               logits_chunk=2048)
 PRESETS = {"qwen2.5-0.5b": dict(workload=_SMALL), "qwen2.5-1.5b": dict(workload=_MEDIUM),
            "qwen2.5-7b": dict(workload=_LARGE), "gemma3-1b": dict(workload=_SMALL), "gemma3-4b": dict(workload=_MEDIUM),
-           "phi4-mini": dict(workload=_MEDIUM)}
+           "phi4-mini": dict(workload=_MEDIUM), "granite3-moe-1b": dict(workload=_SMALL)}
 TINY_WORKLOAD = dict(num_seqs=64, prompt_len=(16, 64), median_completion=64, max_completion=256,
                      micro_batch_tokens=1024, logits_chunk=256)
 # --toy: a preset's head layout and embedding tying at a size that runs in seconds (the smoke test).
@@ -127,6 +127,8 @@ def bench_model_config(args: argparse.Namespace) -> ModelConfig:
     if args.toy:
         heads = MODEL_SHAPES[args.preset]["num_heads"]
         fields = dict(TOY_MODEL, hidden_size=heads * 16, intermediate_size=heads * 40)
+        if MODEL_SHAPES[args.preset].get("num_experts"):  # a mixture of experts: 2 of 4 at toy size
+            fields.update(num_experts=4, num_experts_per_tok=2)
     max_len = max(4096, args.trajectory_len or 0, args.prompt_len[1] + args.max_completion)
     return shape_config(args.preset, max_len=max_len, dtype=jnp.dtype(dtype).name, param_dtype="float32", **fields)
 
@@ -153,8 +155,7 @@ def make_batch(args: argparse.Namespace, vocab: int) -> list[Trajectory]:
 def forward_flops(cfg, trajs: list[Trajectory]) -> float:
     """Forward model FLOPs of the packed inputs (L - 1 tokens per trajectory, real causal context)."""
     d, hq, hd, layers = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
-    per_layer = d * hd * (hq + 2 * cfg.num_kv_heads) + hq * hd * d + 3 * d * cfg.intermediate_size
-    dense = 2 * (layers * per_layer + d * cfg.vocab_size)
+    dense = 2 * (cfg.matmul_params_per_token + d * cfg.vocab_size)  # a mixture of experts: its active weights
     total = 0.0
     for t in trajs:
         n = t.packed_len

@@ -85,3 +85,17 @@ def test_phi_preset_at_toy_size_against_the_same_device_baseline():
     assert report["params"] == 2 * layer + 512 * d + d
     assert report["tokens_per_s"]["jax_loglinear"] > 0 and report["tokens_per_s"]["hf_torch"] > 0
     assert "HF transformers + PyTorch (cpu)" in text
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_preset_at_toy_size_against_the_same_device_baseline():
+    """Granite 3 MoE's layout at toy size (16 / 8 heads of 16, 2 of 4 experts, Granite's scalars) through the update
+    and the HF + PyTorch step built from the same shape (GraniteMoeForCausalLM); model FLOPs count the active
+    experts only."""
+    report, text = run("--preset", "granite3-moe-1b", "--sequential", "--skip-recompute", "--dtype", "float32")
+    assert report["preset"] == "granite3-moe-1b" and report["toy"] and report["hf_note"] is None
+    d, f, hd = 16 * 16, 16 * 40, 16
+    attn = d * 16 * hd * 2 + d * 8 * hd * 2
+    assert report["params"] == 2 * (attn + 4 * 3 * d * f + 4 * d + 2 * d) + 512 * d + d
+    assert report["tokens_per_s"]["jax_loglinear"] > 0 and report["tokens_per_s"]["hf_torch"] > 0
+    assert "HF transformers + PyTorch (cpu)" in text

@@ -347,6 +347,18 @@ class ModelConfig:
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + ffn + emb + d
 
+    @property
+    def matmul_params_per_token(self) -> int:
+        """The weights one token multiplies through in the decoder layers (the unembedding aside): every attention
+        projection, and its layer's MLP, or its top-k experts, the router and any shared expert. 2x this is a
+        token's forward matmul FLOPs there (the active parameters of a mixture of experts)."""
+        d, hq, hd, kv = self.hidden_size, self.num_heads, self.head_dim, self.num_kv_heads
+        attn = d * hd * (hq + 2 * kv) + hq * hd * d
+        moe = self.num_experts_per_tok * 3 * d * self.expert_size + d * self.num_experts
+        moe += 3 * d * self.shared_expert_size + d if self.shared_expert_size else 0
+        return sum(attn + (moe if self.layer_is_moe(i) else 3 * d * self.intermediate_size)
+                   for i in range(self.num_layers))
+
     # ---------------------------------------------------------------- HF config.json
     @classmethod
     def from_hf_dict(cls, d: dict, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> ModelConfig:

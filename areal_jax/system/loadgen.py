@@ -47,6 +47,12 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # (96 of 128), LongRoPE past 4,096 positions (`shape_config` adds it, with placeholder factor lists).
     "phi4-mini": dict(architecture="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
                       num_layers=32, num_heads=24, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    # ibm-granite/granite-3.1-1b-a400m-instruct: a mixture of experts (8 of 32, 1.3B in all, 0.4B active per token)
+    # with Granite's scalars.
+    "granite3-moe-1b": dict(architecture="granitemoe", vocab_size=49155, hidden_size=1024, intermediate_size=512,
+                            num_layers=24, num_heads=16, num_kv_heads=8, head_dim=64, tie_word_embeddings=True,
+                            num_experts=32, num_experts_per_tok=8, norm_topk_prob=True, embedding_multiplier=12.0,
+                            residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0),
 }
 
 
@@ -67,6 +73,8 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
         fields.update(attention_bias=True, rope_theta=1e6)
     elif fields["architecture"] == "phi3":
         fields.update(max_position_embeddings=max(131072, max_len))
+    elif fields["architecture"] == "granitemoe":
+        fields.update(rope_theta=1e7)
     else:
         fields.update(qk_norm=True, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256.0)
     fields.update(overrides)
