@@ -89,7 +89,8 @@ def test_expert_paths_gradients_agree(tokens):
     for impl in ("ragged", "blocked"):
         for d, r in zip(flat_d, jax.tree.leaves(grads[impl])):
             assert float(jnp.abs(d).max()) > 0  # every parameter gets a gradient, the router's through the weights
-            np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=1e-4, rtol=1e-4)
+            scale = float(jnp.abs(d).max())  # float32 sums over up to 300 tokens in other orders
+            np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=2e-5 * scale, rtol=1e-4)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "dense", "ragged"])
@@ -155,8 +156,10 @@ def test_expert_config_checks():
         tiny_config("qwen3_moe", moe_layers=(1,))
     with pytest.raises(ValueError, match="moe_impl='fast' is unknown"):
         tiny_config("qwen3_moe", moe_impl="fast")
-    with pytest.raises(ValueError, match="HF mixtral has experts of intermediate_size in every layer"):
+    with pytest.raises(ValueError, match="HF mixtral has experts in every layer"):
         tiny_config("mixtral", moe_layers=(1, 0)).to_hf_dict()
+    with pytest.raises(ValueError, match="HF mixtral has experts of intermediate_size"):
+        tiny_config("mixtral", moe_intermediate_size=8).to_hf_dict()
     cfg = tiny_config("qwen3_moe", moe_layers=(1, 1))
     assert cfg.moe_layers is None and cfg.layer_is_moe(1) and cfg.expert_size == 32
     assert tiny_config("qwen3_moe", moe_layers=(0, 1)).with_layers(3).moe_layers is None  # probes: expert layers
