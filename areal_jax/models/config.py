@@ -14,6 +14,7 @@ import numpy as np
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -235,16 +236,22 @@ class ModelConfig:
             if "sliding_attention" in types and window is None:
                 raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
                                  "set the window (positions each query looks back over).")
-        if self.rope_layers is not None:
-            flags = tuple(int(x) for x in self.rope_layers)
-            object.__setattr__(self, "rope_layers", flags)
-            if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
-                raise ValueError(f"ModelConfig.rope_layers must hold num_layers={self.num_layers} flags, each 1 "
-                                 f"(rotary embeddings) or 0 (none); got {list(flags)}.")
+        self._layer_flags("rope_layers", "(rotary embeddings) or 0 (none)")
         if self.query_pre_attn_scalar is not None and not float(self.query_pre_attn_scalar) > 0:
             raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}.")
         if self.rope_local_theta is not None and not float(self.rope_local_theta) > 0:
             raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {self.rope_local_theta}.")
+
+    def _layer_flags(self, name: str, meaning: str) -> tuple[int, ...] | None:
+        """Field `name`, a per-layer tuple of 0 / 1 flags (or None), made a tuple of ints and checked."""
+        if getattr(self, name) is None:
+            return None
+        flags = tuple(int(x) for x in getattr(self, name))
+        object.__setattr__(self, name, flags)
+        if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
+            raise ValueError(f"ModelConfig.{name} must hold num_layers={self.num_layers} flags, each 1 {meaning}; got "
+                             f"{list(flags)}.")
+        return flags
 
     def _check_experts(self) -> None:
         e, k = self.num_experts, self.num_experts_per_tok
@@ -253,24 +260,18 @@ class ModelConfig:
                              f"{k!r}.")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
-        moe_arch = self.architecture in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe")
-        if moe_arch != (e > 0):
+        if (self.architecture in MOE_ARCHITECTURES) != (e > 0):
             raise ValueError(f"architecture {self.architecture!r} with num_experts={e}: the mixture-of-experts "
-                             "architectures (qwen3_moe, mixtral, granitemoe, olmoe, qwen2_moe) need num_experts >= 1, the others take 0.")
+                             f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")
         if e and not 1 <= k <= e:
             raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
         for name in ("moe_intermediate_size", "shared_expert_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
                 raise ValueError(f"ModelConfig.{name} must be a positive integer or None, got {value!r}.")
-        if self.moe_layers is not None:
-            flags = tuple(int(x) for x in self.moe_layers)
-            object.__setattr__(self, "moe_layers", flags)
-            if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
-                raise ValueError(f"ModelConfig.moe_layers must hold num_layers={self.num_layers} flags, each 1 "
-                                 f"(experts) or 0 (a dense MLP); got {list(flags)}.")
-            if all(flags):
-                object.__setattr__(self, "moe_layers", None)
+        flags = self._layer_flags("moe_layers", "(experts) or 0 (a dense MLP)")
+        if flags is not None and all(flags):
+            object.__setattr__(self, "moe_layers", None)
 
     def layer_is_moe(self, i: int) -> bool:
         """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size)."""
@@ -336,28 +337,18 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Total number of parameters (embedding counted once when tied)."""
-        d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if self.attention_bias else 0)
-        attn += ((h + k) * hd if self.flat_qk_norm else 2 * hd) if self.qk_norm else 0
-        layer = attn + (4 if self.gemma else 2) * d
-        shared = 3 * d * self.shared_expert_size + d if self.shared_expert_size else 0
-        ffn = sum(self.num_experts * 3 * d * self.expert_size + d * self.num_experts + shared if self.layer_is_moe(i)
-                  else 3 * d * f for i in range(self.num_layers))
-        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + ffn + emb + d
+        """Total number of parameters (embedding counted once when tied; models.param_counts)."""
+        from areal_jax.models.param_counts import num_params
+
+        return num_params(self)
 
     @property
     def matmul_params_per_token(self) -> int:
-        """The weights one token multiplies through in the decoder layers (the unembedding aside): every attention
-        projection, and its layer's MLP, or its top-k experts, the router and any shared expert. 2x this is a
-        token's forward matmul FLOPs there (the active parameters of a mixture of experts)."""
-        d, hq, hd, kv = self.hidden_size, self.num_heads, self.head_dim, self.num_kv_heads
-        attn = d * hd * (hq + 2 * kv) + hq * hd * d
-        moe = self.num_experts_per_tok * 3 * d * self.expert_size + d * self.num_experts
-        moe += 3 * d * self.shared_expert_size + d if self.shared_expert_size else 0
-        return sum(attn + (moe if self.layer_is_moe(i) else 3 * d * self.intermediate_size)
-                   for i in range(self.num_layers))
+        """The weights one token multiplies through in the decoder layers (its active ones in a mixture of experts;
+        models.param_counts)."""
+        from areal_jax.models.param_counts import matmul_params_per_token
+
+        return matmul_params_per_token(self)
 
     # ---------------------------------------------------------------- HF config.json
     @classmethod
