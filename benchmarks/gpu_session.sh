@@ -38,8 +38,9 @@
 #   phi4mini   the phi4-mini shape (3.8B, fused q/k/v on disk, partial rotary, LongRoPE), bf16: the update against HF +
 #              PyTorch on the same GPU, and the sampler's steady state against HF generate (~6 min).
 #   moe        one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16, 16,384 tokens,
-#              forward + backward: the blocked, ragged and dense paths against transformers' block on the same GPU
-#              (benchmarks/moe.py) (~2 min).
+#              forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
+#              transformers' block on the same GPU (benchmarks/moe.py; a path that fails is reported, the others
+#              still run) (~3 min).
 #   granitemoe the granite3-moe-1b shape (granite-3.1-1b-a400m: 8 of 32 experts, 1.3B), bf16: the update against HF +
 #              PyTorch on the same GPU (GraniteMoeForCausalLM), and the sampler's steady state against HF generate
 #              (~7 min).
@@ -199,7 +200,7 @@ EOF
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   moe)
-    step moe 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
+    step moe 200 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
     ;;
   granitemoe)
     step granitemoe_trainer 180 $PY benchmarks/trainer.py --preset granite3-moe-1b --dtype bfloat16 --skip-recompute \

@@ -1,5 +1,6 @@
-"""benchmarks/moe.py at toy size: every path runs, the JSON line holds the figures, and the three expert paths and
-transformers' own block (when torch is installed) compute the same layer output."""
+"""benchmarks/moe.py at toy size: every path runs, the JSON line holds the figures, and the expert paths and
+transformers' own block (when torch is installed) compute the same layer output; the grouped-matmul kernel (Pallas
+interpreter on CPU) when asked for; a path that fails leaves the others' figures."""
 from __future__ import annotations
 
 import importlib
@@ -31,3 +32,19 @@ def test_the_moe_benchmark_runs_and_its_paths_agree(monkeypatch, capsys):
     assert "blocked_over_dense" in line["ratios"] and line["peak_gflops"] > 0
     assert line["results"]["dense"]["ms"] == pytest.approx(
         moe.active_flops("small", 48) / line["results"]["dense"]["active_tflops"] / 1e9)
+
+
+def test_the_kernel_path_runs_when_asked_and_a_failing_path_is_reported(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    moe = importlib.import_module("moe")
+    real = moe.time_jax
+
+    def flaky(impl, *a):
+        if impl == "ragged":
+            raise MemoryError("out of memory")
+        return real(impl, *a)
+
+    monkeypatch.setattr(moe, "time_jax", flaky)
+    line = moe.main(["--tokens", "16", "--repeats", "1", "--impls", "pallas,ragged,blocked"])
+    assert set(line["results"]) == {"pallas", "blocked"} and line["failed"] == {"ragged": "MemoryError: out of memory"}
+    assert line["max_abs_diff"]["blocked"] < 1e-4 and "pallas_over_blocked" in line["ratios"]

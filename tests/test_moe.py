@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward (models.moe): routing against a NumPy reference, the blocked, ragged and dense expert
-paths against a per-token loop (values) and each other (gradients), dropless token independence, sharded forward and
+"""Mixture-of-experts feed-forward (models.moe): routing against a NumPy reference, the blocked, ragged, pallas and
+dense expert paths against a per-token loop (values) and each other (gradients), dropless token independence, sharded forward and
 gradients, LoRA on a model with experts, config checks."""
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ def _np_moe(layer, x, cfg):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_every_expert_path_equals_a_per_token_loop(arch):
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, 64)), jnp.float32)
-    for impl in ("blocked", "dense", "ragged"):
+    for impl in ("blocked", "dense", "ragged", "pallas"):
         cfg, layer = _moe(impl, arch, num_experts=5, num_experts_per_tok=2 if arch == "mixtral" else 3,
                           norm_topk_prob=arch == "mixtral")
         np.testing.assert_allclose(np.asarray(layer(x)), _np_moe(layer, np.asarray(x), cfg), atol=2e-5, rtol=1e-5)
@@ -76,7 +76,7 @@ def test_expert_paths_gradients_agree(tokens):
     x = jnp.asarray(np.random.default_rng(2).normal(size=(1, tokens, 64)), jnp.float32)
     t = jnp.asarray(np.random.default_rng(3).normal(size=(1, tokens, 64)), jnp.float32)
     grads = {}
-    for impl in ("dense", "ragged", "blocked"):
+    for impl in ("dense", "ragged", "blocked", "pallas"):
         _, layer = _moe(impl, seed=4)
         graphdef, state = nnx.split(layer)
 
@@ -86,14 +86,14 @@ def test_expert_paths_gradients_agree(tokens):
         grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
     flat_d = jax.tree.leaves(grads["dense"])
     assert len(flat_d) == 5  # router, three expert stacks, x
-    for impl in ("ragged", "blocked"):
+    for impl in ("ragged", "blocked", "pallas"):
         for d, r in zip(flat_d, jax.tree.leaves(grads[impl])):
             assert float(jnp.abs(d).max()) > 0  # every parameter gets a gradient, the router's through the weights
             scale = float(jnp.abs(d).max())  # float32 sums over up to 300 tokens in other orders
             np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=2e-5 * scale, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "dense", "ragged"])
+@pytest.mark.parametrize("impl", ["blocked", "dense", "ragged", "pallas"])
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch(impl):
     """No capacity, no dropped tokens: what the sampler computes for a token alone, the trainer computes for it in
     a packed batch (the PPO ratios rest on it)."""
@@ -112,7 +112,7 @@ def test_resolve_moe_impl_and_block_sizes():
     assert expert_block(16384 * 8, 128) == 128 and expert_block(2048 * 4, 16) == 128 and expert_block(640, 16) == 32
 
 
-@pytest.mark.parametrize("impl", ["blocked", "ragged"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged", "pallas"])
 def test_sharded_forward_and_gradients_match_one_device(impl):
     assert len(jax.devices()) >= 4
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)

@@ -13,7 +13,7 @@ import numpy as np
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe")
-MOE_IMPLS = ("auto", "blocked", "dense", "ragged")
+MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -82,8 +82,9 @@ class ModelConfig:
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint; models.moe): "blocked" sorts the tokens by
       expert into expert-aligned blocks and scans over them, "ragged" runs `jax.lax.ragged_dot` on the sorted
-      tokens, "dense" runs every expert on every token and weights the outputs (num_experts / num_experts_per_tok
-      times the work); "auto": ragged on TPU, blocked elsewhere. All are dropless and give every token the same
+      tokens, "pallas" runs the blocked layout through one grouped-matmul kernel (models.grouped_matmul; GPU), "dense"
+      runs every expert on every token and weights the outputs (num_experts / num_experts_per_tok times the work);
+      "auto": ragged on TPU, blocked elsewhere. All are dropless and give every token the same
       output whatever else is in the batch.
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """

@@ -46,7 +46,7 @@ class ModelLoadConfig(Section):
     dtype: str = knob("float32", "compute dtype", choices=tuple(DTYPES))
     param_dtype: str = knob("float32", "storage dtype of the trained params", choices=tuple(DTYPES))
     moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, else blocked) "
-                         "| blocked | ragged | dense; other models ignore it", choices=MOE_IMPLS)
+                         "| blocked | ragged | pallas | dense; other models ignore it", choices=MOE_IMPLS)
 
     @property
     def compute_dtype(self) -> Any:

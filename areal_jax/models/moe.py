@@ -8,7 +8,7 @@ that token alone: the trainer's packed rows, the sampler's decode steps and HF's
 the batch, which the PPO ratios need. No load-balancing loss is added (a reinforcement-learning update of a
 trained router; HF adds one only when asked for router logits).
 
-Three ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
+Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
 
 - ``blocked`` (the default off TPU): the (token, expert) pairs sorted by expert into blocks of `expert_block` rows,
   each expert's group padded to whole blocks (at most num_experts * (block - 1) padding rows: a static bound), and
@@ -17,6 +17,10 @@ Three ways to run the experts (`ModelConfig.moe_impl`), equal up to float summat
   dense path's speed, 0.63x that of transformers' eager loop over the experts).
 - ``ragged``: the sorted pairs through `jax.lax.ragged_dot` (TPU's choice: a grouped matmul there; XLA:CPU and
   XLA:GPU may expand it to every expert, 3.6x slower than dense on the CPU).
+- ``pallas``: the blocked layout through one grouped-matmul Pallas kernel (`models.grouped_matmul`: a grid over the
+  blocks, each reading its expert's weights; its own kernels for the input and weight gradients), no scan; written
+  for the Triton lowering on GPUs, run by the Pallas interpreter elsewhere (slow: tests only). Widths that do not
+  tile by 16 fall back to the scan.
 - ``dense``: every expert on every token, outputs weighted by the routing weights (zero off the top k):
   num_experts / num_experts_per_tok times the matmul work in plain dots; the reference.
 """
@@ -27,9 +31,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
+from areal_jax.models.sharding import BATCH_AXIS, batch_shards
 
 
 def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
@@ -86,13 +93,13 @@ def _ragged_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arra
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
 
 
-def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
-                     experts: jax.Array) -> jax.Array:
-    """The sorted pairs in expert-aligned blocks, one `lax.scan` step a block; same arguments as the dense path.
-    Rows move by gathers (pair -> padded row, padded row -> token), never by float scatters."""
+def block_layout(experts: jax.Array, num_experts: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The expert-aligned blocks of the routed pairs. experts: [N, k] -> (row [N * k]: each pair's padded row,
+    token [rows]: each padded row's token (N for padding), owner [rows / block]: each block's expert, non-decreasing).
+    Each expert's pairs take a run of whole blocks in routing order; rows = N * k + num_experts * (block - 1) rounded up
+    to a whole block (a static bound on the padding)."""
     n, k = experts.shape
-    e = gate.shape[0]
-    block = expert_block(n * k, e)
+    e = num_experts
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e)
@@ -104,21 +111,56 @@ def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arr
     row = jnp.zeros(n * k, jnp.int32).at[order].set(row_of_sorted.astype(jnp.int32), unique_indices=True)
     rows = -(-(n * k + e * (block - 1)) // block) * block
     token = jnp.full((rows,), n, jnp.int32).at[row].set(jnp.arange(n * k, dtype=jnp.int32) // k, unique_indices=True)
-    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]  # padding rows read a zero row
     # a block's expert: the group its first row lies in (blocks past the last group hold zeros; any expert serves)
-    owner = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(rows // block) * block, side="right"), e - 1)
+    # (counted by comparison: jnp.searchsorted fails to trace inside shard_map on this JAX)
+    starts = jnp.arange(rows // block) * block
+    owner = jnp.minimum(jnp.sum(padded_end[None, :] <= starts[:, None], axis=1), e - 1)
+    return row, token, owner.astype(jnp.int32)
 
-    def body(_, inp):
-        xb, j = inp
-        h = jax.nn.silu(xb @ gate[j]) * (xb @ up[j])
-        return None, jnp.dot(h, down[j], preferred_element_type=jnp.float32)
 
-    _, ys = jax.lax.scan(body, None, (xs.reshape(rows // block, block, -1), owner))
+def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+                     experts: jax.Array, *, kernel: bool = False) -> jax.Array:
+    """The sorted pairs in expert-aligned blocks (`block_layout`), one `lax.scan` step a block, or with `kernel` the
+    grouped-matmul Pallas kernel over all blocks at once; same arguments as the dense path. Rows move by gathers
+    (pair -> padded row, padded row -> token), never by float scatters."""
+    n, k = experts.shape
+    e = gate.shape[0]
+    block = expert_block(n * k, e)
+    if kernel:
+        block = max(block, 16)
+    row, token, owner = block_layout(experts, e, block)
+    rows = token.shape[0]
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]  # padding rows read a zero row
+    if kernel:
+        h = jax.nn.silu(grouped_matmul(xs, gate, owner, block=block)) * grouped_matmul(xs, up, owner, block=block)
+        ys = grouped_matmul(h, down, owner, block=block, out_dtype=jnp.float32)
+    else:
+        def body(_, inp):
+            xb, j = inp
+            hb = jax.nn.silu(xb @ gate[j]) * (xb @ up[j])
+            return None, jnp.dot(hb, down[j], preferred_element_type=jnp.float32)
+
+        _, ys = jax.lax.scan(body, None, (xs.reshape(rows // block, block, -1), owner))
     y = ys.reshape(rows, -1)[row].reshape(n, k, -1)  # each token's k outputs, in its routing order
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
 
 
-_PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts}
+def _pallas_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+                    experts: jax.Array) -> jax.Array:
+    """The blocked layout through the grouped-matmul kernel (`grouped_matmul`), where its tiles fit the widths
+    (multiples of 16), else the scan."""
+    d, f = gate.shape[1], gate.shape[2]
+    fits = supports(16, d, f) and supports(16, f, d)
+    return _blocked_experts(x, gate, up, down, weights, experts, kernel=fits)
+
+
+def _routing(h: jax.Array, router: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights, experts) [N, k] of tokens h [N, D] through router [D, E] (logits accumulated in float32)."""
+    return route(jnp.dot(h, router, preferred_element_type=jnp.float32), k, renormalize)
+
+
+_PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts,
+          "pallas": _pallas_experts}
 
 
 class MoE(nnx.Module):
@@ -145,18 +187,29 @@ class MoE(nnx.Module):
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights, experts), each [..., k], of tokens x [..., D]."""
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        logits = jnp.dot(h, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
-        weights, experts = route(logits, self.top_k, self.renormalize)
+        weights, experts = _routing(h, self.router[...].astype(self.dtype), self.top_k, self.renormalize)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in the compute dtype."""
-        weights, experts = self.routing(x)
-        k = self.top_k
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        run = _PATHS[resolve_moe_impl(self.impl)]
-        out = run(h, self.experts_gate[...].astype(self.dtype), self.experts_up[...].astype(self.dtype),
-                  self.experts_down[...].astype(self.dtype), weights.reshape(-1, k), experts.reshape(-1, k))
+        path = _PATHS[resolve_moe_impl(self.impl)]
+        k, renormalize = self.top_k, self.renormalize
+
+        def experts(h, router, gate, up, down):
+            weights, chosen = _routing(h, router, k, renormalize)
+            return path(h, gate, up, down, weights, chosen)
+
+        shards = batch_shards()
+        if shards > 1 and h.shape[0] % shards == 0:
+            # under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
+            # sort and the blocks would otherwise span the global batch, which XLA gathers to every device. The
+            # weights are gathered to each shard (FSDP) and their gradients summed over the shards.
+            rows, whole = PartitionSpec(BATCH_AXIS, None), PartitionSpec()
+            experts = jax.shard_map(experts, in_specs=(rows, whole, whole, whole, whole), out_specs=rows,
+                                    axis_names=frozenset({BATCH_AXIS}), check_vma=False)
+        out = experts(h, *(p[...].astype(self.dtype) for p in
+                           (self.router, self.experts_gate, self.experts_up, self.experts_down)))
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)

@@ -23,10 +23,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from areal_jax.models.blocked_attention import attention_block, block_masks, blocked_attention
 from areal_jax.models.flash_attention import flash_attention
 from areal_jax.models.layers import dot_attention
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, constrain_batch
 from areal_jax.models.splash import splash_attention
 
 ATTENTION_CHOICES = ("auto", "dense", "blocked", "flash")
@@ -74,14 +76,42 @@ def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str 
     impl = resolve_attention(choice, t, backend)
     if impl == "dense":
         mask = packed_mask(segment_ids, window)
-        return lambda q, k, v: dot_attention(q, k, v, mask, softcap)
+        return _pinned(lambda q, k, v: dot_attention(q, k, v, mask, softcap))
     if impl == "blocked":
         block = attention_block(t, "cpu")
         masks = block_masks(segment_ids, block, window)
-        return lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window, softcap)
-    if impl == "splash":
-        return lambda q, k, v: splash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
-    return lambda q, k, v: flash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
+        return _pinned(lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window, softcap))
+    kernel = splash_attention if impl == "splash" else flash_attention
+    return per_shard(lambda q, k, v, seg: kernel(q, k, v, seg, window=window, softcap=softcap), segment_ids)
+
+
+def _pinned(attend: AttentionFn) -> AttentionFn:
+    """attend with its inputs and output kept batch-sharded under a mesh context (models.sharding)."""
+    return lambda q, k, v: constrain_batch(attend(constrain_batch(q), constrain_batch(k), constrain_batch(v)))
+
+
+def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
+    """attention(q, k, v) running kernel(q, k, v, segment_ids) on each device's own rows and heads.
+
+    A Pallas kernel is a custom call XLA cannot partition: given sharded operands it gathers them and runs the whole
+    batch on every device. Under a mesh context whose batch axis divides the rows, the kernel runs in a shard_map
+    over that axis, and over "tensor" too when it divides both head counts (contiguous head chunks keep each query
+    head with its key/value head). Without a context: the kernel as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = batch_shards()
+    if shards == 1 or segment_ids.shape[0] % shards:
+        return lambda q, k, v: kernel(q, k, v, segment_ids)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        tensor = int(mesh.shape[TENSOR_AXIS]) if TENSOR_AXIS in mesh.axis_names else 1
+        heads = TENSOR_AXIS if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+        spec = PartitionSpec(BATCH_AXIS, None, heads, None)
+        axes = frozenset({BATCH_AXIS} | ({TENSOR_AXIS} if heads else set()))
+        run = jax.shard_map(kernel, in_specs=(spec, spec, spec, PartitionSpec(BATCH_AXIS, None)), out_specs=spec,
+                            axis_names=axes, check_vma=False)
+        return run(q, k, v, segment_ids)
+
+    return attend
 
 
 def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
@@ -112,8 +142,8 @@ def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Arra
     layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
     """
-    def apply(lyr: nnx.Module, x: jax.Array) -> jax.Array:
-        return lyr(x, cos, sin, attend)
+    def apply(lyr: nnx.Module, x: jax.Array) -> jax.Array:  # rows stay on their device (models.sharding)
+        return constrain_batch(lyr(constrain_batch(x), cos, sin, attend))
 
     if remat == "none":
         return apply(layer, x)

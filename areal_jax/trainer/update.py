@@ -38,6 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models.sharding import auto_mesh
 from areal_jax.rl.losses import (
     decoupled_ppo_token_loss,
     gspo_token_loss,
@@ -194,8 +195,13 @@ def build_update_fns(
     split = (lambda train: train) if critic else (lambda train: (train, None))  # noqa: E731
 
     n_devices = int(mesh.shape["fsdp"])
+    context = auto_mesh(mesh).abstract_mesh  # traced under it: each device keeps its rows (models.sharding)
 
     def forward(train, other, batch):
+        with jax.sharding.use_abstract_mesh(context):
+            return _forward(train, other, batch)
+
+    def _forward(train, other, batch):
         params, head = split(train)
         chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
         logp, _, values = model_outputs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
@@ -208,7 +214,8 @@ def build_update_fns(
 
     def objective(train, other, batch, version):
         params, head = split(train)
-        return micro_step_objective(params, other, graphdef, batch, version, cfg, n_devices, value_head=head)
+        with jax.sharding.use_abstract_mesh(context):
+            return micro_step_objective(params, other, graphdef, batch, version, cfg, n_devices, value_head=head)
 
     def accumulate(train, other, grads, sums, batch, version):
         g, m = jax.grad(objective, has_aux=True)(train, other, batch, version)
