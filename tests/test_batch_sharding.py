@@ -23,8 +23,8 @@ ROWS, LENGTH = 4, 72  # no weight has a dimension of 72 or 288
 def _collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
     """(kind, shape) of every float collective in an HLO module's text (tuple-shaped ones element by element)."""
     out = []
-    for m in re.finditer(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)"
-                         r"(?:-start)?\(", text):
+    for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+                         r"collective-permute)(?:-start)?\(", text, re.M):
         for dtype, dims in re.findall(r"(f32|bf16|f16)\[([0-9,]*)\]", m.group(1)):
             out.append((m.group(2), tuple(int(d) for d in dims.split(",") if d)))
     return out
