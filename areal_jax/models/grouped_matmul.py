@@ -64,8 +64,8 @@ def _dot_tn(a, b):
 
 
 def _gmm_kernel(owner_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, transpose_rhs: bool):
-    b, j = pl.program_id(0), pl.program_id(1)
-    e = owner_ref[b]
+    j = pl.program_id(1)
+    e = owner_ref[0]  # this block's expert: a one-element block of owner (as JAX's GPU paged kernel reads lengths)
     k = x_ref.shape[1]
 
     def body(kk, acc):
@@ -79,14 +79,14 @@ def _gmm_kernel(owner_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, transpose_r
 
 
 def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block: int, bk: int, bn: int):
-    e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j = pl.program_id(1), pl.program_id(2)
 
     def body(b, acc):
         xb = x_ref[pl.ds(b * block, block), pl.ds(i * bk, bk)]
         dyb = dy_ref[pl.ds(b * block, block), pl.ds(j * bn, bn)]
         return acc + _dot_tn(xb, dyb)
 
-    acc = lax.fori_loop(start_ref[e], end_ref[e], body, jnp.zeros((bk, bn), jnp.float32))
+    acc = lax.fori_loop(start_ref[0], end_ref[0], body, jnp.zeros((bk, bn), jnp.float32))
     dw_ref[...] = acc.astype(dw_ref.dtype)
 
 
@@ -106,7 +106,7 @@ def _gmm(x, w, owner, *, block: int, transpose_rhs: bool, out_dtype, interpret: 
     return pl.pallas_call(
         functools.partial(_gmm_kernel, bk=bk, bn=bn, transpose_rhs=transpose_rhs),
         grid=(nb, n // bn),
-        in_specs=[pl.BlockSpec((nb,), lambda b, j: (0,)),
+        in_specs=[pl.BlockSpec((1,), lambda b, j: (b,)),
                   pl.BlockSpec((block, k), lambda b, j: (b, 0)),
                   pl.BlockSpec(w.shape, lambda b, j: (0, 0, 0))],
         out_specs=pl.BlockSpec((block, bn), lambda b, j: (b, j)),
@@ -127,8 +127,8 @@ def _tgmm(x, dy, owner, experts: int, *, block: int, out_dtype, interpret: bool)
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, block=block, bk=bk, bn=bn),
         grid=(experts, k // bk, n // bn),
-        in_specs=[pl.BlockSpec((experts,), lambda e, i, j: (0,)),
-                  pl.BlockSpec((experts,), lambda e, i, j: (0,)),
+        in_specs=[pl.BlockSpec((1,), lambda e, i, j: (e,)),
+                  pl.BlockSpec((1,), lambda e, i, j: (e,)),
                   pl.BlockSpec(x.shape, lambda e, i, j: (0, 0)),
                   pl.BlockSpec(dy.shape, lambda e, i, j: (0, 0))],
         out_specs=pl.BlockSpec((None, bk, bn), lambda e, i, j: (e, i, j)),
