@@ -65,3 +65,21 @@ def test_paged_decode_attention_lowers(platform, head_dim, softcap):
                    spec((rows, 1), jnp.int32))
     assert f"@{TRITON if platform == 'cuda' else MOSAIC}" in text
     assert "stablehlo.gather" not in text  # pages are read in place, never gathered into a copy
+
+
+@pytest.mark.parametrize("experts,hidden,width,block", [
+    (128, 2048, 768, 128),  # Qwen3-30B-A3B
+    (40, 1536, 512, 64),  # granite-3.0-3b-a800m: a hidden size that is no power of two
+    (8, 4096, 14336, 128)])  # Mixtral-8x7B
+def test_grouped_matmul_forward_and_backward_lower_for_triton(experts, hidden, width, block):
+    from areal_jax.models.grouped_matmul import grouped_matmul
+
+    rows = 40 * block
+
+    def loss(x, w, owner):
+        return grouped_matmul(x, w, owner, block=block, out_dtype=jnp.float32, interpret=False).sum()
+
+    text = lowered(jax.value_and_grad(loss, argnums=(0, 1)), "cuda", spec((rows, hidden)),
+                   spec((experts, hidden, width)), spec((rows // block,), jnp.int32))
+    assert text.count(f"@{TRITON}") >= 3  # the product, the input gradient and the weight gradient
+    assert f"{rows}x{experts}x" not in text  # no expansion of the rows to every expert

@@ -65,6 +65,26 @@ def test_gather_and_kernel_attention_equal_dense_cache_attention():
                                np.asarray(cached_attention(q3, dk[1], dv[1], pos3)), atol=2e-5)
 
 
+def test_kernel_attention_on_a_tensor_mesh_runs_per_head_shard_and_equals_dense():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    b, s = len(POSITIONS), 32
+    (dk, dv), table, paged = random_pages(b, s, num_pages=64)
+    split = NamedSharding(mesh, PartitionSpec("tensor", None, None, None))
+    paged = PagedKVCache(tuple(jax.device_put(x, split) for x in paged.k), tuple(jax.device_put(x, split) for x in paged.v))
+    q = jax.random.normal(jax.random.key(3), (b, 1, H, DH), jnp.float32)
+    positions = jnp.asarray(POSITIONS)[:, None]
+
+    def attend(q, paged):
+        return kernel_attention(q, paged, 1, jnp.asarray(table), positions, interpret=True, mesh=mesh)
+
+    eqns = [e.primitive.name for e in jax.make_jaxpr(attend)(q, paged).jaxpr.eqns]
+    assert "shard_map" in eqns  # each device runs the kernel on its own kv heads' pages
+    got = np.asarray(jax.jit(attend)(q, paged))
+    np.testing.assert_allclose(got, np.asarray(cached_attention(q, dk[1], dv[1], positions)), atol=2e-5)
+
+
 def test_tpu_kernel_attention_equals_dense_cache_attention():
     """JAX's Pallas TPU paged-attention kernel (interpreted) against the dense cache: rows at page starts, ends and
     middles, an empty row (position -1: zeros), junk in every page a row does not own. The kernel multiplies at

@@ -172,3 +172,37 @@ def test_paged_engine_through_the_pallas_kernel_gives_the_gather_tokens(models):
     for a, b in zip(runs["gather"], runs["kernel"]):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["gather", "kernel"])
+def test_pages_split_their_kv_heads_over_the_rollout_tensor_axis(models, attention):
+    """On a rollout mesh with tensor = 2 the pages hold half the kv heads per device (the memory plan counts so), the
+    kernel path runs per head shard, and the tokens are the single-device engine's."""
+    import jax
+    from jax.sharding import Mesh
+
+    from areal_jax.system.memory import kv_cache_bytes
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    requests = [Request(id=i, prompt=[4 + i] * (3 + 2 * i), max_new_tokens=n, temperature=0.0)
+                for i, n in enumerate([6, 9, 4])]
+    requests.append(Request(id="g", prompt=[7, 8, 9, 10, 11], max_new_tokens=5, n=2, temperature=0.0))
+    params = nnx.split(models[0])[1]
+    want = serve(PagedEngine(models[0], num_slots=3, max_len=MAX_LEN, page_size=4, attention=attention), params,
+                 requests, decode_steps=2)
+    engine = PagedEngine(models[0], num_slots=3, max_len=MAX_LEN, page_size=4, attention=attention, mesh=mesh)
+    state = engine.init_decode_state()
+    pages = state.cache.pages.k[0]
+    assert pages.sharding.spec[0] == "tensor" and pages.addressable_shards[0].data.shape[0] == CFG.num_kv_heads // 2
+    got = serve(engine, params, requests, decode_steps=2)
+    for a, b in zip(want, got):
+        assert (a.request_id, a.sample_index) == (b.request_id, b.sample_index)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+    class Rollout:  # the fields kv_cache_bytes reads
+        kv_cache, num_slots, standby, max_len, page_size, kv_pages = "paged", 3, 0, MAX_LEN, 4, None
+
+    per_device = kv_cache_bytes(CFG, Rollout, tensor=2)
+    logits = 3 * CFG.vocab_size * 4
+    assert 2 * (per_device - logits) == kv_cache_bytes(CFG, Rollout, tensor=1) - logits

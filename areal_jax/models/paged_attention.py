@@ -27,6 +27,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
@@ -163,14 +164,16 @@ def _largest_power_of_two_divisor(n: int, cap: int) -> int:
 
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
                      *, interpret: bool = False, platform: str | None = None,
-                     softcap: float | None = None) -> jax.Array:
+                     softcap: float | None = None, mesh: Any = None) -> jax.Array:
     """``gather_attention`` for one query per row through a Pallas paged-attention kernel.
 
     q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). platform (default: JAX's
     default backend) picks the kernel: "tpu" the Mosaic kernel (head_dim a multiple of 128; blocks of up to
     512 positions), anything else the GPU kernel, which splits each row's pages into up to 16 partitions
     combined by an online softmax. interpret=True runs the chosen kernel on any backend (the CPU tests).
-    softcap: both kernels' attn_logits_soft_cap (Gemma 2)."""
+    softcap: both kernels' attn_logits_soft_cap (Gemma 2). mesh: the rollout mesh; when its "tensor" axis divides
+    the kv heads (the pages split over it), the kernel runs in a shard_map on each device's heads (a Pallas kernel
+    is a custom call XLA cannot partition: it would gather every head's pages to every device)."""
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
@@ -179,15 +182,23 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     lengths = jnp.clip(positions[:, 0] + 1, 0, per_row * cache.page_size).astype(jnp.int32)
     scaled = (q[:, 0].astype(jnp.float32) * np.float32(1.0 / math.sqrt(dh))).astype(q.dtype)
     table = jnp.maximum(page_table, 0)
-    if platform == "tpu":
-        out = _tpu_kernel(scaled, cache.k[layer], cache.v[layer], lengths, table, interpret, softcap)
-    else:
+
+    def run(scaled, k_pages, v_pages, table, lengths):
+        if platform == "tpu":
+            return _tpu_kernel(scaled, k_pages, v_pages, lengths, table, interpret, softcap)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         splits = _largest_power_of_two_divisor(per_row, 16)
         block = _largest_power_of_two_divisor(per_row // splits, 8)
-        out = paged_attention(scaled, cache.k[layer], cache.v[layer], table, lengths, attn_logits_soft_cap=softcap,
-                              k_splits=splits, pages_per_compute_block=block, interpret=interpret)
+        return paged_attention(scaled, k_pages, v_pages, table, lengths, attn_logits_soft_cap=softcap,
+                               k_splits=splits, pages_per_compute_block=block, interpret=interpret)
+
+    tensor = int(mesh.shape.get("tensor", 1)) if mesh is not None else 1
+    if tensor > 1 and cache.k[layer].shape[0] % tensor == 0:
+        heads, pages, whole = P(None, "tensor", None), P("tensor", None, None, None), P()
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, pages, pages, whole, whole), out_specs=heads,
+                            check_vma=False)
+    out = run(scaled, cache.k[layer], cache.v[layer], table, lengths)
     out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
     return out[:, None].astype(q.dtype)
 
@@ -225,7 +236,8 @@ def default_path(head_dim: int | None = None, platform: str | None = None) -> Pa
 
 def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
                  path: PagedPath | None = None, interpret: bool = False, platform: str | None = None,
-                 rings: KVCache | None = None) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, KVCache]:
+                 rings: KVCache | None = None,
+                 mesh: Any = None) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, KVCache]:
     """The cache branch of ``Transformer.hidden`` over a paged cache.
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
@@ -236,7 +248,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     (``kernel_attention``). JAX's paged kernels take no window: sliding layers gather their window's pages
     on either path. rings (`init_rings`, one row per row of the batch; T must be 1): the layers with ring rows
     there write and read them (`cache_attention.ring_attention`) instead of pages, and the new rings are
-    returned third."""
+    returned third. mesh: the rollout mesh the kernel path splits heads over (`kernel_attention`)."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -271,7 +283,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
             if path == "kernel" and window is None:
                 return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform,
-                                        softcap=cfg.attn_logit_softcap)
+                                        softcap=cfg.attn_logit_softcap, mesh=mesh)
             return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap)
 
         x = layer(x, *tables[cfg.layer_rope(i)], attend)

@@ -151,16 +151,22 @@ class Engine(StandbyRows):
             return PartitionSpec(None, None, "tensor", None)
         return PartitionSpec()
 
+    def _cache_sharding(self, cache: Any) -> Any:
+        """Shardings of a state's cache field of these shapes: every array by `_cache_spec` ([rows, positions, kv
+        heads, head_dim] arrays)."""
+        sharding = NamedSharding(self.mesh, self._cache_spec())
+        return jax.tree.map(lambda _: sharding, cache)
+
     def _setup_shardings(self) -> None:
-        cache = NamedSharding(self.mesh, self._cache_spec())
+        rows = NamedSharding(self.mesh, Engine._cache_spec(self))  # a prefill's rows: kv heads over tensor
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         shapes = jax.eval_shape(self._init_fn)
         self._state_sharding = dataclasses.replace(
             jax.tree.map(lambda _: replicated, shapes),
-            cache=jax.tree.map(lambda _: cache, shapes.cache),
-            standby=self.standby_sharding(shapes, cache, replicated))
-        self._prefix_sharding = Prefix(KVCache(k=cache, v=cache), replicated, replicated, replicated, replicated)
+            cache=self._cache_sharding(shapes.cache),
+            standby=self.standby_sharding(shapes, self._cache_sharding, replicated))
+        self._prefix_sharding = Prefix(KVCache(k=rows, v=rows), replicated, replicated, replicated, replicated)
 
     def place_params(self, params: nnx.State | FlatParams) -> FlatParams:
         """``params`` held flat (FlatParams) and, with a mesh, laid out with the model's sharding; leaves

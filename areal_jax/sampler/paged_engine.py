@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache
 from areal_jax.models.config import model_config_of
@@ -130,8 +130,18 @@ class PagedEngine(Engine):
         self._jit_set_table = jax.jit(self._set_table_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
 
     # ----------------------------------------------------------------------------- pure functions
-    def _cache_spec(self) -> PartitionSpec:
-        return PartitionSpec()  # pages are replicated over the rollout mesh
+    def _cache_sharding(self, cache: PagedCacheState) -> PagedCacheState:
+        """Pages [K, N, page_size, Dh] split their kv heads over the rollout mesh's tensor axis when it divides them
+        (as the dense cache does; the kernel path then runs per head shard, `paged_attention.kernel_attention`),
+        ring rows [rows, window, K, Dh] likewise; the page table is replicated."""
+        tensor = self.mesh.shape.get("tensor", 1)
+        split = tensor > 1 and self.config.num_kv_heads % tensor == 0
+        pages = NamedSharding(self.mesh, PartitionSpec("tensor", None, None, None) if split else PartitionSpec())
+        rows = NamedSharding(self.mesh, self._cache_spec())
+        return PagedCacheState(
+            pages=None if cache.pages is None else jax.tree.map(lambda _: pages, cache.pages),
+            table=NamedSharding(self.mesh, PartitionSpec()),
+            rings=None if cache.rings is None else jax.tree.map(lambda _: rows, cache.rings))
 
     def _init_fn(self) -> DecodeState:
         cfg, n, rings = self.config, self.num_slots, self.rings
@@ -205,7 +215,7 @@ class PagedEngine(Engine):
                         cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
         h, pages, *rings = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
                                         interpret=jax.default_backend() not in ("gpu", "tpu"),  # interpreted elsewhere
-                                        rings=cache.rings)
+                                        rings=cache.rings, mesh=self.mesh)
         return model.unembed(h), PagedCacheState(pages, cache.table, *rings)
 
     # ----------------------------------------------------------------------------- host-side pages

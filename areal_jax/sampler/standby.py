@@ -132,9 +132,10 @@ class StandbyRows:
         """Empty standby ``rows`` (their requests will not be placed); donates ``decode_state``."""
         return self._call(self._jit_release_standby, decode_state, self._rows_mask(rows))
 
-    def standby_sharding(self, shapes: DecodeState, cache: Any, replicated: Any) -> DecodeState | None:
-        """Shardings of the standby part of a state of these shapes: the cache like the slots' cache."""
+    def standby_sharding(self, shapes: DecodeState, cache_sharding: Any, replicated: Any) -> DecodeState | None:
+        """Shardings of the standby part of a state of these shapes: the cache like the slots' cache
+        (`cache_sharding(cache shapes)`)."""
         if shapes.standby is None:
             return None
         sb = shapes.standby
-        return dataclasses.replace(jax.tree.map(lambda _: replicated, sb), cache=jax.tree.map(lambda _: cache, sb.cache))
+        return dataclasses.replace(jax.tree.map(lambda _: replicated, sb), cache=cache_sharding(sb.cache))

@@ -138,22 +138,21 @@ def pool_pages(rollout: Any) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
-    """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache splits its
-    kv heads over the rollout mesh's tensor axis when they divide, a page pool is replicated), with the standby
+    """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache and a page pool
+    split their kv heads over the rollout mesh's tensor axis when they divide), with the standby
     rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
     (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket)."""
-    dense = rollout.kv_cache == "dense"
     rows = rollout.num_slots + rollout.standby
     rings = ring_layers(cfg, rollout.max_len)
     lengths = cache_lengths(cfg, rollout.max_len, ring=True)
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
-    layer_position = kv_position_bytes(cfg, tensor, split=dense, layers=1)
-    full = kv_position_bytes(cfg, tensor, split=dense, layers=cfg.num_layers - len(rings))
+    layer_position = kv_position_bytes(cfg, tensor, layers=1)
+    full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings))
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full
         return pool + rows * ring_positions * layer_position + rows * cfg.vocab_size * 4
     slots = rollout.num_slots * (rollout.max_len * full + ring_positions * layer_position)
-    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor, split=dense)
+    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor)
     return slots + standby + rows * cfg.vocab_size * 4
 
 
@@ -232,7 +231,7 @@ class JobMemory:
     model: ModelConfig
     build: Callable[[ModelConfig], nnx.Module]
     wrt: Any
-    tensor: int = 1  # the rollout mesh's tensor axis (a dense cache splits its kv heads over it)
+    tensor: int = 1  # the rollout mesh's tensor axis (the KV cache splits its kv heads over it)
     hints: dict[str, str] = dataclasses.field(default_factory=dict)  # what the run already tried, per part
     log: Callable[[str], None] | None = None  # progress lines while programs are measured
 
