@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
-from areal_jax.models.sharding import BATCH_AXIS, batch_shards
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards
 
 
 def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
@@ -196,18 +196,29 @@ class MoE(nnx.Module):
         path = _PATHS[resolve_moe_impl(self.impl)]
         k, renormalize = self.top_k, self.renormalize
 
+        mesh = jax.sharding.get_abstract_mesh()
+        shards = batch_shards()
+        by_rows = shards > 1 and h.shape[0] % shards == 0
+        tensor = 1 if mesh.empty or TENSOR_AXIS not in mesh.axis_names else int(mesh.shape[TENSOR_AXIS])
+        by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
+
         def experts(h, router, gate, up, down):
             weights, chosen = _routing(h, router, k, renormalize)
-            return path(h, gate, up, down, weights, chosen)
+            out = path(h, gate, up, down, weights, chosen)
+            return jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
 
-        shards = batch_shards()
-        if shards > 1 and h.shape[0] % shards == 0:
-            # under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
+        if by_rows or by_width:
+            # Under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
             # sort and the blocks would otherwise span the global batch, which XLA gathers to every device. The
-            # weights are gathered to each shard (FSDP) and their gradients summed over the shards.
-            rows, whole = PartitionSpec(BATCH_AXIS, None), PartitionSpec()
-            experts = jax.shard_map(experts, in_specs=(rows, whole, whole, whole, whole), out_specs=rows,
-                                    axis_names=frozenset({BATCH_AXIS}), check_vma=False)
+            # weights are gathered to each row shard (FSDP; gradients summed over the shards), and with a tensor
+            # axis dividing the experts' width each device runs its slice of every expert (tensor parallel: gate
+            # and up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
+            rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
+            width = TENSOR_AXIS if by_width else None
+            specs = (rows, PartitionSpec(), PartitionSpec(None, None, width), PartitionSpec(None, None, width),
+                     PartitionSpec(None, width, None))
+            axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
+            experts = jax.shard_map(experts, in_specs=specs, out_specs=rows, axis_names=axes, check_vma=False)
         out = experts(h, *(p[...].astype(self.dtype) for p in
                            (self.router, self.experts_gate, self.experts_up, self.experts_down)))
         if self.shared_expert is not None:
