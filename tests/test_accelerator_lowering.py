@@ -83,3 +83,54 @@ def test_grouped_matmul_forward_and_backward_lower_for_triton(experts, hidden, w
                    spec((experts, hidden, width)), spec((rows // block,), jnp.int32))
     assert text.count(f"@{TRITON}") >= 3  # the product, the input gradient and the weight gradient
     assert f"{rows}x{experts}x" not in text  # no expansion of the rows to every expert
+
+
+def test_on_a_mesh_the_kernels_lower_on_each_devices_share(monkeypatch):
+    """Under a 2 x 2 (fsdp x tensor) mesh context the flash kernel's Triton grid covers a device's rows and heads, and
+    the experts' kernels a device's tokens and width slice (a kernel XLA cannot partition would otherwise get the
+    whole batch: models.sharding)."""
+    import re
+
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from areal_jax.models.moe import MoE
+    from areal_jax.models.packed_attention import per_shard
+    from areal_jax.testing.models import tiny_config
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+
+    def attend(q, k, v, seg):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return per_shard(lambda q, k, v, s: flash_attention(q, k, v, s, interpret=False), seg)(q, k, v)
+
+    heads = NamedSharding(mesh, PartitionSpec("fsdp", None, "tensor", None))
+    rows = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    text = export.export(jax.jit(attend, in_shardings=(heads, heads, heads, rows)), platforms=["cuda"],
+                         disabled_checks=checks)(spec((4, 2048, 14, 64)), spec((4, 2048, 2, 64)),
+                                                 spec((4, 2048, 2, 64)), spec((4, 2048), jnp.int32)).mlir_module()
+    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)
+    assert ("32", "2", "7") in grids  # 2,048 / 64 query blocks, 4 / 2 rows, 14 / 2 heads
+
+    import functools
+
+    from areal_jax.models import moe
+    from areal_jax.models.grouped_matmul import grouped_matmul
+
+    monkeypatch.setattr(moe, "grouped_matmul", functools.partial(grouped_matmul, interpret=False))  # the GPU's kernel
+    cfg = tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=256, moe_impl="pallas",
+                      dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+
+    def experts(st, x):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.merge(graphdef, st)(x)
+
+    text = export.export(jax.jit(experts, in_shardings=(None, NamedSharding(mesh, PartitionSpec("fsdp", None, None)))),
+                         platforms=["cuda"], disabled_checks=checks)(state, spec((4, 256, 256))).mlir_module()
+    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32", text)
+    # a device's 512 tokens x top 2 = 1,024 pairs in blocks of 128, with at most 4 experts x 127 padding rows: 12
+    # blocks (the whole batch would take 20); its 128 of the width in one tile (gate, up: the whole width would
+    # take 2), and the hidden 256 in two (down)
+    assert sorted(set(grids)) == [("12", "1"), ("12", "2")], grids
