@@ -131,17 +131,12 @@ class PagedEngine(Engine):
 
     # ----------------------------------------------------------------------------- pure functions
     def _cache_sharding(self, cache: PagedCacheState) -> PagedCacheState:
-        """Pages [K, N, page_size, Dh] split their kv heads over the rollout mesh's tensor axis when it divides them
-        (as the dense cache does; the kernel path then runs per head shard, `paged_attention.kernel_attention`),
-        ring rows [rows, window, K, Dh] likewise; the page table is replicated."""
-        tensor = self.mesh.shape.get("tensor", 1)
-        split = tensor > 1 and self.config.num_kv_heads % tensor == 0
-        pages = NamedSharding(self.mesh, PartitionSpec("tensor", None, None, None) if split else PartitionSpec())
-        rows = NamedSharding(self.mesh, self._cache_spec())
-        return PagedCacheState(
-            pages=None if cache.pages is None else jax.tree.map(lambda _: pages, cache.pages),
-            table=NamedSharding(self.mesh, PartitionSpec()),
-            rings=None if cache.rings is None else jax.tree.map(lambda _: rows, cache.rings))
+        """Pages [K, N, page_size, Dh] and ring rows [rows, window, K, Dh] split their kv heads as the dense cache does
+        (`_cache_spec`; the kernel then runs per head shard); the page table is replicated."""
+        rows, whole = self._cache_spec(), NamedSharding(self.mesh, PartitionSpec())
+        pages = NamedSharding(self.mesh, PartitionSpec(rows[2] if len(rows) > 2 else None, None, None, None))
+        tree = lambda x, s: None if x is None else jax.tree.map(lambda _: s, x)  # noqa: E731
+        return PagedCacheState(tree(cache.pages, pages), whole, tree(cache.rings, NamedSharding(self.mesh, rows)))
 
     def _init_fn(self) -> DecodeState:
         cfg, n, rings = self.config, self.num_slots, self.rings
