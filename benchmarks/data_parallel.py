@@ -32,7 +32,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -43,13 +42,11 @@ from common import add_model_args, model_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from areal_jax.runtime.mesh import MeshConfig, build_meshes  # noqa: E402
+from areal_jax.testing.hlo import DTYPE_BYTES, FLOATS, collectives  # noqa: E402
 from areal_jax.testing.models import random_model  # noqa: E402
 from areal_jax.testing.trajectories import random_trajectories  # noqa: E402
 from areal_jax.trainer import Trainer, TrainerConfig  # noqa: E402
 from areal_jax.trainer import trainer as trainer_module  # noqa: E402
-
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,15 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(kind, dtype, shape) of every collective in an HLO module's text (a tuple result element by element)."""
-    out = []
-    for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(KINDS) + r")(?:-start)?\(", hlo, re.M):
-        for dtype, dims in re.findall(r"(f32|bf16|f16|s32|u32|pred|s8|u8)\[([0-9,]*)\]", m.group(1)):
-            out.append((m.group(2), dtype, tuple(int(d) for d in dims.split(",") if d)))
-    return out
-
-
 def classify(found, param_shapes: set[tuple[int, ...]]) -> dict[str, dict[str, int]]:
     """Bytes per (class, kind): "weights" when the float tensor has a parameter's element count and shares its
     first or last dimension (a parameter, reshaped or transposed: [D, H, Dh] moves as [D, H * Dh]), "scalars" for
@@ -84,7 +72,7 @@ def classify(found, param_shapes: set[tuple[int, ...]]) -> dict[str, dict[str, i
         squeezed = tuple(d for d in shape if d != 1)
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
         size = int(np.prod(squeezed)) if squeezed else 1
-        weight = dtype in ("f32", "bf16", "f16") and squeezed and (
+        weight = dtype in FLOATS and squeezed and (
             (size, squeezed[0]) in keys or (size, squeezed[-1]) in keys)
         cls = "scalars" if not squeezed else "weights" if weight else "activations"
         out[cls][kind] = out[cls].get(kind, 0) + nbytes

@@ -1,8 +1,6 @@
 """Data-parallel activations under a mesh context (models.sharding.constrain_batch, the MoE's per-shard routing):
 the compiled update moves weights between devices but never a tensor as long as the global batch, and gradients on a
 2 x 2 mesh equal one device's for dense and mixture-of-experts models on every expert path."""
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from areal_jax.models import shard_params
 from areal_jax.models.sharding import batch_shards, constrain_batch
+from areal_jax.testing.hlo import FLOATS, collectives
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.testing.trajectories import random_trajectories
 from areal_jax.trainer import Trainer, TrainerConfig
@@ -21,13 +20,8 @@ ROWS, LENGTH = 4, 72  # no weight has a dimension of 72 or 288
 
 
 def _collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(kind, shape) of every float collective in an HLO module's text (tuple-shaped ones element by element)."""
-    out = []
-    for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
-                         r"collective-permute)(?:-start)?\(", text, re.M):
-        for dtype, dims in re.findall(r"(f32|bf16|f16)\[([0-9,]*)\]", m.group(1)):
-            out.append((m.group(2), tuple(int(d) for d in dims.split(",") if d)))
-    return out
+    """(kind, shape) of every float collective of a compiled program (areal_jax.testing.hlo)."""
+    return [(kind, shape) for kind, dtype, shape in collectives(text) if dtype in FLOATS]
 
 
 def _compiled_step(cfg, with_context: bool) -> str:

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
-from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size
 
 
 def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
@@ -196,10 +196,8 @@ class MoE(nnx.Module):
         path = _PATHS[resolve_moe_impl(self.impl)]
         k, renormalize = self.top_k, self.renormalize
 
-        mesh = jax.sharding.get_abstract_mesh()
-        shards = batch_shards()
+        shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
-        tensor = 1 if mesh.empty or TENSOR_AXIS not in mesh.axis_names else int(mesh.shape[TENSOR_AXIS])
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
 
         def experts(h, router, gate, up, down):

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from areal_jax.models.blocked_attention import attention_block, block_masks, blocked_attention
 from areal_jax.models.flash_attention import flash_attention
 from areal_jax.models.layers import dot_attention
-from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, constrain_batch
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, constrain_batch, context_axis_size
 from areal_jax.models.splash import splash_attention
 
 ATTENTION_CHOICES = ("auto", "dense", "blocked", "flash")
@@ -97,13 +97,11 @@ def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
     batch on every device. Under a mesh context whose batch axis divides the rows, the kernel runs in a shard_map
     over that axis, and over "tensor" too when it divides both head counts (contiguous head chunks keep each query
     head with its key/value head). Without a context: the kernel as it is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = batch_shards()
+    shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
     if shards == 1 or segment_ids.shape[0] % shards:
         return lambda q, k, v: kernel(q, k, v, segment_ids)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        tensor = int(mesh.shape[TENSOR_AXIS]) if TENSOR_AXIS in mesh.axis_names else 1
         heads = TENSOR_AXIS if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
         spec = PartitionSpec(BATCH_AXIS, None, heads, None)
         axes = frozenset({BATCH_AXIS} | ({TENSOR_AXIS} if heads else set()))

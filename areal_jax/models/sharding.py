@@ -44,13 +44,18 @@ BATCH_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
 
 
-def batch_shards() -> int:
-    """How many ways the traced program's batch splits: the size of `BATCH_AXIS` in the current mesh context, 1
-    without one."""
+def context_axis_size(axis: str) -> int:
+    """The size of mesh axis `axis` in the current mesh context (`jax.sharding.use_abstract_mesh`); 1 without a
+    context or without that axis."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or BATCH_AXIS not in mesh.axis_names:
+    if mesh.empty or axis not in mesh.axis_names:
         return 1
-    return int(mesh.shape[BATCH_AXIS])
+    return int(mesh.shape[axis])
+
+
+def batch_shards() -> int:
+    """How many ways the traced program's batch splits: the size of `BATCH_AXIS` in the current mesh context."""
+    return context_axis_size(BATCH_AXIS)
 
 
 def constrain_batch(x: jax.Array, axis: int = 0) -> jax.Array:
