@@ -96,6 +96,25 @@ def test_sampler_loop_is_a_managed_sampler(paged):
     assert_signatures_fit(SamplerLoop, interfaces.ManagedSampler)
 
 
+def test_sampler_replicas_are_a_managed_sampler():
+    from areal_jax.sampler.replicas import SamplerReplicas
+
+    model = testing.random_model(testing.tiny_config("qwen2"), seed=0)
+    engines = [Engine(model, num_slots=2, max_len=24) for _ in range(2)]  # no mesh: both on the default device
+    sampler = SamplerReplicas(engines, nnx.split(model)[1])
+    try:
+        assert isinstance(sampler, interfaces.ManagedSampler)
+        for i in range(3):
+            sampler.submit(Request(id=i, prompt=[3, 4, 5 + i], max_new_tokens=3, temperature=0.0))
+        done = [sampler.get_completion(timeout=120) for _ in range(3)]
+        assert sorted(c.request_id for c in done) == [0, 1, 2]
+        assert sampler.stats()["generated_tokens"] == 9 and sampler.current_version == 0
+        sampler.check()
+    finally:
+        sampler.stop(graceful=False)
+    assert_signatures_fit(SamplerReplicas, interfaces.ManagedSampler)
+
+
 def test_reward_pool_prompt_iterator_forced_lengths_and_timeline_fit(tmp_path):
     from areal_jax.data import make_prompt_iterator
     from areal_jax.rewards.pool import RewardPool, RewardResult

@@ -31,7 +31,7 @@ def test_counts_split_local_devices():
 def test_fraction_and_default_split():
     setup = build_meshes(MeshConfig(train_fraction=0.5, fsdp=1, tensor=-1))
     assert ids(setup.train_mesh) == [[0, 1]]
-    assert dict(setup.rollout_mesh.shape) == {"fsdp": 1, "tensor": 2}
+    assert dict(setup.rollout_mesh.shape) == {"replica": 1, "tensor": 2}
     assert ids(setup.rollout_mesh) == [[2, 3]]
     setup = build_meshes(MeshConfig(train_fraction=0.99))  # clamped: rollout keeps one device
     assert setup.train_mesh.devices.size == 3 and setup.rollout_mesh.devices.size == 1
@@ -42,7 +42,7 @@ def test_fraction_and_default_split():
 def test_train_mesh_fsdp_tensor_and_rollout_tensor():
     setup = build_meshes(MeshConfig(rollout_devices=2, tensor=2, rollout_tensor=1))
     assert dict(setup.train_mesh.shape) == {"fsdp": 1, "tensor": 2}
-    assert dict(setup.rollout_mesh.shape) == {"fsdp": 2, "tensor": 1}
+    assert dict(setup.rollout_mesh.shape) == {"replica": 2, "tensor": 1}
 
 
 def test_colocated_shares_devices():

@@ -2,8 +2,10 @@
 
 Every host runs the same split. The train slices of all processes form ONE global mesh (axes
 ("fsdp", "tensor"), devices ordered by process index, then by local device id) on which the PPO update
-runs as a single SPMD program. Each process's rollout slice gets its own local mesh (axes ("fsdp",
-"tensor"); by default fsdp=1 and every rollout device on the tensor axis) for its sampler engine.
+runs as a single SPMD program. Each process's rollout slice gets its own local mesh (axes ("replica",
+"tensor"); by default one replica with every rollout device on the tensor axis): each row of it runs its own
+sampler engine on its own requests (data-parallel rollout, `sampler.replicas`), with a whole copy of the weights
+split over that row's tensor devices.
 
 With one local device (or `colocated=True`) both slices are the same devices: the train mesh and the
 rollout mesh share them and `MeshSetup.colocated` is True.
@@ -23,6 +25,7 @@ from jax.sharding import Mesh
 from areal_jax.knobs import Section, knob, require
 
 MESH_AXES: tuple[str, str] = ("fsdp", "tensor")
+ROLLOUT_AXES: tuple[str, str] = ("replica", "tensor")  # no logical axis maps to "replica": weights replicate over it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +49,9 @@ class MeshConfig(Section):
     fsdp: int = knob(-1, "size of the global train mesh's fsdp axis; -1 fills (global train devices / tensor)")
     tensor: int = knob(1, "size of the train mesh's tensor axis")
     rollout_tensor: int = knob(-1, "size of each rollout mesh's tensor axis; -1 puts every rollout device on it "
-                               "(fsdp=1), otherwise the rollout mesh is (rollout_devices / rollout_tensor, "
-                               "rollout_tensor)")
+                               "(one sampler), otherwise the rollout mesh is (rollout_devices / rollout_tensor "
+                               "replicas, rollout_tensor): one sampler per replica, each with a whole copy of the "
+                               "weights over its rollout_tensor devices and its own rollout.num_slots")
     colocated: bool = knob(False, "train and rollout share every local device (synchronous setups on one slice)")
     device_memory_gib: float | None = knob(None, "memory per device the run's plan must fit (system.memory; None: "
                                            "what the device reports, and a CPU reports none, so nothing is checked)")
@@ -64,13 +68,25 @@ class MeshSetup:
 
     Attributes:
       train_mesh: global mesh over every process's train slice, axes ("fsdp", "tensor").
-      rollout_mesh: this process's rollout mesh, axes ("fsdp", "tensor").
+      rollout_mesh: this process's rollout mesh, axes ("replica", "tensor").
       colocated: True when the two meshes use the same devices.
     """
 
     train_mesh: Mesh
     rollout_mesh: Mesh
     colocated: bool
+
+    @property
+    def replica_meshes(self) -> list[Mesh]:
+        """One mesh per rollout replica (`replica_meshes`)."""
+        return replica_meshes(self.rollout_mesh)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """The rows of a rollout mesh along its first axis, each a mesh of the same axis names (first axis of size 1):
+    the devices of one sampler replica."""
+    return [Mesh(mesh.devices[i:i + 1], mesh.axis_names, axis_types=mesh.axis_types)
+            for i in range(mesh.devices.shape[0])]
 
 
 def _split_counts(cfg: MeshConfig, n_local: int) -> tuple[int, int, bool]:
@@ -200,6 +216,6 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
 
     rollout_local = local[:n_rollout] if colocated else local[n_train:n_train + n_rollout]
     r_tensor = n_rollout if cfg.rollout_tensor == -1 else cfg.rollout_tensor
-    r_fsdp, r_tensor = _axis_sizes(n_rollout, -1, r_tensor, ("rollout_fsdp", "rollout_tensor"), "rollout")
-    rollout_mesh = Mesh(np.array(rollout_local, dtype=object).reshape(r_fsdp, r_tensor), MESH_AXES)
+    replicas, r_tensor = _axis_sizes(n_rollout, -1, r_tensor, ("rollout replicas", "rollout_tensor"), "rollout")
+    rollout_mesh = Mesh(np.array(rollout_local, dtype=object).reshape(replicas, r_tensor), ROLLOUT_AXES)
     return MeshSetup(train_mesh=train_mesh, rollout_mesh=rollout_mesh, colocated=colocated)

@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import time
 import weakref
-from typing import Any, Hashable, Literal
+from typing import Any, Callable, Hashable, Literal
 
 from flax import nnx
 
@@ -65,7 +65,8 @@ class SamplerLoop(LoopThread):
 
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0,
                  on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0,
-                 decode_steps: int = 1, fetch_behind: bool = True, timeline: SpanRecorder | None = None) -> None:
+                 decode_steps: int = 1, fetch_behind: bool = True, timeline: SpanRecorder | None = None,
+                 lane: str = "sampler", on_emit: Callable[[], None] | None = None) -> None:
         """Start the loop thread.
 
         Args:
@@ -76,6 +77,9 @@ class SamplerLoop(LoopThread):
           decode_steps: k, decode steps per dispatch (>= 1); 1 on CPU, 8-32 on accelerators.
           fetch_behind: issue the next dispatch before fetching the previous one's results.
           timeline: where decode steps and updates are recorded as spans (None: nowhere).
+          lane: the timeline lane of those spans.
+          on_emit: called (from the loop's thread, holding the loop's lock: it must not call back into the loop)
+            whenever a completion becomes ready.
         """
         if on_update not in ("recompute", "continue"):
             raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
@@ -107,7 +111,8 @@ class SamplerLoop(LoopThread):
         self._stats = collections.Counter()
         self._max_update_wait = 0.0
         self._state = engine.init_decode_state()
-        self.timeline = timeline  # records decode steps and updates (areal_jax.timeline)
+        self.timeline, self.lane = timeline, lane  # records decode steps and updates (areal_jax.timeline)
+        self.on_emit = on_emit
         self._thread = threading.Thread(target=self._run, name="sampler-loop", daemon=True)
         self._thread.start()
         _LIVE_LOOPS.add(self)
@@ -218,14 +223,18 @@ class SamplerLoop(LoopThread):
             self._aborts.add(request_id)
             self._cond.notify_all()
 
-    def stop(self, graceful: bool = True, timeout: float | None = None) -> None:
-        """End the thread. graceful: finish everything submitted first; else in-flight and queued
-        samples come back as "interrupted". Re-raises a failure of the thread."""
+    def request_stop(self, graceful: bool = True) -> None:
+        """Tell the thread to end (as :meth:`stop`) without waiting for it."""
         with self._cond:
             if self._stop_mode != "now":
                 self._stop_mode = "graceful" if graceful else "now"
             self._paused = False
             self._cond.notify_all()
+
+    def stop(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """End the thread. graceful: finish everything submitted first; else in-flight and queued
+        samples come back as "interrupted". Re-raises a failure of the thread."""
+        self.request_stop(graceful)
         self._thread.join(timeout)
         self._raise_if_failed()
 

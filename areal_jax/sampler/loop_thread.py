@@ -43,12 +43,14 @@ class LoopThread(Preemption):
     def _emit_locked(self, completion: Completion) -> None:
         self._out.append(completion)
         self._cond.notify_all()
+        if self.on_emit is not None:  # e.g. sampler.replicas: a completion is ready on this replica
+            self.on_emit()
 
     def _span(self, name: str, **args: Any) -> ContextManager[None]:
-        """A timeline span on the "sampler" lane when a timeline is attached (`loop.timeline = ...`)."""
+        """A timeline span on the loop's lane (``lane``, default "sampler") when a timeline is attached."""
         if self.timeline is None:
             return contextlib.nullcontext()
-        return self.timeline.span(name, lane="sampler", **args)
+        return self.timeline.span(name, lane=self.lane, **args)
 
     def _run(self) -> None:
         try:

@@ -7,8 +7,9 @@ inherit from them (any object with these members fits), and the system never pro
     protocol              what the system calls it for                 implemented by
     RolloutSampler        admission and draining (RolloutController)   sampler.SamplerLoop (dense or paged
                                                                        engine), system.loadgen.ForcedLengths
-    ManagedSampler        + weights, health, counters, shut-down      sampler.SamplerLoop
-                          (RLJob, runner.wait_for_batch, ParamChannel.deliver)
+    ManagedSampler        + weights, health, counters, shut-down      sampler.SamplerLoop,
+                          (RLJob, runner.wait_for_batch,               sampler.replicas.SamplerReplicas
+                          ParamChannel.deliver)
     RewardService         scoring completions off the accelerator      rewards.RewardPool
     PromptStream          the next prompt, and its position for a      data.PromptIterator,
                           checkpoint                                   testing.prompts.ListPrompts

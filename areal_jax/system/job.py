@@ -75,7 +75,7 @@ class RLJob:
         from areal_jax.models.config import ModelConfig
         from areal_jax.runtime.distributed import is_primary
         from areal_jax.runtime.mesh import build_meshes
-        from areal_jax.sampler import SamplerLoop
+        from areal_jax.sampler.replicas import make_sampler
         from areal_jax.system.memory import JobMemory
         from areal_jax.system.params import ParamChannel
         from areal_jax.tokenizer import Tokenizer
@@ -131,7 +131,7 @@ class RLJob:
                 moe_impl=c.model.moe_impl)
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
-        self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.rollout_mesh)  # sampler programs, kv_pages
+        self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.replica_meshes[0])  # sampler programs, kv_pages
         self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="
                  f"{self.rollout_cfg.kv_pages}")
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
@@ -192,13 +192,11 @@ class RLJob:
             )
             self.graphdef = sampler_graphdef(model, lora_cfg.sampler)
         rollout_params = self.channel.reshard(self.trainer.params)
-        self.engine = r.make_engine(model if lora_cfg is None else self.graphdef, mesh=self.meshes.rollout_mesh,
-                                    config=model.cfg)
-        self.sampler: ManagedSampler = SamplerLoop(
-            self.engine, rollout_params, version=self.trainer.version, on_update=r.on_update,
-            decode_steps=r.decode_steps, seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(),
-            timeline=self.timeline,
-        )
+        self.sampler: ManagedSampler = make_sampler(  # one SamplerLoop per rollout replica (sampler.replicas)
+            r, model if lora_cfg is None else self.graphdef, self.meshes.rollout_mesh, rollout_params,
+            config=model.cfg, version=self.trainer.version, on_update=r.on_update, decode_steps=r.decode_steps,
+            seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(), timeline=self.timeline)
+        self.engine = getattr(self.sampler, "engines", [getattr(self.sampler, "engine", None)])[0]  # replica 0's
         close_later.callback(self.sampler.stop, graceful=False)
         self.reward_pool = c.reward.make_pool()
         close_later.callback(self.reward_pool.close)
@@ -277,6 +275,7 @@ class RLJob:
     def evaluate(self, tag: str) -> dict | None:
         from areal_jax.evaluation.in_job import JobEvaluator, result_lines
         from areal_jax.evaluation.sets import metric_items
+        from areal_jax.sampler.replicas import split_replicas
 
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
@@ -284,9 +283,10 @@ class RLJob:
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
+        first = self.meshes.replica_meshes[0]  # evaluation runs on the first rollout replica
+        params = split_replicas(params, [first])[0]
         if self._evaluator is None:
-            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_sets,
-                                           self.meshes.rollout_mesh)
+            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_sets, first)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = self._evaluator.run(params, self.reward_pool, tag, log=self.log)
         self.evaluations[tag] = res
