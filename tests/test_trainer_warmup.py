@@ -38,11 +38,13 @@ def _mesh():
     dict(prox_mode="recompute"),
     dict(prox_mode="loglinear", ppo_minibatches=2),
     dict(critic="value_head", kl_coef=0.1),
-], ids=["recompute", "loglinear", "critic_kl"])
+    dict(prox_mode="loglinear", arch="qwen3_moe"),  # its metric sums hold the router's counts too
+], ids=["recompute", "loglinear", "critic_kl", "moe"])
 def test_an_update_in_the_warmed_shape_compiles_none_of_its_programs(options):
     # A model and budget no other test uses, so nothing of this shape is compiled in the process already.
+    options = dict(options)
+    model_cfg = tiny_config(options.pop("arch", "qwen2"))
     cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=200, logits_chunk=16, new_shape_cost=1e9, **options)
-    model_cfg = tiny_config()
     ref = random_model(model_cfg, seed=3) if options.get("kl_coef") else None
     trainer = Trainer(random_model(model_cfg, seed=3), cfg, _mesh(), ref_model=ref)
     assert seed_shape(29, 200) == (32, 6)  # rows of 32 (holding 29 tokens), as many as 200 tokens hold
@@ -55,6 +57,7 @@ def test_an_update_in_the_warmed_shape_compiles_none_of_its_programs(options):
     assert trainer.layouts.compiled == {(32, 6)}  # packed in the warmed shape
     assert metrics["compiled_shapes"] == 1 and metrics["micro_steps"] >= 1 and np.isfinite(metrics["loss"])
     assert {k: COMPILES[k] for k in UPDATE_PROGRAMS} == before
+    assert ("moe_max_load" in metrics) == (model_cfg.num_experts > 0)
 
 
 def test_a_background_warm_up_records_the_shape_at_once_and_compiles_in_a_thread():

@@ -318,18 +318,29 @@ class DecoderLayer(nnx.Module):
         self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend,
+                 router_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array | None]:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
-        caller's function may also write."""
+        caller's function may also write. With router_mask [B, T] returns (x, the experts' `MoE.router_stats` over
+        the masked tokens, None for a dense layer)."""
+        stats = []
+
+        def ffn(h: jax.Array) -> jax.Array:
+            if router_mask is not None and hasattr(self.mlp, "router_stats"):
+                stats.append(self.mlp.router_stats(h, router_mask))
+            return self.mlp(h)
+
         q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
         a = self.attn.out(attend(q, k, v))
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m
-            return x + self.mlp(self.post_attn_norm(x)) * m
-        if self.post_ffn_norm is None:
+            x = x + ffn(self.post_attn_norm(x)) * m
+        elif self.post_ffn_norm is None:
             x = x + a
-            return x + self.mlp(self.post_attn_norm(x))
-        x = x + self.post_attn_norm(a)
-        return x + self.post_ffn_norm(self.mlp(x if self.pre_ffn_norm is None else self.pre_ffn_norm(x)))
+            x = x + ffn(self.post_attn_norm(x))
+        else:
+            x = x + self.post_attn_norm(a)
+            x = x + self.post_ffn_norm(ffn(x if self.pre_ffn_norm is None else self.pre_ffn_norm(x)))
+        return x if router_mask is None else (x, stats[0] if stats else None)

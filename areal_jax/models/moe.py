@@ -5,8 +5,12 @@ Routing follows transformers: router logits in the compute dtype (accumulated in
 all experts, the top k probabilities (renormalised to sum to 1 with ``norm_topk_prob``; Mixtral always
 renormalises) as the weights. There is no capacity limit and no token is dropped, so a token's output depends on
 that token alone: the trainer's packed rows, the sampler's decode steps and HF's forward agree whatever else is in
-the batch, which the PPO ratios need. No load-balancing loss is added (a reinforcement-learning update of a
-trained router; HF adds one only when asked for router logits).
+the batch, which the PPO ratios need.
+
+Router statistics (`MoE.router_stats`: per layer, how often each expert is picked and its summed probability over
+the real tokens) give the trainer its load metrics and the optional load-balancing loss (`load_balancing_loss`,
+transformers' Switch-style auxiliary loss; `train.router_aux_coef`, off by default: a reinforcement-learning update
+of a trained router).
 
 Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
 
@@ -64,6 +68,25 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def router_stats(logits: jax.Array, k: int, mask: jax.Array) -> jax.Array:
+    """[2, E] float32 of router logits [N, E] over the tokens where mask [N] is set: row 0 counts each expert's
+    top-k picks, row 1 sums its softmax probability (differentiable; the counts are not)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    m = mask.astype(jnp.float32)[:, None]
+    picks = jax.nn.one_hot(jax.lax.top_k(probs, k)[1], probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+    return jnp.stack([jax.lax.stop_gradient(jnp.sum(picks * m, axis=0)), jnp.sum(probs * m, axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
+    """transformers' auxiliary load-balancing loss (``load_balancing_loss_func``) from per-layer `router_stats`
+    [L, 2, E] over `tokens` real tokens: E * sum_e f_e * P_e, with f_e the share of (token, layer) pairs that pick
+    expert e (summed over the k picks) and P_e its mean probability, both over every layer's tokens together.
+    k when the load is uniform; 0 without tokens."""
+    n = jnp.maximum(tokens.astype(jnp.float32) * stats.shape[0], 1.0)
+    picks, probs = stats[:, 0].sum(axis=0) / n, stats[:, 1].sum(axis=0) / n
+    return stats.shape[-1] * jnp.sum(picks * probs)
 
 
 def _dense_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
@@ -189,6 +212,12 @@ class MoE(nnx.Module):
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         weights, experts = _routing(h, self.router[...].astype(self.dtype), self.top_k, self.renormalize)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
+
+    def router_stats(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        """`router_stats` [2, E] of tokens x [..., D] where mask [...] is set."""
+        h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        logits = jnp.dot(h, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        return router_stats(logits, self.top_k, mask.reshape(-1))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in the compute dtype."""

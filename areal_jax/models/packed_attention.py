@@ -18,7 +18,7 @@ Rematerialisation (`train.remat`), applied to each decoder layer with `jax.check
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -134,14 +134,18 @@ def remat_policy(choice: str) -> Callable | None:
 
 
 def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn,
-                  remat: str = "none") -> jax.Array:
+                  remat: str = "none", router_mask: jax.Array | None = None) -> Any:
     """One decoder layer of the cache-free forward (`layers.DecoderLayer.__call__`).
 
     layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
+    With router_mask [B, T]: (x, the layer's router statistics or None), as `DecoderLayer.__call__`.
     """
-    def apply(lyr: nnx.Module, x: jax.Array) -> jax.Array:  # rows stay on their device (models.sharding)
-        return constrain_batch(lyr(constrain_batch(x), cos, sin, attend))
+    def apply(lyr: nnx.Module, x: jax.Array) -> Any:  # rows stay on their device (models.sharding)
+        if router_mask is None:
+            return constrain_batch(lyr(constrain_batch(x), cos, sin, attend))
+        out, stats = lyr(constrain_batch(x), cos, sin, attend, router_mask)
+        return constrain_batch(out), stats
 
     if remat == "none":
         return apply(layer, x)
@@ -166,7 +170,7 @@ def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
 
 
 def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]], attends: list[AttentionFn],
-                  remat: str = "none", scan: bool = True) -> jax.Array:
+                  remat: str = "none", scan: bool = True, router_mask: jax.Array | None = None) -> Any:
     """Every decoder layer of the cache-free forward, in order; layer i reads RoPE table ropes[i] (cos, sin) and
     attends with attends[i].
 
@@ -175,26 +179,45 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
     of L (the backward too), for one stacking copy of the layer weights per call and one unstacking of their
     gradients. Layers whose tables or attentions repeat with a period p (Gemma 3's five local layers and one
     global, p = 6; OLMo 3's p = 4) scan over groups of p layers, the body running one of each, and the layers
-    past the last whole group run unrolled. The results equal the unrolled loop's up to float rounding."""
+    past the last whole group run unrolled. The results equal the unrolled loop's up to float rounding.
+
+    With router_mask [B, T]: (x, router statistics [L_moe, 2, E] of the mixture-of-experts layers in order, or
+    None without any; `moe.router_stats` over the masked tokens)."""
+    def run(layer: nnx.Module, h: jax.Array, i: int, found: list) -> jax.Array:
+        out = decoder_layer(layer, h, *ropes[i], attends[i], remat, router_mask)
+        if router_mask is None:
+            return out
+        if out[1] is not None:
+            found.append(out[1])
+        return out[0]
+
     period = _period(ropes, attends) if scan else None
     shared = scannable(layers) if period is not None else None
+    stats: list[jax.Array] = []
     if shared is None:
-        for layer, (cos, sin), attend in zip(layers, ropes, attends):
-            x = decoder_layer(layer, x, cos, sin, attend, remat)
-        return x
+        for i, layer in enumerate(layers):
+            x = run(layer, x, i, stats)
+        return x if router_mask is None else (x, jnp.stack(stats) if stats else None)
     graphdef, states = shared
     groups = len(layers) // period
     stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *states[j:groups * period:period]) for j in range(period)]
 
-    def body(h: jax.Array, group: list[nnx.State]) -> tuple[jax.Array, None]:
+    def body(h: jax.Array, group: list[nnx.State]) -> tuple[jax.Array, Any]:
+        found: list[jax.Array] = []
         for j, state in enumerate(group):
-            h = decoder_layer(nnx.merge(graphdef, state), h, *ropes[j], attends[j], remat)
-        return h, None
+            h = run(nnx.merge(graphdef, state), h, j, found)
+        return h, jnp.stack(found) if found else None  # [p', 2, E]: the group's expert layers
 
-    x = jax.lax.scan(body, x, stacked)[0]
+    x, per_group = jax.lax.scan(body, x, stacked)
+    if per_group is not None:  # [groups, p', 2, E] -> layers in order
+        stats.append(per_group.reshape(-1, *per_group.shape[2:]))
+    tail: list[jax.Array] = []
     for i in range(groups * period, len(layers)):
-        x = decoder_layer(layers[i], x, *ropes[i], attends[i], remat)
-    return x
+        x = run(layers[i], x, i, tail)
+    if router_mask is None:
+        return x
+    stats += [jnp.stack(tail)] if tail else []
+    return x, jnp.concatenate(stats) if stats else None
 
 
 def _period(ropes: list, attends: list) -> int | None:

@@ -137,12 +137,15 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                cache: KVCache | None = None, *, attention: str = "auto",
-               remat: str = "none", scan_layers: bool = False, ring: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
+               remat: str = "none", scan_layers: bool = False, ring: bool = False,
+               router_stats: bool = False) -> jax.Array | tuple[jax.Array, Any]:
         """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
 
         attention, remat, scan_layers: the cache-free (training) forward's attention backend, per-layer
         rematerialisation and whether its layers run as one scan (models.packed_attention.decoder_stack);
-        the cache path ignores them. ring: as in `__call__`.
+        the cache path ignores them. ring: as in `__call__`. router_stats (cache-free only): return (h, the
+        mixture-of-experts layers' `moe.router_stats` [L_moe, 2, E] over the real tokens (segment id > 0), or None
+        for a dense model).
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -182,6 +185,9 @@ class Transformer(nnx.Module):
         ropes = [tables[cfg.layer_rope(i)] for i in range(cfg.num_layers)]
         x = self.embed(tokens)
         if cache is None:
+            if router_stats:
+                h, stats = decoder_stack(self.layers, x, ropes, attends, remat, scan_layers, segment_ids > 0)
+                return self.final_norm(h), stats
             return self.final_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers))
         s = cache.max_len
         rows = jnp.arange(b)[:, None]

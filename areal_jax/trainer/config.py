@@ -57,6 +57,9 @@ class TrainerConfig(Section):
     kl_coef: float = knob(0.0, "weight of the KL penalty to the starting checkpoint (0 disables it)")
     kl_estimator: str = knob("k3", "KL estimator", choices=("k1", "k2", "k3"))
     entropy_coef: float = knob(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    router_aux_coef: float = knob(0.0, "mixture-of-experts models: weight of transformers' load-balancing loss over "
+                                  "each micro-step's tokens (models.moe.load_balancing_loss; 0: the router's load is "
+                                  "only reported, as train/moe_*)")
     min_lr_ratio: float = knob(0.0, "final learning rate of the cosine schedule, as a fraction of lr")
     logits_chunk: int = knob(512, "tokens per chunk of the vocabulary projection on one device, bounding the live "
                              "logits to about logits_chunk x vocab float32")
@@ -118,6 +121,7 @@ class TrainerConfig(Section):
         require(self.new_shape_cost >= 0, f"{k('new_shape_cost')}={self.new_shape_cost} must be >= 0.")
         require(self.kl_coef >= 0, f"{k('kl_coef')}={self.kl_coef} must be >= 0.")
         require(self.entropy_coef >= 0, f"{k('entropy_coef')}={self.entropy_coef} must be >= 0.")
+        require(self.router_aux_coef >= 0, f"{k('router_aux_coef')}={self.router_aux_coef} must be >= 0.")
         require(self.logits_chunk >= 1, f"{k('logits_chunk')}={self.logits_chunk} must be at least 1.")
         require(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
                 f"{k('gamma')}={self.gamma} and {k('lam')}={self.lam} must lie in [0, 1].")

@@ -173,16 +173,20 @@ def model_outputs(
     attention: str = "auto",
     remat: str = "none",
     scan_layers: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    router_stats: bool = False,
+) -> tuple[jax.Array, ...]:
     """model_logprobs plus the value head on the same trunk: (logp, entropy, values), each [B, T]
     float32; values is None without a value head. Position p's value is that of the state scoring
-    token p + 1 (aligned with logp)."""
+    token p + 1 (aligned with logp). router_stats: a fourth output, the mixture-of-experts layers'
+    `models.moe.router_stats` [L_moe, 2, E] over the real tokens (None for a dense model)."""
     model = nnx.merge(graphdef, params, other)
-    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat, scan_layers=scan_layers)
+    h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat, scan_layers=scan_layers,
+                     router_stats=router_stats)
+    h, stats = h if router_stats else (h, None)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy,
                                  softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling)
     values = None if value_head is None else apply_value_head(value_head, h)
-    return logp, ent, values
+    return (logp, ent, values, stats) if router_stats else (logp, ent, values)
 
 
 def model_logprobs(

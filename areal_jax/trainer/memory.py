@@ -35,7 +35,7 @@ from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, train_state_shardings
-from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, build_update_fns, zero_metric_sums
+from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, build_update_fns
 
 REMAT_ORDER = ("none", "dots", "full")  # least recomputation first
 INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "versions")
@@ -135,12 +135,12 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     tx = make_optimizer(cfg, 1)
     shardings = train_state_shardings(params, tx, mesh, head)
     other_sharding = logical_to_mesh_sharding(other, mesh)
-    fns = build_update_fns(graphdef, cfg, tx, make_schedule(cfg, 1), shardings, other_sharding, mesh)
+    fns = build_update_fns(graphdef, cfg, tx, make_schedule(cfg, 1), shardings, other_sharding, mesh, model_cfg=small)
     train = (params, head) if head is not None else params
     train_in = abstract(train, shardings.trainable())
     grads = accumulator_specs(train_in)
     rep = NamedSharding(mesh, PartitionSpec())
-    sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(zero_metric_sums))
+    sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(fns.zero_metrics))
     rows = (int(mesh.shape["fsdp"]), int(tokens or cfg.micro_batch_tokens))
     batch = {k: jax.ShapeDtypeStruct(rows, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=fns.batch_sharding)
              for k in batch_fields(cfg)}

@@ -15,6 +15,7 @@ from areal_jax.models import logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer import layout, memory
+from areal_jax.trainer import update as update_lib
 from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
@@ -67,6 +68,7 @@ class Trainer:
         self.n_devices = int(mesh.shape["fsdp"])
         self._wrt = wrt
         self._graphdef, params, other = nnx.split(model, wrt, ...)
+        self._model_cfg = model_config_of(model, required=False)
         if not jax.tree.leaves(params):
             raise ValueError(f"The model has no variables of {wrt} to train; apply LoRA adapters first "
                              "(models.lora.apply_lora) or train every nnx.Param.")
@@ -120,9 +122,8 @@ class Trainer:
         key = (self._graphdef, self.cfg, self.mesh, jax.tree.structure(other), self._wrt)
         fns = _FNS_CACHE.pop(key, None)
         if fns is None:
-            fns = build_update_fns(
-                self._graphdef, self.cfg, self._tx, self._schedule, self._shardings, self._other_sharding, self.mesh
-            )
+            fns = build_update_fns(self._graphdef, self.cfg, self._tx, self._schedule, self._shardings,
+                                   self._other_sharding, self.mesh, model_cfg=self._model_cfg)
         _FNS_CACHE[key] = fns
         while len(_FNS_CACHE) > _FNS_CACHE_SIZE:
             _FNS_CACHE.popitem(last=False)
@@ -309,7 +310,8 @@ class Trainer:
         staleness_mean, staleness_max, stale_dropped_fraction, skipped_updates, lr, version, packed_fraction
         (the share of the packed positions that hold tokens), compiled_shapes (micro-step shapes packed so far,
         `layouts`), micro_steps (in this update); with a critic also value_loss (the aggregated value loss, before value_coef), value_clip_fraction and
-        value_error (token mean of (V - return)^2), at the params before each optimizer step.
+        value_error (token mean of (V - return)^2), at the params before each optimizer step; with a mixture of experts
+        also moe_aux_loss, moe_max_load and moe_min_load (`update.router_metrics`).
         """
         trajs = list(trajectories)
         version = self.version
@@ -391,4 +393,4 @@ def _metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: Tr
         metrics.update(value_loss=float(sums["value_loss"]) / n_minibatches,
                        value_clip_fraction=per_tok("value_clip"), value_error=per_tok("value_error"))
     metrics.update(batching.staleness_stats(staleness))
-    return metrics
+    return metrics | update_lib.router_metrics(sums, n_minibatches)

@@ -30,14 +30,17 @@ loss="gspo" uses the proximal log-probs like "decoupled".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models.moe import load_balancing_loss
 from areal_jax.models.sharding import auto_mesh
 from areal_jax.rl.losses import (
     decoupled_ppo_token_loss,
@@ -55,7 +58,8 @@ LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
 CRITIC_FIELDS = ("old_values", "returns")
 CRITIC_METRICS = ("value_loss", "value_clip", "value_error")
 SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "dual_clip", "behav_weight", "masked", "approx_kl",
-               "n_valid", *CRITIC_METRICS)
+               "n_valid", "router_aux", *CRITIC_METRICS)
+ROUTER_COUNTS = "router_counts"  # [L_moe, E] top-k picks per expert, summed (mixture-of-experts models only)
 
 
 def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
@@ -112,9 +116,9 @@ def micro_step_objective(
     Returns (objective [], metric sums of []).
     """
     chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
-    logp, ent, values = model_outputs(
+    logp, ent, values, router = model_outputs(
         graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, value_head=value_head,
-        with_entropy=True, attention=cfg.attention, remat=cfg.remat, scan_layers=cfg.scan_layers,
+        with_entropy=True, attention=cfg.attention, remat=cfg.remat, scan_layers=cfg.scan_layers, router_stats=True,
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -139,7 +143,16 @@ def micro_step_objective(
         critic = {"value_loss": sg(v_sum), "value_clip": on(v_stats["value_clipped"]),
                   "value_error": on(v_stats["value_error"])}
 
+    experts = {}
+    if router is not None:  # a mixture of experts: its load over this micro-step's tokens, its share of the batch
+        aux = jnp.sum(weights) * load_balancing_loss(router, jnp.sum(batch["segment_ids"] > 0))
+        if cfg.router_aux_coef > 0:
+            objective = objective + cfg.router_aux_coef * aux
+        experts = {"router_aux": sg(aux), ROUTER_COUNTS: router[:, 0]}
+
     metrics = {
+        "router_aux": jnp.zeros((), jnp.float32),
+        **experts,
         "loss": sg(objective),
         "pg_loss": sg(pg),
         "kl": sg(kl_sum),
@@ -177,17 +190,42 @@ class UpdateFns:
     batch_sharding: NamedSharding
 
 
-def zero_metric_sums() -> dict[str, jax.Array]:
+def zero_metric_sums(router_shape: tuple[int, int] | None = None) -> dict[str, jax.Array]:
+    """Zero metric sums; router_shape (mixture-of-experts layers, experts) adds ROUTER_COUNTS."""
     out = {k: jnp.zeros((), jnp.float32) for k in SUM_METRICS}
     out["behav_weight_max"] = jnp.zeros((), jnp.float32)
+    if router_shape is not None:
+        out[ROUTER_COUNTS] = jnp.zeros(router_shape, jnp.float32)
     return out
+
+
+def router_metrics(sums: dict[str, Any], n_minibatches: int) -> dict[str, float]:
+    """A mixture of experts' update metrics from its metric sums (none for a dense model): moe_aux_loss (the
+    load-balancing loss, `models.moe.load_balancing_loss`, per minibatch; num_experts_per_tok when the load is
+    uniform), moe_max_load / moe_min_load (over the expert layers, the most and the least picked expert's picks over
+    its layer's mean: 1 when uniform, 0 for an expert no token picked)."""
+    if ROUTER_COUNTS not in sums:
+        return {}
+    counts = np.asarray(sums[ROUTER_COUNTS], np.float64)
+    mean = counts.mean(axis=1, keepdims=True)
+    load = counts / np.where(mean > 0, mean, 1.0)
+    return {"moe_aux_loss": float(sums["router_aux"]) / n_minibatches, "moe_max_load": float(load.max()),
+            "moe_min_load": float(load.min())}
+
+
+def router_shape(model_cfg: Any) -> tuple[int, int] | None:
+    """(mixture-of-experts layers, experts) of a ModelConfig, None for a dense model (or none given)."""
+    if model_cfg is None or not getattr(model_cfg, "num_experts", 0):
+        return None
+    return sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts
 
 
 def build_update_fns(
     graphdef: nnx.GraphDef, cfg: TrainerConfig, tx: optax.GradientTransformation,
-    schedule: optax.Schedule, shardings: TrainState, other_sharding: Any, mesh: Mesh,
+    schedule: optax.Schedule, shardings: TrainState, other_sharding: Any, mesh: Mesh, model_cfg: Any = None,
 ) -> UpdateFns:
-    """jit every piece with explicit NamedSharding in and out."""
+    """jit every piece with explicit NamedSharding in and out. model_cfg: the model's ModelConfig (a mixture of
+    experts' metric sums then hold its router counts)."""
     rows = NamedSharding(mesh, PartitionSpec("fsdp", None))
     rep = NamedSharding(mesh, PartitionSpec())
     p_shard = shardings.trainable()
@@ -220,7 +258,7 @@ def build_update_fns(
     def accumulate(train, other, grads, sums, batch, version):
         g, m = jax.grad(objective, has_aux=True)(train, other, batch, version)
         grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
-        new = {k: sums[k] + m[k] for k in SUM_METRICS}
+        new = {k: sums[k] + m[k] for k in (*SUM_METRICS, *([ROUTER_COUNTS] if ROUTER_COUNTS in sums else []))}
         new["behav_weight_max"] = jnp.maximum(sums["behav_weight_max"], m["behav_weight_max"])
         return grads, new
 
@@ -248,7 +286,7 @@ def build_update_fns(
         forward=jax.jit(forward, in_shardings=(p_shard, other_sharding, rows),
                         out_shardings=(rows, rows) if critic else rows),
         zero_grads=jax.jit(zero_grads, in_shardings=(p_shard,), out_shardings=p_shard),
-        zero_metrics=jax.jit(zero_metric_sums, out_shardings=rep),
+        zero_metrics=jax.jit(functools.partial(zero_metric_sums, router_shape(model_cfg)), out_shardings=rep),
         accumulate=jax.jit(
             accumulate,
             in_shardings=(p_shard, other_sharding, p_shard, rep, rows, rep),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from areal_jax.trainer import layout
 from areal_jax.trainer.memory import INT_FIELDS, abstract, accumulator_specs, batch_fields
 from areal_jax.trainer.state import replicated
-from areal_jax.trainer.update import MODEL_FIELDS, zero_metric_sums
+from areal_jax.trainer.update import MODEL_FIELDS
 
 
 def seed_shape(longest: int, budget: int) -> tuple[int, int]:
@@ -42,7 +42,7 @@ def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], 
     state = abstract(trainer.state)
     train, other = state.trainable(), abstract(trainer._other)
     grads = accumulator_specs(train)
-    sums = jax.tree.map(lambda x: scalar(x.dtype), jax.eval_shape(zero_metric_sums))
+    sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(fns.zero_metrics))
     rows = trainer.n_devices * per_device
     batch = {k: jax.ShapeDtypeStruct((rows, row_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                      sharding=fns.batch_sharding) for k in batch_fields(cfg)}

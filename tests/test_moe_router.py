@@ -1,0 +1,118 @@
+"""A mixture of experts' router statistics (models.moe.router_stats), transformers' load-balancing loss
+(models.moe.load_balancing_loss) and the trainer's moe_* metrics and train.router_aux_coef."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax.models import Transformer
+from areal_jax.models.moe import load_balancing_loss, router_stats
+from areal_jax.testing.models import random_model, tiny_config, write_random_hf_checkpoint
+from areal_jax.testing.trajectories import random_trajectories
+from areal_jax.trainer import Trainer, TrainerConfig
+
+
+def test_router_stats_against_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(9, 5)).astype(np.float32) * 2
+    mask = np.array([1, 1, 0, 1, 1, 1, 0, 1, 1], bool)
+    got = np.asarray(router_stats(jnp.asarray(logits), 2, jnp.asarray(mask)))
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    picks = np.zeros(5)
+    for row in probs[mask]:
+        picks[np.argsort(-row)[:2]] += 1
+    np.testing.assert_allclose(got[0], picks)
+    np.testing.assert_allclose(got[1], probs[mask].sum(0), rtol=1e-6)
+    # Uniform load: every expert picked as often, probabilities uniform -> the loss is k.
+    stats = jnp.asarray([[[4.0, 4.0, 4.0, 4.0], [2.0, 2.0, 2.0, 2.0]]] * 3)  # 3 layers, 8 tokens, k = 2
+    assert float(load_balancing_loss(stats, jnp.asarray(8))) == pytest.approx(2.0)
+    assert float(load_balancing_loss(jnp.zeros((2, 2, 4)), jnp.asarray(0))) == 0.0
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch,layers", [("qwen3_moe", None), ("qwen3_moe", (1, 0, 1)), ("mixtral", None)])
+def test_load_balancing_loss_matches_transformers(tmp_path, arch, layers):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    extra = {} if layers is None else {"moe_layers": layers}
+    cfg = tiny_config(arch, num_layers=3, num_experts=6, num_experts_per_tok=2, **extra)
+    ours = write_random_hf_checkpoint(tmp_path, cfg, seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 17)).astype(np.int32)
+    mask = np.ones((2, 17), np.int32)
+    mask[1, 11:] = 0  # padding at the end of row 1
+    with torch.no_grad():
+        out = hf(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+    _, stats = ours.hidden(jnp.asarray(tokens), segment_ids=jnp.asarray(mask), router_stats=True)
+    assert stats.shape == (sum(cfg.layer_is_moe(i) for i in range(3)), 2, 6)
+    got = float(load_balancing_loss(stats, jnp.sum(jnp.asarray(mask))))
+    assert got == pytest.approx(float(out.aux_loss), rel=1e-5)
+    assert got > 2.0  # a random router is not balanced: the comparison has teeth
+
+
+def test_stats_agree_unrolled_scanned_and_rematerialised():
+    cfg = tiny_config("qwen3_moe", num_layers=4)
+    model = random_model(cfg, seed=2)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    segments = jnp.asarray([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3], jnp.int32)
+    plain = model.hidden(tokens, segment_ids=segments)
+    ref_h, ref = model.hidden(tokens, segment_ids=segments, router_stats=True)
+    np.testing.assert_array_equal(np.asarray(ref_h), np.asarray(plain))  # the forward itself is unchanged
+    assert float(ref[:, 0].sum()) == 4 * 21 * cfg.num_experts_per_tok  # every real token's picks, every layer
+    for kw in ({"scan_layers": True}, {"remat": "full"}, {"scan_layers": True, "remat": "dots"}):
+        h, stats = model.hidden(tokens, segment_ids=segments, router_stats=True, **kw)
+        np.testing.assert_allclose(np.asarray(h), np.asarray(plain), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(stats), np.asarray(ref), atol=1e-5)
+    dense = random_model(tiny_config("qwen3"), seed=2)
+    assert dense.hidden(tokens, segment_ids=segments, router_stats=True)[1] is None
+
+
+def _trainer(model, **kw):
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+    return Trainer(model, TrainerConfig(micro_batch_tokens=4096, lr=1e-3, **kw), mesh)
+
+
+def test_trainer_reports_the_load_and_the_aux_loss_enters_the_objective():
+    cfg = tiny_config("qwen3_moe", moe_layers=(1, 0))
+    trajs = random_trajectories(6, vocab=cfg.vocab_size, seed=1)
+    model = random_model(cfg, seed=4)
+    # The reference: the loss over every input token of the batch (each trajectory but its last token), one micro-step.
+    stats = sum(np.asarray(model.hidden(jnp.asarray(t.tokens[None, :-1]), router_stats=True)[1]) for t in trajs)
+    n = sum(len(t.tokens) - 1 for t in trajs)
+    want = float(load_balancing_loss(jnp.asarray(stats), jnp.asarray(n)))
+    load = stats[:, 0] / stats[:, 0].mean(axis=1, keepdims=True)
+
+    off = _trainer(random_model(cfg, seed=4)).update(trajs)
+    on_model = random_model(cfg, seed=4)
+    on = _trainer(on_model, router_aux_coef=0.5).update(trajs)
+    assert off["micro_steps"] == 1 and off["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
+    assert off["moe_max_load"] == pytest.approx(load.max(), rel=1e-5)
+    assert off["moe_min_load"] == pytest.approx(load.min(), rel=1e-5)
+    assert on["moe_aux_loss"] == pytest.approx(want, rel=1e-5)  # both measured at the same starting params
+    assert on["loss"] - off["loss"] == pytest.approx(0.5 * want, rel=1e-4)
+    dense = _trainer(random_model(tiny_config("qwen3"), seed=4)).update(trajs)
+    assert not [k for k in dense if k.startswith("moe_")]
+
+
+def test_router_aux_gradient_moves_the_router_toward_balance():
+    cfg = tiny_config("qwen3_moe", moe_layers=(1, 0))
+    model = random_model(cfg, seed=5)
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (4, 16)), jnp.int32)
+    graphdef, params = nnx.split(model)
+
+    def aux(p):
+        _, stats = nnx.merge(graphdef, p).hidden(tokens, router_stats=True)
+        return load_balancing_loss(stats, jnp.asarray(tokens.size))
+
+    grads = jax.grad(aux)(params)
+    router_grad = grads["layers"][0]["mlp"]["router"][...]
+    assert float(jnp.abs(router_grad).max()) > 0  # the probabilities carry the gradient
+    # A small step against it lowers the loss (the counts are piecewise constant).
+    stepped = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+    assert float(aux(stepped)) < float(aux(params))
+    assert isinstance(nnx.merge(graphdef, params), Transformer)
