@@ -123,6 +123,35 @@ class _ParityPool:
         return out
 
 
+def test_replica_engines_each_decode_their_share_with_the_reference_completions(model, prompts):
+    """One engine per replica of a ("replica", "tensor") mesh (eval_engines): each holds the whole model on its own
+    device and num_slots for its share; both decode, and every completion is the one-by-one reference's."""
+    import jax
+    from jax.sharding import Mesh
+
+    from areal_jax.evaluation.batch import eval_engines
+    from areal_jax.runtime.mesh import ROLLOUT_AXES
+    from areal_jax.system.params import ParamChannel
+
+    k = 2
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ROLLOUT_AXES)
+    engines = eval_engines(model, num_slots=8, max_len=MAX_LEN, num_sequences=len(prompts) * (1 + k), mesh=mesh)
+    assert [e.mesh.devices.flat[0] for e in engines] == jax.devices()[:2] and engines[0].num_slots == 8
+    params = ParamChannel.for_model(model, mesh).reshard(nnx.state(model))  # a whole copy on each replica
+    gen = generate_for_eval(engines, params, prompts, k=k, temperature=1.0, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(EOS,), seed=4)
+    assert all(e.compile_count > 0 for e in engines)  # both replicas decoded
+    logp = full_forward_logp(model, MAX_LEN)
+    for i, p in enumerate(prompts):
+        assert list(gen.greedy[i].tokens) == greedy_reference(logp, p, MAX_NEW, stop=(EOS,))[0], f"prompt {i}"
+        for c in gen.sampled[i]:
+            seq = list(p)
+            for tok, lp in zip(c.tokens, c.logprobs):
+                np.testing.assert_allclose(lp, logp(seq)[-1][tok], atol=2e-4)
+                seq.append(int(tok))
+    assert len(eval_engines(model, num_slots=8, max_len=MAX_LEN, mesh=None)) == 1
+
+
 def test_pass_at_k_and_pass_at_1_follow_from_the_scored_completions(model, prompts):
     k = 4
     examples = [PromptExample(uid=str(i), prompt_tokens=list(p), answer="", question="") for i, p in enumerate(prompts)]

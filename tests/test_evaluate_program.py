@@ -168,19 +168,23 @@ def test_the_command_line_evaluates_a_config_file_and_prints_one_json_line(tmp_p
 
 
 @pytest.mark.slow
-def test_a_model_split_over_two_devices_gives_the_one_device_completions(tmp_path):
+def test_a_model_split_over_devices_or_replicated_gives_the_one_device_completions(tmp_path):
     """--tensor=2 shards the weights and the KV cache over two of the test's four CPU devices (the sums of the
-    projections then split in two, so logits differ in the last bits): the same greedy completions."""
+    projections then split in two, so logits differ in the last bits); --replicas=2 decodes with two engines side by
+    side, each holding the whole model (and with --tensor=2, over two devices each): the same greedy completions."""
     import jax
 
-    assert len(jax.local_devices()) >= 2
+    assert len(jax.local_devices()) >= 4
     given = {"model": MATH, "data": f"{MATH}/data/test.jsonl", "n": 24, "k": 0, "max_new_tokens": 48}
     outs = []
-    for tensor in (1, 2):
-        out = str(tmp_path / f"t{tensor}.jsonl")
-        res = evaluate(resolve_settings(JobConfig(), given, tensor=tensor, out=out), log=lambda *_: None)
-        assert res["tensor"] == tensor
+    for tensor, replicas in ((1, 1), (2, 1), (1, 2), (2, -1)):
+        out = str(tmp_path / f"t{tensor}r{replicas}.jsonl")
+        res = evaluate(resolve_settings(JobConfig(), given, tensor=tensor, out=out, replicas=replicas),
+                       log=lambda *_: None)
+        assert (res["tensor"], res["replicas"]) == (tensor, replicas if replicas > 0 else 2)
         outs.append([json.loads(line)["greedy"] for line in open(out)])
-    assert outs[0] == outs[1]
+    assert all(o == outs[0] for o in outs[1:])
     with pytest.raises(ValueError, match="more devices than this host has"):
         evaluate(resolve_settings(JobConfig(), given, tensor=64), log=lambda *_: None)
+    with pytest.raises(ValueError, match="more devices than this host has"):
+        evaluate(resolve_settings(JobConfig(), given, tensor=2, replicas=3), log=lambda *_: None)

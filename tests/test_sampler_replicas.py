@@ -161,6 +161,7 @@ def test_job_with_two_rollout_replicas(tmp_path):
     steps, eta = 3, 1
     c = tiny_config(str(tmp_path), eta=eta, steps=steps)
     c.mesh.train_devices, c.mesh.rollout_devices, c.mesh.rollout_tensor = 2, 2, 1
+    c.eval.n_test, c.eval.samples, c.eval.at_start, c.eval.at_end = 6, 1, True, False  # on both replicas too
     job = RLJob(c, log_fn=lambda *a, **k: None)
     try:
         assert isinstance(job.sampler, SamplerReplicas) and job.sampler.replicas == 2
@@ -176,6 +177,8 @@ def test_job_with_two_rollout_replicas(tmp_path):
                 assert a.sharding.device_set == set(row.devices.flat)  # each replica decodes on its own device
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert loop.stats()["generated_tokens"] > 0
+        assert summary["evaluations"]["start"]["n"] == 6
+        assert all(e.mesh == m for e, m in zip(job._evaluator.engine(), job.meshes.replica_meshes))
         one_copy = sum(x.nbytes for x in trainer_params)
         assert job.memory.rollout["sampler_params"] == one_copy  # the plan: a whole copy per rollout device
     finally:

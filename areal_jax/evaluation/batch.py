@@ -25,6 +25,7 @@ from flax import nnx
 
 from areal_jax.sampler import Completion, Engine, Request, SamplerLoop
 from areal_jax.sampler.config import default_standby_rows, prompt_bucket
+from areal_jax.sampler.replicas import split_replicas
 from areal_jax.sampler.turns import continuation_id
 
 __all__ = ["EvalGeneration", "StreamingScorer", "eval_engine", "generate_for_eval", "generated_tokens"]
@@ -84,7 +85,20 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
                   standby_rows=default_standby_rows(slots, decode_steps))
 
 
-def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
+def eval_engines(model_or_graphdef: Any, *, mesh: Any, num_sequences: int | None = None, **kw: Any) -> list[Engine]:
+    """One `eval_engine` per replica of a ("replica", "tensor") mesh (`runtime.mesh.replica_meshes`), each with
+    num_slots slots for its share of the num_sequences; `generate_for_eval` takes the list and runs its streams on
+    every replica. A mesh without a replica axis gives one engine."""
+    from areal_jax.runtime.mesh import replica_meshes
+
+    if mesh is None or "replica" not in mesh.axis_names:
+        return [eval_engine(model_or_graphdef, mesh=mesh, num_sequences=num_sequences, **kw)]
+    rows = replica_meshes(mesh)
+    share = None if num_sequences is None else -(-int(num_sequences) // len(rows))
+    return [eval_engine(model_or_graphdef, mesh=m, num_sequences=share, **kw) for m in rows]
+
+
+def generate_for_eval(engine: Engine | Sequence[Engine], params: nnx.State, prompts: Sequence[Sequence[int]], *, k: int,
                       temperature: float, max_new_tokens: int | Sequence[int], stop_token_ids: Sequence[int] = (),
                       seed: int = 0, decode_steps: int = 1, streams: int = 1, top_p: float | None = None,
                       on_completion: Callable[[str, int, int, Completion], None] | None = None,
@@ -93,7 +107,9 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
     """Greedy and k sampled completions of every prompt through one sampler loop per stream.
 
     Args:
-      engine: the Engine to decode with (see :func:`eval_engine`); params: its model state.
+      engine: the Engine to decode with (see :func:`eval_engine`), or one per rollout replica (:func:`eval_engines`:
+        each runs ``streams`` streams, with its own view of ``params``, `sampler.replicas.split_replicas`); params:
+        the model state.
       prompts: n token-id lists; max_new_tokens: the completion budget, or one per prompt (repair turns then
         continue with the largest).
       k: sampled completions per prompt (0: greedy only); temperature: theirs (> 0); top_p: their nucleus
@@ -127,6 +143,9 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
         [int(b) for b in max_new_tokens]
     if len(budgets) != n:
         raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {n} prompts.")
+    engines = [engine] if isinstance(engine, Engine) else list(engine)
+    views = split_replicas(params, [e.mesh for e in engines]) if len(engines) > 1 else [params]
+    streams *= len(engines)  # stream s decodes on engines[s % len(engines)]
     greedy: list[Completion | None] = [None] * n
     sampled: list[list[Completion | None]] = [[None] * k for _ in range(n)]
     stop = tuple(int(t) for t in stop_token_ids)
@@ -147,6 +166,7 @@ def generate_for_eval(engine: Engine, params: nnx.State, prompts: Sequence[Seque
                 on_completion(kind, i, j, c)
 
     def run_stream(s: int, problems: Sequence[int]) -> None:
+        engine, params = engines[s % len(engines)], views[s % len(engines)]
         turns = {}
         if repair is not None:  # one per temperature: a continuation is sampled as its first attempt was
             most = max(budgets, default=1)

@@ -22,7 +22,7 @@ class JobEvaluator:
 
     config: the JobConfig; graphdef / model_config: the policy's; sets: {set name: its loaded test prompts}
     (evaluation.sets.load_eval_sets; a list is one set), all evaluated in one sampler pass; mesh: the rollout slice
-    the engine decodes on."""
+    the engines decode on (one per rollout replica, `evaluation.batch.eval_engines`)."""
 
     def __init__(self, config: Any, graphdef: Any, model_config: Any, tokenizer: Any, sets: dict | list,
                  mesh: Any = None) -> None:
@@ -38,16 +38,17 @@ class JobEvaluator:
         self._engine = None
 
     def engine(self) -> Any:
-        """The evaluation's Engine, built on first use: the end evaluation reuses the start's programs."""
+        """The evaluation's Engines (one per rollout replica), built on first use: the end evaluation reuses the
+        start's programs."""
         if self._engine is None:
-            from areal_jax.evaluation.batch import eval_engine
+            from areal_jax.evaluation.batch import eval_engines
 
             c = self.config
             # Sized for the largest evaluation of the run, and no longer than its sequences: decode attention
             # reads the whole cache length (the default job's test prompts + 48 tokens need 85 of 128).
             prompt = max((len(e.prompt_tokens) for e in self.examples), default=1)
             longest = max((len(e.prompt_tokens) + b for e, b in zip(self.examples, self.budgets)), default=2)
-            self._engine = eval_engine(
+            self._engine = eval_engines(
                 self.graphdef, config=self.model_config, num_slots=c.eval.num_slots,
                 max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
                 num_sequences=len(self.examples) * (1 + c.eval.samples), mesh=self.mesh,

@@ -53,7 +53,9 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     engine / params: an Engine (evaluation.batch.eval_engine) and the state to decode with, to evaluate
     again without recompiling; by default built from `model` with `num_slots` slots in all.
     streams: sampler loops side by side (evaluation.batch.generate_for_eval), sharing the slots.
-    mesh: a ("fsdp", "tensor") mesh the default engine decodes on (tensor parallel; None: one device).
+    mesh: the mesh the default engine decodes on: ("fsdp", "tensor") for one engine (tensor parallel), or
+    ("replica", "tensor") for one engine of num_slots slots per replica (evaluation.batch.eval_engines; the model's
+    weights laid out on that mesh, a whole copy per replica); None: one device.
     top_p: the sampled completions' nucleus (None: off). log: called with a progress line each time another
     tenth of the n x (1 + k) sequences has been generated (long evaluations at real sizes take minutes).
     Returns greedy_pass@1, greedy_len, sampled_pass@1, pass@k, the generation's tokens / seconds /
@@ -72,7 +74,7 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
 
     from areal_jax.evaluation.batch import (
         StreamingScorer,
-        eval_engine,
+        eval_engines,
         generate_for_eval,
         generated_tokens,
         rewards_matrix,
@@ -92,10 +94,10 @@ def evaluate_examples(model: Any, tokenizer: Any, examples: list, *, max_new_tok
     if engine is None:
         if max_len is None:
             max_len = max(2, max((len(p) + b for p, b in zip(prompts, budgets)), default=1))
-        engine = eval_engine(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
-                             max_stop_tokens=max(8, len(stop)),
-                             longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
-                             decode_steps=decode_steps, mesh=mesh)
+        engine = eval_engines(model, num_slots=num_slots, max_len=max_len, num_sequences=n * (1 + k),
+                              max_stop_tokens=max(8, len(stop)),
+                              longest_prompt=max((len(p) for p in prompts), default=1), streams=streams,
+                              decode_steps=decode_steps, mesh=mesh)
     if params is None:
         params = nnx.state(model)
     own_pool = pool is None

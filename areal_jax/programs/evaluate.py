@@ -10,7 +10,8 @@ config (`--run_dir`: the run's config.json, and the policy of its latest or `--s
 folded in) or a config file (`--config`, with `--config.KEY=VALUE` overrides), then the flags given here. So a
 run or a config file is evaluated exactly as its job's evaluations were: the same prompt formatting, reward and
 reward limits, completion budget, samples and temperature. `--model` is an HF directory (config.json +
-safetensors + tokenizer files; `--tensor=N` splits it over N devices); `--task=code` reads programming tasks (APPS / TACO, DeepCoder, LiveCodeBench,
+safetensors + tokenizer files; `--tensor=N` splits it over N devices, `--replicas=R` decodes with R such engines side
+by side); `--task=code` reads programming tasks (APPS / TACO, DeepCoder, LiveCodeBench,
 CodeContests, MBPP, HumanEval layouts; areal_jax.data.code_readers) and scores each completion's last ```python block
 against the hidden tests in the sandbox (reward.fn=code).
 
@@ -63,6 +64,7 @@ class EvalSettings:
     config: JobConfig
     top_p: float | None = None
     tensor: int = 1
+    replicas: int = 1  # engines side by side, each on its own `tensor` devices (-1: as many as the host holds)
     run_dir: str | None = None
     step: int | None = None
     out: str | None = None
@@ -70,7 +72,8 @@ class EvalSettings:
 
 
 def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | None = None, tensor: int = 1,
-                     run_dir: str | None = None, step: int | None = None, out: str | None = None) -> EvalSettings:
+                     run_dir: str | None = None, step: int | None = None, out: str | None = None,
+                     replicas: int = 1) -> EvalSettings:
     """``base`` (defaults, a run's or a config file's) with the flags the user gave (``given``: flag -> value,
     the names of ``_OVERRIDES``). A code task whose reward was left at math scores with the code reward, its
     worker limit raised above the per-sample test limit. ConfigError (naming the flag) on a bad combination."""
@@ -127,8 +130,9 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
         raise ConfigError(f"--n={sections['eval'].n_test} must be at least 1.")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ConfigError(f"--top_p={top_p} must be in (0, 1].")
-    if tensor < 1:
-        raise ConfigError(f"--tensor={tensor} must be at least 1 (devices the model is split over).")
+    if tensor < 1 or (replicas < 1 and replicas != -1):
+        raise ConfigError(f"--tensor={tensor} and --replicas={replicas} must be at least 1 (devices the model is split "
+                          "over, engines side by side; --replicas=-1: every device of the host).")
     if sections["eval"].samples > 0 and not sections["rollout"].temperature > 0:
         raise ConfigError(f"--temperature={sections['rollout'].temperature} must be > 0 for the k sampled completions "
                           "(--k=0 evaluates greedy pass@1 only).")
@@ -146,8 +150,8 @@ def resolve_settings(base: JobConfig, given: dict[str, Any], *, top_p: float | N
     if sections["rollout"].max_len > base.train.micro_batch_tokens:
         sections["train"] = base.train.replace(micro_batch_tokens=sections["rollout"].max_len)
     config = dataclasses.replace(base, **sections)
-    return EvalSettings(config=config, top_p=top_p, tensor=int(tensor), run_dir=run_dir, step=step, out=out,
-                        notes=tuple(notes))
+    return EvalSettings(config=config, top_p=top_p, tensor=int(tensor), replicas=int(replicas), run_dir=run_dir,
+                        step=step, out=out, notes=tuple(notes))
 
 
 def flag_names(message: str) -> str:
@@ -170,6 +174,7 @@ def pass_at_powers(correct: list[int], k: int) -> dict[str, float]:
 def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     """Load the policy, evaluate it as ``settings`` say, write the records; returns the results (the JSON line)."""
     import jax
+    import numpy as np
 
     from areal_jax.evaluation.scoring import evaluate_examples
     from areal_jax.evaluation.sets import evaluate_sets, example_budgets, flatten, load_eval_sets
@@ -178,14 +183,15 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
 
     c = settings.config
     devices = jax.local_devices()
-    if settings.tensor > len(devices):
-        raise ValueError(f"--tensor={settings.tensor} asks for more devices than this host has ({len(devices)}).")
-    mesh = None
-    if settings.tensor > 1:
-        import numpy as np
-        from jax.sharding import Mesh
+    replicas = len(devices) // settings.tensor if settings.replicas == -1 else settings.replicas
+    if settings.tensor * max(replicas, 1) > len(devices):
+        raise ValueError(f"--tensor={settings.tensor} x --replicas={settings.replicas} asks for more devices than this "
+                         f"host has ({len(devices)}); lower one of them.")
+    mesh = None  # one engine per replica, a whole copy of the weights over its tensor devices
+    if settings.tensor * replicas > 1:
+        from areal_jax.runtime.mesh import ROLLOUT_AXES
 
-        mesh = Mesh(np.array(devices[:settings.tensor]).reshape(1, settings.tensor), ("fsdp", "tensor"))
+        mesh = jax.sharding.Mesh(np.array(devices[:settings.tensor * replicas]).reshape(replicas, -1), ROLLOUT_AXES)
     if settings.run_dir is not None:
         from areal_jax.programs.export import restore_policy
 
@@ -231,9 +237,9 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     else:
         res.update(pass_at_powers([p["correct_first"] for p in problems], k))
         res.update({f"repair_{name}": v for name, v in pass_at_powers([p["correct"] for p in problems], k).items()})
-    res["feedback_turns"] = turns
-    res.update({"model": source, "data": c.data.test_path, "task": c.data.task, "k": k,
-                "temperature": temperature, "top_p": settings.top_p, "backend": backend, "tensor": settings.tensor})
+    res.update({"feedback_turns": turns, "model": source, "data": c.data.test_path, "task": c.data.task, "k": k,
+                "temperature": temperature, "top_p": settings.top_p, "backend": backend, "tensor": settings.tensor,
+                "replicas": replicas})
     if settings.out:
         from areal_jax import paths
 
@@ -302,7 +308,7 @@ def main(argv: list[str]) -> None:
             base = dataclasses.replace(base, seed=f.seed)
         given = {name: f[name].value for name in _OVERRIDES if f[name].present}
         settings = resolve_settings(base, given, top_p=f.top_p, tensor=f.tensor, run_dir=f.run_dir, step=f.step,
-                                    out=f.out)
+                                    out=f.out, replicas=f.replicas)
     except ConfigError as e:
         print(f"Config error: {flag_names(str(e))}", file=sys.stderr)
         sys.exit(2)
@@ -375,6 +381,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("dtype", d.model.dtype, ["float32", "bfloat16"], "compute dtype of the model.")
     flags.DEFINE_integer("seed", d.seed, "sampling seed.")
     flags.DEFINE_integer("tensor", 1, "split the model over this many of the host's devices (tensor parallel).")
+    flags.DEFINE_integer("replicas", 1, "engines side by side, each on its own --tensor devices with a whole copy of "
+                         "the model and --num_slots slots (-1: as many as the host's devices hold).")
     flags.DEFINE_string("out", None, "write one JSON line per problem here.")
 
 

@@ -275,7 +275,6 @@ class RLJob:
     def evaluate(self, tag: str) -> dict | None:
         from areal_jax.evaluation.in_job import JobEvaluator, result_lines
         from areal_jax.evaluation.sets import metric_items
-        from areal_jax.sampler.replicas import split_replicas
 
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
@@ -283,10 +282,9 @@ class RLJob:
         params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
         if not self.primary:
             return None
-        first = self.meshes.replica_meshes[0]  # evaluation runs on the first rollout replica
-        params = split_replicas(params, [first])[0]
-        if self._evaluator is None:
-            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_sets, first)
+        if self._evaluator is None:  # one engine per rollout replica
+            self._evaluator = JobEvaluator(c, self.graphdef, self.model_config, self.tokenizer, self.eval_sets,
+                                           self.meshes.rollout_mesh)
         with self.timeline.span(f"eval_{tag}", lane="trainer"):
             res = self._evaluator.run(params, self.reward_pool, tag, log=self.log)
         self.evaluations[tag] = res
