@@ -134,3 +134,25 @@ def test_on_a_mesh_the_kernels_lower_on_each_devices_share(monkeypatch):
     # blocks (the whole batch would take 20); its 128 of the width in one tile (gate, up: the whole width would
     # take 2), and the hidden 256 in two (down)
     assert sorted(set(grids)) == [("12", "1"), ("12", "2")], grids
+
+
+def test_on_a_mesh_splash_lowers_for_tpu_on_each_devices_share():
+    """The TPU's packed-attention kernel under a 2 x 2 (fsdp x tensor) mesh context: the Mosaic call in the
+    exported program takes one device's rows and heads (2 of 4 rows, 7 of 14 heads), never the whole batch."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from areal_jax.models.packed_attention import per_shard
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+
+    def attend(q, k, v, seg):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return per_shard(lambda q, k, v, s: splash_attention(q, k, v, s, interpret=False), seg)(q, k, v)
+
+    heads = NamedSharding(mesh, PartitionSpec("fsdp", None, "tensor", None))
+    rows = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    text = export.export(jax.jit(attend, in_shardings=(heads, heads, heads, rows)), platforms=["tpu"])(
+        spec((4, 2048, 14, 64)), spec((4, 2048, 2, 64)), spec((4, 2048, 2, 64)), spec((4, 2048), jnp.int32)).mlir_module()
+    calls = [line for line in text.splitlines() if f"@{MOSAIC}(" in line]
+    assert len(calls) == 1 and "tensor<2x7x2048x64xbf16>" in calls[0]  # [rows, heads, T, head_dim] of one device
+    assert "14x2048x64" not in calls[0] and "4x7x2048" not in calls[0]
