@@ -7,7 +7,10 @@
 Nothing is downloaded: point model.path at an HF directory (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json) and the data paths at GSM8K in its JSONL layout ("question" / "answer" with the
 final answer after "####"). On an 8-GPU host the default split gives 4 devices to training (FSDP) and 4
-to generation (tensor parallel); across nodes use launchers/slurm.sbatch or launchers/tpu_pod.sh.
+to generation, as 4 sampler replicas of one device each (mesh.rollout_tensor=1; a 1.5B model fits one device, and its
+2 kv heads would not split over 4 tensor devices anyway); across nodes use launchers/slurm.sbatch or
+launchers/tpu_pod.sh. For a model that does not fit one device, raise mesh.rollout_tensor (-1: one sampler over every
+rollout device).
 """
 from areal_jax.config import base_config
 
@@ -30,7 +33,7 @@ def get_config():
 
     c.mesh.train_fraction = 0.5
     c.mesh.tensor = 1
-    c.mesh.rollout_tensor = -1
+    c.mesh.rollout_tensor = 1  # data-parallel samplers (sampler.replicas), each with rollout.num_slots slots
 
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 1024
