@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train_devices", type=int, help="mesh.train_devices (default: the job's split)")
+    p.add_argument("--rollout_devices", type=int, help="mesh.rollout_devices")
+    p.add_argument("--rollout_tensor", type=int, default=-1,
+                   help="mesh.rollout_tensor: devices per sampler replica (-1: one sampler over every rollout device)")
     p.add_argument("--warmup_steps", type=int, default=3,
                    help="steps of the unmeasured runs that compile first: the least asynchronous eta of the list "
                         "runs max(--warmup_steps, --steps) steps (being synchronous, it replays the measured run's "
@@ -143,6 +147,8 @@ def job_config(args: argparse.Namespace, eta: int | None, steps: int, paths: tup
     c.rollout.param_dtype = args.sampler_dtype
     c.rollout.standby_rows = args.standby_rows
     c.train.batch_groups, c.train.lr = args.batch_groups, args.lr
+    c.mesh.train_devices, c.mesh.rollout_devices = args.train_devices, args.rollout_devices
+    c.mesh.rollout_tensor = args.rollout_tensor
     c.train.micro_batch_tokens = args.micro_batch_tokens
     c.reward.fn, c.reward.num_workers = "areal_jax.system.loadgen:bernoulli_reward", 1
     c.eval.n_test, c.eval.at_start, c.eval.at_end = 0, False, False
@@ -220,7 +226,7 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         "trained_tokens_per_s": summary["trained_tokens_per_s"],
         "completion_tokens_trained": float(sum(r.get("completion_tokens", 0) for r in rows)),
         "generated_tokens_per_s": stats["generated_tokens"] / wall, "generated_tokens": stats["generated_tokens"],
-        "slot_occupancy": stats["mean_slot_occupancy"],
+        "slot_occupancy": stats["mean_slot_occupancy"], "sampler_replicas": int(stats.get("replicas", 1)),
         "trainer_wait_share": float(sum(r["time/wait_batch_s"] for r in rows)) / wall,
         "decode_busy_share": busy.get("sampler", {}).get("decode_step", 0.0) / wall,
         "train_busy_share": busy.get("trainer", {}).get("train_step", 0.0) / wall,
