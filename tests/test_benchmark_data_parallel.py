@@ -2,23 +2,13 @@
 JSON line holds both runs' collective bytes, and the mesh context cuts the activation bytes that cross devices."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from areal_jax.testing.processes import run_benchmark
 
 
 def test_the_data_parallel_benchmark_reports_fewer_activation_bytes_with_the_mesh_context():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "data_parallel.py"), "--hidden", "64", "--layers", "1",
-           "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "256", "--trajectories", "8",
-           "--max-len", "64", "--micro-batch-tokens", "128", "--repeats", "1"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = json.loads(out.stdout.strip().splitlines()[-1])
+    line, _ = run_benchmark("data_parallel.py", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                            "--intermediate", "128", "--vocab", "256", "--trajectories", "8", "--max-len", "64",
+                            "--micro-batch-tokens", "128", "--repeats", "1")  # it sets its own device count
     assert line["benchmark"] == "data_parallel" and line["devices"] == 4
     without, with_ = (line["results"][k]["bytes"] for k in ("without", "with"))
     assert sum(with_["weights"].values()) > 0  # FSDP: weights are gathered to each device

@@ -1,15 +1,10 @@
 """benchmarks/packing.py: the layout figures it prints are the layouts the trainer packs with, and its timed part
 runs Trainer.update under both rules at toy size."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from areal_jax.testing.processes import run_benchmark
 from areal_jax.testing.scripts import load_script
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_benchmark():
@@ -54,12 +49,8 @@ def test_previous_rule_is_restored_and_reproduces_the_power_of_two_rows():
 
 @pytest.mark.slow
 def test_timed_update_at_toy_size():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "packing.py"), "--updates", "1",
-                          "--time-budget", "256", "--repeats", "1"], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    timed = json.loads(out.stdout.strip().splitlines()[-1])["timed"]
+    line, _ = run_benchmark("packing.py", "--updates", "1", "--time-budget", "256", "--repeats", "1", devices=4)
+    timed = line["timed"]
     assert timed["previous_tokens_per_s"] > 0 and timed["now_tokens_per_s"] > 0 and timed["budget"] == 256
     assert timed["ratio"] == pytest.approx(timed["now_tokens_per_s"] / timed["previous_tokens_per_s"])
     assert timed["device"].startswith("4 x ") and timed["matmul_peak_gflops"] > 0

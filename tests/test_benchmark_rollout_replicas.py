@@ -2,23 +2,13 @@
 every layout generates the same forced tokens, and only the replicas' decode step moves nothing between devices."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from areal_jax.testing.processes import run_benchmark
 
 
 def test_the_replica_benchmark_reports_every_layout_and_no_traffic_for_replicas():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rollout_replicas.py"), "--hidden", "64", "--layers", "1",
-           "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "256", "--slots", "4",
-           "--requests", "6", "--median", "8", "--cap", "16"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = json.loads(out.stdout.strip().splitlines()[-1])
+    line, _ = run_benchmark("rollout_replicas.py", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                            "--intermediate", "128", "--vocab", "256", "--slots", "4", "--requests", "6", "--median",
+                            "8", "--cap", "16", devices=2)
     assert line["benchmark"] == "rollout_replicas" and line["devices"] == 2
     res = line["results"]
     assert set(res) == {"fsdp", "tensor", "replicas"}

@@ -1,22 +1,14 @@
 """benchmarks/trainer.py at toy size: the presets' code path (shapes, bf16, remat, attention, same-device
 HF baseline, one long trajectory) runs and the JSON line carries the figures the trainer issue asks for."""
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from areal_jax.testing.processes import run_benchmark
 
 
 def run(*flags):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "trainer.py"), "--toy", "--repeats", "1",
-                          *flags], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+    return run_benchmark("trainer.py", "--toy", "--repeats", "1", *flags)
 
 
 def toy_params(heads, kv, layers=2, hd=16, vocab=512):

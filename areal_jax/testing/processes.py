@@ -22,3 +22,17 @@ def cpu_env(devices: int = 1, *, unbuffered: bool = False) -> dict[str, str]:
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def run_benchmark(script: str, *args: str, devices: int = 1, timeout: float = 600) -> tuple[dict, str]:
+    """Run ``benchmarks/<script>`` of this checkout with ``args`` in a child process on ``devices`` CPU devices
+    (`cpu_env`); assert it exits 0 (showing the end of its stderr otherwise) and return (its last line, the JSON
+    every benchmark ends with, parsed; its whole stdout)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", script), *args], capture_output=True,
+                         text=True, timeout=timeout, env=cpu_env(devices), cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
