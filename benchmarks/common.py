@@ -58,11 +58,16 @@ def best_seconds(fn, repeats: int = 5) -> float:
 
 def raw_copy_seconds(nbytes: int, src, dst, repeats: int = 5) -> float:
     """Best time to copy one buffer of `nbytes` from device `src` to `dst` (a fresh buffer when they are
-    the same): the floor a weight hand-off of those bytes is compared with."""
+    the same), or to each device of a list `dst` in one call (a hand-off to several sampler replicas): the floor a
+    weight hand-off of those bytes is compared with."""
     import jax
     import jax.numpy as jnp
 
     x = jax.device_put(jnp.zeros((max(1, nbytes // 4),), jnp.float32), src)
+    if isinstance(dst, (list, tuple)):
+        if len(dst) > 1 or dst[0] != src:
+            return best_seconds(lambda: jax.device_put([x] * len(dst), list(dst), may_alias=False), repeats)
+        dst = dst[0]
     if src == dst:
         copy = jax.jit(jnp.copy)
         return best_seconds(lambda: copy(x), repeats)

@@ -165,20 +165,21 @@ def device_memory() -> dict | None:
 
 
 def measure_handoff(job) -> dict:
-    """The ParamChannel's reshard of the trainer's params vs a raw copy of the same bytes, same run."""
+    """The ParamChannel's reshard of the trainer's params vs a raw copy of the same bytes, same run (with sampler
+    replicas: a copy to each replica's first device, as the hand-off writes a whole copy on each)."""
     from areal_jax.system.params import tree_nbytes
 
     params = job.trainer.params
     handoff = best_seconds(lambda: job.channel.reshard(params))
     moved, source = job.channel.last_bytes, tree_nbytes(params)
     src = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
-    dst = next(iter(jax.tree.leaves(job.sampler.versioned_params()[1])[0].sharding.device_set))
+    dst = [m.devices.flat[0] for m in job.meshes.replica_meshes]
     raw = raw_copy_seconds(moved, src, dst)
     raw_source = raw_copy_seconds(source, src, dst) if source != moved else raw
-    return {"handoff_s": handoff, "bytes_moved": moved, "source_bytes": source, "raw_copy_s": raw,
+    return {"handoff_s": handoff, "bytes_moved": moved * len(dst), "source_bytes": source, "raw_copy_s": raw,
             "raw_copy_source_bytes_s": raw_source, "ratio_vs_raw_copy": handoff / raw,
-            "ratio_vs_raw_copy_source_bytes": handoff / raw_source, "colocated": src == dst,
-            "handoff_GBps": moved / handoff / 1e9}
+            "ratio_vs_raw_copy_source_bytes": handoff / raw_source, "colocated": dst == [src],
+            "handoff_GBps": moved * len(dst) / handoff / 1e9}
 
 
 def staleness_of(run_dir: str, eta: int | None) -> dict:
