@@ -171,15 +171,15 @@ def measure_handoff(job) -> dict:
 
     params = job.trainer.params
     handoff = best_seconds(lambda: job.channel.reshard(params))
-    moved, source = job.channel.last_bytes, tree_nbytes(params)
-    src = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
     dst = [m.devices.flat[0] for m in job.meshes.replica_meshes]
-    raw = raw_copy_seconds(moved, src, dst)
-    raw_source = raw_copy_seconds(source, src, dst) if source != moved else raw
-    return {"handoff_s": handoff, "bytes_moved": moved * len(dst), "source_bytes": source, "raw_copy_s": raw,
+    moved, source = job.channel.last_bytes, tree_nbytes(params)  # moved: every replica's copy
+    src = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
+    raw = raw_copy_seconds(moved // len(dst), src, dst)
+    raw_source = raw_copy_seconds(source, src, dst) if source * len(dst) != moved else raw
+    return {"handoff_s": handoff, "bytes_moved": moved, "source_bytes": source, "raw_copy_s": raw,
             "raw_copy_source_bytes_s": raw_source, "ratio_vs_raw_copy": handoff / raw,
             "ratio_vs_raw_copy_source_bytes": handoff / raw_source, "colocated": dst == [src],
-            "handoff_GBps": moved * len(dst) / handoff / 1e9}
+            "handoff_GBps": moved / handoff / 1e9}
 
 
 def staleness_of(run_dir: str, eta: int | None) -> dict:

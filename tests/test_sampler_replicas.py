@@ -181,6 +181,7 @@ def test_job_with_two_rollout_replicas(tmp_path):
         assert all(e.mesh == m for e, m in zip(job._evaluator.engine(), job.meshes.replica_meshes))
         one_copy = sum(x.nbytes for x in trainer_params)
         assert job.memory.rollout["sampler_params"] == one_copy  # the plan: a whole copy per rollout device
+        assert job.channel.last_bytes == 2 * one_copy  # a publish writes one copy on each replica
     finally:
         job.close()
     with open(os.path.join(c.run_dir, "samples.jsonl")) as f:

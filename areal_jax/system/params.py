@@ -93,7 +93,7 @@ class ParamChannel:
         self._cast = None
         self._targets = jax.tree.leaves(rollout_shardings)  # the rollout shardings, flat
         self._plans: dict = {}  # (treedef, source shardings) -> (addressable, colocated, bytes written)
-        self.last_bytes = 0  # bytes written on the rollout slice by the last reshard
+        self.last_bytes = 0  # bytes written on the rollout slice by the last reshard (each replica's copy counted)
 
     @classmethod
     def for_model(cls, model_or_state: nnx.Module | nnx.State, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
@@ -149,7 +149,9 @@ class ParamChannel:
             addressable = all(getattr(x, "is_fully_addressable", True) for x in leaves)
             colocated = all(x.sharding.device_set == t.device_set for x, t in zip(leaves, self._targets))
             written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), list(leaves))
-            plan = self._plans[key] = (addressable, colocated, tree_nbytes(written))
+            copies = [t.mesh.shape.get("replica", 1) if isinstance(t, NamedSharding) else 1 for t in self._targets]
+            nbytes = sum(tree_nbytes(w) * c for w, c in zip(written, copies))  # a whole copy per sampler replica
+            plan = self._plans[key] = (addressable, colocated, nbytes)
         return plan
 
     def reshard(self, params: nnx.State | FlatParams) -> FlatParams:
