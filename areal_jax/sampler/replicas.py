@@ -75,7 +75,7 @@ class SamplerReplicas:
                  timeline: Any = None, **loop_kwargs: Any) -> None:
         if not engines:
             raise ValueError("SamplerReplicas needs at least one engine.")
-        self._cond = threading.Condition()  # guards _emitted, _owner, _left, _next
+        self._cond = threading.Condition()  # guards _emitted, _owner, _left, _next; never held while taking a loop's
         self._emitted = 0
         self._owner: dict[Hashable, int] = {}  # request id -> replica serving it
         self._left: dict[Hashable, int] = {}  # request id -> samples not yet handed back
@@ -109,9 +109,11 @@ class SamplerReplicas:
         """Queue ``request`` (all its n samples) on the replica with the fewest samples pending."""
         with self._cond:
             i = self._owner.get(request.id)
-            if i is None:
-                i = min(range(len(self.loops)), key=lambda j: (self.loops[j].num_pending(), j))
-            self._owner[request.id] = i
+        if i is None:  # a loop's lock is never taken under ours (a loop's thread takes ours under its own: _notify)
+            pending = [loop.num_pending() for loop in self.loops]
+            i = min(range(len(pending)), key=lambda j: (pending[j], j))
+        with self._cond:
+            i = self._owner.setdefault(request.id, i)
             self._left[request.id] = self._left.get(request.id, 0) + int(request.n)
         self.loops[i].submit(request)
 
