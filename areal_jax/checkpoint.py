@@ -189,11 +189,14 @@ class Checkpointer:
         self._prune_meta()
 
     def _prune_meta(self) -> None:
-        """Remove this process's meta files of steps orbax no longer keeps (bounded disk use)."""
-        kept = {str(s) for s in self.all_steps()}
+        """Remove this process's meta files of steps orbax no longer keeps (bounded disk use). Only steps older than
+        the newest kept one: a newer step may be one another process is saving right now (its meta directory made,
+        its file not yet written)."""
+        steps = self.all_steps()
+        kept = {str(s) for s in steps}
         for step_dir in self.meta_root.iterdir():
             name = step_dir.name
-            if name in kept or not name.isdigit():
+            if name in kept or not name.isdigit() or not steps or int(name) > max(steps):
                 continue
             own = f"process_{jax.process_index()}.json"
             try:

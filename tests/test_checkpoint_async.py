@@ -145,3 +145,17 @@ def test_local_state_bytes_counts_each_shard_this_process_writes_once():
     half = jax.device_put(x, NamedSharding(mesh, PartitionSpec("a")))  # each row block on two devices
     for arr in (replicated, split, half):
         assert local_state_bytes({"w": arr, "n": 3}) == 8 * 16 * 4
+
+
+def test_pruning_spares_a_newer_step_another_process_is_saving(tmp_path):
+    """Meta directories of steps newer than the newest kept step may belong to a save in progress on another
+    process (its directory made, its file not yet written): pruning removes only older ones."""
+    ck = Checkpointer(str(tmp_path), keep=1, async_save=True)
+    ck.save(1, _state(1.0), {"version": 1})
+    in_progress = tmp_path / "checkpoint_meta" / "3"
+    in_progress.mkdir()  # another process's save of step 3, between its makedirs and its write
+    ck.save(2, _state(2.0), {"version": 2})
+    ck.wait()  # prunes
+    assert ck.all_steps() == [2] and in_progress.is_dir()
+    assert sorted(os.listdir(tmp_path / "checkpoint_meta")) == ["2", "3"]  # step 1's own meta went with its state
+    ck.close()
