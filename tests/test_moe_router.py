@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,6 +71,69 @@ def test_stats_agree_unrolled_scanned_and_rematerialised():
         np.testing.assert_allclose(np.asarray(stats), np.asarray(ref), atol=1e-5)
     dense = random_model(tiny_config("qwen3"), seed=2)
     assert dense.hidden(tokens, segment_ids=segments, router_stats=True)[1] is None
+
+
+def test_the_statistics_come_from_the_experts_own_routing():
+    """One router product per layer: the statistics reuse the logits and the top-k picks the experts ran with."""
+    from areal_jax.models.moe import MoE
+
+    cfg = tiny_config("qwen3_moe")
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, cfg.hidden_size))
+    mask = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    out, stats = layer(x, mask)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(layer(x)))
+    logits = jnp.dot(x.reshape(-1, cfg.hidden_size), layer.router[...], preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(stats), np.asarray(router_stats(logits, cfg.num_experts_per_tok,
+                                                                          mask.reshape(-1))), atol=1e-6)
+
+    def router_products(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and eqn.invars[1].aval.shape == layer.router.shape:
+                n += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += router_products(sub)
+        return n
+
+    assert router_products(jax.make_jaxpr(lambda v: layer(v, mask))(x).jaxpr) == 1
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_stats_and_aux_gradient_on_a_2x2_mesh_equal_one_devices(impl):
+    """Under a mesh context each device routes its own rows inside the experts' shard_map and returns its rows'
+    statistics, summed outside it: the statistics and the gradient of the load-balancing loss equal one device's."""
+    from jax.sharding import AxisType
+
+    from areal_jax.models import shard_params
+
+    cfg = tiny_config("qwen3_moe", num_layers=2, moe_impl=impl)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (4, 10)), jnp.int32)
+    segments = jnp.asarray([[1] * 10, [1] * 6 + [0] * 4, [1] * 3 + [2] * 7, [0] * 10], jnp.int32)
+
+    def loss(m):
+        h, stats = m.hidden(tokens, segment_ids=segments, router_stats=True)
+        return load_balancing_loss(stats, jnp.sum(segments > 0)) + 1e-3 * jnp.mean(h.astype(jnp.float32) ** 2), stats
+
+    (want, want_stats), want_grad = nnx.value_and_grad(loss, has_aux=True)(random_model(cfg, seed=5))
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    model = shard_params(random_model(cfg, seed=5), mesh)
+
+    @nnx.jit
+    def sharded(m):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.value_and_grad(loss, has_aux=True)(m)
+
+    (got, got_stats), got_grad = sharded(model)
+    assert float(want_stats[:, 0].sum()) == 2 * 26 * cfg.num_experts_per_tok  # every real token's picks, per layer
+    np.testing.assert_allclose(np.asarray(got_stats), np.asarray(want_stats), atol=1e-5)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    router_grads = [(g, w) for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_grad),
+                                                        jax.tree_util.tree_leaves_with_path(want_grad))
+                    if "router" in jax.tree_util.keystr(path)]
+    assert len(router_grads) == 2 and all(float(jnp.abs(w).max()) > 1e-4 for _, w in router_grads)
+    for g, w in zip(jax.tree_util.tree_leaves(got_grad), jax.tree_util.tree_leaves(want_grad)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4)
 
 
 def _trainer(model, **kw):

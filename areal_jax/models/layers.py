@@ -322,14 +322,16 @@ class DecoderLayer(nnx.Module):
                  router_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array | None]:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
-        caller's function may also write. With router_mask [B, T] returns (x, the experts' `MoE.router_stats` over
+        caller's function may also write. With router_mask [B, T] returns (x, the experts' `moe.router_stats` over
         the masked tokens, None for a dense layer)."""
         stats = []
 
         def ffn(h: jax.Array) -> jax.Array:
-            if router_mask is not None and hasattr(self.mlp, "router_stats"):
-                stats.append(self.mlp.router_stats(h, router_mask))
-            return self.mlp(h)
+            if router_mask is None or isinstance(self.mlp, MLP):
+                return self.mlp(h)
+            out, layer_stats = self.mlp(h, router_mask)
+            stats.append(layer_stats)
+            return out
 
         q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
         a = self.attn.out(attend(q, k, v))

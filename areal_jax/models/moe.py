@@ -7,7 +7,7 @@ renormalises) as the weights. There is no capacity limit and no token is dropped
 that token alone: the trainer's packed rows, the sampler's decode steps and HF's forward agree whatever else is in
 the batch, which the PPO ratios need.
 
-Router statistics (`MoE.router_stats`: per layer, how often each expert is picked and its summed probability over
+Router statistics (`MoE(x, router_mask)`: per layer, how often each expert is picked and its summed probability over
 the real tokens) give the trainer its load metrics and the optional load-balancing loss (`load_balancing_loss`,
 transformers' Switch-style auxiliary loss; `train.router_aux_coef`, off by default: a reinforcement-learning update
 of a trained router).
@@ -70,13 +70,15 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
     return weights, experts.astype(jnp.int32)
 
 
-def router_stats(logits: jax.Array, k: int, mask: jax.Array) -> jax.Array:
+def router_stats(logits: jax.Array, k: int, mask: jax.Array, experts: jax.Array | None = None) -> jax.Array:
     """[2, E] float32 of router logits [N, E] over the tokens where mask [N] is set: row 0 counts each expert's
-    top-k picks, row 1 sums its softmax probability (differentiable; the counts are not)."""
+    top-k picks, row 1 sums its softmax probability (differentiable; the counts are not). experts [N, k]: the picks
+    when the caller has routed already (`route` of the same logits), else taken here."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     m = mask.astype(jnp.float32)[:, None]
-    picks = jax.nn.one_hot(jax.lax.top_k(probs, k)[1], probs.shape[-1], dtype=jnp.float32).sum(axis=1)
-    return jnp.stack([jax.lax.stop_gradient(jnp.sum(picks * m, axis=0)), jnp.sum(probs * m, axis=0)])
+    picks = jax.lax.top_k(probs, k)[1] if experts is None else experts
+    counts = jax.nn.one_hot(picks, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+    return jnp.stack([jax.lax.stop_gradient(jnp.sum(counts * m, axis=0)), jnp.sum(probs * m, axis=0)])
 
 
 def load_balancing_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -177,9 +179,9 @@ def _pallas_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arra
     return _blocked_experts(x, gate, up, down, weights, experts, kernel=fits)
 
 
-def _routing(h: jax.Array, router: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights, experts) [N, k] of tokens h [N, D] through router [D, E] (logits accumulated in float32)."""
-    return route(jnp.dot(h, router, preferred_element_type=jnp.float32), k, renormalize)
+def _router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
+    """[N, E] float32 router logits of tokens h [N, D] through router [D, E] (accumulated in float32)."""
+    return jnp.dot(h, router, preferred_element_type=jnp.float32)
 
 
 _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts,
@@ -210,29 +212,28 @@ class MoE(nnx.Module):
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights, experts), each [..., k], of tokens x [..., D]."""
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        weights, experts = _routing(h, self.router[...].astype(self.dtype), self.top_k, self.renormalize)
+        weights, experts = route(_router_logits(h, self.router[...].astype(self.dtype)), self.top_k, self.renormalize)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
 
-    def router_stats(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        """`router_stats` [2, E] of tokens x [..., D] where mask [...] is set."""
-        h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        logits = jnp.dot(h, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
-        return router_stats(logits, self.top_k, mask.reshape(-1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., D] -> [..., D] in the compute dtype."""
+    def __call__(self, x: jax.Array, router_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """x: [..., D] -> [..., D] in the compute dtype; with router_mask [...] also the layer's `router_stats`
+        [2, E] over the tokens where it is set, from the routing the experts ran with (one router product)."""
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         path = _PATHS[resolve_moe_impl(self.impl)]
-        k, renormalize = self.top_k, self.renormalize
+        k, renormalize, stats = self.top_k, self.renormalize, router_mask is not None
+        mask = (jnp.zeros(h.shape[0], bool) if router_mask is None else router_mask.reshape(-1)).astype(jnp.float32)
 
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
 
-        def experts(h, router, gate, up, down):
-            weights, chosen = _routing(h, router, k, renormalize)
+        def experts(h, mask, router, gate, up, down):
+            logits = _router_logits(h, router)
+            weights, chosen = route(logits, k, renormalize)
             out = path(h, gate, up, down, weights, chosen)
-            return jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
+            out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
+            # the statistics of this shard's rows, on a leading axis of one per row shard (summed outside)
+            return out, (router_stats(logits, k, mask, chosen)[None] if stats else jnp.zeros((1,), jnp.float32))
 
         if by_rows or by_width:
             # Under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
@@ -242,13 +243,15 @@ class MoE(nnx.Module):
             # and up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
             width = TENSOR_AXIS if by_width else None
-            specs = (rows, PartitionSpec(), PartitionSpec(None, None, width), PartitionSpec(None, None, width),
-                     PartitionSpec(None, width, None))
+            specs = (rows, PartitionSpec(rows[0]), PartitionSpec(), PartitionSpec(None, None, width),
+                     PartitionSpec(None, None, width), PartitionSpec(None, width, None))
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
-            experts = jax.shard_map(experts, in_specs=specs, out_specs=rows, axis_names=axes, check_vma=False)
-        out = experts(h, *(p[...].astype(self.dtype) for p in
-                           (self.router, self.experts_gate, self.experts_up, self.experts_down)))
+            experts = jax.shard_map(experts, in_specs=specs, out_specs=(rows, PartitionSpec(rows[0])),
+                                    axis_names=axes, check_vma=False)
+        out, layer_stats = experts(h, mask, *(p[...].astype(self.dtype) for p in
+                                              (self.router, self.experts_gate, self.experts_up, self.experts_down)))
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)
-        return out.reshape(x.shape)
+        out = out.reshape(x.shape)
+        return (out, layer_stats.sum(axis=0)) if stats else out
