@@ -41,8 +41,9 @@ from common import add_model_args, model_config  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from areal_jax.runtime.mesh import MESH_AXES, ROLLOUT_AXES, replica_meshes  # noqa: E402
+from areal_jax.runtime.mesh import MESH_AXES, replica_meshes, rollout_mesh  # noqa: E402
 from areal_jax.sampler import Engine, Request, SamplerLoop  # noqa: E402
+from areal_jax.sampler.introspect import decode_steps_program  # noqa: E402
 from areal_jax.sampler.replicas import SamplerReplicas  # noqa: E402
 from areal_jax.system.loadgen import long_tail_lengths  # noqa: E402
 from areal_jax.system.params import ParamChannel  # noqa: E402
@@ -68,9 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def dispatch_cost(engine: Engine, params, k: int) -> dict[str, float]:
     """Per-device FLOPs and collective bytes of one decode step of the engine's compiled k-step dispatch (the
     loop's body, which XLA's analysis and the program text hold once)."""
-    keys = np.zeros((k, 2), np.uint32)
-    compiled = engine._jit_generate_steps.lower(engine.place_params(params), engine.init_decode_state(), keys,
-                                                filters=engine.sampling_filters).compile()
+    compiled = decode_steps_program(engine, params, k)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     found = collectives(compiled.as_text())
@@ -83,7 +82,7 @@ def build(layout: str, model, devices, slots: int, max_len: int, k: int, seed: i
     """(sampler, engines) of one layout."""
     n = len(devices)
     if layout == "replicas":
-        mesh = Mesh(np.array(devices).reshape(n, 1), ROLLOUT_AXES)
+        mesh = rollout_mesh(devices, n, 1)
         params = ParamChannel.for_model(model, mesh).reshard(nnx.split(model)[1])
         engines = [Engine(model, num_slots=slots // n, max_len=max_len, mesh=m) for m in replica_meshes(mesh)]
         sampler = SamplerReplicas(engines, params, decode_steps=k, seed=seed)

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.sampler import Engine, SamplingParams, sample_tokens
+from areal_jax.sampler.introspect import decode_steps_program
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.sampler.sampling import NO_FILTERS, SamplingFilters
 from areal_jax.testing import models as testing
@@ -35,9 +36,7 @@ def model():
 
 def control_flow(engine, params, k=4):
     """(conditionals, loops whose trip count XLA does not know) in the compiled k-step dispatch."""
-    keys = np.zeros((k, 2), np.uint32)
-    hlo = engine._jit_generate_steps.lower(params, engine.init_decode_state(), keys,
-                                           filters=engine.sampling_filters).compile().as_text()
+    hlo = decode_steps_program(engine, params, k).as_text()
     loops = re.findall(r"^.* while\(.*$", hlo, flags=re.M)
     assert loops, "the k-step loop is missing from the program"
     return len(re.findall(r" conditional\(", hlo)), [w[:160] for w in loops if "known_trip_count" not in w]

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.models import logical_to_mesh_sharding
-from areal_jax.runtime.mesh import ROLLOUT_AXES, MeshConfig, build_meshes, replica_meshes
+from areal_jax.runtime.mesh import ROLLOUT_AXES, MeshConfig, build_meshes, replica_meshes, rollout_mesh
 from areal_jax.sampler import Engine, Request
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.sampler.replicas import SamplerReplicas, split_replicas
@@ -43,6 +43,10 @@ def test_build_meshes_gives_replicas_and_their_meshes():
     rows = setup.replica_meshes
     assert [[d.id for d in m.devices.flat] for m in rows] == [[1], [2], [3]]
     assert all(m.axis_names == ROLLOUT_AXES and dict(m.shape) == {"replica": 1, "tensor": 1} for m in rows)
+    sub = rollout_mesh(jax.devices()[1:], 1, 2)  # what `evaluate --replicas=1 --tensor=2` builds: a subset, in order
+    assert sub.axis_names == ROLLOUT_AXES and [d.id for d in sub.devices.flat] == [1, 2]
+    with pytest.raises(ValueError, match="2 rollout replicas x 3 tensor devices do not fit the 4 devices"):
+        rollout_mesh(jax.devices()[:4], 2, 3)
 
 
 def test_weights_replicate_over_replicas_and_split_without_a_copy(models, mesh):

@@ -174,7 +174,6 @@ def pass_at_powers(correct: list[int], k: int) -> dict[str, float]:
 def evaluate(settings: EvalSettings, log: Any = print) -> dict:
     """Load the policy, evaluate it as ``settings`` say, write the records; returns the results (the JSON line)."""
     import jax
-    import numpy as np
 
     from areal_jax.evaluation.scoring import evaluate_examples
     from areal_jax.evaluation.sets import evaluate_sets, example_budgets, flatten, load_eval_sets
@@ -189,9 +188,9 @@ def evaluate(settings: EvalSettings, log: Any = print) -> dict:
                          f"host has ({len(devices)}); lower one of them.")
     mesh = None  # one engine per replica, a whole copy of the weights over its tensor devices
     if settings.tensor * replicas > 1:
-        from areal_jax.runtime.mesh import ROLLOUT_AXES
+        from areal_jax.runtime.mesh import rollout_mesh
 
-        mesh = jax.sharding.Mesh(np.array(devices[:settings.tensor * replicas]).reshape(replicas, -1), ROLLOUT_AXES)
+        mesh = rollout_mesh(devices, replicas, settings.tensor)
     if settings.run_dir is not None:
         from areal_jax.programs.export import restore_policy
 

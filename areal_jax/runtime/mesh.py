@@ -89,6 +89,16 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
             for i in range(mesh.devices.shape[0])]
 
 
+def rollout_mesh(devices: Sequence[jax.Device], replicas: int, tensor: int) -> Mesh:
+    """The rollout mesh (axes ROLLOUT_AXES) over the first replicas * tensor of `devices`, in their order: row i is
+    replica i's devices."""
+    devices = list(devices)
+    if replicas < 1 or tensor < 1 or replicas * tensor > len(devices):
+        raise ValueError(f"{replicas} rollout replicas x {tensor} tensor devices do not fit the {len(devices)} devices "
+                         "given; lower one of them.")
+    return Mesh(np.array(devices[:replicas * tensor], dtype=object).reshape(replicas, tensor), ROLLOUT_AXES)
+
+
 def _split_counts(cfg: MeshConfig, n_local: int) -> tuple[int, int, bool]:
     """Return (n_train, n_rollout, colocated) per host from the config and the local device count."""
     counts_given = cfg.train_devices is not None or cfg.rollout_devices is not None
@@ -217,5 +227,5 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     rollout_local = local[:n_rollout] if colocated else local[n_train:n_train + n_rollout]
     r_tensor = n_rollout if cfg.rollout_tensor == -1 else cfg.rollout_tensor
     replicas, r_tensor = _axis_sizes(n_rollout, -1, r_tensor, ("rollout replicas", "rollout_tensor"), "rollout")
-    rollout_mesh = Mesh(np.array(rollout_local, dtype=object).reshape(replicas, r_tensor), ROLLOUT_AXES)
-    return MeshSetup(train_mesh=train_mesh, rollout_mesh=rollout_mesh, colocated=colocated)
+    return MeshSetup(train_mesh=train_mesh, rollout_mesh=rollout_mesh(rollout_local, replicas, r_tensor),
+                     colocated=colocated)
