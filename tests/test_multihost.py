@@ -1,4 +1,5 @@
-"""Two cooperating processes on this host (2 CPU devices each: 1 train + 1 rollout), gloo collectives.
+"""Two cooperating processes on this host (2 CPU devices each: 1 train + 1 rollout; the resumed run 1 train + 2
+rollout replicas), gloo collectives.
 
 Checked from each process's own records: params digests after every publish (the trainer's params,
 gathered independently, are identical on both processes and equal what each rollout slice received and
@@ -88,13 +89,16 @@ def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     retired = [json.load(open(os.path.join(run_dir, "checkpoint_meta", "3", f"process_{p}.json")))["retirement"]
                ["retired"] for p in range(2)]  # each process retires the tasks of its own shard
     assert any(retired) and not set(retired[0]) & set(retired[1])
-    # Resume from the multi-host checkpoint and continue to step 5.
-    code = launch(2, 2, ["areal_jax.main", *_job_args(assets, 5), *store_dir], os.path.join(assets, "logs2"),
+    # Resume from the multi-host checkpoint and continue to step 5, now with two rollout replicas per process (one
+    # sampler on each of two devices; the checkpoint holds nothing of the rollout layout).
+    replicas = ["--config.mesh.rollout_devices=2", "--config.mesh.rollout_tensor=1"]
+    code = launch(2, 3, ["areal_jax.main", *_job_args(assets, 5), *store_dir, *replicas], os.path.join(assets, "logs2"),
                   module="areal_jax.testing.fake_store",
                   timeout_s=400, echo=False)
     log0 = open(os.path.join(assets, "logs2", "process_0.log")).read()
     assert code == 0, log0[-3000:]
     assert "Resumed from checkpoint step 3" in log0
+    assert "(rollout: 2 replicas x 1 tensor device)" in log0, log0[-3000:]
     _check_digests(run_dir, 5)
     assert json.load(open(os.path.join(run_dir, "summary.json")))["steps"] == 5  # written by process 0
     for p in range(2):  # restored from its own meta file, and kept

@@ -134,7 +134,9 @@ class RLJob:
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.replica_meshes[0])  # sampler programs, kv_pages
         self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="
                  f"{self.rollout_cfg.kv_pages}")
-        self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} ...")
+        r, t = self.meshes.rollout_mesh.devices.shape
+        self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} (rollout: {r} "
+                 f"replica{'s' * (r > 1)} x {t} tensor device{'s' * (t > 1)}) ...")
         with user_errors.model_dir(c.model.path):
             model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
                                        dtype=dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
