@@ -24,7 +24,6 @@ from areal_jax import knobs, paths
 from areal_jax.checkpoint import Checkpointer, example_to_json, write_json
 from areal_jax.config import JobConfig
 from areal_jax.data.sources import source_summary
-from areal_jax.models.hf_io import DTYPES
 from areal_jax.rewards.config import MATH_REWARD_WARMUP  # noqa: F401  (re-exported: what a math worker scores first)
 from areal_jax.runtime import multihost
 from areal_jax.sampler.turns import FeedbackTurns, repair_turn_notes
@@ -33,6 +32,7 @@ from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.hf_export import HFExporter
 from areal_jax.system.interfaces import ManagedSampler
+from areal_jax.system.parts import load_policy, rollout_channel
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
@@ -71,15 +71,12 @@ class RLJob:
     def _build(self, log_fn: Callable[..., None]) -> None:
         from areal_jax import metrics
         from areal_jax.data.sources import load_train_prompts, source_names
-        from areal_jax.models import load_hf_checkpoint
         from areal_jax.models.config import ModelConfig
         from areal_jax.runtime.distributed import is_primary
         from areal_jax.runtime.mesh import build_meshes
         from areal_jax.sampler.replicas import make_sampler
         from areal_jax.system.memory import JobMemory
-        from areal_jax.system.params import ParamChannel
         from areal_jax.tokenizer import Tokenizer
-        from areal_jax.trainer import Trainer
 
         c, close_later = self.config, self._exit
         self.primary = is_primary()
@@ -137,25 +134,9 @@ class RLJob:
         r, t = self.meshes.rollout_mesh.devices.shape
         self.log(f"Loading {c.model.path} onto the train mesh {dict(self.meshes.train_mesh.shape)} (rollout: {r} "
                  f"replica{'s' * (r > 1)} x {t} tensor device{'s' * (t > 1)}) ...")
-        with user_errors.model_dir(c.model.path):
-            model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                       dtype=dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
+        model, self.trainer = load_policy(c, self.meshes, train_cfg)
         self.model_config = model.cfg
-        lora_cfg = c.lora if c.lora.enabled else None  # adapters only are trained, the base is frozen
-        if lora_cfg is not None:
-            from areal_jax.models.lora import apply_lora
-
-            apply_lora(model, lora_cfg, rngs=nnx.Rngs(c.seed))
-        ref_model = None
-        if c.train.kl_coef > 0:  # the reference policy for the KL penalty: the starting checkpoint, frozen
-            ref_model = load_hf_checkpoint(c.model.path, mesh=self.meshes.train_mesh, param_dtype=param_dtype,
-                                           dtype=dtype, max_len=c.rollout.max_len, moe_impl=c.model.moe_impl)
-            if lora_cfg is not None:  # same seed: the same A, B = 0, so exactly the starting checkpoint
-                apply_lora(ref_model, lora_cfg, rngs=nnx.Rngs(c.seed))
-        self.trainer = Trainer(model, train_cfg, self.meshes.train_mesh, ref_model=ref_model,
-                               wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam,
-                               schedule_steps=c.optimizer_steps, max_staleness=c.rollout.eta)
-        self.graphdef = nnx.graphdef(model)
+        lora_cfg = c.lora if c.lora.enabled else None
 
         self.checkpoint_clock = runner.CheckpointClock(c.checkpoint.every_steps, c.checkpoint.every_minutes)
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
@@ -179,20 +160,7 @@ class RLJob:
         close_later.callback(self.timeline.close)  # saves timeline.json and removes its spool
 
         r = self.rollout_cfg
-        sampler_dtype = None if r.param_dtype == "same" else DTYPES[r.param_dtype]
-        if lora_cfg is None:
-            self.channel = ParamChannel.for_model(
-                self.trainer.params, self.meshes.rollout_mesh, train_mesh=self.meshes.train_mesh,
-                dtype=sampler_dtype,
-            )
-        else:  # the base crosses once; each publish moves the adapters only
-            from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
-
-            self.channel = AdapterChannel(
-                self.trainer.params, self.meshes.rollout_mesh, scale=lora_cfg.scale, mode=lora_cfg.sampler,
-                dtype=sampler_dtype, train_mesh=self.meshes.train_mesh,
-            )
-            self.graphdef = sampler_graphdef(model, lora_cfg.sampler)
+        self.channel, self.graphdef = rollout_channel(c, model, self.trainer, self.meshes, r)
         rollout_params = self.channel.reshard(self.trainer.params)
         self.sampler: ManagedSampler = make_sampler(  # one SamplerLoop per rollout replica (sampler.replicas)
             r, model if lora_cfg is None else self.graphdef, self.meshes.rollout_mesh, rollout_params,
