@@ -124,8 +124,9 @@ def test_experts_run_per_row_shard_and_per_width_shard():
         eqns = jax.make_jaxpr(lambda v: layer(v))(x).jaxpr.eqns
     (sm,) = [e for e in eqns if e.primitive.name == "shard_map"]
     assert sm.params["in_specs"][0] == PartitionSpec("fsdp", None)
-    assert sm.params["in_specs"][1:3] == (PartitionSpec("fsdp"), PartitionSpec())  # token mask, router
-    assert sm.params["in_specs"][3:] == (PartitionSpec(None, None, "tensor"), PartitionSpec(None, None, "tensor"),
+    # the token mask, the given routes (replay), the router
+    assert sm.params["in_specs"][1:4] == (PartitionSpec("fsdp"), PartitionSpec("fsdp", None), PartitionSpec())
+    assert sm.params["in_specs"][4:] == (PartitionSpec(None, None, "tensor"), PartitionSpec(None, None, "tensor"),
                                          PartitionSpec(None, "tensor", None))
     inner = str(sm.params["jaxpr"])
     assert "psum" in inner and inner.count("pallas_call") == 3

@@ -1,8 +1,10 @@
 """A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms), a Gemma 2 one
 (soft caps), a Phi one (partial rotary embeddings, LongRoPE's long factors chosen by the run's max_len) and a
-Qwen3-MoE one (experts in two layers of three, a dense MLP between): the
+Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout routing replay): the
 memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
-log-prob the sampler recorded equals a full forward of the policy version that generated it."""
+log-prob the sampler recorded equals a full forward of the policy version that generated it (and for the
+mixture of experts, every route it recorded the experts that forward picks)."""
+import json
 import os
 
 import jax
@@ -35,6 +37,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     c.checkpoint.hf_every_steps = 2
     if arch == "qwen3_moe":  # the experts through jax.lax.ragged_dot (the CPU's default is blocked)
         c.model.moe_impl = "ragged"
+        c.train.router_replay = "replay"  # the sampler records each sample's experts; the trainer replays them
     lines, trained = [], []
     job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
     update = job.trainer.update
@@ -64,8 +67,15 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         logp = jax.nn.log_softmax(start(jnp.asarray(seq[None]))[0], axis=-1)
         want = np.asarray(logp[n - 1:-1])[np.arange(len(seq) - n), seq[n:]]
         np.testing.assert_allclose(t.behav_logp, want, atol=2e-4)
+        if arch == "qwen3_moe":  # routes of every token (prompt too) of a sample that ran at version 0 only
+            routes = start.hidden(jnp.asarray(seq[None]), record_routes=True)[1]["routes"][0]
+            np.testing.assert_array_equal(np.sort(t.routes, -1), np.sort(np.asarray(routes), -1))
         checked += 1
     assert checked >= 2
+    if arch == "qwen3_moe":
+        steps = [m for m in map(json.loads, open(os.path.join(c.run_dir, "metrics.jsonl"))) if "train/loss" in m]
+        agreement = [m["train/moe_route_agreement"] for m in steps]
+        assert len(agreement) == 2 and all(0.5 < a <= 1.0 for a in agreement), agreement
     exported = load_hf_checkpoint(os.path.join(c.run_dir, "hf", "step_2"))
     assert exported.cfg.layer_types == cfg.layer_types and exported.cfg.sliding_window == window.get("sliding_window")
     assert exported.cfg.replace(dtype=cfg.dtype) == cfg.replace(eos_token_id=exported.cfg.eos_token_id)

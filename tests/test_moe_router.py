@@ -49,7 +49,7 @@ def test_load_balancing_loss_matches_transformers(tmp_path, arch, layers):
     mask[1, 11:] = 0  # padding at the end of row 1
     with torch.no_grad():
         out = hf(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
-    _, stats = ours.hidden(jnp.asarray(tokens), segment_ids=jnp.asarray(mask), router_stats=True)
+    stats = ours.hidden(jnp.asarray(tokens), segment_ids=jnp.asarray(mask), router_stats=True)[1]["stats"]
     assert stats.shape == (sum(cfg.layer_is_moe(i) for i in range(3)), 2, 6)
     got = float(load_balancing_loss(stats, jnp.sum(jnp.asarray(mask))))
     assert got == pytest.approx(float(out.aux_loss), rel=1e-5)
@@ -63,10 +63,12 @@ def test_stats_agree_unrolled_scanned_and_rematerialised():
     segments = jnp.asarray([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3], jnp.int32)
     plain = model.hidden(tokens, segment_ids=segments)
     ref_h, ref = model.hidden(tokens, segment_ids=segments, router_stats=True)
+    ref = ref["stats"]
     np.testing.assert_array_equal(np.asarray(ref_h), np.asarray(plain))  # the forward itself is unchanged
     assert float(ref[:, 0].sum()) == 4 * 21 * cfg.num_experts_per_tok  # every real token's picks, every layer
     for kw in ({"scan_layers": True}, {"remat": "full"}, {"scan_layers": True, "remat": "dots"}):
         h, stats = model.hidden(tokens, segment_ids=segments, router_stats=True, **kw)
+        stats = stats["stats"]
         np.testing.assert_allclose(np.asarray(h), np.asarray(plain), atol=1e-5)
         np.testing.assert_allclose(np.asarray(stats), np.asarray(ref), atol=1e-5)
     dense = random_model(tiny_config("qwen3"), seed=2)
@@ -81,7 +83,8 @@ def test_the_statistics_come_from_the_experts_own_routing():
     layer = MoE(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 6, cfg.hidden_size))
     mask = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
-    out, stats = layer(x, mask)
+    out, extras = layer(x, mask)
+    stats = extras["stats"]
     np.testing.assert_array_equal(np.asarray(out), np.asarray(layer(x)))
     logits = jnp.dot(x.reshape(-1, cfg.hidden_size), layer.router[...], preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(stats), np.asarray(router_stats(logits, cfg.num_experts_per_tok,
@@ -113,6 +116,7 @@ def test_stats_and_aux_gradient_on_a_2x2_mesh_equal_one_devices(impl):
 
     def loss(m):
         h, stats = m.hidden(tokens, segment_ids=segments, router_stats=True)
+        stats = stats["stats"]
         return load_balancing_loss(stats, jnp.sum(segments > 0)) + 1e-3 * jnp.mean(h.astype(jnp.float32) ** 2), stats
 
     (want, want_stats), want_grad = nnx.value_and_grad(loss, has_aux=True)(random_model(cfg, seed=5))
@@ -146,7 +150,7 @@ def test_trainer_reports_the_load_and_the_aux_loss_enters_the_objective():
     trajs = random_trajectories(6, vocab=cfg.vocab_size, seed=1)
     model = random_model(cfg, seed=4)
     # The reference: the loss over every input token of the batch (each trajectory but its last token), one micro-step.
-    stats = sum(np.asarray(model.hidden(jnp.asarray(t.tokens[None, :-1]), router_stats=True)[1]) for t in trajs)
+    stats = sum(np.asarray(model.hidden(jnp.asarray(t.tokens[None, :-1]), router_stats=True)[1]["stats"]) for t in trajs)
     n = sum(len(t.tokens) - 1 for t in trajs)
     want = float(load_balancing_loss(jnp.asarray(stats), jnp.asarray(n)))
     load = stats[:, 0] / stats[:, 0].mean(axis=1, keepdims=True)
@@ -170,7 +174,7 @@ def test_router_aux_gradient_moves_the_router_toward_balance():
     graphdef, params = nnx.split(model)
 
     def aux(p):
-        _, stats = nnx.merge(graphdef, p).hidden(tokens, router_stats=True)
+        stats = nnx.merge(graphdef, p).hidden(tokens, router_stats=True)[1]["stats"]
         return load_balancing_loss(stats, jnp.asarray(tokens.size))
 
     grads = jax.grad(aux)(params)

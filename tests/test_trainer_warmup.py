@@ -39,7 +39,8 @@ def _mesh():
     dict(prox_mode="loglinear", ppo_minibatches=2),
     dict(critic="value_head", kl_coef=0.1),
     dict(prox_mode="loglinear", arch="qwen3_moe"),  # its metric sums hold the router's counts too
-], ids=["recompute", "loglinear", "critic_kl", "moe"])
+    dict(arch="qwen3_moe", router_replay="replay"),  # its micro-steps hold the sampler's routes too
+], ids=["recompute", "loglinear", "critic_kl", "moe", "moe_replay"])
 def test_an_update_in_the_warmed_shape_compiles_none_of_its_programs(options):
     # A model and budget no other test uses, so nothing of this shape is compiled in the process already.
     options = dict(options)
@@ -53,11 +54,16 @@ def test_an_update_in_the_warmed_shape_compiles_none_of_its_programs(options):
     before = {k: COMPILES[k] for k in UPDATE_PROGRAMS}
     assert before["jit(accumulate)"] >= 1 and before["jit(apply)"] >= 1
     trajs = random_trajectories(12, vocab=model_cfg.vocab_size, seed=1, min_len=8, max_len=30)
+    if cfg.router_replay != "off":  # two expert layers, two of four experts per token
+        rng = np.random.default_rng(3)
+        for t in trajs:
+            t.routes = np.stack([rng.permutation(4)[:2] for _ in range(2 * len(t.tokens))]).reshape(-1, 2, 2)
     metrics = trainer.update(trajs)
     assert trainer.layouts.compiled == {(32, 6)}  # packed in the warmed shape
     assert metrics["compiled_shapes"] == 1 and metrics["micro_steps"] >= 1 and np.isfinite(metrics["loss"])
     assert {k: COMPILES[k] for k in UPDATE_PROGRAMS} == before
     assert ("moe_max_load" in metrics) == (model_cfg.num_experts > 0)
+    assert ("moe_route_agreement" in metrics) == (cfg.router_replay != "off")
 
 
 def test_a_background_warm_up_records_the_shape_at_once_and_compiles_in_a_thread():

@@ -6,6 +6,7 @@ Every parameter is an `nnx.Param` annotated with logical axis names (see shardin
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -318,19 +319,22 @@ class DecoderLayer(nnx.Module):
         self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend,
-                 router_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array | None]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,
+                 routes: jax.Array | None = None, replay: bool = False, record: bool = False) -> Any:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
-        caller's function may also write. With router_mask [B, T] returns (x, the experts' `moe.router_stats` over
-        the masked tokens, None for a dense layer)."""
-        stats = []
+        caller's function may also write. routes [B, T, k], replay: a mixture-of-experts layer's given experts
+        (`MoE.__call__`). With
+        router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer)."""
+        extras: list[dict] = []
 
         def ffn(h: jax.Array) -> jax.Array:
-            if router_mask is None or isinstance(self.mlp, MLP):
+            if isinstance(self.mlp, MLP):
                 return self.mlp(h)
-            out, layer_stats = self.mlp(h, router_mask)
-            stats.append(layer_stats)
+            if router_mask is None and not record:
+                return self.mlp(h, routes=routes, replay=replay)
+            out, found = self.mlp(h, router_mask, routes=routes, replay=replay, record=record)
+            extras.append(found)
             return out
 
         q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
@@ -345,4 +349,4 @@ class DecoderLayer(nnx.Module):
         else:
             x = x + self.post_attn_norm(a)
             x = x + self.post_ffn_norm(ffn(x if self.pre_ffn_norm is None else self.pre_ffn_norm(x)))
-        return x if router_mask is None else (x, stats[0] if stats else None)
+        return x if router_mask is None and not record else (x, extras[0] if extras else None)

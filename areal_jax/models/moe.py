@@ -215,25 +215,50 @@ class MoE(nnx.Module):
         weights, experts = route(_router_logits(h, self.router[...].astype(self.dtype)), self.top_k, self.renormalize)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
 
-    def __call__(self, x: jax.Array, router_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """x: [..., D] -> [..., D] in the compute dtype; with router_mask [...] also the layer's `router_stats`
-        [2, E] over the tokens where it is set, from the routing the experts ran with (one router product)."""
+    def __call__(self, x: jax.Array, router_mask: jax.Array | None = None, *, routes: jax.Array | None = None,
+                 replay: bool = False, record: bool = False) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+        """x: [..., D] -> [..., D] in the compute dtype.
+
+        routes [..., k] int32: experts another forward chose for each token (e.g. the sampler's). With replay the
+        tokens go to them (rollout routing replay), weighted by this router's softmax probabilities of them
+        (renormalised over the k with norm_topk_prob), so the router still gets gradients; otherwise each token
+        goes to this router's own top k.
+        With router_mask [...] or record, returns (out, extras): "stats" (router_mask) the layer's `router_stats`
+        [2, E] over the tokens where it is set, from the routing the experts ran with (one router product);
+        "agree" (router_mask and routes) [] how many of those tokens' top-k picks of this router are among the
+        given routes; "routes" (record) [..., k] int32 the experts each token went to."""
+        if replay and routes is None:
+            raise ValueError("MoE replay needs routes= (the experts to send each token to).")
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         path = _PATHS[resolve_moe_impl(self.impl)]
         k, renormalize, stats = self.top_k, self.renormalize, router_mask is not None
         mask = (jnp.zeros(h.shape[0], bool) if router_mask is None else router_mask.reshape(-1)).astype(jnp.float32)
+        given = (jnp.zeros((h.shape[0], k), jnp.int32) if routes is None
+                 else jnp.asarray(routes, jnp.int32).reshape(h.shape[0], k))
 
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
 
-        def experts(h, mask, router, gate, up, down):
+        def experts(h, mask, given, router, gate, up, down):
             logits = _router_logits(h, router)
-            weights, chosen = route(logits, k, renormalize)
+            if not replay:
+                weights, chosen = route(logits, k, renormalize)
+            else:
+                chosen = given
+                weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=-1)
+                if renormalize:
+                    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
             out = path(h, gate, up, down, weights, chosen)
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
-            # the statistics of this shard's rows, on a leading axis of one per row shard (summed outside)
-            return out, (router_stats(logits, k, mask, chosen)[None] if stats else jnp.zeros((1,), jnp.float32))
+            # this shard's rows' statistics, on a leading axis of one per row shard (summed outside)
+            layer_stats = router_stats(logits, k, mask, chosen) if stats else jnp.zeros((2, 1), jnp.float32)
+            agree = jnp.zeros((), jnp.float32)
+            if stats and routes is not None:
+                own = jax.lax.top_k(logits, k)[1]
+                hits = jnp.any(own[:, :, None] == given[:, None, :], axis=-1).sum(axis=-1)
+                agree = jnp.sum(hits * mask)
+            return out, layer_stats[None], agree[None], chosen
 
         if by_rows or by_width:
             # Under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
@@ -243,15 +268,24 @@ class MoE(nnx.Module):
             # and up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
             width = TENSOR_AXIS if by_width else None
-            specs = (rows, PartitionSpec(rows[0]), PartitionSpec(), PartitionSpec(None, None, width),
+            specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(), PartitionSpec(None, None, width),
                      PartitionSpec(None, None, width), PartitionSpec(None, width, None))
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
-            experts = jax.shard_map(experts, in_specs=specs, out_specs=(rows, PartitionSpec(rows[0])),
-                                    axis_names=axes, check_vma=False)
-        out, layer_stats = experts(h, mask, *(p[...].astype(self.dtype) for p in
-                                              (self.router, self.experts_gate, self.experts_up, self.experts_down)))
+            experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
+                                    out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
+        out, layer_stats, agree, chosen = experts(h, mask, given, *(p[...].astype(self.dtype) for p in (
+            self.router, self.experts_gate, self.experts_up, self.experts_down)))
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)
         out = out.reshape(x.shape)
-        return (out, layer_stats.sum(axis=0)) if stats else out
+        if not stats and not record:
+            return out
+        extras = {}
+        if stats:
+            extras["stats"] = layer_stats.sum(axis=0)
+            if routes is not None:
+                extras["agree"] = agree.sum()
+        if record:
+            extras["routes"] = chosen.reshape(*x.shape[:-1], k)
+        return out, extras

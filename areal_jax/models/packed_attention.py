@@ -18,6 +18,7 @@ Rematerialisation (`train.remat`), applied to each decoder layer with `jax.check
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -134,24 +135,39 @@ def remat_policy(choice: str) -> Callable | None:
 
 
 def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn,
-                  remat: str = "none", router_mask: jax.Array | None = None) -> Any:
+                  remat: str = "none", router_mask: jax.Array | None = None, routes: jax.Array | None = None,
+                  replay: bool = False, record: bool = False) -> Any:
     """One decoder layer of the cache-free forward (`layers.DecoderLayer.__call__`).
 
     layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
-    With router_mask [B, T]: (x, the layer's router statistics or None), as `DecoderLayer.__call__`.
+    routes [B, T, k], replay: a mixture-of-experts layer's given experts. With router_mask [B, T] or record: (x,
+    the layer's extras or None), as `DecoderLayer.__call__`.
     """
+    extra = router_mask is not None or record
+
     def apply(lyr: nnx.Module, x: jax.Array) -> Any:  # rows stay on their device (models.sharding)
-        if router_mask is None:
-            return constrain_batch(lyr(constrain_batch(x), cos, sin, attend))
-        out, stats = lyr(constrain_batch(x), cos, sin, attend, router_mask)
-        return constrain_batch(out), stats
+        if not extra:
+            return constrain_batch(lyr(constrain_batch(x), cos, sin, attend, routes=routes, replay=replay))
+        out, found = lyr(constrain_batch(x), cos, sin, attend, router_mask, routes=routes, replay=replay,
+                         record=record)
+        return constrain_batch(out), found
 
     if remat == "none":
         return apply(layer, x)
     policy = remat_policy(remat)
     graphdef, state = nnx.split(layer)
     return jax.checkpoint(lambda s, h: apply(nnx.merge(graphdef, s), h), policy=policy)(state, x)
+
+
+def is_moe_layer(layer: nnx.Module) -> bool:
+    """Whether a decoder layer's feed-forward is a mixture of experts (`moe.MoE`)."""
+    return hasattr(layer.mlp, "top_k")
+
+
+def _stacked(found: list[dict]) -> dict | None:
+    """Per-layer extras (dicts of like arrays) stacked on a leading layer axis; None without any."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *found) if found else None
 
 
 def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
@@ -170,7 +186,8 @@ def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
 
 
 def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]], attends: list[AttentionFn],
-                  remat: str = "none", scan: bool = True, router_mask: jax.Array | None = None) -> Any:
+                  remat: str = "none", scan: bool = True, router_mask: jax.Array | None = None,
+                  routes: jax.Array | None = None, replay: bool = False, record: bool = False) -> Any:
     """Every decoder layer of the cache-free forward, in order; layer i reads RoPE table ropes[i] (cos, sin) and
     attends with attends[i].
 
@@ -181,43 +198,53 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
     global, p = 6; OLMo 3's p = 4) scan over groups of p layers, the body running one of each, and the layers
     past the last whole group run unrolled. The results equal the unrolled loop's up to float rounding.
 
-    With router_mask [B, T]: (x, router statistics [L_moe, 2, E] of the mixture-of-experts layers in order, or
-    None without any; `moe.router_stats` over the masked tokens)."""
-    def run(layer: nnx.Module, h: jax.Array, i: int, found: list) -> jax.Array:
-        out = decoder_layer(layer, h, *ropes[i], attends[i], remat, router_mask)
-        if router_mask is None:
+    routes [L_moe, B, T, k]: given experts of each mixture-of-experts layer, in order, sent to with replay
+    (`moe.MoE.__call__`). With
+    router_mask [B, T] or record: (x, the mixture-of-experts layers' extras stacked on a leading axis of L_moe, in
+    order (`moe.MoE.__call__`: "stats" over the masked tokens, "agree", "routes"), or None without any)."""
+    extra = router_mask is not None or record
+    moe_index = list(itertools.accumulate((is_moe_layer(layer) for layer in layers), initial=0))
+
+    def run(layer: nnx.Module, h: jax.Array, i: int, found: list, layer_routes: jax.Array | None) -> jax.Array:
+        out = decoder_layer(layer, h, *ropes[i], attends[i], remat, router_mask, layer_routes, replay, record)
+        if not extra:
             return out
         if out[1] is not None:
             found.append(out[1])
         return out[0]
 
+    def routes_of(i: int) -> jax.Array | None:
+        return None if routes is None or not is_moe_layer(layers[i]) else routes[moe_index[i]]
+
     period = _period(ropes, attends) if scan else None
     shared = scannable(layers) if period is not None else None
-    stats: list[jax.Array] = []
+    found: list[dict] = []
     if shared is None:
         for i, layer in enumerate(layers):
-            x = run(layer, x, i, stats)
-        return x if router_mask is None else (x, jnp.stack(stats) if stats else None)
+            x = run(layer, x, i, found, routes_of(i))
+        return (x, _stacked(found)) if extra else x
     graphdef, states = shared
     groups = len(layers) // period
     stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *states[j:groups * period:period]) for j in range(period)]
+    # one structure: every layer has experts or none does, so layer i's routes are routes[i]
+    given = None if routes is None else [routes[j:groups * period:period] for j in range(period)]
 
-    def body(h: jax.Array, group: list[nnx.State]) -> tuple[jax.Array, Any]:
-        found: list[jax.Array] = []
+    def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, Any]:
+        group, group_routes = xs
+        inner: list[dict] = []
         for j, state in enumerate(group):
-            h = run(nnx.merge(graphdef, state), h, j, found)
-        return h, jnp.stack(found) if found else None  # [p', 2, E]: the group's expert layers
+            h = run(nnx.merge(graphdef, state), h, j, inner, None if group_routes is None else group_routes[j])
+        return h, _stacked(inner)  # [p', ...]: the group's expert layers
 
-    x, per_group = jax.lax.scan(body, x, stacked)
-    if per_group is not None:  # [groups, p', 2, E] -> layers in order
-        stats.append(per_group.reshape(-1, *per_group.shape[2:]))
-    tail: list[jax.Array] = []
+    x, per_group = jax.lax.scan(body, x, (stacked, given))
+    tail: list[dict] = []
     for i in range(groups * period, len(layers)):
-        x = run(layers[i], x, i, tail)
-    if router_mask is None:
+        x = run(layers[i], x, i, tail, routes_of(i))
+    if not extra:
         return x
-    stats += [jnp.stack(tail)] if tail else []
-    return x, jnp.concatenate(stats) if stats else None
+    out = [] if per_group is None else [jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), per_group)]
+    out += [_stacked(tail)] if tail else []
+    return x, (jax.tree.map(lambda *xs: jnp.concatenate(xs), *out) if out else None)
 
 
 def _period(ropes: list, attends: list) -> int | None:

@@ -138,14 +138,18 @@ class Transformer(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                cache: KVCache | None = None, *, attention: str = "auto",
                remat: str = "none", scan_layers: bool = False, ring: bool = False,
-               router_stats: bool = False) -> jax.Array | tuple[jax.Array, Any]:
+               router_stats: bool = False, routes: jax.Array | None = None, replay: bool = False,
+               record_routes: bool = False) -> jax.Array | tuple[jax.Array, Any]:
         """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
 
         attention, remat, scan_layers: the cache-free (training) forward's attention backend, per-layer
         rematerialisation and whether its layers run as one scan (models.packed_attention.decoder_stack);
-        the cache path ignores them. ring: as in `__call__`. router_stats (cache-free only): return (h, the
-        mixture-of-experts layers' `moe.router_stats` [L_moe, 2, E] over the real tokens (segment id > 0), or None
-        for a dense model).
+        the cache path ignores them. ring: as in `__call__`. The mixture-of-experts layers (cache-free only):
+        routes [B, T, L_moe, k] int32 gives experts for each token in each of them, which with replay the tokens go
+        to (`moe.MoE`'s rollout routing replay); with router_stats or record_routes returns (h, their extras, or
+        None for a dense model): "stats" (router_stats) [L_moe, 2, E] `moe.router_stats` over the real tokens
+        (segment id > 0), "agree" (router_stats and routes) [L_moe] how many of those tokens' own top-k picks are
+        among the given routes, "routes" (record_routes) [B, T, L_moe, k] the experts each token went to.
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -157,6 +161,14 @@ class Transformer(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         if positions.shape != (b, t):
             raise ValueError(f"positions has shape {positions.shape}, expected {(b, t)} like tokens.")
+        moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+        if routes is not None:
+            routes = jnp.asarray(routes, jnp.int32)
+            want = (b, t, moe_layers, cfg.num_experts_per_tok)
+            if cache is not None or routes.shape != want:
+                raise ValueError(f"routes must be [batch, time, mixture-of-experts layers, experts per token] = {want} "
+                                 f"in the cache-free forward, got {routes.shape}"
+                                 f"{' with a KV cache' if cache is not None else ''}.")
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache: in cache mode a query at position p "
@@ -185,10 +197,15 @@ class Transformer(nnx.Module):
         ropes = [tables[cfg.layer_rope(i)] for i in range(cfg.num_layers)]
         x = self.embed(tokens)
         if cache is None:
-            if router_stats:
-                h, stats = decoder_stack(self.layers, x, ropes, attends, remat, scan_layers, segment_ids > 0)
-                return self.final_norm(h), stats
-            return self.final_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers))
+            per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L_moe, B, T, k]
+            if router_stats or record_routes:
+                h, extras = decoder_stack(self.layers, x, ropes, attends, remat, scan_layers,
+                                          segment_ids > 0 if router_stats else None, per_layer, replay, record_routes)
+                if extras is not None and "routes" in extras:
+                    extras["routes"] = jnp.moveaxis(extras["routes"], 0, 2)
+                return self.final_norm(h), extras
+            return self.final_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers, routes=per_layer,
+                                                 replay=replay))
         s = cache.max_len
         rows = jnp.arange(b)[:, None]
         write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped

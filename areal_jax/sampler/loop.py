@@ -66,7 +66,8 @@ class SamplerLoop(LoopThread):
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0,
                  on_update: Literal["recompute", "continue"] = "recompute", seed: int = 0,
                  decode_steps: int = 1, fetch_behind: bool = True, timeline: SpanRecorder | None = None,
-                 lane: str = "sampler", on_emit: Callable[[], None] | None = None) -> None:
+                 lane: str = "sampler", on_emit: Callable[[], None] | None = None,
+                 record_routes: bool = False) -> None:
         """Start the loop thread.
 
         Args:
@@ -80,12 +81,16 @@ class SamplerLoop(LoopThread):
           lane: the timeline lane of those spans.
           on_emit: called (from the loop's thread, holding the loop's lock: it must not call back into the loop)
             whenever a completion becomes ready.
+          record_routes: a mixture-of-experts model's finished samples carry `Completion.routes` (`sampler.routes`).
         """
         if on_update not in ("recompute", "continue"):
             raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
         if int(decode_steps) < 1:
             raise ValueError(f"decode_steps must be at least 1 (decode steps per dispatch), got {decode_steps}.")
         self.engine, self.on_update = engine, on_update
+        if record_routes and not getattr(engine.config, "num_experts", 0):
+            raise ValueError("record_routes needs a mixture-of-experts model: this one has no experts.")
+        self.record_routes = bool(record_routes)
         self.decode_steps, self.fetch_behind = int(decode_steps), bool(fetch_behind)
         self._inflight: collections.deque[Dispatch] = collections.deque()
         self._params, self._version = engine.place_params(params), int(version)

@@ -35,6 +35,7 @@ from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
 from areal_jax.sampler.preempt import Preemption
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
+from areal_jax.sampler.routes import sequence_routes
 
 
 class LoopThread(Preemption):
@@ -119,10 +120,12 @@ class LoopThread(Preemption):
             del self._running[slot]
             self.engine.finished(slot)
             self._free.append(slot)
+        completion = make_completion(run.request, run.sample_index, run.tokens, run.logprobs, run.versions, reason)
+        if self.record_routes and reason in ("stop", "length"):  # the experts of prompt + completion (routes)
+            completion.routes = sequence_routes(self.engine, self._params, [*run.request.prompt, *run.tokens])
         with self._cond:
             self._pending -= 1
-            self._emit_locked(make_completion(run.request, run.sample_index, run.tokens, run.logprobs,
-                                              run.versions, reason))
+            self._emit_locked(completion)
 
     def _release(self, slots: list[int]) -> None:
         if slots:

@@ -38,6 +38,8 @@ class Completion:
       loss_mask: [N] float32, which tokens enter the loss (None: all); a multi-turn sample's feedback tokens are 0.
       turns: [N] int32, a multi-turn sample's turn of each token (0: the first attempt; a feedback counts with the
         attempt after it); None: one turn.
+      routes: [P + N, L_moe, k] int32, a mixture-of-experts model's experts of every prompt and generated token in
+        each expert layer (SamplerLoop(record_routes=True); `sampler.routes`); None: not recorded.
     """
 
     request_id: Hashable
@@ -50,6 +52,7 @@ class Completion:
     error: str | None = None
     loss_mask: np.ndarray | None = None
     turns: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
 
 class SamplerLoopError(RuntimeError):

@@ -250,6 +250,9 @@ class FeedbackTurns:
         if sample.turns > 1:
             merged.loss_mask = np.concatenate(is_model).astype(np.float32)
             merged.turns = np.concatenate(turn_of).astype(np.int32)
+        routes = getattr(sample.last, "routes", None)  # the last turn's prompt holds every earlier turn and feedback
+        if routes is not None and len(routes) == len(sample.prompt) + len(merged.tokens):
+            merged.routes = routes
         return merged, list(np.asarray(sample.last.tokens))
 
     def discard(self, key: Key) -> None:

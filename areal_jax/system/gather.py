@@ -3,7 +3,7 @@ global train mesh, so each process must pack the same global batch.
 
 `allgather_trajectories` exchanges the (small, host-side) trajectory arrays with one collective per array,
 in process order; each field of `trainer.batch.Trajectory` arrives as it was sent, optional per-token
-fields (token_advantages, loss_mask) included.
+fields (token_advantages, loss_mask, routes) included.
 """
 from __future__ import annotations
 
@@ -62,6 +62,13 @@ def allgather_trajectories(trajectories: Sequence[Trajectory], *, process_count:
                       t.loss_mask is not None)
     g = [gather(x) for x in (tokens, behav, versions, token_adv, loss_mask, scalars)]
     g_tokens, g_behav, g_versions, g_adv, g_mask, g_scalars = g
+    g_routes = None  # the sampler's experts (train.router_replay): every process records them or none does
+    shaped = [t.routes for t in trajectories if t.routes is not None]
+    if shaped:
+        routes = np.zeros((n, max_len, *shaped[0].shape[1:]), np.int32)
+        for i, t in enumerate(trajectories):
+            routes[i, : len(t.tokens)] = t.routes
+        g_routes = gather(routes)
     out = []
     for p in range(g_tokens.shape[0]):
         for i in range(n):
@@ -73,5 +80,6 @@ def allgather_trajectories(trajectories: Sequence[Trajectory], *, process_count:
                 advantage=float(g_scalars[p, i, 2]), reward=float(g_scalars[p, i, 3]),
                 token_advantages=g_adv[p, i, :c].copy() if g_scalars[p, i, 4] else None,
                 loss_mask=g_mask[p, i, :c].copy() if g_scalars[p, i, 5] else None,
+                routes=None if g_routes is None else g_routes[p, i, :length].copy(),
             ))
     return out

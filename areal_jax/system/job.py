@@ -126,6 +126,9 @@ class RLJob:
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype).replace(
                 moe_impl=c.model.moe_impl)
+        if c.train.router_replay != "off" and not model_cfg.num_experts:
+            raise config_lib.ConfigError(f"--config.train.router_replay={c.train.router_replay} needs a mixture-of-experts "
+                                         f"model; {c.model.path} has no experts. Set it to off.")
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.replica_meshes[0])  # sampler programs, kv_pages
@@ -165,7 +168,8 @@ class RLJob:
         self.sampler: ManagedSampler = make_sampler(  # one SamplerLoop per rollout replica (sampler.replicas)
             r, model if lora_cfg is None else self.graphdef, self.meshes.rollout_mesh, rollout_params,
             config=model.cfg, version=self.trainer.version, on_update=r.on_update, decode_steps=r.decode_steps,
-            seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(), timeline=self.timeline)
+            seed=c.seed + 7919 * self.trainer.version + 104729 * jax.process_index(), timeline=self.timeline,
+            record_routes=c.train.router_replay != "off")  # the experts of each finished sample (sampler.routes)
         self.engine = getattr(self.sampler, "engines", [getattr(self.sampler, "engine", None)])[0]  # replica 0's
         close_later.callback(self.sampler.stop, graceful=False)
         self.reward_pool = c.reward.make_pool()

@@ -45,6 +45,7 @@ def groups_to_trajectories(groups: list[Group]) -> list[Trajectory]:
                     token_advantages=token_adv,  # a multi-turn sample's: its attempts credited apart
                     reward=float(reward),
                     loss_mask=getattr(c, "loss_mask", None),  # a multi-turn sample's feedback tokens: out of the loss
+                    routes=getattr(c, "routes", None),  # the sampler's experts of prompt + completion (router_replay)
                 )
             )
     return out

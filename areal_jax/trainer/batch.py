@@ -56,6 +56,8 @@ class Trajectory:
       reward: the scalar reward; with a critic (TrainerConfig.critic="value_head") the terminal reward
         of GAE, on the last valid completion token (otherwise reported only).
       loss_mask: [L - prompt_len] bool/float, completion tokens that enter the loss (None: all).
+      routes: int32 [L, L_moe, k] (mixture-of-experts models, train.router_replay): the experts the sampler sent
+        each token to in each expert layer (None: not recorded).
     """
 
     tokens: np.ndarray
@@ -66,6 +68,7 @@ class Trajectory:
     token_advantages: np.ndarray | None = None
     reward: float = 0.0
     loss_mask: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, np.int32).reshape(-1)
@@ -85,6 +88,11 @@ class Trajectory:
         if self.loss_mask is not None:
             self.loss_mask = np.asarray(self.loss_mask, np.float32).reshape(-1)
             named["loss_mask"] = self.loss_mask
+        if self.routes is not None:
+            self.routes = np.asarray(self.routes, np.int32)
+            if self.routes.ndim != 3 or self.routes.shape[0] != self.tokens.size:
+                raise ValueError(f"Trajectory.routes has shape {self.routes.shape}; give [len(tokens)="
+                                 f"{self.tokens.size}, expert layers, experts per token].")
         for name, arr in named.items():
             if arr.size != n:
                 raise ValueError(
@@ -284,8 +292,25 @@ def pack_steps(
     return steps
 
 
+def check_routes(trajs: Sequence[Trajectory], model_cfg, what: str) -> None:
+    """Every trajectory carries routes of the model's shape [L, L_moe, k]; else a ValueError naming `what`
+    (the setting that needs them)."""
+    if model_cfg is None or not model_cfg.num_experts:
+        raise ValueError(f"{what} needs a mixture-of-experts model; this one has no experts. Set it to off.")
+    want = (sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts_per_tok)
+    for i, t in enumerate(trajs):
+        if t.routes is None or t.routes.shape[1:] != want:
+            got = None if t.routes is None else t.routes.shape
+            raise ValueError(f"{what} needs each trajectory's routes [tokens, {want[0]}, {want[1]}] (the sampler "
+                             f"records them when it is on); trajectory {i} has {got}.")
+
+
 def _build_step(trajs, rows, masks, weights, t_len: int, trainer_version: int) -> dict[str, np.ndarray]:
     n_rows = len(rows)
+    first = next((trajs[i] for row in rows for i in row), None)
+    routes = None
+    if first is not None and first.routes is not None:  # the padding routes to expert 0 (masked out of everything)
+        routes = np.zeros((n_rows, t_len, *first.routes.shape[1:]), np.int32)
     ints = {k: np.zeros((n_rows, t_len), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
     ints["versions"] = np.full((n_rows, t_len), trainer_version, np.int32)
     ints["seq_index"] = np.full((n_rows, t_len), -1, np.int32)
@@ -301,6 +326,8 @@ def _build_step(trajs, rows, masks, weights, t_len: int, trainer_version: int) -
             ints["targets"][r, span] = t.tokens[1:]
             ints["positions"][r, span] = np.arange(n)
             ints["segment_ids"][r, span] = seg
+            if routes is not None:
+                routes[r, span] = t.routes[:-1]
             comp = slice(start + t.prompt_len - 1, start + n)  # positions scoring completion tokens
             ints["versions"][r, comp] = t.versions
             ints["seq_index"][r, comp] = i
@@ -313,7 +340,7 @@ def _build_step(trajs, rows, masks, weights, t_len: int, trainer_version: int) -
             if weights is not None:
                 floats["weights"][r, comp] = weights[i]
             start += n
-    return {**ints, **floats}
+    return {**ints, **floats, **({} if routes is None else {"routes": routes})}
 
 
 def staleness_stats(staleness: np.ndarray) -> dict[str, float]:

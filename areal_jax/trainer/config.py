@@ -60,6 +60,11 @@ class TrainerConfig(Section):
     router_aux_coef: float = knob(0.0, "mixture-of-experts models: weight of transformers' load-balancing loss over "
                                   "each micro-step's tokens (models.moe.load_balancing_loss; 0: the router's load is "
                                   "only reported, as train/moe_*)")
+    router_replay: str = knob("off", "mixture-of-experts models: the sampler's routing (the experts it sent each token "
+                              "to, recorded per finished sequence). measure: report train/moe_route_agreement (the "
+                              "share of the trainer's own top-k picks the sampler made too); replay: also send each "
+                              "token to the sampler's experts in every training forward (rollout routing replay), "
+                              "weighted by the trainer's router", choices=("off", "measure", "replay"))
     min_lr_ratio: float = knob(0.0, "final learning rate of the cosine schedule, as a fraction of lr")
     logits_chunk: int = knob(512, "tokens per chunk of the vocabulary projection on one device, bounding the live "
                              "logits to about logits_chunk x vocab float32")

@@ -174,14 +174,18 @@ def model_outputs(
     remat: str = "none",
     scan_layers: bool = False,
     router_stats: bool = False,
+    routes: jax.Array | None = None,
+    replay: bool = False,
 ) -> tuple[jax.Array, ...]:
     """model_logprobs plus the value head on the same trunk: (logp, entropy, values), each [B, T]
     float32; values is None without a value head. Position p's value is that of the state scoring
-    token p + 1 (aligned with logp). router_stats: a fourth output, the mixture-of-experts layers'
-    `models.moe.router_stats` [L_moe, 2, E] over the real tokens (None for a dense model)."""
+    token p + 1 (aligned with logp). routes [B, T, L_moe, k], replay: the mixture-of-experts layers' given
+    experts (`Transformer.hidden`). router_stats: a fourth output, those layers' extras ("stats"
+    `models.moe.router_stats` [L_moe, 2, E] over the real tokens; "agree" [L_moe] with routes; None for a dense
+    model)."""
     model = nnx.merge(graphdef, params, other)
     h = model.hidden(tokens, positions, segment_ids, attention=attention, remat=remat, scan_layers=scan_layers,
-                     router_stats=router_stats)
+                     router_stats=router_stats, routes=routes, replay=replay)
     h, stats = h if router_stats else (h, None)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy,
                                  softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling)

@@ -35,10 +35,10 @@ from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, train_state_shardings
-from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, build_update_fns
+from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, build_update_fns, model_fields
 
 REMAT_ORDER = ("none", "dots", "full")  # least recomputation first
-INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "versions")
+INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "versions", "routes")
 
 ModelBuilder = Callable[[ModelConfig], nnx.Module]
 
@@ -76,7 +76,7 @@ def resident_bytes(tree: Any) -> int:
 
 def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
     """The arrays of one placed micro-step, as `Trainer.update` hands them to the accumulate program."""
-    fields = MODEL_FIELDS + LOSS_FIELDS
+    fields = model_fields(cfg) + LOSS_FIELDS
     if cfg.critic == "value_head":
         fields += CRITIC_FIELDS
     if cfg.recomputes_prox:
@@ -84,6 +84,18 @@ def batch_fields(cfg: TrainerConfig) -> tuple[str, ...]:
     if cfg.kl_coef > 0:
         fields += ("ref_logp",)
     return fields
+
+
+def batch_structs(cfg: TrainerConfig, rows: int, row_len: int, sharding: Any, model_cfg: Any) -> dict[str, Any]:
+    """ShapeDtypeStructs of one placed micro-step of `rows` rows of `row_len` positions (`batch_fields`): [rows,
+    row_len] each, the sampler's routes [rows, row_len, L_moe, k] (train.router_replay)."""
+    out = {}
+    for k in batch_fields(cfg):
+        shape: tuple[int, ...] = (rows, row_len)
+        if k == "routes":
+            shape += (sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts_per_tok)
+        out[k] = jax.ShapeDtypeStruct(shape, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=sharding)
+    return out
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:
@@ -141,9 +153,8 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     grads = accumulator_specs(train_in)
     rep = NamedSharding(mesh, PartitionSpec())
     sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(fns.zero_metrics))
-    rows = (int(mesh.shape["fsdp"]), int(tokens or cfg.micro_batch_tokens))
-    batch = {k: jax.ShapeDtypeStruct(rows, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=fns.batch_sharding)
-             for k in batch_fields(cfg)}
+    batch = batch_structs(cfg, int(mesh.shape["fsdp"]), int(tokens or cfg.micro_batch_tokens), fns.batch_sharding,
+                          small)
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     if program == "apply":
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)

@@ -21,7 +21,7 @@ from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
 from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
-from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, MODEL_FIELDS, UpdateFns, build_update_fns
+from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, UpdateFns, build_update_fns, model_fields
 
 _FNS_CACHE: "OrderedDict[tuple, UpdateFns]" = OrderedDict()
 _FNS_CACHE_SIZE = 8
@@ -169,6 +169,8 @@ class Trainer:
         return put_global({k: step[k] for k in fields}, self._fns.batch_sharding)
 
     def _steps(self, trajs, indices, masks, weights, version):
+        if self.cfg.router_replay != "off":
+            batching.check_routes(trajs, self._model_cfg, f"train.router_replay={self.cfg.router_replay}")
         steps = batching.pack_steps(
             trajs, indices, masks, weights, n_devices=self.n_devices,
             micro_batch_tokens=self.cfg.micro_batch_tokens, trainer_version=version,
@@ -189,7 +191,7 @@ class Trainer:
         masks = [np.ones(t.completion_len, np.float32) for t in trajs]
         out = [np.zeros(t.completion_len, np.float32) for t in trajs]
         for step in self._steps(trajs, range(len(trajs)), masks, None, 0):
-            logp = self._fns.forward(self.state.trainable(), self._other, self._place(step, MODEL_FIELDS))
+            logp = self._fns.forward(self.state.trainable(), self._other, self._place(step, model_fields(self.cfg)))
             _scatter(out, _fetch(logp[0] if self._critic else logp), step)
         return out
 
@@ -223,7 +225,7 @@ class Trainer:
         values = [np.zeros(t.completion_len, np.float32) for t in trajs]
         logps = []
         for step in steps:
-            logp, v = self._fns.forward(self.state.trainable(), self._other, self._place(step, MODEL_FIELDS))
+            logp, v = self._fns.forward(self.state.trainable(), self._other, self._place(step, model_fields(self.cfg)))
             _scatter(values, _fetch(v), step)
             logps.append(logp)
         return values, logps
@@ -247,7 +249,7 @@ class Trainer:
                 weights[i] = w
             n_valid, _ = batching.count_valid(masks, indices)
             plan.append((self._steps(trajs, indices, masks, weights, version) if n_valid else [], n_valid))
-        fields = MODEL_FIELDS + LOSS_FIELDS
+        fields = model_fields(self.cfg) + LOSS_FIELDS
         prox = {}
         if self._critic:  # values and proximal log-probs in one forward, then GAE replaces the advantages
             fields += CRITIC_FIELDS
@@ -264,7 +266,7 @@ class Trainer:
             placed = []
             for step in steps:
                 batch = self._place(step, fields)
-                model_inputs = {k: batch[k] for k in MODEL_FIELDS}
+                model_inputs = {k: batch[k] for k in model_fields(cfg)}
                 if need_prox:
                     known = prox.get(id(step))
                     batch["prox_logp"] = known if known is not None else fns.forward(train, self._other, model_inputs)

@@ -58,8 +58,14 @@ LOSS_FIELDS = ("mask", "behav_logp", "versions", "advantages", "weights")
 CRITIC_FIELDS = ("old_values", "returns")
 CRITIC_METRICS = ("value_loss", "value_clip", "value_error")
 SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip", "dual_clip", "behav_weight", "masked", "approx_kl",
-               "n_valid", "router_aux", *CRITIC_METRICS)
+               "n_valid", "router_aux", "route_agree", "route_picks", *CRITIC_METRICS)
 ROUTER_COUNTS = "router_counts"  # [L_moe, E] top-k picks per expert, summed (mixture-of-experts models only)
+
+
+def model_fields(cfg: TrainerConfig) -> tuple[str, ...]:
+    """The micro-step arrays a forward reads: MODEL_FIELDS, and "routes" ([F * R, T, L_moe, k] int32, the
+    sampler's experts of each position's token) when cfg.router_replay is on."""
+    return MODEL_FIELDS + (("routes",) if cfg.router_replay != "off" else ())
 
 
 def loglinear_prox(logp: jax.Array, behav_logp: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
@@ -119,6 +125,7 @@ def micro_step_objective(
     logp, ent, values, router = model_outputs(
         graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk, value_head=value_head,
         with_entropy=True, attention=cfg.attention, remat=cfg.remat, scan_layers=cfg.scan_layers, router_stats=True,
+        routes=batch.get("routes"), replay=cfg.router_replay == "replay",
     )
     mask, behav, adv, weights = batch["mask"], batch["behav_logp"], batch["advantages"], batch["weights"]
     valid = mask > 0
@@ -145,13 +152,16 @@ def micro_step_objective(
 
     experts = {}
     if router is not None:  # a mixture of experts: its load over this micro-step's tokens, its share of the batch
-        aux = jnp.sum(weights) * load_balancing_loss(router, jnp.sum(batch["segment_ids"] > 0))
+        aux = jnp.sum(weights) * load_balancing_loss(router["stats"], jnp.sum(batch["segment_ids"] > 0))
         if cfg.router_aux_coef > 0:
             objective = objective + cfg.router_aux_coef * aux
-        experts = {"router_aux": sg(aux), ROUTER_COUNTS: router[:, 0]}
+        experts = {"router_aux": sg(aux), ROUTER_COUNTS: router["stats"][:, 0]}
+        if "agree" in router:  # the sampler's routes given: how many of this forward's picks it made too
+            experts.update(route_agree=jnp.sum(router["agree"]), route_picks=jnp.sum(router["stats"][:, 0]))
 
+    zero = jnp.zeros((), jnp.float32)
     metrics = {
-        "router_aux": jnp.zeros((), jnp.float32),
+        "router_aux": zero, "route_agree": zero, "route_picks": zero,
         **experts,
         "loss": sg(objective),
         "pg_loss": sg(pg),
@@ -203,14 +213,19 @@ def router_metrics(sums: dict[str, Any], n_minibatches: int) -> dict[str, float]
     """A mixture of experts' update metrics from its metric sums (none for a dense model): moe_aux_loss (the
     load-balancing loss, `models.moe.load_balancing_loss`, per minibatch; num_experts_per_tok when the load is
     uniform), moe_max_load / moe_min_load (over the expert layers, the most and the least picked expert's picks over
-    its layer's mean: 1 when uniform, 0 for an expert no token picked)."""
+    its layer's mean: 1 when uniform, 0 for an expert no token picked), and with the sampler's routes
+    (train.router_replay) moe_route_agreement: the share of this update's top-k picks (the params at each micro-step,
+    every real token and expert layer) that the sampler made too."""
     if ROUTER_COUNTS not in sums:
         return {}
     counts = np.asarray(sums[ROUTER_COUNTS], np.float64)
     mean = counts.mean(axis=1, keepdims=True)
     load = counts / np.where(mean > 0, mean, 1.0)
-    return {"moe_aux_loss": float(sums["router_aux"]) / n_minibatches, "moe_max_load": float(load.max()),
-            "moe_min_load": float(load.min())}
+    out = {"moe_aux_loss": float(sums["router_aux"]) / n_minibatches, "moe_max_load": float(load.max()),
+           "moe_min_load": float(load.min())}
+    if float(sums["route_picks"]) > 0:  # train.router_replay: the sampler's routes were given
+        out["moe_route_agreement"] = float(sums["route_agree"]) / float(sums["route_picks"])
+    return out
 
 
 def router_shape(model_cfg: Any) -> tuple[int, int] | None:
@@ -244,7 +259,8 @@ def build_update_fns(
         chunk = logits_chunk_positions(batch["tokens"].shape[0], n_devices, cfg.logits_chunk)
         logp, _, values = model_outputs(graphdef, params, other, *(batch[k] for k in MODEL_FIELDS), chunk,
                                         value_head=head, with_entropy=False, attention=cfg.attention,
-                                        scan_layers=cfg.scan_layers)
+                                        scan_layers=cfg.scan_layers, routes=batch.get("routes"),
+                                        replay=cfg.router_replay == "replay")
         return (logp, values) if critic else logp
 
     def zero_grads(train):

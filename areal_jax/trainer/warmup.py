@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.trainer import layout
-from areal_jax.trainer.memory import INT_FIELDS, abstract, accumulator_specs, batch_fields
+from areal_jax.trainer.memory import abstract, accumulator_specs, batch_structs
 from areal_jax.trainer.state import replicated
-from areal_jax.trainer.update import MODEL_FIELDS
+from areal_jax.trainer.update import model_fields
 
 
 def seed_shape(longest: int, budget: int) -> tuple[int, int]:
@@ -44,11 +44,10 @@ def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], 
     grads = accumulator_specs(train)
     sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), jax.eval_shape(fns.zero_metrics))
     rows = trainer.n_devices * per_device
-    batch = {k: jax.ShapeDtypeStruct((rows, row_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
-                                     sharding=fns.batch_sharding) for k in batch_fields(cfg)}
+    batch = batch_structs(cfg, rows, row_len, fns.batch_sharding, trainer._model_cfg)
     thunks = []
     if cfg.recomputes_prox or cfg.critic == "value_head" or cfg.kl_coef > 0:  # a forward before the micro-steps
-        model_inputs = {k: batch[k] for k in MODEL_FIELDS}
+        model_inputs = {k: batch[k] for k in model_fields(cfg)}
         thunks.append(lambda: fns.forward.lower(train, other, model_inputs).compile())
     thunks += [
         lambda: fns.zero_grads.lower(train).compile(),
