@@ -14,7 +14,7 @@ from flax import nnx
 
 from areal_jax.models.moe import MoE
 from areal_jax.sampler import Engine, Request, SamplerLoop
-from areal_jax.sampler.routes import sequence_routes
+from areal_jax.sampler.routes import sequence_routes, sequence_routes_many
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.testing.trajectories import random_trajectories
 from areal_jax.trainer import Trainer, TrainerConfig
@@ -124,6 +124,11 @@ def test_the_sampler_records_each_finished_samples_routes():
         want = np.asarray(own_routes(model, jnp.asarray([seq], jnp.int32))[0])
         np.testing.assert_array_equal(np.sort(c.routes, -1), np.sort(want, -1))
     np.testing.assert_array_equal(done[0].routes[:5], sequence_routes(engine, nnx.split(model)[1], prompts[0]))
+    # several sequences of several padded lengths in shared calls: each as its own call gives it
+    seqs = [[*c.prompt, *c.tokens.tolist()] for c in done] + [prompts[1], [4] * 40]
+    many = sequence_routes_many(engine, nnx.split(model)[1], seqs)
+    for seq, got in zip(seqs, many):
+        np.testing.assert_array_equal(got, sequence_routes(engine, nnx.split(model)[1], seq))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         SamplerLoop(Engine(random_model(tiny_config("qwen3"), seed=0), num_slots=2, max_len=16),
                     nnx.split(random_model(tiny_config("qwen3"), seed=0))[1], record_routes=True)

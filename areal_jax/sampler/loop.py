@@ -91,6 +91,7 @@ class SamplerLoop(LoopThread):
         if record_routes and not getattr(engine.config, "num_experts", 0):
             raise ValueError("record_routes needs a mixture-of-experts model: this one has no experts.")
         self.record_routes = bool(record_routes)
+        self._awaiting_routes: list[Completion] = []  # finished, their routes not recorded yet (loop thread only)
         self.decode_steps, self.fetch_behind = int(decode_steps), bool(fetch_behind)
         self._inflight: collections.deque[Dispatch] = collections.deque()
         self._params, self._version = engine.place_params(params), int(version)

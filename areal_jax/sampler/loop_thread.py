@@ -35,7 +35,7 @@ from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
 from areal_jax.sampler.preempt import Preemption
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
-from areal_jax.sampler.routes import sequence_routes
+from areal_jax.sampler.routes import sequence_routes_many
 
 
 class LoopThread(Preemption):
@@ -121,11 +121,26 @@ class LoopThread(Preemption):
             self.engine.finished(slot)
             self._free.append(slot)
         completion = make_completion(run.request, run.sample_index, run.tokens, run.logprobs, run.versions, reason)
-        if self.record_routes and reason in ("stop", "length"):  # the experts of prompt + completion (routes)
-            completion.routes = sequence_routes(self.engine, self._params, [*run.request.prompt, *run.tokens])
+        if self.record_routes and reason in ("stop", "length"):  # its routes first, with the dispatch's others
+            self._awaiting_routes.append(completion)
+            return
         with self._cond:
             self._pending -= 1
             self._emit_locked(completion)
+
+    def _emit_with_routes(self) -> None:
+        """Hand back the finished samples waiting for their routes (record_routes), their experts recorded in
+        shared calls (`sampler.routes`)."""
+        done, self._awaiting_routes = self._awaiting_routes, []
+        if not done:
+            return
+        for c, routes in zip(done, sequence_routes_many(self.engine, self._params,
+                                                         [[*c.prompt, *c.tokens.tolist()] for c in done])):
+            c.routes = routes
+        with self._cond:
+            for c in done:
+                self._pending -= 1
+                self._emit_locked(c)
 
     def _release(self, slots: list[int]) -> None:
         if slots:
@@ -340,6 +355,7 @@ class LoopThread(Preemption):
                 later.runs[slot] = run
         for slot, run, reason in rec.finished:
             self._finish_run(slot, run, reason)
+        self._emit_with_routes()
         dead = [slot for slot, run in rec.occupants.items() if not run.active and self._running.get(slot) is run]
         for slot in dead:  # placed after its request was aborted: free the slot
             del self._running[slot]
