@@ -41,6 +41,9 @@
 #              forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
 #              transformers' block on the same GPU (benchmarks/moe.py; a path that fails is reported, the others
 #              still run) (~3 min).
+#   replay     rollout routing replay on a mixture of experts (1024 wide, 8 layers of 32 experts, top 8), the sampler
+#              in bf16, the trainers in float32: route agreement, the trainer's log-prob gaps to the sampler with and
+#              without replay, and what recording the routes costs the sampler (benchmarks/router_replay.py) (~3 min).
 #   granitemoe the granite3-moe-1b shape (granite-3.1-1b-a400m: 8 of 32 experts, 1.3B), bf16: the update against HF +
 #              PyTorch on the same GPU (GraniteMoeForCausalLM), and the sampler's steady state against HF generate
 #              (~7 min).
@@ -202,6 +205,10 @@ EOF
   moe)
     step moe 200 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
     ;;
+  replay)
+    step replay 240 $PY benchmarks/router_replay.py --hidden 1024 --layers 8 --heads 16 --experts 32 --top-k 8 \
+      --vocab 32768 --requests 256 --new-tokens 256 --cap 1024 --slots 128 --sampler-dtype bfloat16
+    ;;
   granitemoe)
     step granitemoe_trainer 180 $PY benchmarks/trainer.py --preset granite3-moe-1b --dtype bfloat16 --skip-recompute \
       --repeats 3 --attention "$ATTN" --skip-hf
@@ -221,7 +228,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe granitemoe staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
      exit 2 ;;
   esac
 done

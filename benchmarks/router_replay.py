@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="query heads (half as many key/value heads)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--stale-sigma", type=float, default=0.02)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sampler-dtype", choices=("rounded", "bfloat16"), default="rounded",
+                   help="rounded: the sampler's weights rounded to bf16, float32 compute; bfloat16: bf16 weights and "
+                        "compute (rollout.param_dtype=bfloat16 with a bf16 model on an accelerator)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -63,10 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args):
     from areal_jax.models import Transformer
 
-    cfg = tiny_config("qwen3_moe", hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                      head_dim=args.hidden // 4, intermediate_size=2 * args.hidden, moe_intermediate_size=args.hidden,
+    cfg = tiny_config("qwen3_moe", hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                      num_kv_heads=max(1, args.heads // 2), head_dim=args.hidden // args.heads, intermediate_size=2 * args.hidden, moe_intermediate_size=args.hidden,
                       num_experts=args.experts, num_experts_per_tok=args.top_k, vocab_size=args.vocab,
-                      max_position_embeddings=512, eos_token_id=None)
+                      max_position_embeddings=max(512, 64 + args.cap), eos_token_id=None)
     return Transformer(cfg, rngs=nnx.Rngs(args.seed))
 
 
@@ -135,12 +139,20 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = long_tail_lengths(args.requests, args.new_tokens, args.cap, seed=args.seed)
     requests = [Request(id=i, prompt=rng.integers(3, args.vocab, int(rng.integers(8, 24))).tolist(),
                         max_new_tokens=int(lengths[i]), temperature=1.0) for i in range(args.requests)]
-    engine = Engine(model, num_slots=args.slots, max_len=24 + args.cap + 8)
-    sampler_state = rounded(state)
+    if args.sampler_dtype == "bfloat16":  # a bf16 copy of the model: bf16 weights, bf16 compute
+        from areal_jax.models import Transformer
+
+        bf16 = model.cfg.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        sampler_model = Transformer(bf16, rngs=nnx.Rngs(0))
+        sampler_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating)
+                                     else x, state)
+    else:
+        sampler_model, sampler_state = model, rounded(state)
+    engine = Engine(sampler_model, num_slots=args.slots, max_len=24 + args.cap + 8)
     device = jax.devices()[0].device_kind
     print(f"{model.cfg.num_params / 1e6:.2f}M params, {args.experts} experts (top {args.top_k}) in {args.layers} "
           f"layers, {args.requests} requests of {int(lengths.sum())} tokens (median {args.new_tokens}, cap {args.cap}), "
-          f"{args.slots} slots, sampler weights rounded to bf16 ({device})")
+          f"{args.slots} slots, sampler: {args.sampler_dtype} ({device})")
 
     done, _ = generate(engine, sampler_state, requests, True, args.seed)  # compiles the decode and routes programs
     generate(engine, sampler_state, requests, False, args.seed)
@@ -169,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  sampler: {without:.0f} generated tokens/s without recording routes, {with_routes:.0f} with "
           f"({cost:.2f}x; median of {args.repeats} alternated runs) ({device})")
     summary = {"benchmark": "router_replay", "device": device, "params": model.cfg.num_params,
+               "sampler_dtype": args.sampler_dtype,
                "experts": args.experts, "top_k": args.top_k, "tokens": int(behav.size), "results": results,
                "tokens_per_s_without_routes": without, "tokens_per_s_with_routes": with_routes,
                "recording_speed_ratio": cost}

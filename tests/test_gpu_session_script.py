@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("flash", "trainer05", "sampler05", "handoff", "trainer15", "loop05", "lora15", "sampler_more",
-          "memory05", "trainer_long", "checkpoint05", "moe", "granitemoe", "staleness")
+          "memory05", "trainer_long", "checkpoint05", "moe", "replay", "granitemoe", "staleness")
 RECORDER = """#!/bin/sh
 printf '%s\\037' "$@" >> "$RECORD"
 printf '\\n' >> "$RECORD"
@@ -52,7 +52,7 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
     want = {"benchmarks/trainer.py", "benchmarks/trace_top.py", "benchmarks/sampler.py", "benchmarks/handoff.py",
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
             "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
-            "benchmarks/checkpoint.py", "benchmarks/moe.py"}
+            "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py"}
     assert set(parsed) == want and len(parsed) >= 20
 
 
