@@ -166,5 +166,8 @@ def test_trainer_measures_agreement_and_replays():
     assert tree_rel_err(jax.device_get(sharded), jax.device_get(other)) < 1e-5
     with pytest.raises(ValueError, match=r"train.router_replay=replay needs each trajectory's routes \[tokens, 2, 2\]"):
         trainer("replay").update(trajs)
+    bad = with_routes(own[:1], lambda t: t.routes + 4)
+    with pytest.raises(ValueError, match=r"trajectory 0's routes name experts outside 0..3 \(4..7\)"):
+        trainer("replay").update(bad)
     with pytest.raises(ValueError, match="Trajectory.routes has shape"):
         Trajectory(tokens=[1, 2, 3], prompt_len=1, behav_logp=[0.0, 0.0], versions=[0, 0], routes=np.zeros((2, 2, 2)))

@@ -303,6 +303,9 @@ def check_routes(trajs: Sequence[Trajectory], model_cfg, what: str) -> None:
             got = None if t.routes is None else t.routes.shape
             raise ValueError(f"{what} needs each trajectory's routes [tokens, {want[0]}, {want[1]}] (the sampler "
                              f"records them when it is on); trajectory {i} has {got}.")
+        if t.routes.size and (t.routes.min() < 0 or t.routes.max() >= model_cfg.num_experts):
+            raise ValueError(f"trajectory {i}'s routes name experts outside 0..{model_cfg.num_experts - 1} "
+                             f"({t.routes.min()}..{t.routes.max()}): they come from another model.")
 
 
 def _build_step(trajs, rows, masks, weights, t_len: int, trainer_version: int) -> dict[str, np.ndarray]:
