@@ -60,6 +60,11 @@ def expert_block(pairs: int, experts: int) -> int:
     return int(min(128, max(8, 2 ** round(math.log2(mean)))))
 
 
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """How many of the model's layers are mixtures of experts (0 for a dense model)."""
+    return sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+
+
 def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k softmax probabilities,
     renormalised over the k when asked. Ties go to the lower expert index (as torch.topk on CPU)."""
@@ -254,8 +259,8 @@ class MoE(nnx.Module):
             # this shard's rows' statistics, on a leading axis of one per row shard (summed outside)
             layer_stats = router_stats(logits, k, mask, chosen) if stats else jnp.zeros((2, 1), jnp.float32)
             agree = jnp.zeros((), jnp.float32)
-            if stats and routes is not None:
-                own = jax.lax.top_k(logits, k)[1]
+            if stats and routes is not None:  # this router's own picks: what it routed with unless replaying
+                own = jax.lax.top_k(logits, k)[1] if replay else chosen
                 hits = jnp.any(own[:, :, None] == given[:, None, :], axis=-1).sum(axis=-1)
                 agree = jnp.sum(hits * mask)
             return out, layer_stats[None], agree[None], chosen

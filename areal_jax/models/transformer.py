@@ -13,6 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
+from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
     decoder_layer,
     decoder_stack,
@@ -161,7 +162,7 @@ class Transformer(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         if positions.shape != (b, t):
             raise ValueError(f"positions has shape {positions.shape}, expected {(b, t)} like tokens.")
-        moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+        moe_layers = moe_layer_count(cfg)
         if routes is not None:
             routes = jnp.asarray(routes, jnp.int32)
             want = (b, t, moe_layers, cfg.num_experts_per_tok)

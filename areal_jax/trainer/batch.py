@@ -30,6 +30,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from areal_jax.models.moe import moe_layer_count
 from areal_jax.rl.advantages import gae
 from areal_jax.rl.aggregation import token_weights
 from areal_jax.rl.packing import balanced_microbatches
@@ -297,7 +298,7 @@ def check_routes(trajs: Sequence[Trajectory], model_cfg, what: str) -> None:
     (the setting that needs them)."""
     if model_cfg is None or not model_cfg.num_experts:
         raise ValueError(f"{what} needs a mixture-of-experts model; this one has no experts. Set it to off.")
-    want = (sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts_per_tok)
+    want = (moe_layer_count(model_cfg), model_cfg.num_experts_per_tok)
     for i, t in enumerate(trajs):
         if t.routes is None or t.routes.shape[1:] != want:
             got = None if t.routes is None else t.routes.shape

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
@@ -93,7 +94,7 @@ def batch_structs(cfg: TrainerConfig, rows: int, row_len: int, sharding: Any, mo
     for k in batch_fields(cfg):
         shape: tuple[int, ...] = (rows, row_len)
         if k == "routes":
-            shape += (sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts_per_tok)
+            shape += (moe_layer_count(model_cfg), model_cfg.num_experts_per_tok)
         out[k] = jax.ShapeDtypeStruct(shape, jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=sharding)
     return out
 

@@ -40,7 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.models.moe import load_balancing_loss
+from areal_jax.models.moe import load_balancing_loss, moe_layer_count
 from areal_jax.models.sharding import auto_mesh
 from areal_jax.rl.losses import (
     decoupled_ppo_token_loss,
@@ -232,7 +232,7 @@ def router_shape(model_cfg: Any) -> tuple[int, int] | None:
     """(mixture-of-experts layers, experts) of a ModelConfig, None for a dense model (or none given)."""
     if model_cfg is None or not getattr(model_cfg, "num_experts", 0):
         return None
-    return sum(model_cfg.layer_is_moe(i) for i in range(model_cfg.num_layers)), model_cfg.num_experts
+    return moe_layer_count(model_cfg), model_cfg.num_experts
 
 
 def build_update_fns(
