@@ -1,7 +1,7 @@
-"""Rollout routing replay for mixture-of-experts models (models.moe, sampler.routes, train.router_replay): the routes a
-forward records, replaying them (the same forward when they are its own; gradients only into the replayed experts and
-the router; unrolled, scanned and rematerialised alike), the sampler's recorded routes against a full forward, the
-trainer's agreement metric and replayed update, and the errors for missing routes."""
+"""Rollout routing replay for mixture-of-experts models (models.moe, train.router_replay): the routes a forward records,
+replaying them (the same forward when they are its own; gradients only into the replayed experts and the router;
+unrolled, scanned and rematerialised alike), the trainer's agreement metric and replayed update, and the errors for
+missing routes. The sampler's recording: tests/test_sampler_routes.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,6 @@ import pytest
 from flax import nnx
 
 from areal_jax.models.moe import MoE
-from areal_jax.sampler import Engine, Request, SamplerLoop
-from areal_jax.sampler.routes import sequence_routes, sequence_routes_many
 from areal_jax.testing.models import random_model, tiny_config
 from areal_jax.testing.trajectories import random_trajectories
 from areal_jax.trainer import Trainer, TrainerConfig
@@ -106,32 +104,6 @@ def test_routes_of_the_wrong_shape_are_refused():
         model.hidden(TOKENS, routes=jnp.zeros((2, 11, 3, 2), jnp.int32), replay=True)
     with pytest.raises(ValueError, match="replay needs routes"):
         MoE(CFG, rngs=nnx.Rngs(0))(jnp.ones((3, CFG.hidden_size)), replay=True)
-
-
-def test_the_sampler_records_each_finished_samples_routes():
-    """SamplerLoop(record_routes=True): every finished sample carries the experts of its prompt and completion,
-    equal to an eager full forward of that sequence (an interrupted one carries none)."""
-    model = random_model(CFG, seed=4)
-    engine = Engine(model, num_slots=4, max_len=48)
-    prompts = [[5, 9, 11, 3, 7], [8, 8, 20, 31, 40, 2, 6, 9, 13]]
-    with SamplerLoop(engine, nnx.split(model)[1], record_routes=True) as loop:
-        for i, p in enumerate(prompts):
-            loop.submit(Request(id=i, prompt=p, max_new_tokens=12 + 9 * i, n=2, temperature=1.0))
-        done = [loop.get_completion(timeout=120) for _ in range(4)]
-    for c in done:
-        seq = [*c.prompt, *c.tokens.tolist()]
-        assert c.finish_reason in ("stop", "length") and c.routes.shape == (len(seq), 2, 2)
-        want = np.asarray(own_routes(model, jnp.asarray([seq], jnp.int32))[0])
-        np.testing.assert_array_equal(np.sort(c.routes, -1), np.sort(want, -1))
-    np.testing.assert_array_equal(done[0].routes[:5], sequence_routes(engine, nnx.split(model)[1], prompts[0]))
-    # several sequences of several padded lengths in shared calls: each as its own call gives it
-    seqs = [[*c.prompt, *c.tokens.tolist()] for c in done] + [prompts[1], [4] * 40]
-    many = sequence_routes_many(engine, nnx.split(model)[1], seqs)
-    for seq, got in zip(seqs, many):
-        np.testing.assert_array_equal(got, sequence_routes(engine, nnx.split(model)[1], seq))
-    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        SamplerLoop(Engine(random_model(tiny_config("qwen3"), seed=0), num_slots=2, max_len=16),
-                    nnx.split(random_model(tiny_config("qwen3"), seed=0))[1], record_routes=True)
 
 
 def with_routes(trajs, routes_of):

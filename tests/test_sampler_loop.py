@@ -79,8 +79,8 @@ def test_prefixes_queued_across_an_update(models, on_update):
     engine = Engine(old, num_slots=3, max_len=MAX_LEN, prefill_batch=3)
     calls = []
     prefill_many = engine.prefill_many
-    engine.prefill_many = lambda params, prompts: calls.append([tuple(p) for p in prompts]) or prefill_many(
-        params, prompts)
+    engine.prefill_many = lambda params, prompts, **kw: calls.append([tuple(p) for p in prompts]) or prefill_many(
+        params, prompts, **kw)
     queued = {"c": [6, 17, 23, 43], "d": [7, 17, 23, 44]}
     loop = SamplerLoop(engine, nnx.split(old)[1], on_update=on_update, seed=3)
     loop.submit(Request(id="a", prompt=[5, 17, 23, 42], max_new_tokens=40, n=2, temperature=0.0))
@@ -147,8 +147,8 @@ def test_queued_prompts_are_prefilled_together_once_each(models):
     engine = Engine(models[0], num_slots=6, max_len=MAX_LEN, prefill_batch=4)
     calls = []
     prefill_many = engine.prefill_many
-    engine.prefill_many = lambda params, prompts: calls.append([tuple(p) for p in prompts]) or prefill_many(
-        params, prompts)
+    engine.prefill_many = lambda params, prompts, **kw: calls.append([tuple(p) for p in prompts]) or prefill_many(
+        params, prompts, **kw)
     logp = full_forward_logp(models[0], MAX_LEN)
     prompts = [[8 + i, 9, 10 + 2 * i] + [11] * i for i in range(5)]
     with SamplerLoop(engine, nnx.split(models[0])[1], seed=0) as loop:
@@ -199,7 +199,7 @@ def test_params_of_another_shape_are_refused_at_once(models):
 def test_errors_inside_the_thread_reach_the_caller(models):
     engine = Engine(models[0], num_slots=2, max_len=32)
 
-    def broken_step(params, state, rng):
+    def broken_step(params, state, rng, **kwargs):
         raise RuntimeError("device lost")
 
     engine.generate_steps = broken_step

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
-from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths
+from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes
 
 PagedPath = Literal["gather", "kernel"]
 
@@ -236,8 +236,7 @@ def default_path(head_dim: int | None = None, platform: str | None = None) -> Pa
 
 def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
                  path: PagedPath | None = None, interpret: bool = False, platform: str | None = None,
-                 rings: KVCache | None = None,
-                 mesh: Any = None) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, KVCache]:
+                 rings: KVCache | None = None, mesh: Any = None, record_routes: bool = False) -> tuple:
     """The cache branch of ``Transformer.hidden`` over a paged cache.
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
@@ -248,7 +247,8 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     (``kernel_attention``). JAX's paged kernels take no window: sliding layers gather their window's pages
     on either path. rings (`init_rings`, one row per row of the batch; T must be 1): the layers with ring rows
     there write and read them (`cache_attention.ring_attention`) instead of pages, and the new rings are
-    returned third. mesh: the rollout mesh the kernel path splits heads over (`kernel_attention`)."""
+    returned third. mesh: the rollout mesh the kernel path splits heads over (`kernel_attention`). record_routes: a
+    mixture-of-experts model's experts of each token, [B, T, L_moe, k] int32, come last (`Transformer.hidden`)."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -261,6 +261,8 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     tables = rope_tables(cfg, positions)
     x = model.embed(tokens)
     k_all, v_all = list(cache.k), list(cache.v)
+    picks: list[jax.Array] | None = [] if record_routes else None  # each expert layer's [B, T, k]
+
     ring_k, ring_v = (list(rings.k), list(rings.v)) if rings is not None else ([], [])
     if rings is not None and t != 1:
         raise ValueError(f"ring rows take one token per row (decode), got {t}.")
@@ -275,7 +277,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
                 ring_v[i] = ring_v[i].at[rows, at].set(v.astype(ring_v[i].dtype), mode="drop")
                 return ring_attention(q, ring_k[i], ring_v[i], positions, window, cfg.attn_logit_softcap)
 
-            x = layer(x, *tables[cfg.layer_rope(i)], attend)
+            x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
             continue
 
         def attend(q, k, v, i=i, window=window):
@@ -286,6 +288,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
                                         softcap=cfg.attn_logit_softcap, mesh=mesh)
             return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap)
 
-        x = layer(x, *tables[cfg.layer_rope(i)], attend)
+        x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
     out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
-    return out if rings is None else (*out, KVCache(k=tuple(ring_k), v=tuple(ring_v)))
+    out = out if rings is None else (*out, KVCache(k=tuple(ring_k), v=tuple(ring_v)))
+    return (*out, stacked_routes(picks, b, t)) if record_routes else out

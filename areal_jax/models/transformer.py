@@ -96,6 +96,24 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
     return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
+def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None) -> jax.Array:
+    """One decoder layer of a cache forward (``attend`` writes and reads the cache); with ``picks`` (a list) an expert
+    layer appends the experts it sent each token to, [B, T, k]."""
+    if picks is None:
+        return layer(x, *rope, attend)
+    x, extras = layer(x, *rope, attend, record=True)
+    if extras is not None:
+        picks.append(extras["routes"])
+    return x
+
+
+def stacked_routes(picks: list[jax.Array], b: int, t: int) -> jax.Array:
+    """Expert layers' picks ([B, T, k] each, in layer order) as one [B, T, L_moe, k] int32 array."""
+    if not picks:
+        raise ValueError("record_routes needs a mixture-of-experts model: this one has no expert layers.")
+    return jnp.stack(picks, axis=2).astype(jnp.int32).reshape(b, t, len(picks), -1)
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model.
 
@@ -150,7 +168,9 @@ class Transformer(nnx.Module):
         to (`moe.MoE`'s rollout routing replay); with router_stats or record_routes returns (h, their extras, or
         None for a dense model): "stats" (router_stats) [L_moe, 2, E] `moe.router_stats` over the real tokens
         (segment id > 0), "agree" (router_stats and routes) [L_moe] how many of those tokens' own top-k picks are
-        among the given routes, "routes" (record_routes) [B, T, L_moe, k] the experts each token went to.
+        among the given routes, "routes" (record_routes) [B, T, L_moe, k] the experts each token went to. With a
+        cache, record_routes returns (h, new cache, those routes) (the prefill's and decode's own experts: a sampler
+        records them for routing replay, `sampler.routes`).
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -211,6 +231,7 @@ class Transformer(nnx.Module):
         rows = jnp.arange(b)[:, None]
         write_at = jnp.where((positions >= 0) & (positions < s), positions, s)  # s: out of range -> dropped
         ks, vs = list(cache.k), list(cache.v)
+        picks: list[jax.Array] = []  # record_routes: each expert layer's [B, T, k]
         for i, layer in enumerate(self.layers):
             window = cfg.layer_window(i)
             r = ks[i].shape[1]
@@ -223,8 +244,9 @@ class Transformer(nnx.Module):
                     return ring_attention(q, ks[i], vs[i], positions, window, cfg.attn_logit_softcap)
                 return cached_attention(q, ks[i], vs[i], positions, window=window, softcap=cfg.attn_logit_softcap)
 
-            x = layer(x, *ropes[i], attend)
-        return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+            x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None)
+        out = self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+        return (*out, stacked_routes(picks, b, t)) if record_routes else out
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> the embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(hidden_size); Granite:

@@ -87,12 +87,14 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
 
     The first token a run gets here was sampled from logits computed before the dispatch (tagged with
     ``run.logits_version``: its prefill's version for a run placed from the standby); every later one
-    from logits of this dispatch's params (``version``).
+    from logits of this dispatch's params (``version``). A result with routes (``MultiStepResult.routes``) also
+    appends each run's tokens' experts to ``run.routes``.
     """
     k, s = np.asarray(r.valid).shape
     valid = np.asarray(r.valid).T
     # Python lists once, not a numpy call per slot: [S][K] tokens and log-probs, [S][K + 1] counts of valid steps
     tokens, logprobs = np.asarray(r.tokens).T.tolist(), np.asarray(r.logprobs).T.tolist()
+    routes = None if r.routes is None else np.swapaxes(np.asarray(r.routes), 0, 1)  # [S, K, L_moe, k]
     counts = np.concatenate([np.zeros((s, 1), np.int64), np.cumsum(valid, axis=1)], axis=1).tolist()
     done = np.asarray(r.done).tolist()
     spans: dict[int, list[tuple[int, _Running]]] = {slot: [(0, run)] for slot, run in runs.items()}
@@ -116,6 +118,8 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
             if n:
                 run.tokens.extend(tokens[slot][start:start + n])
                 run.logprobs.extend(logprobs[slot][start:start + n])
+                if routes is not None:
+                    run.routes.append(routes[slot, start:start + n])
                 run.versions.append(run.logits_version)
                 run.versions.extend([version] * (n - 1))
                 run.logits_version = version

@@ -101,9 +101,7 @@ class Engine(StandbyRows):
             raise ValueError(f"Engine needs num_slots >= 1 and max_len >= 2, got {num_slots} and {max_len}.")
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit and max_len > limit:
-            raise ValueError(
-                f"max_len={max_len} exceeds the model's max_position_embeddings={limit}; lower max_len."
-            )
+            raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings={limit}; lower max_len.")
         self.num_slots, self.max_len, self.mesh = int(num_slots), int(max_len), mesh
         self.ring_cache = bool(ring_cache) and self.config.sliding_window is not None
         self._reset_placements()
@@ -126,22 +124,19 @@ class Engine(StandbyRows):
         if mesh is not None:
             self._setup_shardings()
         self._jit_prefill = jax.jit(self._prefill_fn, out_shardings=self._prefix_sharding)
-        self._jit_prefill_many: dict[int, Callable[..., Any]] = {}  # rows -> program (one output tree per row)
+        self._jit_prefill_many: dict[tuple[int, bool], Callable[..., Any]] = {}  # (rows, routes) -> program
         self._jit_trim = jax.jit(_prefill.trim_prefix, static_argnums=1, out_shardings=self._prefix_sharding)
         self._prefill_many_shapes: set[tuple[int, int]] = set()  # (rows, bucket) already compiled
         self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
-        self._jit_bulk_insert = jax.jit(
-            self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
-        )
+        self._jit_bulk_insert = jax.jit(self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
         self._jit_generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnames=("filters",),
                                      out_shardings=(self._state_sharding, None))
-        self._jit_generate_steps = jax.jit(self._generate_steps_fn, donate_argnums=(1,), static_argnames=("filters",),
-                                           out_shardings=(self._state_sharding, None))
+        self._jit_generate_steps = jax.jit(self._generate_steps_fn, donate_argnums=(1,), static_argnames=(
+            "filters", "routes"), out_shardings=(self._state_sharding, None))
         self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
         self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
-        self._jit_prefill_insert = jax.jit(
-            self._prefill_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding
-        )
+        self._jit_prefill_insert = jax.jit(self._prefill_insert_fn, donate_argnums=(1,),
+                                           out_shardings=self._state_sharding)
         self._jit_standby()
 
     # ----------------------------------------------------------------------------- sharding
@@ -185,16 +180,17 @@ class Engine(StandbyRows):
         return empty_decode_state(cache, self.config.vocab_size, self.num_slots, self.max_stop_tokens,
                                   self._standby_state())
 
-    def _prefill_rows(self, params: nnx.State, tokens: jax.Array,
-                      lengths: jax.Array) -> tuple[KVCache, jax.Array]:
-        return prefill_rows(nnx.merge(self.graphdef, as_tree(params)), self.config, tokens, lengths)
+    def _prefill_rows(self, params: nnx.State, tokens: jax.Array, lengths: jax.Array, routes: bool = False) -> tuple:
+        return prefill_rows(nnx.merge(self.graphdef, as_tree(params)), self.config, tokens, lengths, routes)
 
     def _prefill_fn(self, params: nnx.State, tokens: jax.Array, true_length: jax.Array) -> Prefix:
         return row_prefixes(*self._prefill_rows(params, tokens, true_length[None]), tokens, true_length[None])[0]
 
-    def _prefill_many_fn(self, params: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[Prefix, ...]:
+    def _prefill_many_fn(self, params: nnx.State, tokens: jax.Array, lengths: jax.Array,
+                         routes: bool = False) -> tuple[Prefix, ...]:
         """tokens [R, P] (tail padded), lengths [R] -> R one-row Prefixes (each its own buffers)."""
-        return row_prefixes(*self._prefill_rows(params, tokens, lengths), tokens, lengths)
+        cache, logits, *picks = self._prefill_rows(params, tokens, lengths, routes)
+        return row_prefixes(cache, logits, tokens, lengths, *picks)
 
     _set_slot_fields = staticmethod(arm_slots)
 
@@ -218,7 +214,8 @@ class Engine(StandbyRows):
                                      mode="drop")
 
     def _generate_fn(self, params: nnx.State, state: DecodeState, rng: jax.Array,
-                     filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, StepResult]:
+                     filters: SamplingFilters = SamplingFilters(),
+                     routes: bool = False) -> tuple[DecodeState, StepResult]:
         model = nnx.merge(self.graphdef, as_tree(params))
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # raw uint32 key data from the host
@@ -230,7 +227,7 @@ class Engine(StandbyRows):
         generated = state.generated + step
         is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
         finished = valid & (is_stop | (generated >= state.max_new) | (lengths >= self.max_len))
-        logits, cache = self._decode_forward(model, tokens[:, None], positions[:, None], state.cache)
+        logits, cache, *picks = self._decode_forward(model, tokens[:, None], positions[:, None], state.cache, routes)
         new_state = dataclasses.replace(
             state,
             cache=cache,
@@ -240,17 +237,21 @@ class Engine(StandbyRows):
             done=state.done | finished,
             generated=generated,
         )
-        return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid)
+        return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid,
+                                     routes=picks[0][:, 0] if picks else None)
 
-    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
-                        cache: Any) -> tuple[jax.Array, Any]:
-        """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache): the model's cache path."""
-        return model(tokens, positions, cache=cache, ring=self.ring_cache)
+    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array, cache: Any,
+                        routes: bool = False) -> tuple:
+        """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache), and with routes the experts of each
+        token, [S, 1, L_moe, k] int32: the model's cache path."""
+        h, cache, *picks = model.hidden(tokens, positions, cache=cache, ring=self.ring_cache, record_routes=routes)
+        return model.unembed(h), cache, *picks
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
-                           filters: SamplingFilters = SamplingFilters()) -> tuple[DecodeState, MultiStepResult]:
+                           filters: SamplingFilters = SamplingFilters(),
+                           routes: bool = False) -> tuple[DecodeState, MultiStepResult]:
         with counted_decode_loops(self.counted_loop):  # the attention's cache loops agree with the k-step loop
-            return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters), state, keys,
+            return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters, routes), state, keys,
                                     self._place_fn, counted=self.counted_loop)
 
     _release_fn = staticmethod(release_slots)
@@ -302,16 +303,17 @@ class Engine(StandbyRows):
         padded[0, :n] = tokens[:n]
         return self._call(self._jit_prefill, params, padded, np.int32(n))
 
-    def prefill_many(self, params: nnx.State, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
+    def prefill_many(self, params: nnx.State, prompts: Sequence[Sequence[int]], routes: bool = False) -> list[Prefix]:
         """:meth:`prefill` of several prompts in batched calls: one Prefix per prompt, in order.
 
         A call holds ``prefill_rows_for(bucket)`` rows (one row for a single prompt, unless only the full-width
         program of its bucket is compiled yet), padded to the bucket of its longest prompt, so admitting
         many prompts costs a few full matrix products instead of one thin product per prompt; a bucket
         compiles at most two programs. Each Prefix's cache is cut back to its own prompt's bucket
-        (``prefill.prefill_many``).
+        (``prefill.prefill_many``). routes: a mixture-of-experts model's Prefixes carry the experts of each prompt
+        position (``Prefix.routes``).
         """
-        return _prefill.prefill_many(self, params, prompts)
+        return _prefill.prefill_many(self, params, prompts, routes)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:
@@ -378,11 +380,13 @@ class Engine(StandbyRows):
     def finished(self, slot: int) -> None:
         """Host hook: the loop handed back the sequence in ``slot`` (nothing to do for the dense cache)."""
 
-    def generate_steps(self, params: nnx.State, decode_state: DecodeState,
-                       keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
+    def generate_steps(self, params: nnx.State, decode_state: DecodeState, keys: np.ndarray,
+                       routes: bool = False) -> tuple[DecodeState, MultiStepResult]:
         """K decode steps in one dispatch (donates ``decode_state``; ``sampler.multistep``): keys [K, 2]
-        uint32 raw key data, step t drawing with ``keys[t]`` exactly as :meth:`generate` would."""
-        return self._call(self._jit_generate_steps, params, decode_state, keys, filters=self.sampling_filters)
+        uint32 raw key data, step t drawing with ``keys[t]`` exactly as :meth:`generate` would. routes: the result
+        carries the experts each step sent each slot's token to (``MultiStepResult.routes``)."""
+        return self._call(self._jit_generate_steps, params, decode_state, keys, filters=self.sampling_filters,
+                          routes=bool(routes))
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a jitted function, attributing any compilation it triggers to this engine."""

@@ -81,7 +81,8 @@ class SamplerLoop(LoopThread):
           lane: the timeline lane of those spans.
           on_emit: called (from the loop's thread, holding the loop's lock: it must not call back into the loop)
             whenever a completion becomes ready.
-          record_routes: a mixture-of-experts model's finished samples carry `Completion.routes` (`sampler.routes`).
+          record_routes: a mixture-of-experts model's finished samples carry `Completion.routes`, the experts its
+            prefill and decode steps sent each token to (`sampler.routes`).
         """
         if on_update not in ("recompute", "continue"):
             raise ValueError(f'on_update must be "recompute" or "continue", got {on_update!r}.')
@@ -91,7 +92,6 @@ class SamplerLoop(LoopThread):
         if record_routes and not getattr(engine.config, "num_experts", 0):
             raise ValueError("record_routes needs a mixture-of-experts model: this one has no experts.")
         self.record_routes = bool(record_routes)
-        self._awaiting_routes: list[Completion] = []  # finished, their routes not recorded yet (loop thread only)
         self.decode_steps, self.fetch_behind = int(decode_steps), bool(fetch_behind)
         self._inflight: collections.deque[Dispatch] = collections.deque()
         self._params, self._version = engine.place_params(params), int(version)

@@ -35,7 +35,7 @@ from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
 from areal_jax.sampler.preempt import Preemption
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
-from areal_jax.sampler.routes import sequence_routes_many
+from areal_jax.sampler.routes import sample_routes, split_routes
 
 
 class LoopThread(Preemption):
@@ -121,26 +121,11 @@ class LoopThread(Preemption):
             self.engine.finished(slot)
             self._free.append(slot)
         completion = make_completion(run.request, run.sample_index, run.tokens, run.logprobs, run.versions, reason)
-        if self.record_routes and reason in ("stop", "length"):  # its routes first, with the dispatch's others
-            self._awaiting_routes.append(completion)
-            return
+        if self.record_routes and reason in ("stop", "length"):  # the experts of its prefill and decode steps
+            completion.routes = sample_routes(run.prompt_routes, len(completion.prompt), run.routes)
         with self._cond:
             self._pending -= 1
             self._emit_locked(completion)
-
-    def _emit_with_routes(self) -> None:
-        """Hand back the finished samples waiting for their routes (record_routes), their experts recorded in
-        shared calls (`sampler.routes`)."""
-        done, self._awaiting_routes = self._awaiting_routes, []
-        if not done:
-            return
-        for c, routes in zip(done, sequence_routes_many(self.engine, self._params,
-                                                         [[*c.prompt, *c.tokens.tolist()] for c in done])):
-            c.routes = routes
-        with self._cond:
-            for c in done:
-                self._pending -= 1
-                self._emit_locked(c)
 
     def _release(self, slots: list[int]) -> None:
         if slots:
@@ -163,8 +148,11 @@ class LoopThread(Preemption):
                 groups.setdefault((id(run.request), run.sampling), []).append(row)
                 run.logits_version = version
             prompts = [list(self._standby[rows[0]].request.prompt) for rows in groups.values()]
-            for (_, sampling), rows, prefix in zip(groups, groups.values(),
-                                                   self.engine.prefill_many(self._params, prompts)):
+            for (_, sampling), rows, prefix in zip(groups, groups.values(), self.engine.prefill_many(
+                    self._params, prompts, routes=self.record_routes)):
+                prefix, routes = split_routes(prefix)
+                for row in rows:  # their first tokens will be drawn from the new prefill's logits
+                    self._standby[row].prompt_routes = routes
                 self._state = self.engine.stage(prefix, self._state, rows, sampling)
         if not self._running:
             return
@@ -245,7 +233,8 @@ class LoopThread(Preemption):
             else:
                 self._state = self.engine.bulk_insert(q.prefix, self._state, slots, q.sampling)
             for i, slot in enumerate(slots):
-                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version)
+                self._running[slot] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version,
+                                               prompt_routes=q.routes)
             self._advance(q, k)
 
     def _direct(self) -> list[int]:
@@ -271,7 +260,8 @@ class LoopThread(Preemption):
         rows = [self._standby_free.pop() for _ in range(k)]
         self._state = self.engine.stage(q.prefix, self._state, rows, q.sampling)
         for i, row in enumerate(rows):
-            self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version)
+            self._standby[row] = _Running(q.request, q.next_index + i, q.sampling, q.prefix_version,
+                                          prompt_routes=q.routes)
         self._advance(q, len(rows))
         return True
 
@@ -300,9 +290,10 @@ class LoopThread(Preemption):
                         break
                     rows[key] = len(rows)
                 take.append((q, rows[key]))
-        prefixes = self.engine.prefill_many(self._params, [list(key) for key in rows])
+        prefixes = [split_routes(p) for p in self.engine.prefill_many(self._params, [list(key) for key in rows],
+                                                                       routes=self.record_routes)]
         for q, row in take:
-            q.prefix, q.prefix_version = prefixes[row], self._version
+            (q.prefix, q.routes), q.prefix_version = prefixes[row], self._version
 
     def _admissible(self, q: _Queued, places: int) -> int:
         """Samples of the queue head that ``places`` free slots (or standby rows) and the cache's memory (a paged
@@ -320,7 +311,7 @@ class LoopThread(Preemption):
             q.next_index += k
             if q.next_index == q.request.n:
                 self._queue.popleft()
-                q.prefix = None
+                q.prefix = q.routes = None
 
     def _dispatch(self) -> None:
         """Issue k decode steps for the running slots (asynchronously; results fetched in _process)."""
@@ -329,7 +320,8 @@ class LoopThread(Preemption):
             self._preempt(k)
             if not (self._running or self._standby):
                 return
-        self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k))
+        self._state, result = self.engine.generate_steps(self._params, self._state, self._keys.take(k),
+                                                         routes=self.record_routes)
         self._inflight.append(Dispatch(result, dict(self._running), self._version, dict(self._standby)))
 
     def _process(self, d: Dispatch) -> None:
@@ -355,7 +347,6 @@ class LoopThread(Preemption):
                 later.runs[slot] = run
         for slot, run, reason in rec.finished:
             self._finish_run(slot, run, reason)
-        self._emit_with_routes()
         dead = [slot for slot, run in rec.occupants.items() if not run.active and self._running.get(slot) is run]
         for slot in dead:  # placed after its request was aborted: free the slot
             del self._running[slot]

@@ -41,24 +41,27 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: P
       counted: always K trips, a trip count XLA reads off the loop (see the module docstring).
 
     Returns:
-      (state after the last trip, MultiStepResult with [K, S] buffers, invalid in the steps no slot decoded;
+      (state after the last trip, MultiStepResult with [K, S] buffers (and [K, S, L_moe, k] routes when the step
+      records them), invalid in the steps no slot decoded;
       ``steps`` counts the steps in which some slot decoded, a prefix of the K: once every slot is done and the
       standby empty, none decodes again).
     """
     k, s = keys.shape[0], state.done.shape[0]
     r = 0 if state.standby is None or place is None else state.standby.done.shape[0]
     buffers = (jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32), jnp.zeros((k, s), bool))
+    routes = jax.eval_shape(step, state, keys[0])[1].routes  # a mixture-of-experts model's experts, if recorded
+    buffers += () if routes is None else (jnp.zeros((k, *routes.shape), routes.dtype),)
     placed = (jnp.full((r,), s, jnp.int32), jnp.zeros((r,), jnp.int32))
 
     def body(carry: tuple) -> tuple:
-        t, state, (tokens, logprobs, valid), (slot_of, step_of) = carry
+        t, state, buffers, (slot_of, step_of) = carry
         if r:
             state, target = place(state)
             moved = target < s
             slot_of, step_of = jnp.where(moved, target, slot_of), jnp.where(moved, t, step_of)
         state, out = step(state, keys[t])
-        buffers = (tokens.at[t].set(out.tokens), logprobs.at[t].set(out.logprobs), valid.at[t].set(out.valid))
-        return t + 1, state, buffers, (slot_of, step_of)
+        fields = (out.tokens, out.logprobs, out.valid) + (() if routes is None else (out.routes,))
+        return t + 1, state, tuple(b.at[t].set(x) for b, x in zip(buffers, fields)), (slot_of, step_of)
 
     def more(carry: tuple) -> jax.Array:
         t, state, _, _ = carry
@@ -67,8 +70,8 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: P
         idle = jnp.all(state.done) & (jnp.all(state.standby.done) if r else True)
         return (t < k) & ~idle
 
-    _, state, (tokens, logprobs, valid), (slot_of, step_of) = jax.lax.while_loop(
+    _, state, (tokens, logprobs, valid, *recorded), (slot_of, step_of) = jax.lax.while_loop(
         more, body, (jnp.int32(0), state, buffers, placed))
     steps = jnp.sum(jnp.any(valid, axis=1), dtype=jnp.int32)
     return state, MultiStepResult(tokens=tokens, logprobs=logprobs, valid=valid, done=state.done, steps=steps,
-                                  placed_slot=slot_of, placed_step=step_of)
+                                  placed_slot=slot_of, placed_step=step_of, routes=recorded[0] if recorded else None)

@@ -192,11 +192,10 @@ class PagedEngine(Engine):
         return self._set_slot_fields(dataclasses.replace(state, cache=cache), prefix.logits, prefix.true_length,
                                      prefix.last_token, slot, settings, mode=None)
 
-    def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
-                        settings: SlotSettings) -> DecodeState:
+    def _bulk_insert_fn(self, prefix: Prefix, state: DecodeState, slots: jax.Array, settings: SlotSettings) -> DecodeState:
         cache = _write_rows(state.cache, self._rows_of(state, slots), prefix.cache, slots, prefix.true_length)
-        return self._set_slot_fields(dataclasses.replace(state, cache=cache), prefix.logits, prefix.true_length, prefix.last_token, slots,
-                                     settings, mode="drop")
+        return self._set_slot_fields(dataclasses.replace(state, cache=cache), prefix.logits, prefix.true_length,
+                                     prefix.last_token, slots, settings, mode="drop")
 
     def _prefill_insert_fn(self, params: nnx.State, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
                            slots: jax.Array, settings: SlotSettings) -> DecodeState:
@@ -206,12 +205,13 @@ class PagedEngine(Engine):
         return self._set_slot_fields(state, logits, lengths, last_tokens(tokens, lengths), slots, settings,
                                      mode="drop")
 
-    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array,
-                        cache: PagedCacheState) -> tuple[jax.Array, PagedCacheState]:
-        h, pages, *rings = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
-                                        interpret=jax.default_backend() not in ("gpu", "tpu"),  # interpreted elsewhere
-                                        rings=cache.rings, mesh=self.mesh)
-        return model.unembed(h), PagedCacheState(pages, cache.table, *rings)
+    def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array, cache: PagedCacheState,
+                        routes: bool = False) -> tuple:
+        h, pages, *rest = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
+                                       interpret=jax.default_backend() not in ("gpu", "tpu"),  # interpreted elsewhere
+                                       rings=cache.rings, mesh=self.mesh, record_routes=routes)
+        rings = rest[:1] if cache.rings is not None else ()
+        return model.unembed(h), PagedCacheState(pages, cache.table, *rings), *rest[len(rings):]
 
     # ----------------------------------------------------------------------------- host-side pages
     def _outstanding(self) -> int:
@@ -385,13 +385,13 @@ class PagedEngine(Engine):
             self._staged.pop(row)
             self._dirty = True
 
-    def generate_steps(self, params: nnx.State, decode_state: DecodeState,
-                       keys: np.ndarray) -> tuple[DecodeState, MultiStepResult]:
+    def generate_steps(self, params: nnx.State, decode_state: DecodeState, keys: np.ndarray,
+                       routes: bool = False) -> tuple[DecodeState, MultiStepResult]:
         """Take pages for k more positions of every active slot (and staged sample), then run the dispatch."""
         self._grow(int(np.shape(keys)[0]))
         if self._dirty:
             decode_state = self._upload(decode_state)
-        return super().generate_steps(params, decode_state, keys)
+        return super().generate_steps(params, decode_state, keys, routes)
 
     def generate(self, params: nnx.State, decode_state: DecodeState, rng: jax.Array):
         self._grow(1)

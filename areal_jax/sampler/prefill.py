@@ -3,6 +3,7 @@ into decode slots. The Engine jits them; the paged engine reuses prefill_rows.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -18,13 +19,14 @@ from areal_jax.sampler.state import Prefix
 PREFILL_TOKENS = 16384
 
 
-def prefill_rows(model: nnx.Module, config, tokens: jax.Array, lengths: jax.Array) -> tuple[KVCache, jax.Array]:
-    """tokens [R, P] int32 (tail padded), lengths [R] -> (cache of L layers [R, P, ...], logits [R, V] f32)."""
+def prefill_rows(model: nnx.Module, config, tokens: jax.Array, lengths: jax.Array, routes: bool = False) -> tuple:
+    """tokens [R, P] int32 (tail padded), lengths [R] -> (cache of L layers [R, P, ...], logits [R, V] f32), and with
+    routes a mixture-of-experts model's experts of each position, [R, P, L_moe, k] int32, third."""
     r, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
-    h, cache = model.hidden(tokens, positions, cache=init_cache(config, r, p))
+    h, cache, *picks = model.hidden(tokens, positions, cache=init_cache(config, r, p), record_routes=routes)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [R, 1, D]
-    return cache, model.unembed(last)[:, 0].astype(jnp.float32)
+    return cache, model.unembed(last)[:, 0].astype(jnp.float32), *picks
 
 
 def last_tokens(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -32,13 +34,15 @@ def last_tokens(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
 
 
-def row_prefixes(cache: KVCache, logits: jax.Array, tokens: jax.Array, lengths: jax.Array) -> tuple[Prefix, ...]:
-    """prefill_rows' output as R one-row Prefixes (each its own buffers)."""
+def row_prefixes(cache: KVCache, logits: jax.Array, tokens: jax.Array, lengths: jax.Array,
+                 routes: jax.Array | None = None) -> tuple[Prefix, ...]:
+    """prefill_rows' output as R one-row Prefixes (each its own buffers; routes [R, P, L_moe, k] too, if given)."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     last = last_tokens(tokens, lengths)
     return tuple(
         Prefix(cache=jax.tree.map(lambda x, r=r: x[r : r + 1], cache), logits=logits[r], logprobs=logprobs[r],
-               true_length=lengths[r].astype(jnp.int32), last_token=last[r])
+               true_length=lengths[r].astype(jnp.int32), last_token=last[r],
+               routes=None if routes is None else routes[r])
         for r in range(tokens.shape[0]))
 
 
@@ -75,11 +79,12 @@ def trim_prefix(prefix: Prefix, length: int) -> Prefix:
     return dataclasses.replace(prefix, cache=jax.tree.map(lambda x: x[:, :length], prefix.cache))
 
 
-def prefill_many(engine: Any, params: Any, prompts: Sequence[Sequence[int]]) -> list[Prefix]:
+def prefill_many(engine: Any, params: Any, prompts: Sequence[Sequence[int]], routes: bool = False) -> list[Prefix]:
     """``Engine.prefill_many``: batched calls of ``call_rows`` prompts, one Prefix per prompt, in order. A prompt
     shorter than its call's bucket gets its cache cut back to its own bucket (a small copy), so that a Prefix
     holds P = its prompt's bucket positions whatever it was batched with: a short prompt then still fits a
-    standby row (``standby_len``), and an insert copies only its own bucket."""
+    standby row (``standby_len``), and an insert copies only its own bucket. routes: each Prefix carries the
+    prefill's experts (``Prefix.routes``, at the call's padded length)."""
     lengths = [len(p) for p in prompts]
     if any(n < 1 for n in lengths):
         raise ValueError(f"prefill_many got an empty prompt (lengths {lengths}).")
@@ -98,12 +103,19 @@ def prefill_many(engine: Any, params: Any, prompts: Sequence[Sequence[int]]) -> 
         for r, prompt in enumerate(chunk):
             tokens[r, : len(prompt)] = np.asarray(prompt, np.int32)
             n[r] = len(prompt)
-        if rows not in engine._jit_prefill_many:  # setdefault: loops sharing the engine get one program
-            shardings = None if engine._prefix_sharding is None else (engine._prefix_sharding,) * rows
-            engine._jit_prefill_many.setdefault(rows, jax.jit(engine._prefill_many_fn, out_shardings=shardings))
-        for prompt, prefix in zip(chunk, engine._call(engine._jit_prefill_many[rows], params, tokens, n)):
+        if (rows, routes) not in engine._jit_prefill_many:  # setdefault: loops sharing the engine get one program
+            sharding = engine._prefix_sharding
+            if sharding is not None and routes:
+                sharding = dataclasses.replace(sharding, routes=sharding.logits)  # replicated, as the logits
+            fn = functools.partial(engine._prefill_many_fn, routes=routes)
+            engine._jit_prefill_many.setdefault((rows, routes), jax.jit(
+                fn, out_shardings=None if sharding is None else (sharding,) * rows))
+        for prompt, prefix in zip(chunk, engine._call(engine._jit_prefill_many[rows, routes], params, tokens, n)):
             own = engine.bucket_for(len(prompt))
-            out.append(prefix if own == bucket else engine._call(engine._jit_trim, prefix, own))
+            if own != bucket:  # the routes stay as they are (read on the host up to the true length)
+                prefix = dataclasses.replace(engine._call(engine._jit_trim, dataclasses.replace(prefix, routes=None),
+                                                          own), routes=prefix.routes)
+            out.append(prefix)
     return out
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Literal, Sequence
+from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
@@ -39,7 +39,8 @@ class Completion:
       turns: [N] int32, a multi-turn sample's turn of each token (0: the first attempt; a feedback counts with the
         attempt after it); None: one turn.
       routes: [P + N, L_moe, k] int32, a mixture-of-experts model's experts of every prompt and generated token in
-        each expert layer (SamplerLoop(record_routes=True); `sampler.routes`); None: not recorded.
+        each expert layer, as the sampler's prefill and decode steps chose them (SamplerLoop(record_routes=True);
+        `sampler.routes`); None: not recorded.
     """
 
     request_id: Hashable
@@ -75,6 +76,7 @@ class _Queued:
     next_index: int = 0
     prefix: Prefix | None = None
     prefix_version: int = -1
+    routes: Any = None  # the prefix's prompt routes [P, L_moe, k] (record_routes; sampler.routes.split_routes)
     resume: _Running | None = None  # a preempted sample (sampler.preempt): this one sample, its tokens so far
 
     @property
@@ -102,4 +104,6 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    prompt_routes: Any = None  # record_routes: [P, L_moe, k] of the prefill that drew the first token
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # record_routes: the decoded tokens', per dispatch
     active: bool = True  # False once handed back; results of dispatches still in flight are then dropped

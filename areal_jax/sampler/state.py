@@ -59,6 +59,8 @@ class Prefix:
       logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
       true_length: [] int32 number of real prompt tokens.
       last_token: [] int32 the last prompt token.
+      routes: None, or (``Engine.prefill_many(routes=True)``, a mixture-of-experts model) [P, L_moe, k] int32 the
+        experts the prefill sent each prompt position to (rows past true_length: padding).
     """
 
     cache: KVCache
@@ -66,6 +68,7 @@ class Prefix:
     logprobs: jax.Array
     true_length: jax.Array
     last_token: jax.Array
+    routes: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -78,16 +81,19 @@ class StepResult:
       logprobs: [S] float32 behaviour log-probability of each token.
       done: [S] bool; True where the slot is free or its request has finished (after this step).
       valid: [S] bool; True where the slot was generating when the step began, i.e. the token is real.
+      routes: None, or (routes=True, a mixture-of-experts model) [S, L_moe, k] int32 the experts the step sent
+        each slot's token to (the token is fed to the model in the step that samples it).
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     done: jax.Array
     valid: jax.Array
+    routes: jax.Array | None = None
 
     def to_host(self) -> "StepResult":
         """The same result as numpy arrays, in one device-to-host transfer."""
-        return StepResult(*jax.device_get((self.tokens, self.logprobs, self.done, self.valid)))
+        return StepResult(*jax.device_get(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
 @jax.tree_util.register_dataclass
@@ -122,6 +128,7 @@ class MultiStepResult:
         during the dispatch, S where it did not move.
       placed_step: [R] int32: the step it moved before (its first valid step; the slot's earlier steps
         belong to the slot's previous occupants). A slot's valid steps are a prefix of each occupant's span.
+      routes: None, or (routes=True) [K, S, L_moe, k] int32: ``StepResult.routes`` of each step.
     """
 
     tokens: jax.Array
@@ -131,6 +138,7 @@ class MultiStepResult:
     steps: jax.Array
     placed_slot: jax.Array
     placed_step: jax.Array
+    routes: jax.Array | None = None
 
     def to_host(self) -> "MultiStepResult":
         """The same result as numpy arrays, in one device-to-host transfer."""

@@ -105,8 +105,8 @@ def on_each_dispatch(engine: Engine, hook: Callable[[int], None]) -> Iterator[No
     ``generate_steps`` is back afterwards."""
     dispatch, count = engine.generate_steps, itertools.count()
 
-    def hooked(*args):
-        out = dispatch(*args)
+    def hooked(*args, **kwargs):
+        out = dispatch(*args, **kwargs)
         hook(next(count))
         return out
 
@@ -155,8 +155,8 @@ class HookAfterDispatch(Engine):
 
     at, hook, calls = 1, None, 0
 
-    def generate_steps(self, params, decode_state, keys):
-        out = super().generate_steps(params, decode_state, keys)
+    def generate_steps(self, params, decode_state, keys, routes=False):
+        out = super().generate_steps(params, decode_state, keys, routes)
         if self.calls == self.at and self.hook is not None:
             self.hook()
         self.calls += 1
