@@ -3,6 +3,7 @@ the controller's turns against a scripted sampler: continuation prompts and budg
 turn and feedback, feedback out of the loss), what the reward scores, and the turn limit."""
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +161,42 @@ def test_a_failing_turn_goes_back_with_feedback_and_comes_out_as_one_masked_comp
     assert all(t.token_advantages is None and t.advantage == pytest.approx(1.0, abs=1e-5)
                for t in trajectories if t.loss_mask is None)
     assert all(len(t.tokens) == 3 + len(t.behav_logp) for t in trajectories)
+
+
+def test_a_multi_turn_samples_routes_are_each_positions_first():
+    """With recorded routes, each position keeps the experts of the forward that first computed it: the prompt's and
+    the first attempt's from the first turn, the feedback's (the second turn's prefill) and the fix's from the second;
+    a turn without routes leaves the sample without any."""
+    from areal_jax.sampler.requests import Completion
+
+    def turn(prompt, tokens, marker):
+        routes = np.full((len(prompt) + len(tokens), 2, 2), marker, np.int32)
+        return Completion("r", 0, prompt, np.asarray(tokens, np.int32), np.full(len(tokens), -0.5, np.float32),
+                          np.zeros(len(tokens), np.int32), "stop", routes=routes)
+
+    for second_has_routes in (True, False):
+        turns = _turns(turns=1)
+        try:
+            assert not turns.add(("r", 0), turn([1, 3, 4], BAD, 1), [1, 3, 4], "")
+            for _ in range(2000):
+                finals, requests = turns.poll()
+                if requests:
+                    break
+                time.sleep(0.005)
+            [req] = requests
+            assert req.prompt == [1, 3, 4] + BAD + [90, 91, 92]
+            second = turn(list(req.prompt), GOOD, 2)
+            if not second_has_routes:
+                second.routes = None
+            assert turns.add(("r", 0), second, [1, 3, 4], "")
+            merged, _ = turns.final(("r", 0))
+        finally:
+            turns.close()
+        if second_has_routes:
+            assert merged.routes.shape == (3 + 9, 2, 2)
+            np.testing.assert_array_equal(merged.routes[:, 0, 0], [1] * 6 + [2] * 6)
+        else:
+            assert merged.routes is None
 
 
 def test_the_turn_limit_and_the_token_budget_end_a_sample():

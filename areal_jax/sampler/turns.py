@@ -107,6 +107,9 @@ class _Sample:
     answer: str
     segments: list[tuple[bool, np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     last: Completion | None = None  # the last model turn
+    # record_routes: the experts of each position, each turn adding those it computed first (its feedback's, from its
+    # prefill; its tokens', from its decode steps); None once a turn came without them
+    routes: list[np.ndarray] | None = dataclasses.field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -182,6 +185,11 @@ class FeedbackTurns:
         sample.segments.append((True, np.asarray(completion.tokens, np.int32),
                                 np.asarray(completion.logprobs, np.float32), np.asarray(completion.versions, np.int32)))
         sample.last = completion
+        routes = getattr(completion, "routes", None)
+        if routes is None or sample.routes is None:
+            sample.routes = None
+        else:
+            sample.routes.append(np.asarray(routes)[sum(len(r) for r in sample.routes):])
         if (sample.turns > self.turns or completion.finish_reason != "stop" or n == 0
                 or sample.generated >= self.max_new_tokens):
             return True
@@ -250,7 +258,7 @@ class FeedbackTurns:
         if sample.turns > 1:
             merged.loss_mask = np.concatenate(is_model).astype(np.float32)
             merged.turns = np.concatenate(turn_of).astype(np.int32)
-        routes = getattr(sample.last, "routes", None)  # the last turn's prompt holds every earlier turn and feedback
+        routes = None if sample.routes is None else np.concatenate(sample.routes)
         if routes is not None and len(routes) == len(sample.prompt) + len(merged.tokens):
             merged.routes = routes
         return merged, list(np.asarray(sample.last.tokens))
