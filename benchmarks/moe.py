@@ -10,12 +10,14 @@ same tokens and weights.
 - torch: HF's block, a Python loop over the experts that received tokens (index_add into the output).
 
 Each is timed as a jitted (JAX) or eager (PyTorch) step computing the layer's output and the gradients of a fixed
-projection of it with respect to the input and every weight. The figures: median ms per step, tokens/s, and the
-TFLOP/s of the *active* work (the top-k experts' matmuls and the router, x3 for forward + backward) with its share
-of the measured matmul peak of the dtype. Ends with one JSON line.
+projection of it with respect to the input and every weight; with --forward-only, the output alone (a decode step's
+work: a few hundred tokens, one per sequence). The figures: median ms per step, tokens/s, and the TFLOP/s of the
+*active* work (the top-k experts' matmuls and the router, x3 for forward + backward) with its share of the measured
+matmul peak of the dtype. Ends with one JSON line.
 
     python benchmarks/moe.py                                  # small shape, CPU float32, ~1 min
     python benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384   # one layer at Qwen3-30B-A3B's shape
+    python benchmarks/moe.py --tokens 256 --forward-only      # a decode step's shape: which path serves the sampler
 
 At the qwen3-30b-a3b shape on a 24 GiB CPU host, run one path per process (--impls blocked, then dense, then torch):
 the layer's float32 weights and gradients are 4.8 GiB a path, and the paths one after another in one process were
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--forward-only", action="store_true", help="time the output alone (a decode step), no gradients")
     p.add_argument("--impls", default="",
                    help="comma-separated subset of blocked, pallas, ragged, dense, torch (default: all; pallas on GPUs only; "
                         "on a CPU, ragged only "
@@ -70,10 +73,11 @@ def layer_weights(preset: str, seed: int = 0) -> dict[str, np.ndarray]:
             "down": rng.normal(size=(e, f, d)).astype(np.float32) / np.sqrt(f)}
 
 
-def active_flops(preset: str, tokens: int) -> float:
-    """Forward + backward matmul FLOPs of the work a token really needs: its k experts and the router."""
+def active_flops(preset: str, tokens: int, forward_only: bool = False) -> float:
+    """Forward + backward (or forward only) matmul FLOPs of the work a token really needs: its k experts and the
+    router."""
     d, e, k, f, _ = PRESETS[preset]
-    return 3 * tokens * (2 * d * e + k * 3 * 2 * d * f)
+    return (1 if forward_only else 3) * tokens * (2 * d * e + k * 3 * 2 * d * f)
 
 
 def _median_ms(step, repeats: int) -> float:
@@ -102,7 +106,7 @@ def time_jax(impl: str, args, w: dict, x: np.ndarray, probe: np.ndarray) -> tupl
         def loss(st, xx):
             return jnp.sum(nnx.merge(graphdef, st)(xx).astype(jnp.float32) * probe)
         out = nnx.merge(graphdef, st)(xx)
-        return out, jax.grad(loss, argnums=(0, 1))(st, xx)
+        return (out,) if args.forward_only else (out, jax.grad(loss, argnums=(0, 1))(st, xx))
 
     xj = jnp.asarray(x, dtype)
     ms = _median_ms(lambda: jax.block_until_ready(step(state, xj)), args.repeats)
@@ -133,8 +137,12 @@ def time_torch(args, w: dict, x: np.ndarray, probe: np.ndarray) -> tuple[float, 
     def step():
         for p in (*block.parameters(), xt):
             p.grad = None
-        out = block(xt)
-        (out.float() * pt).sum().backward()
+        if args.forward_only:
+            with torch.no_grad():
+                out = block(xt)
+        else:
+            out = block(xt)
+            (out.float() * pt).sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
         return out
@@ -153,8 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     peak = device_peak_gflops(args.dtype)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"MoE layer {args.preset}: hidden {d}, {e} experts, top {k}, width {f}; {args.tokens} tokens, {args.dtype}, "
-          f"{device}; {args.dtype} matmul peak {peak:.0f} GFLOP/s")
-    flops = active_flops(args.preset, args.tokens)
+          f"{device}; {args.dtype} matmul peak {peak:.0f} GFLOP/s; "
+          f"{'forward only' if args.forward_only else 'forward + backward'}")
+    flops = active_flops(args.preset, args.tokens, args.forward_only)
     results, outputs = {}, {}
     impls = args.impls.split(",") if args.impls else ["blocked", "pallas", "ragged", "dense", "torch"]
     if not args.impls and jax.default_backend() != "gpu":
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  speed {name.replace('_over_', ' / ')}: {value:.2f}x")
     print(f"  outputs: max |difference| to the dense path {errors}")
     summary = {"benchmark": "moe", "preset": args.preset, "tokens": args.tokens, "dtype": args.dtype, "device": device,
+               "forward_only": args.forward_only,
                "peak_gflops": peak, "results": results, "ratios": ratios, "max_abs_diff": errors, "failed": failed}
     print(json.dumps(summary))
     return summary

@@ -34,6 +34,18 @@ def test_the_moe_benchmark_runs_and_its_paths_agree(monkeypatch, capsys):
         moe.active_flops("small", 48) / line["results"]["dense"]["active_tflops"] / 1e9)
 
 
+def test_forward_only_times_a_decode_steps_work(monkeypatch, capsys):
+    """--forward-only: the same paths and outputs, and the active FLOPs of the forward alone (a third)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    moe = importlib.import_module("moe")
+    line = moe.main(["--tokens", "32", "--repeats", "1", "--impls", "blocked,dense", "--forward-only"])
+    assert line["forward_only"] and set(line["results"]) == {"blocked", "dense"}
+    assert line["max_abs_diff"]["blocked"] < 1e-4
+    assert moe.active_flops("small", 32, forward_only=True) * 3 == moe.active_flops("small", 32)
+    assert line["results"]["dense"]["ms"] == pytest.approx(
+        moe.active_flops("small", 32, forward_only=True) / line["results"]["dense"]["active_tflops"] / 1e9)
+
+
 def test_the_kernel_path_runs_when_asked_and_a_failing_path_is_reported(monkeypatch, capsys):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     moe = importlib.import_module("moe")

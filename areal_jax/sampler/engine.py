@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.cache_attention import counted_decode_loops
 from areal_jax.models.config import model_config_of
+from areal_jax.models.moe import moe_layer_count
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
@@ -248,11 +249,11 @@ class Engine(StandbyRows):
         return model.unembed(h), cache, *picks
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
-                           filters: SamplingFilters = SamplingFilters(),
-                           routes: bool = False) -> tuple[DecodeState, MultiStepResult]:
+                           filters: SamplingFilters = SamplingFilters(), routes: bool = False) -> tuple:
+        shape = (moe_layer_count(self.config), self.config.num_experts_per_tok) if routes else None  # [L_moe, k]
         with counted_decode_loops(self.counted_loop):  # the attention's cache loops agree with the k-step loop
             return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters, routes), state, keys,
-                                    self._place_fn, counted=self.counted_loop)
+                                    self._place_fn, counted=self.counted_loop, routes=shape)
 
     _release_fn = staticmethod(release_slots)
 
