@@ -143,3 +143,5 @@ def test_trainer_measures_agreement_and_replays():
         trainer("replay").update(bad)
     with pytest.raises(ValueError, match="Trajectory.routes has shape"):
         Trajectory(tokens=[1, 2, 3], prompt_len=1, behav_logp=[0.0, 0.0], versions=[0, 0], routes=np.zeros((2, 2, 2)))
+    with pytest.raises(ValueError, match=r"Trajectory.routes must hold expert ids \(integers\), got dtype float64"):
+        Trajectory(tokens=[1, 2, 3], prompt_len=1, behav_logp=[0.0, 0.0], versions=[0, 0], routes=np.zeros((3, 2, 2)))

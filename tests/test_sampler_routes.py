@@ -67,7 +67,7 @@ def test_recorded_routes_are_the_samplers_own(models, kind, k, standby):
     for c in done:
         seq = [*c.prompt, *c.tokens.tolist()]
         assert c.finish_reason in ("stop", "length") and c.routes.shape == (len(seq), 2, 2)
-        assert c.routes.dtype == np.int32
+        assert c.routes.dtype == np.uint8  # 4 experts: expert ids in one byte (moe.routes_dtype)
         np.testing.assert_array_equal(np.sort(c.routes, -1), want(seq))
     plain, _ = run_requests(engine, nnx.split(model)[1], requests(), decode_steps=k)
     assert all(c.routes is None for c in plain)
@@ -114,6 +114,12 @@ def test_routes_across_a_weight_update_are_those_of_the_params_that_fed_each_tok
         late = c.versions == 7
         old_picks = np.sort(c.routes[len(c.prompt):][late], -1) == by_version[0](seq)[len(c.prompt):][late]
         assert not old_picks.all(), "the new params route some token differently (else this test shows nothing)"
+
+
+def test_routes_are_kept_in_the_smallest_integer_type():
+    from areal_jax.models.moe import routes_dtype
+
+    assert [routes_dtype(e) for e in (1, 8, 256, 257, 32768, 32769)] == [np.uint8] * 3 + [np.int16] * 2 + [np.int32]
 
 
 def test_routes_need_a_mixture_of_experts_model():

@@ -118,8 +118,8 @@ def record_dispatch(r: MultiStepResult, runs: dict[int, _Running], version: int,
             if n:
                 run.tokens.extend(tokens[slot][start:start + n])
                 run.logprobs.extend(logprobs[slot][start:start + n])
-                if routes is not None:
-                    run.routes.append(routes[slot, start:start + n])
+                if routes is not None:  # a copy: a view would keep the whole dispatch's buffer alive
+                    run.routes.append(routes[slot, start:start + n].copy())
                 run.versions.append(run.logits_version)
                 run.versions.extend([version] * (n - 1))
                 run.logits_version = version

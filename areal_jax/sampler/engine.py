@@ -32,12 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.cache_attention import counted_decode_loops
 from areal_jax.models.config import model_config_of
-from areal_jax.models.moe import moe_layer_count
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
+from areal_jax.sampler.routes import token_routes
 from areal_jax.sampler.sampling import NO_FILTERS, SamplingFilters, SamplingParams, sample_tokens
 from areal_jax.sampler.slots import arm_slots, empty_decode_state, release_slots, slot_settings
 from areal_jax.sampler.standby import StandbyRows, padded_indices, standby_size
@@ -191,7 +191,7 @@ class Engine(StandbyRows):
                          routes: bool = False) -> tuple[Prefix, ...]:
         """tokens [R, P] (tail padded), lengths [R] -> R one-row Prefixes (each its own buffers)."""
         cache, logits, *picks = self._prefill_rows(params, tokens, lengths, routes)
-        return row_prefixes(cache, logits, tokens, lengths, *picks)
+        return row_prefixes(cache, logits, tokens, lengths, *(p.astype(token_routes(self.config).dtype) for p in picks))
 
     _set_slot_fields = staticmethod(arm_slots)
 
@@ -239,7 +239,7 @@ class Engine(StandbyRows):
             generated=generated,
         )
         return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid,
-                                     routes=picks[0][:, 0] if picks else None)
+                                     routes=picks[0][:, 0].astype(token_routes(self.config).dtype) if picks else None)
 
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array, cache: Any,
                         routes: bool = False) -> tuple:
@@ -250,10 +250,9 @@ class Engine(StandbyRows):
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
                            filters: SamplingFilters = SamplingFilters(), routes: bool = False) -> tuple:
-        shape = (moe_layer_count(self.config), self.config.num_experts_per_tok) if routes else None  # [L_moe, k]
         with counted_decode_loops(self.counted_loop):  # the attention's cache loops agree with the k-step loop
             return run_decode_steps(lambda st, key: self._generate_fn(params, st, key, filters, routes), state, keys,
-                                    self._place_fn, counted=self.counted_loop, routes=shape)
+                                    self._place_fn, counted=self.counted_loop, routes=token_routes(self.config) if routes else None)
 
     _release_fn = staticmethod(release_slots)
 

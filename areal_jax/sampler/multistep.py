@@ -28,7 +28,7 @@ PlaceFn = Callable[[DecodeState], tuple[DecodeState, jax.Array]]
 
 
 def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: PlaceFn | None = None,
-                     counted: bool = False, routes: tuple[int, int] | None = None) -> tuple[DecodeState, MultiStepResult]:
+                     counted: bool = False, routes: jax.ShapeDtypeStruct | None = None) -> tuple[DecodeState, MultiStepResult]:
     """Run ``step`` K times, or (``counted`` False) until every slot is done and the standby empty.
 
     Args:
@@ -39,7 +39,7 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: P
       place: with a standby in ``state``: (state) -> (state with standby rows moved into free slots,
         [R] int32 slot of each row, S where none), run before every step (``slots.place_standby``).
       counted: always K trips, a trip count XLA reads off the loop (see the module docstring).
-      routes: (expert layers, k) when ``step`` records each slot's experts (``StepResult.routes`` [S, L_moe, k]).
+      routes: one token's [L_moe, k] shape and dtype when ``step`` records each slot's experts (``StepResult.routes``).
 
     Returns:
       (state after the last trip, MultiStepResult with [K, S] buffers (and [K, S, L_moe, k] routes when the step
@@ -50,7 +50,7 @@ def run_decode_steps(step: StepFn, state: DecodeState, keys: jax.Array, place: P
     k, s = keys.shape[0], state.done.shape[0]
     r = 0 if state.standby is None or place is None else state.standby.done.shape[0]
     buffers = (jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32), jnp.zeros((k, s), bool))
-    buffers += () if routes is None else (jnp.zeros((k, s, *routes), jnp.int32),)
+    buffers += () if routes is None else (jnp.zeros((k, s, *routes.shape), routes.dtype),)
     placed = (jnp.full((r,), s, jnp.int32), jnp.zeros((r,), jnp.int32))
 
     def body(carry: tuple) -> tuple:

@@ -38,7 +38,7 @@ class Completion:
       loss_mask: [N] float32, which tokens enter the loss (None: all); a multi-turn sample's feedback tokens are 0.
       turns: [N] int32, a multi-turn sample's turn of each token (0: the first attempt; a feedback counts with the
         attempt after it); None: one turn.
-      routes: [P + N, L_moe, k] int32, a mixture-of-experts model's experts of every prompt and generated token in
+      routes: [P + N, L_moe, k] (uint8 up to 256 experts: `moe.routes_dtype`), a mixture-of-experts model's experts of every prompt and generated token in
         each expert layer, as the sampler's prefill and decode steps chose them (SamplerLoop(record_routes=True);
         `sampler.routes`); None: not recorded.
     """

@@ -2,7 +2,7 @@
 and rollout routing replay (`train.router_replay`).
 
 With `SamplerLoop(record_routes=True)` each sample that finishes ("stop" or "length") gets `Completion.routes`
-[P + N, L_moe, k] int32: every expert layer's top k of every prompt and generated token, as the sampler computed them.
+[P + N, L_moe, k] (uint8 up to 256 experts: `moe.routes_dtype`): every expert layer's top k of every prompt and generated token, as the sampler computed them.
 The prompt's come from the prefill whose logits drew the first token (`Engine.prefill_many(routes=True)`); each
 generated token's from the decode step that sampled it, which feeds it to the model in the same step
 (`Engine.generate_steps(routes=True)`, fetched with the tokens). They are the routes of the behaviour policy, so a
@@ -19,9 +19,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
+from areal_jax.models.moe import moe_layer_count, routes_dtype
 from areal_jax.sampler.state import Prefix
+
+
+def token_routes(cfg: Any) -> jax.ShapeDtypeStruct:
+    """What a token's recorded experts are: [L_moe, k] in `moe.routes_dtype` (the sampler's programs cast to it)."""
+    return jax.ShapeDtypeStruct((moe_layer_count(cfg), cfg.num_experts_per_tok), routes_dtype(cfg.num_experts or 1))
 
 
 def split_routes(prefix: Prefix) -> tuple[Prefix, Any]:
@@ -31,6 +38,6 @@ def split_routes(prefix: Prefix) -> tuple[Prefix, Any]:
 
 
 def sample_routes(prompt_routes: Any, prompt_len: int, decoded: list[np.ndarray]) -> np.ndarray:
-    """[prompt_len + N, L_moe, k] int32: the prompt's routes (a device or host array of at least prompt_len rows,
-    fetched here) then the N decoded tokens' (``decoded``: [n_i, L_moe, k] chunks, one per dispatch)."""
-    return np.concatenate([np.asarray(prompt_routes)[:prompt_len], *decoded]).astype(np.int32)
+    """[prompt_len + N, L_moe, k]: the prompt's routes (a device or host array of at least prompt_len rows, fetched
+    here) then the N decoded tokens' (``decoded``: [n_i, L_moe, k] chunks, one per dispatch), in their dtype."""
+    return np.concatenate([np.asarray(prompt_routes)[:prompt_len], *decoded])

@@ -59,8 +59,8 @@ class Prefix:
       logprobs: [V] float32 log-softmax of ``logits`` (the unfiltered first-token distribution).
       true_length: [] int32 number of real prompt tokens.
       last_token: [] int32 the last prompt token.
-      routes: None, or (``Engine.prefill_many(routes=True)``, a mixture-of-experts model) [P, L_moe, k] int32 the
-        experts the prefill sent each prompt position to (rows past true_length: padding).
+      routes: None, or (``Engine.prefill_many(routes=True)``, a mixture-of-experts model) [P, L_moe, k] the experts
+        the prefill sent each prompt position to (`moe.routes_dtype`; rows past true_length: padding).
     """
 
     cache: KVCache
@@ -81,8 +81,8 @@ class StepResult:
       logprobs: [S] float32 behaviour log-probability of each token.
       done: [S] bool; True where the slot is free or its request has finished (after this step).
       valid: [S] bool; True where the slot was generating when the step began, i.e. the token is real.
-      routes: None, or (routes=True, a mixture-of-experts model) [S, L_moe, k] int32 the experts the step sent
-        each slot's token to (the token is fed to the model in the step that samples it).
+      routes: None, or (routes=True, a mixture-of-experts model) [S, L_moe, k] the experts the step sent each slot's
+        token to (`moe.routes_dtype`; the token is fed to the model in the step that samples it).
     """
 
     tokens: jax.Array
@@ -128,7 +128,7 @@ class MultiStepResult:
         during the dispatch, S where it did not move.
       placed_step: [R] int32: the step it moved before (its first valid step; the slot's earlier steps
         belong to the slot's previous occupants). A slot's valid steps are a prefix of each occupant's span.
-      routes: None, or (routes=True) [K, S, L_moe, k] int32: ``StepResult.routes`` of each step.
+      routes: None, or (routes=True) [K, S, L_moe, k]: ``StepResult.routes`` of each step.
     """
 
     tokens: jax.Array

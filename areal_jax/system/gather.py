@@ -65,7 +65,7 @@ def allgather_trajectories(trajectories: Sequence[Trajectory], *, process_count:
     g_routes = None  # the sampler's experts (train.router_replay): every process records them or none does
     shaped = [t.routes for t in trajectories if t.routes is not None]
     if shaped:
-        routes = np.zeros((n, max_len, *shaped[0].shape[1:]), np.int32)
+        routes = np.zeros((n, max_len, *shaped[0].shape[1:]), shaped[0].dtype)
         for i, t in enumerate(trajectories):
             routes[i, : len(t.tokens)] = t.routes
         g_routes = gather(routes)

@@ -57,8 +57,8 @@ class Trajectory:
       reward: the scalar reward; with a critic (TrainerConfig.critic="value_head") the terminal reward
         of GAE, on the last valid completion token (otherwise reported only).
       loss_mask: [L - prompt_len] bool/float, completion tokens that enter the loss (None: all).
-      routes: int32 [L, L_moe, k] (mixture-of-experts models, train.router_replay): the experts the sampler sent
-        each token to in each expert layer (None: not recorded).
+      routes: integers [L, L_moe, k] (mixture-of-experts models, train.router_replay; the sampler's are uint8 up to
+        256 experts): the experts the sampler sent each token to in each expert layer (None: not recorded).
     """
 
     tokens: np.ndarray
@@ -90,10 +90,12 @@ class Trajectory:
             self.loss_mask = np.asarray(self.loss_mask, np.float32).reshape(-1)
             named["loss_mask"] = self.loss_mask
         if self.routes is not None:
-            self.routes = np.asarray(self.routes, np.int32)
+            self.routes = np.asarray(self.routes)
             if self.routes.ndim != 3 or self.routes.shape[0] != self.tokens.size:
                 raise ValueError(f"Trajectory.routes has shape {self.routes.shape}; give [len(tokens)="
                                  f"{self.tokens.size}, expert layers, experts per token].")
+            if not np.issubdtype(self.routes.dtype, np.integer):
+                raise ValueError(f"Trajectory.routes must hold expert ids (integers), got dtype {self.routes.dtype}.")
         for name, arr in named.items():
             if arr.size != n:
                 raise ValueError(
