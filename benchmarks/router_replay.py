@@ -3,9 +3,10 @@ trainer's routers disagree, what replaying the sampler's routes does to the trai
 tokens, and what recording the routes costs the sampler.
 
 The model: Qwen3-MoE's layer (8 experts, top 2 by default), random float32 weights. The sampler decodes
-`--requests` prompts (long-tailed forced lengths: median `--new-tokens`, cap `--cap`) at temperature 1 with the weights rounded to bfloat16 (what `rollout.param_dtype=bfloat16` hands
-it; the compute stays float32 here), recording each finished sample's routes (`sampler.routes`). Two trainers score
-the sampled tokens in float32:
+`--requests` prompts (long-tailed forced lengths: median `--new-tokens`, cap `--cap`) at temperature 1 with the
+weights rounded to bfloat16 (what `rollout.param_dtype=bfloat16` hands it; the compute stays float32 here; or with
+`--sampler-dtype bfloat16` bf16 weights and compute), recording the experts its prefill and decode steps sent each
+token to (`sampler.routes`). Two trainers score the sampled tokens in float32:
 
 - fresh: the sampler's own weights before rounding (the mismatch is the rounding alone);
 - stale: those weights plus noise of `--stale-sigma` times each tensor's standard deviation (a stand-in for the
