@@ -39,7 +39,10 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
 }
-GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS)}
+# a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
+EXPERTS = {"experts_gate": "experts_gate", "experts_up": "experts_up", "experts_down": "experts_down"}
+GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS),
+          "experts": tuple(EXPERTS)}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -54,8 +57,8 @@ class LoRAConfig(Section):
     rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
     alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
-    targets: str = knob("all", "q,k,v,o,gate,up,down | attn | mlp | all | re:<regex over 'layers.0.attn.q_proj'> "
-                        "(comma-separated)")
+    targets: str = knob("all", "q,k,v,o,gate,up,down | attn | mlp | all | experts (a mixture of experts' expert "
+                        "weights, not in all) | re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
                            choices=("", *BASE_DTYPES))
     sampler: str = knob("merged", "merged (adapters folded into the sampler's copy at hand-off) | unmerged",
@@ -66,9 +69,13 @@ class LoRAConfig(Section):
         require(self.alpha > 0, f"{self.key('alpha')}={self.alpha!r} must be positive.")
         require(0.0 <= self.dropout < 1.0, f"{self.key('dropout')}={self.dropout!r} must lie in [0, 1).")
         try:
-            self.target_rules()
+            names, _ = self.target_rules()
         except ValueError as err:  # each message starts with the key: "lora.targets entry ..."
             raise ConfigError(f"--config.{err}") from None
+        require(not (self.dropout > 0 and names & set(EXPERTS)),
+                f"{self.key('dropout')}={self.dropout} applies to projections only: the experts' adapters are folded "
+                f"into their weights in each forward (no per-token input to drop); set {self.key('dropout')}=0 or "
+                f"leave 'experts' out of {self.key('targets')}.")
 
     @property
     def scale(self) -> float:
@@ -90,6 +97,8 @@ class LoRAConfig(Section):
                 names.update(GROUPS[entry])
             elif entry.removesuffix("_proj") in PROJECTIONS:
                 names.add(entry.removesuffix("_proj"))
+            elif entry in EXPERTS:
+                names.add(entry)
             else:
                 raise ValueError(f"lora.targets entry {entry!r} is unknown; use {', '.join(PROJECTIONS)}, "
                                  f"{', '.join(GROUPS)} or 're:<regex>' over paths like 'layers.0.attn.q_proj'.")
@@ -97,16 +106,21 @@ class LoRAConfig(Section):
 
     def target_paths(self, num_layers: int, experts: Sequence[int] = ()) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
-        layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`), whose gate / up / down are
-        not adapted (their experts' weights are left frozen and unadapted)."""
+        layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
+        the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
+        "experts", or a pattern over 'layers.1.mlp.experts_gate')."""
         names, patterns = self.target_rules()
         out = []
         for i in range(num_layers):
+            moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
-                if part == "mlp" and i in experts:
+                if part == "mlp" and moe:
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
+                    out.append((i, short))
+            for short in EXPERTS if moe else ():
+                if short in names or any(p.fullmatch(f"layers.{i}.mlp.{short}") for p in patterns):
                     out.append((i, short))
         return out
 
@@ -128,6 +142,13 @@ def merge_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype: 
     delta = (a.reshape(k, r).astype(jnp.float32) * scale) @ b.reshape(r, -1).astype(jnp.float32)
     merged = w.astype(jnp.float32) + delta.reshape(w.shape)
     return merged.astype(w.dtype if dtype is None else dtype)
+
+
+def merge_experts(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype: Any = None) -> jax.Array:
+    """Each expert's W_e + scale * A_e @ B_e, in float32, returned in `dtype` (default W's). w: [E, in, out]; a: [E, in,
+    r]; b: [E, r, out]."""
+    delta = jnp.einsum("eir,ero->eio", a.astype(jnp.float32) * scale, b.astype(jnp.float32))
+    return (w.astype(jnp.float32) + delta).astype(w.dtype if dtype is None else dtype)
 
 
 def dropout_inputs(x: jax.Array, rate: float, salt: int) -> jax.Array:
@@ -178,6 +199,35 @@ class LoRAProjection(nnx.Module):
         return merge_weight(self.base[...], self.lora_a[...], self.lora_b[...], self.scale, dtype)
 
 
+class LoRAExperts(nnx.Module):
+    """A mixture-of-experts layer's frozen expert weights `base` [E, in, out] plus trainable per-expert factors
+    `lora_a` [E, in, r] (U(-1/sqrt(in), 1/sqrt(in))) and `lora_b` [E, r, out] (zeros), sharded like the base's expert
+    and width axes. `models.moe.MoE` runs on `merged()`: each forward folds the adapters into the weights (one
+    [E, in, out] product a layer), so every expert path (blocked, ragged, pallas, dense) serves adapted experts
+    unchanged, and the gradient reaches A and B through the merged weight (whose gradient is as large as full
+    fine-tuning's, but transient: no optimizer state for it). No dropout."""
+
+    def __init__(self, base: nnx.Param, cfg: LoRAConfig, *, rngs: nnx.Rngs):
+        w = base.get_value()
+        names = logical_names(base) or (None,) * 3
+        e, fan_in, fan_out = w.shape
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(rngs.params(), (e, fan_in, cfg.rank), jnp.float32, -bound, bound)
+        self.base = base
+        self.lora_a = nnx.LoRAParam(a, out_sharding=(names[0], names[1], "lora_rank"), eager_sharding=False)
+        self.lora_b = nnx.LoRAParam(jnp.zeros((e, cfg.rank, fan_out), jnp.float32),
+                                    out_sharding=(names[0], "lora_rank", names[2]), eager_sharding=False)
+        self.scale = cfg.scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+    def merged(self, dtype: Any = None) -> jax.Array:
+        """[E, in, out]: the base with each expert's adapters folded in, in `dtype` (default the base's)."""
+        return merge_experts(self.base[...], self.lora_a[...], self.lora_b[...], self.scale, dtype)
+
+
 def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Module:
     """Wrap the targeted projections of a `Transformer` in place; returns the model.
 
@@ -192,6 +242,10 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
                          "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
                          "adapters: target attention there, e.g. 'attn').")
     for salt, (i, short) in enumerate(targets):
+        if short in EXPERTS:
+            moe = model.layers[i].mlp
+            setattr(moe, short, LoRAExperts(getattr(moe, short), cfg, rngs=rngs))
+            continue
         part, attr, n_in = PROJECTIONS[short]
         owner = getattr(model.layers[i], part)
         setattr(owner, attr, LoRAProjection(getattr(owner, attr), n_in, cfg, salt=salt, rngs=rngs))
@@ -247,7 +301,8 @@ def merge_state(state: nnx.State, scale: float, dtype: Any = None) -> nnx.State:
             continue
         if path[-1] == "base" and path[:-1] + ("lora_a",) in flat:
             a, b = flat[path[:-1] + ("lora_a",)].get_value(), flat[path[:-1] + ("lora_b",)].get_value()
-            value = merge_weight(var.get_value(), a, b, scale, dtype)
+            merge = merge_experts if path[-2] in EXPERTS else merge_weight
+            value = merge(var.get_value(), a, b, scale, dtype)
             out.append((path[:-1], var.replace(value)))
             continue
         value = var.get_value()
@@ -267,12 +322,14 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     """Bytes of every A and B of a decoder of shape `model_cfg` (float32 adapters: itemsize 4)."""
     d, f, h, k, hd = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
                       model_cfg.num_kv_heads, model_cfg.head_dim)
+    e, fe = model_cfg.num_experts or 0, model_cfg.expert_size if model_cfg.num_experts else 0
     dims = {"q": (d, h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
-            "down": (f, d)}
+            "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
+            "experts_down": (e * fe, e * d)}
     return sum(cfg.rank * sum(dims[s]) * itemsize
                for _, s in cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg)))
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
-    """The layers of `model_cfg` whose feed-forward is a mixture of experts (no LoRA on their MLP)."""
+    """The layers of `model_cfg` whose feed-forward is a mixture of experts (their MLP's adapters are per expert)."""
     return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_moe(i))

@@ -31,6 +31,7 @@ Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summati
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,11 @@ def _router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.dot(h, router, preferred_element_type=jnp.float32)
 
 
+def _weight(p: Any, dtype: Any) -> jax.Array:
+    """A parameter's value in `dtype`; LoRA-adapted experts (`lora.LoRAExperts`) with their adapters folded in."""
+    return p.merged(dtype) if hasattr(p, "merged") else p[...].astype(dtype)
+
+
 _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts,
           "pallas": _pallas_experts}
 
@@ -289,7 +295,7 @@ class MoE(nnx.Module):
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
                                     out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
-        out, layer_stats, agree, chosen = experts(h, mask, given, *(p[...].astype(self.dtype) for p in (
+        out, layer_stats, agree, chosen = experts(h, mask, given, *(_weight(p, self.dtype) for p in (
             self.router, self.experts_gate, self.experts_up, self.experts_down)))
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
+from areal_jax.models.lora import EXPERTS, PROJECTIONS, LoRAConfig, LoRAExperts, LoRAProjection
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,8 +33,12 @@ _HF_PART = {"attn": "self_attn", "mlp": "mlp"}
 def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
+        if any(isinstance(getattr(layer.mlp, name, None), LoRAExperts) for name in EXPERTS):
+            raise ValueError(f"layer {i}'s experts carry adapters (lora.targets 'experts'), which have no PEFT module "
+                             "layout here; export the merged model instead (python -m "
+                             "areal_jax.programs.export --format=merged).")
         for short, (part, attr, _) in PROJECTIONS.items():
-            node = getattr(getattr(layer, part), attr, None)  # None: a mixture of experts' MLP (never adapted)
+            node = getattr(getattr(layer, part), attr, None)  # None: a mixture of experts' MLP
             if isinstance(node, LoRAProjection):
                 out.append((i, short, node))
     if not out:
