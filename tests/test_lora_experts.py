@@ -135,3 +135,76 @@ def test_expert_adapter_errors(tmp_path):
     model, lcfg = adapted()
     with pytest.raises(ValueError, match=r"layer 0's experts carry adapters .* --format=merged"):
         save_peft_adapter(model, lcfg, tmp_path / "adapter")
+
+
+def test_a_lora_run_on_a_mixture_of_experts_trains_the_experts_adapters(tmp_path):
+    """A whole Qwen3-MoE run with adapters on attention and experts, exported to HF every step: the behaviour log-probs
+    equal a full forward of the exported model of their version, the sampler's last weights the last export's (the
+    hand-off merges the experts' adapters too), and the exports moved in the experts and the attention, not in the
+    frozen embeddings or the router."""
+    import dataclasses
+    import functools
+    import json
+    import os
+
+    from areal_jax.data.math_tokenizer import build_math_tokenizer
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.models.hf_io import save_hf_checkpoint
+    from areal_jax.system.job import RLJob
+    from areal_jax.testing.tiny import tiny_config as tiny_job
+
+    tok = build_math_tokenizer()
+    model_dir = str(tmp_path / "moe")
+    cfg = tiny_config("qwen3_moe", num_layers=3, moe_layers=(1, 0, 1), vocab_size=tok.vocab_size,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    start = random_model(cfg, seed=0)
+    start.embedding.set_value(start.embedding[...] * 0.1)  # flatter logits: sampled tokens whose log-probs can move
+    save_hf_checkpoint(start, model_dir)
+    tok.save_pretrained(model_dir)
+    c = tiny_job(str(tmp_path), eta=1, steps=2)
+    c.model.path = model_dir
+    c.lora.enabled, c.lora.targets, c.lora.rank = True, "attn,experts", 4
+    c.train.lr = 5e-3
+    c.checkpoint.hf_every_steps = 1
+    trained = []
+    job = RLJob(c, log_fn=lambda *a, **k: None)
+    update = job.trainer.update
+
+    def signed(trajectories):  # the tiny reward pays every sample alike here: advantages of alternating sign instead
+        trained.extend(trajectories)
+        return update([dataclasses.replace(t, advantage=(-1.0) ** i) for i, t in enumerate(trajectories)])
+
+    job.trainer.update = signed
+    try:
+        assert job.run()["steps"] == 2
+        version, sampler_params = job.sampler.versioned_params()  # what the sampler decodes with after the run
+        decoder = nnx.merge(job.graphdef, jax.tree.map(jnp.asarray, jax.device_get(sampler_params)))
+    finally:
+        job.close()
+    models = {0: load_hf_checkpoint(model_dir, max_len=c.rollout.max_len)}
+    for v in (1, 2):
+        models[v] = load_hf_checkpoint(os.path.join(c.run_dir, "hf", f"step_{v}"), max_len=c.rollout.max_len)
+    checked = set()
+    for t in trained:  # each token against the exported model of the version it is tagged with (recompute: exact)
+        seq, n = np.asarray(t.tokens, np.int32), t.prompt_len
+        for v in set(np.asarray(t.versions).tolist()):
+            logp = jax.nn.log_softmax(models[v](jnp.asarray(seq[None]))[0], axis=-1)
+            want = np.asarray(logp[n - 1:-1])[np.arange(len(seq) - n), seq[n:]]
+            mine = np.asarray(t.versions) == v
+            np.testing.assert_allclose(np.asarray(t.behav_logp)[mine], want[mine], atol=2e-4)
+            checked.add(v)
+    assert 0 in checked
+    # the sampler's weights after the last hand-off: the exported model of that version, adapted experts included
+    assert version == 2
+    x = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 9)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(decoder(x)), np.asarray(models[2](x)), rtol=1e-4, atol=1e-4)
+    start, end = (nnx.state(models[v]) for v in (0, 2))
+    def moved(*path):
+        get = lambda state: np.asarray(functools.reduce(lambda node, key: node[key], path, state)[...])  # noqa: E731
+        return float(np.abs(get(end) - get(start)).max())
+
+    assert moved("layers", 0, "mlp", "experts_gate") > 0 and moved("layers", 2, "mlp", "experts_down") > 0
+    assert moved("layers", 1, "attn", "q_proj") > 0
+    assert moved("embedding") == moved("layers", 0, "mlp", "router") == moved("layers", 1, "mlp", "up_proj") == 0
+    steps = [m for m in map(json.loads, open(os.path.join(c.run_dir, "metrics.jsonl"))) if "train/loss" in m]
+    assert len(steps) == 2

@@ -139,6 +139,7 @@ class RLJob:
                  f"replica{'s' * (r > 1)} x {t} tensor device{'s' * (t > 1)}) ...")
         model, self.trainer = load_policy(c, self.meshes, train_cfg)
         self.model_config = model.cfg
+        self.policy_graphdef = nnx.graphdef(model)  # the trainer's params' graph (adapters too; the sampler's may not)
         lora_cfg = c.lora if c.lora.enabled else None
 
         self.checkpoint_clock = runner.CheckpointClock(c.checkpoint.every_steps, c.checkpoint.every_minutes)
@@ -328,13 +329,13 @@ class RLJob:
                 self.evaluate(f"step{step}")
             if self.checkpoint_clock.due(step):
                 self.save_checkpoint()
-            self.hf_export.maybe_export(lambda: nnx.merge(self.graphdef, self.trainer.params), step)
+            self.hf_export.maybe_export(lambda: nnx.merge(self.policy_graphdef, self.trainer.params), step)
         interrupted = self.stop.requested.is_set()
         self.controller.stop()
         self.sampler.stop(graceful=False)
         wall = time.perf_counter() - t_start
         self.save_checkpoint()
-        self.hf_export.maybe_export(lambda: nnx.merge(self.graphdef, self.trainer.params), self.trainer.version, True)
+        self.hf_export.maybe_export(lambda: nnx.merge(self.policy_graphdef, self.trainer.params), self.trainer.version, True)
         if not interrupted and c.eval.at_end:
             self.evaluate("end")  # beside the last checkpoint's (and HF directory's) write
         self.checkpointer.wait()
