@@ -23,7 +23,13 @@ from hypothesis import strategies as st
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
-from areal_jax.testing.sampler import full_forward_logp, on_each_dispatch, submit_all, token_logp_errors
+from areal_jax.testing.sampler import (
+    collect_while_submitting,
+    full_forward_logp,
+    on_each_dispatch,
+    submit_all,
+    token_logp_errors,
+)
 
 MAX_LEN = 48
 CFG = testing.tiny_config("qwen2")
@@ -103,19 +109,14 @@ def test_random_interleavings_keep_the_loops_promises(models, logps, engines, ki
                     requests[rid] = make_request(rid, spec, rng)
                     loop.submit(requests[rid])
 
-    got = {}
+    def expected():
+        with lock:
+            return sum(r.n for r in requests.values())
+
     try:
         with on_each_dispatch(engine, apply_events):
             submit_all(loop, list(requests.values()))
-            while True:
-                with lock:
-                    expected = sum(r.n for r in requests.values())
-                if len(got) == expected:
-                    break
-                c = loop.get_completion(timeout=120)
-                assert c is not None, f"{len(got)} of {expected} completions arrived"
-                assert (c.request_id, c.sample_index) not in got, "a sample came back twice"
-                got[c.request_id, c.sample_index] = c
+            got = collect_while_submitting(loop, expected)
             stats = loop.stats()
     finally:
         loop.stop(graceful=False)

@@ -18,7 +18,14 @@ from jax.sharding import Mesh
 from areal_jax.sampler import Engine, Request, SamplerLoop
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing.models import random_model, tiny_config
-from areal_jax.testing.sampler import HookAfterDispatch, collect_completions, on_each_dispatch, run_requests, submit_all
+from areal_jax.testing.sampler import (
+    HookAfterDispatch,
+    collect_completions,
+    collect_while_submitting,
+    on_each_dispatch,
+    run_requests,
+    submit_all,
+)
 
 CFG = tiny_config("qwen3_moe", num_layers=3, moe_layers=(1, 0, 1))  # two expert layers around a dense one
 MAX_LEN = 48
@@ -195,18 +202,14 @@ def test_random_interleavings_record_each_tokens_own_routes(fuzz_models, fuzz_en
                     requests[rid] = make(rid, spec)
                     loop.submit(requests[rid])
 
-    got = []
+    def expected():
+        with lock:
+            return sum(r.n for r in requests.values())
+
     try:
         with on_each_dispatch(engine, apply_events):
             submit_all(loop, list(requests.values()))
-            while True:
-                with lock:
-                    expected = sum(r.n for r in requests.values())
-                if len(got) == expected:
-                    break
-                c = loop.get_completion(timeout=120)
-                assert c is not None, f"{len(got)} of {expected} completions arrived"
-                got.append(c)
+            got = list(collect_while_submitting(loop, expected).values())
     finally:
         loop.stop(graceful=False)
     forwards = dict(zip((0, *VERSIONS), (full_routes(m) for m in fuzz_models)))

@@ -13,13 +13,14 @@ version tags, so its trajectory is what an interrupted and resumed generation wo
 
 :class:`Preemption` is mixed into the loop thread (``sampler.loop_thread``), which provides ``engine``,
 ``_running``, ``_free``, ``_standby``, ``_standby_free``, ``_queue``, ``_state``, ``_params``, ``_version``,
-``_cond``, ``_stats`` and ``_drain``.
+``_cond``, ``_stats``, ``record_routes`` and ``_drain``.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from areal_jax.sampler.requests import _Queued, _Running
+from areal_jax.sampler.routes import split_routes
 
 
 def resume_entry(run: _Running) -> _Queued:
@@ -62,7 +63,11 @@ class Preemption:
         if not self.engine.reserve(len(sequence), q.sampling.max_new_tokens, 1):
             self._free.append(slot)
             return False
-        self._state = self.engine.insert_sequences(self._params, self._state, [slot], [sequence], [q.sampling])
+        if run.tokens or not self.record_routes:
+            self._state = self.engine.insert_sequences(self._params, self._state, [slot], [sequence], [q.sampling])
+        else:  # nothing generated yet: this prefill draws its first token, so its prompt's routes are this prefill's
+            prefix, run.prompt_routes = split_routes(self.engine.prefill_many(self._params, [sequence], routes=True)[0])
+            self._state = self.engine.insert(prefix, self._state, slot, q.sampling)
         run.logits_version = self._version
         self._running[slot] = run
         with self._cond:

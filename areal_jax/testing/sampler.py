@@ -90,6 +90,20 @@ def collect_completions(loop: SamplerLoop, count: int, timeout: float = 120.0) -
     return sorted(out, key=lambda c: (str(c.request_id), c.sample_index))
 
 
+def collect_while_submitting(loop: SamplerLoop, expected: Callable[[], int], timeout: float = 120.0
+                             ) -> dict[tuple, Completion]:
+    """Completions of ``loop`` until as many arrived as ``expected()`` says (it may grow while they arrive: requests
+    submitted meanwhile), keyed by (request id, sample index); AssertionError when one is late (``timeout`` seconds)
+    or a sample comes back twice."""
+    got: dict[tuple, Completion] = {}
+    while len(got) != expected():
+        c = loop.get_completion(timeout=timeout)
+        assert c is not None, f"{len(got)} of {expected()} completions arrived"
+        assert (c.request_id, c.sample_index) not in got, "a sample came back twice"
+        got[c.request_id, c.sample_index] = c
+    return got
+
+
 def submit_all(loop: SamplerLoop, requests: Sequence[Request]) -> None:
     """Submit ``requests`` while the loop is paused, so it starts stepping with all of them queued."""
     loop.pause()
