@@ -11,8 +11,9 @@ difference between its weights and the sampler's (their version, `eta` behind at
 `rollout.param_dtype`).
 
 A sample interrupted by a weight update (`rollout.on_update=recompute`) keeps the routes recorded before: its tokens so
-far were sampled under the old params, and the recompute's prefill only rebuilds the KV cache. A staged sample whose
-prompt is prefilled again takes the new prefill's routes, since its first token will be drawn from those logits.
+far were sampled under the old params, and the recompute's prefill only rebuilds the KV cache. A sample whose prompt is
+prefilled again before it generated anything (staged at an update, or preempted and resumed: `sampler.preempt`) takes
+the new prefill's routes, since its first token will be drawn from those logits.
 """
 from __future__ import annotations
 
