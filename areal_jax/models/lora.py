@@ -40,9 +40,9 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
 }
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
-EXPERTS = {"experts_gate": "experts_gate", "experts_up": "experts_up", "experts_down": "experts_down"}
+EXPERTS = ("experts_gate", "experts_up", "experts_down")
 GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS),
-          "experts": tuple(EXPERTS)}
+          "experts": EXPERTS}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
