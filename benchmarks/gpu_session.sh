@@ -41,7 +41,8 @@
 #              forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
 #              transformers' block on the same GPU (benchmarks/moe.py; a path that fails is reported, the others
 #              still run); then the same paths forward only at a decode step's 256 tokens, which says which one the
-#              sampler should run (~4 min).
+#              sampler should run; then rank-16 adapters on the experts, factored against folded, on the blocked
+#              and pallas paths (speed and the compiled step's temporary memory) (~6 min).
 #   replay     rollout routing replay on a mixture of experts (1024 wide, 8 layers of 32 experts, top 8), the sampler
 #              in bf16, the trainers in float32: route agreement, the trainer's log-prob gaps to the sampler with and
 #              without replay, and what recording the routes costs the sampler (benchmarks/router_replay.py) (~3 min).
@@ -206,6 +207,8 @@ EOF
   moe)
     step moe 200 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
     step moe_decode 120 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 256 --forward-only
+    step moe_lora 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384 \
+      --impls blocked,pallas --lora-rank 16
     ;;
   replay)
     step replay 240 $PY benchmarks/router_replay.py --hidden 1024 --layers 8 --heads 16 --experts 32 --top-k 8 \

@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from common import device_peak_gflops  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from areal_jax.models.lora import LoRAConfig, LoRAExperts, merge_experts  # noqa: E402
 from areal_jax.models.moe import MoE  # noqa: E402
 from areal_jax.testing.models import tiny_config  # noqa: E402
 
@@ -57,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--forward-only", action="store_true", help="time the output alone (a decode step), no gradients")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="also time each JAX path with LoRA adapters of this rank on the experts (gradients of the "
+                        "adapters and the input only): the factored form the model runs (lora+) against the adapters "
+                        "folded into the weights first (lora-folded+)")
     p.add_argument("--impls", default="",
                    help="comma-separated subset of blocked, pallas, ragged, dense, torch (default: all; pallas on GPUs only; "
                         "on a CPU, ragged only "
@@ -90,27 +95,74 @@ def _median_ms(step, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_jax(impl: str, args, w: dict, x: np.ndarray, probe: np.ndarray) -> tuple[float, np.ndarray]:
+EXPERT_WEIGHTS = {"experts_gate": "gate", "experts_up": "up", "experts_down": "down"}
+
+
+def lora_factors(args, w: dict) -> dict:
+    """Per expert weight, adapters (a, b) of --lora-rank: a as LoRA initialises it, b nonzero (a trained adapter)."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for name, key in EXPERT_WEIGHTS.items():
+        e, fan_in, fan_out = w[key].shape
+        out[name] = (rng.uniform(-1, 1, (e, fan_in, args.lora_rank)).astype(np.float32) / np.sqrt(fan_in),
+                     rng.normal(size=(e, args.lora_rank, fan_out)).astype(np.float32) * 0.02)
+    return out
+
+
+def time_jax(impl: str, args, w: dict, x: np.ndarray, probe: np.ndarray, lora_mode: str | None = None,
+             ) -> tuple[float, np.ndarray, float]:
+    """(median ms, the layer's output, the compiled step's temporary device memory in MiB). lora_mode: "factored"
+    (the experts as lora.LoRAExperts, which the layer multiplies through the factors) or "folded" (the adapters
+    merged into the weights inside the step, then the plain layer): gradients of the adapters and x only."""
     d, e, k, f, renorm = PRESETS[args.preset]
     dtype = jnp.dtype(args.dtype)
     cfg = tiny_config("qwen3_moe", hidden_size=d, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
                       norm_topk_prob=renorm, moe_impl=impl, dtype=dtype, param_dtype=dtype)
     layer = nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(layer)
-    values = {"router": w["router"], "experts_gate": w["gate"], "experts_up": w["up"], "experts_down": w["down"]}
+    values = {"router": w["router"], **{name: w[key] for name, key in EXPERT_WEIGHTS.items()}}
     state = jax.tree_util.tree_map_with_path(
         lambda path, leaf: jnp.asarray(values[path[0].key], dtype), state)
+    factors = lora_factors(args, w) if lora_mode else {}
+    scale = 2.0  # alpha / rank with alpha = 2 * rank
+    if lora_mode == "factored":
+        layer = nnx.merge(graphdef, state)
+        for name in EXPERT_WEIGHTS:
+            base = getattr(layer, name)
+            adapted = LoRAExperts(base, LoRAConfig(rank=args.lora_rank, alpha=scale * args.lora_rank),
+                                  rngs=nnx.Rngs(0))
+            adapted.lora_a.set_value(jnp.asarray(factors[name][0]))
+            adapted.lora_b.set_value(jnp.asarray(factors[name][1]))
+            setattr(layer, name, adapted)
+        graphdef, frozen, train = nnx.split(layer, nnx.Not(nnx.LoRAParam), nnx.LoRAParam)
+    elif lora_mode == "folded":
+        frozen, train = state, {name: tuple(map(jnp.asarray, ab)) for name, ab in factors.items()}
+    else:
+        frozen, train = None, state
+
+    def run(fz, tr, xx):
+        if lora_mode == "factored":
+            return nnx.merge(graphdef, fz, tr)(xx)
+        if lora_mode == "folded":
+            st = jax.tree_util.tree_map_with_path(
+                lambda path, leaf: merge_experts(leaf, *tr[path[0].key], scale, dtype)
+                if path[0].key in tr else leaf, fz)
+            return nnx.merge(graphdef, st)(xx)
+        return nnx.merge(graphdef, tr)(xx)
 
     @jax.jit
-    def step(st, xx):
-        def loss(st, xx):
-            return jnp.sum(nnx.merge(graphdef, st)(xx).astype(jnp.float32) * probe)
-        out = nnx.merge(graphdef, st)(xx)
-        return (out,) if args.forward_only else (out, jax.grad(loss, argnums=(0, 1))(st, xx))
+    def step(fz, tr, xx):
+        out = run(fz, tr, xx)
+        if args.forward_only:
+            return (out,)
+        return out, jax.grad(lambda tr, xx: jnp.sum(run(fz, tr, xx).astype(jnp.float32) * probe),
+                             argnums=(0, 1))(tr, xx)
 
     xj = jnp.asarray(x, dtype)
-    ms = _median_ms(lambda: jax.block_until_ready(step(state, xj)), args.repeats)
-    return ms, np.asarray(step(state, xj)[0], np.float32)
+    ms = _median_ms(lambda: jax.block_until_ready(step(frozen, train, xj)), args.repeats)
+    temp = step.lower(frozen, train, xj).compile().memory_analysis()
+    temp_mib = temp.temp_size_in_bytes / 2**20 if temp is not None else float("nan")
+    return ms, np.asarray(step(frozen, train, xj)[0], np.float32), temp_mib
 
 
 def time_torch(args, w: dict, x: np.ndarray, probe: np.ndarray) -> tuple[float, np.ndarray] | None:
@@ -175,34 +227,51 @@ def main(argv: list[str] | None = None) -> dict:
         impls.remove("ragged")
         print(f"  ragged  skipped: XLA:CPU expands ragged_dot to every expert ({expanded / 2**30:.1f} GiB per product "
               "here); --impls ragged runs it anyway")
-    failed = {}
-    for impl in impls:
+    runs = [(impl, impl, None) for impl in impls]
+    if args.lora_rank:
+        print(f"  lora+PATH: rank-{args.lora_rank} adapters on the experts, multiplied through their factors; "
+              "lora-folded+PATH: merged into the weights first (gradients: adapters and input)")
+        runs += [(f"{prefix}+{impl}", impl, mode) for impl in impls if impl != "torch"
+                 for prefix, mode in (("lora-folded", "folded"), ("lora", "factored"))]
+    failed, lora_outputs = {}, {}
+    width = max(len(name) for name, _, _ in runs)
+    for name, impl, mode in runs:
         try:  # one path failing (out of memory, a kernel that does not lower) leaves the others' figures
-            got = time_torch(args, w, x, probe) if impl == "torch" else time_jax(impl, args, w, x, probe)
+            got = time_torch(args, w, x, probe) if impl == "torch" else time_jax(impl, args, w, x, probe, mode)
         except Exception as e:  # noqa: BLE001
-            failed[impl] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"  {impl:7s} failed: {failed[impl]}")
+            failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  {name:{width}s} failed: {failed[name]}")
             continue
         if got is None:
-            print(f"  {impl:7s} skipped (no torch / transformers)")
+            print(f"  {name:{width}s} skipped (no torch / transformers)")
             continue
-        ms, outputs[impl] = got
-        results[impl] = {"ms": ms, "tokens_per_s": args.tokens / ms * 1e3,
-                         "active_tflops": flops / ms / 1e9, "share_of_peak": flops / ms / 1e6 / peak}
-        r = results[impl]
-        print(f"  {impl:7s} {ms:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  active {r['active_tflops']:7.3f} TFLOP/s "
-              f"({100 * r['share_of_peak']:.1f}% of peak)")
+        ms, out, temp_mib = got if len(got) == 3 else (*got, None)
+        (lora_outputs if mode else outputs)[name] = out
+        results[name] = {"ms": ms, "tokens_per_s": args.tokens / ms * 1e3,
+                         "active_tflops": flops / ms / 1e9, "share_of_peak": flops / ms / 1e6 / peak,
+                         "temp_mib": temp_mib}
+        r = results[name]
+        memory = "" if temp_mib is None else f"  temp memory {temp_mib:8.1f} MiB"
+        print(f"  {name:{width}s} {ms:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  active {r['active_tflops']:7.3f} TFLOP/s "
+              f"({100 * r['share_of_peak']:.1f}% of peak){memory}")
     ref = outputs.get("dense", next(iter(outputs.values()), None))
     errors = {name: float(np.abs(out - ref).max()) for name, out in outputs.items()} if ref is not None else {}
-    ratios = {f"{a}_over_{b}": results[b]["ms"] / results[a]["ms"]
-              for a, b in (("blocked", "dense"), ("ragged", "dense"), ("pallas", "blocked"), ("blocked", "torch"),
-                           ("pallas", "torch"), ("ragged", "torch"), ("dense", "torch"))
-              if a in results and b in results}
+    pairs = [("blocked", "dense"), ("ragged", "dense"), ("pallas", "blocked"), ("blocked", "torch"),
+             ("pallas", "torch"), ("ragged", "torch"), ("dense", "torch")]
+    pairs += [(f"lora+{impl}", f"lora-folded+{impl}") for impl in impls]
+    ratios = {f"{a}_over_{b}": results[b]["ms"] / results[a]["ms"] for a, b in pairs if a in results and b in results}
+    for impl in impls:  # the factored adapters against the folded ones, same path
+        a, b = f"lora+{impl}", f"lora-folded+{impl}"
+        if a in lora_outputs and b in lora_outputs:
+            errors[a] = float(np.abs(lora_outputs[a] - lora_outputs[b]).max())
+            if results[a]["temp_mib"] and results[b]["temp_mib"]:
+                ratios[f"{a}_memory_over_{b}"] = results[a]["temp_mib"] / results[b]["temp_mib"]
     for name, value in ratios.items():
-        print(f"  speed {name.replace('_over_', ' / ')}: {value:.2f}x")
-    print(f"  outputs: max |difference| to the dense path {errors}")
+        what = "memory" if "_memory_over_" in name else "speed"
+        print(f"  {what} {name.replace('_memory_over_', ' / ').replace('_over_', ' / ')}: {value:.2f}x")
+    print(f"  outputs: max |difference| to the dense path (lora+PATH: to lora-folded+PATH) {errors}")
     summary = {"benchmark": "moe", "preset": args.preset, "tokens": args.tokens, "dtype": args.dtype, "device": device,
-               "forward_only": args.forward_only,
+               "forward_only": args.forward_only, "lora_rank": args.lora_rank,
                "peak_gflops": peak, "results": results, "ratios": ratios, "max_abs_diff": errors, "failed": failed}
     print(json.dumps(summary))
     return summary

@@ -60,3 +60,16 @@ def test_the_kernel_path_runs_when_asked_and_a_failing_path_is_reported(monkeypa
     line = moe.main(["--tokens", "16", "--repeats", "1", "--impls", "pallas,ragged,blocked"])
     assert set(line["results"]) == {"pallas", "blocked"} and line["failed"] == {"ragged": "MemoryError: out of memory"}
     assert line["max_abs_diff"]["blocked"] < 1e-4 and "pallas_over_blocked" in line["ratios"]
+
+
+def test_lora_runs_time_the_factored_adapters_against_folded_ones(monkeypatch, capsys):
+    """--lora-rank: each JAX path also with adapters on the experts, factored and folded; the two forms give the
+    same layer output, and the figures include the compiled step's temporary memory."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    moe = importlib.import_module("moe")
+    line = moe.main(["--tokens", "64", "--repeats", "1", "--impls", "blocked", "--lora-rank", "4"])
+    assert set(line["results"]) == {"blocked", "lora-folded+blocked", "lora+blocked"} and line["lora_rank"] == 4
+    assert line["max_abs_diff"]["lora+blocked"] < 1e-4
+    assert {"lora+blocked_over_lora-folded+blocked", "lora+blocked_memory_over_lora-folded+blocked"} <= set(
+        line["ratios"])
+    assert all(r["temp_mib"] > 0 for r in line["results"].values())

@@ -202,10 +202,10 @@ class LoRAProjection(nnx.Module):
 class LoRAExperts(nnx.Module):
     """A mixture-of-experts layer's frozen expert weights `base` [E, in, out] plus trainable per-expert factors
     `lora_a` [E, in, r] (U(-1/sqrt(in), 1/sqrt(in))) and `lora_b` [E, r, out] (zeros), sharded like the base's expert
-    and width axes. `models.moe.MoE` runs on `merged()`: each forward folds the adapters into the weights (one
-    [E, in, out] product a layer), so every expert path (blocked, ragged, pallas, dense) serves adapted experts
-    unchanged, and the gradient reaches A and B through the merged weight (whose gradient is as large as full
-    fine-tuning's, but transient: no optimizer state for it). No dropout."""
+    and width axes. `models.moe.MoE` never forms the adapted weights: every expert path (blocked, ragged, pallas,
+    dense) multiplies a token's rows by its expert's base and adds scale * (rows @ A_e) @ B_e (`moe.Factored`), so
+    the backward computes only rank-r gradients (no [E, in, out] weight gradient). `merged()` folds them for the
+    sampler's merged weights and the export. No dropout."""
 
     def __init__(self, base: nnx.Param, cfg: LoRAConfig, *, rngs: nnx.Rngs):
         w = base.get_value()

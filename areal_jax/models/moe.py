@@ -108,18 +108,59 @@ def load_balancing_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
     return stats.shape[-1] * jnp.sum(picks * probs)
 
 
-def _dense_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+@jax.tree_util.register_pytree_node_class
+class Factored:
+    """An expert weight kept as base [E, in, out] + scale * a [E, in, r] @ b [E, r, out] (LoRA on the experts,
+    `lora.LoRAExperts`), never formed: each path multiplies a token's rows by its expert's base and, through the
+    rank-r factors, by the adapter. The backward then computes no [E, in, out] weight gradient (the base is frozen),
+    only the factors' rank-r ones. Every expert path takes a Factored wherever it takes an expert weight."""
+
+    def __init__(self, base: jax.Array, a: jax.Array, b: jax.Array, scale: float):
+        self.base, self.a, self.b, self.scale = base, a, b, scale
+
+    def tree_flatten(self):
+        return (self.base, self.a, self.b), self.scale
+
+    @classmethod
+    def tree_unflatten(cls, scale, children):
+        return cls(*children, scale)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+
+def _grouped(z: jax.Array, w: Any, mm, out_dtype: Any = None) -> jax.Array:
+    """A path's grouped product of rows z by expert weights w: mm(z, W [E, in, out], out_dtype) multiplies each row
+    by its expert's matrix. For a `Factored` w: base's product + scale * mm(mm(z, a), b), summed in float32."""
+    if not isinstance(w, Factored):
+        return mm(z, w, out_dtype)
+    delta = mm(mm(z, w.a, None), w.b, jnp.float32)
+    return (mm(z, w.base, jnp.float32) + w.scale * delta).astype(out_dtype or z.dtype)
+
+
+def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
                    experts: jax.Array) -> jax.Array:
-    """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D]; weights, experts [N, k]."""
+    """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D] (arrays or `Factored`);
+    weights, experts [N, k]."""
     n, e = x.shape[0], gate.shape[0]
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
-    g = jnp.einsum("nd,edf->nef", x, gate)
-    u = jnp.einsum("nd,edf->nef", x, up)
-    h = jax.nn.silu(g) * u * combine[:, :, None].astype(x.dtype)
-    return jnp.einsum("nef,efd->nd", h, down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def spread(z, w, out_dtype):  # [N, in] or [N, E, in] by [E, in, out] -> [N, E, out]
+        eq = "nd,edf->nef" if z.ndim == 2 else "ned,edf->nef"
+        return jnp.einsum(eq, z, w, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
+
+    def gather(z, w, out_dtype):  # [N, E, in] by [E, in, out] -> [N, out], summed over the experts
+        return jnp.einsum("nef,efd->nd", z, w, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
+
+    h = jax.nn.silu(_grouped(x, gate, spread)) * _grouped(x, up, spread) * combine[:, :, None].astype(x.dtype)
+    if isinstance(down, Factored):  # h's rank-r projection per expert, then the experts' sum through b
+        delta = gather(spread(h, down.a, None), down.b, jnp.float32)
+        return (gather(h, down.base, jnp.float32) + down.scale * delta).astype(x.dtype)
+    return gather(h, down, jnp.float32).astype(x.dtype)
 
 
-def _ragged_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
                     experts: jax.Array) -> jax.Array:
     """The (token, expert) pairs grouped by expert through `jax.lax.ragged_dot`; same arguments as the dense path."""
     n, k = experts.shape
@@ -129,8 +170,12 @@ def _ragged_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arra
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
+
+    def mm(z, w, out_dtype):
+        return jax.lax.ragged_dot(z, w, sizes, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
+
+    h = jax.nn.silu(_grouped(xs, gate, mm)) * _grouped(xs, up, mm)
+    y = _grouped(h, down, mm, jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
 
@@ -160,7 +205,7 @@ def block_layout(experts: jax.Array, num_experts: int, block: int) -> tuple[jax.
     return row, token, owner.astype(jnp.int32)
 
 
-def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
                      experts: jax.Array, *, kernel: bool = False) -> jax.Array:
     """The sorted pairs in expert-aligned blocks (`block_layout`), one `lax.scan` step a block, or with `kernel` the
     grouped-matmul Pallas kernel over all blocks at once; same arguments as the dense path. Rows move by gathers
@@ -174,25 +219,39 @@ def _blocked_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Arr
     rows = token.shape[0]
     xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]  # padding rows read a zero row
     if kernel:
-        h = jax.nn.silu(grouped_matmul(xs, gate, owner, block=block)) * grouped_matmul(xs, up, owner, block=block)
-        ys = grouped_matmul(h, down, owner, block=block, out_dtype=jnp.float32)
+        def mm(z, w, out_dtype):
+            return grouped_matmul(z, w, owner, block=block, out_dtype=out_dtype)
+
+        h = jax.nn.silu(_grouped(xs, gate, mm)) * _grouped(xs, up, mm)
+        ys = _grouped(h, down, mm, jnp.float32)
     else:
         def body(_, inp):
             xb, j = inp
-            hb = jax.nn.silu(xb @ gate[j]) * (xb @ up[j])
-            return None, jnp.dot(hb, down[j], preferred_element_type=jnp.float32)
 
+            def mm(z, w, out_dtype):
+                return jnp.dot(z, w[j], preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
+
+            hb = jax.nn.silu(_grouped(xb, gate, mm)) * _grouped(xb, up, mm)
+            return None, _grouped(hb, down, mm, jnp.float32)
+
+        # Without the checkpoint, reverse mode keeps each step's slices gate[j], up[j], down[j] as residuals:
+        # [blocks, D, F] a weight, many times the weights themselves. Saving only the products' outputs, the
+        # backward slices the weights again (no FLOPs) and recomputes silu(g) * u.
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         _, ys = jax.lax.scan(body, None, (xs.reshape(rows // block, block, -1), owner))
     y = ys.reshape(rows, -1)[row].reshape(n, k, -1)  # each token's k outputs, in its routing order
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
 
 
-def _pallas_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, weights: jax.Array,
+def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
                     experts: jax.Array) -> jax.Array:
     """The blocked layout through the grouped-matmul kernel (`grouped_matmul`), where its tiles fit the widths
-    (multiples of 16), else the scan."""
+    (multiples of 16; with `Factored` weights, the rank too), else the scan."""
     d, f = gate.shape[1], gate.shape[2]
     fits = supports(16, d, f) and supports(16, f, d)
+    if isinstance(gate, Factored):
+        r = gate.a.shape[2]
+        fits = fits and all(supports(16, *dims) for dims in ((d, r), (r, f), (f, r), (r, d)))
     return _blocked_experts(x, gate, up, down, weights, experts, kernel=fits)
 
 
@@ -201,9 +260,20 @@ def _router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.dot(h, router, preferred_element_type=jnp.float32)
 
 
-def _weight(p: Any, dtype: Any) -> jax.Array:
-    """A parameter's value in `dtype`; LoRA-adapted experts (`lora.LoRAExperts`) with their adapters folded in."""
-    return p.merged(dtype) if hasattr(p, "merged") else p[...].astype(dtype)
+def _factor_specs(w: Any, spec: PartitionSpec, split_a: bool) -> Any:
+    """The shard_map spec of an expert weight sharded by `spec` over its width: a `Factored` one's factors take the
+    split of their side of it (a's input rows for down's, split_a; b's output columns for gate's and up's)."""
+    if not isinstance(w, Factored):
+        return spec
+    whole = PartitionSpec()
+    return Factored(spec, spec if split_a else whole, whole if split_a else spec, w.scale)
+
+
+def _weight(p: Any, dtype: Any) -> Any:
+    """A parameter's value in `dtype`; LoRA-adapted experts (`lora.LoRAExperts`) as a `Factored` weight."""
+    if hasattr(p, "lora_a"):
+        return Factored(*(v[...].astype(dtype) for v in (p.base, p.lora_a, p.lora_b)), p.scale)
+    return p[...].astype(dtype)
 
 
 _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocked_experts,
@@ -258,6 +328,7 @@ class MoE(nnx.Module):
         given = (jnp.zeros((h.shape[0], k), jnp.int32) if routes is None
                  else jnp.asarray(routes, jnp.int32).reshape(h.shape[0], k))
 
+        params = [_weight(p, self.dtype) for p in (self.router, self.experts_gate, self.experts_up, self.experts_down)]
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
@@ -290,13 +361,14 @@ class MoE(nnx.Module):
             # and up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
             width = TENSOR_AXIS if by_width else None
-            specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(), PartitionSpec(None, None, width),
-                     PartitionSpec(None, None, width), PartitionSpec(None, width, None))
+            cols, by_row = PartitionSpec(None, None, width), PartitionSpec(None, width, None)
+            specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
+                     *(_factor_specs(w, spec, first) for w, spec, first in (
+                         (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))))
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
                                     out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
-        out, layer_stats, agree, chosen = experts(h, mask, given, *(_weight(p, self.dtype) for p in (
-            self.router, self.experts_gate, self.experts_up, self.experts_down)))
+        out, layer_stats, agree, chosen = experts(h, mask, given, *params)
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)
