@@ -27,9 +27,11 @@ def adapted_checkpoint(tmp_path, arch="qwen2", targets="all", seed=0):
     model = load_hf_checkpoint(base_dir)
     lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=targets)
     lora.apply_lora(model, lcfg, rngs=nnx.Rngs(seed + 1))
-    for _, node in nnx.iter_graph(model):
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
         if isinstance(node, lora.LoRAProjection):
             node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(node.salt), node.lora_b.shape))
+        elif isinstance(node, lora.LoRAExperts):
+            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(1000 + i), node.lora_b.shape))
     return base_dir, model, lcfg
 
 
@@ -54,11 +56,16 @@ def test_peft_directory_round_trip(tmp_path):
 
 @pytest.mark.parametrize("arch,targets", [("qwen2", "all"), ("llama", "all"), ("gemma3", "all"), ("olmo3", "all"),
                                           ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj"),
-                                          ("qwen3_moe", "all"), ("granitemoe", "all")])
+                                          ("qwen3_moe", "all"), ("granitemoe", "all"),
+                                          ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"),
+                                          ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"),
+                                          ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
+                                          ("qwen2_moe", "experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
-    adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), and
-    reading the directory back gives the same adapters."""
+    adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do
+    the experts' stacked gate_up_proj / down_proj through target_parameters (all, up and down of one layer, gate
+    alone); reading the directory back gives the same adapters."""
     torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
     transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
     peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft (pip install peft)")

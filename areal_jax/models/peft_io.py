@@ -10,6 +10,9 @@ Phi (phi3) fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj. The 
 adapted parts are written as one adapter of rank n * r: A stacks the parts' A, B places each part's B in its own
 rows and rank columns (zeros elsewhere), and rank_pattern / lora_alpha_pattern give that module rank n * r and
 alpha n * alpha, so its scale stays alpha / r and its update is exactly the parts' updates side by side.
+
+A mixture of experts' expert adapters (lora.targets "experts") go to transformers' stacked expert parameters through
+PEFT's target_parameters (`peft_experts`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models.lora import EXPERTS, PROJECTIONS, LoRAConfig, LoRAExperts, LoRAProjection
+from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
+from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,15 +37,11 @@ _HF_PART = {"attn": "self_attn", "mlp": "mlp"}
 def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
-        if any(isinstance(getattr(layer.mlp, name, None), LoRAExperts) for name in EXPERTS):
-            raise ValueError(f"layer {i}'s experts carry adapters (lora.targets 'experts'), which have no PEFT module "
-                             "layout here; export the merged model instead (python -m "
-                             "areal_jax.programs.export --format=merged).")
         for short, (part, attr, _) in PROJECTIONS.items():
             node = getattr(getattr(layer, part), attr, None)  # None: a mixture of experts' MLP
             if isinstance(node, LoRAProjection):
                 out.append((i, short, node))
-    if not out:
+    if not out and not expert_groups(model):
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
     return out
 
@@ -86,8 +86,8 @@ def _fused_rows(model: nnx.Module, module: str, fused: str) -> dict[str, tuple[i
 
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every adapter as PEFT names it: {...q_proj.lora_A.weight: [r, in], ...lora_B.weight: [out, r]} float32
-    (a fused module's: rank n * r, see the module docstring)."""
-    tensors = {}
+    (a fused module's: rank n * r, see the module docstring; the experts': `peft_experts.expert_tensors`)."""
+    tensors = expert_tensors(model)
     for module, parts in _groups(model):
         a_rows, b_cols = [], []
         for _, node in parts:
@@ -127,14 +127,17 @@ def save_peft_adapter(model: nnx.Module, cfg: LoRAConfig, path: str | os.PathLik
     else:
         targets = [module for module, _ in groups]
     wide = {re.escape(module): len(parts) for module, parts in groups if len(parts) > 1}  # fused: rank n * r
+    experts = expert_config(model, cfg.rank, cfg.alpha)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets,
+        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
-        "rank_pattern": {k: n * cfg.rank for k, n in wide.items()},
-        "alpha_pattern": {k: n * cfg.alpha for k, n in wide.items()},
+        "rank_pattern": {**{k: n * cfg.rank for k, n in wide.items()}, **experts["rank_pattern"]},
+        "alpha_pattern": {**{k: n * cfg.alpha for k, n in wide.items()}, **experts["alpha_pattern"]},
     }
+    if experts["target_parameters"]:
+        config["target_parameters"] = experts["target_parameters"]
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
@@ -149,6 +152,9 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
         config: dict[str, Any] = json.load(fh)
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
     saved = peft_tensors(model)  # where each part's rows and rank columns sit in this model's layout
+    for _, _, parts in expert_groups(model):
+        _check_rank(config, path, parts[0][1].lora_a.shape[-1], parts[0][1].scale)
+    load_expert_tensors(model, tensors, path)
     for module, parts in _groups(model):
         name = f"base_model.model.{module}"
         if f"{name}.lora_A.weight" not in tensors or tensors[f"{name}.lora_A.weight"].shape != \
@@ -160,10 +166,14 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
         rows = _fused_rows(model, module, fused) if fused is not None else None
         for j, (short, node) in enumerate(parts):
             r = node.lora_a.shape[-1]
-            if config.get("r") != r or abs(float(config.get("lora_alpha")) / r - node.scale) > 1e-12:
-                raise ValueError(f"{path} holds r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the "
-                                 f"model's adapters have rank {r} and scale {node.scale}.")
+            _check_rank(config, path, r, node.scale)
             first, count = rows[short] if rows is not None else (0, b.shape[0])
             node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
             node.lora_b.set_value(b[first:first + count, j * r:(j + 1) * r].T.reshape(node.lora_b.shape))
     return model
+
+
+def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
+    if config.get("r") != r or abs(float(config.get("lora_alpha")) / r - scale) > 1e-12:
+        raise ValueError(f"{path} holds r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the "
+                         f"model's adapters have rank {r} and scale {scale}.")

@@ -1,0 +1,113 @@
+"""Expert adapters (`lora.LoRAExperts`) in PEFT's layout for transformers' stacked expert parameters.
+
+transformers (5.x) keeps a mixture-of-experts layer's experts as two 3-D parameters of one module,
+`model.layers.{i}.mlp.experts` (Granite 3 MoE: `block_sparse_moe.experts`): gate_up_proj [E, 2F, D] (each expert's
+gate rows, then its up rows) and down_proj [E, D, F]. PEFT adapts such parameters through `target_parameters`
+(its ParamWrapper): one adapter per parameter, every expert's factors in two tensors,
+
+    lora_A.weight [E * R, in]: row e * R + j is column j of expert e's A (R the adapter's rank),
+    lora_B.weight [out, R * E]: column j * E + e is row j of expert e's B,
+
+and expert e's update scaling * (A_e @ B_e)^T. With both parameters of a module adapted, PEFT nests the wrappers in
+the module's parameter order, so gate_up_proj's tensors sit under `experts.base_layer.` and down_proj's under
+`experts.`. Our gate and up adapters (each rank r) share the fused parameter: they are written as one adapter of
+rank n * r for the n adapted parts (A stacked, B block-diagonal), with rank_pattern / alpha_pattern keeping the
+scale alpha / r, as for Phi's fused modules (`peft_io`).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.lora import LoRAExperts
+
+PARAMS = {"gate_up_proj": ("experts_gate", "experts_up"), "down_proj": ("experts_down",)}  # transformers' order
+
+
+def experts_module(model_or_cfg: Any, layer: int) -> str:
+    """transformers' module path of layer `layer`'s experts."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    block = "block_sparse_moe" if getattr(cfg, "architecture", None) == "granitemoe" else "mlp"
+    return f"model.layers.{layer}.{block}.experts"
+
+
+def expert_groups(model: nnx.Module) -> list[tuple[str, str, list[tuple[str, LoRAExperts]]]]:
+    """(parameter key, tensor-name prefix, adapted parts [(ours, adapter)] in row order) for every adapted stacked
+    expert parameter, e.g. ("model.layers.0.mlp.experts.gate_up_proj",
+    "base_model.model.model.layers.0.mlp.experts.base_layer", [("experts_gate", ...), ("experts_up", ...)])."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        moe = layer.mlp
+        found = {param: [(name, getattr(moe, name)) for name in parts
+                         if isinstance(getattr(moe, name, None), LoRAExperts)] for param, parts in PARAMS.items()}
+        found = {param: parts for param, parts in found.items() if parts}
+        module = experts_module(model, i)
+        for k, (param, parts) in enumerate(found.items()):
+            nested = ".base_layer" * (len(found) - 1 - k)  # the first-wrapped parameter lies innermost
+            out.append((f"{module}.{param}", f"base_model.model.{module}{nested}", parts))
+    return out
+
+
+def _rows(moe: Any, param: str) -> dict[str, tuple[int, int]]:
+    """{ours: (first row, rows)} of each part of a stacked parameter in transformers' out dimension."""
+    out, offset = {}, 0
+    for name in PARAMS[param]:
+        rows = getattr(moe, name).shape[2]
+        out[name], offset = (offset, rows), offset + rows
+    return out
+
+
+def expert_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Every expert adapter as PEFT names it (float32); see the module docstring."""
+    tensors = {}
+    for key, prefix, parts in expert_groups(model):
+        layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
+        rows = _rows(model.layers[layer].mlp, param)
+        a = np.concatenate([np.asarray(jax.device_get(node.lora_a[...]), np.float32).transpose(0, 2, 1)
+                            for _, node in parts], axis=1)  # [E, R, in]
+        e, rank = a.shape[:2]
+        r = rank // len(parts)
+        b = np.zeros((e, rank, sum(n for _, n in rows.values())), np.float32)  # [E, R, out]
+        for p, (name, node) in enumerate(parts):
+            first, count = rows[name]
+            b[:, p * r:(p + 1) * r, first:first + count] = np.asarray(jax.device_get(node.lora_b[...]), np.float32)
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(e * rank, -1))
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], -1))
+    return tensors
+
+
+def expert_config(model: nnx.Module, rank: int, alpha: float) -> dict[str, Any]:
+    """adapter_config.json's entries for the expert adapters: target_parameters and the fused parameters' rank and
+    alpha patterns (empty without expert adapters)."""
+    groups = expert_groups(model)
+    # PEFT (0.21) looks a wrapped parameter's rank up by "module.parameter", as here, but its check that every pattern
+    # matched something looks at targeted modules only, so loading warns that these keys "were ignored": they were
+    # not (tests/test_lora_export.py compares peft's logits).
+    wide = {re.escape(key): len(parts) for key, _, parts in groups if len(parts) > 1}
+    return {"target_parameters": [key for key, _, _ in groups],
+            "rank_pattern": {k: n * rank for k, n in wide.items()},
+            "alpha_pattern": {k: n * alpha for k, n in wide.items()}}
+
+
+def load_expert_tensors(model: nnx.Module, tensors: dict[str, np.ndarray], path: str) -> None:
+    """Set the model's expert adapters from PEFT tensors (`expert_tensors`' layout), in place."""
+    want = expert_tensors(model)
+    for key, prefix, parts in expert_groups(model):
+        names = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
+        if any(n not in tensors or tensors[n].shape != want[n].shape for n in names):
+            raise KeyError(f"{path} has no adapter for {key} of this model's rank and parts; it was saved for other "
+                           "targets or another rank.")
+        layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
+        rows = _rows(model.layers[layer].mlp, param)
+        e = parts[0][1].shape[0]
+        a = tensors[names[0]].reshape(e, -1, tensors[names[0]].shape[1])  # [E, R, in]
+        b = tensors[names[1]].reshape(tensors[names[1]].shape[0], -1, e).transpose(2, 1, 0)  # [E, R, out]
+        r = a.shape[1] // len(parts)
+        for p, (name, node) in enumerate(parts):
+            first, count = rows[name]
+            node.lora_a.set_value(np.ascontiguousarray(a[:, p * r:(p + 1) * r].transpose(0, 2, 1)))
+            node.lora_b.set_value(np.ascontiguousarray(b[:, p * r:(p + 1) * r, first:first + count]))
