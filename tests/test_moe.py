@@ -108,6 +108,10 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch(impl):
 def test_resolve_moe_impl_and_block_sizes():
     assert resolve_moe_impl("auto", "cpu") == "blocked" and resolve_moe_impl("auto", "gpu") == "blocked"
     assert resolve_moe_impl("auto", "tpu") == "ragged" and resolve_moe_impl("dense", "cpu") == "dense"
+    # a GPU's decode step (bandwidth-bound over every expert's weights) runs dense, a training micro-step blocked
+    assert resolve_moe_impl("auto", "gpu", tokens=256) == "dense" and resolve_moe_impl("auto", "gpu", 257) == "blocked"
+    assert resolve_moe_impl("auto", "cpu", tokens=8) == "blocked" and resolve_moe_impl("auto", "tpu", 8) == "ragged"
+    assert resolve_moe_impl("blocked", "gpu", tokens=8) == "blocked"
     assert expert_block(30, 4) == 8 and expert_block(300 * 2, 4) == 128 and expert_block(1024, 128) == 8
     assert expert_block(16384 * 8, 128) == 128 and expert_block(2048 * 4, 16) == 128 and expert_block(640, 16) == 32
 

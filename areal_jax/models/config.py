@@ -84,7 +84,8 @@ class ModelConfig:
       expert into expert-aligned blocks and scans over them, "ragged" runs `jax.lax.ragged_dot` on the sorted
       tokens, "pallas" runs the blocked layout through one grouped-matmul kernel (models.grouped_matmul; GPU), "dense"
       runs every expert on every token and weights the outputs (num_experts / num_experts_per_tok times the work);
-      "auto": ragged on TPU, blocked elsewhere. All are dropless and give every token the same
+      "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens (`moe.resolve_moe_impl`), blocked
+      elsewhere. All are dropless and give every token the same
       output whatever else is in the batch.
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """

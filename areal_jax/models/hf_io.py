@@ -45,7 +45,8 @@ class ModelLoadConfig(Section):
     tokenizer_path: str = knob("", "directory of the tokenizer files; defaults to model.path")
     dtype: str = knob("float32", "compute dtype", choices=tuple(DTYPES))
     param_dtype: str = knob("float32", "storage dtype of the trained params", choices=tuple(DTYPES))
-    moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, else blocked) "
+    moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, dense on GPUs at "
+                         "decode (at most 256 tokens a device), else blocked) "
                          "| blocked | ragged | pallas | dense; other models ignore it", choices=MOE_IMPLS)
 
     @property

@@ -14,7 +14,7 @@ of a trained router).
 
 Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
 
-- ``blocked`` (the default off TPU): the (token, expert) pairs sorted by expert into blocks of `expert_block` rows,
+- ``blocked`` (the default on CPUs, and on GPUs above `DENSE_DECODE_TOKENS` tokens a device): the (token, expert) pairs sorted by expert into blocks of `expert_block` rows,
   each expert's group padded to whole blocks (at most num_experts * (block - 1) padding rows: a static bound), and
   a `lax.scan` over the blocks multiplies each by its expert's weights: the top-k work plus the padding, static
   shapes, no dense expansion (`benchmarks/moe.py`, 16 experts, top 4, 2-core CPU: forward + backward 2.2x the
@@ -26,7 +26,8 @@ Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summati
   for the Triton lowering on GPUs, run by the Pallas interpreter elsewhere (slow: tests only). Widths that do not
   tile by 16 fall back to the scan.
 - ``dense``: every expert on every token, outputs weighted by the routing weights (zero off the top k):
-  num_experts / num_experts_per_tok times the matmul work in plain dots; the reference.
+  num_experts / num_experts_per_tok times the matmul work in plain dots; the reference, and GPUs' default at a
+  decode step's few hundred tokens (`resolve_moe_impl`).
 """
 from __future__ import annotations
 
@@ -44,14 +45,29 @@ from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
 from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size
 
+DENSE_DECODE_TOKENS = 256
 
-def resolve_moe_impl(choice: str, backend: str | None = None) -> str:
-    """The expert computation `choice` stands for on `backend` (default JAX's): "auto" is ragged on TPU, else
-    blocked."""
+
+def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None = None) -> str:
+    """The expert computation `choice` stands for on `backend` (default JAX's) for `tokens` tokens a device: "auto"
+    is ragged on TPU; on GPUs dense for at most DENSE_DECODE_TOKENS tokens (a decode step of that many sequences),
+    else blocked; blocked on CPUs.
+
+    Why dense at decode on GPUs: with a few hundred tokens x k picks every expert is hit, so any path reads every
+    expert's weights once, and the dense product over all experts stays bound by that read while its FLOPs per
+    weight byte (one per token in bf16) are under the GPU's compute-to-bandwidth ratio (H200: 726 TFLOP/s over 4.8
+    TB/s, about 150; H100 about 300): 256 tokens cost at most about 1.7x the weights' read there. The blocked scan
+    instead runs about E * (1 + tokens * k / E / block) steps of three small products a layer, one after another
+    (about 250 at Qwen3-30B-A3B's shape), each a few kernel launches. CPUs compute-bound from about 20 tokens
+    (float32), so they keep the blocked path (`benchmarks/moe.py --forward-only`)."""
     if choice != "auto":
         return choice
     backend = jax.default_backend() if backend is None else backend
-    return "ragged" if backend == "tpu" else "blocked"
+    if backend == "tpu":
+        return "ragged"
+    if backend == "gpu" and tokens is not None and tokens <= DENSE_DECODE_TOKENS:
+        return "dense"
+    return "blocked"
 
 
 def expert_block(pairs: int, experts: int) -> int:
@@ -322,7 +338,6 @@ class MoE(nnx.Module):
         if replay and routes is None:
             raise ValueError("MoE replay needs routes= (the experts to send each token to).")
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        path = _PATHS[resolve_moe_impl(self.impl)]
         k, renormalize, stats = self.top_k, self.renormalize, router_mask is not None
         mask = (jnp.zeros(h.shape[0], bool) if router_mask is None else router_mask.reshape(-1)).astype(jnp.float32)
         given = (jnp.zeros((h.shape[0], k), jnp.int32) if routes is None
@@ -332,6 +347,7 @@ class MoE(nnx.Module):
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
+        path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0])]
 
         def experts(h, mask, given, router, gate, up, down):
             logits = _router_logits(h, router)
