@@ -42,7 +42,8 @@
 #              transformers' block on the same GPU (benchmarks/moe.py; a path that fails is reported, the others
 #              still run); then the same paths forward only at a decode step's 256 tokens, which says which one the
 #              sampler should run; then rank-16 adapters on the experts, factored against folded, on the blocked
-#              and pallas paths (speed and the compiled step's temporary memory) (~6 min).
+#              and pallas paths (speed and the compiled step's temporary memory); then blocks of up to 256 and 512
+#              rows against the default 128 (fewer, larger products a layer) (~8 min).
 #   replay     rollout routing replay on a mixture of experts (1024 wide, 8 layers of 32 experts, top 8), the sampler
 #              in bf16, the trainers in float32: route agreement, the trainer's log-prob gaps to the sampler with and
 #              without replay, and what recording the routes costs the sampler (benchmarks/router_replay.py) (~3 min).
@@ -209,6 +210,8 @@ EOF
     step moe_decode 120 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 256 --forward-only
     step moe_lora 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384 \
       --impls blocked,pallas --lora-rank 16
+    step moe_blocks 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384 \
+      --impls blocked,pallas --max-blocks 256,512
     ;;
   replay)
     step replay 240 $PY benchmarks/router_replay.py --hidden 1024 --layers 8 --heads 16 --experts 32 --top-k 8 \

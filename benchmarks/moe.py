@@ -18,6 +18,8 @@ matmul peak of the dtype. Ends with one JSON line.
     python benchmarks/moe.py                                  # small shape, CPU float32, ~1 min
     python benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384   # one layer at Qwen3-30B-A3B's shape
     python benchmarks/moe.py --tokens 256 --forward-only      # a decode step's shape: which path serves the sampler
+    python benchmarks/moe.py --lora-rank 16                   # + expert adapters, factored against folded
+    python benchmarks/moe.py --impls blocked --max-blocks 256,512   # + larger blocks than the default 128 rows
 
 At the qwen3-30b-a3b shape on a 24 GiB CPU host, run one path per process (--impls blocked, then dense, then torch):
 the layer's float32 weights and gradients are 4.8 GiB a path, and the paths one after another in one process were
@@ -40,6 +42,7 @@ import numpy as np  # noqa: E402
 from common import device_peak_gflops  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from areal_jax.models import moe as moe_module  # noqa: E402
 from areal_jax.models.lora import LoRAConfig, LoRAExperts, merge_experts  # noqa: E402
 from areal_jax.models.moe import MoE  # noqa: E402
 from areal_jax.testing.models import tiny_config  # noqa: E402
@@ -58,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--forward-only", action="store_true", help="time the output alone (a decode step), no gradients")
+    p.add_argument("--max-blocks", default="",
+                   help="comma-separated largest block sizes (rows) to also time the blocked and pallas paths with, as "
+                        "blocked@N (default: the model's, models.moe.MAX_EXPERT_BLOCK)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="also time each JAX path with LoRA adapters of this rank on the experts (gradients of the "
                         "adapters and the input only): the factored form the model runs (lora+) against the adapters "
@@ -227,21 +233,27 @@ def main(argv: list[str] | None = None) -> dict:
         impls.remove("ragged")
         print(f"  ragged  skipped: XLA:CPU expands ragged_dot to every expert ({expanded / 2**30:.1f} GiB per product "
               "here); --impls ragged runs it anyway")
-    runs = [(impl, impl, None) for impl in impls]
+    runs = [(impl, impl, None, None) for impl in impls]
+    runs += [(f"{impl}@{cap}", impl, None, int(cap)) for cap in filter(None, args.max_blocks.split(","))
+             for impl in impls if impl in ("blocked", "pallas")]
     if args.lora_rank:
         print(f"  lora+PATH: rank-{args.lora_rank} adapters on the experts, multiplied through their factors; "
               "lora-folded+PATH: merged into the weights first (gradients: adapters and input)")
-        runs += [(f"{prefix}+{impl}", impl, mode) for impl in impls if impl != "torch"
+        runs += [(f"{prefix}+{impl}", impl, mode, None) for impl in impls if impl != "torch"
                  for prefix, mode in (("lora-folded", "folded"), ("lora", "factored"))]
     failed, lora_outputs = {}, {}
-    width = max(len(name) for name, _, _ in runs)
-    for name, impl, mode in runs:
+    width = max(len(name) for name, _, _, _ in runs)
+    for name, impl, mode, cap in runs:
+        default_cap = moe_module.MAX_EXPERT_BLOCK
+        moe_module.MAX_EXPERT_BLOCK = cap or default_cap  # read when the step is traced
         try:  # one path failing (out of memory, a kernel that does not lower) leaves the others' figures
             got = time_torch(args, w, x, probe) if impl == "torch" else time_jax(impl, args, w, x, probe, mode)
         except Exception as e:  # noqa: BLE001
             failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  {name:{width}s} failed: {failed[name]}")
             continue
+        finally:
+            moe_module.MAX_EXPERT_BLOCK = default_cap
         if got is None:
             print(f"  {name:{width}s} skipped (no torch / transformers)")
             continue
@@ -259,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     pairs = [("blocked", "dense"), ("ragged", "dense"), ("pallas", "blocked"), ("blocked", "torch"),
              ("pallas", "torch"), ("ragged", "torch"), ("dense", "torch")]
     pairs += [(f"lora+{impl}", f"lora-folded+{impl}") for impl in impls]
+    pairs += [(name, name.split("@")[0]) for name, _, _, cap in runs if cap]  # a block size against the default
     ratios = {f"{a}_over_{b}": results[b]["ms"] / results[a]["ms"] for a, b in pairs if a in results and b in results}
     for impl in impls:  # the factored adapters against the folded ones, same path
         a, b = f"lora+{impl}", f"lora-folded+{impl}"

@@ -73,3 +73,16 @@ def test_lora_runs_time_the_factored_adapters_against_folded_ones(monkeypatch, c
     assert {"lora+blocked_over_lora-folded+blocked", "lora+blocked_memory_over_lora-folded+blocked"} <= set(
         line["ratios"])
     assert all(r["temp_mib"] > 0 for r in line["results"].values())
+
+
+def test_max_blocks_times_the_blocked_path_with_other_block_sizes(monkeypatch, capsys):
+    """--max-blocks: blocked@N runs the same layer with blocks of at most N rows (the same output), and the model's own
+    block size is back afterwards."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    moe = importlib.import_module("moe")
+    from areal_jax.models import moe as model_moe
+
+    line = moe.main(["--tokens", "64", "--repeats", "1", "--impls", "blocked,dense", "--max-blocks", "8"])
+    assert set(line["results"]) == {"blocked", "dense", "blocked@8"} and "blocked@8_over_blocked" in line["ratios"]
+    assert line["max_abs_diff"]["blocked@8"] < 1e-4
+    assert model_moe.MAX_EXPERT_BLOCK == 128 and model_moe.expert_block(64 * 4, 16) == 16

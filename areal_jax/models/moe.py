@@ -70,12 +70,15 @@ def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None
     return "blocked"
 
 
+MAX_EXPERT_BLOCK = 128  # benchmarks/moe.py --max-blocks compares others (on a GPU, fewer, larger blocks: fewer launches)
+
+
 def expert_block(pairs: int, experts: int) -> int:
     """Rows per block of the blocked path: the power of two nearest the mean group size pairs / experts, within
-    [8, 128] (each expert's group then takes about one or two blocks, and the padding stays at most about the
-    pairs themselves; 128 rows keep a block's matmul efficient)."""
+    [8, MAX_EXPERT_BLOCK] (each expert's group then takes about one or two blocks, and the padding stays at most about
+    the pairs themselves; 128 rows keep a block's matmul efficient on a CPU)."""
     mean = max(pairs / experts, 1.0)
-    return int(min(128, max(8, 2 ** round(math.log2(mean)))))
+    return int(min(MAX_EXPERT_BLOCK, max(8, 2 ** round(math.log2(mean)))))
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:
