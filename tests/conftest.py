@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+    from areal_jax.testing.processes import SLOW_HOST_COLLECTIVES  # (imports no jax)
+
+    os.environ["XLA_FLAGS"] += " " + SLOW_HOST_COLLECTIVES
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

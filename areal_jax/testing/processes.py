@@ -9,6 +9,12 @@ import areal_jax
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(areal_jax.__file__)))
 
 
+# XLA:CPU aborts the process when a collective's participants (here host devices sharing a few cores with other test
+# workers) have not all arrived within 40 s; a loaded 2-core CI machine reached that once. Tests wait longer.
+SLOW_HOST_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
+                         "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+
+
 def cpu_env(devices: int = 1, *, unbuffered: bool = False) -> dict[str, str]:
     """This process's environment for a child that runs JAX on ``devices`` CPU devices (JAX_PLATFORMS=cpu,
     XLA_FLAGS forcing the host device count) and imports this checkout first (REPO_ROOT ahead of any
@@ -16,7 +22,7 @@ def cpu_env(devices: int = 1, *, unbuffered: bool = False) -> dict[str, str]:
     if devices < 1:
         raise ValueError(f"cpu_env needs at least one device, got devices={devices}.")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {SLOW_HOST_COLLECTIVES}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if unbuffered:
