@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "temp_mib": temp_mib}
         r = results[name]
         memory = "" if temp_mib is None else f"  temp memory {temp_mib:8.1f} MiB"
-        print(f"  {name:{width}s} {ms:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  active {r['active_tflops']:7.3f} TFLOP/s "
+        print(f"  {name:{width}s} {ms:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  "
+              f"active {r['active_tflops']:7.3f} TFLOP/s "
               f"({100 * r['share_of_peak']:.1f}% of peak){memory}")
     ref = outputs.get("dense", next(iter(outputs.values()), None))
     errors = {name: float(np.abs(out - ref).max()) for name, out in outputs.items()} if ref is not None else {}

@@ -82,8 +82,9 @@ def test_the_adapters_backward_forms_no_weight_sized_product(impl):
 
     ab = {n: f[1:] for n, f in factors.items()}
     weight_shaped = lambda s: s[-2:] in ((D, F), (F, D))  # noqa: E731
-    assert any(weight_shaped(s) for s in _products(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(ab, True).jaxpr))
-    assert not any(weight_shaped(s) for s in _products(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(ab, False).jaxpr))
+    program = jax.make_jaxpr(jax.grad(loss), static_argnums=1)
+    assert any(weight_shaped(s) for s in _products(program(ab, True).jaxpr))
+    assert not any(weight_shaped(s) for s in _products(program(ab, False).jaxpr))
 
 
 @pytest.mark.parametrize("factored", [False, True])

@@ -14,11 +14,12 @@ of a trained router).
 
 Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summation order:
 
-- ``blocked`` (the default on CPUs, and on GPUs above `DENSE_DECODE_TOKENS` tokens a device): the (token, expert) pairs sorted by expert into blocks of `expert_block` rows,
-  each expert's group padded to whole blocks (at most num_experts * (block - 1) padding rows: a static bound), and
-  a `lax.scan` over the blocks multiplies each by its expert's weights: the top-k work plus the padding, static
-  shapes, no dense expansion (`benchmarks/moe.py`, 16 experts, top 4, 2-core CPU: forward + backward 2.2x the
-  dense path's speed, 0.63x that of transformers' eager loop over the experts).
+- ``blocked`` (the default on CPUs, and on GPUs above `DENSE_DECODE_TOKENS` tokens a device): the (token, expert)
+  pairs sorted by expert into blocks of `expert_block` rows, each expert's group padded to whole blocks (at most
+  num_experts * (block - 1) padding rows: a static bound), and a `lax.scan` over the blocks multiplies each by its
+  expert's weights: the top-k work plus the padding, static shapes, no dense expansion (`benchmarks/moe.py`, 16
+  experts, top 4, 2-core CPU: forward + backward 2.2x the dense path's speed, 0.63x that of transformers' eager loop
+  over the experts).
 - ``ragged``: the sorted pairs through `jax.lax.ragged_dot` (TPU's choice: a grouped matmul there; XLA:CPU and
   XLA:GPU may expand it to every expert, 3.6x slower than dense on the CPU).
 - ``pallas``: the blocked layout through one grouped-matmul Pallas kernel (`models.grouped_matmul`: a grid over the
@@ -70,7 +71,7 @@ def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None
     return "blocked"
 
 
-MAX_EXPERT_BLOCK = 128  # benchmarks/moe.py --max-blocks compares others (on a GPU, fewer, larger blocks: fewer launches)
+MAX_EXPERT_BLOCK = 128  # benchmarks/moe.py --max-blocks times others (a GPU may want fewer, larger blocks)
 
 
 def expert_block(pairs: int, experts: int) -> int:
