@@ -42,6 +42,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.factored import Factored, factor_specs, grouped
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
 from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size
@@ -128,37 +129,6 @@ def load_balancing_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
     return stats.shape[-1] * jnp.sum(picks * probs)
 
 
-@jax.tree_util.register_pytree_node_class
-class Factored:
-    """An expert weight kept as base [E, in, out] + scale * a [E, in, r] @ b [E, r, out] (LoRA on the experts,
-    `lora.LoRAExperts`), never formed: each path multiplies a token's rows by its expert's base and, through the
-    rank-r factors, by the adapter. The backward then computes no [E, in, out] weight gradient (the base is frozen),
-    only the factors' rank-r ones. Every expert path takes a Factored wherever it takes an expert weight."""
-
-    def __init__(self, base: jax.Array, a: jax.Array, b: jax.Array, scale: float):
-        self.base, self.a, self.b, self.scale = base, a, b, scale
-
-    def tree_flatten(self):
-        return (self.base, self.a, self.b), self.scale
-
-    @classmethod
-    def tree_unflatten(cls, scale, children):
-        return cls(*children, scale)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.base.shape
-
-
-def _grouped(z: jax.Array, w: Any, mm, out_dtype: Any = None) -> jax.Array:
-    """A path's grouped product of rows z by expert weights w: mm(z, W [E, in, out], out_dtype) multiplies each row
-    by its expert's matrix. For a `Factored` w: base's product + scale * mm(mm(z, a), b), summed in float32."""
-    if not isinstance(w, Factored):
-        return mm(z, w, out_dtype)
-    delta = mm(mm(z, w.a, None), w.b, jnp.float32)
-    return (mm(z, w.base, jnp.float32) + w.scale * delta).astype(out_dtype or z.dtype)
-
-
 def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
                    experts: jax.Array) -> jax.Array:
     """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D] (arrays or `Factored`);
@@ -173,7 +143,7 @@ def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
     def gather(z, w, out_dtype):  # [N, E, in] by [E, in, out] -> [N, out], summed over the experts
         return jnp.einsum("nef,efd->nd", z, w, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-    h = jax.nn.silu(_grouped(x, gate, spread)) * _grouped(x, up, spread) * combine[:, :, None].astype(x.dtype)
+    h = jax.nn.silu(grouped(x, gate, spread)) * grouped(x, up, spread) * combine[:, :, None].astype(x.dtype)
     if isinstance(down, Factored):  # h's rank-r projection per expert, then the experts' sum through b
         delta = gather(spread(h, down.a, None), down.b, jnp.float32)
         return (gather(h, down.base, jnp.float32) + down.scale * delta).astype(x.dtype)
@@ -194,8 +164,8 @@ def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
     def mm(z, w, out_dtype):
         return jax.lax.ragged_dot(z, w, sizes, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-    h = jax.nn.silu(_grouped(xs, gate, mm)) * _grouped(xs, up, mm)
-    y = _grouped(h, down, mm, jnp.float32)
+    h = jax.nn.silu(grouped(xs, gate, mm)) * grouped(xs, up, mm)
+    y = grouped(h, down, mm, jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
 
@@ -242,8 +212,8 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
         def mm(z, w, out_dtype):
             return grouped_matmul(z, w, owner, block=block, out_dtype=out_dtype)
 
-        h = jax.nn.silu(_grouped(xs, gate, mm)) * _grouped(xs, up, mm)
-        ys = _grouped(h, down, mm, jnp.float32)
+        h = jax.nn.silu(grouped(xs, gate, mm)) * grouped(xs, up, mm)
+        ys = grouped(h, down, mm, jnp.float32)
     else:
         def body(_, inp):
             xb, j = inp
@@ -251,8 +221,8 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
             def mm(z, w, out_dtype):
                 return jnp.dot(z, w[j], preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-            hb = jax.nn.silu(_grouped(xb, gate, mm)) * _grouped(xb, up, mm)
-            return None, _grouped(hb, down, mm, jnp.float32)
+            hb = jax.nn.silu(grouped(xb, gate, mm)) * grouped(xb, up, mm)
+            return None, grouped(hb, down, mm, jnp.float32)
 
         # Without the checkpoint, reverse mode keeps each step's slices gate[j], up[j], down[j] as residuals:
         # [blocks, D, F] a weight, many times the weights themselves. Saving only the products' outputs, the
@@ -278,15 +248,6 @@ def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
 def _router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
     """[N, E] float32 router logits of tokens h [N, D] through router [D, E] (accumulated in float32)."""
     return jnp.dot(h, router, preferred_element_type=jnp.float32)
-
-
-def _factor_specs(w: Any, spec: PartitionSpec, split_a: bool) -> Any:
-    """The shard_map spec of an expert weight sharded by `spec` over its width: a `Factored` one's factors take the
-    split of their side of it (a's input rows for down's, split_a; b's output columns for gate's and up's)."""
-    if not isinstance(w, Factored):
-        return spec
-    whole = PartitionSpec()
-    return Factored(spec, spec if split_a else whole, whole if split_a else spec, w.scale)
 
 
 def _weight(p: Any, dtype: Any) -> Any:
@@ -383,7 +344,7 @@ class MoE(nnx.Module):
             width = TENSOR_AXIS if by_width else None
             cols, by_row = PartitionSpec(None, None, width), PartitionSpec(None, width, None)
             specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
-                     *(_factor_specs(w, spec, first) for w, spec, first in (
+                     *(factor_specs(w, spec, first) for w, spec, first in (
                          (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))))
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
