@@ -1,5 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
-Phi-3 / Phi-4-mini, Granite 3, and the mixture-of-experts Qwen3-MoE, Mixtral and Granite 3 MoE) and HF config.json I/O."""
+Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE and
+gpt-oss) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +12,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.models.config_checks import check_gated_experts, check_longrope
+
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe")
+                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -47,7 +50,9 @@ class ModelConfig:
       "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
       embeddings, LongRoPE), "granite" (Llama's layer with Granite's four multipliers), or the mixtures of experts
       "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's), "granitemoe" (Granite's), "olmoe" (Llama's layer,
-      OLMo's q/k norm over all heads) and "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones).
+      OLMo's q/k norm over all heads), "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones) and
+      "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
+      the clamped GLU).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -67,7 +72,12 @@ class ModelConfig:
       through); None: all head_dim.
     attn_logit_softcap, final_logit_softcap: Gemma 2's tanh soft-capping, c * tanh(x / c), of the attention
       scores (after scaling, before the mask) and of the output logits; None: none.
-    attention_bias: whether q/k/v projections carry a bias (Qwen2 always does).
+    attention_bias: whether q/k/v projections carry a bias (Qwen2 always does); attention_out_bias: o_proj too.
+    attention_sinks: each attention head has a learned logit `sinks` [H] that joins every query's softmax as one
+      more key whose value is zero (gpt-oss): the weights of the real keys then sum to less than 1.
+    expert_bias: the router and every expert's gate, up and down products carry biases (gpt-oss).
+    swiglu_limit, swiglu_alpha: gpt-oss's expert activation: gate clamped to <= limit, up to [-limit, limit], and
+      (up + 1) * gate * sigmoid(alpha * gate) instead of silu(gate) * up; None: SwiGLU.
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: Granite's scalars: the
       embeddings are multiplied by the first, each attention and MLP output by the second before it is added to the
@@ -126,6 +136,11 @@ class ModelConfig:
     shared_expert_size: int | None = None
     moe_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
+    attention_out_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -161,6 +176,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
         self._check_experts()
+        check_gated_experts(self)
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -181,7 +197,7 @@ class ModelConfig:
                 if not float(scaling["factor"]) > 0:
                     raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
             if rope_type == "longrope":
-                self._check_longrope(scaling)
+                check_longrope(scaling, self.rope_dim, self.max_position_embeddings)
             scaling.pop("type", None)
             scaling["rope_type"] = rope_type
             object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
@@ -190,21 +206,6 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """The dimensions of a head that rotate (`rotary_dim`, else head_dim)."""
         return self.rotary_dim or self.head_dim
-
-    def _check_longrope(self, scaling: dict) -> None:
-        """LongRoPE's keys, completed as transformers completes them (factor from the context lengths); its
-        factor lists become tuples of floats (the config stays hashable)."""
-        if scaling.get("original_max_position_embeddings") is None:
-            raise ValueError(f"rope_scaling of type 'longrope' needs original_max_position_embeddings; got {scaling}.")
-        for key in ("short_factor", "long_factor"):
-            values = scaling.get(key)
-            if not isinstance(values, (list, tuple)) or len(values) != self.rope_dim // 2:
-                raise ValueError(f"rope_scaling of type 'longrope' needs {key} as a list of rotary_dim / 2 = "
-                                 f"{self.rope_dim // 2} numbers; got {values!r}.")
-            scaling[key] = tuple(float(v) for v in values)
-        if scaling.get("factor") is None:
-            scaling["factor"] = self.max_position_embeddings / scaling["original_max_position_embeddings"]
-        scaling["use_long_factor"] = bool(scaling.get("use_long_factor", False))
 
     def for_sequence_length(self, length: int) -> "ModelConfig":
         """This config for sequences of up to `length` tokens: with LongRoPE, its long factors when `length`
