@@ -1,6 +1,7 @@
 """A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms), a Gemma 2 one
 (soft caps), a Phi one (partial rotary embeddings, LongRoPE's long factors chosen by the run's max_len) and a
-Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout routing replay): the
+Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout routing replay) and a gpt-oss one
+(attention sinks, every other layer sliding, experts with biases and the clamped GLU): the
 memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
 log-prob the sampler recorded equals a full forward of the policy version that generated it (and for the
 mixture of experts, every route it recorded the experts that forward picks)."""
@@ -20,14 +21,14 @@ from areal_jax.testing.models import write_random_hf_checkpoint
 from areal_jax.testing.tiny import tiny_config
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe", "gpt_oss"])
 def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     tok = build_math_tokenizer()
     model_dir = str(tmp_path / arch)
     window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}}.get(arch, {"sliding_window": 6})
     cfg = tiny_model_config(arch, num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **window)
-    if arch in ("gemma3", "gemma2"):
+    if arch in ("gemma3", "gemma2", "gpt_oss"):
         assert [cfg.layer_window(i) for i in range(3)] == [6, None, 6]
     write_random_hf_checkpoint(model_dir, cfg, seed=0)
     tok.save_pretrained(model_dir)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.models.attention_sinks import sink_start
 from areal_jax.models.layers import MASK_VALUE, _group_queries, soft_cap
 
 MIN_BLOCK = 128  # tokens per block at the least; a row of T tokens uses max(MIN_BLOCK, T // MAX_BLOCKS)
@@ -68,13 +69,15 @@ def block_masks(segment_ids: jax.Array, block: int,
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int,
                       masks: dict[tuple[int, int], tuple[jax.Array, jax.Array]] | None = None,
-                      window: int | None = None, softcap: float | None = None) -> jax.Array:
+                      window: int | None = None, softcap: float | None = None,
+                      sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention of packed rows, visiting only the key blocks some query may attend.
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] int (i attends j iff j <= i and both have
     the same id, as `transformer.packed_mask`); block: tokens per block, dividing T; masks: `block_masks`
     of those segment ids (and window), when the caller shares them between layers; window: a sliding window
-    (i also needs i - j < window); softcap: the scaled scores' `layers.soft_cap`. Every query must be
+    (i also needs i - j < window); softcap: the scaled scores' `layers.soft_cap`; sinks: [H] each query head's
+    sink logit (`attention_sinks`: the online softmax starts from it), or None. Every query must be
     able to attend itself (true of that mask), so no row is left without keys.
     Returns [B, T, H, Dh] in q's dtype, float32 softmax like `layers.dot_attention`.
     """
@@ -91,11 +94,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     outs = []
     for i in range(n):
         q_i = qg[:, i * block:(i + 1) * block]  # [B, bq, K, G, Dh]
-        carry = (
-            jnp.full((b, kv, g, block), MASK_VALUE, jnp.float32),  # running max
-            jnp.zeros((b, kv, g, block), jnp.float32),  # running sum of exp
-            jnp.zeros((b, kv, g, block, dh), jnp.float32),  # running weighted values
-        )
+        # running max, running sum of exp, running weighted values
+        carry = (*sink_start(sinks, (b, kv, g, block), MASK_VALUE), jnp.zeros((b, kv, g, block, dh), jnp.float32))
         for j in range(i + 1):
             if (i, j) not in masks:
                 continue  # out of the sliding window

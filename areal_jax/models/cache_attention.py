@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.models.attention_sinks import sink_start
 from areal_jax.models.layers import MASK_VALUE, _group_queries, soft_cap
 
 # Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the layer's cache before its
@@ -131,14 +132,15 @@ def query_block_size(rows: int, queries: int, heads: int, chunk: int, score_elem
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                      chunk_size: int | None = None, score_elements: int = SCORE_ELEMENTS,
                      counted: bool | None = None, window: int | None = None,
-                     softcap: float | None = None) -> jax.Array:
+                     softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention of new queries over one layer's KV cache, chunk by chunk.
 
     q: [B, T, H, Dh] (RoPE applied); k_cache, v_cache: [B, S, K, Dh] (one layer of a `KVCache`), already
     holding this call's keys and values; positions: [B, T] int32. Query (b, t) attends cache indices
     0..positions[b, t] of row b (all S indices when the position is >= S, none when it is < 0: such a query
     gets zeros); with a sliding `window`, only indices above positions[b, t] - window (a decode call then reads
-    only each row's window: `window_decode_attention`); softcap: the scaled scores' `layers.soft_cap` (Gemma 2).
+    only each row's window: `window_decode_attention`); softcap: the scaled scores' `layers.soft_cap` (Gemma 2);
+    sinks: [H] each query head's sink logit (`attention_sinks`: the online softmax starts from it), or None.
     Returns [B, T, H, Dh] in q's dtype.
 
     The layer is read `chunk_size` positions at a time (default `cache_chunk_size(S)`) with an online float32
@@ -164,17 +166,17 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
     if window is not None and t == 1 and window_span(window) < s:
-        return window_decode_attention(q, k_cache, v_cache, positions, window, softcap)
+        return window_decode_attention(q, k_cache, v_cache, positions, window, softcap, sinks)
     if counted is None:
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)
     if block >= t:
-        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted, window, softcap=softcap)
+        return _attend_chunks(q, k_cache, v_cache, positions, chunk, counted, window, softcap=softcap, sinks=sinks)
     n = -(-t // block)  # query blocks; the padding queries sit at position -1 and attend nothing
     qs = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, dh).swapaxes(0, 1)
     ps = jnp.pad(positions, ((0, 0), (0, n * block - t)), constant_values=-1).reshape(b, n, block).swapaxes(0, 1)
     out = jax.lax.map(lambda qp: _attend_chunks(qp[0], k_cache, v_cache, qp[1], chunk, counted, window,
-                                                softcap=softcap), (qs, ps))
+                                                softcap=softcap, sinks=sinks), (qs, ps))
     return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
 
 
@@ -184,7 +186,7 @@ def window_span(window: int) -> int:
 
 
 def window_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                            window: int, softcap: float | None = None) -> jax.Array:
+                            window: int, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`cached_attention` of one query per row in a sliding layer: each row reads only the `window_span` cache
     positions ending at its own position (one gather per row), so the cost follows the window, not the context
     or the cache's length. q: [B, 1, H, Dh]; positions [B, 1]."""
@@ -194,11 +196,11 @@ def window_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     index = start[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, span]
     rows = jnp.arange(b)[:, None]
     return _attend_chunks(q, k_cache[rows, index], v_cache[rows, index], positions - start[:, None], span,
-                          window=window, softcap=softcap)
+                          window=window, softcap=softcap, sinks=sinks)
 
 
 def ring_attention(q: jax.Array, k_ring: jax.Array, v_ring: jax.Array, positions: jax.Array,
-                   window: int, softcap: float | None = None) -> jax.Array:
+                   window: int, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`cached_attention` of one query per row in a sliding layer whose cache is a ring: k_ring, v_ring
     [B, R, K, Dh] hold position p at index p % R (R >= window, or R >= every position the row reaches:
     `ring_length`), so a row keeps only its last R positions whatever its length. Index j holds, for a query at position p, position p - ((p - j) % R); it is
@@ -210,7 +212,7 @@ def ring_attention(q: jax.Array, k_ring: jax.Array, v_ring: jax.Array, positions
         raise ValueError(f"ring_attention takes one query per row (decode), got {t}: a longer call would "
                          "overwrite positions its own queries read; prefill into a full-length cache instead.")
     return _attend_chunks(q, k_ring, v_ring, positions, cache_chunk_size(r), counted=True, window=window, ring=True,
-                          softcap=softcap)
+                          softcap=softcap, sinks=sinks)
 
 
 def ring_length(window: int, max_len: int) -> int:
@@ -221,10 +223,11 @@ def ring_length(window: int, max_len: int) -> int:
 
 def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                    chunk: int, counted: bool = False, window: int | None = None, ring: bool = False,
-                   softcap: float | None = None) -> jax.Array:
+                   softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`cached_attention` of one block of queries, `chunk` cache positions per step (every chunk when
     ``counted``, else from the chunk of the smallest position's window start up to that of the largest
-    position). ring: the cache is a ring (`ring_attention`; every chunk is read)."""
+    position). ring: the cache is a ring (`ring_attention`; every chunk is read). sinks: [H] or None, the
+    running max and sum's start (`attention_sinks.sink_start`)."""
     b, t, h, dh = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     qg = _group_queries(q, kv)
@@ -268,8 +271,7 @@ def _attend_chunks(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positio
         run_sum = run_sum * rescale + jnp.sum(probs, axis=-1)
         return new_max, run_sum, acc * rescale[..., None] + weigh_values(probs)
 
-    init = (jnp.full((b, kv, group, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kv, group, t), jnp.float32),
-            jnp.zeros((b, kv, group, t, dh), jnp.float32))
+    init = (*sink_start(sinks, (b, kv, group, t), MASK_VALUE), jnp.zeros((b, kv, group, t, dh), jnp.float32))
     if chunk >= s:
         # One pass over the layer (the accelerator default up to 8192 positions): no loop at all. A
         # data-dependent loop costs a device -> host round trip per trip on GPUs (the loop condition is

@@ -17,12 +17,15 @@ narrows both loops to the blocks the window reaches: O(T * min(n, w)).
 Kernels (written for the Pallas Triton lowering on NVIDIA GPUs; `interpret=True` runs the same code
 on any backend, which is how CPU tests execute them):
   * forward: grid (query blocks, batch, query heads); online softmax in float32; writes the output
-    and the log-sum-exp per query.
+    and the log-sum-exp per query. Attention sinks (`attention_sinks`) start the online softmax (running max
+    the head's sink logit, running sum 1), so the output and the log-sum-exp include the sink.
   * backward, flash-attention-2 style, two kernels: dq (grid over query blocks, like the forward),
     and dk / dv (grid over key blocks), recomputing each tile's probabilities from the saved
-    log-sum-exp. Grouped-query attention: a query head h reads key/value head h // group through
-    the BlockSpec index map (keys are never repeated); dk / dv come out per query head in float32 and
-    are summed over each group outside the kernel (memory [B, T, H, Dh], linear in T).
+    log-sum-exp (with sinks, the sink-inclusive one and output: dS = P (dP - D) holds as it is, the sink's value
+    being zero; a sink's own gradient, -sum exp(sink - lse) D over its queries, is summed outside). Grouped-query
+    attention: a query head h reads key/value head h // group through the BlockSpec index map (keys are never
+    repeated); dk / dv come out per query head in float32 and are summed over each group outside the kernel
+    (memory [B, T, H, Dh], linear in T).
 
 Why not `jax.experimental.pallas.ops.gpu.attention.mha`: it takes segment ids and a causal flag and
 has a Triton backward, but needs as many key/value heads as query heads (GQA would repeat keys
@@ -108,8 +111,11 @@ def _capped(s: jax.Array, softcap: float) -> jax.Array:
     return jnp.tanh(s / softcap) * softcap if softcap else s
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, scale: float, block_q: int,
-                    block_k: int, window: int, softcap: float):
+def _forward_kernel(*refs, scale: float, block_q: int, block_k: int, window: int, softcap: float, sinks: bool):
+    """refs: q, k, v, segment ids, first positions, with sinks the head's sink logit [block_q] (repeated); then the
+    outputs o and lse."""
+    q_ref, k_ref, v_ref, seg_ref, first_ref = refs[:5]
+    o_ref, lse_ref = refs[-2:]
     i = pl.program_id(0)
     q0 = i * block_q
     q = q_ref[...]
@@ -129,8 +135,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
         v = v_ref[keys, :]
         return acc * keep[:, None] + _dot(p.astype(v.dtype), v), m_new, l * keep + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    if sinks:  # the sink seen first: running max its logit, running sum exp(0)
+        start = (refs[5][...].astype(jnp.float32), jnp.ones((block_q,), jnp.float32))
+    else:
+        start = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    init = (jnp.zeros(q.shape, jnp.float32), *start)
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
@@ -202,13 +211,17 @@ def _compiler_params(interpret: bool, head_dim: int):
     return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, softcap, interpret):
+def _forward(q, k, v, seg, first, sinks, *, scale, block_q, block_k, window, softcap, interpret):
     b, t, h, dh = q.shape
     group = h // k.shape[2]
     row = lambda i, bi, hi: (bi, 0)  # noqa: E731
+    extra, extra_specs = [], []
+    if sinks is not None:  # [H] -> [H, block_q]: each head's logit as a row of the queries' running max
+        extra = [jnp.broadcast_to(sinks[:, None], (h, block_q))]
+        extra_specs = [pl.BlockSpec((None, block_q), lambda i, bi, hi: (hi, 0))]
     o, lse = pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window,
-                          softcap=softcap),
+                          softcap=softcap, sinks=sinks is not None),
         grid=(t // block_q, b, h),
         in_specs=[
             pl.BlockSpec((None, block_q, None, dh), lambda i, bi, hi: (bi, i, hi, 0)),
@@ -216,6 +229,7 @@ def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, softcap, i
             pl.BlockSpec((None, t, None, dh), lambda i, bi, hi: (bi, 0, hi // group, 0)),
             pl.BlockSpec((None, t), row),
             pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
+            *extra_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, block_q, None, dh), lambda i, bi, hi: (bi, i, hi, 0)),
@@ -225,15 +239,14 @@ def _forward(q, k, v, seg, first, *, scale, block_q, block_k, window, softcap, i
         compiler_params=_compiler_params(interpret, dh),
         interpret=interpret,
         name="packed_flash_forward",
-    )(q, k, v, seg, first)
+    )(q, k, v, seg, first, *extra)
     return o, lse
 
 
-def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k, window, softcap, interpret):
+def _backward(q, k, v, seg, first, last, lse, delta, do, *, scale, block_q, block_k, window, softcap, interpret):
     b, t, h, dh = q.shape
     kv = k.shape[2]
     group = h // kv
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, H, T]
     whole_q = pl.BlockSpec((None, t, None, dh), lambda g, bi, hi: (bi, 0, hi, 0))
     whole_kv = pl.BlockSpec((None, t, None, dh), lambda g, bi, hi: (bi, 0, hi // group, 0))
     q_block = pl.BlockSpec((None, block_q, None, dh), lambda g, bi, hi: (bi, g, hi, 0))
@@ -270,23 +283,26 @@ def _backward(q, k, v, seg, first, last, o, lse, do, *, scale, block_q, block_k,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _flash(q, k, v, seg, first, last, scale, block_q, block_k, window, softcap, interpret):
-    return _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _flash(q, k, v, seg, first, last, sinks, scale, block_q, block_k, window, softcap, interpret):
+    return _forward(q, k, v, seg, first, sinks, scale=scale, block_q=block_q, block_k=block_k, window=window,
                     softcap=softcap, interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, first, last, scale, block_q, block_k, window, softcap, interpret):
-    o, lse = _forward(q, k, v, seg, first, scale=scale, block_q=block_q, block_k=block_k, window=window,
+def _flash_fwd(q, k, v, seg, first, last, sinks, scale, block_q, block_k, window, softcap, interpret):
+    o, lse = _forward(q, k, v, seg, first, sinks, scale=scale, block_q=block_q, block_k=block_k, window=window,
                       softcap=softcap, interpret=interpret)
-    return o, (q, k, v, seg, first, last, o, lse)
+    return o, (q, k, v, seg, first, last, sinks, o, lse)
 
 
 def _flash_bwd(scale, block_q, block_k, window, softcap, interpret, res, do):
-    q, k, v, seg, first, last, o, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, first, last, o, lse, do, scale=scale, block_q=block_q, block_k=block_k,
-                           window=window, softcap=softcap, interpret=interpret)
-    return dq, dk, dv, None, None, None
+    q, k, v, seg, first, last, sinks, o, lse = res
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, H, T]
+    dq, dk, dv = _backward(q, k, v, seg, first, last, lse, delta, do, scale=scale, block_q=block_q,
+                           block_k=block_k, window=window, softcap=softcap, interpret=interpret)
+    # the sink's probability exp(sink - lse) times dP - D, its dP being 0 (value zero)
+    dsinks = None if sinks is None else -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2))
+    return dq, dk, dv, None, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -295,8 +311,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                     block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
                     interpret: bool | None = None, window: int | None = None,
-                    softcap: float | None = None) -> jax.Array:
-    """Causal grouped-query attention of packed rows, differentiable in q, k and v.
+                    softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """Causal grouped-query attention of packed rows, differentiable in q, k, v (and sinks).
 
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh] (H a multiple of K); segment_ids: [B, T] int (i attends j iff
     j <= i and both have the same id). Returns [B, T, H, Dh] in q's dtype; the softmax, its statistics
@@ -305,7 +321,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     inside (padding gets its own segment). interpret: run the Pallas interpreter (default: on any
     backend but GPU). window: a sliding window (i also needs i - j < window); each query block then visits
     only the key blocks its window reaches. softcap: Gemma 2's softcap * tanh(s / softcap) of the scaled
-    scores (the backward multiplies by its derivative, 1 - tanh^2).
+    scores (the backward multiplies by its derivative, 1 - tanh^2). sinks: [H] each query head's sink logit
+    (`attention_sinks`; kept in float32), or None.
     """
     b, t, h, dh = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != dh or h % k.shape[2]:
@@ -313,6 +330,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
                          "k, v [B, T, K, Dh] with H a multiple of K.")
     if segment_ids.shape != (b, t):
         raise ValueError(f"flash_attention: segment_ids has shape {segment_ids.shape}, expected {(b, t)}.")
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"flash_attention: sinks has shape {sinks.shape}, expected one logit per query head {(h,)}.")
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"flash_attention: {name}={size} must be a power of two.")
@@ -331,6 +350,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     first, last = segment_bounds(seg)
     if window is not None and window < 1:
         raise ValueError(f"flash_attention: window={window} must be a positive number of positions (or None).")
-    out = _flash(q, k, v, seg, first, last, float(np.float32(scale)), block_q, block_k, int(window or 0),
+    sinks = None if sinks is None else sinks.astype(jnp.float32)
+    out = _flash(q, k, v, seg, first, last, sinks, float(np.float32(scale)), block_q, block_k, int(window or 0),
                  float(softcap or 0.0), bool(interpret))
     return out[:, :t, :, :dh]

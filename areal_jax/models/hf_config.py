@@ -6,13 +6,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models import gpt_oss
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
-             "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+             "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+             "gpt_oss": "GptOssForCausalLM"}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -47,9 +49,9 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
         types = d.get("layer_types") or [
             "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
             for i in range(num_layers)]
-    else:  # gemma2, gemma3, olmo3
-        window = d.get("sliding_window", 4096)
-        pattern = {"gemma3": int(d.get("sliding_window_pattern", 6)), "gemma2": 2}.get(model_type, 4)
+    else:  # gemma2, gemma3, olmo3, gpt_oss
+        window = d.get("sliding_window", 128 if model_type == "gpt_oss" else 4096)
+        pattern = {"gemma3": int(d.get("sliding_window_pattern", 6)), "gemma2": 2, "gpt_oss": 2}.get(model_type, 4)
         types = d.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     types = tuple(types) if types is not None else None
@@ -167,6 +169,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
                          "have it null.")
     if model_type in ("qwen2", "qwen2_moe"):
         attention_bias = True
+    elif model_type == "gpt_oss":
+        attention_bias = bool(d.get("attention_bias", True))
     else:
         if d.get("attention_bias"):
             raise ValueError(f"attention_bias=True for {model_type} also adds an o_proj bias, which is not "
@@ -176,7 +180,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     max_pos = int(d.get("max_position_embeddings", 4096))
     window, layer_types = _hf_attention_layout(d, model_type, num_layers, max_pos)
     rope, local_theta = _hf_rope(d, model_type)
-    default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0}.get(model_type, 10000.0)
+    default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0, "gpt_oss": 150_000.0}.get(model_type, 10000.0)
     softcaps = {"gemma2": (d.get("attn_logit_softcapping", 50.0), d.get("final_logit_softcapping", 30.0))}.get(
         model_type, (None, None))
     theta = rope.pop("rope_theta", d.get("rope_theta", default_theta))
@@ -217,7 +221,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
-        **_hf_experts(d, model_type, num_layers),
+        **(_hf_experts(d, model_type, num_layers) if model_type != "gpt_oss" else gpt_oss.hf_fields(d)),
         **({k: float(d.get(k, 1.0)) for k in _GRANITE_SCALARS} if model_type.startswith("granite") else {}),
         dtype=dtype,
         param_dtype=param_dtype,
@@ -231,6 +235,7 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
+    gpt_oss.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
@@ -314,7 +319,7 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
-    if cfg.architecture not in ("qwen2", "qwen2_moe"):
+    if cfg.architecture not in ("qwen2", "qwen2_moe", "gpt_oss"):
         d["attention_bias"] = False
     if cfg.architecture == "llama":
         d["mlp_bias"] = False
@@ -330,6 +335,8 @@ def config_to_hf(cfg: Any) -> dict:
         if cfg.architecture == "granitemoe":
             d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                      output_router_logits=False)
+    elif cfg.architecture == "gpt_oss":
+        d.update(gpt_oss.hf_dict(cfg, sliding, types))
     elif cfg.architecture == "olmoe":
         if cfg.expert_size != cfg.intermediate_size:
             raise ValueError("HF OLMoE's experts are of intermediate_size; set moe_intermediate_size=None.")

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
 from areal_jax.models.config import MOE_IMPLS, ModelConfig
+from areal_jax.models.gpt_oss import MXFP4_SUFFIXES, dequantize_mxfp4
 from areal_jax.models.hf_names import _Entry, weight_entries
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import Transformer
@@ -94,6 +95,7 @@ class _Reader:
                     for key in fh.keys():
                         self.weight_map[key] = os.path.basename(file)
         self._handles: dict[str, Any] = {}
+        self._dequantized: tuple[str | None, Any] = (None, None)
         # An image-and-text checkpoint (Gemma 3 4B and up) holds its decoder under a prefix: the hub's
         # language_model.model.* / language_model.lm_head.*, or model.language_model.* as transformers names it in
         # memory. Those tensors answer to the text model's own names; the vision tower's are never read.
@@ -103,17 +105,30 @@ class _Reader:
                 if name.startswith(prefix):
                     self.names.setdefault(ours + name[len(prefix):], name)
 
+    def _mxfp4(self, name: str) -> bool:
+        """Whether `name` is stored as MXFP4 blocks and scales (gpt-oss's experts) instead of itself."""
+        return name not in self.names and all(name + s in self.names for s in MXFP4_SUFFIXES)
+
     def has(self, name: str) -> bool:
-        return name in self.names
+        return name in self.names or self._mxfp4(name)
 
     def file_of(self, name: str) -> str:
-        return os.path.join(self.path, self.weight_map[self.names[name]])
+        return os.path.join(self.path, self.weight_map[self.names[name + "_blocks" if self._mxfp4(name) else name]])
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self._mxfp4(name):  # blocks [..., R, G, 16] hold the tensor [..., G * 32, R]
+            *lead, rows, groups, _ = self.shape(name + "_blocks")
+            return (*lead, groups * 32, rows)
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
     def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0) -> np.ndarray:
-        """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor)."""
+        """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 one dequantised
+        (the last kept for the next part that reads it)."""
+        if self._mxfp4(name):
+            if self._dequantized[0] != name:
+                self._dequantized = (name, dequantize_mxfp4(*(self.read(name + s) for s in MXFP4_SUFFIXES)))
+            whole = self._dequantized[1]
+            return whole if rows is None else whole[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
         if rows is None:
             return self._handle(name).get_tensor(self.names[name])
         return self._handle(name).get_slice(self.names[name])[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
@@ -236,6 +251,8 @@ def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | No
         return held[e.path][e.expert]
 
     parts = [e.to_hf(host(e).astype(save_dtype)) for e in group]
+    if group[0].interleave is not None:  # gpt-oss's gate_up_proj: the parts alternate along the last axis
+        return np.ascontiguousarray(np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1))
     return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].row_axis))
 
 

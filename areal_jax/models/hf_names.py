@@ -23,6 +23,8 @@ class _Entry:
     expert: the HF tensor is this expert's slice of ours (ours stacks a layer's experts on its first axis; HF
     keeps one tensor per expert); shapes given to the methods are then ours whole, and `to_ours` / `to_hf` take
     and return the one expert's slice.
+    interleave: (offset, count) when the HF tensor interleaves `count` of ours along its last axis (gpt-oss's
+    gate_up_proj: gate at even columns, up at odd ones): ours is its columns offset::count ("same" kind).
     """
 
     path: tuple[str | int, ...]
@@ -30,6 +32,7 @@ class _Entry:
     kind: str
     rows: tuple[int, int, int] | None = None
     expert: int | None = None
+    interleave: tuple[int, int] | None = None
 
     @property
     def row_axis(self) -> int:
@@ -39,6 +42,8 @@ class _Entry:
     def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole HF tensor's shape (the fused one where `rows` is set)."""
         own = self.hf_shape(shape)
+        if self.interleave is not None:
+            return own[:-1] + (own[-1] * self.interleave[1],)
         if self.rows is None:
             return own
         a = self.row_axis
@@ -60,6 +65,8 @@ class _Entry:
     def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         if self.expert is not None:
             shape = shape[1:]
+        if self.interleave is not None:
+            hf = hf[..., self.interleave[0]::self.interleave[1]]
         if self.kind in ("same", "flat"):
             return hf.reshape(shape)
         if self.kind == "swap_last":
@@ -114,6 +121,10 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
         if not cfg.layer_is_moe(i):
             entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
+        if cfg.attention_out_bias:
+            entries.append(_Entry(p + ("attn", "o_bias"), f"{hf}.self_attn.o_proj.bias", "same"))
+        if cfg.attention_sinks:
+            entries.append(_Entry(p + ("attn", "sinks"), f"{hf}.self_attn.sinks", "same"))
     entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
     if not cfg.tie_word_embeddings:
         entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
@@ -125,6 +136,14 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
     Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down), Granite's
     block_sparse_moe.router.layer and its experts stacked: input_linear [E, 2F, D] (gate rows, then up) and
     output_linear [E, D, F]; Qwen2-MoE's and OLMoE's as Qwen3-MoE's (Qwen2-MoE with its shared expert)."""
+    if cfg.architecture == "gpt_oss":  # stacked experts, gate and up interleaved in one tensor, biases
+        base = f"{hf}.mlp"
+        return [_Entry(path + ("router",), f"{base}.router.weight", "in_first"),
+                _Entry(path + ("router_bias",), f"{base}.router.bias", "same"),
+                *(_Entry(path + (f"experts_{part}{suffix}",), f"{base}.experts.gate_up_proj{suffix}", "same",
+                         interleave=(j, 2)) for suffix in ("", "_bias") for j, part in enumerate(("gate", "up"))),
+                _Entry(path + ("experts_down",), f"{base}.experts.down_proj", "same"),
+                _Entry(path + ("experts_down_bias",), f"{base}.experts.down_proj_bias", "same")]
     if cfg.architecture == "granitemoe":
         base, f = f"{hf}.block_sparse_moe", cfg.expert_size
         return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.config import ModelConfig
 
 MASK_VALUE = -1e30  # large negative logit for masked attention entries (scores are float32)
@@ -185,20 +186,21 @@ def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                  softcap: float | None = None) -> jax.Array:
+                  softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention over whole sequences (the packed, cache-free path) with a float32 softmax.
 
     q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (H a multiple of K; key/value heads are shared by their query
     group through the einsum, never repeated); mask: [B, T, S] bool (True = may attend).
-    Returns [B, T, H, Dh] in q's dtype. A query that may attend nothing gets the mean of v. softcap: the scaled
-    scores' `soft_cap` (Gemma 2).
+    Returns [B, T, H, Dh] in q's dtype. A query that may attend nothing gets the mean of v (zeros with sinks).
+    softcap: the scaled scores' `soft_cap` (Gemma 2); sinks: [H] each query head's sink logit
+    (`attention_sinks`), or None.
     """
     b, t, h, dh = q.shape
     qg = _group_queries(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = soft_cap(scores * np.float32(1.0 / math.sqrt(dh)), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = sink_softmax(scores, sinks)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
@@ -228,7 +230,8 @@ def project(x: jax.Array, w: nnx.Param | nnx.Module, dtype: jnp.dtype, n_in: int
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped key/value heads, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
+    """Multi-head attention with grouped key/value heads, optional q/k/v bias (Qwen2), q/k norm (Qwen3), o_proj bias
+    `o_bias` [D] and per-head sink logits `sinks` [H] (gpt-oss: `attention_sinks`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, hd, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
@@ -244,6 +247,8 @@ class Attention(nnx.Module):
             self.v_bias = make_param(rngs, (k, hd), ("kv_heads", "head_dim"), pdt, init="zeros")
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = make_param(rngs, (d,), ("embed",), pdt, init="zeros") if cfg.attention_out_bias else None
+        self.sinks = make_param(rngs, (h,), ("heads",), pdt, init="zeros") if cfg.attention_sinks else None
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo, OLMoE)
             self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
             self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
@@ -274,8 +279,9 @@ class Attention(nnx.Module):
         return q, apply_rope(k, cos, sin), v
 
     def out(self, attn: jax.Array) -> jax.Array:
-        """attn: [B, T, H, Dh] -> [B, T, D]."""
-        return project(attn, self.o_proj, self.dtype, n_in=2)
+        """attn: [B, T, H, Dh] -> [B, T, D] (plus o_bias where the model has one)."""
+        y = project(attn, self.o_proj, self.dtype, n_in=2)
+        return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
 class MLP(nnx.Module):
@@ -321,10 +327,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,
                  routes: jax.Array | None = None, replay: bool = False, record: bool = False) -> Any:
-        """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v) ->
+        """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v, sinks) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
-        caller's function may also write. routes [B, T, k], replay: a mixture-of-experts layer's given experts
-        (`MoE.__call__`). With
+        caller's function may also write; sinks: the layer's sink logits [H] float32, or None. routes [B, T, k],
+        replay: a mixture-of-experts layer's given experts (`MoE.__call__`). With
         router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer)."""
         extras: list[dict] = []
 
@@ -338,7 +344,8 @@ class DecoderLayer(nnx.Module):
             return out
 
         q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
-        a = self.attn.out(attend(q, k, v))
+        sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
+        a = self.attn.out(attend(q, k, v, sinks))
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

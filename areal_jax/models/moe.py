@@ -45,6 +45,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.factored import Factored, factor_specs, grouped
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
+from areal_jax.models.routing import load_balancing_loss, route, router_stats  # noqa: F401 (moe's API)
 from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size
 
 DENSE_DECODE_TOKENS = 256
@@ -98,41 +99,28 @@ def routes_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
-def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k softmax probabilities,
-    renormalised over the k when asked. Ties go to the lower expert index (as torch.topk on CPU)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+def glu(limit: float | None = None, alpha: float = 1.702):
+    """An expert's activation of its gate and up products: silu(g) * u (SwiGLU), or with a limit gpt-oss's
+    (min(u, limit) clipped to +-limit + 1) * g' * sigmoid(alpha * g') with g' = min(g, limit)."""
+    if limit is None:
+        return lambda g, u: jax.nn.silu(g) * u
+
+    def clamped(g: jax.Array, u: jax.Array) -> jax.Array:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+        return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+    return clamped
 
 
-def router_stats(logits: jax.Array, k: int, mask: jax.Array, experts: jax.Array | None = None) -> jax.Array:
-    """[2, E] float32 of router logits [N, E] over the tokens where mask [N] is set: row 0 counts each expert's
-    top-k picks, row 1 sums its softmax probability (differentiable; the counts are not). experts [N, k]: the picks
-    when the caller has routed already (`route` of the same logits), else taken here."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    m = mask.astype(jnp.float32)[:, None]
-    picks = jax.lax.top_k(probs, k)[1] if experts is None else experts
-    counts = jax.nn.one_hot(picks, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
-    return jnp.stack([jax.lax.stop_gradient(jnp.sum(counts * m, axis=0)), jnp.sum(probs * m, axis=0)])
+def _biased(z: jax.Array, bias: jax.Array | None, index: Any) -> jax.Array:
+    """z plus bias[index] (the experts' rows of a gate or up bias [E, F]); z without a bias."""
+    return z if bias is None else z + bias[index].astype(z.dtype)
 
 
-def load_balancing_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
-    """transformers' auxiliary load-balancing loss (``load_balancing_loss_func``) from per-layer `router_stats`
-    [L, 2, E] over `tokens` real tokens: E * sum_e f_e * P_e, with f_e the share of (token, layer) pairs that pick
-    expert e (summed over the k picks) and P_e its mean probability, both over every layer's tokens together.
-    k when the load is uniform; 0 without tokens."""
-    n = jnp.maximum(tokens.astype(jnp.float32) * stats.shape[0], 1.0)
-    picks, probs = stats[:, 0].sum(axis=0) / n, stats[:, 1].sum(axis=0) / n
-    return stats.shape[-1] * jnp.sum(picks * probs)
-
-
-def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
-                   experts: jax.Array) -> jax.Array:
+def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
+                   act=glu(), bias: tuple = (None, None)) -> jax.Array:
     """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D] (arrays or `Factored`);
-    weights, experts [N, k]."""
+    weights, experts [N, k]; act: `glu`; bias: the gate and up products' biases [E, F] (or None each)."""
     n, e = x.shape[0], gate.shape[0]
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
 
@@ -143,15 +131,17 @@ def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
     def gather(z, w, out_dtype):  # [N, E, in] by [E, in, out] -> [N, out], summed over the experts
         return jnp.einsum("nef,efd->nd", z, w, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-    h = jax.nn.silu(grouped(x, gate, spread)) * grouped(x, up, spread) * combine[:, :, None].astype(x.dtype)
+    every = slice(None)
+    h = act(_biased(grouped(x, gate, spread), bias[0], every), _biased(grouped(x, up, spread), bias[1], every))
+    h = h * combine[:, :, None].astype(x.dtype)
     if isinstance(down, Factored):  # h's rank-r projection per expert, then the experts' sum through b
         delta = gather(spread(h, down.a, None), down.b, jnp.float32)
         return (gather(h, down.base, jnp.float32) + down.scale * delta).astype(x.dtype)
     return gather(h, down, jnp.float32).astype(x.dtype)
 
 
-def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
-                    experts: jax.Array) -> jax.Array:
+def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
+                    act=glu(), bias: tuple = (None, None)) -> jax.Array:
     """The (token, expert) pairs grouped by expert through `jax.lax.ragged_dot`; same arguments as the dense path."""
     n, k = experts.shape
     e = gate.shape[0]
@@ -164,7 +154,8 @@ def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
     def mm(z, w, out_dtype):
         return jax.lax.ragged_dot(z, w, sizes, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-    h = jax.nn.silu(grouped(xs, gate, mm)) * grouped(xs, up, mm)
+    owner = flat[order]
+    h = act(_biased(grouped(xs, gate, mm), bias[0], owner), _biased(grouped(xs, up, mm), bias[1], owner))
     y = grouped(h, down, mm, jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
@@ -195,8 +186,8 @@ def block_layout(experts: jax.Array, num_experts: int, block: int) -> tuple[jax.
     return row, token, owner.astype(jnp.int32)
 
 
-def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
-                     experts: jax.Array, *, kernel: bool = False) -> jax.Array:
+def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
+                     act=glu(), bias: tuple = (None, None), *, kernel: bool = False) -> jax.Array:
     """The sorted pairs in expert-aligned blocks (`block_layout`), one `lax.scan` step a block, or with `kernel` the
     grouped-matmul Pallas kernel over all blocks at once; same arguments as the dense path. Rows move by gathers
     (pair -> padded row, padded row -> token), never by float scatters."""
@@ -212,7 +203,8 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
         def mm(z, w, out_dtype):
             return grouped_matmul(z, w, owner, block=block, out_dtype=out_dtype)
 
-        h = jax.nn.silu(grouped(xs, gate, mm)) * grouped(xs, up, mm)
+        per_row = jnp.repeat(owner, block, total_repeat_length=rows)
+        h = act(_biased(grouped(xs, gate, mm), bias[0], per_row), _biased(grouped(xs, up, mm), bias[1], per_row))
         ys = grouped(h, down, mm, jnp.float32)
     else:
         def body(_, inp):
@@ -221,7 +213,7 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
             def mm(z, w, out_dtype):
                 return jnp.dot(z, w[j], preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-            hb = jax.nn.silu(grouped(xb, gate, mm)) * grouped(xb, up, mm)
+            hb = act(_biased(grouped(xb, gate, mm), bias[0], j), _biased(grouped(xb, up, mm), bias[1], j))
             return None, grouped(hb, down, mm, jnp.float32)
 
         # Without the checkpoint, reverse mode keeps each step's slices gate[j], up[j], down[j] as residuals:
@@ -233,8 +225,8 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
 
 
-def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array,
-                    experts: jax.Array) -> jax.Array:
+def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
+                    act=glu(), bias: tuple = (None, None)) -> jax.Array:
     """The blocked layout through the grouped-matmul kernel (`grouped_matmul`), where its tiles fit the widths
     (multiples of 16; with `Factored` weights, the rank too), else the scan."""
     d, f = gate.shape[1], gate.shape[2]
@@ -242,12 +234,14 @@ def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
     if isinstance(gate, Factored):
         r = gate.a.shape[2]
         fits = fits and all(supports(16, *dims) for dims in ((d, r), (r, f), (f, r), (r, d)))
-    return _blocked_experts(x, gate, up, down, weights, experts, kernel=fits)
+    return _blocked_experts(x, gate, up, down, weights, experts, act, bias, kernel=fits)
 
 
-def _router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
-    """[N, E] float32 router logits of tokens h [N, D] through router [D, E] (accumulated in float32)."""
-    return jnp.dot(h, router, preferred_element_type=jnp.float32)
+def _router_logits(h: jax.Array, router: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """[N, E] float32 router logits of tokens h [N, D] through router [D, E] (accumulated in float32), plus the
+    router's bias [E] (gpt-oss) when it has one."""
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 def _weight(p: Any, dtype: Any) -> Any:
@@ -264,7 +258,9 @@ _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocke
 class MoE(nnx.Module):
     """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
     experts_down [E, F, D] (logical axes "experts" (replicated by default), "embed", "mlp": an expert's weights
-    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1]."""
+    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1];
+    with `ModelConfig.expert_bias` (gpt-oss), router_bias [E], experts_gate_bias, experts_up_bias [E, F] and
+    experts_down_bias [E, D]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, e, pdt = cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.param_dtype
@@ -276,6 +272,14 @@ class MoE(nnx.Module):
         self.experts_gate = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_up = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), ("experts", "mlp", "embed"), pdt)
+        self.act = glu(cfg.swiglu_limit, cfg.swiglu_alpha)
+        if cfg.expert_bias:
+            self.router_bias = make_param(rngs, (e,), (None,), pdt, init="zeros")
+            self.experts_gate_bias = make_param(rngs, (e, f), ("experts", "mlp"), pdt, init="zeros")
+            self.experts_up_bias = make_param(rngs, (e, f), ("experts", "mlp"), pdt, init="zeros")
+            self.experts_down_bias = make_param(rngs, (e, d), ("experts", "embed"), pdt, init="zeros")
+        else:
+            self.router_bias = self.experts_gate_bias = self.experts_up_bias = self.experts_down_bias = None
         if cfg.shared_expert_size:  # Qwen2-MoE: every token also goes through one gated MLP, scaled by a sigmoid
             self.shared_expert = MLP(cfg.replace(intermediate_size=cfg.shared_expert_size), rngs=rngs)
             self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt)
@@ -285,7 +289,9 @@ class MoE(nnx.Module):
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights, experts), each [..., k], of tokens x [..., D]."""
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        weights, experts = route(_router_logits(h, self.router[...].astype(self.dtype)), self.top_k, self.renormalize)
+        bias = None if self.router_bias is None else self.router_bias[...]
+        weights, experts = route(_router_logits(h, self.router[...].astype(self.dtype), bias), self.top_k,
+                                 self.renormalize)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
 
     def __call__(self, x: jax.Array, router_mask: jax.Array | None = None, *, routes: jax.Array | None = None,
@@ -309,13 +315,15 @@ class MoE(nnx.Module):
                  else jnp.asarray(routes, jnp.int32).reshape(h.shape[0], k))
 
         params = [_weight(p, self.dtype) for p in (self.router, self.experts_gate, self.experts_up, self.experts_down)]
+        biases = [None if b is None else b[...].astype(self.dtype) for b in (
+            self.router_bias, self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias)]
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
         path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0])]
 
-        def experts(h, mask, given, router, gate, up, down):
-            logits = _router_logits(h, router)
+        def experts(h, mask, given, router, gate, up, down, router_bias, gate_bias, up_bias, down_bias):
+            logits = _router_logits(h, router, router_bias)
             if not replay:
                 weights, chosen = route(logits, k, renormalize)
             else:
@@ -323,8 +331,10 @@ class MoE(nnx.Module):
                 weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=-1)
                 if renormalize:
                     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-            out = path(h, gate, up, down, weights, chosen)
+            out = path(h, gate, up, down, weights, chosen, self.act, (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
+            if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted
+                out = out + jnp.einsum("nk,nkd->nd", weights, down_bias[chosen].astype(jnp.float32)).astype(out.dtype)
             # this shard's rows' statistics, on a leading axis of one per row shard (summed outside)
             layer_stats = router_stats(logits, k, mask, chosen) if stats else jnp.zeros((2, 1), jnp.float32)
             agree = jnp.zeros((), jnp.float32)
@@ -345,11 +355,12 @@ class MoE(nnx.Module):
             cols, by_row = PartitionSpec(None, None, width), PartitionSpec(None, width, None)
             specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
                      *(factor_specs(w, spec, first) for w, spec, first in (
-                         (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))))
+                         (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))),
+                     PartitionSpec(), PartitionSpec(None, width), PartitionSpec(None, width), PartitionSpec())
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
                                     out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
-        out, layer_stats, agree, chosen = experts(h, mask, given, *params)
+        out, layer_stats, agree, chosen = experts(h, mask, given, *params, *biases)
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)

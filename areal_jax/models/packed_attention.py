@@ -8,6 +8,7 @@ Attention backends (`train.attention`):
     splash-attention kernel on TPUs; elsewhere `flash_attention` in the Pallas interpreter (exact but
     slow: for tests).
   * "auto": blocked on the CPU (dense where it cannot block), flash on GPUs and TPUs.
+Every backend takes attention sinks (`attention_sinks`): the attention functions are attend(q, k, v, sinks=None).
 
 Rematerialisation (`train.remat`), applied to each decoder layer with `jax.checkpoint`:
   * "none": the backward reads every activation the forward stored.
@@ -35,7 +36,7 @@ from areal_jax.models.splash import splash_attention
 ATTENTION_CHOICES = ("auto", "dense", "blocked", "flash")
 REMAT_CHOICES = ("none", "full", "dots")
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+AttentionFn = Callable[..., jax.Array]  # attend(q, k, v, sinks=None): sinks [H] float32 (a layer's) or None
 
 
 def resolve_attention(choice: str, t: int, backend: str | None = None) -> str:
@@ -66,9 +67,9 @@ def packed_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
 
 def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str | None = None,
                      window: int | None = None, softcap: float | None = None) -> AttentionFn:
-    """attention(q [B, T, H, Dh], k [B, T, K, Dh], v) -> [B, T, H, Dh] for rows with these segment ids (and a
-    sliding window of `window` positions, or full causal attention when None; softcap: Gemma 2's soft-capping
-    of the scaled scores).
+    """attention(q [B, T, H, Dh], k [B, T, K, Dh], v, sinks=None) -> [B, T, H, Dh] for rows with these segment ids
+    (and a sliding window of `window` positions, or full causal attention when None; softcap: Gemma 2's
+    soft-capping of the scaled scores; sinks: the calling layer's sink logits [H], `attention_sinks`).
 
     Whatever depends only on the segment ids (dense mask, block masks) is built here once and shared by
     every layer that calls the result.
@@ -77,22 +78,26 @@ def packed_attention(segment_ids: jax.Array, choice: str = "auto", backend: str 
     impl = resolve_attention(choice, t, backend)
     if impl == "dense":
         mask = packed_mask(segment_ids, window)
-        return _pinned(lambda q, k, v: dot_attention(q, k, v, mask, softcap))
+        return _pinned(lambda q, k, v, sinks=None: dot_attention(q, k, v, mask, softcap, sinks))
     if impl == "blocked":
         block = attention_block(t, "cpu")
         masks = block_masks(segment_ids, block, window)
-        return _pinned(lambda q, k, v: blocked_attention(q, k, v, segment_ids, block, masks, window, softcap))
+        return _pinned(lambda q, k, v, sinks=None: blocked_attention(q, k, v, segment_ids, block, masks, window,
+                                                                     softcap, sinks))
     kernel = splash_attention if impl == "splash" else flash_attention
-    return per_shard(lambda q, k, v, seg: kernel(q, k, v, seg, window=window, softcap=softcap), segment_ids)
+    return per_shard(lambda q, k, v, seg, sinks=None: kernel(q, k, v, seg, window=window, softcap=softcap,
+                                                             sinks=sinks), segment_ids)
 
 
 def _pinned(attend: AttentionFn) -> AttentionFn:
     """attend with its inputs and output kept batch-sharded under a mesh context (models.sharding)."""
-    return lambda q, k, v: constrain_batch(attend(constrain_batch(q), constrain_batch(k), constrain_batch(v)))
+    return lambda q, k, v, sinks=None: constrain_batch(attend(constrain_batch(q), constrain_batch(k),
+                                                              constrain_batch(v), sinks))
 
 
 def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
-    """attention(q, k, v) running kernel(q, k, v, segment_ids) on each device's own rows and heads.
+    """attention(q, k, v, sinks=None) running kernel(q, k, v, segment_ids), or given sinks [H] kernel(q, k, v,
+    segment_ids, sinks), on each device's own rows and heads (and those heads' sinks).
 
     A Pallas kernel is a custom call XLA cannot partition: given sharded operands it gathers them and runs the whole
     batch on every device. Under a mesh context whose batch axis divides the rows, the kernel runs in a shard_map
@@ -100,15 +105,17 @@ def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
     head with its key/value head). Without a context: the kernel as it is."""
     shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
     if shards == 1 or segment_ids.shape[0] % shards:
-        return lambda q, k, v: kernel(q, k, v, segment_ids)
+        return lambda q, k, v, sinks=None: kernel(q, k, v, segment_ids, *([] if sinks is None else [sinks]))
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
         heads = TENSOR_AXIS if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
         spec = PartitionSpec(BATCH_AXIS, None, heads, None)
         axes = frozenset({BATCH_AXIS} | ({TENSOR_AXIS} if heads else set()))
-        run = jax.shard_map(kernel, in_specs=(spec, spec, spec, PartitionSpec(BATCH_AXIS, None)), out_specs=spec,
-                            axis_names=axes, check_vma=False)
-        return run(q, k, v, segment_ids)
+        specs, args = (spec, spec, spec, PartitionSpec(BATCH_AXIS, None)), (q, k, v, segment_ids)
+        if sinks is not None:  # split with the query heads
+            specs, args = (*specs, PartitionSpec(heads)), (*args, sinks)
+        run = jax.shard_map(kernel, in_specs=specs, out_specs=spec, axis_names=axes, check_vma=False)
+        return run(*args)
 
     return attend
 

@@ -15,7 +15,8 @@ position p attends positions 0..p of its row; p < 0 gives zeros):
 - ``kernel_attention``: one query per row through JAX's Pallas paged-attention kernels, which read pages in
   place: on GPUs ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton), on TPUs
   ``jax.experimental.pallas.ops.tpu.paged_attention`` (Mosaic; head_dim a multiple of 128);
-  ``interpret=True`` runs either kernel on the CPU.
+  ``interpret=True`` runs either kernel on the CPU. Neither takes attention sinks (`attention_sinks`) or returns
+  its log-sum-exp, so a model with sinks reads its pages through the gather path.
 ``paged_hidden`` runs a ``Transformer``'s layers over a paged cache (the decode path of the model).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
@@ -124,14 +126,15 @@ def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 
 def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array,
-                     positions: jax.Array, window: int | None = None, softcap: float | None = None) -> jax.Array:
+                     positions: jax.Array, window: int | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention over a paged cache, by gathering each row's pages.
 
     q: [B, T, H, Dh] (RoPE applied); cache already holding this call's keys / values; page_table [B, P];
     positions [B, T]. Query (b, t) attends positions 0..positions[b, t] of row b (none when negative:
     zeros; with a sliding window only those above positions[b, t] - window, and a decode call gathers only the
-    pages that window reaches; softcap: the scaled scores' `layers.soft_cap`). Returns [B, T, H, Dh] in q's
-    dtype, with a float32 softmax."""
+    pages that window reaches; softcap: the scaled scores' `layers.soft_cap`; sinks: [H] each query head's sink
+    logit, `attention_sinks`, or None). Returns [B, T, H, Dh] in q's dtype, with a float32 softmax."""
     b, t, h, dh = q.shape
     ps, per_row = cache.page_size, page_table.shape[1]
     if window is not None and t == 1:  # decode in a sliding layer: only the pages its window reaches
@@ -139,7 +142,7 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
         if span < per_row:
             first = jnp.clip((positions[:, 0] - window + 1) // ps, 0, per_row - span)  # [B]
             table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(span)[None, :], axis=1)
-            return gather_attention(q, cache, layer, table, positions - first[:, None] * ps, window, softcap)
+            return gather_attention(q, cache, layer, table, positions - first[:, None] * ps, window, softcap, sinks)
     k, v = gather_rows(cache.k[layer], page_table), gather_rows(cache.v[layer], page_table)
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
@@ -150,7 +153,7 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     if window is not None:
         visible = visible & (index > positions[:, :, None] - window)
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    probs = jnp.where(visible[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = jnp.where(visible[:, None, None], sink_softmax(scores, sinks), 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
@@ -164,7 +167,7 @@ def _largest_power_of_two_divisor(n: int, cap: int) -> int:
 
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
                      *, interpret: bool = False, platform: str | None = None,
-                     softcap: float | None = None, mesh: Any = None) -> jax.Array:
+                     softcap: float | None = None, mesh: Any = None, sinks: jax.Array | None = None) -> jax.Array:
     """``gather_attention`` for one query per row through a Pallas paged-attention kernel.
 
     q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). platform (default: JAX's
@@ -173,10 +176,13 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     combined by an online softmax. interpret=True runs the chosen kernel on any backend (the CPU tests).
     softcap: both kernels' attn_logits_soft_cap (Gemma 2). mesh: the rollout mesh; when its "tensor" axis divides
     the kv heads (the pages split over it), the kernel runs in a shard_map on each device's heads (a Pallas kernel
-    is a custom call XLA cannot partition: it would gather every head's pages to every device)."""
+    is a custom call XLA cannot partition: it would gather every head's pages to every device). sinks: [H] sink
+    logits (`attention_sinks`), which neither kernel takes: with them the call is ``gather_attention``'s."""
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
+    if sinks is not None:
+        return gather_attention(q, cache, layer, page_table, positions, softcap=softcap, sinks=sinks)
     platform = jax.default_backend() if platform is None else platform
     per_row = page_table.shape[1]
     lengths = jnp.clip(positions[:, 0] + 1, 0, per_row * cache.page_size).astype(jnp.int32)
@@ -244,11 +250,12 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     dropped), then attention reads positions 0..p of the row (a sliding layer: its window). Returns
     (final-norm hidden states [B, T, D] in the compute dtype, the new cache). path: "gather" or "kernel" (T
     must be 1), default ``default_path(head_dim)``; platform: whose kernel "kernel" runs
-    (``kernel_attention``). JAX's paged kernels take no window: sliding layers gather their window's pages
-    on either path. rings (`init_rings`, one row per row of the batch; T must be 1): the layers with ring rows
-    there write and read them (`cache_attention.ring_attention`) instead of pages, and the new rings are
-    returned third. mesh: the rollout mesh the kernel path splits heads over (`kernel_attention`). record_routes: a
-    mixture-of-experts model's experts of each token, [B, T, L_moe, k] int32, come last (`Transformer.hidden`)."""
+    (``kernel_attention``). JAX's paged kernels take no window and no sinks: sliding layers gather their window's
+    pages on either path, and so does a model with attention sinks. rings (`init_rings`, one row per row of the
+    batch; T must be 1): the layers with ring rows there write and read them (`cache_attention.ring_attention`)
+    instead of pages, and the new rings are returned third. mesh: the rollout mesh the kernel path splits heads
+    over (`kernel_attention`). record_routes: a mixture-of-experts model's experts of each token, [B, T, L_moe, k]
+    int32, come last (`Transformer.hidden`)."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -272,21 +279,21 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             r = ring_k[i].shape[1]
             at, rows = jnp.where(positions >= 0, positions % r, r), jnp.arange(b)[:, None]
 
-            def attend(q, k, v, i=i, window=window, at=at, rows=rows):
+            def attend(q, k, v, sinks=None, i=i, window=window, at=at, rows=rows):
                 ring_k[i] = ring_k[i].at[rows, at].set(k.astype(ring_k[i].dtype), mode="drop")
                 ring_v[i] = ring_v[i].at[rows, at].set(v.astype(ring_v[i].dtype), mode="drop")
-                return ring_attention(q, ring_k[i], ring_v[i], positions, window, cfg.attn_logit_softcap)
+                return ring_attention(q, ring_k[i], ring_v[i], positions, window, cfg.attn_logit_softcap, sinks)
 
             x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
             continue
 
-        def attend(q, k, v, i=i, window=window):
+        def attend(q, k, v, sinks=None, i=i, window=window):
             k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
             current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
             if path == "kernel" and window is None:
                 return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform,
-                                        softcap=cfg.attn_logit_softcap, mesh=mesh)
-            return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap)
+                                        softcap=cfg.attn_logit_softcap, mesh=mesh, sinks=sinks)
+            return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap, sinks)
 
         x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
     out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))

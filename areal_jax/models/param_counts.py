@@ -10,9 +10,11 @@ def num_params(cfg: Any) -> int:
     d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if cfg.attention_bias else 0)
     attn += ((h + k) * hd if cfg.flat_qk_norm else 2 * hd) if cfg.qk_norm else 0
+    attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
     layer = attn + (4 if cfg.gemma else 2) * d
     shared = 3 * d * cfg.shared_expert_size + d if cfg.shared_expert_size else 0
-    ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared if cfg.layer_is_moe(i)
+    biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
+    ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else 3 * d * f for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * layer + ffn + emb + d

@@ -45,6 +45,10 @@ def expert_groups(model: nnx.Module) -> list[tuple[str, str, list[tuple[str, LoR
         found = {param: [(name, getattr(moe, name)) for name in parts
                          if isinstance(getattr(moe, name, None), LoRAExperts)] for param, parts in PARAMS.items()}
         found = {param: parts for param, parts in found.items() if parts}
+        if found and getattr(model.cfg, "architecture", None) == "gpt_oss":
+            raise ValueError("PEFT adapters of gpt-oss's experts are not written (its gate_up_proj interleaves gate "
+                             "and up columns, [E, D, 2F]); export the merged checkpoint (export --format=hf), or "
+                             "adapt only the attention (lora.targets without experts).")
         module = experts_module(model, i)
         for k, (param, parts) in enumerate(found.items()):
             nested = ".base_layer" * (len(found) - 1 - k)  # the first-wrapped parameter lies innermost

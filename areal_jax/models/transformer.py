@@ -237,12 +237,13 @@ class Transformer(nnx.Module):
             r = ks[i].shape[1]
             at = jnp.where(positions >= 0, positions % r, r) if ring and window is not None else write_at
 
-            def attend(q, k, v, i=i, window=window, at=at):
+            def attend(q, k, v, sinks=None, i=i, window=window, at=at):
                 ks[i] = ks[i].at[rows, at].set(k.astype(ks[i].dtype), mode="drop")
                 vs[i] = vs[i].at[rows, at].set(v.astype(vs[i].dtype), mode="drop")
                 if ring and window is not None:
-                    return ring_attention(q, ks[i], vs[i], positions, window, cfg.attn_logit_softcap)
-                return cached_attention(q, ks[i], vs[i], positions, window=window, softcap=cfg.attn_logit_softcap)
+                    return ring_attention(q, ks[i], vs[i], positions, window, cfg.attn_logit_softcap, sinks)
+                return cached_attention(q, ks[i], vs[i], positions, window=window, softcap=cfg.attn_logit_softcap,
+                                        sinks=sinks)
 
             x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None)
         out = self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))

@@ -21,7 +21,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5), qwen3_moe
     (q/k norm), mixtral, granitemoe, olmoe (q/k norm over all heads) and qwen2_moe (q/k/v bias, a shared expert of
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
-    for qwen2_moe), granite and granitemoe take Granite's four scalars.
+    for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
+    and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
+    window of 8 over every other layer.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -38,7 +40,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        attention_bias=architecture in ("qwen2", "qwen2_moe"),
+        attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss"),
         qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -64,6 +66,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=architecture != "qwen2_moe",
                       moe_intermediate_size=32 if architecture in ("qwen3_moe", "qwen2_moe") else None,
                       shared_expert_size=40 if architecture == "qwen2_moe" else None)
+    if architecture == "gpt_oss":
+        fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, expert_bias=True, swiglu_limit=1.0,
+                      attention_out_bias=True, attention_sinks=True, sliding_window=8,
+                      layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)))
     if architecture.startswith("granite"):  # granite-3.x-2b's scalars but the logits', kept small enough to matter
         fields.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                       logits_scaling=2.0)
