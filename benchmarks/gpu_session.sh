@@ -50,6 +50,8 @@
 #   granitemoe the granite3-moe-1b shape (granite-3.1-1b-a400m: 8 of 32 experts, 1.3B), bf16: the update against HF +
 #              PyTorch on the same GPU (GraniteMoeForCausalLM), and the sampler's steady state against HF generate
 #              (~7 min).
+#   gptoss20b  the gpt-oss-20b shape (4 of 32 experts, 20.9B, attention sinks), bf16 random weights (42 GB): the
+#              sampler's steady state at 128 slots (the paged kernels take no sinks: their gather path) (~5 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -224,6 +226,10 @@ EOF
       --repeats 3
     step granitemoe_sampler 200 $PY benchmarks/sampler.py --preset granite3-moe-1b --dtype bfloat16 --num-slots 256 \
       --num-prompts 512 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    ;;
+  gptoss20b)
+    step gptoss_sampler 300 $PY benchmarks/sampler.py --preset gpt-oss-20b --num-prompts 512 --decode-steps 16 \
+      --skip-hf --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   sliding)
     step sliding 120 $PY benchmarks/sliding_window.py --dtype bfloat16 --context 16384 --rows 128 --page-size 16

@@ -1,8 +1,7 @@
 """Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
 
-- `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B, Gemma 3 1B / 4B (text) and
-  Phi-4-mini, as
-  ModelConfigs for random weights: every benchmark's presets name one;
+- `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B, Gemma 3 1B / 4B (text),
+  Phi-4-mini, Granite 3 MoE 1B and gpt-oss-20b, as ModelConfigs for random weights: every benchmark's presets name one;
 - `PRESETS`: those shapes (and a tiny one) with the rollout sizes that go with them;
 - `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
 - `ForcedLengths`: wraps a SamplerLoop so each request generates exactly its drawn length (no stop
@@ -53,6 +52,11 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                             num_layers=24, num_heads=16, num_kv_heads=8, head_dim=64, tie_word_embeddings=True,
                             num_experts=32, num_experts_per_tok=8, norm_topk_prob=True, embedding_multiplier=12.0,
                             residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0),
+    # openai/gpt-oss-20b: 4 of 32 experts (20.9B in all, 3.6B active per token), attention sinks, every other layer
+    # sliding over 128 positions, YaRN (`shape_config` adds the gpt-oss fields).
+    "gpt-oss-20b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, tie_word_embeddings=False,
+                        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, sliding_window=128),
 }
 
 
@@ -75,6 +79,11 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
         fields.update(max_position_embeddings=max(131072, max_len))
     elif fields["architecture"] == "granitemoe":
         fields.update(rope_theta=1e7)
+    elif fields["architecture"] == "gpt_oss":
+        fields.update(rope_theta=150000.0, attention_bias=True, attention_out_bias=True, attention_sinks=True,
+                      expert_bias=True, swiglu_limit=7.0, max_position_embeddings=max(131072, max_len),
+                      rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096})
     else:
         fields.update(qk_norm=True, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256.0)
     fields.update(overrides)
@@ -84,8 +93,9 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
             "rope_type": "longrope", "original_max_position_embeddings": 4096, "short_factor": [1.0] * (rotary // 2),
             "long_factor": [1.0 + i / 8 for i in range(rotary // 2)]})
         return ModelConfig(**fields).for_sequence_length(max_len)
-    if fields["architecture"] == "gemma3":
-        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+    if fields["architecture"] in ("gemma3", "gpt_oss"):
+        every = 6 if fields["architecture"] == "gemma3" else 2
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % every else "full_attention"
                                       for i in range(fields["num_layers"]))
     return ModelConfig(**fields)
 
