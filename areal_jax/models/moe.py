@@ -272,7 +272,7 @@ class MoE(nnx.Module):
         self.experts_gate = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_up = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), ("experts", "mlp", "embed"), pdt)
-        self.act = glu(cfg.swiglu_limit, cfg.swiglu_alpha)
+        self.swiglu = (cfg.swiglu_limit, cfg.swiglu_alpha)  # `glu`'s arguments (a function would make layers differ)
         if cfg.expert_bias:
             self.router_bias = make_param(rngs, (e,), (None,), pdt, init="zeros")
             self.experts_gate_bias = make_param(rngs, (e, f), ("experts", "mlp"), pdt, init="zeros")
@@ -331,7 +331,7 @@ class MoE(nnx.Module):
                 weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=-1)
                 if renormalize:
                     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-            out = path(h, gate, up, down, weights, chosen, self.act, (gate_bias, up_bias))
+            out = path(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
             if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted
                 out = out + jnp.einsum("nk,nkd->nd", weights, down_bias[chosen].astype(jnp.float32)).astype(out.dtype)
