@@ -183,21 +183,10 @@ def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(tmp_path):
 
 
 def test_sampler_decodes_as_its_full_forward():
-    from areal_jax.sampler.engine import Engine
-    from areal_jax.sampler.requests import Request
-    from areal_jax.testing.sampler import full_forward_logp, greedy_reference, serve
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
     model = testing.random_model(testing.tiny_config("gpt_oss"), seed=3)
-    _, params = nnx.split(model)
-    prompts = [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]]
-    done = serve(Engine(model, num_slots=2, max_len=32), params,
-                 [Request(id=i, prompt=p, max_new_tokens=16, temperature=0.0) for i, p in enumerate(prompts)],
-                 decode_steps=4)
-    logp = full_forward_logp(model, 32)
-    for completion, prompt in zip(done, prompts):
-        tokens, lps, _ = greedy_reference(logp, prompt, 16)
-        assert list(completion.tokens) == tokens
-        np.testing.assert_allclose(completion.logprobs, lps, atol=1e-4)
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
 
 
 @pytest.mark.parametrize("impl", ["blocked", "pallas"])

@@ -163,6 +163,21 @@ def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeou
         loop.stop(graceful=False)
 
 
+def assert_greedy_decode_is_full_forward(model: Transformer, prompts: Sequence[Sequence[int]], *, max_len: int = 32,
+                                         new_tokens: int = 16, slots: int = 2, decode_steps: int = 4) -> None:
+    """Greedy requests of `prompts` through an Engine of `slots` slots and a SamplerLoop (k = decode_steps) give the
+    tokens and log-probs (within 1e-4) of greedy decoding by repeated full forwards."""
+    _, params = nnx.split(model)
+    done = serve(Engine(model, num_slots=slots, max_len=max_len), params,
+                 [Request(id=i, prompt=p, max_new_tokens=new_tokens, temperature=0.0) for i, p in enumerate(prompts)],
+                 decode_steps=decode_steps)
+    logp = full_forward_logp(model, max_len)
+    for completion, prompt in zip(done, prompts):
+        tokens, lps, _ = greedy_reference(logp, prompt, new_tokens)
+        assert list(completion.tokens) == tokens
+        np.testing.assert_allclose(completion.logprobs, lps, atol=1e-4)
+
+
 class HookAfterDispatch(Engine):
     """An Engine that calls ``hook`` right after issuing dispatch number ``at`` (0-based) of
     ``generate_steps``, while the device runs it (a weight update or an abort arriving mid-dispatch)."""
