@@ -24,8 +24,10 @@ if "--devices" in sys.argv:
     _n = sys.argv[sys.argv.index("--devices") + 1]
 else:
     _n = "4"
-os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={_n} --xla_dump_to={DUMP} "
-                           "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=accumulate")
+from areal_jax.runtime.host_devices import host_device_env  # noqa: E402
+
+os.environ.update(host_device_env(int(_n), {"PJRT_NPROC": os.environ.get("PJRT_NPROC", "0")}))
+os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=accumulate"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402

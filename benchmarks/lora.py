@@ -21,8 +21,9 @@ import os
 import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # CPU only; GPUs ignore it
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+from areal_jax.runtime.host_devices import use_host_devices  # noqa: E402
+
+use_host_devices(4, keep_count=True)  # CPU only; GPUs ignore it
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -28,9 +28,9 @@ and ends with ONE JSON line.
 """
 from __future__ import annotations
 
-import os
+from areal_jax.runtime.host_devices import use_host_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+use_host_devices(4, keep_count=True)  # before jax is imported
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

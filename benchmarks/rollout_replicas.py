@@ -28,7 +28,9 @@ if "--devices" in sys.argv:
 else:
     _n = "2"
 if "JAX_PLATFORMS" not in os.environ or os.environ["JAX_PLATFORMS"] == "cpu":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+    from areal_jax.runtime.host_devices import use_host_devices
+
+    use_host_devices(int(_n))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402

@@ -3,11 +3,11 @@
     python launchers/local.py --num_processes=2 --devices_per_process=2 -- \
         --config=configs/math.py --config.mesh.train_devices=1 --config.mesh.rollout_devices=1
 
-Each process gets its own share of CPU devices (XLA_FLAGS), the coordinator address on a free local
-port, and its id through the AREAL_* variables areal_jax.runtime.distributed reads; its output goes to
-<log_dir>/process_<i>.log (process 0 is also echoed to this console). If any process dies, the others
-are killed with SIGKILL (jax.distributed catches SIGTERM and could hang in a collective) and this
-launcher exits with the first non-zero code.
+Each process gets its own share of CPU devices (XLA_FLAGS; PJRT_NPROC sizes its thread pools for them,
+runtime.host_devices), the coordinator address on a free local port, and its id through the AREAL_* variables
+areal_jax.runtime.distributed reads; its output goes to <log_dir>/process_<i>.log (process 0 is also echoed to this
+console). If any process dies, the others are killed with SIGKILL (jax.distributed catches SIGTERM and could hang in
+a collective) and this launcher exits with the first non-zero code.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from areal_jax.runtime.host_devices import host_device_env
 
 
 def free_port() -> int:
@@ -51,8 +53,7 @@ def launch(num_processes: int, devices_per_process: int, job_args: list[str], lo
         env = dict(os.environ)
         env.update({
             "AREAL_COORDINATOR": address, "AREAL_NUM_PROCESSES": str(num_processes), "AREAL_PROCESS_ID": str(i),
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}",
+            "JAX_PLATFORMS": "cpu", **host_device_env(devices_per_process, env),
         })
         log_path = os.path.join(log_dir, f"process_{i}.log")
         log = open(log_path, "w")

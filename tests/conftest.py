@@ -4,9 +4,9 @@ XLA_FLAGS must be set before jax is imported anywhere, which is why it lives her
 """
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+from areal_jax.runtime.host_devices import use_host_devices  # (imports no jax)
+
+use_host_devices(4, keep_count=True)  # four devices unless XLA_FLAGS names a count; pools that fit their collectives
 if "xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
     from areal_jax.testing.processes import SLOW_HOST_COLLECTIVES  # (imports no jax)
 

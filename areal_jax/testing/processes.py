@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import areal_jax
+from areal_jax.runtime.host_devices import host_device_env
 
 # The checkout that holds the package (tests/, benchmarks/ and the configs sit beside it).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(areal_jax.__file__)))
@@ -17,12 +18,13 @@ SLOW_HOST_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=1
 
 def cpu_env(devices: int = 1, *, unbuffered: bool = False) -> dict[str, str]:
     """This process's environment for a child that runs JAX on ``devices`` CPU devices (JAX_PLATFORMS=cpu,
-    XLA_FLAGS forcing the host device count) and imports this checkout first (REPO_ROOT ahead of any
+    XLA_FLAGS forcing the host device count, PJRT_NPROC sized for it: runtime.host_devices) and imports this checkout first (REPO_ROOT ahead of any
     PYTHONPATH). ``unbuffered``: PYTHONUNBUFFERED=1, so a killed child's log has every line it printed."""
     if devices < 1:
         raise ValueError(f"cpu_env needs at least one device, got devices={devices}.")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {SLOW_HOST_COLLECTIVES}"
+    env.update(host_device_env(devices, {"PJRT_NPROC": env.get("PJRT_NPROC", "0")}))
+    env["XLA_FLAGS"] += " " + SLOW_HOST_COLLECTIVES
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if unbuffered:
