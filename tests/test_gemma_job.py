@@ -1,7 +1,8 @@
 """A whole run on a Gemma-3-form model (sliding and global layers, their own RoPE bases, offset norms), a Gemma 2 one
 (soft caps), a Phi one (partial rotary embeddings, LongRoPE's long factors chosen by the run's max_len) and a
 Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout routing replay) and a gpt-oss one
-(attention sinks, every other layer sliding, experts with biases and the clamped GLU): the
+(attention sinks, every other layer sliding, experts with biases and the clamped GLU) and a DeepSeek-V3 one (latent
+attention, a dense layer then experts picked by sigmoid scores within groups, with rollout routing replay): the
 memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
 log-prob the sampler recorded equals a full forward of the policy version that generated it (and for the
 mixture of experts, every route it recorded the experts that forward picks)."""
@@ -21,11 +22,11 @@ from areal_jax.testing.models import write_random_hf_checkpoint
 from areal_jax.testing.tiny import tiny_config
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     tok = build_math_tokenizer()
     model_dir = str(tmp_path / arch)
-    window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}}.get(arch, {"sliding_window": 6})
+    window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}}.get(arch, {"sliding_window": 6})
     cfg = tiny_model_config(arch, num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **window)
     if arch in ("gemma3", "gemma2", "gpt_oss"):
@@ -38,7 +39,8 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     c.checkpoint.hf_every_steps = 2
     if arch == "qwen3_moe":  # the experts through jax.lax.ragged_dot (the CPU's default is blocked)
         c.model.moe_impl = "ragged"
-        c.train.router_replay = "replay"  # the sampler records each sample's experts; the trainer replays them
+    if arch in ("qwen3_moe", "deepseek_v3"):  # the sampler records each sample's experts; the trainer replays them
+        c.train.router_replay = "replay"
     lines, trained = [], []
     job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
     update = job.trainer.update
@@ -68,12 +70,12 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         logp = jax.nn.log_softmax(start(jnp.asarray(seq[None]))[0], axis=-1)
         want = np.asarray(logp[n - 1:-1])[np.arange(len(seq) - n), seq[n:]]
         np.testing.assert_allclose(t.behav_logp, want, atol=2e-4)
-        if arch == "qwen3_moe":  # routes of every token (prompt too) of a sample that ran at version 0 only
+        if arch in ("qwen3_moe", "deepseek_v3"):  # routes of every token (prompt too) of a sample run at version 0
             routes = start.hidden(jnp.asarray(seq[None]), record_routes=True)[1]["routes"][0]
             np.testing.assert_array_equal(np.sort(t.routes, -1), np.sort(np.asarray(routes), -1))
         checked += 1
     assert checked >= 2
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "deepseek_v3"):
         steps = [m for m in map(json.loads, open(os.path.join(c.run_dir, "metrics.jsonl"))) if "train/loss" in m]
         agreement = [m["train/moe_route_agreement"] for m in steps]
         assert len(agreement) == 2 and all(0.5 < a <= 1.0 for a in agreement), agreement

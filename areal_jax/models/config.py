@@ -1,6 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
-Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE and
-gpt-oss) and HF config.json I/O."""
+Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
+gpt-oss and DeepSeek-V3) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +12,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from areal_jax.models.config_checks import check_gated_experts, check_longrope
+from areal_jax.models import config_checks as checks
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss")
+                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -52,7 +52,8 @@ class ModelConfig:
       "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's), "granitemoe" (Granite's), "olmoe" (Llama's layer,
       OLMo's q/k norm over all heads), "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones) and
       "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
-      the clamped GLU).
+      the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
+      expert, dense layers first).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -88,6 +89,13 @@ class ModelConfig:
       softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
     shared_expert_size: the width of Qwen2-MoE's shared expert, a gated MLP every token goes through besides its
       routed experts, its output scaled by sigmoid(x . shared_expert_gate); None: none.
+    router_scoring, router_groups, router_score_bias, routed_scaling_factor: DeepSeek-V3's router: "sigmoid"
+      scores (else "softmax"); the top k picked among the experts of the best topk_group of n_group groups
+      (router_groups=(n_group, topk_group), a group ranked by the sum of its two best scores); a per-expert bias
+      `router_score_bias` [E] added to the scores for picking only (never trained: no gradient reaches it); the
+      weights (the picked scores, renormalised with norm_topk_prob) times routed_scaling_factor.
+    shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
+    mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint; models.moe): "blocked" sorts the tokens by
@@ -141,6 +149,12 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    router_scoring: str = "softmax"
+    router_groups: tuple[int, int] | None = None
+    router_score_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    mla: checks.MLA | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -175,8 +189,10 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
-        self._check_experts()
-        check_gated_experts(self)
+        checks.check_experts(self)
+        checks.check_gated_experts(self)
+        checks.check_routing(self)
+        checks.check_mla(self)
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -197,15 +213,15 @@ class ModelConfig:
                 if not float(scaling["factor"]) > 0:
                     raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
             if rope_type == "longrope":
-                check_longrope(scaling, self.rope_dim, self.max_position_embeddings)
+                checks.check_longrope(scaling, self.rope_dim, self.max_position_embeddings)
             scaling.pop("type", None)
             scaling["rope_type"] = rope_type
             object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
 
     @property
     def rope_dim(self) -> int:
-        """The dimensions of a head that rotate (`rotary_dim`, else head_dim)."""
-        return self.rotary_dim or self.head_dim
+        """The dimensions of a head that rotate (`rotary_dim`, latent attention's rope width, else head_dim)."""
+        return self.mla.rope if self.mla is not None else self.rotary_dim or self.head_dim
 
     def for_sequence_length(self, length: int) -> "ModelConfig":
         """This config for sequences of up to `length` tokens: with LongRoPE, its long factors when `length`
@@ -256,26 +272,6 @@ class ModelConfig:
                              f"{list(flags)}.")
         return flags
 
-    def _check_experts(self) -> None:
-        e, k = self.num_experts, self.num_experts_per_tok
-        if not isinstance(e, (int, np.integer)) or e < 0 or not isinstance(k, (int, np.integer)) or k < 0:
-            raise ValueError(f"ModelConfig.num_experts and num_experts_per_tok must be integers >= 0, got {e!r} and "
-                             f"{k!r}.")
-        if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
-        if (self.architecture in MOE_ARCHITECTURES) != (e > 0):
-            raise ValueError(f"architecture {self.architecture!r} with num_experts={e}: the mixture-of-experts "
-                             f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")
-        if e and not 1 <= k <= e:
-            raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
-        for name in ("moe_intermediate_size", "shared_expert_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
-                raise ValueError(f"ModelConfig.{name} must be a positive integer or None, got {value!r}.")
-        flags = self._layer_flags("moe_layers", "(experts) or 0 (a dense MLP)")
-        if flags is not None and all(flags):
-            object.__setattr__(self, "moe_layers", None)
-
     def layer_is_moe(self, i: int) -> bool:
         """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size)."""
         return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[i]))
@@ -321,7 +317,9 @@ class ModelConfig:
     def attention_scale_factor(self) -> float:
         """What queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
         query_pre_attn_scalar ** -0.5, or Granite's attention_multiplier (1.0 when neither is set, or the scalar
-        equals head_dim)."""
+        equals head_dim); with latent attention YaRN's mscale_all_dim squared (`mla_query_factor`)."""
+        if self.mla is not None:
+            return checks.mla_query_factor(self)
         if self.attention_multiplier is not None:
             return float(self.attention_multiplier) * math.sqrt(self.head_dim)
         if self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) == float(self.head_dim):

@@ -1,6 +1,11 @@
 """Checks of `ModelConfig` fields that need more than a line (kept apart so config.py stays a table of fields)."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
+import numpy as np
+
 
 def check_longrope(scaling: dict, rope_dim: int, max_position_embeddings: int) -> None:
     """LongRoPE's keys in `scaling` (changed in place), completed as transformers completes them (factor from the
@@ -28,3 +33,107 @@ def check_gated_experts(cfg) -> None:
     if (cfg.expert_bias or limit is not None) and not cfg.num_experts:
         raise ValueError("ModelConfig.expert_bias and swiglu_limit apply to a mixture of experts; this config has "
                          "num_experts=0. Leave them at False / None.")
+
+
+class MLA(NamedTuple):
+    """Multi-head latent attention's shapes (DeepSeek-V2 / V3; `models.mla`): queries through a rank-`q_lora_rank`
+    bottleneck (None: one projection), keys and values from one shared latent of `kv_lora_rank` plus a rotary key of
+    `rope` dimensions shared by the heads; each head's query and key hold `nope` dimensions without rotation and
+    `rope` with, its value `v`. interleave: the rotary dimensions are laid out as pairs (x0, x1), (x2, x3), ...
+    (DeepSeek's checkpoints; transformers' rope_interleave) rather than as two halves."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope: int
+    rope: int
+    v: int
+    interleave: bool = True
+
+
+def check_mla(cfg) -> None:
+    """`ModelConfig.mla` made an `MLA` (from a tuple or dict) and checked against the attention fields it fixes:
+    head_dim = nope + rope (the keys' width; values are padded to it), one key/value head per query head."""
+    m = cfg.mla
+    if m is None:
+        return
+    try:
+        m = MLA(**m) if isinstance(m, dict) else MLA(*m)
+    except TypeError as err:
+        raise ValueError(f"ModelConfig.mla must be MLA(q_lora_rank, kv_lora_rank, nope, rope, v, interleave); got "
+                         f"{cfg.mla!r}.") from err
+    object.__setattr__(cfg, "mla", m)
+    sizes = [m.kv_lora_rank, m.nope, m.rope, m.v] + ([] if m.q_lora_rank is None else [m.q_lora_rank])
+    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes) or m.rope % 2:
+        raise ValueError(f"ModelConfig.mla needs positive integer sizes and an even rope width; got {m}.")
+    if cfg.head_dim != m.nope + m.rope or cfg.num_kv_heads != cfg.num_heads or m.v > cfg.head_dim:
+        raise ValueError(f"latent attention {m} needs head_dim = nope + rope = {m.nope + m.rope}, num_kv_heads = "
+                         f"num_heads = {cfg.num_heads} and v <= head_dim; got head_dim={cfg.head_dim}, num_kv_heads="
+                         f"{cfg.num_kv_heads}.")
+    if cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None or cfg.attention_sinks:
+        raise ValueError("latent attention has its own projections and norms: set attention_bias=False, "
+                         "qk_norm=False, rotary_dim=None, attention_sinks=False.")
+
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
+
+def check_routing(cfg) -> None:
+    """The router's fields beyond top-k (DeepSeek-V3's): sigmoid scores, a per-expert bias that only picks, the
+    experts picked within the best groups, the weights times a factor; and the shared expert's gate."""
+    if cfg.router_scoring not in ROUTER_SCORINGS:
+        raise ValueError(f"ModelConfig.router_scoring={cfg.router_scoring!r}; use one of {', '.join(ROUTER_SCORINGS)}.")
+    factor = cfg.routed_scaling_factor
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+        raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive number, got {factor!r}.")
+    if cfg.router_groups is not None:
+        groups = tuple(cfg.router_groups)
+        object.__setattr__(cfg, "router_groups", groups)
+        e = cfg.num_experts
+        if len(groups) != 2 or not all(isinstance(g, int) and g >= 1 for g in groups) or e % groups[0] \
+                or e // groups[0] < 2 or groups[1] > groups[0] or groups[1] * (e // groups[0]) < cfg.num_experts_per_tok:
+            raise ValueError(f"ModelConfig.router_groups=(n_group, topk_group) must split num_experts={e} into "
+                             f"n_group groups of at least 2 and keep topk_group <= n_group groups holding at least "
+                             f"num_experts_per_tok={cfg.num_experts_per_tok} experts; got {cfg.router_groups!r}.")
+    own = (cfg.router_scoring != "softmax" or cfg.router_groups is not None or cfg.router_score_bias
+           or factor != 1.0)
+    if own and not cfg.num_experts:
+        raise ValueError("router_scoring, router_groups, router_score_bias and routed_scaling_factor apply to a "
+                         "mixture of experts; this config has num_experts=0.")
+    if not cfg.shared_expert_gated and not cfg.shared_expert_size:
+        raise ValueError("shared_expert_gated=False describes a shared expert; set shared_expert_size too.")
+
+
+def check_experts(cfg) -> None:
+    """The mixture-of-experts fields: counts, widths, `moe_impl`, and which layers have experts (`moe_layers`: all
+    of them is stored as None)."""
+    from areal_jax.models.config import MOE_ARCHITECTURES, MOE_IMPLS  # noqa: PLC0415 (config imports this module)
+
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if not isinstance(e, (int, np.integer)) or e < 0 or not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"ModelConfig.num_experts and num_experts_per_tok must be integers >= 0, got {e!r} and "
+                         f"{k!r}.")
+    if cfg.moe_impl not in MOE_IMPLS:
+        raise ValueError(f"ModelConfig.moe_impl={cfg.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
+    if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0):
+        raise ValueError(f"architecture {cfg.architecture!r} with num_experts={e}: the mixture-of-experts "
+                         f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")
+    if e and not 1 <= k <= e:
+        raise ValueError(f"ModelConfig.num_experts_per_tok must lie in [1, num_experts={e}], got {k}.")
+    for name in ("moe_intermediate_size", "shared_expert_size"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+            raise ValueError(f"ModelConfig.{name} must be a positive integer or None, got {value!r}.")
+    flags = cfg._layer_flags("moe_layers", "(experts) or 0 (a dense MLP)")
+    if flags is not None and all(flags):
+        object.__setattr__(cfg, "moe_layers", None)
+
+
+def mla_query_factor(cfg) -> float:
+    """What latent attention's queries are multiplied by so that the attention paths' 1 / sqrt(head_dim) gives
+    DeepSeek's softmax scale: (0.1 mscale_all_dim ln(factor) + 1) ** 2 under a RoPE scaling that sets mscale_all_dim
+    (transformers' yarn_apply_mscale), else 1."""
+    s = cfg.rope_scaling
+    if s is None or not s.get("mscale_all_dim"):
+        return 1.0
+    factor = float(s["factor"])
+    m = 1.0 if factor <= 1 else 0.1 * float(s["mscale_all_dim"]) * math.log(factor) + 1.0
+    return m * m

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import gpt_oss
+from areal_jax.models import deepseek, gpt_oss
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
@@ -14,7 +14,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
              "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-             "gpt_oss": "GptOssForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "deepseek_v3": deepseek.HF_CLASS}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -145,6 +145,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures="
                          f"{d.get('architectures')!r}; supported model types are "
                          f"{', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
+    if model_type == "deepseek_v3":
+        return deepseek.config_from_hf(cls, d, dtype=dtype, param_dtype=param_dtype)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:
@@ -236,6 +238,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
     gpt_oss.check_hf(cfg)
+    deepseek.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
@@ -261,7 +264,7 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
-    if cfg.shared_expert_size is not None and cfg.architecture != "qwen2_moe":
+    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "deepseek_v3"):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
@@ -309,7 +312,7 @@ def config_to_hf(cfg: Any) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
+        "rope_scaling": None if cfg.rope_scaling is None else dict(cfg.rope_scaling),  # a copy: HF edits it
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,
@@ -319,6 +322,8 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
+    if cfg.architecture == "deepseek_v3":
+        return deepseek.config_to_hf(cfg, d)
     if cfg.architecture not in ("qwen2", "qwen2_moe", "gpt_oss"):
         d["attention_bias"] = False
     if cfg.architecture == "llama":

@@ -94,7 +94,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
             entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
-        for name, rows in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+        for name, rows in zip("qkv" if cfg.mla is None else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
             if fused:
                 entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
                                       (*rows, q + 2 * kv)))
@@ -102,6 +102,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.{name}_proj.weight", "in_first"))
             if cfg.attention_bias:
                 entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
+        if cfg.mla is not None:
+            entries.extend(_latent_entries(cfg, p + ("attn",), f"{hf}.self_attn"))
         entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
         if cfg.qk_norm:
             entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
@@ -159,10 +161,26 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
-    if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate
-        shared = path + ("shared_expert",)
-        out += [_Entry(shared + ("gate_proj",), f"{base}.shared_expert.gate_proj.weight", "in_first"),
-                _Entry(shared + ("up_proj",), f"{base}.shared_expert.up_proj.weight", "in_first"),
-                _Entry(shared + ("down_proj",), f"{base}.shared_expert.down_proj.weight", "out_last"),
-                _Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first")]
+    if cfg.router_score_bias:  # DeepSeek-V3's picking bias
+        out.append(_Entry(path + ("router_score_bias",), f"{base}.gate.e_score_correction_bias", "same"))
+    if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate; DeepSeek's shared_experts, ungated
+        shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
+        out += [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
+                _Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
+                _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
+        if cfg.shared_expert_gated:
+            out.append(_Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first"))
     return out
+
+
+def _latent_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """Latent attention's projections and norms but o_proj (models.mla), as DeepSeek-V3 names them."""
+    if cfg.mla.q_lora_rank is None:
+        out = [_Entry(path + ("q_proj",), f"{hf}.q_proj.weight", "in_first")]
+    else:
+        out = [_Entry(path + ("q_a_proj",), f"{hf}.q_a_proj.weight", "in_first"),
+               _Entry(path + ("q_a_norm", "scale"), f"{hf}.q_a_layernorm.weight", "same"),
+               _Entry(path + ("q_b_proj",), f"{hf}.q_b_proj.weight", "in_first")]
+    return out + [_Entry(path + ("kv_a_proj",), f"{hf}.kv_a_proj_with_mqa.weight", "in_first"),
+                  _Entry(path + ("kv_a_norm", "scale"), f"{hf}.kv_a_layernorm.weight", "same"),
+                  _Entry(path + ("kv_b_proj",), f"{hf}.kv_b_proj.weight", "in_first")]

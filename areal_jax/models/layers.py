@@ -312,13 +312,14 @@ class DecoderLayer(nnx.Module):
     (`models.moe.MoE`) rather than one MLP."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        from areal_jax.models.moe import MoE  # noqa: PLC0415 (moe builds on this module)
+        from areal_jax.models.mla import MLAttention  # noqa: PLC0415 (both build on this module)
+        from areal_jax.models.moe import MoE  # noqa: PLC0415
 
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.gemma)
 
         self.input_norm = None if cfg.olmo else norm()
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = norm() if cfg.gemma else None

@@ -38,10 +38,13 @@ from areal_jax.models.sharding import logical_names
 PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
+    # latent attention's (models.mla)
+    "q_a": ("attn", "q_a_proj", 1), "q_b": ("attn", "q_b_proj", 1), "kv_a": ("attn", "kv_a_proj", 1),
+    "kv_b": ("attn", "kv_b_proj", 1),
 }
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
-GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS),
+GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS),
           "experts": EXPERTS}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -104,17 +107,24 @@ class LoRAConfig(Section):
                                  f"{', '.join(GROUPS)} or 're:<regex>' over paths like 'layers.0.attn.q_proj'.")
         return names, patterns
 
-    def target_paths(self, num_layers: int, experts: Sequence[int] = ()) -> list[tuple[int, str]]:
+    def target_paths(self, num_layers: int, experts: Sequence[int] = (),
+                     attention: Sequence[str] = ("q", "k", "v", "o")) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
         layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
-        "experts", or a pattern over 'layers.1.mlp.experts_gate')."""
+        "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
+        (`attention_projections`); naming another one is an error."""
         names, patterns = self.target_rules()
+        named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
+        foreign = sorted(s for s in named & set(PROJECTIONS) if PROJECTIONS[s][0] == "attn" and s not in attention)
+        if foreign:
+            raise ValueError(f"lora.targets names {', '.join(foreign)}, which this model's attention does not have; "
+                             f"its projections are {', '.join(attention)} (or use 'attn').")
         out = []
         for i in range(num_layers):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
-                if part == "mlp" and moe:
+                if part == "mlp" and moe or part == "attn" and short not in attention:
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
@@ -236,7 +246,7 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     """
     if has_lora(model):
         raise ValueError("The model already has LoRA adapters; apply_lora once per model.")
-    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg))
+    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg), attention_projections(model.cfg))
     if not targets:
         raise ValueError(f"lora.targets={cfg.targets!r} selects no projection of this {model.cfg.num_layers}-layer "
                          "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
@@ -326,8 +336,20 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     dims = {"q": (d, h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
-    return sum(cfg.rank * sum(dims[s]) * itemsize
-               for _, s in cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg)))
+    if model_cfg.mla is not None:
+        m = model_cfg.mla
+        dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
+                    kv_b=(m.kv_lora_rank, h * (m.nope + m.v)), o=(h * m.v, d))
+    paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg))
+    return sum(cfg.rank * sum(dims[s]) * itemsize for _, s in paths)
+
+
+def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The short names of a layer's attention projections: q, k, v, o; latent attention's q (or q_a and q_b with a
+    query rank), kv_a, kv_b, o."""
+    if model_cfg.mla is None:
+        return ("q", "k", "v", "o")
+    return (("q",) if model_cfg.mla.q_lora_rank is None else ("q_a", "q_b")) + ("kv_a", "kv_b", "o")
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from areal_jax.models import routing
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.factored import Factored, factor_specs, grouped
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
@@ -258,8 +259,9 @@ _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocke
 class MoE(nnx.Module):
     """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
     experts_down [E, F, D] (logical axes "experts" (replicated by default), "embed", "mlp": an expert's weights
-    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1];
-    with `ModelConfig.expert_bias` (gpt-oss), router_bias [E], experts_gate_bias, experts_up_bias [E, F] and
+    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1]
+    (none unless shared_expert_gated); with router_score_bias, router_score_bias [E] float32 (picks only:
+    `routing.route`); with `ModelConfig.expert_bias` (gpt-oss), router_bias [E], experts_gate_bias, experts_up_bias [E, F] and
     experts_down_bias [E, D]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -268,7 +270,11 @@ class MoE(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.impl = cfg.moe_impl
+        self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor))
         self.router = make_param(rngs, (d, e), ("embed", None), pdt)
+        # float32 whatever param_dtype: its small differences between experts decide picks
+        self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") \
+            if cfg.router_score_bias else None
         self.experts_gate = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_up = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), ("experts", "mlp", "embed"), pdt)
@@ -280,9 +286,10 @@ class MoE(nnx.Module):
             self.experts_down_bias = make_param(rngs, (e, d), ("experts", "embed"), pdt, init="zeros")
         else:
             self.router_bias = self.experts_gate_bias = self.experts_up_bias = self.experts_down_bias = None
-        if cfg.shared_expert_size:  # Qwen2-MoE: every token also goes through one gated MLP, scaled by a sigmoid
+        if cfg.shared_expert_size:  # every token also goes through one MLP (Qwen2-MoE: scaled by a sigmoid gate)
             self.shared_expert = MLP(cfg.replace(intermediate_size=cfg.shared_expert_size), rngs=rngs)
-            self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt)
+            self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt) if cfg.shared_expert_gated \
+                else None
         else:
             self.shared_expert = self.shared_expert_gate = None
 
@@ -290,8 +297,9 @@ class MoE(nnx.Module):
         """(weights, experts), each [..., k], of tokens x [..., D]."""
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         bias = None if self.router_bias is None else self.router_bias[...]
+        score_bias = None if self.router_score_bias is None else self.router_score_bias[...]
         weights, experts = route(_router_logits(h, self.router[...].astype(self.dtype), bias), self.top_k,
-                                 self.renormalize)
+                                 self.renormalize, self.scoring, score_bias)
         return weights.reshape(*x.shape[:-1], -1), experts.reshape(*x.shape[:-1], -1)
 
     def __call__(self, x: jax.Array, router_mask: jax.Array | None = None, *, routes: jax.Array | None = None,
@@ -299,8 +307,8 @@ class MoE(nnx.Module):
         """x: [..., D] -> [..., D] in the compute dtype.
 
         routes [..., k] int32: experts another forward chose for each token (e.g. the sampler's). With replay the
-        tokens go to them (rollout routing replay), weighted by this router's softmax probabilities of them
-        (renormalised over the k with norm_topk_prob), so the router still gets gradients; otherwise each token
+        tokens go to them (rollout routing replay), weighted by this router's scores of them (`routing.weights_of`:
+        renormalised over the k with norm_topk_prob), so the router still gets gradients; otherwise each token
         goes to this router's own top k.
         With router_mask [...] or record, returns (out, extras): "stats" (router_mask) the layer's `router_stats`
         [2, E] over the tokens where it is set, from the routing the experts ran with (one router product);
@@ -309,7 +317,7 @@ class MoE(nnx.Module):
         if replay and routes is None:
             raise ValueError("MoE replay needs routes= (the experts to send each token to).")
         h = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        k, renormalize, stats = self.top_k, self.renormalize, router_mask is not None
+        k, renormalize, stats, scoring = self.top_k, self.renormalize, router_mask is not None, self.scoring
         mask = (jnp.zeros(h.shape[0], bool) if router_mask is None else router_mask.reshape(-1)).astype(jnp.float32)
         given = (jnp.zeros((h.shape[0], k), jnp.int32) if routes is None
                  else jnp.asarray(routes, jnp.int32).reshape(h.shape[0], k))
@@ -317,20 +325,19 @@ class MoE(nnx.Module):
         params = [_weight(p, self.dtype) for p in (self.router, self.experts_gate, self.experts_up, self.experts_down)]
         biases = [None if b is None else b[...].astype(self.dtype) for b in (
             self.router_bias, self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias)]
+        score_bias = None if self.router_score_bias is None else self.router_score_bias[...]
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
         path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0])]
 
-        def experts(h, mask, given, router, gate, up, down, router_bias, gate_bias, up_bias, down_bias):
+        def experts(h, mask, given, router, gate, up, down, router_bias, gate_bias, up_bias, down_bias, score_bias):
             logits = _router_logits(h, router, router_bias)
             if not replay:
-                weights, chosen = route(logits, k, renormalize)
+                weights, chosen = route(logits, k, renormalize, scoring, score_bias)
             else:
                 chosen = given
-                weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=-1)
-                if renormalize:
-                    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+                weights = routing.weights_of(routing.scores_of(logits, scoring), chosen, renormalize, scoring)
             out = path(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
             if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted
@@ -356,14 +363,17 @@ class MoE(nnx.Module):
             specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
                      *(factor_specs(w, spec, first) for w, spec, first in (
                          (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))),
-                     PartitionSpec(), PartitionSpec(None, width), PartitionSpec(None, width), PartitionSpec())
+                     PartitionSpec(), PartitionSpec(None, width), PartitionSpec(None, width), PartitionSpec(),
+                     PartitionSpec())
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
                                     out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
-        out, layer_stats, agree, chosen = experts(h, mask, given, *params, *biases)
-        if self.shared_expert is not None:
+        out, layer_stats, agree, chosen = experts(h, mask, given, *params, *biases, score_bias)
+        if self.shared_expert_gate is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))
             out = out + scale * self.shared_expert(h)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(h)
         out = out.reshape(x.shape)
         if not stats and not record:
             return out

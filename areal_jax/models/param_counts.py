@@ -5,15 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 
+def latent_attention_weights(cfg: Any) -> int:
+    """The projections' weights of one latent-attention layer (models.mla), norms aside."""
+    m, d, h = cfg.mla, cfg.hidden_size, cfg.num_heads
+    q = d * h * (m.nope + m.rope) if m.q_lora_rank is None else m.q_lora_rank * (d + h * (m.nope + m.rope))
+    return q + d * (m.kv_lora_rank + m.rope) + m.kv_lora_rank * h * (m.nope + m.v) + h * m.v * d
+
+
 def num_params(cfg: Any) -> int:
     """Total number of parameters (embedding counted once when tied)."""
     d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if cfg.attention_bias else 0)
     attn += ((h + k) * hd if cfg.flat_qk_norm else 2 * hd) if cfg.qk_norm else 0
     attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
+    if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
+        attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
     layer = attn + (4 if cfg.gemma else 2) * d
-    shared = 3 * d * cfg.shared_expert_size + d if cfg.shared_expert_size else 0
+    shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
+    biases += cfg.num_experts if cfg.router_score_bias else 0
     ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else 3 * d * f for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
@@ -25,7 +35,7 @@ def matmul_params_per_token(cfg: Any) -> int:
     projection, and its layer's MLP, or its top-k experts, the router and any shared expert. 2x this is a token's
     forward matmul FLOPs there (the active parameters of a mixture of experts)."""
     d, hq, hd, kv = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
-    attn = d * hd * (hq + 2 * kv) + hq * hd * d
+    attn = d * hd * (hq + 2 * kv) + hq * hd * d if cfg.mla is None else latent_attention_weights(cfg)
     moe = cfg.num_experts_per_tok * 3 * d * cfg.expert_size + d * cfg.num_experts
-    moe += 3 * d * cfg.shared_expert_size + d if cfg.shared_expert_size else 0
+    moe += 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     return sum(attn + (moe if cfg.layer_is_moe(i) else 3 * d * cfg.intermediate_size) for i in range(cfg.num_layers))

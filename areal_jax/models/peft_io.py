@@ -43,9 +43,21 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
                 out.append((i, short, node))
     if not out and not expert_groups(model):
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
+    dense_mlp = sorted({f"layers.{i}.mlp.{short}_proj" for i, short, _ in out if PROJECTIONS[short][0] == "mlp"})
+    if dense_mlp and getattr(model.cfg, "architecture", None) in _EXPERT_NAMED_MLP:
+        raise ValueError(f"PEFT (on transformers 5) reads a target ending in gate_proj / up_proj / down_proj of a "
+                         f"{model.cfg.architecture} model as its experts' parameters, so the adapters of its dense "
+                         f"layers' MLP ({', '.join(dense_mlp)}) cannot be written as PEFT loads them; export the "
+                         "merged checkpoint (export --format=hf), or adapt attention and experts only "
+                         "(lora.targets=attn,experts).")
     return out
 
 
+# mixtures of experts whose dense layers' MLP names PEFT maps onto the experts (transformers' qwen2_moe conversion)
+_EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v3")
+
+
+_HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
 _FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # phi3's fused modules, parts in row order
 
 
@@ -61,7 +73,7 @@ def module_name(layer: int, short: str, fused: str | None = None) -> str:
     """HF module path of a projection, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj" (with `fused`, the
     fused module's: "model.layers.0.self_attn.qkv_proj")."""
     part, attr, _ = PROJECTIONS[short]
-    return f"model.layers.{layer}.{_HF_PART[part]}.{fused or attr}"
+    return f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
 
 
 def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:

@@ -2,18 +2,53 @@
 load-balancing loss (`load_balancing_loss`); `models.moe` runs the experts."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 
-def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k softmax probabilities,
-    renormalised over the k when asked. Ties go to the lower expert index (as torch.topk on CPU)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+class Scoring(NamedTuple):
+    """How a router turns logits into picks and weights beyond top-k (`ModelConfig`'s router fields): "softmax" or
+    "sigmoid" scores; groups (n_group, topk_group) or None; the weights' factor."""
+    scoring: str = "softmax"
+    groups: tuple[int, int] | None = None
+    scale: float = 1.0
+
+
+def scores_of(logits: jax.Array, scoring: Scoring) -> jax.Array:
+    """float32 [N, E] per-expert scores of router logits: the softmax over the experts, or each one's sigmoid."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.sigmoid(logits) if scoring.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+
+
+def weights_of(scores: jax.Array, experts: jax.Array, renormalize: bool, scoring: Scoring) -> jax.Array:
+    """The routing weights [N, k] of picked `experts` [N, k]: their scores, renormalised over the k when asked
+    (sigmoid scores with transformers' 1e-20 in the sum), times the scoring's factor."""
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+        eps = 1e-20 if scoring.scoring == "sigmoid" else 0.0
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+    return weights * jnp.float32(scoring.scale) if scoring.scale != 1.0 else weights
+
+
+def route(logits: jax.Array, k: int, renormalize: bool, scoring: Scoring = Scoring(),
+          score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k scores (`scores_of`; plus
+    score_bias [E] for picking only, never in the weights), within the best topk_group of n_group groups when the
+    scoring has groups (a group ranked by the sum of its two best biased scores; DeepSeek-V3); weights by
+    `weights_of`. Ties go to the lower expert index (as torch.topk on CPU)."""
+    scores = scores_of(logits, scoring)
+    choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias.astype(jnp.float32))
+    if scoring.groups is not None:
+        n_group, keep = scoring.groups
+        grouped = choice.reshape(*choice.shape[:-1], n_group, -1)
+        rank = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        best = jax.lax.top_k(rank, keep)[1]
+        kept = jnp.any(best[..., :, None] == jnp.arange(n_group), axis=-2)  # [N, n_group]
+        choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+    return weights_of(scores, experts, renormalize, scoring), experts
 
 
 def router_stats(logits: jax.Array, k: int, mask: jax.Array, experts: jax.Array | None = None) -> jax.Array:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.config_checks import MLA
 from areal_jax.models.transformer import Transformer
 
 
@@ -23,7 +24,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer.
+    window of 8 over every other layer; deepseek_v3 as written at its branch below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -76,6 +77,15 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
+    if architecture == "deepseek_v3":  # latent attention (query rank 24, latent 16, 12 + 8 rotary dims, values of
+        # 10), YaRN with mscale_all_dim; a dense first layer, then 2 of 8 experts in the best 2 of 4 groups, sigmoid
+        # scores with a picking bias, times 2.5; two ungated shared experts
+        fields.update(num_kv_heads=4, head_dim=20, mla=MLA(24, 16, 12, 8, 10), num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_size=32, shared_expert_gated=False, norm_topk_prob=True,
+                      router_scoring="sigmoid", router_groups=(4, 2), router_score_bias=True, routed_scaling_factor=2.5,
+                      moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
+                          "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
     fields.update(overrides)
     return ModelConfig(**fields)
 

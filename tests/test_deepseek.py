@@ -1,0 +1,181 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM): the released config.json read as transformers reads it, the router (sigmoid
+scores, picking bias, groups, scaling) against transformers' router, latent attention and the whole model against
+transformers' logits, checkpoint round trips both ways, the sampler against full forwards, and a training step's
+gradients on a 2 x 2 mesh."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.config_checks import MLA
+from areal_jax.models.routing import Scoring, route
+from areal_jax.testing import models as testing
+from areal_jax.testing.hf import hf_logits, random_tokens, randomize_torch
+
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]}}
+
+
+def test_released_config_reads_as_transformers_reads_it():
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    assert cfg.architecture == "deepseek_v3" and cfg.mla == MLA(1536, 512, 128, 64, 128, True)
+    assert cfg.head_dim == 192 and cfg.num_kv_heads == 128 and cfg.rope_dim == 64
+    assert cfg.router_scoring == "sigmoid" and cfg.router_groups == (8, 4) and cfg.router_score_bias
+    assert cfg.routed_scaling_factor == 2.5 and cfg.shared_expert_size == 2048 and not cfg.shared_expert_gated
+    assert [cfg.layer_is_moe(i) for i in range(5)] == [False, False, False, True, True]
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 40
+    # softmax scale 192 ** -0.5 * (0.1 ln 40 + 1) ** 2 (transformers' yarn_apply_mscale): queries carry the square
+    assert cfg.attention_scale_factor == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    # the model card: 671B parameters in the main model (the multi-token-prediction module aside), 37B active
+    assert round(cfg.num_params / 1e9) == 671
+    assert 36e9 < cfg.matmul_params_per_token + 2 * cfg.vocab_size * cfg.hidden_size < 38e9
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    lite = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "q_lora_rank": None, "n_group": 1, "topk_group": 1})
+    assert lite.mla.q_lora_rank is None and lite.router_groups is None
+    assert ModelConfig.from_hf_dict(lite.to_hf_dict()) == lite
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="scoring_func='softmax' is not DeepSeek-V3's"):
+        ModelConfig.from_hf_dict({**DEEPSEEK_V3, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="needs head_dim = nope \\+ rope = 20"):
+        testing.tiny_config("deepseek_v3", head_dim=16)
+    with pytest.raises(ValueError, match="router_groups=\\(n_group, topk_group\\) must split"):
+        testing.tiny_config("deepseek_v3", router_groups=(3, 2))
+    with pytest.raises(ValueError, match="are DeepSeek-V3's; HF qwen3_moe has none"):
+        testing.tiny_config("qwen3_moe", router_scoring="sigmoid").to_hf_dict()
+    with pytest.raises(ValueError, match="apply to a mixture of experts"):
+        testing.tiny_config("llama", routed_scaling_factor=2.0)
+    with pytest.raises(ValueError, match="ModelConfig.mla must be MLA"):
+        testing.tiny_config("deepseek_v3", mla=(1, 2))
+
+
+def test_router_matches_transformers():
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = testing.tiny_config("deepseek_v3", num_experts=16, num_experts_per_tok=3, router_groups=(4, 2))
+    hf_cfg = transformers.DeepseekV3Config(**{k: v for k, v in cfg.to_hf_dict().items()
+                                              if k not in ("architectures", "model_type")})
+    router = DeepseekV3TopkRouter(hf_cfg)
+    rng = np.random.default_rng(0)
+    weight, bias = rng.normal(size=(16, cfg.hidden_size)) / 8, rng.normal(size=16) * 0.3
+    x = rng.normal(size=(200, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(weight)), router.e_score_correction_bias.copy_(torch.tensor(bias))
+        _, want_w, want_e = (t.numpy() for t in router(torch.tensor(x)))
+    logits = jnp.asarray(x) @ jnp.asarray(weight.T, jnp.float32)
+    got_w, got_e = (np.asarray(t) for t in route(logits, 3, True, Scoring("sigmoid", (4, 2), 2.5),
+                                                  jnp.asarray(bias, jnp.float32)))
+    order_w, order_g = np.argsort(want_e, axis=1), np.argsort(got_e, axis=1)  # the same picks, in any order
+    np.testing.assert_array_equal(np.take_along_axis(got_e, order_g, 1), np.take_along_axis(want_e, order_w, 1))
+    np.testing.assert_allclose(np.take_along_axis(got_w, order_g, 1), np.take_along_axis(want_w, order_w, 1),
+                               rtol=1e-5)
+    np.testing.assert_allclose(got_w.sum(axis=1), 2.5, rtol=1e-5)
+    # the groups bite: picking among all experts would choose differently for some tokens
+    free = np.asarray(route(logits, 3, True, Scoring("sigmoid", None, 2.5), jnp.asarray(bias, jnp.float32))[1])
+    assert (np.sort(free, 1) != np.sort(got_e, 1)).any(axis=1).mean() > 0.1
+
+
+def _hf_model(cfg: ModelConfig, seed: int):
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    hf_cfg = transformers.DeepseekV3Config(**{k: v for k, v in cfg.to_hf_dict().items()
+                                              if k not in ("architectures", "model_type")})
+    model = randomize_torch(transformers.DeepseekV3ForCausalLM(hf_cfg).eval(), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # a buffer, not a parameter: drawn here so that it changes picks
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
+    return model
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_model_matches_transformers_and_round_trips(tmp_path, q_lora_rank):
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = testing.tiny_config("deepseek_v3", num_layers=3, mla=MLA(q_lora_rank, 16, 12, 8, 10))
+    hf = _hf_model(cfg, seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    tokens = random_tokens(97, (2, 90), seed=2)  # past the YaRN original length (64)
+    ref = hf_logits(hf, tokens)
+    assert np.abs(ref).max() > 1.0
+    for attention in ("dense", "blocked"):
+        ours = load_hf_checkpoint(tmp_path / "hf")
+        assert ours.cfg == cfg
+        got = np.asarray(ours.unembed(ours.hidden(jnp.asarray(tokens), attention=attention)))
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=attention)
+    save_hf_checkpoint(ours, tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    np.testing.assert_array_equal(hf_logits(again, tokens), ref)
+
+
+def test_sampler_decodes_as_its_full_forward():
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    model = testing.random_model(testing.tiny_config("deepseek_v3"), seed=3)
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
+
+
+def test_update_gradients_on_a_2x2_mesh_equal_one_devices():
+    from areal_jax.testing.trajectories import random_trajectories
+    from areal_jax.trainer import Trainer, TrainerConfig
+    from tests.test_trainer import mesh_1, mesh_4, tree_rel_err
+
+    cfg = testing.tiny_config("deepseek_v3")
+    trajs = random_trajectories(10, vocab=97, min_len=5, max_len=40, seed=3)
+    tc = TrainerConfig(micro_batch_tokens=64, logits_chunk=16)
+    want_loss, want = Trainer(testing.random_model(cfg, seed=2), tc, mesh_1()).loss_and_grads(trajs)
+    got_loss, got = Trainer(testing.random_model(cfg, seed=2), tc, mesh_4()).loss_and_grads(trajs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
+    grads = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_flatten_with_path(want)[0]}
+    bias = [g for k, g in grads.items() if "router_score_bias" in k]
+    assert len(bias) == 1 and not bias[0].any()  # the picking bias gets no gradient (so the optimizer keeps it)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "shared_expert", "experts_down"):
+        assert any(name in k and np.abs(g).max() > 0 for k, g in grads.items()), name
+
+
+def test_head_width_192_on_accelerators():
+    """Latent attention's heads are 192 wide (128 + 64): the training kernels lower for it (flash pads to a power of
+    two for Triton; splash for Mosaic), while the GPU paged-decode kernel (Triton: power-of-two blocks) cannot take
+    it, so paged sampling defaults to the gather path there and the kernel says why when asked."""
+    from jax import export
+
+    from areal_jax.models.flash_attention import flash_attention
+    from areal_jax.models.paged_attention import PagedKVCache, default_path, kernel_attention
+    from areal_jax.models.splash import splash_attention
+
+    h, t, dh = 16, 1024, 192
+    shapes = [jax.ShapeDtypeStruct((1, t, h, dh), jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((1, t), jnp.int32)]
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for platform, attend, kernel in (("cuda", flash_attention, "__gpu$xla.gpu.triton"),
+                                     ("tpu", splash_attention, "tpu_custom_call")):
+        def loss(q, k, v, seg, attend=attend):
+            return attend(q, k, v, seg, interpret=False).astype(jnp.float32).sum()
+
+        text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=[platform],
+                             disabled_checks=checks)(*shapes).mlir_module()
+        assert text.count(f"@{kernel}") >= 3 and f"{t}x{t}x" not in text, platform
+    assert default_path(192, "gpu") == "gather" == default_path(192, "tpu")
+    assert default_path(128, "gpu") == "kernel" == default_path(128, "tpu")
+    pages = jnp.zeros((h, 4, 16, dh), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs head_dim a power of two, got 192"):
+        kernel_attention(jnp.zeros((2, 1, h, dh), jnp.bfloat16), PagedKVCache((pages,), (pages,)), 0,
+                         jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 1), jnp.int32), platform="gpu")
