@@ -52,6 +52,8 @@
 #              (~7 min).
 #   gptoss20b  the gpt-oss-20b shape (4 of 32 experts, 20.9B, attention sinks), bf16 random weights (42 GB): the
 #              sampler's steady state at 128 slots (the paged kernels take no sinks: their gather path) (~5 min).
+#   deepseek   the DeepSeek-V2-Lite shape (latent attention, 6 of 64 experts + 2 shared, 15.7B), bf16 random weights
+#              (31 GB): the sampler's steady state at 128 slots (head_dim 192: the paged kernel's gather path) (~5 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.
@@ -229,6 +231,10 @@ EOF
     ;;
   gptoss20b)
     step gptoss_sampler 300 $PY benchmarks/sampler.py --preset gpt-oss-20b --num-prompts 512 --decode-steps 16 \
+      --skip-hf --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    ;;
+  deepseek)
+    step deepseek_sampler 300 $PY benchmarks/sampler.py --preset deepseek-v2-lite --num-prompts 512 --decode-steps 16 \
       --skip-hf --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   sliding)

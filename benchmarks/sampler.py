@@ -59,6 +59,8 @@ PRESETS = {
                             prompt_len=(64, 128)),
     "gpt-oss-20b": dict(model="gpt-oss-20b", dtype="bfloat16", slots=128, prompts=512, median=256, cap=1024,
                         prompt_len=(64, 128)),
+    "deepseek-v2-lite": dict(model="deepseek-v2-lite", dtype="bfloat16", slots=128, prompts=512, median=256,
+                             cap=1024, prompt_len=(64, 128)),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -1,7 +1,8 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM): the released config.json read as transformers reads it, the router (sigmoid
-scores, picking bias, groups, scaling) against transformers' router, latent attention and the whole model against
-transformers' logits, checkpoint round trips both ways, the sampler against full forwards, and a training step's
-gradients on a 2 x 2 mesh."""
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) and DeepSeek-V2 (DeepseekV2ForCausalLM): the released config.json files read
+as transformers reads them, the routers (V3: sigmoid scores, picking bias, groups, scaling; V2: softmax, greedy or
+within groups) against transformers' routers, latent attention and the whole models against transformers' logits,
+checkpoint round trips both ways, the sampler against full forwards, and a training step's gradients on a 2 x 2
+mesh."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA
 from areal_jax.models.routing import Scoring, route
+from areal_jax.system.loadgen import shape_config
 from areal_jax.testing import models as testing
 from areal_jax.testing.hf import hf_logits, random_tokens, randomize_torch
 
@@ -29,7 +31,21 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json
                             "weight_block_size": [128, 128]}}
 
 
-def test_released_config_reads_as_transformers_reads_it():
+DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite's config.json
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "ep_size": 1,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+    "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False, "scoring_func": "softmax",
+    "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "attention_bias": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "tie_word_embeddings": False, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                                   "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                                   "type": "yarn"}}
+
+
+def test_released_configs_read_as_transformers_reads_them():
     cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
     assert cfg.architecture == "deepseek_v3" and cfg.mla == MLA(1536, 512, 128, 64, 128, True)
     assert cfg.head_dim == 192 and cfg.num_kv_heads == 128 and cfg.rope_dim == 64
@@ -46,16 +62,34 @@ def test_released_config_reads_as_transformers_reads_it():
     lite = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "q_lora_rank": None, "n_group": 1, "topk_group": 1})
     assert lite.mla.q_lora_rank is None and lite.router_groups is None
     assert ModelConfig.from_hf_dict(lite.to_hf_dict()) == lite
+    v2 = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE)
+    assert v2.architecture == "deepseek_v2" and v2.mla == MLA(None, 512, 128, 64, 128, True)
+    assert v2.router_scoring == "softmax" and v2.router_groups is None and not v2.router_score_bias
+    assert not v2.norm_topk_prob and v2.shared_expert_size == 2816 and v2.num_experts_per_tok == 6
+    assert v2.attention_scale_factor == pytest.approx((0.1 * 0.707 * np.log(40) + 1) ** 2)
+    assert round(v2.num_params / 1e9, 1) == 15.7  # the model card: 15.7B parameters
+    preset = shape_config("deepseek-v2-lite", max_len=4096)  # the benchmarks' random-weight stand-in: the same shape
+    assert preset.num_params == v2.num_params and preset.mla == v2.mla and preset.moe_layers == v2.moe_layers
+    assert ModelConfig.from_hf_dict(v2.to_hf_dict()) == v2
+    grouped = ModelConfig.from_hf_dict({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": 8,
+                                        "topk_group": 3})
+    assert grouped.router_groups == (8, 3) and ModelConfig.from_hf_dict(grouped.to_hf_dict()) == grouped
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="scoring_func='softmax' is not DeepSeek-V3's"):
+    with pytest.raises(ValueError, match="scoring_func='softmax' is not DeepseekV3ForCausalLM's"):
         ModelConfig.from_hf_dict({**DEEPSEEK_V3, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="transformers' DeepseekV2 never renormalises"):
+        ModelConfig.from_hf_dict({**DEEPSEEK_V2_LITE, "norm_topk_prob": True})
+    with pytest.raises(ValueError, match="topk_method='noaux_tc': DeepSeek-V2 routes"):
+        ModelConfig.from_hf_dict({**DEEPSEEK_V2_LITE, "topk_method": "noaux_tc"})
+    with pytest.raises(ValueError, match="HF DeepSeek-V2 has a softmax router"):
+        testing.tiny_config("deepseek_v2", norm_topk_prob=True).to_hf_dict()
     with pytest.raises(ValueError, match="needs head_dim = nope \\+ rope = 20"):
         testing.tiny_config("deepseek_v3", head_dim=16)
     with pytest.raises(ValueError, match="router_groups=\\(n_group, topk_group\\) must split"):
         testing.tiny_config("deepseek_v3", router_groups=(3, 2))
-    with pytest.raises(ValueError, match="are DeepSeek-V3's; HF qwen3_moe has none"):
+    with pytest.raises(ValueError, match="are DeepSeek's; HF qwen3_moe has none"):
         testing.tiny_config("qwen3_moe", router_scoring="sigmoid").to_hf_dict()
     with pytest.raises(ValueError, match="apply to a mixture of experts"):
         testing.tiny_config("llama", routed_scaling_factor=2.0)
@@ -91,26 +125,52 @@ def test_router_matches_transformers():
     assert (np.sort(free, 1) != np.sort(got_e, 1)).any(axis=1).mean() > 0.1
 
 
+@pytest.mark.parametrize("groups", [None, (4, 2)])
+def test_v2_router_matches_transformers(groups):
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = testing.tiny_config("deepseek_v2", num_experts=16, num_experts_per_tok=3, router_groups=groups)
+    hf_cfg = transformers.DeepseekV2Config(**{k: v for k, v in cfg.to_hf_dict().items()
+                                              if k not in ("architectures", "model_type")})
+    router = DeepseekV2TopkRouter(hf_cfg)
+    rng = np.random.default_rng(1)
+    weight, x = rng.normal(size=(16, cfg.hidden_size)) / 4, rng.normal(size=(200, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(weight))
+        _, want_w, want_e = (t.numpy() for t in router(torch.tensor(x)))
+    logits = jnp.asarray(x) @ jnp.asarray(weight.T, jnp.float32)
+    got_w, got_e = (np.asarray(t) for t in route(logits, 3, False, Scoring("softmax", groups, 1.5)))
+    order_w, order_g = np.argsort(want_e, axis=1), np.argsort(got_e, axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(got_e, order_g, 1), np.take_along_axis(want_e, order_w, 1))
+    np.testing.assert_allclose(np.take_along_axis(got_w, order_g, 1), np.take_along_axis(want_w, order_w, 1),
+                               rtol=1e-5)
+    assert (got_w.sum(axis=1) < 1.5).all()  # softmax probabilities, not renormalised, times 1.5
+
+
 def _hf_model(cfg: ModelConfig, seed: int):
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    hf_cfg = transformers.DeepseekV3Config(**{k: v for k, v in cfg.to_hf_dict().items()
-                                              if k not in ("architectures", "model_type")})
-    model = randomize_torch(transformers.DeepseekV3ForCausalLM(hf_cfg).eval(), seed=seed)
+    v3 = cfg.architecture == "deepseek_v3"
+    config_class = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config
+    model_class = transformers.DeepseekV3ForCausalLM if v3 else transformers.DeepseekV2ForCausalLM
+    hf_cfg = config_class(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    model = randomize_torch(model_class(hf_cfg).eval(), seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # a buffer, not a parameter: drawn here so that it changes picks
         for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
+            if v3 and hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
     return model
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("q_lora_rank", [24, None])
-def test_model_matches_transformers_and_round_trips(tmp_path, q_lora_rank):
+@pytest.mark.parametrize("arch,q_lora_rank", [("deepseek_v3", 24), ("deepseek_v3", None), ("deepseek_v2", None)])
+def test_model_matches_transformers_and_round_trips(tmp_path, arch, q_lora_rank):
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    cfg = testing.tiny_config("deepseek_v3", num_layers=3, mla=MLA(q_lora_rank, 16, 12, 8, 10))
+    cfg = testing.tiny_config(arch, num_layers=3, mla=MLA(q_lora_rank, 16, 12, 8, 10))
     hf = _hf_model(cfg, seed=1)
     hf.save_pretrained(tmp_path / "hf")
     tokens = random_tokens(97, (2, 90), seed=2)  # past the YaRN original length (64)
@@ -126,10 +186,11 @@ def test_model_matches_transformers_and_round_trips(tmp_path, q_lora_rank):
     np.testing.assert_array_equal(hf_logits(again, tokens), ref)
 
 
-def test_sampler_decodes_as_its_full_forward():
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_sampler_decodes_as_its_full_forward(arch):
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
-    model = testing.random_model(testing.tiny_config("deepseek_v3"), seed=3)
+    model = testing.random_model(testing.tiny_config(arch), seed=3)
     assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
 
 

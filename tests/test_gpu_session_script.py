@@ -12,7 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("flash", "trainer05", "sampler05", "handoff", "trainer15", "loop05", "lora15", "sampler_more",
-          "memory05", "trainer_long", "checkpoint05", "moe", "replay", "granitemoe", "gptoss20b", "staleness")
+          "memory05", "trainer_long", "checkpoint05", "moe", "replay", "granitemoe", "gptoss20b", "deepseek",
+          "staleness")
 RECORDER = """#!/bin/sh
 printf '%s\\037' "$@" >> "$RECORD"
 printf '\\n' >> "$RECORD"

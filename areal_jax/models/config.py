@@ -1,6 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
 Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
-gpt-oss and DeepSeek-V3) and HF config.json I/O."""
+gpt-oss, DeepSeek-V2 and DeepSeek-V3) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +15,10 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
+                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
+                 "deepseek_v3")
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -53,7 +54,7 @@ class ModelConfig:
       OLMo's q/k norm over all heads), "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones) and
       "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
       the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
-      expert, dense layers first).
+      expert, dense layers first) and "deepseek_v2" (the same with softmax routing).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -89,9 +90,10 @@ class ModelConfig:
       softmax router (norm_topk_prob: their weights renormalised to sum to 1); 0 experts: a dense MLP everywhere.
     shared_expert_size: the width of Qwen2-MoE's shared expert, a gated MLP every token goes through besides its
       routed experts, its output scaled by sigmoid(x . shared_expert_gate); None: none.
-    router_scoring, router_groups, router_score_bias, routed_scaling_factor: DeepSeek-V3's router: "sigmoid"
+    router_scoring, router_groups, router_score_bias, routed_scaling_factor: DeepSeek's router: "sigmoid"
       scores (else "softmax"); the top k picked among the experts of the best topk_group of n_group groups
-      (router_groups=(n_group, topk_group), a group ranked by the sum of its two best scores); a per-expert bias
+      (router_groups=(n_group, topk_group), a group ranked by the sum of its two best scores with sigmoid scores, by
+      its best with softmax ones: `routing.Scoring`); a per-expert bias
       `router_score_bias` [E] added to the scores for picking only (never trained: no gradient reaches it); the
       weights (the picked scores, renormalised with norm_topk_prob) times routed_scaling_factor.
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).

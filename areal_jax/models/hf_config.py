@@ -14,7 +14,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
              "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", "deepseek_v3": deepseek.HF_CLASS}
+             "gpt_oss": "GptOssForCausalLM", **deepseek.HF_CLASSES}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -145,8 +145,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures="
                          f"{d.get('architectures')!r}; supported model types are "
                          f"{', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
-    if model_type == "deepseek_v3":
-        return deepseek.config_from_hf(cls, d, dtype=dtype, param_dtype=param_dtype)
+    if model_type in deepseek.HF_CLASSES:
+        return deepseek.config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:
@@ -264,7 +264,7 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
-    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "deepseek_v3"):
+    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
@@ -322,7 +322,7 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
-    if cfg.architecture == "deepseek_v3":
+    if cfg.architecture in deepseek.HF_CLASSES:
         return deepseek.config_to_hf(cfg, d)
     if cfg.architecture not in ("qwen2", "qwen2_moe", "gpt_oss"):
         d["attention_bias"] = False

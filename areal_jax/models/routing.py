@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 class Scoring(NamedTuple):
     """How a router turns logits into picks and weights beyond top-k (`ModelConfig`'s router fields): "softmax" or
-    "sigmoid" scores; groups (n_group, topk_group) or None; the weights' factor."""
+    "sigmoid" scores; groups (n_group, topk_group) or None, a group ranked by the sum of its two best scores with
+    sigmoid scores (DeepSeek-V3) and by its best score with softmax ones (DeepSeek-V2); the weights' factor."""
     scoring: str = "softmax"
     groups: tuple[int, int] | None = None
     scale: float = 1.0
@@ -36,14 +37,17 @@ def route(logits: jax.Array, k: int, renormalize: bool, scoring: Scoring = Scori
           score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k scores (`scores_of`; plus
     score_bias [E] for picking only, never in the weights), within the best topk_group of n_group groups when the
-    scoring has groups (a group ranked by the sum of its two best biased scores; DeepSeek-V3); weights by
-    `weights_of`. Ties go to the lower expert index (as torch.topk on CPU)."""
+    scoring has groups (ranked as `Scoring` says); weights by `weights_of`. Ties go to the lower expert index (as
+    torch.topk on CPU)."""
     scores = scores_of(logits, scoring)
     choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias.astype(jnp.float32))
     if scoring.groups is not None:
         n_group, keep = scoring.groups
         grouped = choice.reshape(*choice.shape[:-1], n_group, -1)
-        rank = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        if scoring.scoring == "sigmoid":
+            rank = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        else:
+            rank = jnp.max(grouped, axis=-1)
         best = jax.lax.top_k(rank, keep)[1]
         kept = jnp.any(best[..., :, None] == jnp.arange(n_group), axis=-2)  # [N, n_group]
         choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)

@@ -1,7 +1,7 @@
 """Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
 
 - `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B, Gemma 3 1B / 4B (text),
-  Phi-4-mini, Granite 3 MoE 1B and gpt-oss-20b, as ModelConfigs for random weights: every benchmark's presets name one;
+  Phi-4-mini, Granite 3 MoE 1B, gpt-oss-20b and DeepSeek-V2-Lite, as ModelConfigs for random weights: every benchmark's presets name one;
 - `PRESETS`: those shapes (and a tiny one) with the rollout sizes that go with them;
 - `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
 - `ForcedLengths`: wraps a SamplerLoop so each request generates exactly its drawn length (no stop
@@ -57,6 +57,12 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
                         num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, tie_word_embeddings=False,
                         num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, sliding_window=128),
+    # deepseek-ai/DeepSeek-V2-Lite: latent attention (16 heads of 128 + 64, latent 512), a dense first layer, then 6 of
+    # 64 experts plus 2 shared ones (15.7B in all), YaRN (`shape_config` adds the latent attention and the routing).
+    "deepseek-v2-lite": dict(architecture="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, tie_word_embeddings=False,
+                             num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                             shared_expert_size=2816),
 }
 
 
@@ -67,6 +73,7 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
     import jax.numpy as jnp
 
     from areal_jax.models.config import ModelConfig
+    from areal_jax.models.config_checks import MLA
 
     if name not in MODEL_SHAPES:
         raise ValueError(f"Unknown model shape {name!r}; choose one of {', '.join(MODEL_SHAPES)}.")
@@ -84,9 +91,16 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
                       expert_bias=True, swiglu_limit=7.0, max_position_embeddings=max(131072, max_len),
                       rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096})
+    elif fields["architecture"] == "deepseek_v2":
+        fields.update(mla=MLA(None, 512, 128, 64, 128), shared_expert_gated=False, rope_theta=10000.0,
+                      max_position_embeddings=max(163840, max_len), rope_scaling={
+                          "rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                          "beta_slow": 1, "original_max_position_embeddings": 4096})
     else:
         fields.update(qk_norm=True, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=256.0)
     fields.update(overrides)
+    if fields["architecture"] == "deepseek_v2":  # a dense first layer, whatever the layer count
+        fields.setdefault("moe_layers", tuple(int(i > 0) for i in range(fields["num_layers"])))
     if fields["architecture"] == "phi3":  # 3/4 of head_dim rotates, whatever head_dim the overrides give
         rotary = fields["head_dim"] * 3 // 4 // 2 * 2
         fields.update(rope_theta=10000.0, rotary_dim=rotary, rope_scaling={

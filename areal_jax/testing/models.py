@@ -24,7 +24,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer; deepseek_v3 as written at its branch below.
+    window of 8 over every other layer; deepseek_v3 and deepseek_v2 as written at their branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -86,6 +86,13 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
                           "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    if architecture == "deepseek_v2":  # DeepSeek-V2-Lite's form: queries without a rank; softmax routing within
+        # the best 2 of 4 groups (group_limited_greedy), unrenormalised, times 1.5; YaRN with mscale 0.707
+        fields.update(num_kv_heads=4, head_dim=20, mla=MLA(None, 16, 12, 8, 10), num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_size=32, shared_expert_gated=False, router_groups=(4, 2),
+                      routed_scaling_factor=1.5, moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
+                          "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+                          "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
     fields.update(overrides)
     return ModelConfig(**fields)
 
