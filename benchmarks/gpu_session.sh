@@ -53,7 +53,7 @@
 #   gptoss20b  the gpt-oss-20b shape (4 of 32 experts, 20.9B, attention sinks), bf16 random weights (42 GB): the
 #              sampler's steady state at 128 slots (the paged kernels take no sinks: their gather path) (~5 min).
 #   deepseek   the DeepSeek-V2-Lite shape (latent attention, 6 of 64 experts + 2 shared, 15.7B), bf16 random weights
-#              (31 GB): the sampler's steady state at 128 slots (head_dim 192: the paged kernel's gather path) (~5 min).
+#              (31 GB): the sampler's steady state at 128 slots (its latent cache, 576 wide: the paged gather path) (~5 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
 #              as on the CPU) for 9 minutes: etas 0, 16, 4, unbounded x both losses, seeds 0-2 in that order. It
 #              resumes from $WORK/staleness, so a later call of this phase continues the sweep.

@@ -186,12 +186,39 @@ def test_model_matches_transformers_and_round_trips(tmp_path, arch, q_lora_rank)
     np.testing.assert_array_equal(hf_logits(again, tokens), ref)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
-def test_sampler_decodes_as_its_full_forward(arch):
+@pytest.mark.parametrize("arch,page_size", [("deepseek_v3", None), ("deepseek_v2", None), ("deepseek_v3", 8)])
+def test_sampler_decodes_as_its_full_forward(arch, page_size):
+    """The sampler caches the latent (dense cache and pages) and decodes with the key weights absorbed into the
+    queries; its tokens and log-probs are those of full forwards, which expand the latent per head."""
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
     model = testing.random_model(testing.tiny_config(arch), seed=3)
-    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=page_size)
+
+
+def test_the_cache_holds_the_latent():
+    from areal_jax.models.layers import dot_attention, rope_tables
+    from areal_jax.models.mla import cache_layout
+    from areal_jax.models.paged_attention import init_paged_cache
+    from areal_jax.models.transformer import init_cache
+    from areal_jax.system.memory import kv_position_bytes
+
+    cfg = testing.tiny_config("deepseek_v3")
+    assert cache_layout(cfg) == (1, 16 + 8) and cache_layout(testing.tiny_config("qwen3")) == (2, 16)
+    assert {x.shape for x in init_cache(cfg, 3, 40).k} == {(3, 40, 1, 24)}
+    assert {x.shape for x in init_paged_cache(cfg, 10, 8).v} == {(1, 10, 8, 24)}
+    lite = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE, dtype=jnp.bfloat16)
+    item = jnp.dtype(jnp.float32).itemsize  # the CPU's cache dtype (transformer.cache_dtype)
+    assert kv_position_bytes(lite, tensor=1) == 2 * 27 * (512 + 64) * item  # not 2 x 27 x 16 x 192
+    # the decode's scores and outputs through the latent equal the expanded attention's, layer by layer
+    model = testing.random_model(cfg, seed=4)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 7, cfg.hidden_size)), jnp.float32)
+    cos, sin = rope_tables(cfg, jnp.broadcast_to(jnp.arange(7), (2, 7)))["global"]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((7, 7), bool)), (2, 7, 7))
+    attn = model.layers[1].attn
+    outs = [attn.out(dot_attention(*attn.qkv(x, cos, sin, cached), mask), cached) for cached in (False, True)]
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=1e-5)
 
 
 def test_update_gradients_on_a_2x2_mesh_equal_one_devices():

@@ -261,10 +261,12 @@ class Attention(nnx.Module):
         y = project(x, w, self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
-    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+            cached: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh] in the compute dtype, RoPE applied to q, k.
         q comes times `ModelConfig.attention_scale_factor` (1 unless query_pre_attn_scalar != head_dim), so
-        every attention path's 1 / sqrt(head_dim) gives the model's own scale."""
+        every attention path's 1 / sqrt(head_dim) gives the model's own scale. cached (a KV-cache forward) changes
+        nothing here (latent attention's form: `mla.MLAttention`)."""
         q = self._project(x, self.q_proj, self.q_bias)
         k = self._project(x, self.k_proj, self.k_bias)
         v = self._project(x, self.v_proj, self.v_bias)
@@ -278,7 +280,7 @@ class Attention(nnx.Module):
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
         return q, apply_rope(k, cos, sin), v
 
-    def out(self, attn: jax.Array) -> jax.Array:
+    def out(self, attn: jax.Array, cached: bool = False) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D] (plus o_bias where the model has one)."""
         y = project(attn, self.o_proj, self.dtype, n_in=2)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
@@ -327,12 +329,14 @@ class DecoderLayer(nnx.Module):
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,
-                 routes: jax.Array | None = None, replay: bool = False, record: bool = False) -> Any:
+                 routes: jax.Array | None = None, replay: bool = False, record: bool = False,
+                 cached: bool = False) -> Any:
         """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v, sinks) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
         caller's function may also write; sinks: the layer's sink logits [H] float32, or None. routes [B, T, k],
         replay: a mixture-of-experts layer's given experts (`MoE.__call__`). With
-        router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer)."""
+        router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer).
+        cached: `attend` reads and writes a KV cache (the attention's cache form: `mla.MLAttention`)."""
         extras: list[dict] = []
 
         def ffn(h: jax.Array) -> jax.Array:
@@ -344,9 +348,9 @@ class DecoderLayer(nnx.Module):
             extras.append(found)
             return out
 
-        q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin)
+        q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin, cached)
         sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
-        a = self.attn.out(attend(q, k, v, sinks))
+        a = self.attn.out(attend(q, k, v, sinks), cached)
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

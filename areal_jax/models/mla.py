@@ -7,13 +7,23 @@ columns are one rotary key shared by every head. Each head's query and key are [
 order), RoPE on the rope dims only; DeepSeek's checkpoints lay those out as interleaved pairs, which are taken apart
 into halves first (`MLA.interleave`; the same permutation of queries and keys leaves their products unchanged).
 
-The layer then looks like grouped-query attention with as many key/value heads as query heads and head_dim = nope +
-rope, so every attention path (packed rows, flash and splash kernels, KV caches, pages) runs it as it is; values are
-padded with zeros from v to head_dim and cut back after attention. The caches therefore hold each head's expanded
-keys and values (2 x H x head_dim per token and layer) rather than the latent (Rkv + rope): simpler and exact, at
-more cache memory per token.
+Training (the cache-free forward) expands the latent: the layer looks like grouped-query attention with as many
+key/value heads as query heads and head_dim = nope + rope, so the packed-row paths and the flash and splash kernels
+run it as they are; values are padded with zeros from v to head_dim and cut back after attention.
+
+With a KV cache (the sampler's prefill and decode: `cached=True`) the layer caches the latent instead, as one
+key/value head of Rkv + rope dimensions (`cache_layout`): each head's key-side weights (kv_b_proj's first nope
+columns) are absorbed into its query, q_nope @ W_k^T, so a query of Rkv + rope dimensions scores the cached
+[latent, rotary key] directly (q_nope . (c W_k) = (q_nope W_k^T) . c); the value is that same cached row, and the
+attention's output, a mix of latents, goes through each head's value weights (kv_b_proj's last v columns) before
+o_proj. So every cache path (dense, ring, pages) runs it as one-head attention, and a position costs 2 x (Rkv +
+rope) cached values a layer instead of 2 x H x (nope + rope): 1,152 against 6,144 at DeepSeek-V2-Lite's shape
+(5.3x less), against 49,152 at V3's (43x). Keys and values are the same array written twice; caching it once
+would halve that again, which the cache layouts do not do yet.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +33,19 @@ from flax import nnx
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA  # noqa: F401 (the shapes' type)
 from areal_jax.models.layers import RMSNorm, apply_rope, make_param, project
+
+
+def cache_layout(cfg: ModelConfig) -> tuple[int, int]:
+    """(key/value heads, dimensions per head) of a layer's KV cache: the model's own, or latent attention's one head
+    of kv_lora_rank + rope (the latent and the rotary key)."""
+    if cfg.mla is None:
+        return cfg.num_kv_heads, cfg.head_dim
+    return 1, cfg.mla.kv_lora_rank + cfg.mla.rope
+
+
+def _weight(w: Any, dtype: Any) -> jax.Array:
+    """A projection's weight in `dtype`, a LoRA-adapted one's with its adapters folded in."""
+    return w[...].astype(dtype) if isinstance(w, nnx.Variable) else w.merged(dtype)
 
 
 def deinterleave(x: jax.Array) -> jax.Array:
@@ -56,27 +79,45 @@ class MLAttention(nnx.Module):
     def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return apply_rope(deinterleave(x) if self.shape.interleave else x, cos, sin)
 
-    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+            cached: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, D] -> q, k, v [B, T, H, head_dim] in the compute dtype (v zero past its own width); cos, sin:
         the rope dims' table [B, T, rope]. q comes times `ModelConfig.attention_scale_factor` (YaRN's mscale_all_dim
-        squared, else 1)."""
+        squared, else 1). cached: the latent form (module docstring): q [B, T, H, Rkv + rope] and k = v [B, T, 1,
+        Rkv + rope], q scaled so that the paths' 1 / sqrt(Rkv + rope) gives the model's scale."""
         m = self.shape
         if self.q_proj is not None:
             q = project(x, self.q_proj, self.dtype)
         else:
             q = project(self.q_a_norm(project(x, self.q_a_proj, self.dtype)), self.q_b_proj, self.dtype)
         latent = project(x, self.kv_a_proj, self.dtype)
-        kv = project(self.kv_a_norm(latent[..., :m.kv_lora_rank]), self.kv_b_proj, self.dtype)  # [B, T, H, nope + v]
+        c = self.kv_a_norm(latent[..., :m.kv_lora_rank])
         k_rope = self._rope(latent[:, :, None, m.kv_lora_rank:], cos, sin)  # [B, T, 1, rope], shared by the heads
-        q = jnp.concatenate([q[..., :m.nope], self._rope(q[..., m.nope:], cos, sin)], axis=-1)
-        k = jnp.concatenate([kv[..., :m.nope], jnp.broadcast_to(k_rope, (*kv.shape[:3], m.rope))], axis=-1)
-        v = kv[..., m.nope:]
-        if m.v < self.head_dim:
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, self.head_dim - m.v)))
-        if self.query_factor != 1.0:
-            q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
+        q_rope = self._rope(q[..., m.nope:], cos, sin)
+        factor = self.query_factor
+        if cached:
+            w_k = _weight(self.kv_b_proj, self.dtype)[..., :m.nope]  # [Rkv, H, nope]
+            q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :m.nope], w_k, preferred_element_type=jnp.float32)
+            q = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
+            k = v = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
+            factor *= float(np.sqrt((m.kv_lora_rank + m.rope) / self.head_dim))
+        else:
+            kv = project(c, self.kv_b_proj, self.dtype)  # [B, T, H, nope + v]
+            q = jnp.concatenate([q[..., :m.nope], q_rope], axis=-1)
+            k = jnp.concatenate([kv[..., :m.nope], jnp.broadcast_to(k_rope, (*kv.shape[:3], m.rope))], axis=-1)
+            v = kv[..., m.nope:]
+            if m.v < self.head_dim:
+                v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, self.head_dim - m.v)))
+        if factor != 1.0:
+            q = (q.astype(jnp.float32) * np.float32(factor)).astype(q.dtype)
         return q, k, v
 
-    def out(self, attn: jax.Array) -> jax.Array:
-        """attn: [B, T, H, head_dim] -> [B, T, D] (the values' own width of it)."""
-        return project(attn[..., :self.shape.v], self.o_proj, self.dtype, n_in=2)
+    def out(self, attn: jax.Array, cached: bool = False) -> jax.Array:
+        """attn: [B, T, H, head_dim] -> [B, T, D] (the values' own width of it); cached: [B, T, H, Rkv + rope], a mix
+        of latents, through each head's value weights first."""
+        m = self.shape
+        if cached:
+            w_v = _weight(self.kv_b_proj, self.dtype)[..., m.nope:]  # [Rkv, H, v]
+            attn = jnp.einsum("bthr,rhv->bthv", attn[..., :m.kv_lora_rank], w_v,
+                              preferred_element_type=jnp.float32).astype(self.dtype)
+        return project(attn[..., :m.v], self.o_proj, self.dtype, n_in=2)

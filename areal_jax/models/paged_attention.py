@@ -34,6 +34,7 @@ from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
+from areal_jax.models.mla import cache_layout
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes
 
 PagedPath = Literal["gather", "kernel"]
@@ -72,8 +73,8 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: An
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    shapes = [(cfg.num_kv_heads, 0 if i in rings else num_pages, page_size, cfg.head_dim)
-              for i in range(cfg.num_layers)]
+    heads, dim = cache_layout(cfg)
+    shapes = [(heads, 0 if i in rings else num_pages, page_size, dim) for i in range(cfg.num_layers)]
     return PagedKVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
@@ -82,7 +83,7 @@ def init_rings(cfg: ModelConfig, rows: int, max_len: int, rings: tuple[int, ...]
     KVCache of [rows, ring_length, K, Dh], every other layer [rows, 0, K, Dh] (it lives in pages)."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     lengths = cache_lengths(cfg, max_len, ring=True)
-    shapes = [(rows, lengths[i] if i in rings else 0, cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
+    shapes = [(rows, lengths[i] if i in rings else 0, *cache_layout(cfg)) for i in range(cfg.num_layers)]
     return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
@@ -264,7 +265,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     if positions.shape != (b, t) or page_table.shape[0] != b:
         raise ValueError(f"paged_hidden got tokens {tokens.shape}, positions {positions.shape} and page_table "
                          f"{page_table.shape}; expected [B, T], [B, T] and [B, P].")
-    path = default_path(cfg.head_dim) if path is None else path
+    path = default_path(cache_layout(cfg)[1]) if path is None else path
     if path == "kernel" and t != 1:
         path = "gather"  # prefill-style calls read through the gathered view
     page, offset = page_coordinates(page_table, positions, cache.page_size, cache.num_pages)

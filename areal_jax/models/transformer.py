@@ -13,6 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
+from areal_jax.models.mla import cache_layout
 from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
     decoder_layer,
@@ -27,7 +28,7 @@ from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
 @dataclasses.dataclass
 class KVCache:
     """Keys and values, one array per layer. k, v: tuples of num_layers arrays [B, S, num_kv_heads, head_dim]
-    in the compute dtype.
+    in the compute dtype (latent attention: [B, S, 1, kv_lora_rank + rope], `mla.cache_layout`).
 
     Row b's entry at index s holds the token written at position s (see `Transformer.__call__`). Each layer
     is its own buffer, so a decode step writes it in place and attends to it directly (one stacked
@@ -92,7 +93,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs positive batch_size and max_len, got {batch_size} and {max_len}.")
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    shapes = [(batch_size, n, cfg.num_kv_heads, cfg.head_dim) for n in cache_lengths(cfg, max_len, ring)]
+    shapes = [(batch_size, n, *cache_layout(cfg)) for n in cache_lengths(cfg, max_len, ring)]
     return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
 
 
@@ -100,8 +101,8 @@ def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, pi
     """One decoder layer of a cache forward (``attend`` writes and reads the cache); with ``picks`` (a list) an expert
     layer appends the experts it sent each token to, [B, T, k]."""
     if picks is None:
-        return layer(x, *rope, attend)
-    x, extras = layer(x, *rope, attend, record=True)
+        return layer(x, *rope, attend, cached=True)
+    x, extras = layer(x, *rope, attend, record=True, cached=True)
     if extras is not None:
         picks.append(extras["routes"])
     return x
@@ -198,7 +199,7 @@ class Transformer(nnx.Module):
             s = max((g[1] for g in got if len(g) == 4), default=None)
             rings = ring and cfg.sliding_window is not None
             lengths = cache_lengths(cfg, s or 0, rings)
-            expected = [(b, n, cfg.num_kv_heads, cfg.head_dim) for n in lengths] * 2
+            expected = [(b, n, *cache_layout(cfg)) for n in lengths] * 2
             if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or got != expected:
                 raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} layers of shapes {sorted(set(got))}, "
                                  f"expected {cfg.num_layers} layers of {sorted(set(expected))}; build it with "

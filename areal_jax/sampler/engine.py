@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
 from areal_jax.models.cache_attention import counted_decode_loops
 from areal_jax.models.config import model_config_of
+from areal_jax.models.mla import cache_layout
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import compiles_counted_for
@@ -143,7 +144,7 @@ class Engine(StandbyRows):
     # ----------------------------------------------------------------------------- sharding
     def _cache_spec(self) -> PartitionSpec:
         tensor = self.mesh.shape.get("tensor", 1)
-        if tensor > 1 and self.config.num_kv_heads % tensor == 0:
+        if tensor > 1 and cache_layout(self.config)[0] % tensor == 0:
             return PartitionSpec(None, None, "tensor", None)
         return PartitionSpec()
 

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache
 from areal_jax.models.config import model_config_of
+from areal_jax.models.mla import cache_layout
 from areal_jax.models.paged_attention import (
     PagedKVCache,
     PagedPath,
@@ -91,8 +92,7 @@ class PagedEngine(Engine):
     Args (besides Engine's):
       page_size: positions per page.
       num_pages: pages in the pool; default the dense cache's memory (num_slots x max_len positions).
-      attention: "gather" or "kernel" (the Pallas paged-attention kernel of the backend: GPU, or TPU when
-        head_dim is a multiple of 128); default ``default_path(head_dim)``.
+      attention: "gather" or "kernel" (the backend's Pallas paged-attention kernel); default ``default_path``.
     Sliding-window layers keep rings of their window per slot and standby row instead of pages (``ring_cache``,
     as in Engine), so a page holds only the other layers.
     """
@@ -108,7 +108,7 @@ class PagedEngine(Engine):
         self._k = 1  # steps of the last dispatch: the growth an optimistic admission leaves room for
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
-        self.attention = attention or default_path(cfg.head_dim if cfg is not None else None)
+        self.attention = attention or default_path(cache_layout(cfg)[1] if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
         self.pages_per_slot = per_sequence  # the page table's width
         if self.attention == "kernel":  # the kernel splits a row's pages into power-of-two partitions and blocks

@@ -27,6 +27,7 @@ from flax import nnx
 
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
 from areal_jax.trainer.memory import per_device_bytes
@@ -95,8 +96,9 @@ def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers:
     """Keys and values of one position in `layers` layers (default every layer) on one device (kv heads split over
     `tensor` when `split` and they divide)."""
     layers = cfg.num_layers if layers is None else layers
-    per_position = 2 * layers * cfg.num_kv_heads * cfg.head_dim * cache_dtype(cfg).itemsize
-    return per_position // tensor if split and tensor > 1 and cfg.num_kv_heads % tensor == 0 else per_position
+    heads, dim = cache_layout(cfg)
+    per_position = 2 * layers * heads * dim * cache_dtype(cfg).itemsize
+    return per_position // tensor if split and tensor > 1 and heads % tensor == 0 else per_position
 
 
 def eval_rollout(job: Any, backend: str) -> Any:
