@@ -199,25 +199,30 @@ def test_sampler_decodes_as_its_full_forward(arch, page_size):
 
 def test_the_cache_holds_the_latent():
     from areal_jax.models.layers import dot_attention, rope_tables
-    from areal_jax.models.mla import cache_layout
+    from areal_jax.models.mla import cache_layout, cached_values
     from areal_jax.models.paged_attention import init_paged_cache
     from areal_jax.models.transformer import init_cache
     from areal_jax.system.memory import kv_position_bytes
 
     cfg = testing.tiny_config("deepseek_v3")
-    assert cache_layout(cfg) == (1, 16 + 8) and cache_layout(testing.tiny_config("qwen3")) == (2, 16)
-    assert {x.shape for x in init_cache(cfg, 3, 40).k} == {(3, 40, 1, 24)}
-    assert {x.shape for x in init_paged_cache(cfg, 10, 8).v} == {(1, 10, 8, 24)}
+    assert cache_layout(cfg) == (1, 16 + 8, 0) and cache_layout(testing.tiny_config("qwen3")) == (2, 16, 16)
+    cache = init_cache(cfg, 3, 40)  # the latent and the rotary key; no values of their own: the keys serve
+    assert {x.shape for x in cache.k} == {(3, 40, 1, 24)} and {x.shape for x in cache.v} == {(3, 40, 1, 0)}
+    paged = init_paged_cache(cfg, 10, 8)
+    assert {x.shape for x in paged.k} == {(1, 10, 8, 24)} and {x.shape for x in paged.v} == {(1, 10, 8, 0)}
     lite = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE, dtype=jnp.bfloat16)
     item = jnp.dtype(jnp.float32).itemsize  # the CPU's cache dtype (transformer.cache_dtype)
-    assert kv_position_bytes(lite, tensor=1) == 2 * 27 * (512 + 64) * item  # not 2 x 27 x 16 x 192
+    assert kv_position_bytes(lite, tensor=1) == 27 * (512 + 64) * item  # not 2 x 27 x 16 x 192
     # the decode's scores and outputs through the latent equal the expanded attention's, layer by layer
     model = testing.random_model(cfg, seed=4)
     x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 7, cfg.hidden_size)), jnp.float32)
     cos, sin = rope_tables(cfg, jnp.broadcast_to(jnp.arange(7), (2, 7)))["global"]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((7, 7), bool)), (2, 7, 7))
     attn = model.layers[1].attn
-    outs = [attn.out(dot_attention(*attn.qkv(x, cos, sin, cached), mask), cached) for cached in (False, True)]
+    outs = []
+    for cached in (False, True):
+        q, k, v = attn.qkv(x, cos, sin, cached)
+        outs.append(attn.out(dot_attention(q, k, cached_values(k, v), mask), cached))
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=1e-5)
 
 

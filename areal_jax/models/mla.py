@@ -16,10 +16,10 @@ key/value head of Rkv + rope dimensions (`cache_layout`): each head's key-side w
 columns) are absorbed into its query, q_nope @ W_k^T, so a query of Rkv + rope dimensions scores the cached
 [latent, rotary key] directly (q_nope . (c W_k) = (q_nope W_k^T) . c); the value is that same cached row, and the
 attention's output, a mix of latents, goes through each head's value weights (kv_b_proj's last v columns) before
-o_proj. So every cache path (dense, ring, pages) runs it as one-head attention, and a position costs 2 x (Rkv +
-rope) cached values a layer instead of 2 x H x (nope + rope): 1,152 against 6,144 at DeepSeek-V2-Lite's shape
-(5.3x less), against 49,152 at V3's (43x). Keys and values are the same array written twice; caching it once
-would halve that again, which the cache layouts do not do yet.
+o_proj. The cache keeps the keys only (values of width 0: `cache_layout`, `cached_values`), so every cache path
+(dense, ring, pages) runs it as one-head attention whose values are its keys, and a position costs Rkv + rope cached
+values a layer instead of 2 x H x (nope + rope): 576 against 6,144 at DeepSeek-V2-Lite's shape (10.7x less),
+against 49,152 at V3's (85x).
 """
 from __future__ import annotations
 
@@ -35,12 +35,18 @@ from areal_jax.models.config_checks import MLA  # noqa: F401 (the shapes' type)
 from areal_jax.models.layers import RMSNorm, apply_rope, make_param, project
 
 
-def cache_layout(cfg: ModelConfig) -> tuple[int, int]:
-    """(key/value heads, dimensions per head) of a layer's KV cache: the model's own, or latent attention's one head
-    of kv_lora_rank + rope (the latent and the rotary key)."""
+def cache_layout(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(key/value heads, key dimensions, value dimensions) per head of a layer's KV cache: the model's own, or latent
+    attention's one head of kv_lora_rank + rope keys (the latent and the rotary key) and no values of their own (the
+    keys serve as values: `cached_values`)."""
     if cfg.mla is None:
-        return cfg.num_kv_heads, cfg.head_dim
-    return 1, cfg.mla.kv_lora_rank + cfg.mla.rope
+        return cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
+    return 1, cfg.mla.kv_lora_rank + cfg.mla.rope, 0
+
+
+def cached_values(k: Any, v: Any) -> Any:
+    """The values a cache layer attends with: its own, or its keys where it holds none (latent attention)."""
+    return k if v.shape[-1] == 0 else v
 
 
 def _weight(w: Any, dtype: Any) -> jax.Array:
@@ -83,8 +89,9 @@ class MLAttention(nnx.Module):
             cached: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, D] -> q, k, v [B, T, H, head_dim] in the compute dtype (v zero past its own width); cos, sin:
         the rope dims' table [B, T, rope]. q comes times `ModelConfig.attention_scale_factor` (YaRN's mscale_all_dim
-        squared, else 1). cached: the latent form (module docstring): q [B, T, H, Rkv + rope] and k = v [B, T, 1,
-        Rkv + rope], q scaled so that the paths' 1 / sqrt(Rkv + rope) gives the model's scale."""
+        squared, else 1). cached: the latent form (module docstring): q [B, T, H, Rkv + rope], k [B, T, 1, Rkv +
+        rope] and v [B, T, 1, 0] (the keys serve as values), q scaled so that the paths' 1 / sqrt(Rkv + rope) gives
+        the model's scale."""
         m = self.shape
         if self.q_proj is not None:
             q = project(x, self.q_proj, self.dtype)
@@ -99,7 +106,8 @@ class MLAttention(nnx.Module):
             w_k = _weight(self.kv_b_proj, self.dtype)[..., :m.nope]  # [Rkv, H, nope]
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :m.nope], w_k, preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
-            k = v = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
+            k = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
+            v = k[..., :0]  # the cache keeps no values: its keys serve (`cached_values`)
             factor *= float(np.sqrt((m.kv_lora_rank + m.rope) / self.head_dim))
         else:
             kv = project(c, self.kv_b_proj, self.dtype)  # [B, T, H, nope + v]

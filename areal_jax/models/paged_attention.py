@@ -34,7 +34,7 @@ from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
-from areal_jax.models.mla import cache_layout
+from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes
 
 PagedPath = Literal["gather", "kernel"]
@@ -73,9 +73,10 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: An
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    heads, dim = cache_layout(cfg)
-    shapes = [(heads, 0 if i in rings else num_pages, page_size, dim) for i in range(cfg.num_layers)]
-    return PagedKVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
+    heads, k_dim, v_dim = cache_layout(cfg)
+    pages = [0 if i in rings else num_pages for i in range(cfg.num_layers)]
+    return PagedKVCache(k=tuple(jnp.zeros((heads, n, page_size, k_dim), dtype) for n in pages),
+                        v=tuple(jnp.zeros((heads, n, page_size, v_dim), dtype) for n in pages))
 
 
 def init_rings(cfg: ModelConfig, rows: int, max_len: int, rings: tuple[int, ...], dtype: Any = None) -> KVCache:
@@ -83,8 +84,10 @@ def init_rings(cfg: ModelConfig, rows: int, max_len: int, rings: tuple[int, ...]
     KVCache of [rows, ring_length, K, Dh], every other layer [rows, 0, K, Dh] (it lives in pages)."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     lengths = cache_lengths(cfg, max_len, ring=True)
-    shapes = [(rows, lengths[i] if i in rings else 0, *cache_layout(cfg)) for i in range(cfg.num_layers)]
-    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
+    heads, k_dim, v_dim = cache_layout(cfg)
+    lengths = [lengths[i] if i in rings else 0 for i in range(cfg.num_layers)]
+    return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
+                   v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
 
 
 def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int,
@@ -286,14 +289,15 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             def attend(q, k, v, sinks=None, i=i, window=window, at=at, rows=rows):
                 ring_k[i] = ring_k[i].at[rows, at].set(k.astype(ring_k[i].dtype), mode="drop")
                 ring_v[i] = ring_v[i].at[rows, at].set(v.astype(ring_v[i].dtype), mode="drop")
-                return ring_attention(q, ring_k[i], ring_v[i], positions, window, cfg.attn_logit_softcap, sinks)
+                return ring_attention(q, ring_k[i], cached_values(ring_k[i], ring_v[i]), positions, window,
+                                      cfg.attn_logit_softcap, sinks)
 
             x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
             continue
 
         def attend(q, k, v, sinks=None, i=i, window=window):
             k_all[i], v_all[i] = write_pages(k_all[i], page, offset, k), write_pages(v_all[i], page, offset, v)
-            current = PagedKVCache(k=tuple(k_all), v=tuple(v_all))
+            current = PagedKVCache(k=tuple(k_all), v=tuple(cached_values(k, v) for k, v in zip(k_all, v_all)))
             if path == "kernel" and window is None:
                 return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform,
                                         softcap=cfg.attn_logit_softcap, mesh=mesh, sinks=sinks)

@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
-from areal_jax.models.mla import cache_layout
+from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
     decoder_layer,
@@ -28,7 +28,7 @@ from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
 @dataclasses.dataclass
 class KVCache:
     """Keys and values, one array per layer. k, v: tuples of num_layers arrays [B, S, num_kv_heads, head_dim]
-    in the compute dtype (latent attention: [B, S, 1, kv_lora_rank + rope], `mla.cache_layout`).
+    in the compute dtype (latent attention: k [B, S, 1, kv_lora_rank + rope], v [B, S, 1, 0]: `mla.cache_layout`).
 
     Row b's entry at index s holds the token written at position s (see `Transformer.__call__`). Each layer
     is its own buffer, so a decode step writes it in place and attends to it directly (one stacked
@@ -93,8 +93,10 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs positive batch_size and max_len, got {batch_size} and {max_len}.")
     dtype = cache_dtype(cfg) if dtype is None else dtype
-    shapes = [(batch_size, n, *cache_layout(cfg)) for n in cache_lengths(cfg, max_len, ring)]
-    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes), v=tuple(jnp.zeros(x, dtype) for x in shapes))
+    heads, k_dim, v_dim = cache_layout(cfg)
+    lengths = cache_lengths(cfg, max_len, ring)
+    return KVCache(k=tuple(jnp.zeros((batch_size, n, heads, k_dim), dtype) for n in lengths),
+                   v=tuple(jnp.zeros((batch_size, n, heads, v_dim), dtype) for n in lengths))
 
 
 def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None) -> jax.Array:
@@ -199,7 +201,8 @@ class Transformer(nnx.Module):
             s = max((g[1] for g in got if len(g) == 4), default=None)
             rings = ring and cfg.sliding_window is not None
             lengths = cache_lengths(cfg, s or 0, rings)
-            expected = [(b, n, *cache_layout(cfg)) for n in lengths] * 2
+            heads, k_dim, v_dim = cache_layout(cfg)
+            expected = [(b, n, heads, k_dim) for n in lengths] + [(b, n, heads, v_dim) for n in lengths]
             if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or got != expected:
                 raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} layers of shapes {sorted(set(got))}, "
                                  f"expected {cfg.num_layers} layers of {sorted(set(expected))}; build it with "
@@ -241,9 +244,10 @@ class Transformer(nnx.Module):
             def attend(q, k, v, sinks=None, i=i, window=window, at=at):
                 ks[i] = ks[i].at[rows, at].set(k.astype(ks[i].dtype), mode="drop")
                 vs[i] = vs[i].at[rows, at].set(v.astype(vs[i].dtype), mode="drop")
+                values = cached_values(ks[i], vs[i])
                 if ring and window is not None:
-                    return ring_attention(q, ks[i], vs[i], positions, window, cfg.attn_logit_softcap, sinks)
-                return cached_attention(q, ks[i], vs[i], positions, window=window, softcap=cfg.attn_logit_softcap,
+                    return ring_attention(q, ks[i], values, positions, window, cfg.attn_logit_softcap, sinks)
+                return cached_attention(q, ks[i], values, positions, window=window, softcap=cfg.attn_logit_softcap,
                                         sinks=sinks)
 
             x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None)

@@ -96,8 +96,8 @@ def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers:
     """Keys and values of one position in `layers` layers (default every layer) on one device (kv heads split over
     `tensor` when `split` and they divide)."""
     layers = cfg.num_layers if layers is None else layers
-    heads, dim = cache_layout(cfg)
-    per_position = 2 * layers * heads * dim * cache_dtype(cfg).itemsize
+    heads, k_dim, v_dim = cache_layout(cfg)
+    per_position = layers * heads * (k_dim + v_dim) * cache_dtype(cfg).itemsize
     return per_position // tensor if split and tensor > 1 and heads % tensor == 0 else per_position
 
 
