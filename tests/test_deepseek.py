@@ -227,18 +227,9 @@ def test_the_cache_holds_the_latent():
 
 
 def test_update_gradients_on_a_2x2_mesh_equal_one_devices():
-    from areal_jax.testing.trajectories import random_trajectories
-    from areal_jax.trainer import Trainer, TrainerConfig
-    from tests.test_trainer import mesh_1, mesh_4, tree_rel_err
+    from tests.test_trainer import grads_agree_on_one_and_four_devices
 
-    cfg = testing.tiny_config("deepseek_v3")
-    trajs = random_trajectories(10, vocab=97, min_len=5, max_len=40, seed=3)
-    tc = TrainerConfig(micro_batch_tokens=64, logits_chunk=16)
-    want_loss, want = Trainer(testing.random_model(cfg, seed=2), tc, mesh_1()).loss_and_grads(trajs)
-    got_loss, got = Trainer(testing.random_model(cfg, seed=2), tc, mesh_4()).loss_and_grads(trajs)
-    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
-    assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
-    grads = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_flatten_with_path(want)[0]}
+    grads = grads_agree_on_one_and_four_devices(testing.tiny_config("deepseek_v3"))
     bias = [g for k, g in grads.items() if "router_score_bias" in k]
     assert len(bias) == 1 and not bias[0].any()  # the picking bias gets no gradient (so the optimizer keeps it)
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "shared_expert", "experts_down"):

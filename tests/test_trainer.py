@@ -27,6 +27,18 @@ def mesh_1():
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
 
 
+def grads_agree_on_one_and_four_devices(cfg):
+    """The update's loss and gradients for a model of `cfg` (random, seed 2) on 10 random trajectories, on one
+    device and on a 2 x 2 mesh: asserts they agree; returns the one-device gradients by path (numpy)."""
+    trajs = random_trajectories(10, vocab=cfg.vocab_size, min_len=5, max_len=40, seed=3)
+    tc = TrainerConfig(micro_batch_tokens=64, logits_chunk=16)
+    want_loss, want = Trainer(random_model(cfg, seed=2), tc, mesh_1()).loss_and_grads(trajs)
+    got_loss, got = Trainer(random_model(cfg, seed=2), tc, mesh_4()).loss_and_grads(trajs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
+    return {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_flatten_with_path(want)[0]}
+
+
 def tree_rel_err(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)

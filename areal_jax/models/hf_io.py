@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
+from areal_jax.models import fp8
 from areal_jax.models.config import MOE_IMPLS, ModelConfig
 from areal_jax.models.gpt_oss import MXFP4_SUFFIXES, dequantize_mxfp4
 from areal_jax.models.hf_names import _Entry, weight_entries
@@ -96,6 +97,10 @@ class _Reader:
                         self.weight_map[key] = os.path.basename(file)
         self._handles: dict[str, Any] = {}
         self._dequantized: tuple[str | None, Any] = (None, None)
+        self.fp8_block = None  # (rows, columns) of a block-scaled fp8 checkpoint's blocks (models.fp8)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as fh:
+                self.fp8_block = fp8.block_size(json.load(fh))
         # An image-and-text checkpoint (Gemma 3 4B and up) holds its decoder under a prefix: the hub's
         # language_model.model.* / language_model.lm_head.*, or model.language_model.* as transformers names it in
         # memory. Those tensors answer to the text model's own names; the vision tower's are never read.
@@ -108,6 +113,10 @@ class _Reader:
     def _mxfp4(self, name: str) -> bool:
         """Whether `name` is stored as MXFP4 blocks and scales (gpt-oss's experts) instead of itself."""
         return name not in self.names and all(name + s in self.names for s in MXFP4_SUFFIXES)
+
+    def _fp8(self, name: str) -> bool:
+        """Whether `name` is stored as block-scaled fp8 (models.fp8) instead of itself."""
+        return self.fp8_block is not None and name in self.names and name + fp8.SCALE_SUFFIX in self.names
 
     def has(self, name: str) -> bool:
         return name in self.names or self._mxfp4(name)
@@ -122,10 +131,13 @@ class _Reader:
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
     def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0) -> np.ndarray:
-        """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 one dequantised
-        (the last kept for the next part that reads it)."""
-        if self._mxfp4(name):
-            if self._dequantized[0] != name:
+        """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 or fp8 one
+        dequantised (the last kept for the next part that reads it)."""
+        if self._mxfp4(name) or self._fp8(name):
+            if self._dequantized[0] != name and self._fp8(name):
+                raw = fp8.read_raw(self.file_of(name), self.names[name])
+                self._dequantized = (name, fp8.dequantize_blocks(raw, self.read(name + fp8.SCALE_SUFFIX), self.fp8_block))
+            elif self._dequantized[0] != name:
                 self._dequantized = (name, dequantize_mxfp4(*(self.read(name + s) for s in MXFP4_SUFFIXES)))
             whole = self._dequantized[1]
             return whole if rows is None else whole[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
