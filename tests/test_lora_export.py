@@ -60,7 +60,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"),
                                           ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"),
                                           ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
-                                          ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"),
+                                          ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
+                                          ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),
                                           ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the

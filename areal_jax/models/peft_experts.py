@@ -12,7 +12,9 @@ and expert e's update scaling * (A_e @ B_e)^T. With both parameters of a module 
 the module's parameter order, so gate_up_proj's tensors sit under `experts.base_layer.` and down_proj's under
 `experts.`. Our gate and up adapters (each rank r) share the fused parameter: they are written as one adapter of
 rank n * r for the n adapted parts (A stacked, B block-diagonal), with rank_pattern / alpha_pattern keeping the
-scale alpha / r, as for Phi's fused modules (`peft_io`).
+scale alpha / r, as for Phi's fused modules (`peft_io`). gpt-oss stores its experts the other way round,
+gate_up_proj [E, D, 2F] with gate and up interleaved along the last axis; PEFT reads its in and out dimensions
+accordingly, so the tensors are the same but B's rows of gate and up alternate.
 """
 from __future__ import annotations
 
@@ -45,10 +47,6 @@ def expert_groups(model: nnx.Module) -> list[tuple[str, str, list[tuple[str, LoR
         found = {param: [(name, getattr(moe, name)) for name in parts
                          if isinstance(getattr(moe, name, None), LoRAExperts)] for param, parts in PARAMS.items()}
         found = {param: parts for param, parts in found.items() if parts}
-        if found and getattr(model.cfg, "architecture", None) == "gpt_oss":
-            raise ValueError("PEFT adapters of gpt-oss's experts are not written (its gate_up_proj interleaves gate "
-                             "and up columns, [E, D, 2F]); export the merged checkpoint (export --format=hf), or "
-                             "adapt only the attention (lora.targets without experts).")
         module = experts_module(model, i)
         for k, (param, parts) in enumerate(found.items()):
             nested = ".base_layer" * (len(found) - 1 - k)  # the first-wrapped parameter lies innermost
@@ -56,13 +54,19 @@ def expert_groups(model: nnx.Module) -> list[tuple[str, str, list[tuple[str, LoR
     return out
 
 
-def _rows(moe: Any, param: str) -> dict[str, tuple[int, int]]:
-    """{ours: (first row, rows)} of each part of a stacked parameter in transformers' out dimension."""
-    out, offset = {}, 0
-    for name in PARAMS[param]:
-        rows = getattr(moe, name).shape[2]
-        out[name], offset = (offset, rows), offset + rows
-    return out
+def _rows(moe: Any, param: str, interleaved: bool) -> tuple[int, dict[str, np.ndarray]]:
+    """(the out dimension's size, {ours: its indices there}) of each part of a stacked parameter: one after another,
+    or `interleaved` (gpt-oss's gate_up_proj: gate at even columns, up at odd ones)."""
+    widths = [getattr(moe, name).shape[2] for name in PARAMS[param]]
+    total, n = sum(widths), len(widths)
+    if interleaved:
+        return total, {name: np.arange(j, total, n) for j, name in enumerate(PARAMS[param])}
+    starts = np.cumsum([0] + widths)
+    return total, {name: np.arange(starts[j], starts[j + 1]) for j, name in enumerate(PARAMS[param])}
+
+
+def _interleaved(model: nnx.Module) -> bool:
+    return getattr(model.cfg, "architecture", None) == "gpt_oss"
 
 
 def expert_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -70,15 +74,14 @@ def expert_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     tensors = {}
     for key, prefix, parts in expert_groups(model):
         layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
-        rows = _rows(model.layers[layer].mlp, param)
+        total, rows = _rows(model.layers[layer].mlp, param, _interleaved(model))
         a = np.concatenate([np.asarray(jax.device_get(node.lora_a[...]), np.float32).transpose(0, 2, 1)
                             for _, node in parts], axis=1)  # [E, R, in]
         e, rank = a.shape[:2]
         r = rank // len(parts)
-        b = np.zeros((e, rank, sum(n for _, n in rows.values())), np.float32)  # [E, R, out]
+        b = np.zeros((e, rank, total), np.float32)  # [E, R, out]
         for p, (name, node) in enumerate(parts):
-            first, count = rows[name]
-            b[:, p * r:(p + 1) * r, first:first + count] = np.asarray(jax.device_get(node.lora_b[...]), np.float32)
+            b[:, p * r:(p + 1) * r, rows[name]] = np.asarray(jax.device_get(node.lora_b[...]), np.float32)
         tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(e * rank, -1))
         tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], -1))
     return tensors
@@ -106,12 +109,11 @@ def load_expert_tensors(model: nnx.Module, tensors: dict[str, np.ndarray], path:
             raise KeyError(f"{path} has no adapter for {key} of this model's rank and parts; it was saved for other "
                            "targets or another rank.")
         layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
-        rows = _rows(model.layers[layer].mlp, param)
+        _, rows = _rows(model.layers[layer].mlp, param, _interleaved(model))
         e = parts[0][1].shape[0]
         a = tensors[names[0]].reshape(e, -1, tensors[names[0]].shape[1])  # [E, R, in]
         b = tensors[names[1]].reshape(tensors[names[1]].shape[0], -1, e).transpose(2, 1, 0)  # [E, R, out]
         r = a.shape[1] // len(parts)
         for p, (name, node) in enumerate(parts):
-            first, count = rows[name]
             node.lora_a.set_value(np.ascontiguousarray(a[:, p * r:(p + 1) * r].transpose(0, 2, 1)))
-            node.lora_b.set_value(np.ascontiguousarray(b[:, p * r:(p + 1) * r, first:first + count]))
+            node.lora_b.set_value(np.ascontiguousarray(b[:, p * r:(p + 1) * r][..., rows[name]]))
