@@ -7,12 +7,13 @@ from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
 from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from areal_jax.models.mla import cache_layout
 from areal_jax.testing.models import random_model, tiny_config
 
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; qwen3_moe,
 # mixtral, granitemoe, olmoe, qwen2_moe (with a shared expert): 2 of 4 experts per token
 ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
-         "granite", "granitemoe", "olmoe", "qwen2_moe"]
+         "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2"]
 
 
 def _jitted(model):
@@ -55,7 +56,8 @@ def test_kv_cache_decode_matches_full_forward(arch):
                 np.testing.assert_allclose(logits[b, 0], ref[b, pos[b]], atol=1e-5, rtol=0)
         pos += 1
     assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.num_layers
-    assert {x.shape for x in (*cache.k, *cache.v)} == {(2, 16, cfg.num_kv_heads, cfg.head_dim)}
+    heads, k_dim, v_dim = cache_layout(cfg)  # latent attention caches its latent: keys only
+    assert {x.shape for x in cache.k} == {(2, 16, heads, k_dim)} and {x.shape for x in cache.v} == {(2, 16, heads, v_dim)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
