@@ -77,7 +77,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     width, dense, shared = int(get("moe_intermediate_size")), int(get("first_k_dense_replace") or 0), \
         int(get("n_shared_experts") or 0)
     grouped = v3 or get("topk_method") == "group_limited_greedy"
-    groups = (int(get("n_group") or 1), int(get("topk_group") or 1)) if grouped else (1, 1)
+    groups = (int(get("n_group") or 1), int(get("topk_group") or 1)) if grouped else None
     rope, _ = _hf_rope(d, model_type)
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -92,7 +92,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         num_experts_per_tok=int(get("num_experts_per_tok") or 0), moe_intermediate_size=width,
         norm_topk_prob=bool(get("norm_topk_prob")), shared_expert_size=width * shared or None,
         shared_expert_gated=False, moe_layers=tuple(int(i >= dense) for i in range(layers)) if dense else None,
-        router_scoring="sigmoid" if v3 else "softmax", router_groups=None if groups[0] == 1 else groups,
+        router_scoring="sigmoid" if v3 else "softmax", router_groups=groups if groups and groups[0] > 1 else None,
         router_score_bias=v3, routed_scaling_factor=float(get("routed_scaling_factor")), mla=mla, dtype=dtype,
         param_dtype=param_dtype)
 
@@ -109,6 +109,9 @@ def check_hf(cfg: Any) -> None:
             raise ValueError(f"{', '.join(used)} are DeepSeek's; HF {cfg.architecture} has none. Leave them at "
                              "their defaults or use architecture='deepseek_v3'.")
         return
+    if cfg.mla is None or cfg.shared_expert_gated:
+        raise ValueError(f"HF {cfg.architecture} has latent attention and ungated shared experts; set mla and "
+                         "shared_expert_gated=False.")
     if cfg.architecture == "deepseek_v3" and (cfg.router_scoring != "sigmoid" or not cfg.router_score_bias):
         raise ValueError("HF DeepSeek-V3 has a sigmoid router with a picking bias; set router_scoring='sigmoid', "
                          "router_score_bias=True.")
@@ -117,9 +120,6 @@ def check_hf(cfg: Any) -> None:
         raise ValueError("HF DeepSeek-V2 has a softmax router without a picking bias or renormalised weights, and "
                          "interleaved rotary pairs; set router_scoring='softmax', router_score_bias=False, "
                          "norm_topk_prob=False, mla.interleave=True.")
-    if cfg.mla is None or cfg.shared_expert_gated:
-        raise ValueError(f"HF {cfg.architecture} has latent attention and ungated shared experts; set mla and "
-                         "shared_expert_gated=False.")
     moe = [cfg.layer_is_moe(i) for i in range(cfg.num_layers)]
     first = moe.index(True) if True in moe else cfg.num_layers
     if any(moe[first:]) != all(moe[first:]) or cfg.sliding_window is not None or cfg.rope_local_theta is not None:
@@ -135,16 +135,16 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a DeepSeek config: `common` (hf_config's keys every family writes) with DeepSeek's."""
     check_hf(cfg)
     m, moe = cfg.mla, [cfg.layer_is_moe(i) for i in range(cfg.num_layers)]
-    v3, groups = cfg.architecture == "deepseek_v3", cfg.router_groups
+    v3, (n_group, topk_group) = cfg.architecture == "deepseek_v3", cfg.router_groups or (1, 1)
     d = {k: v for k, v in common.items() if k not in ("head_dim", "layer_types", "sliding_window")}
     d.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.nope,
              qk_rope_head_dim=m.rope, v_head_dim=m.v, n_routed_experts=cfg.num_experts,
              num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.expert_size,
              n_shared_experts=(cfg.shared_expert_size or 0) // cfg.expert_size,
-             n_group=(groups or (1, 1))[0], topk_group=(groups or (1, 1))[1],
+             n_group=n_group, topk_group=topk_group,
              routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
              first_k_dense_replace=moe.index(True) if True in moe else cfg.num_layers,
-             topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups else "greedy",
+             topk_method="noaux_tc" if v3 else "group_limited_greedy" if cfg.router_groups else "greedy",
              scoring_func="sigmoid" if v3 else "softmax", moe_layer_freq=1, attention_bias=False, pad_token_id=None)
     if v3:
         d.update(rope_interleave=m.interleave, num_nextn_predict_layers=0)

@@ -134,16 +134,20 @@ class _Reader:
         """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 or fp8 one
         dequantised (the last kept for the next part that reads it)."""
         if self._mxfp4(name) or self._fp8(name):
-            if self._dequantized[0] != name and self._fp8(name):
-                raw = fp8.read_raw(self.file_of(name), self.names[name])
-                self._dequantized = (name, fp8.dequantize_blocks(raw, self.read(name + fp8.SCALE_SUFFIX), self.fp8_block))
-            elif self._dequantized[0] != name:
-                self._dequantized = (name, dequantize_mxfp4(*(self.read(name + s) for s in MXFP4_SUFFIXES)))
+            if self._dequantized[0] != name:
+                self._dequantized = (name, self._dequantize(name))
             whole = self._dequantized[1]
             return whole if rows is None else whole[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
         if rows is None:
             return self._handle(name).get_tensor(self.names[name])
         return self._handle(name).get_slice(self.names[name])[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
+
+    def _dequantize(self, name: str) -> np.ndarray:
+        """The whole float32 tensor of a quantised `name` (MXFP4 or block-scaled fp8)."""
+        if self._fp8(name):
+            raw = fp8.read_raw(self.file_of(name), self.names[name])
+            return fp8.dequantize_blocks(raw, self.read(name + fp8.SCALE_SUFFIX), self.fp8_block)
+        return dequantize_mxfp4(*(self.read(name + s) for s in MXFP4_SUFFIXES))
 
     def _handle(self, name: str) -> Any:
         file = self.file_of(name)

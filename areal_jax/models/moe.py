@@ -346,7 +346,7 @@ class MoE(nnx.Module):
             layer_stats = router_stats(logits, k, mask, chosen) if stats else jnp.zeros((2, 1), jnp.float32)
             agree = jnp.zeros((), jnp.float32)
             if stats and routes is not None:  # this router's own picks: what it routed with unless replaying
-                own = jax.lax.top_k(logits, k)[1] if replay else chosen
+                own = route(logits, k, renormalize, scoring, score_bias)[1] if replay else chosen
                 hits = jnp.any(own[:, :, None] == given[:, None, :], axis=-1).sum(axis=-1)
                 agree = jnp.sum(hits * mask)
             return out, layer_stats[None], agree[None], chosen

@@ -35,7 +35,7 @@ from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
-from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes
+from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
 
 PagedPath = Literal["gather", "kernel"]
 
@@ -82,12 +82,8 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: An
 def init_rings(cfg: ModelConfig, rows: int, max_len: int, rings: tuple[int, ...], dtype: Any = None) -> KVCache:
     """Ring rows beside a paged cache: the layers in ``rings`` (sliding layers, `transformer.ring_layers`) as a
     KVCache of [rows, ring_length, K, Dh], every other layer [rows, 0, K, Dh] (it lives in pages)."""
-    dtype = cache_dtype(cfg) if dtype is None else dtype
     lengths = cache_lengths(cfg, max_len, ring=True)
-    heads, k_dim, v_dim = cache_layout(cfg)
-    lengths = [lengths[i] if i in rings else 0 for i in range(cfg.num_layers)]
-    return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
-                   v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
+    return zero_cache(cfg, rows, [lengths[i] if i in rings else 0 for i in range(cfg.num_layers)], dtype)
 
 
 def page_coordinates(page_table: jax.Array, positions: jax.Array, page_size: int,

@@ -92,11 +92,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
     sliding layers hold only their window, as rings (`cache_lengths`; decode with ``ring=True`` then)."""
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs positive batch_size and max_len, got {batch_size} and {max_len}.")
+    return zero_cache(cfg, batch_size, cache_lengths(cfg, max_len, ring), dtype)
+
+
+def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> KVCache:
+    """A zero KVCache of `rows` rows, layer i holding lengths[i] positions in `mla.cache_layout`'s heads and widths;
+    dtype defaults to `cache_dtype(cfg)`."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
-    lengths = cache_lengths(cfg, max_len, ring)
-    return KVCache(k=tuple(jnp.zeros((batch_size, n, heads, k_dim), dtype) for n in lengths),
-                   v=tuple(jnp.zeros((batch_size, n, heads, v_dim), dtype) for n in lengths))
+    return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
+                   v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
 
 
 def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None) -> jax.Array:
