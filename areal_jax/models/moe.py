@@ -343,7 +343,7 @@ class MoE(nnx.Module):
             if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted
                 out = out + jnp.einsum("nk,nkd->nd", weights, down_bias[chosen].astype(jnp.float32)).astype(out.dtype)
             # this shard's rows' statistics, on a leading axis of one per row shard (summed outside)
-            layer_stats = router_stats(logits, k, mask, chosen) if stats else jnp.zeros((2, 1), jnp.float32)
+            layer_stats = router_stats(logits, k, mask, chosen, scoring) if stats else jnp.zeros((2, 1), jnp.float32)
             agree = jnp.zeros((), jnp.float32)
             if stats and routes is not None:  # this router's own picks: what it routed with unless replaying
                 own = route(logits, k, renormalize, scoring, score_bias)[1] if replay else chosen

@@ -55,11 +55,16 @@ def route(logits: jax.Array, k: int, renormalize: bool, scoring: Scoring = Scori
     return weights_of(scores, experts, renormalize, scoring), experts
 
 
-def router_stats(logits: jax.Array, k: int, mask: jax.Array, experts: jax.Array | None = None) -> jax.Array:
+def router_stats(logits: jax.Array, k: int, mask: jax.Array, experts: jax.Array | None = None,
+                 scoring: Scoring = Scoring()) -> jax.Array:
     """[2, E] float32 of router logits [N, E] over the tokens where mask [N] is set: row 0 counts each expert's
-    top-k picks, row 1 sums its softmax probability (differentiable; the counts are not). experts [N, k]: the picks
-    when the caller has routed already (`route` of the same logits), else taken here."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top-k picks, row 1 sums its score as a share of the token's (differentiable; the counts are not): the softmax
+    probability, or with sigmoid scores each score over the token's sum of them (DeepSeek-V3's balance loss).
+    experts [N, k]: the picks when the caller has routed already (`route` of the same logits), else the top k of the
+    scores."""
+    probs = scores_of(logits, scoring)
+    if scoring.scoring == "sigmoid":
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     m = mask.astype(jnp.float32)[:, None]
     picks = jax.lax.top_k(probs, k)[1] if experts is None else experts
     counts = jax.nn.one_hot(picks, probs.shape[-1], dtype=jnp.float32).sum(axis=1)

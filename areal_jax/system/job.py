@@ -129,6 +129,10 @@ class RLJob:
         if c.train.router_replay != "off" and not model_cfg.num_experts:
             raise config_lib.ConfigError(f"--config.train.router_replay={c.train.router_replay} needs a mixture-of-experts "
                                          f"model; {c.model.path} has no experts. Set it to off.")
+        if c.train.router_bias_rate > 0 and not model_cfg.router_score_bias:
+            raise config_lib.ConfigError(f"--config.train.router_bias_rate={c.train.router_bias_rate} moves a router's "
+                                         f"picking bias (DeepSeek-V3's e_score_correction_bias); {c.model.path}'s "
+                                         "routers have none. Set it to 0.")
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.replica_meshes[0])  # sampler programs, kv_pages

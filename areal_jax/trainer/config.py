@@ -60,6 +60,10 @@ class TrainerConfig(Section):
     router_aux_coef: float = knob(0.0, "mixture-of-experts models: weight of transformers' load-balancing loss over "
                                   "each micro-step's tokens (models.moe.load_balancing_loss; 0: the router's load is "
                                   "only reported, as train/moe_*)")
+    router_bias_rate: float = knob(0.0, "mixture-of-experts models with a picking bias (DeepSeek-V3's "
+                                   "router_score_bias): after each optimizer step every expert's bias moves this much "
+                                   "toward balance, up when the minibatch picked it less than its layer's mean, down "
+                                   "when more (auxiliary-loss-free balancing, trainer.balance; 0: kept as loaded)")
     router_replay: str = knob("off", "mixture-of-experts models: the sampler's routing (the experts it sent each token "
                               "to, recorded per finished sequence). measure: report train/moe_route_agreement (the "
                               "share of the trainer's own top-k picks the sampler made too); replay: also send each "
@@ -127,6 +131,7 @@ class TrainerConfig(Section):
         require(self.kl_coef >= 0, f"{k('kl_coef')}={self.kl_coef} must be >= 0.")
         require(self.entropy_coef >= 0, f"{k('entropy_coef')}={self.entropy_coef} must be >= 0.")
         require(self.router_aux_coef >= 0, f"{k('router_aux_coef')}={self.router_aux_coef} must be >= 0.")
+        require(self.router_bias_rate >= 0, f"{k('router_bias_rate')}={self.router_bias_rate} must be >= 0.")
         require(self.logits_chunk >= 1, f"{k('logits_chunk')}={self.logits_chunk} must be at least 1.")
         require(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
                 f"{k('gamma')}={self.gamma} and {k('lam')}={self.lam} must lie in [0, 1].")

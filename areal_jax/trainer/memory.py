@@ -163,7 +163,7 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
         state = TrainState(params=abstract(params, shardings.params), opt_state=opt, step=scalar, version=scalar,
                            skipped_updates=scalar, value_head=None if head is None else abstract(head, shardings.value_head))
         loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-        compiled = fns.apply.lower(state, grads, loss, loss, scalar).compile()
+        compiled = fns.apply.lower(state, grads, sums, loss, scalar).compile()
     else:
         compiled = fns.accumulate.lower(train_in, abstract(other, other_sharding), grads, sums, batch,
                                         version).compile()

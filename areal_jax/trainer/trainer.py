@@ -331,7 +331,7 @@ class Trainer:
             scalars = put_global(
                 (jnp.asarray(n_valid, jnp.float32), jnp.asarray(last, jnp.int32)), (rep, rep)
             )
-            self.state, info = self._fns.apply(self.state, grads, sums["loss"], *scalars)
+            self.state, info = self._fns.apply(self.state, grads, sums, *scalars)
             infos.append(info)
             sums_total = sums if sums_total is None else _merge_sums(sums_total, sums)
         return _metrics(

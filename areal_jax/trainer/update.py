@@ -49,6 +49,7 @@ from areal_jax.rl.losses import (
     ppo_token_loss,
     value_token_loss,
 )
+from areal_jax.trainer import balance
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import model_outputs
 from areal_jax.trainer.state import TrainState
@@ -188,8 +189,9 @@ class UpdateFns:
     zero_grads(train) -> grads (zeros, train shardings); zero_metrics() -> metric sums.
     accumulate(train, other, grads, metrics, batch, version) -> (grads, metrics) (grads, metrics
       donated).
-    apply(state, grads, loss_sum, n_valid, version_inc) -> (state, info) (state donated; info:
-      grad_norm, skipped, lr).
+    apply(state, grads, sums, n_valid, version_inc) -> (state, info) (state donated; sums: the minibatch's metric
+      sums, whose loss decides whether the step is finite and whose router counts move a picking bias with
+      train.router_bias_rate (`trainer.balance`); info: grad_norm, skipped, lr).
     """
 
     forward: Callable
@@ -278,7 +280,15 @@ def build_update_fns(
         new["behav_weight_max"] = jnp.maximum(sums["behav_weight_max"], m["behav_weight_max"])
         return grads, new
 
-    def apply(state: TrainState, grads, loss_sum, n_valid, version_inc):
+    layers = balance.bias_layers(model_cfg) if cfg.router_bias_rate > 0 else ()
+    if layers and balance.found_layers(split(p_shard)[0]) != layers:
+        raise ValueError(f"train.router_bias_rate={cfg.router_bias_rate} moves the routers' picking bias "
+                         f"(router_score_bias) of expert layers {list(layers)}, but the trained variables hold it "
+                         f"for layers {list(balance.found_layers(split(p_shard)[0]))} (with LoRA the base model, its "
+                         "routers included, is frozen). Set train.router_bias_rate=0.")
+
+    def apply(state: TrainState, grads, sums, n_valid, version_inc):
+        loss_sum = sums["loss"]
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
         do_apply = finite & (n_valid > 0)
@@ -286,6 +296,10 @@ def build_update_fns(
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, train)
         updates, opt_state = tx.update(grads, state.opt_state, train)
         new_train = optax.apply_updates(train, updates)
+        if layers:  # auxiliary-loss-free balancing: the picks of this minibatch's tokens move the picking bias
+            params, head = split(new_train)
+            params = balance.nudge_bias(params, sums[ROUTER_COUNTS], cfg.router_bias_rate, layers)
+            new_train = (params, head) if critic else params
         keep = lambda new, old: jnp.where(do_apply, new, old)  # noqa: E731
         new_state = state.with_trainable(
             jax.tree.map(keep, new_train, train),

@@ -53,7 +53,7 @@ def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], 
         lambda: fns.zero_grads.lower(train).compile(),
         lambda: fns.zero_metrics.lower().compile(),
         lambda: fns.accumulate.lower(train, other, grads, sums, batch, scalar(jnp.int32)).compile(),
-        lambda: fns.apply.lower(state, grads, scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32)).compile(),
+        lambda: fns.apply.lower(state, grads, sums, scalar(jnp.float32), scalar(jnp.int32)).compile(),
     ]
     return thunks
 
