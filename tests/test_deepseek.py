@@ -226,6 +226,45 @@ def test_the_cache_holds_the_latent():
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_fresh_prefill_attends_expanded_and_caches_the_latent(arch):
+    """A prefill into an empty cache (fresh=True, the sampler's) attends in the expanded form: its hidden states equal
+    the absorbed form's and the cache-free forward's, and its cache holds the same latent rows."""
+    from areal_jax.models.transformer import init_cache
+
+    cfg = testing.tiny_config(arch)
+    model = testing.random_model(cfg, seed=6)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
+    absorbed, cache_a = model.hidden(tokens, positions, cache=init_cache(cfg, 2, 11))
+    expanded, cache_e = model.hidden(tokens, positions, cache=init_cache(cfg, 2, 11), fresh=True)
+    np.testing.assert_allclose(np.asarray(expanded), np.asarray(model.hidden(tokens)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(expanded), np.asarray(absorbed), atol=1e-5)
+    for a, e in zip((*cache_a.k, *cache_a.v), (*cache_e.k, *cache_e.v)):
+        assert a.shape == e.shape
+        np.testing.assert_allclose(np.asarray(e), np.asarray(a), atol=1e-5)
+
+    # the sampler's prefill takes that form (its prompts and recomputes start from an empty cache)
+    from areal_jax.models.mla import MLAttention
+    from areal_jax.sampler.prefill import prefill_rows
+
+    seen, qkv = [], MLAttention.qkv
+
+    def spy(self, *a, **kw):
+        seen.append(a[3] if len(a) > 3 else kw.get("cached", False))
+        return qkv(self, *a, **kw)
+
+    MLAttention.qkv = spy
+    try:
+        cache, logits = prefill_rows(model, cfg, tokens, jnp.asarray([11, 6]))
+    finally:
+        MLAttention.qkv = qkv
+    assert seen and set(seen) == {"fresh"}
+    np.testing.assert_allclose(np.asarray(cache.k[1]), np.asarray(cache_e.k[1]), atol=1e-6)
+    with pytest.raises(ValueError, match="fresh=True describes a prefill into an empty"):
+        model.hidden(tokens, fresh=True)
+
+
 def test_update_gradients_on_a_2x2_mesh_equal_one_devices():
     from tests.test_trainer import grads_agree_on_one_and_four_devices
 
@@ -238,8 +277,8 @@ def test_update_gradients_on_a_2x2_mesh_equal_one_devices():
 
 def test_head_width_192_on_accelerators():
     """Latent attention's heads are 192 wide (128 + 64): the training kernels lower for it (flash pads to a power of
-    two for Triton; splash for Mosaic), while the GPU paged-decode kernel (Triton: power-of-two blocks) cannot take
-    it, so paged sampling defaults to the gather path there and the kernel says why when asked."""
+    two for Triton; splash for Mosaic); the GPU paged-decode kernel takes such widths in pieces, a width that is not
+    a multiple of 16 gathers, and the kernel says why when asked."""
     from jax import export
 
     from areal_jax.models.flash_attention import flash_attention
@@ -257,9 +296,10 @@ def test_head_width_192_on_accelerators():
         text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=[platform],
                              disabled_checks=checks)(*shapes).mlir_module()
         assert text.count(f"@{kernel}") >= 3 and f"{t}x{t}x" not in text, platform
-    assert default_path(192, "gpu") == "gather" == default_path(192, "tpu")
-    assert default_path(128, "gpu") == "kernel" == default_path(128, "tpu")
-    pages = jnp.zeros((h, 4, 16, dh), jnp.bfloat16)
-    with pytest.raises(ValueError, match="needs head_dim a power of two, got 192"):
-        kernel_attention(jnp.zeros((2, 1, h, dh), jnp.bfloat16), PagedKVCache((pages,), (pages,)), 0,
+    # paged decode: GPUs read 192 (and the latent's 576) in power-of-two pieces (models.paged_pieces), TPUs gather
+    assert default_path(192, "gpu") == "kernel" == default_path(576, "gpu") and default_path(192, "tpu") == "gather"
+    assert default_path(128, "gpu") == "kernel" == default_path(128, "tpu") and default_path(200, "gpu") == "gather"
+    pages = jnp.zeros((h, 4, 16, 200), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16, got 200"):
+        kernel_attention(jnp.zeros((2, 1, h, 200), jnp.bfloat16), PagedKVCache((pages,), (pages,)), 0,
                          jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 1), jnp.int32), platform="gpu")

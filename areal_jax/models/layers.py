@@ -336,7 +336,9 @@ class DecoderLayer(nnx.Module):
         caller's function may also write; sinks: the layer's sink logits [H] float32, or None. routes [B, T, k],
         replay: a mixture-of-experts layer's given experts (`MoE.__call__`). With
         router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer).
-        cached: `attend` reads and writes a KV cache (the attention's cache form: `mla.MLAttention`)."""
+        cached: `attend` reads and writes a KV cache (the attention's cache form: `mla.MLAttention`); "fresh": the
+        cache is empty and the tokens sit at positions 0..T-1, so latent attention attends in its expanded form and
+        passes attend a fifth argument, the (k, v) rows the cache holds."""
         extras: list[dict] = []
 
         def ffn(h: jax.Array) -> jax.Array:
@@ -348,9 +350,9 @@ class DecoderLayer(nnx.Module):
             extras.append(found)
             return out
 
-        q, k, v = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin, cached)
+        q, k, v, *write = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin, cached)
         sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
-        a = self.attn.out(attend(q, k, v, sinks), cached)
+        a = self.attn.out(attend(q, k, v, sinks, *write), cached)
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

@@ -20,6 +20,11 @@ o_proj. The cache keeps the keys only (values of width 0: `cache_layout`, `cache
 (dense, ring, pages) runs it as one-head attention whose values are its keys, and a position costs Rkv + rope cached
 values a layer instead of 2 x H x (nope + rope): 576 against 6,144 at DeepSeek-V2-Lite's shape (10.7x less),
 against 49,152 at V3's (85x).
+
+A prefill into an empty cache (`cached="fresh"`: `Transformer.hidden(fresh=True)`, the sampler's prompts and
+recomputes) attends in the expanded form, over the call's own keys and values, and caches the latent: the
+projections cost the same, and each pair of positions scores nope + rope and mixes v dimensions instead of
+Rkv + rope and Rkv (3.4x fewer attention FLOPs at DeepSeek's shapes: `benchmarks/mla_prefill.py`).
 """
 from __future__ import annotations
 
@@ -85,8 +90,7 @@ class MLAttention(nnx.Module):
     def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return apply_rope(deinterleave(x) if self.shape.interleave else x, cos, sin)
 
-    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-            cached: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cached: bool | str = False) -> tuple:
         """x: [B, T, D] -> q, k, v [B, T, H, head_dim] in the compute dtype (v zero past its own width); cos, sin:
         the rope dims' table [B, T, rope]. q comes times `ModelConfig.attention_scale_factor` (YaRN's mscale_all_dim
         squared, else 1). cached: the latent form (module docstring): q [B, T, H, Rkv + rope], k [B, T, 1, Rkv +
@@ -102,7 +106,10 @@ class MLAttention(nnx.Module):
         k_rope = self._rope(latent[:, :, None, m.kv_lora_rank:], cos, sin)  # [B, T, 1, rope], shared by the heads
         q_rope = self._rope(q[..., m.nope:], cos, sin)
         factor = self.query_factor
-        if cached:
+        fresh = cached == "fresh"
+        if fresh:
+            latent_kv = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
+        if cached and not fresh:
             w_k = _weight(self.kv_b_proj, self.dtype)[..., :m.nope]  # [Rkv, H, nope]
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :m.nope], w_k, preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
@@ -118,13 +125,13 @@ class MLAttention(nnx.Module):
                 v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, self.head_dim - m.v)))
         if factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(factor)).astype(q.dtype)
-        return q, k, v
+        return (q, k, v, (latent_kv, latent_kv[..., :0])) if fresh else (q, k, v)
 
-    def out(self, attn: jax.Array, cached: bool = False) -> jax.Array:
-        """attn: [B, T, H, head_dim] -> [B, T, D] (the values' own width of it); cached: [B, T, H, Rkv + rope], a mix
-        of latents, through each head's value weights first."""
+    def out(self, attn: jax.Array, cached: bool | str = False) -> jax.Array:
+        """attn: [B, T, H, head_dim] -> [B, T, D] (the values' own width of it); cached (not "fresh"): [B, T, H,
+        Rkv + rope], a mix of latents, through each head's value weights first."""
         m = self.shape
-        if cached:
+        if cached and cached != "fresh":
             w_v = _weight(self.kv_b_proj, self.dtype)[..., m.nope:]  # [Rkv, H, v]
             attn = jnp.einsum("bthr,rhv->bthv", attn[..., :m.kv_lora_rank], w_v,
                               preferred_element_type=jnp.float32).astype(self.dtype)

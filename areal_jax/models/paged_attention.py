@@ -35,6 +35,7 @@ from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
+from areal_jax.models.paged_pieces import pieced_paged_attention, supports
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
 
 PagedPath = Literal["gather", "kernel"]
@@ -194,9 +195,10 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
             return _tpu_kernel(scaled, k_pages, v_pages, lengths, table, interpret, softcap)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        if dh & (dh - 1):
-            raise ValueError(f"the GPU paged-attention kernel needs head_dim a power of two, got {dh}; use the gather "
-                             "path (PagedEngine(attention='gather'), the default on GPUs for such models).")
+        if dh & (dh - 1):  # not a power of two: in power-of-two pieces (latent attention's 576), or refused
+            splits = _largest_power_of_two_divisor(per_row, 16)
+            return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap, splits=splits,
+                                          interpret=interpret)
         splits = _largest_power_of_two_divisor(per_row, 16)
         block = _largest_power_of_two_divisor(per_row // splits, 8)
         return paged_attention(scaled, k_pages, v_pages, table, lengths, attn_logits_soft_cap=softcap,
@@ -233,10 +235,11 @@ def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: j
 
 
 def default_path(head_dim: int | None = None, platform: str | None = None) -> PagedPath:
-    """"kernel" where a Pallas kernel reads pages in place: GPUs when head_dim (if given) is a power of two (Triton's
-    blocks; not latent attention's 192), TPUs when it is a multiple of 128; "gather" elsewhere (CPU)."""
+    """"kernel" where a Pallas kernel reads pages in place: GPUs when head_dim (if given) is a power of two (JAX's
+    kernel) or a multiple of 16 (`paged_pieces`: latent attention's 576), TPUs when it is a multiple of 128;
+    "gather" elsewhere (CPU)."""
     platform = jax.default_backend() if platform is None else platform
-    if platform == "gpu" and (head_dim is None or head_dim & (head_dim - 1) == 0):
+    if platform == "gpu" and (head_dim is None or head_dim & (head_dim - 1) == 0 or supports(head_dim)):
         return "kernel"
     if platform == "tpu" and (head_dim is None or head_dim % 128 == 0):
         return "kernel"

@@ -104,12 +104,13 @@ def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> 
                    v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
 
 
-def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None) -> jax.Array:
-    """One decoder layer of a cache forward (``attend`` writes and reads the cache); with ``picks`` (a list) an expert
-    layer appends the experts it sent each token to, [B, T, k]."""
+def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None,
+                 cached: bool | str = True) -> jax.Array:
+    """One decoder layer of a cache forward (``attend`` writes and reads the cache; cached: `DecoderLayer`'s); with
+    ``picks`` (a list) an expert layer appends the experts it sent each token to, [B, T, k]."""
     if picks is None:
-        return layer(x, *rope, attend, cached=True)
-    x, extras = layer(x, *rope, attend, record=True, cached=True)
+        return layer(x, *rope, attend, cached=cached)
+    x, extras = layer(x, *rope, attend, record=True, cached=cached)
     if extras is not None:
         picks.append(extras["routes"])
     return x
@@ -166,7 +167,7 @@ class Transformer(nnx.Module):
                cache: KVCache | None = None, *, attention: str = "auto",
                remat: str = "none", scan_layers: bool = False, ring: bool = False,
                router_stats: bool = False, routes: jax.Array | None = None, replay: bool = False,
-               record_routes: bool = False) -> jax.Array | tuple[jax.Array, Any]:
+               record_routes: bool = False, fresh: bool = False) -> jax.Array | tuple[jax.Array, Any]:
         """Final-norm hidden states h: [B, T, hidden_size] in the compute dtype (and the new cache if given).
 
         attention, remat, scan_layers: the cache-free (training) forward's attention backend, per-layer
@@ -178,7 +179,9 @@ class Transformer(nnx.Module):
         (segment id > 0), "agree" (router_stats and routes) [L_moe] how many of those tokens' own top-k picks are
         among the given routes, "routes" (record_routes) [B, T, L_moe, k] the experts each token went to. With a
         cache, record_routes returns (h, new cache, those routes) (the prefill's and decode's own experts: a sampler
-        records them for routing replay, `sampler.routes`).
+        records them for routing replay, `sampler.routes`). fresh: the cache is empty and every row's positions are
+        0..T-1 (a prefill from scratch), so latent attention attends over this call's expanded keys and values (a
+        third of the absorbed form's work per pair at DeepSeek's shapes) and caches only its latent.
         """
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
@@ -198,6 +201,9 @@ class Transformer(nnx.Module):
                 raise ValueError(f"routes must be [batch, time, mixture-of-experts layers, experts per token] = {want} "
                                  f"in the cache-free forward, got {routes.shape}"
                                  f"{' with a KV cache' if cache is not None else ''}.")
+        if fresh and (cache is None or ring):
+            raise ValueError("fresh=True describes a prefill into an empty (non-ring) KV cache: pass cache=init_cache("
+                             "cfg, batch, length) and ring=False, or leave fresh off.")
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache: in cache mode a query at position p "
@@ -246,16 +252,19 @@ class Transformer(nnx.Module):
             r = ks[i].shape[1]
             at = jnp.where(positions >= 0, positions % r, r) if ring and window is not None else write_at
 
-            def attend(q, k, v, sinks=None, i=i, window=window, at=at):
-                ks[i] = ks[i].at[rows, at].set(k.astype(ks[i].dtype), mode="drop")
-                vs[i] = vs[i].at[rows, at].set(v.astype(vs[i].dtype), mode="drop")
+            def attend(q, k, v, sinks=None, write=None, i=i, window=window, at=at):
+                ck, cv = (k, v) if write is None else write
+                ks[i] = ks[i].at[rows, at].set(ck.astype(ks[i].dtype), mode="drop")
+                vs[i] = vs[i].at[rows, at].set(cv.astype(vs[i].dtype), mode="drop")
+                if write is not None:  # fresh: this call's own keys and values are the whole context
+                    return cached_attention(q, k, v, positions, softcap=cfg.attn_logit_softcap, sinks=sinks)
                 values = cached_values(ks[i], vs[i])
                 if ring and window is not None:
                     return ring_attention(q, ks[i], values, positions, window, cfg.attn_logit_softcap, sinks)
                 return cached_attention(q, ks[i], values, positions, window=window, softcap=cfg.attn_logit_softcap,
                                         sinks=sinks)
 
-            x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None)
+            x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None, "fresh" if fresh else True)
         out = self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
         return (*out, stacked_routes(picks, b, t)) if record_routes else out
 
