@@ -62,7 +62,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
                                           ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
                                           ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),
-                                          ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down")])
+                                          ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down"),
+                                          ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do
@@ -92,9 +93,10 @@ def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
 def test_peft_refuses_dense_mlp_adapters_where_peft_reads_them_as_experts(tmp_path):
     """PEFT maps every target ending in gate_proj / up_proj / down_proj of a DeepSeek-V3 (or Qwen3-MoE, OLMoE) model
     onto the stacked experts, so adapters of a dense layer's MLP would load as something else: refused by name."""
-    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch="deepseek_v3", targets="all")
-    with pytest.raises(ValueError, match="layers.0.mlp.down_proj, layers.0.mlp.gate_proj, layers.0.mlp.up_proj"):
-        save_peft_adapter(model, lcfg, tmp_path / "adapter")
+    for arch in ("glm4_moe", "deepseek_v3"):  # GLM-4.5 (measured: such adapters moved peft's logits by 2.9)
+        base_dir, model, lcfg = adapted_checkpoint(tmp_path / arch, arch=arch, targets="all")
+        with pytest.raises(ValueError, match="layers.0.mlp.down_proj, layers.0.mlp.gate_proj, layers.0.mlp.up_proj"):
+            save_peft_adapter(model, lcfg, tmp_path / arch / "adapter")
     with pytest.raises(ValueError, match="names k, v, which this model's attention does not have; its projections "
                                          "are q_a, q_b, kv_a, kv_b, o"):
         lora.apply_lora(load_hf_checkpoint(base_dir), lora.LoRAConfig(targets="q_a,k,v"), rngs=nnx.Rngs(0))

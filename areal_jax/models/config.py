@@ -1,6 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
 Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
-gpt-oss, DeepSeek-V2 and DeepSeek-V3) and HF config.json I/O."""
+gpt-oss, DeepSeek-V2 / V3, GLM-4.5 and GLM-4.7-Flash) and HF config.json I/O (`hf_config`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +14,12 @@ import numpy as np
 
 from areal_jax.models import config_checks as checks
 
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
+                     "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "qwen3_moe", "mixtral", "granite", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
-                 "deepseek_v3")
+                 "granite", *MOE_ARCHITECTURES)
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+_ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -54,7 +53,8 @@ class ModelConfig:
       OLMo's q/k norm over all heads), "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones) and
       "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
       the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
-      expert, dense layers first) and "deepseek_v2" (the same with softmax routing).
+      expert, dense layers first), "deepseek_v2" (the same with softmax routing), "glm4_moe" (GLM-4.5: V3's experts
+      after grouped-query attention with partial RoPE) and "glm4_moe_lite" (GLM-4.7-Flash: V3's layer).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long

@@ -278,7 +278,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture != "smollm3":
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's; HF {cfg.architecture} "
                          "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture != "phi3":
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe"):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):

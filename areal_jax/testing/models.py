@@ -24,7 +24,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer; deepseek_v3 and deepseek_v2 as written at their branches below.
+    window of 8 over every other layer; deepseek_v3, deepseek_v2, glm4_moe and glm4_moe_lite as written at their
+    branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -93,6 +94,17 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       routed_scaling_factor=1.5, moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
                           "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
                           "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
+    if architecture == "glm4_moe_lite":  # GLM-4.7-Flash's form: DeepSeek-V3's layer (here without YaRN)
+        fields.update(num_kv_heads=4, head_dim=20, mla=MLA(24, 16, 12, 8, 10), num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_size=16, shared_expert_gated=False, norm_topk_prob=True,
+                      router_scoring="sigmoid", router_groups=(4, 2), router_score_bias=True, routed_scaling_factor=1.8,
+                      moe_layers=tuple(int(i > 0) for i in range(layers)))
+    if architecture == "glm4_moe":  # GLM-4.5's form: q/k/v bias, q/k norm (GLM-4.5; not -Air), half of each head
+        # rotating, a dense first layer, then DeepSeek-V3's router over 2 of 8 experts in the best 2 of 4 groups
+        fields.update(attention_bias=True, qk_norm=True, rotary_dim=8, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_size=16, shared_expert_gated=False, norm_topk_prob=True,
+                      router_scoring="sigmoid", router_groups=(4, 2), router_score_bias=True, routed_scaling_factor=2.5,
+                      moe_layers=tuple(int(i > 0) for i in range(layers)), rope_theta=1e6)
     fields.update(overrides)
     return ModelConfig(**fields)
 
