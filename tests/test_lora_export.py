@@ -63,7 +63,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
                                           ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),
                                           ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down"),
-                                          ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts")])
+                                          ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts"),
+                                          ("minimax_m2", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do

@@ -1,6 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
 Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
-gpt-oss, DeepSeek-V2 / V3, GLM-4.5 and GLM-4.7-Flash) and HF config.json I/O (`hf_config`)."""
+gpt-oss, DeepSeek-V2 / V3, GLM-4.5, GLM-4.7-Flash, MiniMax-M2) and HF config.json I/O (`hf_config`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
-                     "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+                     "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "granite", *MOE_ARCHITECTURES)
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
@@ -54,7 +54,8 @@ class ModelConfig:
       "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
       the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
       expert, dense layers first), "deepseek_v2" (the same with softmax routing), "glm4_moe" (GLM-4.5: V3's experts
-      after grouped-query attention with partial RoPE) and "glm4_moe_lite" (GLM-4.7-Flash: V3's layer).
+      after grouped-query attention with partial RoPE), "glm4_moe_lite" (GLM-4.7-Flash: V3's layer), "minimax_m2"
+      (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -162,8 +163,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"Unknown architecture {self.architecture!r}; supported architectures are {', '.join(ARCHITECTURES)}.")
+            raise ValueError(f"Unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}.")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             value = getattr(self, name)
@@ -312,8 +312,8 @@ class ModelConfig:
 
     @property
     def flat_qk_norm(self) -> bool:
-        """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE) rather than per head."""
-        return self.olmo or self.architecture == "olmoe"
+        """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE, MiniMax-M2), not per head."""
+        return self.olmo or self.architecture in ("olmoe", "minimax_m2")
 
     @property
     def attention_scale_factor(self) -> float:

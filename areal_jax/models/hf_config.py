@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import deepseek, gpt_oss
+from areal_jax.models import deepseek, gpt_oss, minimax
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
@@ -14,7 +14,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
              "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", **deepseek.HF_CLASSES}
+             "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", **deepseek.HF_CLASSES}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -34,7 +34,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
     layer, OLMo 3 all but every fourth. Outside Gemma and OLMo 3 (whose layer types also pick each layer's RoPE),
     a window at least as long as the model's context is dropped (it would change nothing)."""
-    if model_type in ("llama", "olmo2", "granite", "granitemoe", "olmoe"):
+    if model_type in ("llama", "olmo2", "granite", "granitemoe", "olmoe", "minimax_m2"):
         return None, None
     window = d.get("sliding_window")
     if model_type in ("mistral", "phi3", "mixtral"):
@@ -182,12 +182,15 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     max_pos = int(d.get("max_position_embeddings", 4096))
     window, layer_types = _hf_attention_layout(d, model_type, num_layers, max_pos)
     rope, local_theta = _hf_rope(d, model_type)
-    default_theta = {"gemma3": 1_000_000.0, "olmo3": 500_000.0, "gpt_oss": 150_000.0}.get(model_type, 10000.0)
+    default_theta = {"gemma3": 1e6, "olmo3": 5e5, "gpt_oss": 1.5e5, "minimax_m2": 5e6}.get(model_type, 10000.0)
     softcaps = {"gemma2": (d.get("attn_logit_softcapping", 50.0), d.get("final_logit_softcapping", 30.0))}.get(
         model_type, (None, None))
     theta = rope.pop("rope_theta", d.get("rope_theta", default_theta))
-    partial = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0 and model_type != "phi3":
+    heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    partial = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
+    partial = float(partial or (minimax.partial_factor(d, head_dim) if model_type == "minimax_m2" else None) or 1.0)
+    if partial != 1.0 and model_type not in ("phi3", "minimax_m2"):
         raise ValueError(f"partial_rotary_factor != 1 is not supported for {model_type} (only Phi's is).")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names of LongRoPE, as transformers reads them
@@ -195,8 +198,6 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rope.pop("type", None)
     if rope_type == "longrope":
         rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings", 4096))
-    heads = d["num_attention_heads"]
-    head_dim = d.get("head_dim") or d["hidden_size"] // heads
     return cls(
         architecture=model_type,
         vocab_size=d["vocab_size"],
@@ -211,7 +212,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "minimax_m2"),
         max_position_embeddings=max_pos,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
@@ -223,7 +224,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
-        **(_hf_experts(d, model_type, num_layers) if model_type != "gpt_oss" else gpt_oss.hf_fields(d)),
+        **({"gpt_oss": gpt_oss.hf_fields, "minimax_m2": minimax.hf_fields}.get(
+            model_type, lambda d: _hf_experts(d, model_type, num_layers))(d)),
         **({k: float(d.get(k, 1.0)) for k in _GRANITE_SCALARS} if model_type.startswith("granite") else {}),
         dtype=dtype,
         param_dtype=param_dtype,
@@ -239,6 +241,7 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
     gpt_oss.check_hf(cfg)
     deepseek.check_hf(cfg)
+    minimax.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
@@ -278,7 +281,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture != "smollm3":
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's; HF {cfg.architecture} "
                          "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe"):
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2"):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):
@@ -342,6 +345,8 @@ def config_to_hf(cfg: Any) -> dict:
                      output_router_logits=False)
     elif cfg.architecture == "gpt_oss":
         d.update(gpt_oss.hf_dict(cfg, sliding, types))
+    elif cfg.architecture == "minimax_m2":
+        d.update(minimax.hf_dict(cfg), rope_parameters={**rope_parameters, "partial_rotary_factor": cfg.rope_dim / cfg.head_dim})
     elif cfg.architecture == "olmoe":
         if cfg.expert_size != cfg.intermediate_size:
             raise ValueError("HF OLMoE's experts are of intermediate_size; set moe_intermediate_size=None.")

@@ -152,7 +152,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                 _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
                 _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
                 _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last")]
-    if cfg.architecture == "mixtral":
+    if cfg.architecture in ("mixtral", "minimax_m2"):
         base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
         base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -161,8 +161,9 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
-    if cfg.router_score_bias:  # DeepSeek-V3's picking bias
-        out.append(_Entry(path + ("router_score_bias",), f"{base}.gate.e_score_correction_bias", "same"))
+    if cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's beside its gate)
+        holder = base if cfg.architecture == "minimax_m2" else f"{base}.gate"
+        out.append(_Entry(path + ("router_score_bias",), f"{holder}.e_score_correction_bias", "same"))
     if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate; DeepSeek's shared_experts, ungated
         shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
         out += [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
