@@ -41,6 +41,8 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         c.model.moe_impl = "ragged"
     if arch in ("qwen3_moe", "deepseek_v3"):  # the sampler records each sample's experts; the trainer replays them
         c.train.router_replay = "replay"
+    if arch == "deepseek_v3":  # auxiliary-loss-free balancing moves the picking bias after each optimizer step
+        c.train.router_bias_rate = 0.01
     lines, trained = [], []
     job = RLJob(c, log_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
     update = job.trainer.update
@@ -80,5 +82,11 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         agreement = [m["train/moe_route_agreement"] for m in steps]
         assert len(agreement) == 2 and all(0.5 < a <= 1.0 for a in agreement), agreement
     exported = load_hf_checkpoint(os.path.join(c.run_dir, "hf", "step_2"))
+    if arch == "deepseek_v3":  # each optimizer step moved each expert's bias by -0.01, 0 or +0.01
+        steps = 2 * c.train.ppo_minibatches
+        moved = np.asarray(exported.layers[1].mlp.router_score_bias[...]) - np.asarray(
+            start.layers[1].mlp.router_score_bias[...])
+        assert np.abs(moved).max() > 0.005 and np.abs(moved).max() <= 0.01 * steps + 1e-6
+        np.testing.assert_allclose(moved * 100, np.round(moved * 100), atol=1e-4)
     assert exported.cfg.layer_types == cfg.layer_types and exported.cfg.sliding_window == window.get("sliding_window")
     assert exported.cfg.replace(dtype=cfg.dtype) == cfg.replace(eos_token_id=exported.cfg.eos_token_id)
