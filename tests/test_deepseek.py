@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA
 from areal_jax.models.routing import Scoring, route
 from areal_jax.system.loadgen import shape_config
 from areal_jax.testing import models as testing
-from areal_jax.testing.hf import hf_logits, random_tokens, randomize_torch
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
 
 DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
@@ -149,41 +148,14 @@ def test_v2_router_matches_transformers(groups):
     assert (got_w.sum(axis=1) < 1.5).all()  # softmax probabilities, not renormalised, times 1.5
 
 
-def _hf_model(cfg: ModelConfig, seed: int):
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
-    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    v3 = cfg.architecture == "deepseek_v3"
-    config_class = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config
-    model_class = transformers.DeepseekV3ForCausalLM if v3 else transformers.DeepseekV2ForCausalLM
-    hf_cfg = config_class(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    model = randomize_torch(model_class(hf_cfg).eval(), seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # a buffer, not a parameter: drawn here so that it changes picks
-        for layer in model.model.layers:
-            if v3 and hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
-    return model
-
-
 @pytest.mark.parity
 @pytest.mark.parametrize("arch,q_lora_rank", [("deepseek_v3", 24), ("deepseek_v3", None), ("deepseek_v2", None)])
 def test_model_matches_transformers_and_round_trips(tmp_path, arch, q_lora_rank):
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
-    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
     cfg = testing.tiny_config(arch, num_layers=3, mla=MLA(q_lora_rank, 16, 12, 8, 10))
-    hf = _hf_model(cfg, seed=1)
-    hf.save_pretrained(tmp_path / "hf")
     tokens = random_tokens(97, (2, 90), seed=2)  # past the YaRN original length (64)
-    ref = hf_logits(hf, tokens)
-    assert np.abs(ref).max() > 1.0
-    for attention in ("dense", "blocked"):
-        ours = load_hf_checkpoint(tmp_path / "hf")
-        assert ours.cfg == cfg
-        got = np.asarray(ours.unembed(ours.hidden(jnp.asarray(tokens), attention=attention)))
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=attention)
-    save_hf_checkpoint(ours, tmp_path / "ours")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    np.testing.assert_array_equal(hf_logits(again, tokens), ref)
+    assert_parity_and_round_trips(tmp_path, cfg, hf_model_of(cfg, seed=1), tokens)
 
 
 @pytest.mark.parametrize("arch,page_size", [("deepseek_v3", None), ("deepseek_v2", None), ("deepseek_v3", 8)])

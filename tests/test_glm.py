@@ -3,15 +3,13 @@ biases, optional q/k norm and half of each head rotating, then DeepSeek-V3's exp
 (GLM-4.7-Flash: DeepSeek-V3's latent attention and experts, its dense layers listed per layer). Configs as the released
 ones and as transformers reads them, logits against transformers' classes, checkpoint round trips both ways, the
 sampler against full forwards and a training step's gradients on a 2 x 2 mesh."""
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA
 from areal_jax.testing import models as testing
-from areal_jax.testing.hf import hf_logits, random_tokens, randomize_torch
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
 
 GLM_45_AIR = {  # zai-org/GLM-4.5-Air's shape: 46 layers (the first dense), 128 experts of 1408, top 8, one shared
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
@@ -54,22 +52,6 @@ def test_released_configs_read_as_transformers_reads_them():
         ModelConfig.from_hf_dict({"model_type": "glm4_moe_lite", "attention_bias": True})
 
 
-def _hf_model(cfg: ModelConfig, seed: int):
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
-    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    lite = cfg.architecture == "glm4_moe_lite"
-    config_class = transformers.Glm4MoeLiteConfig if lite else transformers.Glm4MoeConfig
-    model_class = transformers.Glm4MoeLiteForCausalLM if lite else transformers.Glm4MoeForCausalLM
-    hf_cfg = config_class(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    model = randomize_torch(model_class(hf_cfg).eval(), seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # a buffer, not a parameter: drawn here so that it changes picks
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
-    return model
-
-
 @pytest.mark.parity
 @pytest.mark.parametrize("arch,overrides", [
     ("glm4_moe", {}),                                                   # GLM-4.5: q/k norm, three layers
@@ -77,23 +59,10 @@ def _hf_model(cfg: ModelConfig, seed: int):
     ("glm4_moe_lite", {"moe_layers": (0, 1, 0)}),                       # GLM-4.7-Flash, a dense layer last too
 ])
 def test_model_matches_transformers_and_round_trips(tmp_path, arch, overrides):
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
-    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
     cfg = testing.tiny_config(arch, num_layers=3, **overrides)
-    hf = _hf_model(cfg, seed=1)
-    hf.save_pretrained(tmp_path / "hf")
-    tokens = random_tokens(97, (2, 40), seed=2)
-    ref = hf_logits(hf, tokens)
-    assert np.abs(ref).max() > 1.0
-    for attention in ("dense", "blocked"):
-        ours = load_hf_checkpoint(tmp_path / "hf")
-        assert ours.cfg == cfg
-        got = np.asarray(ours.unembed(ours.hidden(jnp.asarray(tokens), attention=attention)))
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=attention)
-    save_hf_checkpoint(ours, tmp_path / "ours")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(again) is type(hf)
-    np.testing.assert_array_equal(hf_logits(again, tokens), ref)
+    assert_parity_and_round_trips(tmp_path, cfg, hf_model_of(cfg, seed=1), random_tokens(97, (2, 40), seed=2))
 
 
 @pytest.mark.parametrize("arch,page_size", [("glm4_moe", None), ("glm4_moe", 8), ("glm4_moe_lite", 8)])

@@ -2,14 +2,12 @@
 against transformers' class (q/k norm over all heads, half of each head rotating, sigmoid routing with a picking bias
 beside Mixtral's experts), checkpoint round trips both ways, the sampler against full forwards, and the errors that
 name what transformers would run otherwise."""
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.testing import models as testing
-from areal_jax.testing.hf import hf_logits, random_tokens, randomize_torch
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
 
 MINIMAX_M2 = {  # MiniMaxAI/MiniMax-M2's shape: 62 layers of 8 of 256 experts, 64 of 128 dimensions rotating
     "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064, "hidden_size": 3072,
@@ -42,31 +40,14 @@ def test_released_config_reads_as_transformers_reads_it():
 @pytest.mark.parity
 @pytest.mark.parametrize("rotary_dim", [8, None])
 def test_model_matches_transformers_and_round_trips(tmp_path, rotary_dim):
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
-    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
     cfg = testing.tiny_config("minimax_m2", rotary_dim=rotary_dim)
-    hf_cfg = transformers.MiniMaxM2Config(**{k: v for k, v in cfg.to_hf_dict().items()
-                                             if k not in ("architectures", "model_type")})
-    hf = randomize_torch(transformers.MiniMaxM2ForCausalLM(hf_cfg).eval(), seed=1)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # a buffer, not a parameter: drawn here so that it changes picks
-        for layer in hf.model.layers:
-            layer.mlp.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
-    hf.save_pretrained(tmp_path / "hf")
-    tokens = random_tokens(97, (2, 40), seed=3)
-    ref = hf_logits(hf, tokens)
-    assert np.abs(ref).max() > 1.0
-    for attention in ("dense", "blocked"):
-        ours = load_hf_checkpoint(tmp_path / "hf")
-        assert ours.cfg == cfg
-        got = np.asarray(ours.unembed(ours.hidden(jnp.asarray(tokens), attention=attention)))
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=attention)
-    bias = np.asarray(ours.layers[0].mlp.router_score_bias[...])
-    np.testing.assert_array_equal(bias, hf.model.layers[0].mlp.e_score_correction_bias.numpy())
-    save_hf_checkpoint(ours, tmp_path / "ours")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(again) is type(hf)
-    np.testing.assert_array_equal(hf_logits(again, tokens), ref)
+    hf = hf_model_of(cfg, seed=1)
+    ours = assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 40), seed=3))
+    # the picking bias sits beside the gate in transformers' block, and read from there here
+    np.testing.assert_array_equal(np.asarray(ours.layers[0].mlp.router_score_bias[...]),
+                                  hf.model.layers[0].mlp.e_score_correction_bias.numpy())
 
 
 @pytest.mark.parametrize("page_size", [None, 8])

@@ -37,3 +37,46 @@ def hf_logits(model, tokens, positions=None) -> np.ndarray:
 
 def random_tokens(vocab: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+def hf_model_of(cfg, seed: int):
+    """transformers' model of a ModelConfig, built from the config.json it writes (`ModelConfig.to_hf_dict`), its
+    weights drawn by `randomize_torch` and any picking-bias buffer (e_score_correction_bias: DeepSeek-V3, GLM,
+    MiniMax-M2; a buffer, not a parameter) drawn too, large enough to change picks. Returns the model in eval mode."""
+    import torch
+    import transformers
+
+    d = cfg.to_hf_dict()
+    model_class = getattr(transformers, d["architectures"][0])
+    hf_cfg = model_class.config_class(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    model = randomize_torch(model_class(hf_cfg).eval(), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
+    return model
+
+
+def assert_parity_and_round_trips(tmp_path, cfg, hf, tokens, attentions=("dense", "blocked"), atol: float = 1e-4):
+    """The checkpoint of transformers' model `hf` loads here as `cfg` with hf's logits on each cache-free attention
+    path, and what this project saves loads in transformers as the same class with bit-equal logits."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
+
+    hf.save_pretrained(tmp_path / "hf")
+    ref = hf_logits(hf, tokens)
+    assert np.abs(ref).max() > 1.0  # the weights are large enough for the comparison to mean something
+    ours = load_hf_checkpoint(tmp_path / "hf")
+    assert ours.cfg == cfg
+    for attention in attentions:
+        got = np.asarray(ours.unembed(ours.hidden(jnp.asarray(tokens), attention=attention)))
+        np.testing.assert_allclose(got, ref, atol=atol, rtol=0, err_msg=attention)
+    save_hf_checkpoint(ours, tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(again) is type(hf)
+    np.testing.assert_array_equal(hf_logits(again, tokens), ref)
+    return ours
