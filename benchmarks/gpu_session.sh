@@ -52,7 +52,8 @@
 #              (~7 min).
 #   gptoss20b  the gpt-oss-20b shape (4 of 32 experts, 20.9B, attention sinks), bf16 random weights (42 GB): the
 #              sampler's steady state at 128 slots (the paged kernels take no sinks: their gather path) (~5 min).
-#   deepseek   the pieced paged kernel against the gather path at the latent's 576 (16 and 128 heads); the
+#   deepseek   the pieced paged kernel against the gather path at the latent's 576 (16 and 128 heads); latent
+#              attention's prefill expanded against absorbed (4 layers of V2-Lite, up to 16k tokens); the
 #              DeepSeek-V2-Lite shape (latent attention, 6 of 64 experts + 2 shared, 15.7B), bf16 random weights
 #              (31 GB): the sampler's steady state at 128 slots (its dense latent cache, 576 wide) (~6 min).
 #   staleness  the staleness ablation of the default math job (benchmarks/staleness_ablation.py, the same command
@@ -236,6 +237,7 @@ EOF
     ;;
   deepseek)
     step deepseek_paged_kernel 120 $PY benchmarks/paged_pieces.py --rows 128 --context 2048
+    step deepseek_prefill 150 $PY benchmarks/mla_prefill.py --dtype bfloat16 --layers 4 --lengths 1024,4096,16384
     step deepseek_paged_kernel_v3 120 $PY benchmarks/paged_pieces.py --rows 64 --context 8192 --heads 128
     step deepseek_sampler 300 $PY benchmarks/sampler.py --preset deepseek-v2-lite --num-prompts 512 --decode-steps 16 \
       --skip-hf --skip-static --steady --warmup-seconds 3 --steady-seconds 8

@@ -53,7 +53,8 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
     want = {"benchmarks/trainer.py", "benchmarks/trace_top.py", "benchmarks/sampler.py", "benchmarks/handoff.py",
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
             "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
-            "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py", "benchmarks/paged_pieces.py"}
+            "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py", "benchmarks/paged_pieces.py",
+            "benchmarks/mla_prefill.py"}
     assert set(parsed) == want and len(parsed) >= 20
 
 
