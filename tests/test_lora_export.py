@@ -64,7 +64,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),
                                           ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down"),
                                           ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts"),
-                                          ("minimax_m2", "attn,experts")])
+                                          ("minimax_m2", "attn,experts"), ("ernie4_5", "all"),
+                                          ("ernie4_5_moe", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do
@@ -94,7 +95,8 @@ def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
 def test_peft_refuses_dense_mlp_adapters_where_peft_reads_them_as_experts(tmp_path):
     """PEFT maps every target ending in gate_proj / up_proj / down_proj of a DeepSeek-V3 (or Qwen3-MoE, OLMoE) model
     onto the stacked experts, so adapters of a dense layer's MLP would load as something else: refused by name."""
-    for arch in ("glm4_moe", "deepseek_v3"):  # GLM-4.5 (measured: such adapters moved peft's logits by 2.9)
+    for arch in ("glm4_moe", "ernie4_5_moe", "deepseek_v3"):  # measured: such adapters moved peft's logits by 2.9
+        # (GLM-4.5) and 1.9 (ERNIE 4.5)
         base_dir, model, lcfg = adapted_checkpoint(tmp_path / arch, arch=arch, targets="all")
         with pytest.raises(ValueError, match="layers.0.mlp.down_proj, layers.0.mlp.gate_proj, layers.0.mlp.up_proj"):
             save_peft_adapter(model, lcfg, tmp_path / arch / "adapter")

@@ -1,6 +1,6 @@
 """ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
 Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
-gpt-oss, DeepSeek-V2 / V3, GLM-4.5, GLM-4.7-Flash, MiniMax-M2) and HF config.json I/O (`hf_config`)."""
+gpt-oss, DeepSeek-V2 / V3, GLM-4.5, GLM-4.7-Flash, MiniMax-M2, ERNIE 4.5) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +15,9 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
-                     "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2")
+                     "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "granite", *MOE_ARCHITECTURES)
+                 "granite", "ernie4_5", *MOE_ARCHITECTURES)
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -55,7 +55,8 @@ class ModelConfig:
       the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
       expert, dense layers first), "deepseek_v2" (the same with softmax routing), "glm4_moe" (GLM-4.5: V3's experts
       after grouped-query attention with partial RoPE), "glm4_moe_lite" (GLM-4.7-Flash: V3's layer), "minimax_m2"
-      (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups).
+      (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
+      (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -72,7 +73,7 @@ class ModelConfig:
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
     rope_layers: per layer 1 (rotary embeddings) or 0 (none: SmolLM3's NoPE layers); None: every layer rotates.
     rotary_dim: the leading dimensions of each head that rotate (Phi's partial_rotary_factor; the rest pass
-      through); None: all head_dim.
+      through); None: all head_dim. rope_interleave: they rotate as pairs (x0, x1), (x2, x3), ... (ERNIE 4.5), not halves.
     attn_logit_softcap, final_logit_softcap: Gemma 2's tanh soft-capping, c * tanh(x / c), of the attention
       scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does); attention_out_bias: o_proj too.
@@ -134,6 +135,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_layers: tuple[int, ...] | None = None
     rotary_dim: int | None = None
+    rope_interleave: bool = False
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     embedding_multiplier: float | None = None
@@ -174,13 +176,7 @@ class ModelConfig:
                              f"({self.num_kv_heads}) for grouped-query attention.")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
-        if self.rotary_dim is not None:
-            if not isinstance(self.rotary_dim, (int, np.integer)) or not 2 <= self.rotary_dim <= self.head_dim \
-                    or self.rotary_dim % 2:
-                raise ValueError(f"ModelConfig.rotary_dim must be an even number in [2, head_dim={self.head_dim}] "
-                                 f"or None, got {self.rotary_dim!r}.")
-            if self.rotary_dim == self.head_dim:
-                object.__setattr__(self, "rotary_dim", None)
+        checks.check_rotary(self)
         for name in ("attn_logit_softcap", "final_logit_softcap", "embedding_multiplier", "residual_multiplier",
                      "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)

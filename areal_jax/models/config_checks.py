@@ -68,9 +68,23 @@ def check_mla(cfg) -> None:
         raise ValueError(f"latent attention {m} needs head_dim = nope + rope = {m.nope + m.rope}, num_kv_heads = "
                          f"num_heads = {cfg.num_heads} and v <= head_dim; got head_dim={cfg.head_dim}, num_kv_heads="
                          f"{cfg.num_kv_heads}.")
-    if cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None or cfg.attention_sinks:
-        raise ValueError("latent attention has its own projections and norms: set attention_bias=False, "
-                         "qk_norm=False, rotary_dim=None, attention_sinks=False.")
+    if cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None or cfg.attention_sinks or cfg.rope_interleave:
+        raise ValueError("latent attention has its own projections, norms and rotary layout (MLA.interleave): set "
+                         "attention_bias=False, qk_norm=False, rotary_dim=None, attention_sinks=False, "
+                         "rope_interleave=False.")
+
+
+def check_rotary(cfg) -> None:
+    """rotary_dim: an even number of a head's dimensions (all of them is stored as None); rope_interleave a bool."""
+    if cfg.rotary_dim is not None:
+        if not isinstance(cfg.rotary_dim, (int, np.integer)) or not 2 <= cfg.rotary_dim <= cfg.head_dim \
+                or cfg.rotary_dim % 2:
+            raise ValueError(f"ModelConfig.rotary_dim must be an even number in [2, head_dim={cfg.head_dim}] "
+                             f"or None, got {cfg.rotary_dim!r}.")
+        if cfg.rotary_dim == cfg.head_dim:
+            object.__setattr__(cfg, "rotary_dim", None)
+    if not isinstance(cfg.rope_interleave, bool):
+        raise ValueError(f"ModelConfig.rope_interleave must be True or False, got {cfg.rope_interleave!r}.")
 
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")

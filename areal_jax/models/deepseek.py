@@ -147,8 +147,10 @@ def check_hf(cfg: Any) -> None:
                router_groups=cfg.router_groups is not None, router_score_bias=cfg.router_score_bias,
                routed_scaling_factor=cfg.routed_scaling_factor != 1.0, shared_expert_gated=not cfg.shared_expert_gated)
     arch = cfg.architecture
-    if arch not in HF_CLASSES:  # MiniMax-M2 has V3's sigmoid scores and picking bias (models.minimax checks them)
-        used = [k for k, v in own.items() if v and not (arch == "minimax_m2" and k.startswith("router_s"))]
+    if arch not in HF_CLASSES:  # MiniMax-M2's and ERNIE's routers have picking biases (their modules check them)
+        theirs = {"minimax_m2": ("router_scoring", "router_score_bias"),
+                  "ernie4_5_moe": ("router_score_bias", "shared_expert_gated")}.get(arch, ())
+        used = [k for k, v in own.items() if v and k not in theirs]
         if used:
             raise ValueError(f"{', '.join(used)} are DeepSeek's; HF {arch} has none. Leave them at "
                              "their defaults or use architecture='deepseek_v3'.")

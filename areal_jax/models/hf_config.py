@@ -6,15 +6,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import deepseek, gpt_oss, minimax
+from areal_jax.models import deepseek, ernie, gpt_oss, minimax
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
-_HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
-             "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", **deepseek.HF_CLASSES}
+_HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
+             "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+             "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3_moe":
+             "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM", "granitemoe":
+             "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
+             "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", **deepseek.HF_CLASSES, **ernie.HF_CLASSES}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
@@ -142,11 +142,11 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     if model_type == "gemma3":  # keys a Gemma 3 config.json leaves out take transformers' defaults
         d = {**_GEMMA3_TEXT_DEFAULTS, **d}
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures="
-                         f"{d.get('architectures')!r}; supported model types are "
-                         f"{', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
-    if model_type in deepseek.HF_CLASSES:
-        return deepseek.config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
+        raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures={d.get('architectures')!r}; "
+                         f"supported model types are {', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
+    family = next((f for f in (deepseek, ernie) if model_type in f.HF_CLASSES), None)  # their own modules read them
+    if family is not None:
+        return family.config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:
@@ -239,9 +239,8 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    gpt_oss.check_hf(cfg)
-    deepseek.check_hf(cfg)
-    minimax.check_hf(cfg)
+    for family in (gpt_oss, deepseek, minimax, ernie):
+        family.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
@@ -267,7 +266,7 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
-    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", *deepseek.HF_CLASSES):
+    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
@@ -325,8 +324,9 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
-    if cfg.architecture in deepseek.HF_CLASSES:
-        return deepseek.config_to_hf(cfg, d)
+    family = next((f for f in (deepseek, ernie) if cfg.architecture in f.HF_CLASSES), None)
+    if family is not None:
+        return family.config_to_hf(cfg, d)
     if cfg.architecture not in ("qwen2", "qwen2_moe", "gpt_oss"):
         d["attention_bias"] = False
     if cfg.architecture == "llama":

@@ -17,7 +17,7 @@ class _Entry:
 
     kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
     "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)];
-    "swap_last": ours [E, a, b] <-> HF [E, b, a] (Granite's stacked experts).
+    "swap_last": ours [E, a, b] <-> HF [E, b, a] (Granite's stacked experts); "row": ours [N] <-> HF [1, N].
     rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
     gate_up_proj; for "swap_last", its second: Granite's input_linear): ours is its rows start..stop of total.
     expert: the HF tensor is this expert's slice of ours (ours stacks a layer's experts on its first axis; HF
@@ -60,6 +60,8 @@ class _Entry:
             return (int(np.prod(shape[1:])), shape[0])
         if self.kind == "swap_last":
             return (shape[0], shape[2], shape[1])
+        if self.kind == "row":
+            return (1, *shape)
         return (shape[-1], int(np.prod(shape[:-1])))
 
     def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -67,7 +69,7 @@ class _Entry:
             shape = shape[1:]
         if self.interleave is not None:
             hf = hf[..., self.interleave[0]::self.interleave[1]]
-        if self.kind in ("same", "flat"):
+        if self.kind in ("same", "flat", "row"):
             return hf.reshape(shape)
         if self.kind == "swap_last":
             return hf.transpose(0, 2, 1).reshape(shape)
@@ -78,6 +80,8 @@ class _Entry:
             return ours
         if self.kind == "flat":
             return ours.reshape(-1)
+        if self.kind == "row":
+            return ours[None]
         if self.kind == "swap_last":
             return ours.transpose(0, 2, 1)
         if self.kind == "in_first":
@@ -161,7 +165,9 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
-    if cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's beside its gate)
+    if cfg.architecture == "ernie4_5_moe":  # ERNIE 4.5's picking bias, [1, E] in its moe_statics
+        out.append(_Entry(path + ("router_score_bias",), f"{base}.moe_statics.e_score_correction_bias", "row"))
+    elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's beside its gate)
         holder = base if cfg.architecture == "minimax_m2" else f"{base}.gate"
         out.append(_Entry(path + ("router_score_bias",), f"{holder}.e_score_correction_bias", "same"))
     if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate; DeepSeek's shared_experts, ungated

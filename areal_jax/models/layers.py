@@ -158,6 +158,15 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0)
     return jnp.cos(emb) * jnp.float32(scale), jnp.sin(emb) * jnp.float32(scale)
 
 
+def deinterleave(x: jax.Array, width: int | None = None) -> jax.Array:
+    """x [..., d] whose first `width` (default all) dimensions hold rotary pairs (x0, x1), (x2, x3), ... -> the
+    same with those as halves (x0, x2, ..., x1, x3, ...), the layout `apply_rope` rotates. Permuting queries and
+    keys alike leaves their products unchanged (ERNIE 4.5's and DeepSeek's interleaved RoPE)."""
+    width = x.shape[-1] if width is None else width
+    rotary = x[..., :width]
+    return jnp.concatenate([rotary[..., 0::2], rotary[..., 1::2], x[..., width:]], axis=-1)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x: [B, T, N, head_dim]; cos/sin: [B, T, d] float32, d <= head_dim. x*cos + rotate_half(x)*sin on the first d
     dimensions (partial rotary embeddings: the rest pass through), in x's dtype."""
@@ -256,6 +265,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
         self.query_factor = cfg.attention_scale_factor
+        self.rope_interleave = cfg.rope_interleave
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
         y = project(x, w, self.dtype)
@@ -275,6 +285,8 @@ class Attention(nnx.Module):
             k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_interleave:  # pairs to halves, queries and keys alike (their products unchanged)
+            q, k = deinterleave(q, cos.shape[-1]), deinterleave(k, cos.shape[-1])
         q = apply_rope(q, cos, sin)
         if self.query_factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)

@@ -37,7 +37,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA  # noqa: F401 (the shapes' type)
-from areal_jax.models.layers import RMSNorm, apply_rope, make_param, project
+from areal_jax.models.layers import RMSNorm, apply_rope, deinterleave, make_param, project
 
 
 def cache_layout(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -57,12 +57,6 @@ def cached_values(k: Any, v: Any) -> Any:
 def _weight(w: Any, dtype: Any) -> jax.Array:
     """A projection's weight in `dtype`, a LoRA-adapted one's with its adapters folded in."""
     return w[...].astype(dtype) if isinstance(w, nnx.Variable) else w.merged(dtype)
-
-
-def deinterleave(x: jax.Array) -> jax.Array:
-    """[..., d] with rotary pairs (x0, x1), (x2, x3), ... -> [..., d] as halves (x0, x2, ..., x1, x3, ...), the
-    layout `layers.apply_rope` rotates."""
-    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 class MLAttention(nnx.Module):
