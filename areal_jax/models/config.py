@@ -17,7 +17,7 @@ from areal_jax.models import config_checks as checks
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "granite", "ernie4_5", *MOE_ARCHITECTURES)
+                 "granite", "ernie4_5", "glm4", *MOE_ARCHITECTURES)
 MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -56,7 +56,8 @@ class ModelConfig:
       expert, dense layers first), "deepseek_v2" (the same with softmax routing), "glm4_moe" (GLM-4.5: V3's experts
       after grouped-query attention with partial RoPE), "glm4_moe_lite" (GLM-4.7-Flash: V3's layer), "minimax_m2"
       (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
-      (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts).
+      (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
+      interleaved RoPE, Gemma's four norms).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -296,14 +297,17 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's layer form: norms scale by 1 + w (stored as w), a norm on the attention output and around the
-        MLP, a GELU-tanh MLP, embeddings times sqrt(hidden_size) (Gemma 2 and 3)."""
+        """Gemma's layer form: norms scale by 1 + w (stored as w), `sandwich_norms`, GELU-tanh, embeddings x sqrt(D)."""
         return self.architecture in ("gemma2", "gemma3")
 
     @property
+    def sandwich_norms(self) -> bool:
+        """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4)."""
+        return self.gemma or self.architecture == "glm4"
+
+    @property
     def olmo(self) -> bool:
-        """OLMo 2 / 3's layer form: x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either), and q/k
-        norms over the whole projection (all heads together) rather than per head."""
+        """OLMo 2 / 3's layer form: x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either); flat q/k norms."""
         return self.architecture in ("olmo2", "olmo3")
 
     @property

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import deepseek, ernie, gpt_oss, minimax
+from areal_jax.models import deepseek, ernie, glm4, gpt_oss, minimax
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
@@ -14,17 +14,16 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3_moe":
              "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM", "granitemoe":
              "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
-             "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", **deepseek.HF_CLASSES, **ernie.HF_CLASSES}
+             "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM", **deepseek.HF_CLASSES,
+             **ernie.HF_CLASSES}
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
-# transformers' Gemma3TextConfig defaults: the hub's image-and-text checkpoints (4B, 12B, 27B) list only the keys of
-# their text_config that differ from these.
+# transformers' Gemma3TextConfig defaults: the image-and-text checkpoints' text_config lists only the keys that differ
 _GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "bos_token_id": 2,
-    "eos_token_id": 1}
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "bos_token_id": 2, "eos_token_id": 1}
 
 
 def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
@@ -34,7 +33,7 @@ def _hf_attention_layout(d: dict, model_type: str, num_layers: int,
     max_window_layers on) when use_sliding_window is set; Gemma 3 slides all but every sliding_window_pattern-th
     layer, OLMo 3 all but every fourth. Outside Gemma and OLMo 3 (whose layer types also pick each layer's RoPE),
     a window at least as long as the model's context is dropped (it would change nothing)."""
-    if model_type in ("llama", "olmo2", "granite", "granitemoe", "olmoe", "minimax_m2"):
+    if model_type in ("llama", "olmo2", "granite", "granitemoe", "olmoe", "minimax_m2", "glm4"):
         return None, None
     window = d.get("sliding_window")
     if model_type in ("mistral", "phi3", "mixtral"):
@@ -171,7 +170,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
                          "have it null.")
     if model_type in ("qwen2", "qwen2_moe"):
         attention_bias = True
-    elif model_type == "gpt_oss":
+    elif model_type in ("gpt_oss", "glm4"):  # q/k/v biases by default (and gpt-oss's o_proj one with them)
         attention_bias = bool(d.get("attention_bias", True))
     else:
         if d.get("attention_bias"):
@@ -189,8 +188,9 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     partial = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
-    partial = float(partial or (minimax.partial_factor(d, head_dim) if model_type == "minimax_m2" else None) or 1.0)
-    if partial != 1.0 and model_type not in ("phi3", "minimax_m2"):
+    partial = float(partial or {"minimax_m2": minimax.partial_factor(d, head_dim), "glm4": glm4.PARTIAL_ROTARY}.get(
+        model_type) or 1.0)
+    if partial != 1.0 and model_type not in ("phi3", "minimax_m2", "glm4"):
         raise ValueError(f"partial_rotary_factor != 1 is not supported for {model_type} (only Phi's is).")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names of LongRoPE, as transformers reads them
@@ -221,7 +221,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rope_local_theta=local_theta,
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
         rope_layers=_hf_rope_layers(d, model_type, num_layers),
-        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None, rope_interleave=model_type == "glm4",
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
         **({"gpt_oss": gpt_oss.hf_fields, "minimax_m2": minimax.hf_fields}.get(
@@ -239,7 +239,7 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    for family in (gpt_oss, deepseek, minimax, ernie):
+    for family in (gpt_oss, deepseek, minimax, ernie, glm4):
         family.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
@@ -280,7 +280,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture != "smollm3":
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's; HF {cfg.architecture} "
                          "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2"):
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4"):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):
@@ -345,8 +345,8 @@ def config_to_hf(cfg: Any) -> dict:
                      output_router_logits=False)
     elif cfg.architecture == "gpt_oss":
         d.update(gpt_oss.hf_dict(cfg, sliding, types))
-    elif cfg.architecture == "minimax_m2":
-        d.update(minimax.hf_dict(cfg), rope_parameters={**rope_parameters, "partial_rotary_factor": cfg.rope_dim / cfg.head_dim})
+    elif cfg.architecture in ("minimax_m2", "glm4"):
+        d.update(minimax.hf_dict(cfg, rope_parameters) if cfg.architecture == "minimax_m2" else glm4.hf_dict(cfg, rope_parameters))
     elif cfg.architecture == "olmoe":
         if cfg.expert_size != cfg.intermediate_size:
             raise ValueError("HF OLMoE's experts are of intermediate_size; set moe_intermediate_size=None.")

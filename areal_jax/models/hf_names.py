@@ -93,7 +93,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj
+    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj (GLM-4: the latter)
+    glm4 = cfg.architecture == "glm4"  # its four norms' names
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
@@ -112,14 +113,16 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         if cfg.qk_norm:
             entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
             entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
-        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.post_attention_layernorm.weight", "same"))
-        if cfg.gemma:
-            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", "same"))
-        if cfg.gemma or cfg.olmo:
-            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", "same"))
+        post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
+            if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.{post_attn}.weight", "same"))
+        if cfg.sandwich_norms:
+            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
+        if cfg.sandwich_norms or cfg.olmo:
+            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
         if cfg.layer_is_moe(i):
             entries.extend(_expert_entries(cfg, p + ("mlp",), hf))
-        elif fused:
+        elif fused or glm4:
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
             entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
         else:

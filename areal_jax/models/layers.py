@@ -336,8 +336,8 @@ class DecoderLayer(nnx.Module):
         self.attn = MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
-        self.pre_ffn_norm = norm() if cfg.gemma else None
-        self.post_ffn_norm = norm() if cfg.gemma or cfg.olmo else None
+        self.pre_ffn_norm = norm() if cfg.sandwich_norms else None
+        self.post_ffn_norm = norm() if cfg.sandwich_norms or cfg.olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,

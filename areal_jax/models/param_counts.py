@@ -20,7 +20,7 @@ def num_params(cfg: Any) -> int:
     attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
     if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
-    layer = attn + (4 if cfg.gemma else 2) * d
+    layer = attn + (4 if cfg.sandwich_norms else 2) * d
     shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0

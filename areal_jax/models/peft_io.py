@@ -64,6 +64,8 @@ _FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # phi3's
 def _fused_module(model_or_cfg: Any, short: str) -> str | None:
     """The fused HF module holding projection `short` in this model's family (phi3), else None."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    if getattr(cfg, "architecture", None) == "glm4":  # GLM-4 fuses gate and up only
+        return "gate_up_proj" if short in _FUSED["gate_up_proj"] else None
     if getattr(cfg, "architecture", None) != "phi3":
         return None
     return next((m for m, parts in _FUSED.items() if short in parts), None)

@@ -24,8 +24,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, ernie4_5 and
-    ernie4_5_moe as written at their branches below.
+    window of 8 over every other layer; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    and ernie4_5_moe as written at their branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -109,6 +109,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # intermediate_size in every layer by sigmoid scores with a picking bias, renormalised
         fields.update(qk_norm=True, rotary_dim=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, rope_theta=5e6)
+    if architecture == "glm4":  # GLM-4-0414's form: q/k/v bias, half of each head rotating as interleaved pairs
+        fields.update(attention_bias=True, rotary_dim=8, rope_interleave=True)
     if architecture in ("ernie4_5", "ernie4_5_moe"):  # RoPE on interleaved pairs; the MoE's: a dense first layer,
         # then 2 of 8 experts picked by softmax probabilities plus a bias, renormalised, and two shared experts
         fields.update(rope_interleave=True, rope_theta=500000.0, eos_token_id=2)
