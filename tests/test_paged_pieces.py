@@ -65,7 +65,7 @@ def test_latent_attention_decodes_through_the_kernel():
     kernel path (GPU kernel, interpreted) and on the gather path: equal logits, equal to the full forward's."""
     cfg = testing.tiny_config("deepseek_v3", head_dim=28, mla=MLA(24, 32, 12, 16, 10))
     model = testing.random_model(cfg, seed=3)
-    assert default_path(48, "gpu") == "kernel" and default_path(48, "cpu") == "gather"
+    assert default_path(48, "gpu") == "gather" == default_path(48, "cpu")  # the kernel on request until measured
     seqs = np.random.default_rng(4).integers(3, cfg.vocab_size, (2, 14)).astype(np.int32)
     prompt, ps = 13, 4
     table = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)

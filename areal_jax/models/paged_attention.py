@@ -35,7 +35,7 @@ from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
-from areal_jax.models.paged_pieces import pieced_paged_attention, supports
+from areal_jax.models.paged_pieces import pieced_paged_attention
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
 
 PagedPath = Literal["gather", "kernel"]
@@ -236,10 +236,11 @@ def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: j
 
 def default_path(head_dim: int | None = None, platform: str | None = None) -> PagedPath:
     """"kernel" where a Pallas kernel reads pages in place: GPUs when head_dim (if given) is a power of two (JAX's
-    kernel) or a multiple of 16 (`paged_pieces`: latent attention's 576), TPUs when it is a multiple of 128;
-    "gather" elsewhere (CPU)."""
+    kernel), TPUs when it is a multiple of 128; "gather" elsewhere (CPU). Other widths that are multiples of 16
+    (latent attention's 576) take `paged_pieces`' kernel when "kernel" is asked for; it is not the default until it
+    has run on a GPU (`benchmarks/paged_pieces.py`)."""
     platform = jax.default_backend() if platform is None else platform
-    if platform == "gpu" and (head_dim is None or head_dim & (head_dim - 1) == 0 or supports(head_dim)):
+    if platform == "gpu" and (head_dim is None or head_dim & (head_dim - 1) == 0):
         return "kernel"
     if platform == "tpu" and (head_dim is None or head_dim % 128 == 0):
         return "kernel"
