@@ -11,7 +11,8 @@ difference is the attention itself, which grows with the prompt's length.
 
 Per length the script prints the best wall time of each form, the ratio (absorbed / expanded: > 1 means the expanded
 form is faster) and the attention FLOPs worked by hand: 2 * (T^2 / 2) * H * (dims scored + dims mixed) per layer
-(XLA's cost analysis counts the cache attention's loop body once, so it cannot show them). Ends with one JSON line.
+(XLA's cost analysis counts the cache attention's loop body once, so it cannot show them), beside the device's
+measured matmul peak in the dtype. Ends with one JSON line.
 
     python benchmarks/mla_prefill.py                                   # V2-Lite's widths, 2 layers, float32 CPU
     python benchmarks/mla_prefill.py --lengths 1024,4096,16384 --dtype bfloat16 --layers 4   # on an accelerator
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import best_seconds  # noqa: E402
+from common import best_seconds, device_peak_gflops  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from areal_jax.models import Transformer, init_cache  # noqa: E402
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     device = jax.devices()[0].device_kind
-    print(f"{args.preset} widths, {args.layers} layers, {args.dtype}, on {jax.default_backend()} ({device})")
+    peak = device_peak_gflops(args.dtype)
+    print(f"{args.preset} widths, {args.layers} layers, {args.dtype}, on {jax.default_backend()} ({device}); "
+          f"measured {args.dtype} matmul peak {peak:.0f} GFLOP/s")
 
     def program(fresh: bool, t: int):
         def run(state, tokens):
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{t:>7} {row['absorbed_s']:>11.3f} {row['expanded_s']:>11.3f} {row['ratio']:>6.2f} "
               f"{row['absorbed_attention_gflop']:>15.1f} / {row['expanded_attention_gflop']:<8.1f}")
     out = {"benchmark": "mla_prefill", "preset": args.preset, "layers": args.layers, "dtype": args.dtype,
-           "backend": jax.default_backend(), "device": device, "rows": rows}
+           "backend": jax.default_backend(), "device": device, "peak_gflops": peak, "rows": rows}
     print(json.dumps(out))
     return out
 

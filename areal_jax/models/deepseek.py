@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.config_checks import MLA
+from areal_jax.models.glm4 import partial_rotary_keys
 
 HF_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
               "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
@@ -203,9 +204,7 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
     if arch in ("deepseek_v3", "glm4_moe"):
         d["num_nextn_predict_layers"] = 0  # the multi-token-prediction module is not kept
     if arch == "glm4_moe":
-        partial = cfg.rope_dim / cfg.head_dim
-        d["rope_parameters"] = {**d["rope_parameters"], "partial_rotary_factor": partial}
-        d.update(first_k_dense_replace=first_dense, use_qk_norm=cfg.qk_norm, partial_rotary_factor=partial)
+        d.update(first_k_dense_replace=first_dense, use_qk_norm=cfg.qk_norm, **partial_rotary_keys(cfg, d))
     if arch == "glm4_moe_lite":
         d["mlp_layer_types"] = ["sparse" if f else "dense" for f in moe]
     return d

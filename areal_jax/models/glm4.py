@@ -23,8 +23,13 @@ def check_hf(cfg: Any) -> None:
                          "rope_interleave=True, qk_norm=False, sliding_window=None.")
 
 
-def hf_dict(cfg: Any, rope_parameters: dict) -> dict:
-    """GLM-4's own config.json keys (beside hf_config's common ones)."""
+def hf_dict(cfg: Any) -> dict:
+    """GLM-4's own config.json keys (beside hf_config's common ones and `partial_rotary_keys`)."""
+    return dict(attention_bias=cfg.attention_bias, pad_token_id=None)
+
+
+def partial_rotary_keys(cfg: Any, d: dict) -> dict:
+    """partial_rotary_factor (rope_dim / head_dim) where transformers reads it: at the top of config.json `d` and in
+    its rope_parameters (Phi-3, GLM-4, GLM-4.5, MiniMax-M2)."""
     partial = cfg.rope_dim / cfg.head_dim
-    return dict(attention_bias=cfg.attention_bias, partial_rotary_factor=partial, pad_token_id=None,
-                rope_parameters={**rope_parameters, "partial_rotary_factor": partial})
+    return dict(partial_rotary_factor=partial, rope_parameters={**d["rope_parameters"], "partial_rotary_factor": partial})

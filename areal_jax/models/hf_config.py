@@ -16,6 +16,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
              "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM", **deepseek.HF_CLASSES,
              **ernie.HF_CLASSES}
+_OWN_MODULE = {arch: m for m in (deepseek, ernie) for arch in m.HF_CLASSES}  # families whose modules read and write
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the image-and-text checkpoints' text_config lists only the keys that differ
@@ -143,9 +144,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     if model_type not in ARCHITECTURES:
         raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures={d.get('architectures')!r}; "
                          f"supported model types are {', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
-    family = next((f for f in (deepseek, ernie) if model_type in f.HF_CLASSES), None)  # their own modules read them
-    if family is not None:
-        return family.config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
+    if model_type in _OWN_MODULE:
+        return _OWN_MODULE[model_type].config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:
@@ -324,9 +324,8 @@ def config_to_hf(cfg: Any) -> dict:
         "use_cache": True,
         "dtype": _dtype_name(cfg.param_dtype),
     }
-    family = next((f for f in (deepseek, ernie) if cfg.architecture in f.HF_CLASSES), None)
-    if family is not None:
-        return family.config_to_hf(cfg, d)
+    if cfg.architecture in _OWN_MODULE:
+        return _OWN_MODULE[cfg.architecture].config_to_hf(cfg, d)
     if cfg.architecture not in ("qwen2", "qwen2_moe", "gpt_oss"):
         d["attention_bias"] = False
     if cfg.architecture == "llama":
@@ -346,7 +345,7 @@ def config_to_hf(cfg: Any) -> dict:
     elif cfg.architecture == "gpt_oss":
         d.update(gpt_oss.hf_dict(cfg, sliding, types))
     elif cfg.architecture in ("minimax_m2", "glm4"):
-        d.update(minimax.hf_dict(cfg, rope_parameters) if cfg.architecture == "minimax_m2" else glm4.hf_dict(cfg, rope_parameters))
+        d.update({"minimax_m2": minimax, "glm4": glm4}[cfg.architecture].hf_dict(cfg), **glm4.partial_rotary_keys(cfg, d))
     elif cfg.architecture == "olmoe":
         if cfg.expert_size != cfg.intermediate_size:
             raise ValueError("HF OLMoE's experts are of intermediate_size; set moe_intermediate_size=None.")
@@ -362,10 +361,8 @@ def config_to_hf(cfg: Any) -> dict:
             d.update(shared_expert_intermediate_size=cfg.shared_expert_size or 0, qkv_bias=True,
                      layer_types=types, max_window_layers=types.index("sliding_attention") if sliding else cfg.num_layers)
     elif cfg.architecture == "phi3":
-        partial = cfg.rope_dim / cfg.head_dim
-        rope_parameters["partial_rotary_factor"] = partial
-        d.update(sliding_window=cfg.sliding_window if sliding else None, rope_scaling=None, partial_rotary_factor=partial,
-                 rope_parameters=rope_parameters, pad_token_id=None,  # its default (32000) lies outside a small vocabulary
+        d.update(sliding_window=cfg.sliding_window if sliding else None, rope_scaling=None, **glm4.partial_rotary_keys(cfg, d),
+                 pad_token_id=None,  # its default (32000) lies outside a small vocabulary
                  original_max_position_embeddings=int(rope_parameters.get("original_max_position_embeddings",
                                                                            cfg.max_position_embeddings)))
     elif cfg.architecture == "gemma2":
@@ -398,3 +395,4 @@ def config_to_hf(cfg: Any) -> dict:
         d["layer_types"] = types
         d["max_window_layers"] = types.index("sliding_attention") if sliding else cfg.num_layers
     return d
+

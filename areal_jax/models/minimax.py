@@ -52,9 +52,8 @@ def check_hf(cfg: Any) -> None:
                          "router_groups=None, routed_scaling_factor=1.0, norm_topk_prob=True, shared_expert_size=None.")
 
 
-def hf_dict(cfg: Any, rope_parameters: dict) -> dict:
-    """MiniMax-M2's own config.json keys (beside hf_config's common ones)."""
+def hf_dict(cfg: Any) -> dict:
+    """MiniMax-M2's own config.json keys (beside hf_config's common ones and `glm4.partial_rotary_keys`)."""
     return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                 rotary_dim=cfg.rope_dim, scoring_func="sigmoid", use_routing_bias=True, output_router_logits=False,
-                router_jitter_noise=0.0, pad_token_id=None, attention_bias=False,
-                rope_parameters={**rope_parameters, "partial_rotary_factor": cfg.rope_dim / cfg.head_dim})
+                router_jitter_noise=0.0, pad_token_id=None, attention_bias=False)

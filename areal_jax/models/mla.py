@@ -101,14 +101,12 @@ class MLAttention(nnx.Module):
         q_rope = self._rope(q[..., m.nope:], cos, sin)
         factor = self.query_factor
         fresh = cached == "fresh"
-        if fresh:
-            latent_kv = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
+        latent_kv = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1) if cached else None  # the cache's row
         if cached and not fresh:
             w_k = _weight(self.kv_b_proj, self.dtype)[..., :m.nope]  # [Rkv, H, nope]
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :m.nope], w_k, preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
-            k = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
-            v = k[..., :0]  # the cache keeps no values: its keys serve (`cached_values`)
+            k, v = latent_kv, latent_kv[..., :0]  # the cache keeps no values: its keys serve (`cached_values`)
             factor *= float(np.sqrt((m.kv_lora_rank + m.rope) / self.head_dim))
         else:
             kv = project(c, self.kv_b_proj, self.dtype)  # [B, T, H, nope + v]

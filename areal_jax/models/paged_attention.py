@@ -35,7 +35,7 @@ from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
-from areal_jax.models.paged_pieces import pieced_paged_attention
+from areal_jax.models.paged_pieces import pieced_paged_attention, power_of_two_divisor
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
 
 PagedPath = Literal["gather", "kernel"]
@@ -159,13 +159,6 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
-def _largest_power_of_two_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
                      *, interpret: bool = False, platform: str | None = None,
                      softcap: float | None = None, mesh: Any = None, sinks: jax.Array | None = None) -> jax.Array:
@@ -196,11 +189,10 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         if dh & (dh - 1):  # not a power of two: in power-of-two pieces (latent attention's 576), or refused
-            splits = _largest_power_of_two_divisor(per_row, 16)
-            return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap, splits=splits,
+            return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap,
                                           interpret=interpret)
-        splits = _largest_power_of_two_divisor(per_row, 16)
-        block = _largest_power_of_two_divisor(per_row // splits, 8)
+        splits = power_of_two_divisor(per_row, 16)
+        block = power_of_two_divisor(per_row // splits, 8)
         return paged_attention(scaled, k_pages, v_pages, table, lengths, attn_logits_soft_cap=softcap,
                                k_splits=splits, pages_per_compute_block=block, interpret=interpret)
 
@@ -225,7 +217,7 @@ def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: j
     if dh % 128:
         raise ValueError(f"the TPU paged-attention kernel needs head_dim a multiple of 128, got {dh}; use the "
                          "gather path (PagedEngine(attention='gather'), the default on TPUs for such models).")
-    block = _largest_power_of_two_divisor(table.shape[1], max(1, 512 // page_size))
+    block = power_of_two_divisor(table.shape[1], max(1, 512 // page_size))
     call = lambda: paged_attention(q, k_pages, v_pages, lengths, table,  # noqa: E731
                                    pages_per_compute_block=block, attn_logits_soft_cap=softcap)
     if interpret:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from areal_jax.models.flash_attention import _dot, _dot_nt
 from areal_jax.models.layers import MASK_VALUE
 
 MIN_PIECE = 16  # Triton's dot takes no smaller contraction
@@ -51,16 +52,6 @@ def pieces(width: int) -> tuple[tuple[int, int], ...]:
 def supports(width: int) -> bool:
     """Whether the kernel takes a head of this width."""
     return width >= MIN_PIECE and width % MIN_PIECE == 0
-
-
-def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, d] . b [n, d]^T -> [m, n] float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, n] . b [n, d] -> [m, d] float32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, m_ref, l_ref, *, k_pieces, v_pieces,
@@ -108,7 +99,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, m_ref, l_ref, *, 
     l_ref[...] = l_sum
 
 
-def _power_of_two_divisor(n: int, cap: int) -> int:
+def power_of_two_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing n and at most cap (a count of pages per split or per block)."""
     d = 1
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
@@ -129,10 +121,10 @@ def pieced_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kv, _, page_size, dv = v_pages.shape
     per_row = table.shape[1]
     k_pieces, v_pieces = pieces(dh), pieces(dv)
-    splits = _power_of_two_divisor(per_row, 16) if splits is None else splits
+    splits = power_of_two_divisor(per_row, 16) if splits is None else splits
     per_split = per_row // splits
     if pages_per_block is None:  # a block's widest tile at most TILE_ELEMENTS (shared memory: two stages of it)
-        pages_per_block = _power_of_two_divisor(per_split, max(1, TILE_ELEMENTS // (page_size * max(dh, dv))))
+        pages_per_block = power_of_two_divisor(per_split, max(1, TILE_ELEMENTS // (page_size * max(dh, dv))))
     if per_row % splits or per_split % pages_per_block:
         raise ValueError(f"splits={splits} must divide the {per_row} pages per row, and pages_per_block="
                          f"{pages_per_block} the {per_split} pages per split.")
