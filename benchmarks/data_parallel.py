@@ -9,7 +9,8 @@ which on a CPU share its cores: the timing shows the cost of the extra traffic a
 bytes do not depend on the device. Ends with one JSON line.
 
     python benchmarks/data_parallel.py                          # the 5.25M benchmark model, 4 host devices, ~1 min
-    python benchmarks/data_parallel.py --moe                    # a Qwen3-MoE-style model (8 experts, top 2)
+    python benchmarks/data_parallel.py --moe                    # a Qwen3-MoE-style model (8 experts, top 2),
+                                                                # its experts by FSDP and by expert parallelism
     python benchmarks/data_parallel.py --hidden 896 --layers 2 --heads 14 --kv-heads 2 --intermediate 4864 \\
         --vocab 151936                                          # two layers of the Qwen2.5-0.5B shape
 """
@@ -82,7 +83,9 @@ def classify(found, param_shapes: set[tuple[int, ...]]) -> dict[str, dict[str, i
 
 
 def run(args, cfg, with_context: bool) -> dict:
-    """Builds a trainer (with or without the mesh context), runs updates, and reads its accumulate program."""
+    """Builds a trainer (with or without the mesh context), runs updates, and reads its accumulate program. With
+    `cfg.expert_parallel` and the expert count dividing the devices, each device keeps its own experts
+    (models.expert_parallel); the tokens' all-gathers and reduce-scatters then count as activations."""
     before = set(glob.glob(os.path.join(DUMP, "*")))
     mesh = build_meshes(MeshConfig(colocated=True, fsdp=args.devices, tensor=1)).train_mesh
     model = random_model(cfg, seed=1)
@@ -123,8 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"on the fsdp axis ({jax.devices()[0].device_kind}), {args.trajectories} trajectories of up to "
           f"{args.max_len} tokens, micro_batch_tokens {args.micro_batch_tokens}")
     results = {}
-    for name, ctx in (("without", False), ("with", True)):
-        r = results[name] = run(args, cfg, ctx)
+    runs = [("without", False, False), ("with", True, False)]  # (the mesh context; experts by FSDP)
+    if args.moe:
+        runs.append(("with, expert parallel", True, True))
+    for name, ctx, ep in runs:
+        r = results[name] = run(args, cfg.replace(expert_parallel=ep), ctx)
         mib = {c: sum(v.values()) / 2**20 for c, v in r["bytes"].items()}
         print(f"  {name:7s} mesh context: collectives {r['collectives']:4d}, activations {mib['activations']:9.2f} MiB, "
               f"weights {mib['weights']:8.2f} MiB per micro-step; update {r['update_s']:.3f} s "
@@ -139,6 +145,13 @@ def main(argv: list[str] | None = None) -> dict:
                "update_speedup": results["without"]["update_s"] / results["with"]["update_s"]}
     print(f"  activation bytes without / with: {summary['activation_bytes_ratio']:.1f}x; update time without / with "
           f"(CPU, shared cores): {summary['update_speedup']:.2f}x")
+    if args.moe:
+        ep = results["with, expert parallel"]
+        moved = {k: sum(sum(v["bytes"][c].values()) for c in ("weights", "activations")) for k, v in results.items()}
+        summary["expert_parallel_bytes_ratio"] = moved["with, expert parallel"] / max(moved["with"], 1)
+        summary["expert_parallel_speedup"] = results["with"]["update_s"] / ep["update_s"]
+        print(f"  expert parallel against FSDP experts (both with the context): bytes moved "
+              f"{summary['expert_parallel_bytes_ratio']:.2f}x, update speed {summary['expert_parallel_speedup']:.2f}x")
     shutil.rmtree(DUMP, ignore_errors=True)
     print(json.dumps(summary))
     return summary

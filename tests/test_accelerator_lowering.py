@@ -119,21 +119,27 @@ def test_on_a_mesh_the_kernels_lower_on_each_devices_share(monkeypatch):
     from areal_jax.models.grouped_matmul import grouped_matmul
 
     monkeypatch.setattr(moe, "grouped_matmul", functools.partial(grouped_matmul, interpret=False))  # the GPU's kernel
-    cfg = tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=256, moe_impl="pallas",
-                      dtype=jnp.bfloat16)
-    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    def grids(expert_parallel):
+        cfg = tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=256, moe_impl="pallas",
+                          dtype=jnp.bfloat16, expert_parallel=expert_parallel)
+        graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
 
-    def experts(st, x):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return nnx.merge(graphdef, st)(x)
+        def experts(st, x):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return nnx.merge(graphdef, st)(x)
 
-    text = export.export(jax.jit(experts, in_shardings=(None, NamedSharding(mesh, PartitionSpec("fsdp", None, None)))),
-                         platforms=["cuda"], disabled_checks=checks)(state, spec((4, 256, 256))).mlir_module()
-    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32", text)
-    # a device's 512 tokens x top 2 = 1,024 pairs in blocks of 128, with at most 4 experts x 127 padding rows: 12
-    # blocks (the whole batch would take 20); its 128 of the width in one tile (gate, up: the whole width would
+        text = export.export(jax.jit(experts, in_shardings=(None, NamedSharding(mesh, PartitionSpec("fsdp", None,
+                                                                                                      None)))),
+                             platforms=["cuda"], disabled_checks=checks)(state, spec((4, 256, 256))).mlir_module()
+        return sorted(set(re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32", text)))
+
+    # FSDP: a device's 512 tokens x top 2 = 1,024 pairs in blocks of 128, with at most 4 experts x 127 padding rows:
+    # 12 blocks (the whole batch would take 20); its 128 of the width in one tile (gate, up: the whole width would
     # take 2), and the hidden 256 in two (down)
-    assert sorted(set(grids)) == [("12", "1"), ("12", "2")], grids
+    assert grids(False) == [("12", "1"), ("12", "2")]
+    # expert parallel: both row shards' 1,024 tokens x 2 pairs, padding for this device's 2 experts and the group of
+    # the others' pairs (skipped by the kernel): 19 blocks; the same width tiles
+    assert grids(True) == [("19", "1"), ("19", "2")]
 
 
 def test_on_a_mesh_splash_lowers_for_tpu_on_each_devices_share():

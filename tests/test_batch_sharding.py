@@ -51,8 +51,8 @@ def _token_sized(collectives) -> list:
 @pytest.mark.parametrize("arch,impl", [("qwen3", None), ("qwen3_moe", "blocked"), ("qwen3_moe", "pallas")])
 def test_only_weights_cross_devices_under_a_mesh_context(arch, impl):
     kw = dict(hidden_size=128, intermediate_size=256, num_layers=1)
-    if impl:
-        kw.update(moe_impl=impl, moe_intermediate_size=128)
+    if impl:  # FSDP experts (expert parallelism moves tokens instead: the next test)
+        kw.update(moe_impl=impl, moe_intermediate_size=128, expert_parallel=False)
     cfg = tiny_config(arch, **kw)
     pinned = _collectives(_compiled_step(cfg, with_context=True))
     # weights are gathered (FSDP); of the activations, only the embedding lookup's rows move, by an all-to-all
@@ -61,6 +61,23 @@ def test_only_weights_cross_devices_under_a_mesh_context(arch, impl):
     assert sum(np.prod(s) for k, s in pinned if k == "all-to-all") <= ROWS * LENGTH * cfg.hidden_size // 4
     if impl != "pallas":  # without the context XLA follows the weights and moves whole-batch activations
         assert _token_sized(_collectives(_compiled_step(cfg, with_context=False)))
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_expert_parallelism_moves_tokens_and_never_the_experts(impl):
+    """4 experts on a 4-device fsdp mesh, one a device: no collective carries an expert's weights or their gradient;
+    the layer's rows are all-gathered ([all rows, D], forward and backward) and its outputs reduce-scattered back to
+    each device's own rows ([rows / 4, D]), as are the routing weights' cotangents ([rows / 4, k])."""
+    cfg = tiny_config("qwen3_moe", hidden_size=128, intermediate_size=256, num_layers=1, moe_impl=impl,
+                      moe_intermediate_size=128)
+    assert cfg.expert_parallel and cfg.num_experts == 4
+    pinned = _collectives(_compiled_step(cfg, with_context=True))
+    expert = {(cfg.num_experts, 128, 128), (1, 128, 128), (128, 128)}  # [E, D, F] whole, one expert, a slice
+    assert not [s for _, s in pinned if s in expert], pinned
+    moved = sorted((k, s) for k, s in _token_sized(pinned) if k != "all-to-all")  # (the embedding lookup's)
+    n, d, k = ROWS * LENGTH, cfg.hidden_size, cfg.num_experts_per_tok
+    assert moved == sorted([("all-gather", (n, d))] * 2 + [("all-gather", (n, k))]
+                           + [("reduce-scatter", (n // 4, d))] * 2 + [("reduce-scatter", (n // 4, k))]), moved
 
 
 def test_constrain_batch_is_a_no_op_without_a_context_or_a_divisible_batch():
@@ -110,9 +127,9 @@ def test_kernels_run_per_shard_of_rows_and_heads():
 
 
 def test_experts_run_per_row_shard_and_per_width_shard():
-    """Under a 2 x 2 mesh context a mixture of experts runs in a shard_map over rows (fsdp) and over the experts'
-    width (tensor: gate and up by columns, down by rows, outputs summed), so each device computes its own tokens on
-    its slice of every expert; gradients are checked against one device in the update test above."""
+    """Under a 2 x 2 mesh context a mixture of experts runs in a shard_map over rows and experts (fsdp) and over the
+    experts' width (tensor: gate and up by columns, down by rows, outputs summed), so each device computes its own
+    experts' slices; gradients are checked against one device in the update test above."""
     from flax import nnx as _nnx
 
     from areal_jax.models.moe import MoE
@@ -126,7 +143,8 @@ def test_experts_run_per_row_shard_and_per_width_shard():
     assert sm.params["in_specs"][0] == PartitionSpec("fsdp", None)
     # the token mask, the given routes (replay), the router
     assert sm.params["in_specs"][1:4] == (PartitionSpec("fsdp"), PartitionSpec("fsdp", None), PartitionSpec())
-    assert sm.params["in_specs"][4:] == (PartitionSpec(None, None, "tensor"), PartitionSpec(None, None, "tensor"),
-                                         PartitionSpec(None, "tensor", None))
+    # each device's own experts (expert parallelism over fsdp), sliced by width over tensor
+    assert sm.params["in_specs"][4:] == (PartitionSpec("fsdp", None, "tensor"), PartitionSpec("fsdp", None, "tensor"),
+                                         PartitionSpec("fsdp", "tensor", None))
     inner = str(sm.params["jaxpr"])
     assert "psum" in inner and inner.count("pallas_call") == 3

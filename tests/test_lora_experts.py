@@ -103,8 +103,9 @@ def test_expert_adapters_shard_like_their_experts_and_cross_alone():
     tr = Trainer(model, TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
     gate = tr.state.params["layers"][0]["mlp"]["experts_gate"]
     spec = lambda v: tuple(v.get_value().sharding.spec)  # noqa: E731
-    assert spec(gate["lora_a"]) == (None, "fsdp", None)  # [experts, embed, rank]
-    assert spec(gate["lora_b"]) == (None, None, "tensor")  # [experts, rank, mlp]
+    # [experts, embed, rank], [experts, rank, mlp]: each device's experts' factors (expert parallelism over fsdp)
+    assert spec(gate["lora_a"]) == ("fsdp", None, None)
+    assert spec(gate["lora_b"]) == ("fsdp", None, "tensor")
     channel = AdapterChannel(tr.params, meshes.rollout_mesh, scale=lcfg.scale, mode="merged")
     got = channel.publish(1, tr.params)
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from areal_jax.models import Transformer, shard_params
 from areal_jax.models.lora import LoRAConfig, apply_lora
@@ -112,26 +112,41 @@ def test_resolve_moe_impl_and_block_sizes():
     assert resolve_moe_impl("auto", "gpu", tokens=256) == "dense" and resolve_moe_impl("auto", "gpu", 257) == "blocked"
     assert resolve_moe_impl("auto", "cpu", tokens=8) == "blocked" and resolve_moe_impl("auto", "tpu", 8) == "ragged"
     assert resolve_moe_impl("blocked", "gpu", tokens=8) == "blocked"
+    # expert parallelism on GPUs: the kernel, which skips other devices' blocks without a host round trip
+    assert resolve_moe_impl("auto", "gpu", 4096, expert_parallel=True) == "pallas"
+    assert resolve_moe_impl("auto", "tpu", expert_parallel=True) == "ragged"
+    assert resolve_moe_impl("auto", "cpu", expert_parallel=True) == "blocked"
     assert expert_block(30, 4) == 8 and expert_block(300 * 2, 4) == 128 and expert_block(1024, 128) == 8
     assert expert_block(16384 * 8, 128) == 128 and expert_block(2048 * 4, 16) == 128 and expert_block(640, 16) == 32
 
 
-@pytest.mark.parametrize("impl", ["blocked", "ragged", "pallas"])
-def test_sharded_forward_and_gradients_match_one_device(impl):
+@pytest.mark.parametrize("impl", ["blocked", "ragged", "pallas", "dense"])
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_sharded_forward_and_gradients_match_one_device(impl, expert_parallel):
     assert len(jax.devices()) >= 4
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    cfg = tiny_config("qwen3_moe", moe_impl=impl, moe_layers=(1, 0))
+    cfg = tiny_config("qwen3_moe", moe_impl=impl, moe_layers=(1, 0), expert_parallel=expert_parallel)
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (4, 9)), jnp.int32)
     reference = random_model(cfg, seed=8)
     model = shard_params(random_model(cfg, seed=8), mesh)
     gate = model.layers[0].mlp.experts_gate[...]
-    assert gate.addressable_shards[0].data.shape == (4, 32, 16)  # [E, D / fsdp, F / tensor]
+    # [E / fsdp, D, F / tensor]: each device's own experts, whole; FSDP: [E, D / fsdp, F / tensor]
+    assert gate.addressable_shards[0].data.shape == ((2, 64, 16) if expert_parallel else (4, 32, 16))
 
     def loss(m, t):
         return jnp.mean(jax.nn.logsumexp(m(t), axis=-1))
 
+    graphdef, state = nnx.split(model)
+
+    def in_context(st, t):  # as the trainer traces: each device routes its own rows (models.sharding)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.value_and_grad(lambda s: loss(nnx.merge(graphdef, s), t))(st)
+
     want_val, want_grad = nnx.value_and_grad(loss)(reference, tokens)
-    got_val, got_grad = nnx.jit(nnx.value_and_grad(loss))(model, tokens)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    inner = str(jax.make_jaxpr(in_context)(state, tokens))
+    assert ("all_gather" in inner and "reduce_scatter" in inner) == expert_parallel
+    got_val, got_grad = jax.jit(in_context)(state, tokens)
     np.testing.assert_allclose(float(got_val), float(want_val), rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4)

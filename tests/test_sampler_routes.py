@@ -124,7 +124,7 @@ def test_routes_across_a_weight_update_are_those_of_the_params_that_fed_each_tok
 
 
 def test_routes_are_kept_in_the_smallest_integer_type():
-    from areal_jax.models.moe import routes_dtype
+    from areal_jax.sampler.routes import routes_dtype
 
     assert [routes_dtype(e) for e in (1, 8, 256, 257, 32768, 32769)] == [np.uint8] * 3 + [np.int16] * 2 + [np.int32]
 

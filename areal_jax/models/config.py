@@ -103,13 +103,11 @@ class ModelConfig:
     mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
-    moe_impl: how the experts compute (not a property of the checkpoint; models.moe): "blocked" sorts the tokens by
-      expert into expert-aligned blocks and scans over them, "ragged" runs `jax.lax.ragged_dot` on the sorted
-      tokens, "pallas" runs the blocked layout through one grouped-matmul kernel (models.grouped_matmul; GPU), "dense"
-      runs every expert on every token and weights the outputs (num_experts / num_experts_per_tok times the work);
-      "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens (`moe.resolve_moe_impl`), blocked
-      elsewhere. All are dropless and give every token the same
-      output whatever else is in the batch.
+    moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
+      (models.moe); "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens
+      (`moe.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
+    expert_parallel: under a mesh whose fsdp axis the expert count divides, each device keeps E / fsdp whole experts
+      and the tokens go to them (models.expert_parallel); False: FSDP gathers every expert's weights.
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """
 
@@ -150,6 +148,7 @@ class ModelConfig:
     shared_expert_size: int | None = None
     moe_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
+    expert_parallel: bool = True
     attention_out_bias: bool = False
     attention_sinks: bool = False
     expert_bias: bool = False

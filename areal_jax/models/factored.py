@@ -41,9 +41,10 @@ def grouped(z: jax.Array, w: Any, mm, out_dtype: Any = None) -> jax.Array:
 
 
 def factor_specs(w: Any, spec: PartitionSpec, split_a: bool) -> Any:
-    """The shard_map spec of an expert weight sharded by `spec` over its width: a `Factored` one's factors take the
-    split of their side of it (a's input rows for down's, split_a; b's output columns for gate's and up's)."""
+    """The shard_map spec of an expert weight sharded by `spec` over its width (and over its experts with expert
+    parallelism): a `Factored` one's factors take the experts' split and that of their side of the width (a's input
+    rows for down's, split_a; b's output columns for gate's and up's)."""
     if not isinstance(w, Factored):
         return spec
-    whole = PartitionSpec()
+    whole = PartitionSpec() if spec[0] is None else PartitionSpec(spec[0])  # the experts' axis stays (expert parallel)
     return Factored(spec, spec if split_a else whole, whole if split_a else spec, w.scale)

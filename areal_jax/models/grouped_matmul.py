@@ -74,8 +74,14 @@ def _gmm_kernel(owner_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, transpose_r
             return acc + _dot_nt(xk, w_ref[e, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)])
         return acc + _dot(xk, w_ref[e, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)])
 
-    acc = lax.fori_loop(0, k // bk, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    @pl.when(e < w_ref.shape[0])
+    def _():
+        acc = lax.fori_loop(0, k // bk, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    @pl.when(e >= w_ref.shape[0])  # a block of no expert here (expert parallelism's other devices' pairs): zeros
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
 def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block: int, bk: int, bn: int):
@@ -163,8 +169,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, owner: jax.Array, *, block: int, 
                    interpret: bool | None = None) -> jax.Array:
     """y [R, N] with y[b * block + i] = x[b * block + i] @ w[owner[b]], differentiable in x and w.
 
-    x: [R, K], R a multiple of `block`; w: [E, K, N]; owner: [R / block] int, non-decreasing, in [0, E) (the
-    weight gradient sums each expert over its contiguous run of blocks). out_dtype: default x's; products
+    x: [R, K], R a multiple of `block`; w: [E, K, N]; owner: [R / block] int, non-decreasing, in [0, E] (the
+    weight gradient sums each expert over its contiguous run of blocks); blocks of owner E belong to no expert of w:
+    their rows are zeros and take no gradient (expert parallelism's pairs for other devices' experts). out_dtype: default x's; products
     accumulate in float32. interpret: run the Pallas interpreter (default: on any backend but GPU)."""
     rows, k = x.shape
     if w.ndim != 3 or w.shape[1] != k:

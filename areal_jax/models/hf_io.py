@@ -50,6 +50,9 @@ class ModelLoadConfig(Section):
     moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, dense on GPUs at "
                          "decode (at most 256 tokens a device), else blocked) "
                          "| blocked | ragged | pallas | dense; other models ignore it", choices=MOE_IMPLS)
+    expert_parallel: bool = knob(True, "train a mixture of experts with expert parallelism where the expert count "
+                                 "divides the fsdp axis (models.expert_parallel: each device keeps its own experts, "
+                                 "the tokens go to them); False: FSDP gathers every expert's weights")
 
     @property
     def compute_dtype(self) -> Any:
@@ -157,11 +160,13 @@ class _Reader:
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
-                       dtype: Any = None, max_len: int | None = None, moe_impl: str | None = None) -> Transformer:
+                       dtype: Any = None, max_len: int | None = None, moe_impl: str | None = None,
+                       expert_parallel: bool = True) -> Transformer:
     """Loads an HF checkpoint directory of a supported family (models.hf_config) into a Transformer (of an
     image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
     max_len: the longest sequence the run holds, which picks LongRoPE's factors (`ModelConfig.for_sequence_length`;
-    None: the short ones). moe_impl: a mixture of experts' computation (`ModelConfig.moe_impl`; None: "auto").
+    None: the short ones). moe_impl: a mixture of experts' computation (`ModelConfig.moe_impl`; None: "auto");
+    expert_parallel: `ModelConfig.expert_parallel` (where its experts live on a train mesh).
 
     param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
     (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
@@ -173,6 +178,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
         cfg = cfg.for_sequence_length(max_len)
     if moe_impl is not None:
         cfg = cfg.replace(moe_impl=moe_impl)
+    cfg = cfg.replace(expert_parallel=expert_parallel)
     reader = _Reader(path)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)

@@ -17,32 +17,32 @@ Four ways to run the experts (`ModelConfig.moe_impl`), equal up to float summati
 - ``blocked`` (the default on CPUs, and on GPUs above `DENSE_DECODE_TOKENS` tokens a device): the (token, expert)
   pairs sorted by expert into blocks of `expert_block` rows, each expert's group padded to whole blocks (at most
   num_experts * (block - 1) padding rows: a static bound), and a `lax.scan` over the blocks multiplies each by its
-  expert's weights: the top-k work plus the padding, static shapes, no dense expansion (`benchmarks/moe.py`, 16
-  experts, top 4, 2-core CPU: forward + backward 2.2x the dense path's speed, 0.63x that of transformers' eager loop
-  over the experts).
+  expert's weights: the top-k work plus the padding, static shapes, no dense expansion (docs/models.md's figures).
 - ``ragged``: the sorted pairs through `jax.lax.ragged_dot` (TPU's choice: a grouped matmul there; XLA:CPU and
-  XLA:GPU may expand it to every expert, 3.6x slower than dense on the CPU).
-- ``pallas``: the blocked layout through one grouped-matmul Pallas kernel (`models.grouped_matmul`: a grid over the
-  blocks, each reading its expert's weights; its own kernels for the input and weight gradients), no scan; written
-  for the Triton lowering on GPUs, run by the Pallas interpreter elsewhere (slow: tests only). Widths that do not
-  tile by 16 fall back to the scan.
+  XLA:GPU may expand it to every expert).
+- ``pallas``: the blocked layout through one grouped-matmul Pallas kernel (`models.grouped_matmul`), no scan; for
+  GPUs (the Pallas interpreter elsewhere: tests only). Widths that do not tile by 16 fall back to the scan.
 - ``dense``: every expert on every token, outputs weighted by the routing weights (zero off the top k):
   num_experts / num_experts_per_tok times the matmul work in plain dots; the reference, and GPUs' default at a
   decode step's few hundred tokens (`resolve_moe_impl`).
+
+Under a train mesh the layer runs per device in a shard_map: over rows (fsdp), over the experts' width (tensor), and
+with expert parallelism over the experts (`models.expert_parallel`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from areal_jax.models import routing
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.expert_parallel import dispatch, expert_shards
 from areal_jax.models.factored import Factored, factor_specs, grouped
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
@@ -52,10 +52,11 @@ from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, con
 DENSE_DECODE_TOKENS = 256
 
 
-def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None = None) -> str:
+def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None = None,
+                     expert_parallel: bool = False) -> str:
     """The expert computation `choice` stands for on `backend` (default JAX's) for `tokens` tokens a device: "auto"
-    is ragged on TPU; on GPUs dense for at most DENSE_DECODE_TOKENS tokens (a decode step of that many sequences),
-    else blocked; blocked on CPUs.
+    is ragged on TPU; on GPUs pallas under expert parallelism, else dense for at most DENSE_DECODE_TOKENS tokens (a
+    decode step of that many sequences), else blocked; blocked on CPUs.
 
     Why dense at decode on GPUs: with a few hundred tokens x k picks every expert is hit, so any path reads every
     expert's weights once, and the dense product over all experts stays bound by that read while its FLOPs per
@@ -69,6 +70,8 @@ def resolve_moe_impl(choice: str, backend: str | None = None, tokens: int | None
     backend = jax.default_backend() if backend is None else backend
     if backend == "tpu":
         return "ragged"
+    if backend == "gpu" and expert_parallel:  # the kernel skips other devices' blocks on the device; the scan's
+        return "pallas"  # lax.cond would copy each block's predicate to the host (docs/scale.md)
     if backend == "gpu" and tokens is not None and tokens <= DENSE_DECODE_TOKENS:
         return "dense"
     return "blocked"
@@ -90,16 +93,6 @@ def moe_layer_count(cfg: ModelConfig) -> int:
     return sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
 
 
-def routes_dtype(num_experts: int) -> np.dtype:
-    """The smallest integer dtype that holds expert ids 0..num_experts - 1: what recorded routes are kept in on the
-    host (uint8 up to 256 experts: a sampler's routes of an 8k-token sample at 48 expert layers, top 8, take 3 MiB
-    rather than 12)."""
-    for dtype in (np.uint8, np.int16):
-        if num_experts - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.int32)
-
-
 def glu(limit: float | None = None, alpha: float = 1.702):
     """An expert's activation of its gate and up products: silu(g) * u (SwiGLU), or with a limit gpt-oss's
     (min(u, limit) clipped to +-limit + 1) * g' * sigmoid(alpha * g') with g' = min(g, limit)."""
@@ -119,9 +112,10 @@ def _biased(z: jax.Array, bias: jax.Array | None, index: Any) -> jax.Array:
 
 
 def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
-                   act=glu(), bias: tuple = (None, None)) -> jax.Array:
+                   act=glu(), bias: tuple = (None, None), *, shards: int = 1) -> jax.Array:
     """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D] (arrays or `Factored`);
-    weights, experts [N, k]; act: `glu`; bias: the gate and up products' biases [E, F] (or None each)."""
+    weights, experts [N, k]; act: `glu`; bias: the gate and up biases [E, F] (or None each). Ids of E (expert
+    parallelism's other devices' experts, weight 0) add nothing."""
     n, e = x.shape[0], gate.shape[0]
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
 
@@ -142,8 +136,9 @@ def _dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
 
 
 def _ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
-                    act=glu(), bias: tuple = (None, None)) -> jax.Array:
-    """The (token, expert) pairs grouped by expert through `jax.lax.ragged_dot`; same arguments as the dense path."""
+                    act=glu(), bias: tuple = (None, None), *, shards: int = 1) -> jax.Array:
+    """The (token, expert) pairs grouped by expert through `jax.lax.ragged_dot`; same arguments as the dense path
+    (ids of E sort last, past every group: ragged_dot gives their rows zeros)."""
     n, k = experts.shape
     e = gate.shape[0]
     flat = experts.reshape(-1)
@@ -188,16 +183,18 @@ def block_layout(experts: jax.Array, num_experts: int, block: int) -> tuple[jax.
 
 
 def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
-                     act=glu(), bias: tuple = (None, None), *, kernel: bool = False) -> jax.Array:
+                     act=glu(), bias: tuple = (None, None), *, kernel: bool = False, shards: int = 1) -> jax.Array:
     """The sorted pairs in expert-aligned blocks (`block_layout`), one `lax.scan` step a block, or with `kernel` the
     grouped-matmul Pallas kernel over all blocks at once; same arguments as the dense path. Rows move by gathers
-    (pair -> padded row, padded row -> token), never by float scatters."""
+    (pair -> padded row, padded row -> token), never by float scatters. shards > 1 (expert parallelism): x holds the
+    tokens of `shards` devices and an expert id of E marks another device's expert (`expert_parallel.local_pairs`):
+    those pairs' blocks are skipped and their outputs are zeros."""
     n, k = experts.shape
     e = gate.shape[0]
-    block = expert_block(n * k, e)
+    block = expert_block(n * k // shards, e)
     if kernel:
         block = max(block, 16)
-    row, token, owner = block_layout(experts, e, block)
+    row, token, owner = block_layout(experts, e + (shards > 1), block)
     rows = token.shape[0]
     xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]  # padding rows read a zero row
     if kernel:
@@ -217,6 +214,11 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
             hb = act(_biased(grouped(xb, gate, mm), bias[0], j), _biased(grouped(xb, up, mm), bias[1], j))
             return None, grouped(hb, down, mm, jnp.float32)
 
+        if shards > 1:  # most blocks hold other devices' pairs: compute only this device's experts'
+            compute = body
+            body = lambda c, inp: jax.lax.cond(  # noqa: E731
+                inp[1] < e, compute, lambda c, inp: (None, jnp.zeros((block, x.shape[1]), jnp.float32)), c, inp)
+
         # Without the checkpoint, reverse mode keeps each step's slices gate[j], up[j], down[j] as residuals:
         # [blocks, D, F] a weight, many times the weights themselves. Saving only the products' outputs, the
         # backward slices the weights again (no FLOPs) and recomputes silu(g) * u.
@@ -227,7 +229,7 @@ def _blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.A
 
 
 def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
-                    act=glu(), bias: tuple = (None, None)) -> jax.Array:
+                    act=glu(), bias: tuple = (None, None), *, shards: int = 1) -> jax.Array:
     """The blocked layout through the grouped-matmul kernel (`grouped_matmul`), where its tiles fit the widths
     (multiples of 16; with `Factored` weights, the rank too), else the scan."""
     d, f = gate.shape[1], gate.shape[2]
@@ -235,7 +237,7 @@ def _pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
     if isinstance(gate, Factored):
         r = gate.a.shape[2]
         fits = fits and all(supports(16, *dims) for dims in ((d, r), (r, f), (f, r), (r, d)))
-    return _blocked_experts(x, gate, up, down, weights, experts, act, bias, kernel=fits)
+    return _blocked_experts(x, gate, up, down, weights, experts, act, bias, kernel=fits, shards=shards)
 
 
 def _router_logits(h: jax.Array, router: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -258,9 +260,9 @@ _PATHS = {"dense": _dense_experts, "ragged": _ragged_experts, "blocked": _blocke
 
 class MoE(nnx.Module):
     """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
-    experts_down [E, F, D] (logical axes "experts" (replicated by default), "embed", "mlp": an expert's weights
-    shard like a dense MLP's); with `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1]
-    (none unless shared_expert_gated); with router_score_bias, router_score_bias [E] float32 (picks only:
+    experts_down [E, F, D] (logical axes "experts" (over fsdp: `models.expert_parallel`; None without
+    expert_parallel), "embed", "mlp": else an expert's weights shard like a dense MLP's); with
+    `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1] (none unless shared_expert_gated); with router_score_bias, router_score_bias [E] float32 (picks only:
     `routing.route`); with `ModelConfig.expert_bias` (gpt-oss), router_bias [E], experts_gate_bias, experts_up_bias [E, F] and
     experts_down_bias [E, D]."""
 
@@ -270,26 +272,26 @@ class MoE(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.impl = cfg.moe_impl
+        self.expert_parallel = cfg.expert_parallel
         self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor))
         self.router = make_param(rngs, (d, e), ("embed", None), pdt)
         # float32 whatever param_dtype: its small differences between experts decide picks
-        self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") \
-            if cfg.router_score_bias else None
-        self.experts_gate = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
-        self.experts_up = make_param(rngs, (e, d, f), ("experts", "embed", "mlp"), pdt)
-        self.experts_down = make_param(rngs, (e, f, d), ("experts", "mlp", "embed"), pdt)
+        self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") if cfg.router_score_bias else None
+        ex = "experts" if cfg.expert_parallel else None  # the experts' axis shards over fsdp (models.expert_parallel)
+        self.experts_gate = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt)
+        self.experts_up = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt)
+        self.experts_down = make_param(rngs, (e, f, d), (ex, "mlp", "embed"), pdt)
         self.swiglu = (cfg.swiglu_limit, cfg.swiglu_alpha)  # `glu`'s arguments (a function would make layers differ)
         if cfg.expert_bias:
             self.router_bias = make_param(rngs, (e,), (None,), pdt, init="zeros")
-            self.experts_gate_bias = make_param(rngs, (e, f), ("experts", "mlp"), pdt, init="zeros")
-            self.experts_up_bias = make_param(rngs, (e, f), ("experts", "mlp"), pdt, init="zeros")
-            self.experts_down_bias = make_param(rngs, (e, d), ("experts", "embed"), pdt, init="zeros")
+            self.experts_gate_bias = make_param(rngs, (e, f), (ex, "mlp"), pdt, init="zeros")
+            self.experts_up_bias = make_param(rngs, (e, f), (ex, "mlp"), pdt, init="zeros")
+            self.experts_down_bias = make_param(rngs, (e, d), (ex, "embed"), pdt, init="zeros")
         else:
             self.router_bias = self.experts_gate_bias = self.experts_up_bias = self.experts_down_bias = None
         if cfg.shared_expert_size:  # every token also goes through one MLP (Qwen2-MoE: scaled by a sigmoid gate)
             self.shared_expert = MLP(cfg.replace(intermediate_size=cfg.shared_expert_size), rngs=rngs)
-            self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt) if cfg.shared_expert_gated \
-                else None
+            self.shared_expert_gate = make_param(rngs, (d, 1), ("embed", None), pdt) if cfg.shared_expert_gated else None
         else:
             self.shared_expert = self.shared_expert_gate = None
 
@@ -329,7 +331,9 @@ class MoE(nnx.Module):
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
         by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
-        path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0])]
+        ep = expert_shards(self.experts_gate.shape[0], shards if by_rows else 1, self.expert_parallel)
+        path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0],
+                                       expert_parallel=ep > 1)]
 
         def experts(h, mask, given, router, gate, up, down, router_bias, gate_bias, up_bias, down_bias, score_bias):
             logits = _router_logits(h, router, router_bias)
@@ -338,7 +342,8 @@ class MoE(nnx.Module):
             else:
                 chosen = given
                 weights = routing.weights_of(routing.scores_of(logits, scoring), chosen, renormalize, scoring)
-            out = path(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
+            run = functools.partial(dispatch, path, shards=ep) if ep > 1 else path  # (expert parallel: all shards')
+            out = run(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
             if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted
                 out = out + jnp.einsum("nk,nkd->nd", weights, down_bias[chosen].astype(jnp.float32)).astype(out.dtype)
@@ -354,16 +359,17 @@ class MoE(nnx.Module):
         if by_rows or by_width:
             # Under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
             # sort and the blocks would otherwise span the global batch, which XLA gathers to every device. The
-            # weights are gathered to each row shard (FSDP; gradients summed over the shards), and with a tensor
-            # axis dividing the experts' width each device runs its slice of every expert (tensor parallel: gate
-            # and up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
+            # weights are gathered to each row shard (FSDP), or each device keeps its own experts (expert parallel);
+            # with a tensor axis dividing the experts' width each device runs its slice of every expert (gate and
+            # up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
             width = TENSOR_AXIS if by_width else None
-            cols, by_row = PartitionSpec(None, None, width), PartitionSpec(None, width, None)
+            owned = BATCH_AXIS if ep > 1 else None  # expert parallel: each device's own experts, whole
+            cols, by_row = PartitionSpec(owned, None, width), PartitionSpec(owned, width, None)
             specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
                      *(factor_specs(w, spec, first) for w, spec, first in (
                          (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))),
-                     PartitionSpec(), PartitionSpec(None, width), PartitionSpec(None, width), PartitionSpec(),
+                     PartitionSpec(), PartitionSpec(owned, width), PartitionSpec(owned, width), PartitionSpec(),
                      PartitionSpec())
             axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,

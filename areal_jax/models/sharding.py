@@ -30,6 +30,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("experts", "fsdp"),  # expert parallelism (models.expert_parallel): the experts' axis is their weights' first,
+    # so it takes fsdp before their "embed" can
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),

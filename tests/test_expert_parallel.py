@@ -1,0 +1,124 @@
+"""Expert parallelism (models.expert_parallel): each device of the fsdp axis keeps its own experts, the tokens are
+all-gathered to them and the outputs reduce-scattered back. A layer's outputs and every gradient under a 4-device
+mesh equal one device's, on every expert path, for softmax, biased (gpt-oss) and sigmoid (DeepSeek-V3) routers and
+shared experts, including the worst case where every pair lands on one device; the grouped-matmul kernel skips the
+blocks of other devices' experts."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from areal_jax.models import shard_params
+from areal_jax.models.expert_parallel import expert_shards
+from areal_jax.models.grouped_matmul import grouped_matmul
+from areal_jax.models.moe import MoE
+from areal_jax.testing.models import tiny_config
+
+ROWS, D = 48, 64
+
+
+def _mesh(fsdp: int, tensor: int):
+    return jax.make_mesh((fsdp, tensor), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _layer(arch: str, impl: str, experts: int, flat_router: bool) -> MoE:
+    cfg = tiny_config(arch, moe_impl=impl, num_experts=experts)
+    layer = MoE(cfg, rngs=nnx.Rngs(3))
+    for name in ("experts_gate", "experts_up", "experts_down", "router"):  # O(1) outputs, distinct experts
+        p = getattr(layer, name)
+        p.set_value(0.2 * jax.random.normal(jax.random.key(len(name)), p.shape))
+    if flat_router:  # every score ties: each token picks experts 0 and 1, both held by the first device
+        layer.router.set_value(jnp.zeros(layer.router.shape))
+    return layer
+
+
+def _value_and_grads(layer: MoE, x: jax.Array, mesh=None):
+    graphdef, state = nnx.split(layer)
+    ct = jax.random.normal(jax.random.key(9), x.shape)
+
+    def loss(st, x):
+        out, extras = nnx.merge(graphdef, st)(x, jnp.ones(x.shape[0], bool))
+        return jnp.sum(out * ct), (out, extras["stats"])
+
+    if mesh is None:
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+    state = nnx.state(shard_params(nnx.merge(graphdef, state), mesh))
+    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("fsdp", None)))
+
+    def in_context(st, x):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(st, x)
+
+    text = str(jax.make_jaxpr(in_context)(state, x))
+    assert "all_gather" in text and "reduce_scatter" in text  # the expert-parallel dispatch ran
+    return jax.jit(in_context)(state, x)
+
+
+@pytest.mark.parametrize("arch,impl,flat", [
+    ("qwen3_moe", "blocked", False), ("qwen3_moe", "blocked", True), ("qwen3_moe", "ragged", True),
+    ("qwen3_moe", "dense", True), ("qwen3_moe", "pallas", True), ("gpt_oss", "blocked", False),
+    ("qwen2_moe", "blocked", False), ("deepseek_v3", "blocked", False)])
+def test_a_layer_on_four_devices_equals_one_device(arch, impl, flat):
+    """8 experts over fsdp = 4 (two a device), tensor = 1; with `flat` every pair goes to the first device."""
+    layer = _layer(arch, impl, 8, flat)
+    x = jax.random.normal(jax.random.key(1), (ROWS, D))
+    (_, (want, want_stats)), (want_grads, want_dx) = _value_and_grads(layer, x)
+    (_, (got, got_stats)), (got_grads, got_dx) = _value_and_grads(layer, x, _mesh(4, 1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_stats), np.asarray(want_stats), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_dx), np.asarray(want_dx), atol=1e-5, rtol=1e-4)
+    moved = 0
+    for (path, g), w in zip(jax.tree.leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4, err_msg=str(path))
+        moved += float(jnp.abs(w).sum()) > 0
+    assert moved >= 4  # router and the three expert weights at least take gradients
+    if flat:  # experts 2..7 (the other devices') were never picked: exact zero gradients there
+        gate = np.asarray(got_grads["experts_gate"][...])
+        assert not gate[2:].any() and gate[:2].any()
+
+
+def test_experts_and_width_split_together():
+    """fsdp = 2 (two experts a device) x tensor = 2 (each expert's width halved), against one device."""
+    layer = _layer("qwen3_moe", "blocked", 4, False)
+    x = jax.random.normal(jax.random.key(2), (ROWS, D))
+    (_, (want, _)), (want_grads, _) = _value_and_grads(layer, x)
+    (_, (got, _)), (got_grads, _) = _value_and_grads(layer, x, _mesh(2, 2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4)
+
+
+def test_when_experts_split_over_devices():
+    assert expert_shards(128, 8, True) == 8 and expert_shards(60, 8, True) == 1  # Qwen2-MoE's 60 over 8: FSDP
+    assert expert_shards(128, 8, False) == 1 and expert_shards(128, 1, True) == 1
+    cfg = tiny_config("qwen3_moe", num_experts=6)  # 6 experts over fsdp = 4 do not divide: FSDP placement
+    model = shard_params(MoE(cfg, rngs=nnx.Rngs(0)), _mesh(4, 1))
+    assert model.experts_gate[...].sharding.spec == PartitionSpec(None, "fsdp", None)
+    model = shard_params(MoE(tiny_config("qwen3_moe", num_experts=8), rngs=nnx.Rngs(0)), _mesh(4, 1))
+    assert model.experts_gate[...].sharding.spec == PartitionSpec("fsdp", None, None)
+    off = shard_params(MoE(tiny_config("qwen3_moe", num_experts=8, expert_parallel=False), rngs=nnx.Rngs(0)),
+                       _mesh(4, 1))
+    assert off.experts_gate[...].sharding.spec == PartitionSpec(None, "fsdp", None)
+
+
+def test_the_kernel_skips_blocks_of_no_expert():
+    """Blocks owned by E (past the weights' experts: another device's pairs) come out zero and take no gradient;
+    the other blocks are the plain per-block product (Pallas interpreter)."""
+    rng = np.random.default_rng(0)
+    owner = jnp.asarray([0, 1, 1, 2, 2, 2], jnp.int32)  # E = 2: the last three blocks belong to no expert
+    x = jnp.asarray(rng.normal(size=(6 * 16, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 32, 48)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(6 * 16, 48)), jnp.float32)
+    got = grouped_matmul(x, w, owner, block=16)
+    want = jnp.einsum("bik,bkn->bin", x.reshape(6, 16, -1), w[jnp.minimum(owner, 1)]).reshape(96, -1)
+    want = want * (jnp.repeat(owner, 16) < 2)[:, None]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    gx, gw = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, owner, block=16) * ct), argnums=(0, 1))(x, w)
+    rx, rw = jax.grad(lambda a, b: jnp.sum(
+        jnp.einsum("bik,bkn->bin", a.reshape(3, 16, -1), b[jnp.asarray([0, 1, 1])]).reshape(48, -1) * ct[:48]),
+        argnums=(0, 1))(x[:48], w)
+    np.testing.assert_allclose(np.asarray(gx[:48]), np.asarray(rx), atol=5e-5, rtol=1e-5)
+    assert not np.asarray(gx[48:]).any()
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), atol=5e-5, rtol=1e-5)
