@@ -92,6 +92,8 @@ def run(args, cfg, with_context: bool) -> dict:
     params = nnx.state(model, nnx.Param)
     shapes = {tuple(d for d in x.shape if d != 1) for x in jax.tree.leaves(params)}
     shapes |= {s[1:] for s in shapes if len(s) == 3}  # one expert's slice
+    n = args.devices  # and each device's shard of one dimension (a gradient reduce-scattered to it)
+    shapes |= {s[:d] + (s[d] // n,) + s[d + 1:] for s in list(shapes) for d in range(len(s)) if s[d] % n == 0}
     trajs = random_trajectories(args.trajectories, vocab=cfg.vocab_size, min_len=args.max_len // 4,
                                 max_len=args.max_len, seed=2)
     tc = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, logits_chunk=256)

@@ -1,5 +1,5 @@
 """Expert weights with LoRA adapters kept as their factors (`Factored`), for `models.moe`'s expert paths: each path's
-grouped product of rows by expert weights (`grouped`), and their shard_map specs (`factor_specs`)."""
+grouped product of rows by expert weights (`grouped`), and their shard_map specs (`weight_specs`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from areal_jax.models.sharding import placement_spec
 
 
 @jax.tree_util.register_pytree_node_class
@@ -40,11 +42,12 @@ def grouped(z: jax.Array, w: Any, mm, out_dtype: Any = None) -> jax.Array:
     return (mm(z, w.base, jnp.float32) + w.scale * delta).astype(out_dtype or z.dtype)
 
 
-def factor_specs(w: Any, spec: PartitionSpec, split_a: bool) -> Any:
-    """The shard_map spec of an expert weight sharded by `spec` over its width (and over its experts with expert
-    parallelism): a `Factored` one's factors take the experts' split and that of their side of the width (a's input
-    rows for down's, split_a; b's output columns for gate's and up's)."""
-    if not isinstance(w, Factored):
-        return spec
-    whole = PartitionSpec() if spec[0] is None else PartitionSpec(spec[0])  # the experts' axis stays (expert parallel)
-    return Factored(spec, spec if split_a else whole, whole if split_a else spec, w.scale)
+def weight_specs(p: Any, axes: frozenset[str]) -> Any:
+    """The shard_map in_spec of an expert layer's parameter `p` (an nnx Variable, a `lora.LoRAExperts`, or None):
+    its placement on the context's mesh over the manual `axes` (`sharding.placement_spec`); a `Factored` of its
+    base's and factors' for LoRA experts."""
+    if p is None:
+        return PartitionSpec()
+    if hasattr(p, "lora_a"):
+        return Factored(*(placement_spec(v, axes) for v in (p.base, p.lora_a, p.lora_b)), p.scale)
+    return placement_spec(p, axes)

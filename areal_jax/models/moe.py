@@ -43,11 +43,11 @@ from jax.sharding import PartitionSpec
 from areal_jax.models import routing
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.expert_parallel import dispatch, expert_shards
-from areal_jax.models.factored import Factored, factor_specs, grouped
+from areal_jax.models.factored import Factored, grouped, weight_specs
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
 from areal_jax.models.routing import load_balancing_loss, route, router_stats  # noqa: F401 (moe's API)
-from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size, gather_over
 
 DENSE_DECODE_TOKENS = 256
 
@@ -335,7 +335,19 @@ class MoE(nnx.Module):
         path = _PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0],
                                        expert_parallel=ep > 1)]
 
-        def experts(h, mask, given, router, gate, up, down, router_bias, gate_bias, up_bias, down_bias, score_bias):
+        axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
+        layer = (self.router, self.experts_gate, self.experts_up, self.experts_down, self.router_bias,
+                 self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias)
+        placed = [weight_specs(p, axes) for p in layer] if by_rows or by_width else [PartitionSpec()] * 8
+
+        def experts(h, mask, given, *weights_and_bias):
+            # FSDP shards gathered here (not by the in_specs, whose transpose would all-reduce whole gradients where
+            # this reduce-scatters them); expert parallelism keeps each device's experts (dimension 0) as they are
+            keep = [(), *([(0,)] * 3 if ep > 1 else [()] * 3), (), *([(0,)] * 2 if ep > 1 else [()] * 2), ()]
+            router, gate, up, down, router_bias, gate_bias, up_bias, down_bias, score_bias = (*(
+                w if w is None or not by_rows else jax.tree.map(
+                    lambda a, s, kept=kept: gather_over(a, s, BATCH_AXIS, kept), w, spec)
+                for w, spec, kept in zip(weights_and_bias, placed, keep)), weights_and_bias[-1])
             logits = _router_logits(h, router, router_bias)
             if not replay:
                 weights, chosen = route(logits, k, renormalize, scoring, score_bias)
@@ -359,19 +371,12 @@ class MoE(nnx.Module):
         if by_rows or by_width:
             # Under a mesh context (models.sharding) each device routes and computes its own tokens: the top-k, the
             # sort and the blocks would otherwise span the global batch, which XLA gathers to every device. The
-            # weights are gathered to each row shard (FSDP), or each device keeps its own experts (expert parallel);
-            # with a tensor axis dividing the experts' width each device runs its slice of every expert (gate and
-            # up split by columns, down by rows, the outputs summed), so a kernel too sees only its slice.
+            # weights come in as placed (`factored.weight_specs`): FSDP shards gathered inside, or with expert
+            # parallelism each device's own experts; with a tensor axis dividing the experts' width each device runs
+            # its slice of every expert (gate and up by columns, down by rows, the outputs summed), so a kernel too
+            # sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
-            width = TENSOR_AXIS if by_width else None
-            owned = BATCH_AXIS if ep > 1 else None  # expert parallel: each device's own experts, whole
-            cols, by_row = PartitionSpec(owned, None, width), PartitionSpec(owned, width, None)
-            specs = (rows, PartitionSpec(rows[0]), rows, PartitionSpec(),
-                     *(factor_specs(w, spec, first) for w, spec, first in (
-                         (params[1], cols, False), (params[2], cols, False), (params[3], by_row, True))),
-                     PartitionSpec(), PartitionSpec(owned, width), PartitionSpec(owned, width), PartitionSpec(),
-                     PartitionSpec())
-            axes = frozenset(({BATCH_AXIS} if by_rows else set()) | ({TENSOR_AXIS} if by_width else set()))
+            specs = (rows, PartitionSpec(rows[0]), rows, *placed, PartitionSpec())
             experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
                                     out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
         out, layer_stats, agree, chosen = experts(h, mask, given, *params, *biases, score_bias)

@@ -135,3 +135,20 @@ def shard_params(model: nnx.Module, mesh: Mesh, rules: LogicalRules = LOGICAL_AX
     shardings = logical_to_mesh_sharding(state, mesh, rules)
     nnx.update(model, jax.device_put(state, shardings))
     return model
+
+
+def placement_spec(variable: nnx.Variable, axes: frozenset[str] | set[str]) -> PartitionSpec:
+    """Inside a mesh context: the spec `variable` is placed with (`logical_to_spec` on the context's mesh), keeping
+    only the mesh axes in `axes` (a shard_map's manual axes; the others it leaves to XLA)."""
+    spec = logical_to_spec(logical_names(variable), variable.get_value().shape, jax.sharding.get_abstract_mesh())
+    return PartitionSpec(*(a if a in axes else None for a in spec))
+
+
+def gather_over(x: jax.Array, spec: PartitionSpec, axis: str, keep: Sequence[int] = ()) -> jax.Array:
+    """Inside a shard_map: x's shard with every dimension that `spec` splits over mesh axis `axis` all-gathered whole,
+    but those in `keep`. Its transpose reduce-scatters the gradient (where an input left whole by its in_spec would
+    all-reduce it)."""
+    for d, a in enumerate(spec):
+        if a == axis and d not in keep:
+            x = jax.lax.all_gather(x, axis, axis=d, tiled=True)
+    return x
