@@ -265,3 +265,25 @@ def test_every_process_plans_against_the_smallest_limit_any_reports():
     assert combine_limits(np.array([80 * 2**30, -1])) is None  # a process without a limit: nothing is checked
     assert combine_limits(np.array([[-1], [-1]])) is None
     assert agreed_limit(123) == 123 and agreed_limit(None) is None  # one process: its own (no collective)
+
+
+def test_a_plan_that_does_not_fit_an_expert_parallel_update_names_the_switch():
+    """Where a mixture of experts trains expert-parallel on the train mesh (its row buffers grow with the micro-batch's
+    tokens over all devices), an update that does not fit also names model.expert_parallel; elsewhere it does not."""
+    from areal_jax.testing.models import tiny_config
+
+    moe = tiny_config("qwen3_moe", num_layers=1)  # 4 experts
+    mesh = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1)).train_mesh
+    one = build_meshes(MeshConfig(), devices=jax.devices()[:1]).train_mesh
+    assert job_memory.expert_parallel_on(moe, mesh)
+    assert not job_memory.expert_parallel_on(moe.replace(expert_parallel=False), mesh)
+    assert not job_memory.expert_parallel_on(moe, one) and not job_memory.expert_parallel_on(CFG, mesh)
+    assert not job_memory.expert_parallel_on(moe.replace(num_experts=6), mesh)  # 6 do not split four ways
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 96}, "eval": {"n_test": 0},
+                                       "train": {"micro_batch_tokens": 256, "logits_chunk": 64, "remat": "full",
+                                                 "attention": "dense"}, "data": {"max_prompt_len": 16}})
+    meshes = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1))
+    resident = job_memory.JobMemory.prepare(job, moe, meshes, None).plan.total
+    tight = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=int(resident / 0.9) + 1)
+    with pytest.raises(ConfigError, match=r"update_activations: .*--config.model.expert_parallel=false"):
+        tight.resolve_update(job.train, meshes.train_mesh)

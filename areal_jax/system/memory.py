@@ -27,6 +27,7 @@ from flax import nnx
 
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.expert_parallel import expert_shards
 from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
@@ -90,6 +91,12 @@ class MemoryPlan:
         raise ConfigError(
             f"This run does not fit its devices: it needs {self.describe()}, more than {headroom:.0%} of the "
             f"device's {self.device_bytes / GiB:.1f} GiB. The largest part is {largest}: {hints[largest]}.")
+
+
+def expert_parallel_on(cfg: ModelConfig, mesh: Any) -> bool:
+    """Whether `cfg`'s experts train expert-parallel on train mesh `mesh` (models.expert_parallel)."""
+    fsdp = int(dict(mesh.shape).get("fsdp", 1))
+    return bool(cfg.num_experts) and expert_shards(cfg.num_experts, fsdp, cfg.expert_parallel) > 1
 
 
 def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers: int | None = None) -> int:
@@ -336,5 +343,9 @@ class JobMemory:
             self.hints["update_activations"] = (
                 "even with train.remat=full, lower --config.train.micro_batch_tokens or train.logits_chunk, or shard "
                 "the trainer over more devices (--config.mesh.fsdp)")
+        if expert_parallel_on(self.model, mesh):
+            self.hints["update_activations"] = self.hints.get("update_activations", HINTS["update_activations"]) + (
+                "; this mixture of experts trains expert-parallel, whose buffers hold the pairs of the micro-batch's "
+                "tokens over every device: --config.model.expert_parallel=false gathers the experts instead")
         self.plan.check()
         return dataclasses.replace(cfg, remat=remat)
