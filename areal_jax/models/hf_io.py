@@ -47,8 +47,8 @@ class ModelLoadConfig(Section):
     tokenizer_path: str = knob("", "directory of the tokenizer files; defaults to model.path")
     dtype: str = knob("float32", "compute dtype", choices=tuple(DTYPES))
     param_dtype: str = knob("float32", "storage dtype of the trained params", choices=tuple(DTYPES))
-    moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU, dense on GPUs at "
-                         "decode (at most 256 tokens a device), else blocked) "
+    moe_impl: str = knob("auto", "how a mixture of experts computes (models.moe): auto (ragged on TPU; on GPUs pallas "
+                         "under expert parallelism, dense at decode (at most 256 tokens a device); else blocked) "
                          "| blocked | ragged | pallas | dense; other models ignore it", choices=MOE_IMPLS)
     expert_parallel: bool = knob(True, "train a mixture of experts with expert parallelism where the expert count "
                                  "divides the fsdp axis (models.expert_parallel: each device keeps its own experts, "
