@@ -137,3 +137,18 @@ def test_a_scanned_update_equals_the_unrolled_one(lora):
     # near-zero gradients, which the two programs sum in different orders)
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=5e-5)
+
+
+def test_expert_parallel_layers_scan_on_a_2x2_mesh():
+    """Scanned mixture-of-experts layers on fsdp x tensor = 2 x 2 (each device two of the four experts, half their
+    width) give one device's loss and gradients."""
+    from tests.test_trainer import mesh_1, mesh_4, tree_rel_err
+
+    cfg = testing.tiny_config("qwen3_moe", num_layers=3, max_position_embeddings=512)
+    assert cfg.expert_parallel
+    trajs = random_trajectories(10, vocab=cfg.vocab_size, min_len=5, max_len=40, seed=3)
+    tc = TrainerConfig(micro_batch_tokens=64, logits_chunk=16, remat="full", scan_layers=True)
+    want_loss, want = Trainer(testing.random_model(cfg, seed=2), tc, mesh_1()).loss_and_grads(trajs)
+    got_loss, got = Trainer(testing.random_model(cfg, seed=2), tc, mesh_4()).loss_and_grads(trajs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
