@@ -39,10 +39,18 @@ def test_the_command_writes_a_directory_transformers_loads_with_the_dense_logits
     dense = write_random_hf_checkpoint(dense_dir, tiny_config(arch), seed=3)
     with open(os.path.join(dense_dir, "tokenizer_config.json"), "w") as fh:
         json.dump({"model_max_length": 64}, fh)
+    for name in ("added_tokens.json", "qwen.tiktoken", "LICENSE", "pytorch_model.bin", "model-q4.gguf"):
+        with open(os.path.join(dense_dir, name), "w") as fh:  # files of no fixed list; old weights left behind
+            fh.write(name)
     summary = main(["--model", dense_dir, "--out", out, "--experts", "3", "--top_k", "2"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert summary["max_logit_diff"] < 1e-4 and summary["params"] > summary["dense_params"]
-    assert os.path.exists(os.path.join(out, "tokenizer_config.json"))
+    for name in ("tokenizer_config.json", "added_tokens.json", "qwen.tiktoken", "LICENSE"):
+        assert open(os.path.join(out, name)).read() == open(os.path.join(dense_dir, name)).read()
+    assert not os.path.exists(os.path.join(out, "pytorch_model.bin")) and not os.path.exists(
+        os.path.join(out, "model-q4.gguf"))
+    assert json.load(open(os.path.join(out, "config.json")))["num_experts" if arch == "qwen2" else
+                                                              "num_local_experts"] == 3  # ours, not the dense one
     np.testing.assert_allclose(np.asarray(load_hf_checkpoint(out)(TOKENS)), np.asarray(dense(TOKENS)), atol=2e-5)
     torch = pytest.importorskip("torch", reason="the transformers check needs PyTorch")
     transformers = pytest.importorskip("transformers", reason="the transformers check needs transformers")

@@ -8,7 +8,8 @@ is the dense MLP's: the upcycled model's logits equal the dense model's (up to f
 LoRA on the experts, `lora.targets=...,experts`) lets the experts and the router move apart from there. The family
 maps to its mixture-of-experts sibling with the same attention: qwen2 -> qwen2_moe (Qwen2-MoE's shared expert is kept
 with a zero output projection, so it adds nothing), qwen3 -> qwen3_moe, llama and mistral -> mixtral, granite ->
-granitemoe. Embeddings, attention, norms and the output head are copied; the tokenizer files too.
+granitemoe. Embeddings, attention, norms and the output head are copied; so is every file of the dense directory
+but its weights and config.json (tokenizer files of any kind, chat template, generation config, license).
 Ends with one JSON line: the parameter counts and the largest logit difference to the dense model on random tokens.
 """
 from __future__ import annotations
@@ -23,8 +24,17 @@ from typing import Any
 SIBLINGS = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "llama": "mixtral", "mistral": "mixtral",
             "granite": "granitemoe"}
 SHARED_EXPERT_SIZE = 16  # Qwen2-MoE always has a shared expert: kept narrow, its output projection zero
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+# what the upcycled directory writes itself (weights in any format, their index, the model's config); every other file
+# of the dense directory (tokenizer files of any kind, chat templates, generation config, README, LICENSE) is copied
+WRITTEN = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".safetensors.index.json",
+           ".bin.index.json")
+
+
+def carried_files(directory: str) -> list[str]:
+    """The plain files of a dense checkpoint directory that the upcycled one keeps as they are: all but the weights,
+    their indexes and config.json."""
+    return sorted(name for name in os.listdir(directory) if os.path.isfile(os.path.join(directory, name))
+                  and name != "config.json" and not name.endswith(WRITTEN))
 
 
 def upcycled_config(cfg: Any, experts: int, top_k: int) -> Any:
@@ -90,9 +100,8 @@ def main(argv: list[str]) -> dict:
     dense = load_hf_checkpoint(args.model)
     model = upcycle(dense, args.experts, args.top_k, router_std=args.router_std, seed=args.seed)
     save_hf_checkpoint(model, args.out)
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(args.model, name)):
-            shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
+    for name in carried_files(args.model):
+        shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
     tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, dense.cfg.vocab_size, (2, 32)), jnp.int32)
     gap = float(jnp.abs(load_hf_checkpoint(args.out)(tokens) - dense(tokens)).max())
     summary = {"program": "upcycle", "from": dense.cfg.architecture, "to": model.cfg.architecture,
