@@ -37,8 +37,9 @@
 #              GPU, and the sampler's steady state against HF generate (~5 min).
 #   phi4mini   the phi4-mini shape (3.8B, fused q/k/v on disk, partial rotary, LongRoPE), bf16: the update against HF +
 #              PyTorch on the same GPU, and the sampler's steady state against HF generate (~6 min).
-#   moe        one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16, 16,384 tokens,
-#              forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
+#   moe        the grouped-matmul kernel's tests compiled by Triton (values, gradients, the blocks it skips under
+#              expert parallelism); one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16,
+#              16,384 tokens, forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
 #              transformers' block on the same GPU (benchmarks/moe.py; a path that fails is reported, the others
 #              still run); then the same paths forward only at a decode step's 256 tokens, which says which one the
 #              sampler should run; then rank-16 adapters on the experts, factored against folded, on the blocked
@@ -212,6 +213,10 @@ EOF
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   moe)
+    # the grouped-matmul kernel compiled by Triton for real (the CPU tests run it in the interpreter): values and
+    # gradients against a per-block einsum, and the blocks of no expert it skips under expert parallelism
+    step moe_kernel_tests 240 env JAX_PLATFORMS=cuda $PY -m pytest -q -o addopts="" tests/test_grouped_matmul.py \
+      "tests/test_expert_parallel.py::test_the_kernel_skips_blocks_of_no_expert"
     step moe 200 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384
     step moe_decode 120 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 256 --forward-only
     step moe_lora 150 $PY benchmarks/moe.py --preset qwen3-30b-a3b --dtype bfloat16 --tokens 16384 \
