@@ -191,7 +191,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     partial = float(partial or {"minimax_m2": minimax.partial_factor(d, head_dim), "glm4": glm4.PARTIAL_ROTARY}.get(
         model_type) or 1.0)
     if partial != 1.0 and model_type not in ("phi3", "minimax_m2", "glm4"):
-        raise ValueError(f"partial_rotary_factor != 1 is not supported for {model_type} (only Phi's is).")
+        raise ValueError(f"partial_rotary_factor != 1 is not supported for {model_type} (Phi-3's, GLM-4's, "
+                         "GLM-4.5's and MiniMax-M2's are).")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names of LongRoPE, as transformers reads them
         rope_type = rope["rope_type"] = "longrope"
