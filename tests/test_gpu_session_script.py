@@ -40,6 +40,15 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
     for argv in commands:
         if argv[:1] in (["-"], ["-c"]):  # the inline flash check and the environment line
             continue
+        if argv[:2] == ["-m", "pytest"]:  # tests run on the GPU: their files and test functions exist
+            named = [a for a in argv[2:] if a.startswith("tests/")]
+            for arg in named:
+                path, _, name = arg.partition("::")
+                assert os.path.isfile(os.path.join(ROOT, path)), arg
+                assert not name or f"def {name}(" in open(os.path.join(ROOT, path)).read(), arg
+            assert named
+            parsed.append("pytest")
+            continue
         if argv[0] == "-m":
             module, args = importlib.import_module(argv[1]), argv[2:]
         else:
@@ -54,7 +63,7 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
             "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
             "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py", "benchmarks/paged_pieces.py",
-            "benchmarks/mla_prefill.py"}
+            "benchmarks/mla_prefill.py", "pytest"}
     assert set(parsed) == want and len(parsed) >= 20
 
 
