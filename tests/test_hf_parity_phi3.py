@@ -129,6 +129,6 @@ def test_phi_config_layouts():
     with pytest.raises(ValueError, match="short_factor"):
         ModelConfig.from_hf_dict({**mini, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 64,
                                                            "long_factor": [2.0] * 48}})
-    with pytest.raises(ValueError, match="only Phi"):
+    with pytest.raises(ValueError, match=r"partial_rotary_factor != 1 is not supported for llama \(Phi-3.s, GLM-4.s"):
         ModelConfig.from_hf_dict({**phi3_mini_4k, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                   "partial_rotary_factor": 0.5})
