@@ -343,7 +343,8 @@ class MoE(nnx.Module):
         def experts(h, mask, given, *weights_and_bias):
             # FSDP shards gathered here (not by the in_specs, whose transpose would all-reduce whole gradients where
             # this reduce-scatters them); expert parallelism keeps each device's experts (dimension 0) as they are
-            keep = [(), *([(0,)] * 3 if ep > 1 else [()] * 3), (), *([(0,)] * 2 if ep > 1 else [()] * 2), ()]
+            own = (0,) if ep > 1 else ()  # router, gate, up, down, router_bias, gate_bias, up_bias, down_bias:
+            keep = [(), own, own, own, (), own, own, ()]
             router, gate, up, down, router_bias, gate_bias, up_bias, down_bias, score_bias = (*(
                 w if w is None or not by_rows else jax.tree.map(
                     lambda a, s, kept=kept: gather_over(a, s, BATCH_AXIS, kept), w, spec)
