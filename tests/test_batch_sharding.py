@@ -63,19 +63,24 @@ def test_only_weights_cross_devices_under_a_mesh_context(arch, impl):
         assert _token_sized(_collectives(_compiled_step(cfg, with_context=False)))
 
 
-@pytest.mark.parametrize("impl", ["blocked", "pallas"])
-def test_expert_parallelism_moves_tokens_and_never_the_experts(impl):
+@pytest.mark.parametrize("impl,dispatch", [("blocked", "gather"), ("pallas", "gather"), ("blocked", "ring")])
+def test_expert_parallelism_moves_tokens_and_never_the_experts(impl, dispatch):
     """4 experts on a 4-device fsdp mesh, one a device: no collective carries an expert's weights or their gradient;
     the layer's rows are all-gathered ([all rows, D], forward and backward) and its outputs reduce-scattered back to
-    each device's own rows ([rows / 4, D]), as are the routing weights' cotangents ([rows / 4, k])."""
+    each device's own rows ([rows / 4, D]), as are the routing weights' cotangents ([rows / 4, k]). The ring moves
+    only one device's rows, weights, outputs and their cotangents at a time, to its neighbour."""
     cfg = tiny_config("qwen3_moe", hidden_size=128, intermediate_size=256, num_layers=1, moe_impl=impl,
-                      moe_intermediate_size=128)
+                      moe_intermediate_size=128, expert_dispatch=dispatch)
     assert cfg.expert_parallel and cfg.num_experts == 4
     pinned = _collectives(_compiled_step(cfg, with_context=True))
     expert = {(cfg.num_experts, 128, 128), (1, 128, 128), (128, 128)}  # [E, D, F] whole, one expert, a slice
     assert not [s for _, s in pinned if s in expert], pinned
     moved = sorted((k, s) for k, s in _token_sized(pinned) if k != "all-to-all")  # (the embedding lookup's)
     n, d, k = ROWS * LENGTH, cfg.hidden_size, cfg.num_experts_per_tok
+    if dispatch == "ring":
+        assert {s for _, s in moved} == {(n // 4, d), (n // 4, k)}, moved
+        assert {kind for kind, _ in moved} == {"collective-permute"}, moved
+        return
     assert moved == sorted([("all-gather", (n, d))] * 2 + [("all-gather", (n, k))]
                            + [("reduce-scatter", (n // 4, d))] * 2 + [("reduce-scatter", (n // 4, k))]), moved
 

@@ -3,6 +3,8 @@ all-gathered to them and the outputs reduce-scattered back. A layer's outputs an
 mesh equal one device's, on every expert path, for softmax, biased (gpt-oss) and sigmoid (DeepSeek-V3) routers and
 shared experts, including the worst case where every pair lands on one device; the grouped-matmul kernel skips the
 blocks of other devices' experts."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,8 @@ def _mesh(fsdp: int, tensor: int):
     return jax.make_mesh((fsdp, tensor), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _layer(arch: str, impl: str, experts: int, flat_router: bool) -> MoE:
-    cfg = tiny_config(arch, moe_impl=impl, num_experts=experts)
+def _layer(arch: str, impl: str, experts: int, flat_router: bool, dispatch: str = "gather") -> MoE:
+    cfg = tiny_config(arch, moe_impl=impl, num_experts=experts, expert_dispatch=dispatch)
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     for name in ("experts_gate", "experts_up", "experts_down", "router"):  # O(1) outputs, distinct experts
         p = getattr(layer, name)
@@ -52,17 +54,26 @@ def _value_and_grads(layer: MoE, x: jax.Array, mesh=None):
             return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(st, x)
 
     text = str(jax.make_jaxpr(in_context)(state, x))
-    assert "all_gather" in text and "reduce_scatter" in text  # the expert-parallel dispatch ran
+    if layer.ring:  # the rows went round the ring, forward and backward, and were never gathered
+        assert "ppermute" in text and "custom_vjp" in text and not re.search(rf"\[{ROWS},\d+\] = all_gather", text)
+    else:
+        assert "all_gather" in text and "reduce_scatter" in text  # the expert-parallel dispatch ran
     return jax.jit(in_context)(state, x)
 
 
-@pytest.mark.parametrize("arch,impl,flat", [
-    ("qwen3_moe", "blocked", False), ("qwen3_moe", "blocked", True), ("qwen3_moe", "ragged", True),
-    ("qwen3_moe", "dense", True), ("qwen3_moe", "pallas", True), ("gpt_oss", "blocked", False),
-    ("qwen2_moe", "blocked", False), ("deepseek_v3", "blocked", False)])
-def test_a_layer_on_four_devices_equals_one_device(arch, impl, flat):
-    """8 experts over fsdp = 4 (two a device), tensor = 1; with `flat` every pair goes to the first device."""
-    layer = _layer(arch, impl, 8, flat)
+@pytest.mark.parametrize("arch,impl,flat,dispatch", [
+    ("qwen3_moe", "blocked", False, "gather"), ("qwen3_moe", "blocked", True, "gather"),
+    ("qwen3_moe", "ragged", True, "gather"), ("qwen3_moe", "dense", True, "gather"),
+    ("qwen3_moe", "pallas", True, "gather"), ("gpt_oss", "blocked", False, "gather"),
+    ("qwen2_moe", "blocked", False, "gather"), ("deepseek_v3", "blocked", False, "gather"),
+    ("qwen3_moe", "blocked", False, "ring"), ("qwen3_moe", "blocked", True, "ring"),
+    ("qwen3_moe", "ragged", False, "ring"), ("qwen3_moe", "dense", True, "ring"),
+    ("qwen3_moe", "pallas", False, "ring"), ("gpt_oss", "blocked", False, "ring"),
+    ("deepseek_v3", "blocked", False, "ring")])
+def test_a_layer_on_four_devices_equals_one_device(arch, impl, flat, dispatch):
+    """8 experts over fsdp = 4 (two a device), tensor = 1; with `flat` every pair goes to the first device; the
+    rows all-gathered ("gather") or passed round the ring ("ring", its own backward)."""
+    layer = _layer(arch, impl, 8, flat, dispatch)
     x = jax.random.normal(jax.random.key(1), (ROWS, D))
     (_, (want, want_stats)), (want_grads, want_dx) = _value_and_grads(layer, x)
     (_, (got, got_stats)), (got_grads, got_dx) = _value_and_grads(layer, x, _mesh(4, 1))
@@ -79,9 +90,10 @@ def test_a_layer_on_four_devices_equals_one_device(arch, impl, flat):
         assert not gate[2:].any() and gate[:2].any()
 
 
-def test_experts_and_width_split_together():
+@pytest.mark.parametrize("dispatch", ["gather", "ring"])
+def test_experts_and_width_split_together(dispatch):
     """fsdp = 2 (two experts a device) x tensor = 2 (each expert's width halved), against one device."""
-    layer = _layer("qwen3_moe", "blocked", 4, False)
+    layer = _layer("qwen3_moe", "blocked", 4, False, dispatch)
     x = jax.random.normal(jax.random.key(2), (ROWS, D))
     (_, (want, _)), (want_grads, _) = _value_and_grads(layer, x)
     (_, (got, _)), (got_grads, _) = _value_and_grads(layer, x, _mesh(2, 2))
@@ -122,3 +134,37 @@ def test_the_kernel_skips_blocks_of_no_expert():
     np.testing.assert_allclose(np.asarray(gx[:48]), np.asarray(rx), atol=5e-5, rtol=1e-5)
     assert not np.asarray(gx[48:]).any()
     np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), atol=5e-5, rtol=1e-5)
+
+
+def test_ring_trains_expert_adapters_and_whole_updates_like_one_device():
+    """The ring's own backward on a 4-device fsdp mesh: a full update of a 3-layer model (its layers scanned and
+    rematerialised) and a LoRA update (frozen experts, adapters on them and on the attention: the ring computes no
+    gradient for the frozen weights) give one device's loss and gradients."""
+    from areal_jax.models import lora
+    from areal_jax.runtime.mesh import MeshConfig, build_meshes
+    from areal_jax.testing.models import random_model
+    from areal_jax.testing.trajectories import random_trajectories
+    from areal_jax.trainer import Trainer, TrainerConfig
+    from tests.test_trainer import mesh_1, tree_rel_err
+
+    cfg = tiny_config("qwen3_moe", num_layers=3, moe_layers=(1, 0, 1), num_experts=8, expert_dispatch="ring")
+    mesh = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1)).train_mesh
+    trajs = random_trajectories(10, vocab=97, min_len=5, max_len=40, seed=3)
+    for adapters in (False, True):
+        tc = TrainerConfig(micro_batch_tokens=64, logits_chunk=16, remat="none" if adapters else "full",
+                           scan_layers=not adapters)
+        def model():
+            m = random_model(cfg, seed=2)
+            if adapters:
+                lora.apply_lora(m, lora.LoRAConfig(rank=4, alpha=8.0, targets="all,experts"), rngs=nnx.Rngs(5))
+                for i, node in enumerate(n for _, n in nnx.iter_graph(m) if isinstance(n, lora.LoRAExperts)):
+                    node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(i), node.lora_b.shape))
+            return m
+
+        wrt = nnx.LoRAParam if adapters else nnx.Param
+        want_loss, want = Trainer(model(), tc, mesh_1(), wrt=wrt).loss_and_grads(trajs)
+        got_loss, got = Trainer(model(), tc, mesh, wrt=wrt).loss_and_grads(trajs)
+        assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+        assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
+        experts = [g for path, g in jax.tree.leaves_with_path(jax.device_get(got)) if "experts_gate" in str(path)]
+        assert experts and all(np.abs(np.asarray(g)).max() > 0 for g in experts)  # the ring's gradients arrived

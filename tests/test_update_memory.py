@@ -285,5 +285,5 @@ def test_a_plan_that_does_not_fit_an_expert_parallel_update_names_the_switch():
     meshes = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1))
     resident = job_memory.JobMemory.prepare(job, moe, meshes, None).plan.total
     tight = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=int(resident / 0.9) + 1)
-    with pytest.raises(ConfigError, match=r"update_activations: .*--config.model.expert_parallel=false"):
+    with pytest.raises(ConfigError, match=r"update_activations: .*expert_dispatch=ring .*expert_parallel=false"):
         tight.resolve_update(job.train, meshes.train_mesh)

@@ -18,7 +18,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "granite", "ernie4_5", "glm4", *MOE_ARCHITECTURES)
-MOE_IMPLS = ("auto", "blocked", "dense", "ragged", "pallas")
+MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -107,7 +107,8 @@ class ModelConfig:
       (models.moe); "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens
       (`moe.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
     expert_parallel: under a mesh whose fsdp axis the expert count divides, each device keeps E / fsdp whole experts
-      and the tokens go to them (models.expert_parallel); False: FSDP gathers every expert's weights.
+      and the tokens go to them (models.expert_parallel); False: FSDP gathers every expert's weights. expert_dispatch:
+      "gather" (all-gather every device's rows) or "ring" (pass them round the fsdp ring: memory flat in its size).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """
 
@@ -149,6 +150,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
     expert_parallel: bool = True
+    expert_dispatch: str = "gather"
     attention_out_bias: bool = False
     attention_sinks: bool = False
     expert_bias: bool = False
@@ -187,10 +189,8 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
-        checks.check_experts(self)
-        checks.check_gated_experts(self)
-        checks.check_routing(self)
-        checks.check_mla(self)
+        for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla):
+            check(self)
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))

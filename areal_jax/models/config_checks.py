@@ -119,7 +119,7 @@ def check_routing(cfg) -> None:
 def check_experts(cfg) -> None:
     """The mixture-of-experts fields: counts, widths, `moe_impl`, and which layers have experts (`moe_layers`: all
     of them is stored as None)."""
-    from areal_jax.models.config import MOE_ARCHITECTURES, MOE_IMPLS  # noqa: PLC0415 (config imports this module)
+    from areal_jax.models.config import EXPERT_DISPATCHES, MOE_ARCHITECTURES, MOE_IMPLS  # noqa: PLC0415 (a cycle)
 
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     if not isinstance(e, (int, np.integer)) or e < 0 or not isinstance(k, (int, np.integer)) or k < 0:
@@ -127,6 +127,9 @@ def check_experts(cfg) -> None:
                          f"{k!r}.")
     if cfg.moe_impl not in MOE_IMPLS:
         raise ValueError(f"ModelConfig.moe_impl={cfg.moe_impl!r} is unknown; use one of {', '.join(MOE_IMPLS)}.")
+    if cfg.expert_dispatch not in EXPERT_DISPATCHES:
+        raise ValueError(f"ModelConfig.expert_dispatch={cfg.expert_dispatch!r} is unknown; use one of "
+                         f"{', '.join(EXPERT_DISPATCHES)}.")
     if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0):
         raise ValueError(f"architecture {cfg.architecture!r} with num_experts={e}: the mixture-of-experts "
                          f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
 from areal_jax.models import fp8
-from areal_jax.models.config import MOE_IMPLS, ModelConfig
+from areal_jax.models.config import EXPERT_DISPATCHES, MOE_IMPLS, ModelConfig
 from areal_jax.models.gpt_oss import MXFP4_SUFFIXES, dequantize_mxfp4
 from areal_jax.models.hf_names import _Entry, weight_entries
 from areal_jax.models.sharding import logical_to_mesh_sharding
@@ -53,10 +53,18 @@ class ModelLoadConfig(Section):
     expert_parallel: bool = knob(True, "train a mixture of experts with expert parallelism where the expert count "
                                  "divides the fsdp axis (models.expert_parallel: each device keeps its own experts, "
                                  "the tokens go to them); False: FSDP gathers every expert's weights")
+    expert_dispatch: str = knob("gather", "how expert parallelism sends the tokens to the experts: gather (all-gather "
+                                "every device's rows: buffers grow with the fsdp size) | ring (pass them round the "
+                                "fsdp ring: flat memory, about 1.25x the bytes and one more expert forward)",
+                                choices=EXPERT_DISPATCHES)
 
     @property
     def compute_dtype(self) -> Any:
         return DTYPES[self.dtype]
+
+    def run_choices(self) -> dict[str, Any]:
+        """The `ModelConfig` fields this section sets beside the checkpoint's (how, not what, the model computes)."""
+        return dict(moe_impl=self.moe_impl, expert_parallel=self.expert_parallel, expert_dispatch=self.expert_dispatch)
 
     @property
     def storage_dtype(self) -> Any:
@@ -161,12 +169,12 @@ class _Reader:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
                        dtype: Any = None, max_len: int | None = None, moe_impl: str | None = None,
-                       expert_parallel: bool = True) -> Transformer:
+                       expert_parallel: bool = True, expert_dispatch: str = "gather") -> Transformer:
     """Loads an HF checkpoint directory of a supported family (models.hf_config) into a Transformer (of an
     image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
     max_len: the longest sequence the run holds, which picks LongRoPE's factors (`ModelConfig.for_sequence_length`;
     None: the short ones). moe_impl: a mixture of experts' computation (`ModelConfig.moe_impl`; None: "auto");
-    expert_parallel: `ModelConfig.expert_parallel` (where its experts live on a train mesh).
+    expert_parallel, expert_dispatch: `ModelConfig`'s (where its experts live on a train mesh, how tokens reach them).
 
     param_dtype: storage dtype of the parameters (tensors are cast on the host); dtype: compute dtype
     (default: param_dtype). With a mesh, each parameter is built directly as a sharded array
@@ -178,7 +186,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
         cfg = cfg.for_sequence_length(max_len)
     if moe_impl is not None:
         cfg = cfg.replace(moe_impl=moe_impl)
-    cfg = cfg.replace(expert_parallel=expert_parallel)
+    cfg = cfg.replace(expert_parallel=expert_parallel, expert_dispatch=expert_dispatch)
     reader = _Reader(path)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)

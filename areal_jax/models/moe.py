@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from areal_jax.models import routing
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.expert_parallel import dispatch, expert_shards
+from areal_jax.models.expert_parallel import dispatch, expert_shards, ring_dispatch
 from areal_jax.models.factored import Factored, grouped, weight_specs
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
@@ -272,7 +272,7 @@ class MoE(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.impl = cfg.moe_impl
-        self.expert_parallel = cfg.expert_parallel
+        self.expert_parallel, self.ring = cfg.expert_parallel, cfg.expert_dispatch == "ring"
         self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor))
         self.router = make_param(rngs, (d, e), ("embed", None), pdt)
         # float32 whatever param_dtype: its small differences between experts decide picks
@@ -355,7 +355,7 @@ class MoE(nnx.Module):
             else:
                 chosen = given
                 weights = routing.weights_of(routing.scores_of(logits, scoring), chosen, renormalize, scoring)
-            run = functools.partial(dispatch, path, shards=ep) if ep > 1 else path  # (expert parallel: all shards')
+            run = functools.partial(ring_dispatch if self.ring else dispatch, path, shards=ep) if ep > 1 else path
             out = run(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down
             if down_bias is not None:  # after the sum over width shards: each token's experts' biases, weighted

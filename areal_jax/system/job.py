@@ -125,7 +125,7 @@ class RLJob:
         dtype, param_dtype = c.model.compute_dtype, c.model.storage_dtype
         with user_errors.model_dir(c.model.path):  # every resident part per device, checked before loading
             model_cfg = ModelConfig.from_pretrained(c.model.path, dtype=dtype, param_dtype=param_dtype).replace(
-                moe_impl=c.model.moe_impl, expert_parallel=c.model.expert_parallel)
+                **c.model.run_choices())
         if c.train.router_replay != "off" and not model_cfg.num_experts:
             raise config_lib.ConfigError(f"--config.train.router_replay={c.train.router_replay} needs a mixture-of-experts "
                                          f"model; {c.model.path} has no experts. Set it to off.")

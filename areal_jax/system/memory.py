@@ -344,8 +344,11 @@ class JobMemory:
                 "even with train.remat=full, lower --config.train.micro_batch_tokens or train.logits_chunk, or shard "
                 "the trainer over more devices (--config.mesh.fsdp)")
         if expert_parallel_on(self.model, mesh):
+            held_pairs = ("whose buffers hold the pairs of the micro-batch's tokens over every device: "
+                          "--config.model.expert_dispatch=ring holds one device's at a time, "
+                          if self.model.expert_dispatch == "gather" else "over the ring (one device's tokens at a time): ")
             self.hints["update_activations"] = self.hints.get("update_activations", HINTS["update_activations"]) + (
-                "; this mixture of experts trains expert-parallel, whose buffers hold the pairs of the micro-batch's "
-                "tokens over every device: --config.model.expert_parallel=false gathers the experts instead")
+                f"; this mixture of experts trains expert-parallel, {held_pairs}--config.model.expert_parallel=false "
+                "gathers the experts instead")
         self.plan.check()
         return dataclasses.replace(cfg, remat=remat)

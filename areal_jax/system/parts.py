@@ -23,7 +23,7 @@ def load_policy(c: JobConfig, meshes: MeshSetup, train_cfg: Any) -> tuple[nnx.Mo
         with user_errors.model_dir(c.model.path):
             return load_hf_checkpoint(c.model.path, mesh=meshes.train_mesh, param_dtype=c.model.storage_dtype,
                                       dtype=c.model.compute_dtype, max_len=c.rollout.max_len,
-                                      moe_impl=c.model.moe_impl, expert_parallel=c.model.expert_parallel)
+                                      **c.model.run_choices())
 
     model = load()
     lora_cfg = c.lora if c.lora.enabled else None  # adapters only are trained, the base is frozen
