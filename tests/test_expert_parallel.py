@@ -168,3 +168,19 @@ def test_ring_trains_expert_adapters_and_whole_updates_like_one_device():
         assert tree_rel_err(jax.device_get(got), jax.device_get(want)) < 1e-5
         experts = [g for path, g in jax.tree.leaves_with_path(jax.device_get(got)) if "experts_gate" in str(path)]
         assert experts and all(np.abs(np.asarray(g)).max() > 0 for g in experts)  # the ring's gradients arrived
+
+
+def test_the_dispatch_knob_reaches_the_model_and_a_bad_one_fails_early(tmp_path):
+    from areal_jax import config as config_lib
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.models import write_random_hf_checkpoint
+
+    with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' is unknown; use one of gather, ring"):
+        tiny_config("qwen3_moe", expert_dispatch="all_to_all")
+    with pytest.raises(config_lib.ConfigError, match="expert_dispatch"):
+        config_lib.from_config_dict({"model": {"expert_dispatch": "all_to_all"}})
+    job = config_lib.from_config_dict({"model": {"expert_dispatch": "ring"}})
+    assert job.model.run_choices() == {"moe_impl": "auto", "expert_parallel": True, "expert_dispatch": "ring"}
+    write_random_hf_checkpoint(tmp_path, tiny_config("qwen3_moe", num_layers=1))
+    model = load_hf_checkpoint(tmp_path, **job.model.run_choices())
+    assert model.cfg.expert_dispatch == "ring" and model.layers[0].mlp.ring
