@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=tuple(PRESETS))
     p.add_argument("--devices", type=int, default=8, help="host devices on the fsdp axis")
     p.add_argument("--tokens", type=int, default=16384, help="tokens of one micro-batch, over all devices")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (params are float32, as the trainer's master weights; XLA:CPU fails to compile the "
-                   "bfloat16 layer's backward on several devices, with FSDP experts too: use a GPU for bfloat16)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (params are float32, as the trainer's master weights; XLA:CPU carries 16-bit "
+                   "collectives in float32, so its bytes moved are float32's)")
     p.add_argument("--impl", default="blocked", choices=("blocked", "pallas", "ragged", "dense"))
     p.add_argument("--run", action="store_true", help="also run all three on random weights (small shapes) and compare")
     p.add_argument("--sweep", default="", help="comma-separated fsdp sizes (each at most --devices) to compile the "

@@ -47,7 +47,7 @@ from areal_jax.models.factored import Factored, grouped, weight_specs
 from areal_jax.models.grouped_matmul import grouped_matmul, supports
 from areal_jax.models.layers import MLP, make_param
 from areal_jax.models.routing import load_balancing_loss, route, router_stats  # noqa: F401 (moe's API)
-from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size, gather_over
+from areal_jax.models.sharding import BATCH_AXIS, TENSOR_AXIS, batch_shards, context_axis_size, gather_over, manual_axes
 
 DENSE_DECODE_TOKENS = 256
 
@@ -378,8 +378,8 @@ class MoE(nnx.Module):
             # sees only its slice.
             rows = PartitionSpec(BATCH_AXIS if by_rows else None, None)
             specs = (rows, PartitionSpec(rows[0]), rows, *placed, PartitionSpec())
-            experts = jax.shard_map(experts, in_specs=specs, axis_names=axes, check_vma=False,
-                                    out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(rows[0]), rows))
+            experts = jax.shard_map(experts, in_specs=specs, out_specs=(rows, PartitionSpec(rows[0]), PartitionSpec(
+                rows[0]), rows), axis_names=manual_axes(axes, self.dtype), check_vma=False)
         out, layer_stats, agree, chosen = experts(h, mask, given, *params, *biases, score_bias)
         if self.shared_expert_gate is not None:
             scale = jax.nn.sigmoid(jnp.dot(h, self.shared_expert_gate[...].astype(self.dtype)))

@@ -55,6 +55,19 @@ def context_axis_size(axis: str) -> int:
     return int(mesh.shape[axis])
 
 
+def manual_axes(axes: frozenset[str], dtype: Any) -> frozenset[str]:
+    """The axes a shard_map over `axes` of the context mesh that computes in `dtype` makes manual: those, and on the
+    CPU for 16-bit dtypes every axis of size 1 as well (which splits nothing). A shard_map left automatic over some
+    axis lowers with sharding constraints inside the reducers of its collectives, and XLA:CPU, which promotes 16-bit
+    reductions to float32, cannot clone such a reducer and fails to compile a bfloat16 reduce-scatter. Manual over
+    a size-1 axis it lowers without them, at the price of a no-op all-reduce (one device a group) of the inputs'
+    cotangents in the backward, hence CPU and 16-bit only."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.default_backend() != "cpu" or np.dtype(dtype).itemsize >= 4:
+        return frozenset(axes)
+    return frozenset(axes) | frozenset(a for a in mesh.axis_names if mesh.shape[a] == 1)
+
+
 def batch_shards() -> int:
     """How many ways the traced program's batch splits: the size of `BATCH_AXIS` in the current mesh context."""
     return context_axis_size(BATCH_AXIS)
