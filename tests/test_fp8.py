@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models import load_hf_checkpoint
-from areal_jax.models.fp8 import block_size, dequantize_blocks, read_raw
+from areal_jax.models.fp8 import PER_TENSOR, block_size, dequantize_blocks, read_raw
 from areal_jax.models.hf_io import read_safetensors_dir
 from areal_jax.testing import models as testing
 from areal_jax.testing.hf import random_tokens
@@ -25,14 +25,20 @@ def test_dequantize_blocks_by_hand():
         dequantize_blocks(w, s[:1], (2, 2))
     assert block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == (128, 128)
     assert block_size({"quantization_config": {"quant_method": "mxfp4"}}) is None and block_size({}) is None
-    with pytest.raises(ValueError, match="per-tensor fp8 scales are not supported"):
+    with pytest.raises(ValueError, match=r"must be two positive integers \[rows, columns\], or null"):
         block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+    assert block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": None}}) == PER_TENSOR
+    np.testing.assert_array_equal(dequantize_blocks(w, np.array([0.5], np.float32), PER_TENSOR),
+                                  np.arange(1, 10, dtype=np.float32).reshape(3, 3) / 2)
+    with pytest.raises(ValueError, match=r"a per-tensor fp8 weight \[3, 3\] needs one factor, got \[2, 2\]"):
+        dequantize_blocks(w, s, PER_TENSOR)
 
 
-def _quantise_checkpoint(src: str, dst: str, block: tuple[int, int]) -> dict:
+def _quantise_checkpoint(src: str, dst: str, block: tuple[int, int] | None) -> dict:
     """Copy of checkpoint `src` at `dst` with every projection weight stored as fp8 e4m3 and its block factors (as
-    the released checkpoints are made: a block's largest magnitude maps to 448), quantised and dequantised in
-    PyTorch; returns {name: the dequantised float32 weight}."""
+    the released checkpoints are made: a block's largest magnitude maps to 448; block None: one factor a weight,
+    stored as [1], weight_block_size null), quantised and dequantised in PyTorch; returns {name: the dequantised
+    float32 weight}."""
     torch = pytest.importorskip("torch", reason="the fp8 reference needs PyTorch")
     from safetensors.torch import save_file
 
@@ -42,6 +48,11 @@ def _quantise_checkpoint(src: str, dst: str, block: tuple[int, int]) -> dict:
             out[name] = torch.tensor(w)
             continue
         t = torch.tensor(w, dtype=torch.float32)
+        if block is None:  # transformers' per-tensor layout
+            scale = (t.abs().max().clamp(min=1e-12) / 448.0).reshape(1)
+            q = (t / scale).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"], dequantised[name] = q, scale, (q.float() * scale).numpy()
+            continue
         rows, cols = -(-t.shape[0] // block[0]), -(-t.shape[1] // block[1])
         scale = torch.ones(rows, cols)
         for i in range(rows):
@@ -56,7 +67,7 @@ def _quantise_checkpoint(src: str, dst: str, block: tuple[int, int]) -> dict:
     save_file(out, os.path.join(dst, "model.safetensors"))
     config = json.load(open(os.path.join(src, "config.json")))
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+                                     "weight_block_size": None if block is None else list(block)}
     with open(os.path.join(dst, "config.json"), "w") as fh:
         json.dump(config, fh)
     return dequantised
@@ -76,13 +87,13 @@ def test_read_raw_matches_torch(tmp_path):
         read_raw(str(tmp_path / "t.safetensors"), "c")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
-def test_fp8_checkpoint_loads_as_its_dequantised_weights(tmp_path, arch):
+@pytest.mark.parametrize("arch,block", [("qwen3", (16, 16)), ("deepseek_v3", (16, 16)), ("qwen3", None)])
+def test_fp8_checkpoint_loads_as_its_dequantised_weights(tmp_path, arch, block):
     from safetensors.numpy import save_file
 
     cfg = testing.tiny_config(arch)
     testing.write_random_hf_checkpoint(tmp_path / "plain", cfg, seed=1)
-    dequantised = _quantise_checkpoint(str(tmp_path / "plain"), str(tmp_path / "fp8"), (16, 16))
+    dequantised = _quantise_checkpoint(str(tmp_path / "plain"), str(tmp_path / "fp8"), block)
     assert len(dequantised) >= 5 * cfg.num_layers - 1  # attention and MLP (or experts) projections
     reference = {**read_safetensors_dir(tmp_path / "plain"), **dequantised}
     os.makedirs(tmp_path / "ref")
