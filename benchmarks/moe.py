@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from common import device_peak_gflops  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from areal_jax.models import moe as moe_module  # noqa: E402
+from areal_jax.models import expert_paths as moe_module  # noqa: E402
 from areal_jax.models.lora import LoRAConfig, LoRAExperts, merge_experts  # noqa: E402
 from areal_jax.models.moe import MoE  # noqa: E402
 from areal_jax.testing.models import tiny_config  # noqa: E402
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--forward-only", action="store_true", help="time the output alone (a decode step), no gradients")
     p.add_argument("--max-blocks", default="",
                    help="comma-separated largest block sizes (rows) to also time the blocked and pallas paths with, as "
-                        "blocked@N (default: the model's, models.moe.MAX_EXPERT_BLOCK)")
+                        "blocked@N (default: the model's, models.expert_paths.MAX_EXPERT_BLOCK)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="also time each JAX path with LoRA adapters of this rank on the experts (gradients of the "
                         "adapters and the input only): the factored form the model runs (lora+) against the adapters "

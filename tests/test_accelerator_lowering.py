@@ -115,10 +115,10 @@ def test_on_a_mesh_the_kernels_lower_on_each_devices_share(monkeypatch):
 
     import functools
 
-    from areal_jax.models import moe
+    from areal_jax.models import expert_paths
     from areal_jax.models.grouped_matmul import grouped_matmul
 
-    monkeypatch.setattr(moe, "grouped_matmul", functools.partial(grouped_matmul, interpret=False))  # the GPU's kernel
+    monkeypatch.setattr(expert_paths, "grouped_matmul", functools.partial(grouped_matmul, interpret=False))  # the GPU's kernel
     def grids(expert_parallel):
         cfg = tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=256, moe_impl="pallas",
                           dtype=jnp.bfloat16, expert_parallel=expert_parallel)

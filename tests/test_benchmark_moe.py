@@ -80,7 +80,7 @@ def test_max_blocks_times_the_blocked_path_with_other_block_sizes(monkeypatch, c
     block size is back afterwards."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     moe = importlib.import_module("moe")
-    from areal_jax.models import moe as model_moe
+    from areal_jax.models import expert_paths as model_moe
 
     line = moe.main(["--tokens", "64", "--repeats", "1", "--impls", "blocked,dense", "--max-blocks", "8"])
     assert set(line["results"]) == {"blocked", "dense", "blocked@8"} and "blocked@8_over_blocked" in line["ratios"]

@@ -1,5 +1,5 @@
 """The grouped-matmul Pallas kernel (models.grouped_matmul, run by the Pallas interpreter on CPU) against a per-block
-einsum over gathered weights, values and gradients; the expert-aligned layout it consumes (models.moe.block_layout);
+einsum over gathered weights, values and gradients; the expert-aligned layout it consumes (models.expert_paths.block_layout);
 and the MoE "pallas" path really running the kernel."""
 import jax
 import jax.numpy as jnp

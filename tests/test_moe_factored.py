@@ -36,7 +36,7 @@ def _run(impl, x, weights, experts, factors, scale, folded):
         ws = [lora.merge_experts(w, a, b, scale) for w, a, b in parts]
     else:
         ws = [moe.Factored(w, a, b, scale) for w, a, b in parts]
-    return moe._PATHS[impl](x, *ws, weights, experts)
+    return moe.PATHS[impl](x, *ws, weights, experts)
 
 
 @pytest.mark.parametrize("impl,rank", [("dense", 4), ("ragged", 4), ("blocked", 4), ("blocked", 16),

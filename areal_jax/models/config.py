@@ -105,7 +105,7 @@ class ModelConfig:
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
       (models.moe); "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens
-      (`moe.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
+      (`expert_paths.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
     expert_parallel: under a mesh whose fsdp axis the expert count divides, each device keeps E / fsdp whole experts
       and the tokens go to them (models.expert_parallel); False: FSDP gathers every expert's weights. expert_dispatch:
       "gather" (all-gather every device's rows) or "ring" (pass them round the fsdp ring: memory flat in its size).

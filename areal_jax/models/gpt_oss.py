@@ -4,7 +4,7 @@ its MXFP4 expert tensors, dequantised on loading.
 The layer: q/k/v/o projections with biases, a learned sink logit per head in every attention softmax, every other
 layer sliding (window 128), YaRN RoPE; a mixture of experts whose router has a bias (softmax over the top-k logits,
 i.e. renormalised top-k probabilities), whose experts have biases on the gate, up and down products, and whose
-activation is the clamped GLU (`moe.glu`). On disk the experts are stacked: mlp.experts.gate_up_proj [E, D, 2F] with
+activation is the clamped GLU (`expert_paths.glu`). On disk the experts are stacked: mlp.experts.gate_up_proj [E, D, 2F] with
 gate and up interleaved along the last axis (gate at even columns), gate_up_proj_bias [E, 2F] likewise, down_proj
 [E, F, D], down_proj_bias [E, D], router.weight [E, D], router.bias [E]. The released checkpoints quantise
 gate_up_proj and down_proj to MXFP4: `{name}_blocks` [E, R, G, 16] uint8 (two 4-bit E2M1 values a byte, the low

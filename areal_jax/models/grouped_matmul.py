@@ -1,7 +1,7 @@
 """Grouped matmul of expert-aligned row blocks: a Pallas kernel for the mixture-of-experts "pallas" path.
 
 The rows of x come in blocks of `block` rows, and block b belongs to one expert, owner[b] (non-decreasing: the
-blocks of an expert are contiguous, as `moe.block_layout` lays them out). The product is
+blocks of an expert are contiguous, as `expert_paths.block_layout` lays them out). The product is
 
     y[b * block + i, :] = x[b * block + i, :] @ w[owner[b]]
 
