@@ -3,7 +3,7 @@ trainer's mesh context (activations pinned to batch sharding, Pallas kernels and
 docs/scale.md#data-parallel-activations) against without it (XLA's propagation alone, as before).
 
 Each collective of the compiled accumulate program (one micro-step's forward and backward) is counted by the bytes
-of its result and classed as "weights" when its shape is a parameter's (FSDP gathers, gradient reductions), else as
+of its result, as often as it runs (a loop's body, such as the logits chunks', times its trip count), and classed as "weights" when its shape is a parameter's (FSDP gathers, gradient reductions), else as
 "activations" (a tensor with a token dimension). Then Trainer.update is timed both ways on the same host devices,
 which on a CPU share its cores: the timing shows the cost of the extra traffic and duplicated work only roughly. The
 bytes do not depend on the device. Ends with one JSON line.
@@ -112,7 +112,7 @@ def run(args, cfg, with_context: bool) -> dict:
     files = sorted(set(glob.glob(os.path.join(DUMP, "*accumulate*after_optimizations.txt"))) - before)
     if not files:
         raise SystemExit(f"no new accumulate program was dumped under {DUMP}: {sorted(os.listdir(DUMP))[-5:]}")
-    found = collectives(open(files[-1]).read())
+    found = collectives(open(files[-1]).read(), executed=True)
     return {"bytes": classify(found, shapes), "collectives": len(found), "first_update_s": first,
             "update_s": float(np.median(times))}
 
