@@ -284,6 +284,43 @@ def test_a_plan_that_does_not_fit_an_expert_parallel_update_names_the_switch():
                                                  "attention": "dense"}, "data": {"max_prompt_len": 16}})
     meshes = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1))
     resident = job_memory.JobMemory.prepare(job, moe, meshes, None).plan.total
-    tight = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=int(resident / 0.9) + 1)
+    gather = moe.replace(expert_dispatch="gather")
+    tight = job_memory.JobMemory.prepare(job, gather, meshes, device_bytes=int(resident / 0.9) + 1)
     with pytest.raises(ConfigError, match=r"update_activations: .*expert_dispatch=ring .*expert_parallel=false"):
         tight.resolve_update(job.train, meshes.train_mesh)
+    tight = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=int(resident / 0.9) + 1)  # auto: both tried
+    with pytest.raises(ConfigError, match=r"by gather or ring \(both measured\): --config.model.expert_parallel"):
+        tight.resolve_update(job.train, meshes.train_mesh)
+
+
+def test_auto_dispatch_takes_the_ring_where_only_it_fits():
+    """model.expert_dispatch=auto (the default): on a budget between the ring's update and the all-gather's the plan
+    takes the ring (and says so); on a roomy one it keeps the all-gather, as at the same recomputation it moves fewer
+    bytes; an explicit gather on the tight budget fails naming the ring."""
+    from areal_jax.testing.models import tiny_config
+    from areal_jax.trainer.memory import choose_remat
+
+    moe = tiny_config("qwen3_moe", num_layers=1, num_experts=8, moe_intermediate_size=16)
+    assert moe.expert_dispatch == "auto"
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 96}, "eval": {"n_test": 0},
+                                       "train": {"micro_batch_tokens": 1024, "logits_chunk": 64, "remat": "full",
+                                                 "attention": "dense"}, "data": {"max_prompt_len": 16}})
+    meshes = build_meshes(MeshConfig(colocated=True, fsdp=4, tensor=1))
+    base = job_memory.JobMemory.prepare(job, moe, meshes, None)
+    held = sum(v for k, v in {**base.train, **base.rollout}.items() if k not in job_memory.EXCLUSIVE)
+    need = {d: choose_remat(base.build, moe.replace(expert_dispatch=d), job.train, meshes.train_mesh, held_bytes=0,
+                            device_bytes=2**40, wrt=base.wrt)[1] for d in ("gather", "ring")}
+    assert need["ring"] < need["gather"]  # 4 devices' rows gathered against one visitor's
+    between = int((held + (need["ring"] + need["gather"]) / 2) / job_memory.HEADROOM)
+    lines: list[str] = []
+    mem = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=between)
+    mem.log = lines.append
+    mem.resolve_update(job.train, meshes.train_mesh)
+    assert mem.model.expert_dispatch == "ring" and mem.train["update_activations"] == need["ring"]
+    assert any("model.expert_dispatch=auto takes the ring" in line for line in lines)
+    roomy = job_memory.JobMemory.prepare(job, moe, meshes, device_bytes=2**40)
+    roomy.resolve_update(job.train, meshes.train_mesh)
+    assert roomy.model.expert_dispatch == "gather" and roomy.train["update_activations"] == need["gather"]
+    explicit = job_memory.JobMemory.prepare(job, moe.replace(expert_dispatch="gather"), meshes, device_bytes=between)
+    with pytest.raises(ConfigError, match=r"expert_dispatch=ring holds one device's at a time"):
+        explicit.resolve_update(job.train, meshes.train_mesh)

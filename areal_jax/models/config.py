@@ -18,7 +18,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
                  "granite", "ernie4_5", "glm4", *MOE_ARCHITECTURES)
-MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("gather", "ring")
+MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -108,7 +108,8 @@ class ModelConfig:
       (`expert_paths.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
     expert_parallel: under a mesh whose fsdp axis the expert count divides, each device keeps E / fsdp whole experts
       and the tokens go to them (models.expert_parallel); False: FSDP gathers every expert's weights. expert_dispatch:
-      "gather" (all-gather every device's rows) or "ring" (pass them round the fsdp ring: memory flat in its size).
+      "gather" (all-gather every device's rows), "ring" (pass them round the fsdp ring: memory flat in its size) or
+      "auto" (gather; a job's memory plan takes ring where only it fits: `system.memory.JobMemory.resolve_update`).
     dtype: compute dtype (activations, KV cache); param_dtype: storage dtype of the parameters.
     """
 
@@ -150,7 +151,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
     expert_parallel: bool = True
-    expert_dispatch: str = "gather"
+    expert_dispatch: str = "auto"
     attention_out_bias: bool = False
     attention_sinks: bool = False
     expert_bias: bool = False

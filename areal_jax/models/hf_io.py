@@ -53,9 +53,10 @@ class ModelLoadConfig(Section):
     expert_parallel: bool = knob(True, "train a mixture of experts with expert parallelism where the expert count "
                                  "divides the fsdp axis (models.expert_parallel: each device keeps its own experts, "
                                  "the tokens go to them); False: FSDP gathers every expert's weights")
-    expert_dispatch: str = knob("gather", "how expert parallelism sends the tokens to the experts: gather (all-gather "
+    expert_dispatch: str = knob("auto", "how expert parallelism sends the tokens to the experts: gather (all-gather "
                                 "every device's rows: buffers grow with the fsdp size) | ring (pass them round the "
-                                "fsdp ring: flat memory, about 1.25x the bytes and one more expert forward)",
+                                "fsdp ring: flat memory, about 1.25x the bytes and one more expert forward) | auto "
+                                "(gather, or ring where the memory plan finds only it fits, or with less remat)",
                                 choices=EXPERT_DISPATCHES)
 
     @property
@@ -169,7 +170,7 @@ class _Reader:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, param_dtype: Any = jnp.float32,
                        dtype: Any = None, max_len: int | None = None, moe_impl: str | None = None,
-                       expert_parallel: bool = True, expert_dispatch: str = "gather") -> Transformer:
+                       expert_parallel: bool = True, expert_dispatch: str = "auto") -> Transformer:
     """Loads an HF checkpoint directory of a supported family (models.hf_config) into a Transformer (of an
     image-and-text Gemma 3 checkpoint, its text decoder; saving it writes a text-only Gemma3ForCausalLM).
     max_len: the longest sequence the run holds, which picks LongRoPE's factors (`ModelConfig.for_sequence_length`;

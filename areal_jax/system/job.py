@@ -11,6 +11,7 @@ exactly what was opened (reward workers, the sampler thread, logs), in reverse o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable
 
@@ -135,6 +136,9 @@ class RLJob:
                                          "routers have none. Set it to 0.")
         self.memory = JobMemory.for_job(c, model_cfg, self.meshes, log=self.log)
         train_cfg = self.memory.resolve_update(c.train, self.meshes.train_mesh)  # train.remat chosen, plan checked
+        if self.memory.model.expert_dispatch != c.model.expert_dispatch:  # "auto" resolved by the plan
+            c = self.config = dataclasses.replace(c, model=dataclasses.replace(
+                c.model, expert_dispatch=self.memory.model.expert_dispatch))
         self.rollout_cfg = self.memory.resolve_rollout(c, self.meshes.replica_meshes[0])  # sampler programs, kv_pages
         self.log(f"Device memory: {self.memory.plan.describe()}; train.remat={train_cfg.remat}, rollout.kv_pages="
                  f"{self.rollout_cfg.kv_pages}")

@@ -327,16 +327,36 @@ class JobMemory:
     def resolve_update(self, cfg: Any, mesh: Any) -> Any:
         """The trainer config with train.remat resolved, after adding the update's working memory to the plan
         and checking it, on devices with a memory limit (trainer.memory.choose_remat: "auto" becomes the least
-        recomputation that fits beside every resident part). Without a limit, "auto" is "none"."""
-        from areal_jax.trainer.memory import choose_remat
+        recomputation that fits beside every resident part). Without a limit, "auto" is "none". A mixture of
+        experts with model.expert_dispatch "auto" that trains expert-parallel takes the ring where only it fits, or
+        fits with less recomputation (`self.model` then says "ring"); else the all-gather."""
+        from areal_jax.trainer.memory import REMAT_ORDER, choose_remat
 
         if self.device_bytes is not None and self.log is not None:
             self.log("Device memory: measuring the working memory of the update's, the sampler's and the "
                      "evaluation's programs (XLA's analysis of small abstract programs; seconds to a minute) ...")
         on_train = {**self.train, **(self.rollout if self.colocated else {})}
         held = sum(v for k, v in on_train.items() if k not in EXCLUSIVE)  # an evaluation never runs beside it
+        auto = self.model.expert_dispatch == "auto"
+        if auto:
+            self.model = self.model.replace(expert_dispatch="gather")
         remat, act = choose_remat(self.build, self.model, cfg, mesh, held_bytes=held, device_bytes=self.device_bytes,
                                   headroom=HEADROOM, wrt=self.wrt)
+        tried = False  # both dispatches measured
+        if auto and act is not None and expert_parallel_on(self.model, mesh):
+            def rank(r: str, need: int) -> tuple[bool, int]:  # fits first, then the least recomputation
+                return held + need > HEADROOM * self.device_bytes, REMAT_ORDER.index(r) if r in REMAT_ORDER else 9
+
+            if rank(remat, act) != (False, 0):  # the all-gather fits only with recomputation, or not at all
+                ring, tried = self.model.replace(expert_dispatch="ring"), True
+                ring_remat, ring_act = choose_remat(self.build, ring, cfg, mesh, held_bytes=held,
+                                                    device_bytes=self.device_bytes, headroom=HEADROOM, wrt=self.wrt)
+                if ring_act is not None and rank(ring_remat, ring_act) < rank(remat, act):
+                    if self.log is not None:
+                        self.log(f"Device memory: model.expert_dispatch=auto takes the ring: the update needs "
+                                 f"{ring_act / 2**30:.2f} GiB with train.remat={ring_remat} against the all-gather's "
+                                 f"{act / 2**30:.2f} GiB with {remat}")
+                    self.model, remat, act = ring, ring_remat, ring_act
         if act is not None:
             self.train["update_activations"] = int(act)
         if remat == "full":  # nothing left to recompute: the micro-step itself must shrink
@@ -346,7 +366,9 @@ class JobMemory:
         if expert_parallel_on(self.model, mesh):
             held_pairs = ("whose buffers hold the pairs of the micro-batch's tokens over every device: "
                           "--config.model.expert_dispatch=ring holds one device's at a time, "
-                          if self.model.expert_dispatch == "gather" else "over the ring (one device's tokens at a time): ")
+                          if self.model.expert_dispatch == "gather" and not tried
+                          else "by gather or ring (both measured): " if tried
+                          else "over the ring (one device's tokens at a time): ")
             self.hints["update_activations"] = self.hints.get("update_activations", HINTS["update_activations"]) + (
                 f"; this mixture of experts trains expert-parallel, {held_pairs}--config.model.expert_parallel=false "
                 "gathers the experts instead")
