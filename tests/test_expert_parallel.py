@@ -177,7 +177,7 @@ def test_the_dispatch_knob_reaches_the_model_and_a_bad_one_fails_early(tmp_path)
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.testing.models import write_random_hf_checkpoint
 
-    with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' is unknown; use one of gather, ring"):
+    with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' is unknown; use one of auto, gather, ring"):
         tiny_config("qwen3_moe", expert_dispatch="all_to_all")
     with pytest.raises(config_lib.ConfigError, match="expert_dispatch"):
         config_lib.from_config_dict({"model": {"expert_dispatch": "all_to_all"}})
