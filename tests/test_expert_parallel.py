@@ -54,11 +54,9 @@ def _value_and_grads(layer: MoE, x: jax.Array, mesh=None, dispatched: bool = Tru
             return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(st, x)
 
     text = str(jax.make_jaxpr(in_context)(state, x))
-    if not dispatched:
-        pass
-    elif layer.ring:  # the rows went round the ring, forward and backward, and were never gathered
+    if dispatched and layer.ring:  # the rows went round the ring, forward and backward, and were never gathered
         assert "ppermute" in text and "custom_vjp" in text and not re.search(rf"\[{ROWS},\d+\] = all_gather", text)
-    else:
+    elif dispatched:
         assert "all_gather" in text and "reduce_scatter" in text  # the expert-parallel dispatch ran
     return jax.jit(in_context)(state, x)
 
