@@ -28,9 +28,10 @@ import numpy as np
 from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
-from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
+from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache, paged_attention
 from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
+from areal_jax.models.paged_pieces import power_of_two_divisor
 from areal_jax.testing import models as testing
 
 
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30, help="timed calls of each path per setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paged", action="store_true",
-                   help="also time the paged cache (gather path; on GPUs the Pallas kernel too) at each length")
+                   help="also time the paged cache (gather path; on GPUs the Pallas kernel too, tiled as now and "
+                        "as before: kernel_divisor) at each length")
     p.add_argument("--page-size", type=int, default=16)
     return p.parse_args(argv)
 
@@ -103,10 +105,25 @@ def paged_cache_of(cache: KVCache, page_size: int, seed: int) -> tuple[PagedKVCa
             jnp.asarray(order.reshape(b, per_row), jnp.int32))
 
 
+def divisor_tiling(rows: int, kv_heads: int, per_row: int, page_size: int) -> tuple[int, int, int]:
+    """The GPU kernel's tiling before `paged_attention.gpu_tiling`: only power-of-two divisors of the table's width
+    (up to 16 splits, then up to 8 pages a block), so 72 pages a row gave 8 splits of one-page blocks."""
+    splits = power_of_two_divisor(per_row, 16)
+    return per_row, splits, power_of_two_divisor(per_row // splits, 8)
+
+
 def paged_forward(path: str) -> Callable:
+    """path: "gather", "kernel", or "kernel_divisor" (the kernel tiled by `divisor_tiling`, traced so)."""
     def forward(model: Transformer, tokens: jax.Array, positions: jax.Array, cache: tuple) -> tuple:
         pages, table = cache
-        h, pages = paged_hidden(model, tokens, positions, pages, table, path=path)
+        kernel_path = "kernel" if path.startswith("kernel") else path
+        tiling = paged_attention.gpu_tiling
+        if path == "kernel_divisor":  # active while this function is traced, which is when the tiling is chosen
+            paged_attention.gpu_tiling = divisor_tiling
+        try:
+            h, pages = paged_hidden(model, tokens, positions, pages, table, path=kernel_path)
+        finally:
+            paged_attention.gpu_tiling = tiling
         return model.unembed(h), (pages, table)
 
     return forward
@@ -201,7 +218,7 @@ def main() -> None:
         err = float(np.max(np.abs(logits["baseline"] - logits["current"])))
         check_agreement(err, logits["baseline"], rel_tol, f"cache length {max_len}")
         if args.paged and max_len % args.page_size == 0:
-            paths = ["gather"] + (["kernel"] if jax.default_backend() == "gpu" else [])
+            paths = ["gather"] + (["kernel", "kernel_divisor"] if jax.default_backend() == "gpu" else [])
             paged_fns = {f"paged_{p}": jitted(paged_forward(p)) for p in paths}
             paged_fns["current"] = fns["current"]
             ptimes, plogits = time_pair(

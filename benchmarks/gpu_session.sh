@@ -14,12 +14,14 @@
 #              a trace of it with its top kernels (benchmarks/trace_top.py) (~3 min).
 #   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
 #              same bytes, and the host's share of it (--host-only: the same 290 leaves, tiny) (~40 s).
-#   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat, against PyTorch.
+#   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
+#              not fit: an 80 GB H100), against PyTorch (which needs ~106 GiB there: an H200).
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
 #   lora15     LoRA against full fine-tuning: peak training memory at the 1.5B shape; adapter hand-off at 0.5B.
 #   sampler_more  the sampler at k = 8, with the k-step dispatch recorded as one CUDA graph (XLA's WHILE command
 #              buffers), without standby rows and without fetch-behind, the paged KV cache (Pallas kernel, standby
-#              rows over pages) in the same steady state, decode attention over pages against the dense cache, and
+#              rows over pages) in the same steady state, decode attention over pages against the dense cache (the kernel
+#              tiled as now and as before, kernel_divisor), and
 #              the 1.5B shape with 128 sequences of 16,384 new tokens (stopped after 45 s) (~6 min).
 #   memory05   the update's working memory at the 0.5B shape, one 65,536-token row, remat none and full: XLA's
 #              analysis of the full-depth program against what the job plans with (1- and 2-layer programs
@@ -155,8 +157,11 @@ EOF
     step handoff05_host 40 $PY benchmarks/handoff.py --preset qwen2.5-0.5b --host-only
     ;;
   trainer15)
+    # without remat the update needs ~66 GiB: on an 80 GB H100 it runs out of memory, and the remat=full run follows
     step trainer15 150 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute \
-      --repeats 2 --attention "$ATTN" --skip-hf
+      --repeats 2 --attention "$ATTN" --skip-hf ||
+      step trainer15_remat 150 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-recompute \
+        --repeats 2 --attention "$ATTN" --skip-hf --remat full
     step trainer15_torch 100 $PY benchmarks/trainer.py --preset qwen2.5-1.5b --dtype bfloat16 --skip-jax --repeats 2
     ;;
   loop05)
@@ -180,7 +185,8 @@ EOF
     step sampler05_nostandby 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --standby-rows 0
     step sampler05_sync 80 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --no-fetch-behind
     step sampler05_paged 90 $PY benchmarks/sampler.py "${common[@]}" --decode-steps 16 --kv-cache paged
-    step decode_attention 60 $PY benchmarks/decode_attention.py --dtype bfloat16 --rows 64 --cache-lens 1024 8192 \
+    # 1,152 positions = 72 pages of 16: the sampler's width, where the kernel's earlier tiling took one-page blocks
+    step decode_attention 60 $PY benchmarks/decode_attention.py --dtype bfloat16 --rows 64 --cache-lens 1152 8192 \
       --paged --prefill-rows 0 --repeats 10
     step sampler15_long 110 $PY benchmarks/sampler.py --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 \
       --max-new-tokens 16384 --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 45 --skip-hf

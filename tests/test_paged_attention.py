@@ -13,6 +13,7 @@ from areal_jax.models.paged_attention import (
     copy_pages,
     default_path,
     gather_attention,
+    gpu_tiling,
     init_paged_cache,
     kernel_attention,
     paged_hidden,
@@ -63,6 +64,33 @@ def test_gather_and_kernel_attention_equal_dense_cache_attention():
     pos3 = jnp.asarray(np.maximum(POSITIONS[:, None] - np.array([2, 1, 0]), 0))
     np.testing.assert_allclose(np.asarray(gather_attention(q3, paged, 1, jnp.asarray(table), pos3)),
                                np.asarray(cached_attention(q3, dk[1], dv[1], pos3)), atol=2e-5)
+
+
+def test_gpu_kernel_tiling_pads_the_table_to_whole_blocks_and_splits():
+    # the sampler's usual table (1,152 positions in pages of 16) read 128 positions a block, not one page
+    assert gpu_tiling(256, 2, 72, 16) == (80, 2, 8)
+    assert gpu_tiling(8, 2, 1024, 16) == (1024, 16, 8)  # few rows: the most splits
+    for rows in (1, 6, 64, 512):
+        for per_row in (1, 3, 8, 9, 72, 100, 1025):
+            for page_size in (1, 4, 16, 64, 256):
+                width, splits, block = gpu_tiling(rows, 2, per_row, page_size)
+                assert width % (splits * block) == 0 and per_row <= width < per_row + splits * block
+                assert splits & (splits - 1) == 0 and block & (block - 1) == 0 and splits <= 16
+                assert block * page_size <= max(128, page_size) and block <= per_row
+                assert splits * block <= width and (splits == 1 or rows * 2 * splits <= 2048)
+
+
+def test_gpu_kernel_with_a_padded_table_equals_dense_cache_attention():
+    """Rows of 9 pages: the GPU kernel reads 2 splits of one 8-page block over a table padded to 16 columns."""
+    positions = np.array([0, 3, 31, 32, 35, 20], np.int32)
+    b, s = len(positions), 36
+    (dk, dv), table, paged = random_pages(b, s, num_pages=80, seed=5)
+    assert gpu_tiling(b, KV, s // PS, PS) == (16, 2, 8)
+    owned = np.where(np.arange(table.shape[1])[None] <= (positions // PS)[:, None], table, -1)
+    q = jax.random.normal(jax.random.key(4), (b, 1, H, DH), jnp.float32)
+    pos = jnp.asarray(positions)[:, None]
+    got = np.asarray(kernel_attention(q, paged, 0, jnp.asarray(owned), pos, interpret=True, platform="gpu"))
+    np.testing.assert_allclose(got, np.asarray(cached_attention(q, dk[0], dv[0], pos)), atol=2e-5)
 
 
 def test_kernel_attention_on_a_tensor_mesh_runs_per_head_shard_and_equals_dense():

@@ -191,8 +191,9 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
         if dh & (dh - 1):  # not a power of two: in power-of-two pieces (latent attention's 576), or refused
             return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap,
                                           interpret=interpret)
-        splits = power_of_two_divisor(per_row, 16)
-        block = power_of_two_divisor(per_row // splits, 8)
+        width, splits, block = gpu_tiling(table.shape[0], k_pages.shape[0], per_row, cache.page_size)
+        if width > per_row:  # padding columns: page 0, past every row's length, so the kernel never reads them
+            table = jnp.pad(table, ((0, 0), (0, width - per_row)))
         return paged_attention(scaled, k_pages, v_pages, table, lengths, attn_logits_soft_cap=softcap,
                                k_splits=splits, pages_per_compute_block=block, interpret=interpret)
 
@@ -204,6 +205,28 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     out = run(scaled, cache.k[layer], cache.v[layer], table, lengths)
     out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
     return out[:, None].astype(q.dtype)
+
+
+GPU_BLOCK_POSITIONS = 128  # positions a block of JAX's GPU kernel reads at once (its own default: 8 pages of 16)
+GPU_PROGRAMS = 1024  # rows x kv heads x splits its grid aims at: several programs for each of an H100's 132 SMs
+
+
+def gpu_tiling(rows: int, kv_heads: int, per_row: int, page_size: int) -> tuple[int, int, int]:
+    """(page-table width, splits, pages per block) for JAX's GPU paged kernel over rows of ``per_row`` pages.
+
+    Blocks of GPU_BLOCK_POSITIONS positions (a power-of-two count of pages, at least one); each row's pages split
+    into as many parts as make rows x kv_heads x splits reach GPU_PROGRAMS (a power of two, at most 16 and at most
+    the row's blocks); the table is padded up to a multiple of splits x block. The kernel wants the width divisible
+    so, and stops at each row's length, so padding costs nothing; taking only divisors of the width instead gave
+    one-page blocks at the sampler's usual widths (72 pages: 8 splits of 9), 16 positions a load."""
+    block = max(1, min(per_row, GPU_BLOCK_POSITIONS // page_size))
+    block = 1 << (block.bit_length() - 1)
+    blocks = -(-per_row // block)
+    splits = 1
+    while splits < 16 and rows * kv_heads * splits < GPU_PROGRAMS and splits * 2 <= blocks:
+        splits *= 2
+    unit = splits * block
+    return -(-per_row // unit) * unit, splits, block
 
 
 def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array,
