@@ -33,6 +33,7 @@ import numpy as np
 
 from areal_jax.models.flat_params import FlatParams
 from areal_jax.sampler.dispatch import Dispatch, record_dispatch
+from areal_jax.sampler.page_budget import most_that_fit
 from areal_jax.sampler.preempt import Preemption
 from areal_jax.sampler.requests import Completion, FinishReason, _Queued, _Running, make_completion
 from areal_jax.sampler.routes import sample_routes, split_routes
@@ -301,6 +302,7 @@ class LoopThread(Preemption):
         sample."""
         length, max_new = len(q.request.prompt), q.sampling.max_new_tokens
         k = min(places, q.remaining)
+        k = most_that_fit(lambda n: self.engine.can_admit(length, max_new, n), k)
         while k and not self.engine.reserve(length, max_new, k):
             k -= 1
         return k

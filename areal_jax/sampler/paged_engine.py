@@ -49,6 +49,7 @@ from areal_jax.models.paged_attention import (
 )
 from areal_jax.models.transformer import ring_layers
 from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.page_budget import PageBudget
 from areal_jax.sampler.pages import PageAllocator
 from areal_jax.sampler.prefill import last_tokens, write_rows
 from areal_jax.sampler.sampling import SamplingParams
@@ -86,7 +87,7 @@ def _write_rows(cache: PagedCacheState, table: jax.Array, rows: Any, slots: jax.
     return PagedCacheState(pages, cache.table, rings)
 
 
-class PagedEngine(Engine):
+class PagedEngine(PageBudget, Engine):
     """:class:`Engine` over a paged KV cache.
 
     Args (besides Engine's):
@@ -214,77 +215,9 @@ class PagedEngine(Engine):
         return model.unembed(h), PagedCacheState(pages, cache.table, *rings), *rest[len(rings):]
 
     # ----------------------------------------------------------------------------- host-side pages
-    def _outstanding(self) -> int:
-        """Pages the active slots may still take before they reach their limits."""
-        return sum(max(0, self.allocator.pages_for(self._limit[s]) - len(self.allocator.pages_of(s)))
-                   for s in self._limit)
-
-    def _target(self, row: int, k: int) -> int:
-        """Positions row must have pages for before a dispatch of k steps (``_grow``)."""
-        start = self._staged.get(row)
-        return min(self._upper[row] + k if start is None else start + 2 * k, self._limit[row])
-
-    def _growth(self, k: int) -> int:
-        """Pages the active rows take before a dispatch of k steps (``_grow``)."""
-        return sum(max(0, self.allocator.pages_for(self._target(r, k)) - len(self.allocator.pages_of(r)))
-                   for r in self._limit)
-
-    def shortfall(self, k: int) -> int:
-        """Pages a dispatch of k steps needs beyond the free ones (> 0 only when admitted optimistically: the
-        loop then preempts samples, ``sampler.preempt``)."""
-        return self._growth(k) - self.allocator.free_pages
-
-    def _need(self, prompt_length: int, max_new_tokens: int, n: int) -> int:
-        """Pages n samples of a prompt take at their longest (optimistic admission: for the prompt and two
-        dispatches), the prompt's full pages shared."""
-        full = int(prompt_length) // self.page_size
-        longest = prompt_length + (max_new_tokens if self.admission == "reserve" else 2 * self._k)
-        return n * self.allocator.pages_for(min(longest, self.max_len)) - (n - 1) * full
-
-    def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
-        """Whether n samples of a prompt fit the pool at their longest, next to what running slots and
-        reserved admissions may still take; admitted optimistically, whether they fit now next to the growth
-        of the next dispatch."""
-        taken = self._outstanding() if self.admission == "reserve" else self._growth(self._k)
-        spare = self.allocator.free_pages - taken - self._promised
-        return self._need(prompt_length, max_new_tokens, n) <= spare
-
-    def reserve(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
-        """``can_admit``, and if so hold those pages for the insert that follows (the loop batches prefills)."""
-        if not self.can_admit(prompt_length, max_new_tokens, n):
-            return False
-        self._promised += self._need(prompt_length, max_new_tokens, n)
-        return True
-
-    def _redeem(self, prompt_length: int, max_new_tokens: int, n: int) -> None:
-        self._promised = max(0, self._promised - self._need(prompt_length, max_new_tokens, n))
-
-    def _activate(self, slot: int, length: int, sampling: SamplingParams | None) -> None:
-        max_new = (sampling or SamplingParams()).max_new_tokens
-        self._limit[slot] = min(int(length) + int(max_new), self.max_len)
-        self._upper[slot] = int(length)
-        if slot < self.num_slots:
-            self.peak_active = max(self.peak_active, len(self._limit) - len(self._staged))
-
     def _upload(self, state: DecodeState) -> DecodeState:
         self._dirty = False
         return self._call(self._jit_set_table, state, self.allocator.table.copy(), self.known_placements())
-
-    def _free_slot(self, slot: int) -> None:
-        if self.allocator.pages_of(slot):
-            self.allocator.release(slot)
-            self._dirty = True
-        self._limit.pop(slot, None)
-        self._upper.pop(slot, None)
-        self._staged.pop(slot, None)
-
-    def _grow(self, k: int) -> None:
-        """Pages for k more positions of every active slot (to its limit), and for prompt + 2k positions of every
-        staged sample (what it can write before the host learns which slot it moved into)."""
-        self._k = k
-        for row in self._limit:
-            self._upper[row] = self._target(row, k)
-            self._dirty |= bool(self.allocator.ensure(row, self._upper[row]))
 
     def finished(self, slot: int) -> None:
         """The slot's sequence was handed back: its pages return to the pool (the device table row is

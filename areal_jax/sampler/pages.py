@@ -90,13 +90,11 @@ class PageAllocator:
         if need > self.table.shape[1]:
             raise ValueError(f"a sequence of {length} positions needs {need} pages but a slot holds at most "
                              f"{self.table.shape[1]}; raise max_len.")
-        missing = [j for j in range(need) if self.table[slot, j] < 0]
+        missing = np.flatnonzero(self.table[slot, :need] < 0).tolist()
         if len(missing) > len(self._free):
             raise OutOfPages(f"slot {slot} needs {len(missing)} more KV pages, {len(self._free)} are free.")
-        taken = []
-        for j in missing:
-            self.table[slot, j] = self._take()
-            taken.append(int(self.table[slot, j]))
+        taken = [self._take() for _ in missing]
+        self.table[slot, missing] = taken
         return taken
 
     def share_prefix(self, source: int, slots: list[int], prompt_length: int) -> list[PageCopy]:
