@@ -218,7 +218,8 @@ def gpu_tiling(rows: int, kv_heads: int, per_row: int, page_size: int) -> tuple[
     into as many parts as make rows x kv_heads x splits reach GPU_PROGRAMS (a power of two, at most 16 and at most
     the row's blocks); the table is padded up to a multiple of splits x block. The kernel wants the width divisible
     so, and stops at each row's length, so padding costs nothing; taking only divisors of the width instead gave
-    one-page blocks at the sampler's usual widths (72 pages: 8 splits of 9), 16 positions a load."""
+    one-page blocks at the sampler's usual widths (1,152 positions: 72 pages, 8 splits of 9; the
+    paged engine's table, padded to 80: 16 splits of 5), 16 positions a load."""
     block = max(1, min(per_row, GPU_BLOCK_POSITIONS // page_size))
     block = 1 << (block.bit_length() - 1)
     blocks = -(-per_row // block)
