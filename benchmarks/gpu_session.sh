@@ -15,8 +15,9 @@
 #   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
 #              same bytes, and the host's share of it (--host-only: the same 290 leaves, tiny) (~40 s).
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
-#              budget) against the dense one in the same steady state, decode attention under both tilings, the page
-#              budget's host time, and the loop at the 0.5B preset, eta 0 vs 4, 6 updates each (~9 min).
+#              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
+#              tilings, the page budget's host time, the sampling head's two draws, and the loop at the 0.5B preset,
+#              eta 0 vs 4, 6 updates each (~9 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
 #              not fit: an 80 GB H100), against PyTorch (which needs ~106 GiB there: an H200).
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
@@ -176,7 +177,8 @@ EOF
   followup)
     # what changed after the H100 lease of 2026-12-05 or stayed unmeasured, most wanted first: the paged sampler
     # against the dense one in the same steady state (the kernel's tiling and the host's page budget changed since),
-    # decode attention under both tilings, the page budget's host time, the loop at 6 updates per eta
+    # decode attention under both tilings, the page budget's host time, the sampling head's two draws, the loop at 6
+    # updates per eta
     common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
     step followup_paged 100 $PY benchmarks/sampler.py "${common[@]}" --kv-cache paged
@@ -184,6 +186,7 @@ EOF
     step followup_decode_attention 80 $PY benchmarks/decode_attention.py --dtype bfloat16 --rows 64 \
       --cache-lens 1152 8192 --paged --prefill-rows 0 --repeats 10
     step followup_page_budget 40 $PY benchmarks/page_budget.py
+    step followup_sampling_head 60 $PY benchmarks/sampling_head.py
     step followup_loop05 300 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 6 --warmup_steps 1 \
       --median 512 --cap 4096 --out "$WORK/loop05_6"
     ;;

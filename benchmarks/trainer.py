@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset, "toy": args.toy, "dtype": args.dtype, "remat": args.remat,
         "attention": args.attention, "device": jax.devices()[0].device_kind, "platform": platform,
         "hf_device": hf_device, "hf_note": hf_note, "trajectories": len(trajs),
-        "torch_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "torch_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if hf_device == "cuda" else None,
         "tflops": {k: v["tflops"] for k, v in res.items()},
         "peak_memory_bytes": {names[k]: memory.get(k) for k in names},
         "process_peak_rss_bytes": rss, "scan_layers": args.scan_layers,

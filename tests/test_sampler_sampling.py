@@ -1,6 +1,8 @@
 """Sampling math against a plain numpy reference and against the law of large numbers."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,13 +81,19 @@ def test_unrestricted_rows_skip_the_sort_and_equal_softmax():
     np.testing.assert_allclose(np.asarray(out), np.asarray(logits) / np.asarray(t)[:, None], rtol=1e-6)
 
 
-def test_sampled_logprob_is_the_behaviour_logprob_and_tokens_stay_allowed():
+# blocks of the two-level draw: one block (the default's 1,024 > V), blocks that divide V, a padded last block, a
+# block per token
+BLOCKS = [1024, 4, 5, 1]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_sampled_logprob_is_the_behaviour_logprob_and_tokens_stay_allowed(block):
     rng = np.random.default_rng(2)
     rows = SETTINGS * 8
     logits = jnp.asarray(rng.normal(size=(len(rows), 17)).astype(np.float32) * 3.0)
     t, k, p = _arrays(rows)
     table = np.asarray(behaviour_log_probs(logits, t, k, p))
-    step = jax.jit(sample_tokens)
+    step = jax.jit(functools.partial(sample_tokens, block=block))
     key = jax.random.key(0)
     for _ in range(20):
         key, sub = jax.random.split(key)
@@ -101,13 +109,15 @@ def test_sampled_logprob_is_the_behaviour_logprob_and_tokens_stay_allowed():
                 np.testing.assert_allclose(logp[r], raw[tokens[r]], atol=1e-5)
 
 
-@pytest.mark.parametrize("temp,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 1.0), (1.0, 0, 0.8)])
-def test_empirical_frequencies_match_the_distribution(temp, top_k, top_p):
+@pytest.mark.parametrize("temp,top_k,top_p,block", [(1.0, 0, 1.0, 1024), (0.8, 6, 1.0, 1024), (1.0, 0, 0.8, 1024),
+                                                     (1.0, 0, 1.0, 5), (0.8, 6, 1.0, 4), (1.0, 0, 0.8, 5),
+                                                     (1.0, 0, 1.0, 1)])
+def test_empirical_frequencies_match_the_distribution(temp, top_k, top_p, block):
     vocab, n = 12, 40_000
     logits = np.random.default_rng(3).normal(size=(vocab,)).astype(np.float32)
     want = reference_distribution(logits, temp, top_k, top_p)
     batch = jnp.broadcast_to(jnp.asarray(logits), (n, vocab))
-    tokens, _ = jax.jit(sample_tokens)(
+    tokens, _ = jax.jit(functools.partial(sample_tokens, block=block))(
         batch,
         jax.random.key(1234),
         jnp.full((n,), temp, jnp.float32),
@@ -134,3 +144,21 @@ def test_sampling_params_validation_messages():
         SamplingParams(max_new_tokens=0)
     sp = SamplingParams(top_k=None, top_p=None, stop_token_ids=[3, 4])
     assert sp.top_k_value == 0 and sp.top_p_value == 1.0 and sp.stop_token_ids == (3, 4)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_greedy_takes_the_first_maximum_across_blocks_and_whole_filtered_blocks_are_never_drawn(block):
+    # row 0: the maximum in positions 6 and 13 (blocks apart); row 1: top-k 2 keeps positions 15 and 16 only, so
+    # every earlier block holds nothing allowed
+    logits = np.zeros((2, 17), np.float32)
+    logits[0, [6, 13]] = 5.0
+    logits[1, [15, 16]] = [3.0, 2.5]
+    t, k, p = jnp.array([0.0, 1.0]), jnp.array([0, 2], jnp.int32), jnp.ones(2)
+    step = jax.jit(functools.partial(sample_tokens, block=block))
+    seen = set()
+    for i in range(64):
+        tokens, logp = step(jnp.asarray(logits), jax.random.key(i), t, k, p)
+        assert int(tokens[0]) == 6
+        np.testing.assert_allclose(float(logp[0]), float(jax.nn.log_softmax(jnp.asarray(logits[0]))[6]), atol=1e-5)
+        seen.add(int(tokens[1]))
+    assert seen == {15, 16}
