@@ -60,6 +60,24 @@ def test_kernel_equals_the_gather_path(heads, kv, width, shared, splits, block):
     np.testing.assert_allclose(np.asarray(through)[:, 0], want, atol=2e-5)
 
 
+def test_kernel_attention_pads_the_table_for_the_pieced_kernel_too():
+    """Rows of 9 pages of 4 at width 96: blocks of 8 pages (96-wide tiles stay within TILE_ELEMENTS) in 2 splits over a
+    table padded to 16 columns, equal to the gather path."""
+    from areal_jax.models.paged_attention import gpu_tiling
+
+    b, n, ps, per_row, kv, heads, width = 5, 60, 4, 9, 2, 8, 96
+    assert gpu_tiling(b, kv, per_row, ps, 128) == (16, 2, 8)
+    rng = np.random.default_rng(7)
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=(kv, n, ps, width)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(n)[: b * per_row].reshape(b, per_row), jnp.int32)
+    positions = jnp.asarray([[0], [31], [32], [35], [17]], jnp.int32)  # both sides of the 8-page block's end
+    q = jnp.asarray(rng.normal(size=(b, 1, heads, width)), jnp.float32)
+    cache = PagedKVCache((k_pages,), (v_pages,))
+    want = np.asarray(gather_attention(q, cache, 0, table, positions))
+    got = kernel_attention(q, cache, 0, table, positions, interpret=True, platform="gpu")
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
 def test_latent_attention_decodes_through_the_kernel():
     """A DeepSeek-V3 layer stack (cache width 32 + 16 = 48) prefilled into pages, then one decode step per row on the
     kernel path (GPU kernel, interpreted) and on the gather path: equal logits, equal to the full forward's."""

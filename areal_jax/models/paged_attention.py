@@ -35,7 +35,7 @@ from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
-from areal_jax.models.paged_pieces import pieced_paged_attention, power_of_two_divisor
+from areal_jax.models.paged_pieces import TILE_ELEMENTS, pieced_paged_attention, power_of_two_divisor
 from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
 
 PagedPath = Literal["gather", "kernel"]
@@ -188,12 +188,16 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
             return _tpu_kernel(scaled, k_pages, v_pages, lengths, table, interpret, softcap)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        if dh & (dh - 1):  # not a power of two: in power-of-two pieces (latent attention's 576), or refused
-            return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap,
-                                          interpret=interpret)
-        width, splits, block = gpu_tiling(table.shape[0], k_pages.shape[0], per_row, cache.page_size)
+        pieced = bool(dh & (dh - 1))  # not a power of two: in power-of-two pieces (latent attention's 576)
+        reach = GPU_BLOCK_POSITIONS  # the pieced kernel's block: its widest tile within TILE_ELEMENTS
+        if pieced:
+            reach = max(1, min(reach, TILE_ELEMENTS // max(dh, v_pages.shape[-1])))
+        width, splits, block = gpu_tiling(table.shape[0], k_pages.shape[0], per_row, cache.page_size, reach)
         if width > per_row:  # padding columns: page 0, past every row's length, so the kernel never reads them
             table = jnp.pad(table, ((0, 0), (0, width - per_row)))
+        if pieced:
+            return pieced_paged_attention(scaled, k_pages, v_pages, table, lengths, softcap=softcap, splits=splits,
+                                          pages_per_block=block, interpret=interpret)
         return paged_attention(scaled, k_pages, v_pages, table, lengths, attn_logits_soft_cap=softcap,
                                k_splits=splits, pages_per_compute_block=block, interpret=interpret)
 
@@ -211,16 +215,17 @@ GPU_BLOCK_POSITIONS = 128  # positions a block of JAX's GPU kernel reads at once
 GPU_PROGRAMS = 1024  # rows x kv heads x splits its grid aims at: several programs for each of an H100's 132 SMs
 
 
-def gpu_tiling(rows: int, kv_heads: int, per_row: int, page_size: int) -> tuple[int, int, int]:
+def gpu_tiling(rows: int, kv_heads: int, per_row: int, page_size: int,
+               reach: int = GPU_BLOCK_POSITIONS) -> tuple[int, int, int]:
     """(page-table width, splits, pages per block) for JAX's GPU paged kernel over rows of ``per_row`` pages.
 
-    Blocks of GPU_BLOCK_POSITIONS positions (a power-of-two count of pages, at least one); each row's pages split
+    Blocks of up to ``reach`` positions (a power-of-two count of pages, at least one); each row's pages split
     into as many parts as make rows x kv_heads x splits reach GPU_PROGRAMS (a power of two, at most 16 and at most
     the row's blocks); the table is padded up to a multiple of splits x block. The kernel wants the width divisible
     so, and stops at each row's length, so padding costs nothing; taking only divisors of the width instead gave
     one-page blocks at the sampler's usual widths (1,152 positions: 72 pages, 8 splits of 9; the
     paged engine's table, padded to 80: 16 splits of 5), 16 positions a load."""
-    block = max(1, min(per_row, GPU_BLOCK_POSITIONS // page_size))
+    block = max(1, min(per_row, reach // page_size))
     block = 1 << (block.bit_length() - 1)
     blocks = -(-per_row // block)
     splits = 1
