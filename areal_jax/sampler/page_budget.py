@@ -45,13 +45,10 @@ class PageBudget:
         limits = np.fromiter(self._limit.values(), np.int64, len(rows))
         return rows, limits, (self.allocator.table[rows] >= 0).sum(axis=1)
 
-    def _pages_for(self, positions: np.ndarray) -> np.ndarray:
-        return -(-positions // self.page_size)
-
     def _outstanding(self) -> int:
         """Pages the active slots may still take before they reach their limits."""
         rows, limits, held = self._active()
-        return int(np.maximum(self._pages_for(limits) - held, 0).sum())
+        return int(np.maximum(self.allocator.pages_for(limits) - held, 0).sum())
 
     def _targets(self, rows: np.ndarray, limits: np.ndarray, k: int) -> np.ndarray:
         """Positions each row must have pages for before a dispatch of k steps (``_grow``): k more than written so
@@ -63,7 +60,7 @@ class PageBudget:
     def _growth(self, k: int) -> int:
         """Pages the active rows take before a dispatch of k steps (``_grow``)."""
         rows, limits, held = self._active()
-        return int(np.maximum(self._pages_for(self._targets(rows, limits, k)) - held, 0).sum())
+        return int(np.maximum(self.allocator.pages_for(self._targets(rows, limits, k)) - held, 0).sum())
 
     def shortfall(self, k: int) -> int:
         """Pages a dispatch of k steps needs beyond the free ones (> 0 only when admitted optimistically: the
@@ -116,7 +113,7 @@ class PageBudget:
         self._k = k
         rows, limits, held = self._active()
         targets = self._targets(rows, limits, k)
-        short = self._pages_for(targets) > held
+        short = self.allocator.pages_for(targets) > held
         for row, target, more in zip(rows.tolist(), targets.tolist(), short.tolist()):
             self._upper[row] = target
             if more:

@@ -112,7 +112,7 @@ class PagedEngine(PageBudget, Engine):
         self.attention = attention or default_path(cache_layout(cfg)[1] if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
         self.pages_per_slot = per_sequence  # the page table's width
-        if self.attention == "kernel":  # the kernel splits a row's pages into power-of-two partitions and blocks
+        if self.attention == "kernel":  # the TPU kernel's blocks divide the width (the GPU's pad it themselves)
             self.pages_per_slot = -(-per_sequence // 16) * 16
         self.num_pages = int(num_pages) if num_pages is not None else int(num_slots) * per_sequence
         if self.num_pages < per_sequence:

@@ -55,8 +55,10 @@ class PageAllocator:
     def free_pages(self) -> int:
         return len(self._free)
 
-    def pages_for(self, length: int) -> int:
-        """Pages needed to hold ``length`` positions."""
+    def pages_for(self, length: int | np.ndarray) -> int | np.ndarray:
+        """Pages needed to hold ``length`` positions (an int, or an integer array of lengths: element-wise)."""
+        if isinstance(length, np.ndarray):
+            return -(-length // self.page_size)
         return -(-int(length) // self.page_size)
 
     def pages_of(self, slot: int) -> list[int]:

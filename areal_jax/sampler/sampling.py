@@ -230,7 +230,7 @@ def sample_tokens(
     best = top.max(axis=-1)  # the row's maximum (the top token is always allowed)
     mass = mass * jnp.exp(base - best[:, None])  # relative to the row's maximum
     lse = best + jnp.log(jnp.sum(mass, axis=-1))
-    first = jnp.argmax(top == best[:, None], axis=-1).astype(jnp.int32)  # greedy: the first block of the maximum
+    first = _first_argmax(top)  # greedy: the first block holding the row's maximum
     noise = filters is None or filters.noise
     if noise:
         k_block, k_token = jax.random.split(rng)
