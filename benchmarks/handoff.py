@@ -18,6 +18,11 @@ params are zeros of the preset's shapes, laid out on the train mesh. Timed, best
   decodes with the new version (the channel's copy, the loop's layout check and its swap);
 - raw copy: one jitted copy of a single buffer of the bytes the hand-off writes, and of the float32
   source bytes (a float32 -> bf16 hand-off reads the source and writes half of it);
+- written by the update (the job's hand-off, trainer.publish): the optimizer step with and without the
+  extra output of the sampler's copy (their difference is what writing the copy adds to an update), then
+  publish -> swapped of that copy handed over as it is (`owned=True`, no copy on one device); the sum is
+  this hand-off's cost, set against the same raw copies (--no-update skips it: it builds a Trainer, params
+  + AdamW state + gradients, about 12 GB at the 0.5B shape);
 - what holding the params flat saves: rebuilding the copy into an nnx.State (what the channel handed
   over before), and the host time of dispatching a jitted program that takes the params as an
   nnx.State against as FlatParams (every sampler dispatch passes them).
@@ -55,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-only", action="store_true",
                    help="the preset's layer count with every dimension tiny: times the host's work alone")
     p.add_argument("--repeats", type=int, default=10, help="timed runs of each figure (the best is kept)")
+    p.add_argument("--no-update", action="store_true",
+                   help="skip the copy written by the update's optimizer step (needs a Trainer of the preset)")
     return p.parse_args(argv)
 
 
@@ -80,6 +87,55 @@ def dispatch_seconds(params, repeats: int) -> float:
     return best
 
 
+def swap_seconds(channel, loop, publish, repeats: int) -> float:
+    """Best time from `publish(version)` until the loop decodes with that version (the first run, which
+    compiles, left out)."""
+    times = []
+    for _ in range(repeats + 1):
+        version = loop.current_version + 1
+        t = time.perf_counter()
+        publish(version)
+        while loop.current_version != version:
+            time.sleep(20e-6)
+        times.append(time.perf_counter() - t)
+    loop.check()
+    return min(times[1:])
+
+
+def update_written(graphdef, params, meshes, channel, loop, dtype, repeats: int) -> dict:
+    """The optimizer step with and without writing the sampler's copy, and that copy's owned hand-over."""
+    from areal_jax.trainer import Trainer, TrainerConfig
+    from areal_jax.trainer.state import put_global, replicated
+
+    trainer = Trainer(nnx.merge(graphdef, params), TrainerConfig(), meshes.train_mesh)
+    trainer.keep_sampler_copy(dtype, channel.targets)  # one device: the sampler's layout (as a job does)
+    fns, rep = trainer._fns, replicated(meshes.train_mesh)
+    grads, sums = fns.zero_grads(trainer.state.trainable()), fns.zero_metrics()  # zero gradients: a finite step
+    scalars = put_global((jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32)), (rep, rep))
+
+    def step_seconds(fn) -> float:
+        best = float("inf")
+        for i in range(repeats + 1):
+            t = time.perf_counter()
+            out = fn(trainer.state, grads, sums, *scalars)
+            jax.block_until_ready(out)
+            trainer.state = out[0]
+            best = best if i == 0 else min(best, time.perf_counter() - t)
+            del out
+        return best
+
+    apply_s = step_seconds(fns.apply)
+    apply_cast = fns.apply_cast(*trainer._copy.step_key)
+    apply_cast_s = step_seconds(apply_cast)
+    trainer.state, _, copy = apply_cast(trainer.state, grads, sums, *scalars)
+    trainer._copy.record(trainer.version, copy)  # as Trainer.update does after the step that ends an update
+    swap_s = swap_seconds(channel, loop, lambda v: channel.publish(v, trainer.sampler_copy(), owned=True), repeats)
+    handed_over = not channel.last_copied
+    return {"apply_s": apply_s, "apply_with_copy_s": apply_cast_s, "copy_in_update_s": apply_cast_s - apply_s,
+            "owned_publish_to_swap_s": swap_s, "owned_handed_over": handed_over,
+            "update_written_handoff_s": apply_cast_s - apply_s + swap_s}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dev = jax.devices()[0]
@@ -101,17 +157,12 @@ def main(argv=None) -> dict:
     as_state_s = best_seconds(lambda: flat.tree(), args.repeats)  # rebuilding the copy into an nnx.State
 
     engine = Engine(graphdef, num_slots=1, max_len=32, config=cfg, mesh=meshes.rollout_mesh)
-    swap = []
+    fused = {}
     with SamplerLoop(engine, flat, version=0) as loop:
         channel.deliver = loop.update_params
-        for version in range(1, args.repeats + 2):
-            t = time.perf_counter()
-            channel.publish(version, params)
-            while loop.current_version != version:
-                time.sleep(20e-6)
-            swap.append(time.perf_counter() - t)
-        loop.check()
-    swap_s = min(swap[1:])  # the first includes compiling the copy
+        swap_s = swap_seconds(channel, loop, lambda v: channel.publish(v, params), args.repeats)
+        if not args.no_update:
+            fused = update_written(graphdef, params, meshes, channel, loop, dtype, args.repeats)
 
     raw_s = raw_copy_seconds(written, dev, dev, args.repeats)
     raw_source_s = raw_copy_seconds(source, dev, dev, args.repeats) if source != written else raw_s
@@ -129,13 +180,21 @@ def main(argv=None) -> dict:
     print(f"held flat instead of as an nnx.State: rebuilding the State costs {ms(as_state_s)} a hand-off; "
           f"a dispatch taking the params {ms(state_dispatch_s)} as an nnx.State against "
           f"{ms(flat_dispatch_s)} as FlatParams ({state_dispatch_s / flat_dispatch_s:.1f}x)")
+    if fused:
+        total = fused["update_written_handoff_s"]
+        print(f"written by the update: optimizer step {ms(fused['apply_s'])} -> {ms(fused['apply_with_copy_s'])} "
+              f"with the copy (+{ms(fused['copy_in_update_s'])}); publish -> swapped of that copy "
+              f"{ms(fused['owned_publish_to_swap_s'])} ({'handed over, no copy' if fused['owned_handed_over'] else 'copied'})")
+        print(f"  -> this hand-off {ms(total)}: {total / raw_s:.2f}x the raw copy of the same bytes "
+              f"({total / raw_source_s:.2f}x of the source bytes), against {swap_s / raw_s:.2f}x for the channel's own copy")
+        fused.update(update_written_vs_raw_copy=total / raw_s, update_written_vs_raw_copy_source_bytes=total / raw_source_s)
     report = {"benchmark": "handoff", "preset": args.preset, "host_only": args.host_only, "device": dev.device_kind,
               "backend": jax.default_backend(), "leaves": n_leaves, "sampler_dtype": args.sampler_dtype,
               "bytes_written": int(written), "source_bytes": int(source), "reshard_s": reshard_s,
               "publish_to_swap_s": swap_s, "raw_copy_s": raw_s, "raw_copy_source_bytes_s": raw_source_s,
               "ratio_vs_raw_copy": reshard_s / raw_s, "ratio_vs_raw_copy_source_bytes": reshard_s / raw_source_s,
               "publish_to_swap_vs_raw_copy": swap_s / raw_s, "state_rebuild_s": as_state_s,
-              "dispatch_state_s": state_dispatch_s, "dispatch_flat_s": flat_dispatch_s}
+              "dispatch_state_s": state_dispatch_s, "dispatch_flat_s": flat_dispatch_s, **fused}
     print(json.dumps(report))
     return report
 

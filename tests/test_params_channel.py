@@ -133,5 +133,9 @@ def test_handoff_benchmark_at_toy_size(capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(report))
     assert report["leaves"] == 26 and report["bytes_written"] * 2 == report["source_bytes"]
-    for key in ("reshard_s", "publish_to_swap_s", "raw_copy_s", "dispatch_state_s", "dispatch_flat_s"):
+    for key in ("reshard_s", "publish_to_swap_s", "raw_copy_s", "dispatch_state_s", "dispatch_flat_s", "apply_s",
+                "apply_with_copy_s", "owned_publish_to_swap_s"):
         assert report[key] > 0
+    # The copy the update writes reaches the sampler with no second copy (one device, the sampler's layout).
+    assert report["owned_handed_over"] is True
+    assert report["update_written_handoff_s"] == report["copy_in_update_s"] + report["owned_publish_to_swap_s"]

@@ -39,11 +39,14 @@ def _run_job(config, on_publish=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eta", [0, 1, 4])
-def test_staleness_bound_and_exactly_once(tmp_path, eta):
+@pytest.mark.parametrize("eta,colocated", [(0, False), (1, True), (4, False)])
+def test_staleness_bound_and_exactly_once(tmp_path, eta, colocated):
     steps, batch_groups, group_size = 4, 2, 2
     c = tiny_config(str(tmp_path), eta=eta, steps=steps)
-    c.mesh.train_devices, c.mesh.rollout_devices = 1, 1  # split slices: publish crosses devices
+    if colocated:  # both slices on every device
+        c.mesh.colocated = True
+    else:  # split slices: publish crosses devices
+        c.mesh.train_devices, c.mesh.rollout_devices = 1, 1
     checked = []
 
     def on_publish(job, params, version):
@@ -51,7 +54,12 @@ def test_staleness_bound_and_exactly_once(tmp_path, eta):
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(job.trainer.params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert a.sharding.device_set == set(job.meshes.rollout_mesh.devices.flat)
-            assert a.sharding.device_set.isdisjoint(b.sharding.device_set)
+            if colocated:  # the copy the update wrote in the sampler's layout, handed over: never the state's buffers
+                assert not {s.data.unsafe_buffer_pointer() for s in a.addressable_shards} & {
+                    s.data.unsafe_buffer_pointer() for s in b.addressable_shards}
+            else:
+                assert a.sharding.device_set.isdisjoint(b.sharding.device_set)
+        assert job.channel.last_copied is not colocated
         checked.append(version)
 
     job, summary = _run_job(c, on_publish)
@@ -69,7 +77,7 @@ def test_staleness_bound_and_exactly_once(tmp_path, eta):
     # a CPU reports no limit, so remat "auto" is "none".
     plan = summary["memory_plan_bytes"]
     assert summary["remat"] == "none" and summary["device_memory_bytes"] is None
-    held = sum(x.nbytes for x in jax.tree.leaves(job.trainer.state.params))
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(job.trainer.state.params))  # a device's
     assert plan["params"] == held and plan["gradients"] == held and plan["optimizer"] >= 2 * held
     assert len(rows) == steps * batch_groups
     assert [r["gid"] for r in rows] == list(range(steps * batch_groups))  # each group once, in order

@@ -13,6 +13,15 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Cast every floating-point leaf of `tree` to `dtype` (None: unchanged); traced inside jit, so the
+    cast runs on the device that holds the leaf. Other leaves (ints, bools) pass through."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -33,7 +33,7 @@ from areal_jax.system.buffer import TrajectoryBuffer
 from areal_jax.system.controller import RolloutController
 from areal_jax.system.hf_export import HFExporter
 from areal_jax.system.interfaces import ManagedSampler
-from areal_jax.system.parts import load_policy, rollout_channel
+from areal_jax.system.parts import load_policy, rollout_channel, rollout_source
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
@@ -173,7 +173,7 @@ class RLJob:
 
         r = self.rollout_cfg
         self.channel, self.graphdef = rollout_channel(c, model, self.trainer, self.meshes, r)
-        rollout_params = self.channel.reshard(self.trainer.params)
+        rollout_params = self.channel.reshard(**rollout_source(self.trainer))
         self.sampler: ManagedSampler = make_sampler(  # one SamplerLoop per rollout replica (sampler.replicas)
             r, model if lora_cfg is None else self.graphdef, self.meshes.rollout_mesh, rollout_params,
             config=model.cfg, version=self.trainer.version, on_update=r.on_update, decode_steps=r.decode_steps,
@@ -262,7 +262,7 @@ class RLJob:
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
             return None
-        params = self.channel.reshard(self.trainer.params)  # a collective: every process takes part
+        params = self.channel.reshard(**rollout_source(self.trainer))  # a collective: every process takes part
         if not self.primary:
             return None
         if self._evaluator is None:  # one engine per rollout replica
@@ -305,7 +305,7 @@ class RLJob:
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)
             with self.timeline.span("publish", lane="trainer"):
-                published = self.channel.publish(self.trainer.version, self.trainer.params)
+                published = self.channel.publish(self.trainer.version, **rollout_source(self.trainer))
                 self.sampler.update_params(published, self.trainer.version)  # swapped in between two decode steps
             self.sample_log.write(groups, version)
             if c.log.param_digests:

@@ -17,6 +17,12 @@ Sampler precision: with `dtype=jnp.bfloat16` the channel hands the sampler bf16 
 float32 train weights on the device, inside the same jitted program that copies (or gathers) them; the
 cast happens before any cross-device move, so a split hand-off also moves half the bytes. Nothing goes
 through the host. Integer leaves and leaves already in `dtype` are copied unchanged.
+
+A job does better still: its trainer writes the sampler's copy inside the optimizer step that ends each
+update (`Trainer.keep_sampler_copy`, trainer.publish: one more fused write, no read), and publishes it with
+`owned=True`. Those buffers are fresh and never donated, so where they are already in the rollout layout
+(one device, or the same mesh layout) the channel hands them over without copying; elsewhere it moves them
+as it moves any params, the cast already done.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from areal_jax.models import FlatParams, logical_to_mesh_sharding
+from areal_jax.models.flat_params import cast_floating
 from areal_jax.system.interfaces import ParamsSink
 
 
@@ -46,14 +53,6 @@ def _shards_cover(x: jax.Array, target: jax.sharding.Sharding) -> bool:
         return True
     have = {_index_key(i) for i in x.sharding.devices_indices_map(x.shape).values()}
     return all(_index_key(i) in have for i in target.devices_indices_map(x.shape).values())
-
-
-def cast_floating(tree: Any, dtype: DTypeLike | None) -> Any:
-    """Cast every floating-point leaf of `tree` to `dtype` (None: unchanged); traced inside jit, so the
-    cast runs on the device that holds the leaf. Other leaves (ints, bools) pass through."""
-    if dtype is None:
-        return tree
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -93,7 +92,13 @@ class ParamChannel:
         self._cast = None
         self._targets = jax.tree.leaves(rollout_shardings)  # the rollout shardings, flat
         self._plans: dict = {}  # (treedef, source shardings) -> (addressable, colocated, bytes written)
-        self.last_bytes = 0  # bytes written on the rollout slice by the last reshard (each replica's copy counted)
+        self.last_bytes = 0  # bytes of the sampler's copy the last reshard handed over (each replica's counted)
+        self.last_copied = True  # whether that reshard wrote them (False: an owned copy handed over as it was)
+
+    @property
+    def targets(self) -> list:
+        """The rollout layout, one sharding per leaf of the params in their flattening order."""
+        return list(self._targets)
 
     @classmethod
     def for_model(cls, model_or_state: nnx.Module | nnx.State, rollout_mesh: Mesh, **kw: Any) -> "ParamChannel":
@@ -119,7 +124,9 @@ class ParamChannel:
         layout is the rollout mesh's shape and specs on the first source devices, or one source
         device when the source has fewer devices than the rollout mesh."""
         targets = self._targets
-        if self.dtype is None and all(_shards_cover(x, t) for x, t in zip(leaves, targets)):
+        casts = self.dtype is not None and any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.dtype
+                                                for x in leaves)
+        if not casts and all(_shards_cover(x, t) for x, t in zip(leaves, targets)):
             return list(leaves)  # device_put already copies (or slices) each shard on the device
         if not all(isinstance(t, NamedSharding) for t in targets):
             return cast_floating(list(leaves), self.dtype)
@@ -137,10 +144,11 @@ class ParamChannel:
                                  out_shardings=staging)
         return self._cast(list(leaves))
 
-    def _plan(self, leaves: tuple, treedef: Any) -> tuple[bool, bool, int]:
-        """(fully addressable, colocated with the rollout shardings, bytes written), cached per tree
-        structure and source shardings."""
-        key = (treedef, tuple(x.sharding for x in leaves))
+    def _plan(self, leaves: tuple, treedef: Any) -> tuple[bool, bool, int, bool]:
+        """(fully addressable, colocated with the rollout shardings, bytes of the sampler's copy, already the
+        copy: every leaf in the sampler's dtype and laid out as the rollout wants it), cached per tree
+        structure, source shardings and dtypes."""
+        key = (treedef, tuple(x.sharding for x in leaves), tuple(x.dtype for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
             if len(leaves) != len(self._targets):
@@ -151,13 +159,19 @@ class ParamChannel:
             written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), list(leaves))
             copies = [t.mesh.shape.get("replica", 1) if isinstance(t, NamedSharding) else 1 for t in self._targets]
             nbytes = sum(tree_nbytes(w) * c for w, c in zip(written, copies))  # a whole copy per sampler replica
-            plan = self._plans[key] = (addressable, colocated, nbytes)
+            ready = addressable and all(x.dtype == w.dtype and x.sharding.is_equivalent_to(t, x.ndim)
+                                        for x, w, t in zip(leaves, written, self._targets))
+            plan = self._plans[key] = (addressable, colocated, nbytes, ready)
         return plan
 
-    def reshard(self, params: nnx.State | FlatParams) -> FlatParams:
+    def reshard(self, params: nnx.State | FlatParams, *, owned: bool = False) -> FlatParams:
         """Return a copy of `params` laid out on the rollout mesh (floating leaves in `dtype` when set),
         held flat (FlatParams: `.tree()` gives the nnx.State); never aliases the input buffers and never
-        moves them through the host."""
+        moves them through the host.
+
+        owned: `params` are fresh buffers that nothing will donate or delete (`Trainer.sampler_copy()`);
+        when they are already in the sampler's dtype and layout they are handed over as they are, no copy
+        made (`last_copied` False)."""
         # The params are flattened once per call and the copy is never rebuilt into an nnx.State: at a
         # few hundred leaves, each pass over an nnx.State costs about a millisecond of Python, which used
         # to be most of a colocated hand-off.
@@ -168,7 +182,10 @@ class ParamChannel:
             # Every process gathers a full replica locally; take one and copy it to the rollout slice.
             leaves = tuple(x.addressable_shards[0].data for x in self._replicate_on_train_mesh(leaves))
             plan = self._plan(leaves, flat.treedef)
-        _, colocated, self.last_bytes = plan
+        _, colocated, self.last_bytes, ready = plan
+        self.last_copied = not (owned and ready)
+        if not self.last_copied:
+            return flat
         if colocated:
             # Same devices: `device_put` may hand back the source buffer for a shard even with
             # may_alias=False, and the trainer's next (donating) update would then delete the sampler's
@@ -180,10 +197,11 @@ class ParamChannel:
         staged = self._stage(leaves)
         return flat.replace_leaves(jax.device_put(staged, self._targets, may_alias=False))
 
-    def publish(self, version: int, params: nnx.State | FlatParams) -> FlatParams:
-        """Reshard `params` (version `version`) and deliver them; returns the rollout copy."""
+    def publish(self, version: int, params: nnx.State | FlatParams, *, owned: bool = False) -> FlatParams:
+        """Reshard `params` (version `version`; `owned` as for reshard) and deliver them; returns the rollout
+        copy."""
         t0 = time.perf_counter()
-        on_rollout = self.reshard(params)
+        on_rollout = self.reshard(params, owned=owned)
         jax.block_until_ready(on_rollout)
         with self._lock:
             self._latest = (int(version), on_rollout)

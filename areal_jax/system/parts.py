@@ -53,9 +53,23 @@ def rollout_channel(c: JobConfig, model: nnx.Module, trainer: Any, meshes: MeshS
     if not c.lora.enabled:
         channel = ParamChannel.for_model(trainer.params, meshes.rollout_mesh, train_mesh=meshes.train_mesh,
                                          dtype=dtype)
+        # Each update writes the sampler's copy itself (trainer.publish), already in the sampler's layout where the
+        # two slices share the devices: the hand-off then moves nothing.
+        train_devices = set(meshes.train_mesh.devices.flat)
+        shared = all(t.device_set == train_devices for t in channel.targets)
+        trainer.keep_sampler_copy(dtype, channel.targets if shared else None)
         return channel, nnx.graphdef(model)
     from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
 
     channel = AdapterChannel(trainer.params, meshes.rollout_mesh, scale=c.lora.scale, mode=c.lora.sampler,
                              dtype=dtype, train_mesh=meshes.train_mesh)
     return channel, sampler_graphdef(model, c.lora.sampler)
+
+
+def rollout_source(trainer: Any) -> dict[str, Any]:
+    """The keyword arguments of a channel's reshard / publish for the trainer's current params: the copy the
+    trainer keeps in the sampler's dtype, owned (handed over without a second copy), where it keeps one (a plain
+    ParamChannel, rollout_channel); else its params (the channel copies them)."""
+    if trainer.keeps_sampler_copy:
+        return {"params": trainer.sampler_copy(), "owned": True}
+    return {"params": trainer.params}

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.models import logical_to_mesh_sharding
+from areal_jax.models import FlatParams, logical_to_mesh_sharding
 from areal_jax.models.config import model_config_of
 from areal_jax.trainer import batch as batching
 from areal_jax.trainer import layout, memory
@@ -20,6 +20,7 @@ from areal_jax.trainer.batch import Trajectory
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import init_value_head
 from areal_jax.trainer.optim import make_optimizer, make_schedule
+from areal_jax.trainer.publish import SamplerCopy
 from areal_jax.trainer.state import TrainState, copy_to, create_train_state, put_global, replicated
 from areal_jax.trainer.update import CRITIC_FIELDS, LOSS_FIELDS, UpdateFns, build_update_fns, model_fields
 
@@ -96,6 +97,7 @@ class Trainer:
         remat, self.activation_bytes = self._choose_remat(model)
         self.cfg = cfg = dataclasses.replace(cfg, remat=remat)
         self._fns = self._compiled_fns(other)
+        self._copy: SamplerCopy | None = None  # keep_sampler_copy
 
     def held_bytes(self) -> int:
         """Bytes the trainer holds on each train device between updates (params, optimizer state, frozen
@@ -145,6 +147,23 @@ class Trainer:
             return nnx.merge_state(self.state.params, self._other)
         return self.state.params
 
+    def keep_sampler_copy(self, dtype: Any, shardings: Any = None) -> None:
+        """From now on the optimizer step that ends each update also writes the new params cast to `dtype`
+        (None: their own dtype), fused into the step, for `sampler_copy()`; `shardings` (one per leaf of `params`,
+        on the train devices) lays the copy out as the sampler wants it (trainer.publish.SamplerCopy)."""
+        self._copy = SamplerCopy(dtype, self.state.params, self._other, shardings)
+
+    @property
+    def keeps_sampler_copy(self) -> bool:
+        return self._copy is not None
+
+    def sampler_copy(self) -> FlatParams:
+        """The current params (with the frozen variables, like `params`) in keep_sampler_copy's dtype, held flat
+        in fresh buffers that no update donates: the copy the last update wrote, or one cast now."""
+        if self._copy is None:
+            raise ValueError("sampler_copy() needs keep_sampler_copy(dtype) first.")
+        return self._copy.get(self.version, self.state.params)
+
     @property
     def version(self) -> int:
         return int(jax.device_get(self.state.version))
@@ -162,6 +181,8 @@ class Trainer:
         """Continue from a checkpoint: its `state` and the meta saved with it (holding checkpoint_meta(); None, or a
         meta from before the book existed: the book starts empty)."""
         self.state = state
+        if self._copy is not None:
+            self._copy.forget()
         self.layouts.load_state((meta or {}).get("layouts"))
 
     # ------------------------------------------------------------------ helpers
@@ -331,10 +352,14 @@ class Trainer:
             scalars = put_global(
                 (jnp.asarray(n_valid, jnp.float32), jnp.asarray(last, jnp.int32)), (rep, rep)
             )
-            self.state, info = self._fns.apply(self.state, grads, sums, *scalars)
+            if last and self._copy is not None:  # the step that ends the update also writes the sampler's copy
+                self.state, info, copy = self._fns.apply_cast(*self._copy.step_key)(self.state, grads, sums, *scalars)
+                self._copy.record(version + 1, copy)
+            else:
+                self.state, info = self._fns.apply(self.state, grads, sums, *scalars)
             infos.append(info)
-            sums_total = sums if sums_total is None else _merge_sums(sums_total, sums)
-        return _metrics(
+            sums_total = sums if sums_total is None else update_lib.merge_sums(sums_total, sums)
+        return update_lib.update_metrics(
             jax.device_get(sums_total), jax.device_get(infos), masks, trajs, staleness, len(minibatches), self.state
         ) | packing
 
@@ -355,44 +380,8 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _merge_sums(a, b):
-    out = {k: a[k] + b[k] for k in a}
-    out["behav_weight_max"] = jnp.maximum(a["behav_weight_max"], b["behav_weight_max"])
-    return out
-
-
 def _scatter(out: list[np.ndarray], values: np.ndarray, step: dict[str, np.ndarray]) -> None:
     """Write packed per-position values back to per-trajectory completion arrays."""
     sel = step["seq_index"] >= 0
     for i, j, v in zip(step["seq_index"][sel], step["comp_index"][sel], values[sel]):
         out[i][j] = v
-
-
-def _metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: TrainState) -> dict[str, float]:
-    n_valid = float(sums["n_valid"])
-    per_tok = lambda key: float(sums[key]) / n_valid if n_valid > 0 else 0.0  # noqa: E731
-    total_mask = sum(float(t.completion_mask().sum()) for t in trajs)
-    metrics = {
-        "loss": float(sums["loss"]) / n_minibatches,
-        "pg_loss": float(sums["pg_loss"]) / n_minibatches,
-        "kl": float(sums["kl"]) / n_minibatches,
-        "clip_fraction": per_tok("clip"),
-        "dual_clip_fraction": per_tok("dual_clip"),
-        "behav_weight_mean": per_tok("behav_weight"),
-        "behav_weight_max": float(sums["behav_weight_max"]),
-        "masked_fraction": per_tok("masked"),
-        "approx_kl": per_tok("approx_kl"),
-        "entropy": per_tok("entropy"),
-        "grad_norm": float(np.mean([float(i["grad_norm"]) for i in infos])),
-        "n_tokens": n_valid,
-        "n_seqs": float(sum(float(m.sum()) > 0 for m in masks)),
-        "stale_dropped_fraction": 1.0 - n_valid / total_mask if total_mask > 0 else 0.0,
-        "skipped_updates": float(jax.device_get(state.skipped_updates)),
-        "lr": float(infos[-1]["lr"]),
-        "version": float(jax.device_get(state.version)),
-    }
-    if state.value_head is not None:
-        metrics.update(value_loss=float(sums["value_loss"]) / n_minibatches,
-                       value_clip_fraction=per_tok("value_clip"), value_error=per_tok("value_error"))
-    metrics.update(batching.staleness_stats(staleness))
-    return metrics | update_lib.router_metrics(sums, n_minibatches)

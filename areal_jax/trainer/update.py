@@ -50,8 +50,10 @@ from areal_jax.rl.losses import (
     value_token_loss,
 )
 from areal_jax.trainer import balance
+from areal_jax.trainer.batch import staleness_stats
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import model_outputs
+from areal_jax.trainer.publish import cast_params_out
 from areal_jax.trainer.state import TrainState
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
@@ -192,6 +194,9 @@ class UpdateFns:
     apply(state, grads, sums, n_valid, version_inc) -> (state, info) (state donated; sums: the minibatch's metric
       sums, whose loss decides whether the step is finite and whose router counts move a picking bias with
       train.router_bias_rate (`trainer.balance`); info: grad_norm, skipped, lr).
+    apply_cast(dtype, copy_shardings=None) -> the same step with a third output: the new params cast to dtype, a
+      flat list of fresh buffers laid out by copy_shardings (a tuple, one a leaf; None: the params' own layout)
+      (`trainer.publish`; compiled once per pair).
     """
 
     forward: Callable
@@ -199,6 +204,7 @@ class UpdateFns:
     zero_metrics: Callable
     accumulate: Callable
     apply: Callable
+    apply_cast: Callable
     batch_sharding: NamedSharding
 
 
@@ -312,6 +318,18 @@ def build_update_fns(
                 "lr": jnp.asarray(schedule(state.step), jnp.float32)}
         return new_state, info
 
+    @functools.lru_cache(maxsize=None)
+    def apply_cast(dtype, copy_shardings=None):
+        cast = cast_params_out(dtype)
+
+        def step(state, grads, sums, n_valid, version_inc):
+            new_state, info = apply(state, grads, sums, n_valid, version_inc)
+            return new_state, info, cast(new_state.params)
+
+        return jax.jit(step, in_shardings=(shardings, p_shard, rep, rep, rep),
+                       out_shardings=(shardings, rep, list(copy_shardings or jax.tree.leaves(shardings.params))),
+                       donate_argnums=(0,))
+
     return UpdateFns(
         forward=jax.jit(forward, in_shardings=(p_shard, other_sharding, rows),
                         out_shardings=(rows, rows) if critic else rows),
@@ -329,5 +347,44 @@ def build_update_fns(
             out_shardings=(shardings, rep),
             donate_argnums=(0,),
         ),
+        apply_cast=apply_cast,
         batch_sharding=rows,
     )
+
+
+def merge_sums(a, b):
+    """Two minibatches' metric sums added (their largest behaviour weight kept)."""
+    out = {k: a[k] + b[k] for k in a}
+    out["behav_weight_max"] = jnp.maximum(a["behav_weight_max"], b["behav_weight_max"])
+    return out
+
+
+def update_metrics(sums, infos, masks, trajs, staleness, n_minibatches: int, state: TrainState) -> dict[str, float]:
+    """Trainer.update's metrics (python floats) from its minibatches' metric sums and optimizer-step infos."""
+    n_valid = float(sums["n_valid"])
+    per_tok = lambda key: float(sums[key]) / n_valid if n_valid > 0 else 0.0  # noqa: E731
+    total_mask = sum(float(t.completion_mask().sum()) for t in trajs)
+    metrics = {
+        "loss": float(sums["loss"]) / n_minibatches,
+        "pg_loss": float(sums["pg_loss"]) / n_minibatches,
+        "kl": float(sums["kl"]) / n_minibatches,
+        "clip_fraction": per_tok("clip"),
+        "dual_clip_fraction": per_tok("dual_clip"),
+        "behav_weight_mean": per_tok("behav_weight"),
+        "behav_weight_max": float(sums["behav_weight_max"]),
+        "masked_fraction": per_tok("masked"),
+        "approx_kl": per_tok("approx_kl"),
+        "entropy": per_tok("entropy"),
+        "grad_norm": float(np.mean([float(i["grad_norm"]) for i in infos])),
+        "n_tokens": n_valid,
+        "n_seqs": float(sum(float(m.sum()) > 0 for m in masks)),
+        "stale_dropped_fraction": 1.0 - n_valid / total_mask if total_mask > 0 else 0.0,
+        "skipped_updates": float(jax.device_get(state.skipped_updates)),
+        "lr": float(infos[-1]["lr"]),
+        "version": float(jax.device_get(state.version)),
+    }
+    if state.value_head is not None:
+        metrics.update(value_loss=float(sums["value_loss"]) / n_minibatches,
+                       value_clip_fraction=per_tok("value_clip"), value_error=per_tok("value_error"))
+    metrics.update(staleness_stats(staleness))
+    return metrics | router_metrics(sums, n_minibatches)

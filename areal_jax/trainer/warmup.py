@@ -53,8 +53,12 @@ def compile_thunks(trainer, row_len: int, per_device: int) -> list[Callable[[], 
         lambda: fns.zero_grads.lower(train).compile(),
         lambda: fns.zero_metrics.lower().compile(),
         lambda: fns.accumulate.lower(train, other, grads, sums, batch, scalar(jnp.int32)).compile(),
-        lambda: fns.apply.lower(state, grads, sums, scalar(jnp.float32), scalar(jnp.int32)).compile(),
     ]
+    applies = [fns.apply]  # with a sampler copy kept, the step that ends an update is apply_cast's (trainer.publish)
+    if trainer._copy is not None:
+        applies = applies[: cfg.ppo_minibatches > 1] + [fns.apply_cast(*trainer._copy.step_key)]
+    thunks += [lambda fn=fn: fn.lower(state, grads, sums, scalar(jnp.float32), scalar(jnp.int32)).compile()
+               for fn in applies]
     return thunks
 
 

@@ -1,0 +1,96 @@
+"""The sampler's copy of the weights, written by the optimizer step that ends each update.
+
+A hand-off used to be a program of its own after the update: read the float32 params, write them cast
+to the sampler's dtype. That read costs twice the bytes the copy writes (a bf16 copy of float32 weights
+moves 1.5x the traffic of a raw copy of the same bytes), and the program has one output per leaf to
+launch and bookkeep. The optimizer step already reads the params and writes the new ones, so with
+`Trainer.keep_sampler_copy(dtype)` the step that ends an update also writes the new params cast to
+`dtype`, fused into the same elementwise work: the only added device traffic is the write of the copy.
+
+The copy is a set of fresh buffers that no later update donates (the trainer's own params are donated to
+the next update; the copy is an output nothing reads back), so the ParamChannel can hand it to a sampler
+on the same devices without copying it again (`ParamChannel.publish(..., owned=True)`).
+
+Frozen, non-trained variables (`other`, e.g. a LoRA base, kept out of this path by the job) are cast once
+and reused. A version the update did not write (the first publish, a restored checkpoint) is cast on
+demand by one jitted copy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.flat_params import FlatParams, cast_floating
+
+
+def _cast_leaves(tree: Any, dtype: Any) -> list[jax.Array]:
+    """The floating leaves of `tree` cast to `dtype`, every leaf a fresh buffer (traced inside jit)."""
+    return [jnp.copy(x) for x in jax.tree.leaves(cast_floating(tree, dtype))]
+
+
+def cast_params_out(dtype: Any):
+    """The extra output of the update's last optimizer step: the new params cast to `dtype`, as a flat list
+    (a list unflattens in C++; an nnx.State output would cost about a millisecond of Python per call)."""
+    return lambda params: _cast_leaves(params, dtype)
+
+
+class SamplerCopy:
+    """The trainer's params in the sampler's dtype, per version.
+
+    Args:
+      dtype: the sampler's floating dtype; None keeps the params' own.
+      params: the trainer's params (TrainState.params), for their structure and layout.
+      other: the trainer's frozen variables (merged with the params into the tree the sampler takes).
+      shardings: where to write the copy, one sharding per leaf of the merged tree (in its flattening order) on
+        the train devices: the sampler's own layout when both share the devices, so that the sampler takes the
+        copy as it is (no relayout, no per-leaf device_put); None keeps the params' layout.
+    """
+
+    def __init__(self, dtype: Any, params: nnx.State, other: nnx.State, shardings: Any = None):
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        n = len(jax.tree.leaves(params))
+        merged = nnx.merge_state(params, other) if jax.tree.leaves(other) else params
+        self._treedef = jax.tree.structure(merged)
+        # Where each leaf of the merged tree comes from: index i < n is the params' leaf i, n + j other's leaf j.
+        index_p = jax.tree.unflatten(jax.tree.structure(params), range(n))
+        index_o = jax.tree.unflatten(jax.tree.structure(other), range(n, n + len(jax.tree.leaves(other))))
+        self._order = jax.tree.leaves(nnx.merge_state(index_p, index_o) if jax.tree.leaves(other) else index_p)
+        if sorted(self._order) != list(range(self._treedef.num_leaves)):
+            raise AssertionError("merging the params with the frozen variables lost or repeated a leaf")
+        self.param_shardings = other_shardings = None
+        if shardings is not None:
+            shardings = list(shardings)
+            if len(shardings) != len(self._order):
+                raise ValueError(f"keep_sampler_copy got {len(shardings)} shardings for {len(self._order)} leaves.")
+            by_source = {src: shardings[i] for i, src in enumerate(self._order)}
+            self.param_shardings = tuple(by_source[j] for j in range(n))
+            other_shardings = [by_source[j] for j in range(n, len(self._order))]
+        self._other = (jax.jit(lambda o: _cast_leaves(o, self.dtype), out_shardings=other_shardings)(other)
+                       if jax.tree.leaves(other) else [])
+        self._cast = jax.jit(lambda p: _cast_leaves(p, self.dtype),
+                             out_shardings=None if shardings is None else list(self.param_shardings))
+        self._latest: tuple[int, list[jax.Array]] | None = None
+
+    @property
+    def step_key(self) -> tuple:
+        """The arguments of UpdateFns.apply_cast that write this copy."""
+        return self.dtype, self.param_shardings
+
+    def record(self, version: int, leaves: list[jax.Array]) -> None:
+        """The update that produced `version` wrote these (the params' leaves, cast)."""
+        self._latest = (int(version), list(leaves))
+
+    def forget(self) -> None:
+        """Drop the recorded copy (the params were replaced, e.g. restored from a checkpoint)."""
+        self._latest = None
+
+    def get(self, version: int, params: nnx.State) -> FlatParams:
+        """The whole tree (params and frozen variables) in `dtype` at `version`: the copy the update wrote,
+        or a cast of `params` (which must be the params at `version`) made now."""
+        if self._latest is None or self._latest[0] != int(version):
+            self.record(version, self._cast(params))
+        leaves = self._latest[1] + self._other
+        return FlatParams([leaves[i] for i in self._order], self._treedef)
