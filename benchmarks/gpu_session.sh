@@ -13,11 +13,12 @@
 #              k-step dispatch alone with every slot live (is a slow step the loop's or the device program's?) and
 #              a trace of it with its top kernels (benchmarks/trace_top.py) (~3 min).
 #   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
-#              same bytes, and the host's share of it (--host-only: the same 290 leaves, tiny) (~40 s).
+#              same bytes: the channel's own copy, and the copy the update's optimizer step writes (the step with and
+#              without it, then its hand-over), and the host's share (--host-only: the same 290 leaves, tiny) (~90 s).
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
-#              tilings, the page budget's host time, the sampling head's two draws, and the loop at the 0.5B preset,
-#              eta 0 vs 4, 6 updates each (~9 min).
+#              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
+#              update, and the loop at the 0.5B preset, eta 0 vs 4, 6 updates each (~10 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
 #              not fit: an 80 GB H100), against PyTorch (which needs ~106 GiB there: an H200).
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
@@ -157,7 +158,7 @@ EOF
     step trace_s05 40 $PY benchmarks/trace_top.py "$WORK/prof_s05" --top 30
     ;;
   handoff)
-    step handoff05 60 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
+    step handoff05 120 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
     step handoff05_host 40 $PY benchmarks/handoff.py --preset qwen2.5-0.5b --host-only
     ;;
   trainer15)
@@ -187,6 +188,7 @@ EOF
       --cache-lens 1152 8192 --paged --prefill-rows 0 --repeats 10
     step followup_page_budget 40 $PY benchmarks/page_budget.py
     step followup_sampling_head 60 $PY benchmarks/sampling_head.py
+    step followup_handoff 120 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
     step followup_loop05 300 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 6 --warmup_steps 1 \
       --median 512 --cap 4096 --out "$WORK/loop05_6"
     ;;

@@ -34,6 +34,38 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_new_tokens=n)
 
 
+def test_page_table_travels_inside_each_program_and_a_fresh_state_starts_from_a_fresh_table(model, monkeypatch):
+    """The host's page table reaches the device inside the program that needs it: the paged engine runs as many
+    device programs as the dense engine for the same calls (no upload dispatch of its own), gives the same tokens,
+    and after init_decode_state the same calls give the same tokens again (no table left from the run before)."""
+    params = nnx.split(model)[1]
+    programs = []
+    call = Engine._call
+    monkeypatch.setattr(Engine, "_call", lambda self, fn, *a, **k: (programs.append(type(self)), call(self, fn, *a, **k))[1])
+
+    def run(engine):
+        state = engine.init_decode_state()
+        prefixes = [engine.prefill(params, p) for p in ([5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 30)))]
+        del programs[:]
+        state = engine.insert(prefixes[0], state, 0, greedy(2))
+        state = engine.insert(prefixes[1], state, 1, greedy(12))
+        state = engine.stage(prefixes[2], state, [0, 1, 2], greedy(4))
+        state, first = engine.generate_steps(params, state, np.zeros((8, 2), np.uint32))
+        first = first.to_host()
+        state = engine.release(state, [1])  # slot 1 stops (its pages go back); slot 0 runs on with a staged row
+        state, second = engine.generate_steps(params, state, np.zeros((6, 2), np.uint32))
+        return len(programs), first.tokens, second.to_host().tokens
+
+    dense = run(Engine(model, num_slots=2, max_len=MAX_LEN, standby_rows=3))
+    engine = PagedEngine(model, num_slots=2, max_len=MAX_LEN, page_size=4, num_pages=40, standby_rows=3)
+    paged = run(engine)
+    again = run(engine)
+    assert paged[0] == dense[0] == 6
+    for got in (paged, again):
+        np.testing.assert_array_equal(got[1], dense[1])
+        np.testing.assert_array_equal(got[2], dense[2])
+
+
 def test_staged_group_shares_prompt_pages_and_rows_move_into_slots_with_their_pages(model):
     logp = full_forward_logp(model, MAX_LEN)
     params = nnx.split(model)[1]

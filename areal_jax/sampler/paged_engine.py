@@ -22,6 +22,10 @@ went), and its reservation counts like a running slot's. Placing a row on the de
 into the slot's (no cache is copied); the host moves the pages when it learns of the move
 (``standby_moved``). Until then the host's table row of that slot is stale, so an upload keeps the device's
 row wherever the slot's placement count has moved past the host's (``DecodeState.placements``).
+
+The table has no upload program of its own: every program that takes the decode state (insert, stage, release,
+the k-step dispatch...) runs in a form that takes the host's table as two more arguments and applies it first,
+so the paged engine dispatches as many programs as the dense one (``_fold_table_uploads``).
 """
 from __future__ import annotations
 
@@ -127,8 +131,48 @@ class PagedEngine(PageBudget, Engine):
         self.peak_active = 0
         self._dirty = False  # the host table changed since the last upload
         self._promised = 0  # pages reserved by admissions not inserted yet
+        self._table_dev: tuple[np.ndarray, np.ndarray] | None = None  # the last upload: (table, placements)
         super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
-        self._jit_set_table = jax.jit(self._set_table_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
+        self._with_table = self._fold_table_uploads()
+
+    def _fold_table_uploads(self) -> dict[int, Any]:
+        """Every program that takes the decode state, rebuilt to take the host's page table too (keyword
+        arguments ``table`` and ``placements``) and apply it (``_set_table_fn``) first, inside the same program:
+        the table reaches the device without a dispatch of its own (``_call``). Keyed by the base program's id."""
+        state = self._state_sharding
+        programs = (  # (base program, its function, position of the state, static arguments, out shardings)
+            (self._jit_insert, self._insert_fn, 1, (), state),
+            (self._jit_bulk_insert, self._bulk_insert_fn, 1, (), state),
+            (self._jit_prefill_insert, self._prefill_insert_fn, 1, (), state),
+            (self._jit_release, self._release_fn, 0, (), state),
+            (self._jit_stage, self._stage_fn, 1, (), state),
+            (self._jit_release_standby, self._release_standby_fn, 0, (), state),
+            (self._jit_generate, self._generate_fn, 1, ("filters",), (state, None)),
+            (self._jit_generate_steps, self._generate_steps_fn, 1, ("filters", "routes"), (state, None)),
+        )
+        folded = {}
+        for program, fn, at, static, out in programs:
+            def run(*args, table, placements, _fn=fn, _at=at, **kw):
+                args = list(args)
+                args[_at] = self._set_table_fn(args[_at], table, placements)
+                return _fn(*args, **kw)
+
+            folded[id(program)] = jax.jit(run, donate_argnums=(at,), static_argnames=static, out_shardings=out)
+        return folded
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a jitted program; one that takes the decode state runs as its folded form with the page table (the
+        host's, uploaded when it changed; else the last upload again, which changes nothing on the device)."""
+        folded = self._with_table.get(id(fn)) if hasattr(self, "_with_table") else None
+        if folded is None:
+            return super()._call(fn, *args, **kwargs)
+        if self._dirty or self._table_dev is None:
+            # Host copies (the allocator changes its table in place while a transfer may still read it), passed as
+            # they are: the program's own argument transfer costs less host time than a device_put beforehand.
+            self._dirty = False
+            self._table_dev = (self.allocator.table.copy(), self.known_placements())
+        table, placements = self._table_dev
+        return super()._call(folded, *args, table=table, placements=placements, **kwargs)
 
     # ----------------------------------------------------------------------------- pure functions
     def _cache_sharding(self, cache: PagedCacheState) -> PagedCacheState:
@@ -216,8 +260,9 @@ class PagedEngine(PageBudget, Engine):
 
     # ----------------------------------------------------------------------------- host-side pages
     def _upload(self, state: DecodeState) -> DecodeState:
-        self._dirty = False
-        return self._call(self._jit_set_table, state, self.allocator.table.copy(), self.known_placements())
+        """Mark the host's table for upload: the next program that takes the state applies it first (``_call``)."""
+        self._dirty = True
+        return state
 
     def finished(self, slot: int) -> None:
         """The slot's sequence was handed back: its pages return to the pool (the device table row is
@@ -231,7 +276,7 @@ class PagedEngine(PageBudget, Engine):
         self._limit.clear()
         self._upper.clear()
         self._staged.clear()
-        self._promised, self._dirty = 0, False
+        self._promised, self._dirty, self._table_dev = 0, False, None  # the fresh table goes up with the next program
         return super().init_decode_state()
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
@@ -322,12 +367,8 @@ class PagedEngine(PageBudget, Engine):
                        routes: bool = False) -> tuple[DecodeState, MultiStepResult]:
         """Take pages for k more positions of every active slot (and staged sample), then run the dispatch."""
         self._grow(int(np.shape(keys)[0]))
-        if self._dirty:
-            decode_state = self._upload(decode_state)
         return super().generate_steps(params, decode_state, keys, routes)
 
     def generate(self, params: nnx.State, decode_state: DecodeState, rng: jax.Array):
         self._grow(1)
-        if self._dirty:
-            decode_state = self._upload(decode_state)
         return super().generate(params, decode_state, rng)
