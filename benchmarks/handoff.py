@@ -128,8 +128,13 @@ def update_written(graphdef, params, meshes, channel, loop, dtype, repeats: int)
     apply_cast = fns.apply_cast(*trainer._copy.step_key)
     apply_cast_s = step_seconds(apply_cast)
     trainer.state, _, copy = apply_cast(trainer.state, grads, sums, *scalars)
-    trainer._copy.record(trainer.version, copy)  # as Trainer.update does after the step that ends an update
-    swap_s = swap_seconds(channel, loop, lambda v: channel.publish(v, trainer.sampler_copy(), owned=True), repeats)
+    version = trainer.version
+
+    def publish(v):
+        trainer._copy.record(version, copy)  # as Trainer.update does after the step that ends an update
+        channel.publish(v, trainer.sampler_copy(), owned=True)  # which the job's publish takes
+
+    swap_s = swap_seconds(channel, loop, publish, repeats)
     handed_over = not channel.last_copied
     return {"apply_s": apply_s, "apply_with_copy_s": apply_cast_s, "copy_in_update_s": apply_cast_s - apply_s,
             "owned_publish_to_swap_s": swap_s, "owned_handed_over": handed_over,

@@ -56,9 +56,15 @@ def test_copy_is_the_updated_params_cast_bit_for_bit(minibatches):
     assert first.treedef == FlatParams.of(trainer.params).treedef
     assert_bitwise(first.leaves, host_cast(trainer.params, jnp.bfloat16))
     trainer.update(trajs(1))
-    copy = trainer.sampler_copy()
     assert trainer.version == 1 and trainer._copy._latest[0] == 1  # written by the update, not cast afterwards
+    written = trainer._copy._latest[1]
+    copy = trainer.sampler_copy()
+    assert trainer._copy._latest is None  # taken: the trainer holds no reference to it any more
+    assert set(map(id, written)) <= set(map(id, copy.leaves))
     assert_bitwise(copy.leaves, host_cast(trainer.params, jnp.bfloat16))
+    again = trainer.sampler_copy()  # a second call casts a fresh copy of the same params
+    assert not set(map(id, again.leaves)) & set(map(id, copy.leaves))
+    assert_bitwise(again.leaves, host_cast(trainer.params, jnp.bfloat16))
     assert any(not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                for a, b in zip(first.leaves, copy.leaves))  # the update moved the params
 

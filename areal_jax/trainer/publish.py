@@ -87,10 +87,11 @@ class SamplerCopy:
         """Drop the recorded copy (the params were replaced, e.g. restored from a checkpoint)."""
         self._latest = None
 
-    def get(self, version: int, params: nnx.State) -> FlatParams:
+    def take(self, version: int, params: nnx.State) -> FlatParams:
         """The whole tree (params and frozen variables) in `dtype` at `version`: the copy the update wrote,
-        or a cast of `params` (which must be the params at `version`) made now."""
-        if self._latest is None or self._latest[0] != int(version):
-            self.record(version, self._cast(params))
-        leaves = self._latest[1] + self._other
+        handed out once (this object lets go of it, so a copy moved to other devices does not stay on the train
+        slice), else a cast of `params` (which must be the params at `version`) made now."""
+        written, self._latest = self._latest, None
+        leaves = written[1] if written is not None and written[0] == int(version) else self._cast(params)
+        leaves = leaves + self._other
         return FlatParams([leaves[i] for i in self._order], self._treedef)

@@ -159,10 +159,11 @@ class Trainer:
 
     def sampler_copy(self) -> FlatParams:
         """The current params (with the frozen variables, like `params`) in keep_sampler_copy's dtype, held flat
-        in fresh buffers that no update donates: the copy the last update wrote, or one cast now."""
+        in fresh buffers that no update donates: the copy the last update wrote (the first call after the update
+        takes it; the trainer keeps no reference), else one cast now."""
         if self._copy is None:
             raise ValueError("sampler_copy() needs keep_sampler_copy(dtype) first.")
-        return self._copy.get(self.version, self.state.params)
+        return self._copy.take(self.version, self.state.params)
 
     @property
     def version(self) -> int:
