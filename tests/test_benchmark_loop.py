@@ -151,7 +151,7 @@ def test_loop_benchmark_at_toy_size(tmp_path, capsys):
     assert h["bytes_moved"] == 2 * report["n_params"] and h["source_bytes"] == 4 * report["n_params"]
     assert h["handoff_s"] > 0 and h["raw_copy_s"] > 0 and h["ratio_vs_raw_copy"] > 0
     # Sharing the devices, the job hands its trainer's update-written copy over as it is; split, it copies it.
-    assert h["job_handoff_copied"] is not h["colocated"] and h["job_handoff_s"] > 0
+    assert h["job_handoff_copied"] is not h["colocated"]
     assert report["results"][0]["memory_actual"]["sampler_params"] == report["memory_plan_bytes"]["sampler_params"]
 
 
