@@ -182,7 +182,7 @@ def measure_handoff(job) -> dict:
     # time is the table's "publish ms").
     from areal_jax.system.parts import rollout_source
 
-    job.channel.reshard(**rollout_source(job.trainer))
+    job.channel.reshard(**rollout_source(job.trainer, job.channel))
     return {"job_handoff_copied": job.channel.last_copied,
             "handoff_s": handoff, "bytes_moved": moved, "source_bytes": source, "raw_copy_s": raw,
             "raw_copy_source_bytes_s": raw_source, "ratio_vs_raw_copy": handoff / raw,

@@ -73,6 +73,7 @@ def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
     from areal_jax.models import lora
     from areal_jax.system.lora_channel import AdapterChannel
     from areal_jax.system.params import ParamChannel
+    from areal_jax.system.parts import rollout_source
     from areal_jax.trainer import Trainer, TrainerConfig
 
     def full_weights() -> tuple[float, int]:
@@ -87,7 +88,8 @@ def handoff(model, lcfg, meshes, repeats: int, sampler_dtype) -> dict:
     trainer = Trainer(model, TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
     for mode in ("merged", "unmerged"):
         ch = AdapterChannel(trainer.params, meshes.rollout_mesh, scale=lcfg.scale, mode=mode, dtype=sampler_dtype)
-        out[f"{mode}_s"] = best_seconds(lambda: ch.publish(1, trainer.params), repeats)
+        # What a job publishes: the trained adapters alone, held flat (system.parts.rollout_source).
+        out[f"{mode}_s"] = best_seconds(lambda: ch.publish(1, **rollout_source(trainer, ch)), repeats)
         out["adapter_bytes"] = ch.last_bytes
     return out
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import config as config_lib
-from areal_jax.models import lora
+from areal_jax.models import as_tree, lora
 from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.sampler import generate_batch
 from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
@@ -197,7 +197,7 @@ def test_adapter_channel_moves_only_adapter_bytes(mode):
     assert channel.base_bytes == sum(x.nbytes for x in frozen)
     assert channel.latest()[0] == 1
     x = tokens()
-    decoder = nnx.merge(sampler_graphdef(model, mode), got)
+    decoder = nnx.merge(sampler_graphdef(model, mode), as_tree(got))
     np.testing.assert_allclose(np.asarray(decoder(x)), np.asarray(model(x)), rtol=1e-4, atol=1e-4)
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.knobs import ConfigError
-from areal_jax.models import lora
+from areal_jax.models import as_tree, lora
 from areal_jax.runtime.mesh import MeshConfig, build_meshes
 from areal_jax.sampler import generate_batch
 from areal_jax.system.lora_channel import AdapterChannel, sampler_graphdef
@@ -110,7 +110,7 @@ def test_expert_adapters_shard_like_their_experts_and_cross_alone():
     got = channel.publish(1, tr.params)
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
     assert channel.last_bytes == adapter_bytes == lora.adapter_bytes(model.cfg, lcfg)
-    decoder = nnx.merge(sampler_graphdef(model, "merged"), got)
+    decoder = nnx.merge(sampler_graphdef(model, "merged"), as_tree(got))
     np.testing.assert_allclose(np.asarray(decoder(TOKENS)), np.asarray(model(TOKENS)), rtol=1e-4, atol=1e-4)
 
 

@@ -74,6 +74,24 @@ class FlatParams:
         return f"FlatParams({len(self.leaves)} leaves)"
 
 
+def merge_order(first: Any, second: Any) -> tuple[Any, list[int]]:
+    """(treedef, order) of ``nnx.merge_state(first, second)``, found once from the two states' structures:
+    leaf i of the merged tree is ``(leaves(first) + leaves(second))[order[i]]``, so a merge of arrays of the same
+    structures is a reordering of their flat leaves, with no pass over an nnx.State."""
+    from flax import nnx
+
+    n, m = len(jax.tree.leaves(first)), len(jax.tree.leaves(second))
+    if not m:
+        return jax.tree.structure(first), list(range(n))
+    merged = jax.tree.structure(nnx.merge_state(first, second))
+    index_a = jax.tree.unflatten(jax.tree.structure(first), range(n))
+    index_b = jax.tree.unflatten(jax.tree.structure(second), range(n, n + m))
+    order = jax.tree.leaves(nnx.merge_state(index_a, index_b))
+    if sorted(order) != list(range(n + m)) or merged.num_leaves != n + m:
+        raise AssertionError("merging the two states lost or repeated a leaf")
+    return merged, order
+
+
 def as_tree(params: Any) -> Any:
     """The parameter tree of ``params``: rebuilt from a FlatParams, anything else unchanged."""
     return params.tree() if isinstance(params, FlatParams) else params

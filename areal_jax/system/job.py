@@ -173,7 +173,7 @@ class RLJob:
 
         r = self.rollout_cfg
         self.channel, self.graphdef = rollout_channel(c, model, self.trainer, self.meshes, r)
-        rollout_params = self.channel.reshard(**rollout_source(self.trainer))
+        rollout_params = self.channel.reshard(**rollout_source(self.trainer, self.channel))
         self.sampler: ManagedSampler = make_sampler(  # one SamplerLoop per rollout replica (sampler.replicas)
             r, model if lora_cfg is None else self.graphdef, self.meshes.rollout_mesh, rollout_params,
             config=model.cfg, version=self.trainer.version, on_update=r.on_update, decode_steps=r.decode_steps,
@@ -262,7 +262,7 @@ class RLJob:
         c = self.config
         if c.eval.n_test <= 0 or not c.data.test_path:
             return None
-        params = self.channel.reshard(**rollout_source(self.trainer))  # a collective: every process takes part
+        params = self.channel.reshard(**rollout_source(self.trainer, self.channel))  # a collective: every process takes part
         if not self.primary:
             return None
         if self._evaluator is None:  # one engine per rollout replica
@@ -305,7 +305,7 @@ class RLJob:
             with self.timeline.span("train_step", lane="trainer", version=version):
                 tm = self.trainer.update(trajectories)
             with self.timeline.span("publish", lane="trainer"):
-                published = self.channel.publish(self.trainer.version, **rollout_source(self.trainer))
+                published = self.channel.publish(self.trainer.version, **rollout_source(self.trainer, self.channel))
                 self.sampler.update_params(published, self.trainer.version)  # swapped in between two decode steps
             self.sample_log.write(groups, version)
             if c.log.param_digests:

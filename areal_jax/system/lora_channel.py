@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
-from areal_jax.models import logical_to_mesh_sharding, lora
+from areal_jax.models import FlatParams, as_tree, logical_to_mesh_sharding, lora
+from areal_jax.models.flat_params import merge_order
 from areal_jax.system.interfaces import ParamsSink
 from areal_jax.system.params import ParamChannel
 
@@ -69,32 +70,46 @@ class AdapterChannel:
                              "ParamChannel for plain models.")
         self.mode, self.scale, self.dtype = mode, float(scale), dtype
         self.deliver = deliver
-        self._adapters = ParamChannel(logical_to_mesh_sharding(adapters, rollout_mesh), train_mesh=train_mesh)
-        self.base = ParamChannel(logical_to_mesh_sharding(base, rollout_mesh), train_mesh=train_mesh).reshard(base).tree()
-        self.base_bytes = tree_bytes(self.base)
-        self._merge = None
+        adapters = FlatParams.of(adapters)
+        self._adapter_def, self._adapter_bytes = adapters.treedef, tree_bytes(adapters)
+        self._adapters = ParamChannel(logical_to_mesh_sharding(adapters.tree(), rollout_mesh), train_mesh=train_mesh)
+        self._base = ParamChannel(logical_to_mesh_sharding(base, rollout_mesh), train_mesh=train_mesh).reshard(base)
+        self.base = self._base.tree()
+        self.base_bytes = tree_bytes(self._base)
+        # Everything below works on flat leaves (models.FlatParams): each pass over an nnx.State of a few hundred
+        # leaves costs about a millisecond of Python, which was most of a hand-off's time.
         if mode == "merged":
-            merged_shape = jax.eval_shape(lambda b, a: lora.merge_state(nnx.merge_state(b, a), self.scale, dtype),
-                                          self.base, adapters)
-            self._merge = jax.jit(lambda b, a: lora.merge_state(nnx.merge_state(b, a), self.scale, dtype),
-                                  out_shardings=logical_to_mesh_sharding(merged_shape, rollout_mesh))
+            def merge(b: FlatParams, a: FlatParams) -> nnx.State:
+                return lora.merge_state(nnx.merge_state(b.tree(), a.tree()), self.scale, dtype)
+
+            merged_shape = jax.eval_shape(merge, self._base, adapters)
+            self._out_def = jax.tree.structure(merged_shape)
+            self._merge = jax.jit(lambda b, a: jax.tree.leaves(merge(b, a)),
+                                  out_shardings=jax.tree.leaves(logical_to_mesh_sharding(merged_shape, rollout_mesh)))
+        else:
+            self._merge = None
+            self._out_def, self._order = merge_order(self.base, adapters.tree())
         self._lock = threading.Lock()
-        self._latest: tuple[int, nnx.State] | None = None
+        self._latest: tuple[int, FlatParams] | None = None
         self.publish_count = 0
         self.last_publish_s = 0.0
         self.last_bytes = 0
 
-    def reshard(self, params: nnx.State) -> nnx.State:
-        """The sampler's params for `params` (a full adapted state, or the adapters alone): only the
-        adapters are copied to the rollout slice; never aliases the input buffers."""
-        adapters, _ = split_adapters(params)
-        on_rollout = self._adapters.reshard(adapters).tree()
-        self.last_bytes = tree_bytes(on_rollout)
+    def reshard(self, params: nnx.State | FlatParams) -> FlatParams:
+        """The sampler's params for `params` (a full adapted state, or the adapters alone, as an nnx.State or held
+        flat), held flat: only the adapters are copied to the rollout slice; never aliases the input buffers."""
+        if isinstance(params, FlatParams) and params.treedef == self._adapter_def:
+            adapters = params
+        else:
+            adapters = FlatParams.of(split_adapters(as_tree(params))[0])
+        on_rollout = self._adapters.reshard(adapters)
+        self.last_bytes = self._adapter_bytes
         if self._merge is not None:
-            return self._merge(self.base, on_rollout)
-        return nnx.merge_state(self.base, on_rollout)
+            return FlatParams(self._merge(self._base, on_rollout), self._out_def)
+        leaves = self._base.leaves + on_rollout.leaves
+        return FlatParams([leaves[i] for i in self._order], self._out_def)
 
-    def publish(self, version: int, params: nnx.State) -> nnx.State:
+    def publish(self, version: int, params: nnx.State | FlatParams) -> FlatParams:
         """Hand `params` (version `version`) to the rollout slice and deliver them; returns the sampler's copy."""
         t0 = time.perf_counter()
         out = self.reshard(params)
@@ -107,7 +122,7 @@ class AdapterChannel:
         self.last_publish_s = time.perf_counter() - t0
         return out
 
-    def latest(self) -> tuple[int, nnx.State] | None:
+    def latest(self) -> tuple[int, FlatParams] | None:
         """The most recent (version, sampler params), or None before the first publish."""
         with self._lock:
             return self._latest

@@ -66,10 +66,16 @@ def rollout_channel(c: JobConfig, model: nnx.Module, trainer: Any, meshes: MeshS
     return channel, sampler_graphdef(model, c.lora.sampler)
 
 
-def rollout_source(trainer: Any) -> dict[str, Any]:
-    """The keyword arguments of a channel's reshard / publish for the trainer's current params: the copy the
+def rollout_source(trainer: Any, channel: Any) -> dict[str, Any]:
+    """The keyword arguments of the channel's reshard / publish for the trainer's current params: the copy the
     trainer keeps in the sampler's dtype, owned (handed over without a second copy), where it keeps one (a plain
-    ParamChannel, rollout_channel); else its params (the channel copies them)."""
+    ParamChannel, rollout_channel); the trained adapters alone, held flat, for an AdapterChannel (the frozen base
+    is on the rollout slice already); else its params (the channel copies them)."""
+    from areal_jax.models import FlatParams
+    from areal_jax.system.lora_channel import AdapterChannel
+
     if trainer.keeps_sampler_copy:
         return {"params": trainer.sampler_copy(), "owned": True}
+    if isinstance(channel, AdapterChannel):
+        return {"params": FlatParams.of(trainer.state.params)}
     return {"params": trainer.params}

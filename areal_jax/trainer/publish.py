@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.flat_params import FlatParams, cast_floating
+from areal_jax.models.flat_params import FlatParams, cast_floating, merge_order
 
 
 def _cast_leaves(tree: Any, dtype: Any) -> list[jax.Array]:
@@ -52,14 +52,8 @@ class SamplerCopy:
     def __init__(self, dtype: Any, params: nnx.State, other: nnx.State, shardings: Any = None):
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         n = len(jax.tree.leaves(params))
-        merged = nnx.merge_state(params, other) if jax.tree.leaves(other) else params
-        self._treedef = jax.tree.structure(merged)
         # Where each leaf of the merged tree comes from: index i < n is the params' leaf i, n + j other's leaf j.
-        index_p = jax.tree.unflatten(jax.tree.structure(params), range(n))
-        index_o = jax.tree.unflatten(jax.tree.structure(other), range(n, n + len(jax.tree.leaves(other))))
-        self._order = jax.tree.leaves(nnx.merge_state(index_p, index_o) if jax.tree.leaves(other) else index_p)
-        if sorted(self._order) != list(range(self._treedef.num_leaves)):
-            raise AssertionError("merging the params with the frozen variables lost or repeated a leaf")
+        self._treedef, self._order = merge_order(params, other)
         self.param_shardings = other_shardings = None
         if shardings is not None:
             shardings = list(shardings)
