@@ -201,6 +201,31 @@ def test_adapter_channel_moves_only_adapter_bytes(mode):
     np.testing.assert_allclose(np.asarray(decoder(x)), np.asarray(model(x)), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_adapter_channel_takes_the_adapters_alone_held_flat_as_the_job_does(mode):
+    """The job publishes the trainer's adapters alone, held flat (system.parts.rollout_source): the channel then
+    skips splitting the full state and gives, leaf for leaf, what the full adapted state gives; unmerged, that is
+    nnx.merge_state of the base and the adapters, in its order."""
+    from areal_jax.models import FlatParams
+    from areal_jax.system.parts import rollout_source
+
+    meshes = build_meshes(MeshConfig())
+    model, lcfg = adapted(b_std=0.3)
+    tr = Trainer(model, TrainerConfig(), meshes.train_mesh, wrt=nnx.LoRAParam)
+    channel = AdapterChannel(tr.params, meshes.rollout_mesh, scale=lcfg.scale, mode=mode)
+    source = rollout_source(tr, channel)["params"]
+    assert isinstance(source, FlatParams) and source.treedef == channel._adapter_def  # the fast path
+    got, want = channel.reshard(source), channel.reshard(tr.params)
+    assert got.treedef == want.treedef
+    for a, b in zip(got.leaves, want.leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if mode == "unmerged":
+        ref = nnx.merge_state(channel.base, nnx.split_state(tr.params, nnx.LoRAParam, ...)[0])
+        assert got.treedef == jax.tree.structure(ref)
+        for a, b in zip(got.leaves, jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_merged_and_unmerged_decoding_give_the_same_greedy_tokens():
     model, lcfg = adapted(b_std=0.3)
     rng = np.random.default_rng(1)
