@@ -91,7 +91,7 @@ class ParamChannel:
         self._copy = None
         self._cast = None
         self._targets = jax.tree.leaves(rollout_shardings)  # the rollout shardings, flat
-        self._plans: dict = {}  # (treedef, source shardings) -> (addressable, colocated, bytes written)
+        self._plans: dict = {}  # (treedef, source shardings, dtypes) -> _plan's tuple
         self.last_bytes = 0  # bytes of the sampler's copy the last reshard handed over (each replica's counted)
         self.last_copied = True  # whether that reshard wrote them (False: an owned copy handed over as it was)
 
