@@ -92,6 +92,12 @@ def merge_order(first: Any, second: Any) -> tuple[Any, list[int]]:
     return merged, order
 
 
+def merged_flat(first: Sequence[Any], second: Sequence[Any], treedef: Any, order: Sequence[int]) -> FlatParams:
+    """The merge of two states held flat, from their leaves and `merge_order`'s (treedef, order)."""
+    leaves = list(first) + list(second)
+    return FlatParams([leaves[i] for i in order], treedef)
+
+
 def as_tree(params: Any) -> Any:
     """The parameter tree of ``params``: rebuilt from a FlatParams, anything else unchanged."""
     return params.tree() if isinstance(params, FlatParams) else params

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from areal_jax.models import FlatParams, as_tree, logical_to_mesh_sharding, lora
-from areal_jax.models.flat_params import merge_order
+from areal_jax.models.flat_params import merge_order, merged_flat
 from areal_jax.system.interfaces import ParamsSink
 from areal_jax.system.params import ParamChannel
 
@@ -106,8 +106,7 @@ class AdapterChannel:
         self.last_bytes = self._adapter_bytes
         if self._merge is not None:
             return FlatParams(self._merge(self._base, on_rollout), self._out_def)
-        leaves = self._base.leaves + on_rollout.leaves
-        return FlatParams([leaves[i] for i in self._order], self._out_def)
+        return merged_flat(self._base.leaves, on_rollout.leaves, self._out_def, self._order)
 
     def publish(self, version: int, params: nnx.State | FlatParams) -> FlatParams:
         """Hand `params` (version `version`) to the rollout slice and deliver them; returns the sampler's copy."""

@@ -23,18 +23,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.flat_params import FlatParams, cast_floating, merge_order
+from areal_jax.models.flat_params import FlatParams, cast_floating, merge_order, merged_flat
 
 
-def _cast_leaves(tree: Any, dtype: Any) -> list[jax.Array]:
-    """The floating leaves of `tree` cast to `dtype`, every leaf a fresh buffer (traced inside jit)."""
+def cast_leaves(tree: Any, dtype: Any) -> list[jax.Array]:
+    """The leaves of `tree`, floating ones cast to `dtype`, every leaf a fresh buffer (traced inside jit), as a
+    flat list: the extra output of the update's last optimizer step (a list unflattens in C++; an nnx.State
+    output would cost about a millisecond of Python per call)."""
     return [jnp.copy(x) for x in jax.tree.leaves(cast_floating(tree, dtype))]
-
-
-def cast_params_out(dtype: Any):
-    """The extra output of the update's last optimizer step: the new params cast to `dtype`, as a flat list
-    (a list unflattens in C++; an nnx.State output would cost about a millisecond of Python per call)."""
-    return lambda params: _cast_leaves(params, dtype)
 
 
 class SamplerCopy:
@@ -62,9 +58,9 @@ class SamplerCopy:
             by_source = {src: shardings[i] for i, src in enumerate(self._order)}
             self.param_shardings = tuple(by_source[j] for j in range(n))
             other_shardings = [by_source[j] for j in range(n, len(self._order))]
-        self._other = (jax.jit(lambda o: _cast_leaves(o, self.dtype), out_shardings=other_shardings)(other)
+        self._other = (jax.jit(lambda o: cast_leaves(o, self.dtype), out_shardings=other_shardings)(other)
                        if jax.tree.leaves(other) else [])
-        self._cast = jax.jit(lambda p: _cast_leaves(p, self.dtype),
+        self._cast = jax.jit(lambda p: cast_leaves(p, self.dtype),
                              out_shardings=None if shardings is None else list(self.param_shardings))
         self._latest: tuple[int, list[jax.Array]] | None = None
 
@@ -87,5 +83,4 @@ class SamplerCopy:
         slice), else a cast of `params` (which must be the params at `version`) made now."""
         written, self._latest = self._latest, None
         leaves = written[1] if written is not None and written[0] == int(version) else self._cast(params)
-        leaves = leaves + self._other
-        return FlatParams([leaves[i] for i in self._order], self._treedef)
+        return merged_flat(leaves, self._other, self._treedef, self._order)

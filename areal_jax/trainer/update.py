@@ -53,7 +53,7 @@ from areal_jax.trainer import balance
 from areal_jax.trainer.batch import staleness_stats
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import model_outputs
-from areal_jax.trainer.publish import cast_params_out
+from areal_jax.trainer.publish import cast_leaves
 from areal_jax.trainer.state import TrainState
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
@@ -320,11 +320,9 @@ def build_update_fns(
 
     @functools.lru_cache(maxsize=None)
     def apply_cast(dtype, copy_shardings=None):
-        cast = cast_params_out(dtype)
-
         def step(state, grads, sums, n_valid, version_inc):
             new_state, info = apply(state, grads, sums, n_valid, version_inc)
-            return new_state, info, cast(new_state.params)
+            return new_state, info, cast_leaves(new_state.params, dtype)
 
         return jax.jit(step, in_shardings=(shardings, p_shard, rep, rep, rep),
                        out_shardings=(shardings, rep, list(copy_shardings or jax.tree.leaves(shardings.params))),
