@@ -2,6 +2,8 @@
 slot it takes, and the host moves the pages when it learns of the move."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
+from areal_jax.sampler.introspect import decode_steps_program
 from areal_jax.sampler.paged_engine import PagedEngine
 from areal_jax.testing import models as testing
 from areal_jax.testing.sampler import (
@@ -64,6 +67,28 @@ def test_page_table_travels_inside_each_program_and_a_fresh_state_starts_from_a_
     for got in (paged, again):
         np.testing.assert_array_equal(got[1], dense[1])
         np.testing.assert_array_equal(got[2], dense[2])
+
+
+def test_the_dispatch_a_probe_compiles_is_the_one_the_engine_runs(model):
+    """`decode_steps_program` (what the memory probe and the benchmarks read) lowers the paged dispatch with its
+    page-table step, as the engine's calls run it: the compiled program takes the host's table (slots and standby
+    rows), and run on a live state with that table it gives the engine's own tokens."""
+    params = nnx.split(model)[1]
+    engine = PagedEngine(model, num_slots=2, max_len=MAX_LEN, page_size=4, num_pages=40, standby_rows=3)
+    engine.settings(greedy(6))
+    compiled = decode_steps_program(engine, params, 6)
+    state = engine.init_decode_state()
+    state = engine.insert(engine.prefill(params, [5, 6, 7, 8, 9]), state, 0, greedy(6))
+    state = engine.stage(engine.prefill(params, [11, 12, 13]), state, [0, 1], greedy(3))
+    keys = np.zeros((6, 2), np.uint32)
+    engine._grow(len(keys))  # the pages of the dispatch's growth, as generate_steps takes them first
+    table = engine._program_kwargs(engine._jit_generate_steps)
+    assert table["table"].shape == (2 + 3, engine.pages_per_slot)
+    copy = jax.tree.map(jnp.copy, state)
+    _, probed = compiled(engine.place_params(params), copy, keys, **table)
+    _, ran = engine.generate_steps(params, state, keys)
+    np.testing.assert_array_equal(probed.to_host().tokens, ran.to_host().tokens)
+    assert (ran.to_host().tokens[:, 1] >= 0).any()  # the staged row took slot 1 inside the dispatch
 
 
 def test_staged_group_shares_prompt_pages_and_rows_move_into_slots_with_their_pages(model):

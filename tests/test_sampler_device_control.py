@@ -55,7 +55,7 @@ def test_the_dispatch_holds_no_branch_and_only_counted_loops(model, engine_cls, 
     # Where the condition costs no wait (CPU: the host evaluates it anyway; TPU: the device), the k-step loop
     # still ends once every slot is done: that loop is the one without a known trip count, nothing else.
     engine.counted_loop = False
-    engine._jit_generate_steps = jax.jit(engine._generate_steps_fn, donate_argnums=(1,), static_argnames=("filters", "routes"))
+    engine._build_state_programs()  # fresh programs: the old ones' traces are cached
     conditionals, uncounted = control_flow(engine, nnx.split(model)[1])
     assert conditionals == 0 and len(uncounted) == 1, uncounted
 

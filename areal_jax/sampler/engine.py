@@ -35,7 +35,7 @@ from areal_jax.models.config import model_config_of
 from areal_jax.models.mla import cache_layout
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
-from areal_jax.sampler.introspect import compiles_counted_for
+from areal_jax.sampler.introspect import CountedPrograms
 from areal_jax.sampler.multistep import run_decode_steps
 from areal_jax.sampler.prefill import insert_sequences, last_tokens, prefill_rows, row_prefixes, write_rows
 from areal_jax.sampler.routes import token_routes
@@ -45,7 +45,7 @@ from areal_jax.sampler.standby import StandbyRows, padded_indices, standby_size
 from areal_jax.sampler.state import DecodeState, MultiStepResult, Prefix, SlotSettings, StepResult
 
 
-class Engine(StandbyRows):
+class Engine(StandbyRows, CountedPrograms):
     """Pure, jitted prefill / insert / generate over a fixed set of decode slots."""
 
     def __init__(
@@ -129,17 +129,27 @@ class Engine(StandbyRows):
         self._jit_prefill_many: dict[tuple[int, bool], Callable[..., Any]] = {}  # (rows, routes) -> program
         self._jit_trim = jax.jit(_prefill.trim_prefix, static_argnums=1, out_shardings=self._prefix_sharding)
         self._prefill_many_shapes: set[tuple[int, int]] = set()  # (rows, bucket) already compiled
-        self._jit_insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
-        self._jit_bulk_insert = jax.jit(self._bulk_insert_fn, donate_argnums=(1,), out_shardings=self._state_sharding)
-        self._jit_generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnames=("filters",),
-                                     out_shardings=(self._state_sharding, None))
-        self._jit_generate_steps = jax.jit(self._generate_steps_fn, donate_argnums=(1,), static_argnames=(
-            "filters", "routes"), out_shardings=(self._state_sharding, None))
         self._jit_init = jax.jit(self._init_fn, out_shardings=self._state_sharding)
-        self._jit_release = jax.jit(self._release_fn, donate_argnums=(0,), out_shardings=self._state_sharding)
-        self._jit_prefill_insert = jax.jit(self._prefill_insert_fn, donate_argnums=(1,),
-                                           out_shardings=self._state_sharding)
-        self._jit_standby()
+        self._build_state_programs()
+
+    def _build_state_programs(self) -> None:
+        """(Re)build every jitted program that takes the decode state, each through `_state_program` (the hook a
+        subclass overrides to add a step to all of them: the paged engine's page table)."""
+        self._jit_insert = self._state_program(self._insert_fn, 1)
+        self._jit_bulk_insert = self._state_program(self._bulk_insert_fn, 1)
+        self._jit_prefill_insert = self._state_program(self._prefill_insert_fn, 1)
+        self._jit_release = self._state_program(self._release_fn, 0)
+        self._jit_generate = self._state_program(self._generate_fn, 1, ("filters",), result=True)
+        self._jit_generate_steps = self._state_program(self._generate_steps_fn, 1, ("filters", "routes"), result=True)
+        self._jit_stage = self._state_program(self._stage_fn, 1)
+        self._jit_release_standby = self._state_program(self._release_standby_fn, 0)
+
+    def _state_program(self, fn: Callable[..., Any], at: int, static: tuple[str, ...] = (),
+                       result: bool = False) -> Callable[..., Any]:
+        """`fn` jitted as a state program: it donates the decode state (positional argument `at`) and returns the
+        new one laid out as the engine's, alone or (result) first of a pair."""
+        out = (self._state_sharding, None) if result else self._state_sharding
+        return jax.jit(fn, donate_argnums=(at,), static_argnames=static, out_shardings=out)
 
     # ----------------------------------------------------------------------------- sharding
     def _cache_spec(self) -> PartitionSpec:
@@ -388,13 +398,3 @@ class Engine(StandbyRows):
         carries the experts each step sent each slot's token to (``MultiStepResult.routes``)."""
         return self._call(self._jit_generate_steps, params, decode_state, keys, filters=self.sampling_filters,
                           routes=bool(routes))
-
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a jitted function, attributing any compilation it triggers to this engine."""
-        with compiles_counted_for(self):
-            return fn(*args, **kwargs)
-
-    @property
-    def compile_count(self) -> int:
-        """XLA programs compiled so far by this engine's jitted functions."""
-        return self._compiles

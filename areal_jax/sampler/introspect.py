@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -36,9 +36,35 @@ def compiles_counted_for(engine: Any) -> Iterator[None]:
         _CALLER.engine = None
 
 
+class CountedPrograms:
+    """How an engine runs its jitted programs (mixed into the Engine): `_call` attributes the compiles a call
+    triggers to the engine, and both it and `_lower` pass the arguments the engine adds to a program
+    (`_program_kwargs`: none for the dense engine; the paged engine's page table)."""
+
+    _compiles: int = 0
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a jitted function, attributing any compilation it triggers to this engine."""
+        with compiles_counted_for(self):
+            return fn(*args, **self._program_kwargs(fn), **kwargs)
+
+    def _lower(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Lower a jitted function for these arguments as `_call` would run it (nothing runs)."""
+        return fn.lower(*args, **self._program_kwargs(fn), **kwargs)
+
+    def _program_kwargs(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """Keyword arguments the engine adds to every call of `fn`."""
+        return {}
+
+    @property
+    def compile_count(self) -> int:
+        """XLA programs compiled so far by this engine's jitted functions."""
+        return self._compiles
+
+
 def decode_steps_program(engine: Any, params: Any, k: int) -> jax.stages.Compiled:
     """The compiled program of `engine`'s k-step decode dispatch (`Engine.generate_steps`) for `params` placed on
     its devices, a fresh decode state and the sampling filters of the requests it has seen; nothing runs."""
     keys = np.zeros((int(k), 2), np.uint32)
-    return engine._jit_generate_steps.lower(engine.place_params(params), engine.init_decode_state(), keys,
-                                            filters=engine.sampling_filters).compile()
+    return engine._lower(engine._jit_generate_steps, engine.place_params(params), engine.init_decode_state(), keys,
+                         filters=engine.sampling_filters).compile()

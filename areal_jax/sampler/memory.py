@@ -83,15 +83,15 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
         state = abstract(state, engine._state_sharding)
     if program == "decode":
         keys = jax.ShapeDtypeStruct((int(rollout.decode_steps), 2), jnp.uint32)
-        compiled = engine._jit_generate_steps.lower(params, state, keys, filters=probe_filters(rollout)).compile()
+        compiled = engine._lower(engine._jit_generate_steps, params, state, keys, filters=probe_filters(rollout)).compile()
     else:
         bucket = engine.bucket_for(min(int(longest), engine.max_len))
         rows = engine.prefill_rows_for(bucket)
         one = engine.settings(SamplingParams())
         settings = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)), np.asarray(x).dtype), one)
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        compiled = engine._jit_prefill_insert.lower(params, state, ints(rows, bucket), ints(rows), ints(rows),
-                                                    settings).compile()
+        compiled = engine._lower(engine._jit_prefill_insert, params, state, ints(rows, bucket), ints(rows), ints(rows),
+                                 settings).compile()
     analysis = compiled.memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 

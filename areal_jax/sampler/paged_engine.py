@@ -25,7 +25,7 @@ row wherever the slot's placement count has moved past the host's (``DecodeState
 
 The table has no upload program of its own: every program that takes the decode state (insert, stage, release,
 the k-step dispatch...) runs in a form that takes the host's table as two more arguments and applies it first,
-so the paged engine dispatches as many programs as the dense one (``_fold_table_uploads``).
+so the paged engine dispatches as many programs as the dense one (``_state_program``).
 """
 from __future__ import annotations
 
@@ -132,47 +132,34 @@ class PagedEngine(PageBudget, Engine):
         self._dirty = False  # the host table changed since the last upload
         self._promised = 0  # pages reserved by admissions not inserted yet
         self._table_dev: tuple[np.ndarray, np.ndarray] | None = None  # the last upload: (table, placements)
+        self._table_programs: set[int] = set()  # ids of the programs that take the table (``_state_program``)
         super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
-        self._with_table = self._fold_table_uploads()
 
-    def _fold_table_uploads(self) -> dict[int, Any]:
-        """Every program that takes the decode state, rebuilt to take the host's page table too (keyword
-        arguments ``table`` and ``placements``) and apply it (``_set_table_fn``) first, inside the same program:
-        the table reaches the device without a dispatch of its own (``_call``). Keyed by the base program's id."""
-        state = self._state_sharding
-        programs = (  # (base program, its function, position of the state, static arguments, out shardings)
-            (self._jit_insert, self._insert_fn, 1, (), state),
-            (self._jit_bulk_insert, self._bulk_insert_fn, 1, (), state),
-            (self._jit_prefill_insert, self._prefill_insert_fn, 1, (), state),
-            (self._jit_release, self._release_fn, 0, (), state),
-            (self._jit_stage, self._stage_fn, 1, (), state),
-            (self._jit_release_standby, self._release_standby_fn, 0, (), state),
-            (self._jit_generate, self._generate_fn, 1, ("filters",), (state, None)),
-            (self._jit_generate_steps, self._generate_steps_fn, 1, ("filters", "routes"), (state, None)),
-        )
-        folded = {}
-        for program, fn, at, static, out in programs:
-            def run(*args, table, placements, _fn=fn, _at=at, **kw):
-                args = list(args)
-                args[_at] = self._set_table_fn(args[_at], table, placements)
-                return _fn(*args, **kw)
+    def _state_program(self, fn: Any, at: int, static: tuple[str, ...] = (), result: bool = False) -> Any:
+        """The base engine's state program of `fn`, taking the host's page table too (keyword arguments ``table``
+        and ``placements``) and applying it (``_set_table_fn``) first, inside the same program: the table reaches
+        the device without a dispatch of its own (``_program_kwargs`` passes it)."""
+        def run(*args: Any, table: Any, placements: Any, **kw: Any) -> Any:
+            args = list(args)
+            args[at] = self._set_table_fn(args[at], table, placements)
+            return fn(*args, **kw)
 
-            folded[id(program)] = jax.jit(run, donate_argnums=(at,), static_argnames=static, out_shardings=out)
-        return folded
+        program = super()._state_program(run, at, static, result)
+        self._table_programs.add(id(program))
+        return program
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a jitted program; one that takes the decode state runs as its folded form with the page table (the
-        host's, uploaded when it changed; else the last upload again, which changes nothing on the device)."""
-        folded = self._with_table.get(id(fn)) if hasattr(self, "_with_table") else None
-        if folded is None:
-            return super()._call(fn, *args, **kwargs)
+    def _program_kwargs(self, fn: Any) -> dict[str, Any]:
+        """A state program's page table: the host's, when it changed since the last call; else the last one again,
+        which changes nothing on the device."""
+        if id(fn) not in self._table_programs:
+            return {}
         if self._dirty or self._table_dev is None:
             # Host copies (the allocator changes its table in place while a transfer may still read it), passed as
             # they are: the program's own argument transfer costs less host time than a device_put beforehand.
             self._dirty = False
             self._table_dev = (self.allocator.table.copy(), self.known_placements())
         table, placements = self._table_dev
-        return super()._call(folded, *args, table=table, placements=placements, **kwargs)
+        return {"table": table, "placements": placements}
 
     # ----------------------------------------------------------------------------- pure functions
     def _cache_sharding(self, cache: PagedCacheState) -> PagedCacheState:

@@ -65,7 +65,8 @@ def write_moved_rows(cache: Any, rows: Any, targets: jax.Array, lengths: jax.Arr
 
 class StandbyRows:
     """The Engine's standby: pure functions, jitted calls and the host API (mixed into the Engine, which
-    provides config, max_len, num_slots, max_stop_tokens, _bulk_insert_fn, _call and _state_sharding)."""
+    provides config, max_len, num_slots, max_stop_tokens, _bulk_insert_fn and _call; it builds `_jit_stage` and
+    `_jit_release_standby` with its other state programs, `Engine._build_state_programs`)."""
 
     standby_rows: int = 0
     standby_len: int = 0
@@ -99,11 +100,6 @@ class StandbyRows:
     @staticmethod
     def _release_standby_fn(state: DecodeState, free: jax.Array) -> DecodeState:
         return dataclasses.replace(state, standby=free_slots(state.standby, free))
-
-    def _jit_standby(self) -> None:
-        sharding = self._state_sharding
-        self._jit_stage = jax.jit(self._stage_fn, donate_argnums=(1,), out_shardings=sharding)
-        self._jit_release_standby = jax.jit(self._release_standby_fn, donate_argnums=(0,), out_shardings=sharding)
 
     def can_stage(self, prefix: Prefix) -> bool:
         """Whether a standby row holds this prefix (its prompt bucket fits standby_len)."""
