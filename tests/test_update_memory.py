@@ -118,6 +118,51 @@ def test_resident_parts_equal_what_a_trainer_and_an_engine_allocate(kv_cache):
     assert got - table == rollout["kv_cache"], (got, table, rollout["kv_cache"])
 
 
+@pytest.mark.parametrize("form", ["plain", "merged", "unmerged"])
+def test_the_sampler_weight_parts_equal_what_a_hand_off_holds(form):
+    """The sampler's weights, with merged LoRA the base it folds the adapters into, and the next version's copy that
+    a hand-off makes beside the current one: each part equals the arrays a real update and channel hold, on 4 CPU
+    devices split in two slices (the plain model's update writes the copy on the train devices, the channel moves
+    it; LoRA moves the adapters and, merged, folds them into a fresh copy)."""
+    from areal_jax.models import FlatParams
+    from areal_jax.system.lora_channel import AdapterChannel
+    from areal_jax.system.params import ParamChannel
+
+    lora = {"enabled": form != "plain", "rank": 4, "targets": "attn", "sampler": "unmerged" if form == "unmerged"
+            else "merged"}
+    job = config_lib.from_config_dict({"rollout": {"num_slots": 8, "max_len": 96, "param_dtype": "bfloat16"},
+                                       "lora": lora, "train": {"micro_batch_tokens": 128}, "data": {"max_prompt_len": 32}})
+    meshes = build_meshes(job.mesh)
+    assert not meshes.colocated
+    build = job_memory.model_builder(job.lora if form != "plain" else None, 0)
+    wrt = nnx.Param if form == "plain" else nnx.LoRAParam
+    train, rollout = job_memory.state_parts(job, CFG, meshes, build, wrt)
+    trainer = Trainer(build(CFG), job.train, meshes.train_mesh, wrt=wrt)
+    if form == "plain":
+        assert set(rollout) >= {"sampler_params", "handoff"} and "lora_base" not in rollout
+        trainer.keep_sampler_copy(jnp.bfloat16)
+        trainer.update(random_trajectories(4, vocab=CFG.vocab_size, seed=0, max_len=32))
+        copy = trainer.sampler_copy()  # the update's output, on the train devices
+        assert train["handoff"] == resident_bytes(copy)
+        channel = ParamChannel.for_model(trainer.params, meshes.rollout_mesh, train_mesh=meshes.train_mesh,
+                                         dtype=jnp.bfloat16)
+        moved = channel.publish(1, copy, owned=True)
+        assert rollout["handoff"] == rollout["sampler_params"] == resident_bytes(moved)
+        return
+    assert "handoff" not in train  # only the adapters cross, from the trainer's own buffers
+    channel = AdapterChannel(trainer.params, meshes.rollout_mesh, scale=job.lora.scale, mode=form,
+                             dtype=jnp.bfloat16, train_mesh=meshes.train_mesh)
+    weights = channel.publish(1, FlatParams.of(trainer.state.params))
+    adapters = resident_bytes(channel._adapters.reshard(FlatParams.of(trainer.state.params)))
+    assert rollout["sampler_params"] == resident_bytes(weights)
+    if form == "merged":  # the base stays on the rollout devices beside the merged copy it makes
+        assert rollout["lora_base"] == resident_bytes(channel.base)
+        assert rollout["handoff"] == resident_bytes(weights) + adapters
+    else:  # the sampler decodes the base and the adapters themselves
+        assert "lora_base" not in rollout and rollout["handoff"] == adapters
+        assert rollout["sampler_params"] == resident_bytes(channel.base) + adapters
+
+
 def test_a_plan_over_the_device_names_the_largest_part_and_its_key():
     job = config_lib.from_config_dict({"rollout": {"num_slots": 64, "max_len": 1024}, "eval": {"n_test": 0}})
     meshes = build_meshes(MeshConfig(), devices=jax.devices()[:1])

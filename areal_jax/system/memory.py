@@ -3,8 +3,8 @@
 A model that does not fit used to fail deep inside XLA (an allocation of tens of GiB in the update's
 program, minutes after start) with an error that names no config key. The job now adds up, per device
 and from shapes alone, what stays resident (`state_parts`): the trainer's params, AdamW moments and
-gradient accumulators, frozen and reference weights, the sampler's copy of the weights and its KV cache
-(with the standby rows and the decode logits), and what an evaluation adds while it runs (a weights copy
+gradient accumulators, frozen and reference weights, the sampler's copy of the weights (and the next version's,
+which exists beside it during a hand-off) and its KV cache (with the standby rows and the decode logits), and what an evaluation adds while it runs (a weights copy
 and its engine's caches). Train parts sit on the train devices, rollout parts on the rollout devices, both
 on the same devices when colocated; the plan is the most loaded device. The update and an evaluation
 never run at once, so only the larger of the two counts.
@@ -28,9 +28,15 @@ from flax import nnx
 from areal_jax.knobs import ConfigError
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.expert_parallel import expert_shards
-from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
-from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
+from areal_jax.system.rollout_memory import (  # noqa: F401 (kv_position_bytes: part of this module's API)
+    eval_bytes,
+    eval_rollout,
+    kv_cache_bytes,
+    kv_position_bytes,
+    pool_pages,
+    sampler_weight_parts,
+)
 from areal_jax.trainer.memory import per_device_bytes
 
 GiB = 2**30
@@ -47,6 +53,11 @@ HINTS = {
     "reference": "set --config.train.kl_coef=0 (the KL penalty keeps a second copy of the weights)",
     "sampler_params": "set --config.rollout.param_dtype=bfloat16 or give the sampler more devices "
                       "(--config.mesh.rollout_devices)",
+    "lora_base": "set --config.lora.sampler=unmerged (the sampler then decodes the base and the adapters as they are, "
+                 "with no merged copy) or store the base in bfloat16 (--config.lora.base_dtype=bfloat16)",
+    "handoff": "set --config.rollout.param_dtype=bfloat16 or give the sampler more devices "
+               "(--config.mesh.rollout_devices): each new version's weights exist beside the sampler's current ones "
+               "until it swaps them at its next dispatch",
     "kv_cache": "lower --config.rollout.num_slots or rollout.max_len, or use --config.rollout.kv_cache=paged with "
                 "fewer --config.rollout.kv_pages",
     "update_activations": "set --config.train.remat=full (or dots), or lower --config.train.micro_batch_tokens / "
@@ -99,72 +110,6 @@ def expert_parallel_on(cfg: ModelConfig, mesh: Any) -> bool:
     return bool(cfg.num_experts) and expert_shards(cfg.num_experts, fsdp, cfg.expert_parallel) > 1
 
 
-def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers: int | None = None) -> int:
-    """Keys and values of one position in `layers` layers (default every layer) on one device (kv heads split over
-    `tensor` when `split` and they divide)."""
-    layers = cfg.num_layers if layers is None else layers
-    heads, k_dim, v_dim = cache_layout(cfg)
-    per_position = layers * heads * (k_dim + v_dim) * cache_dtype(cfg).itemsize
-    return per_position // tensor if split and tensor > 1 and heads % tensor == 0 else per_position
-
-
-def eval_rollout(job: Any, backend: str) -> Any:
-    """One evaluation stream's engine as a RolloutConfig (None when the job does not evaluate): eval.num_slots
-    split over the streams, the longest prompt (data.max_prompt_len) + eval.max_new_tokens rounded up to 8 and
-    capped at rollout.max_len (as the job's engine), the evaluation's decode steps and standby rows, and only
-    prompts to prefill (the weights never change during an evaluation)."""
-    e = job.eval
-    if not e.enabled:
-        return None
-    from areal_jax.sampler.config import default_standby_rows
-
-    max_len = min(job.rollout.max_len, -(-(job.data.max_prompt_len + e.max_new_tokens) // 8) * 8)
-    per_stream = -(-e.num_slots // e.streams_for(backend))
-    steps = e.decode_steps_for(job.rollout.decode_steps, backend)
-    return dataclasses.replace(job.rollout, num_slots=per_stream, group_size=1, max_len=max_len, decode_steps=steps,
-                               standby_rows=default_standby_rows(per_stream, steps),
-                               standby_len=min(max_len, -(-job.data.max_prompt_len // 8) * 8),
-                               kv_cache="dense", kv_pages=None, on_update="continue")
-
-
-def eval_bytes(job: Any, cfg: ModelConfig, tensor: int, weights: int, backend: str) -> int:
-    """What an evaluation adds on a rollout device while it runs (at most): a copy of the sampler's weights
-    and each stream's decode state (`eval_rollout`: its slots of the longest prompt + eval.max_new_tokens, its
-    standby rows and logits). 0 when the job does not evaluate."""
-    ev = eval_rollout(job, backend)
-    if ev is None:
-        return 0
-    return weights + job.eval.streams_for(backend) * kv_cache_bytes(cfg, ev, tensor)
-
-
-def pool_pages(rollout: Any) -> int:
-    """Pages of the paged cache's pool: rollout.kv_pages, num_slots x max_len's worth for None, and for -1
-    (fill the free memory, `JobMemory.fill_pages`) the least that works, one longest sequence."""
-    per_sequence = -(-rollout.max_len // rollout.page_size)
-    if rollout.kv_pages == -1:
-        return per_sequence
-    return rollout.kv_pages if rollout.kv_pages is not None else rollout.num_slots * per_sequence
-
-
-def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
-    """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache and a page pool
-    split their kv heads over the rollout mesh's tensor axis when they divide), with the standby
-    rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
-    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket)."""
-    rows = rollout.num_slots + rollout.standby
-    rings = ring_layers(cfg, rollout.max_len)
-    lengths = cache_lengths(cfg, rollout.max_len, ring=True)
-    ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
-    layer_position = kv_position_bytes(cfg, tensor, layers=1)
-    full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings))
-    if rollout.kv_cache == "paged":
-        pool = pool_pages(rollout) * rollout.page_size * full
-        return pool + rows * ring_positions * layer_position + rows * cfg.vocab_size * 4
-    slots = rollout.num_slots * (rollout.max_len * full + ring_positions * layer_position)
-    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor)
-    return slots + standby + rows * cfg.vocab_size * 4
-
-
 def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelConfig], nnx.Module],
                 wrt: Any = nnx.Param) -> tuple[dict[str, int], dict[str, int]]:
     """(train parts on one train device, rollout parts on one rollout device), bytes, from shapes.
@@ -191,15 +136,11 @@ def state_parts(job: Any, cfg: ModelConfig, meshes: Any, build: Callable[[ModelC
     train = {"params": trained, "optimizer": moments, "gradients": per_device_bytes(grads, p_shard),
              "frozen_weights": frozen, "reference": trained + frozen if job.train.kl_coef > 0 else 0}
     r, rmesh = job.rollout.for_prompts(job.data.max_prompt_len), meshes.rollout_mesh
-    sampler_dtype = None if r.param_dtype == "same" else jnp.dtype(r.param_dtype)
-    whole = nnx.state(nnx.eval_shape(lambda: build(cfg)))
-    if sampler_dtype is not None:
-        whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, sampler_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), whole)
     tensor = int(rmesh.shape.get("tensor", 1))
-    weights = per_device_bytes(whole, logical_to_mesh_sharding(whole, rmesh))
-    rollout = {"sampler_params": weights, "kv_cache": kv_cache_bytes(cfg, r, tensor),
-               "evaluation": eval_bytes(job, cfg, tensor, weights, jax.default_backend())}
+    train_copy, rollout = sampler_weight_parts(job, nnx.state(nnx.eval_shape(lambda: build(cfg))), mesh, rmesh)
+    train.update(train_copy)
+    rollout.update(kv_cache=kv_cache_bytes(cfg, r, tensor),
+                   evaluation=eval_bytes(job, cfg, tensor, rollout["sampler_params"], jax.default_backend()))
     return train, rollout
 
 
