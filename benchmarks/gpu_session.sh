@@ -18,7 +18,9 @@
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
-#              update, and the loop at the 0.5B preset, eta 0 vs 4, 6 updates each (~10 min).
+#              update (~7 min).
+#   followup_loop  the loop at the 0.5B preset, eta 0 vs 4, 6 updates each, and its timeline picture; the job's
+#              memory plan of the 0.5B and 1.5B presets on this GPU, working memory measured (--plan-only) (~9 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
 #              not fit: an 80 GB H100), against PyTorch (which needs ~106 GiB there: an H200).
 #   loop05     the whole job at the 0.5B preset, eta 0 vs 4, 3 steps each (median 512, cap 4096).
@@ -178,8 +180,8 @@ EOF
   followup)
     # what changed after the H100 lease of 2026-12-05 or stayed unmeasured, most wanted first: the paged sampler
     # against the dense one in the same steady state (the kernel's tiling and the host's page budget changed since),
-    # decode attention under both tilings, the page budget's host time, the sampling head's two draws, the loop at 6
-    # updates per eta
+    # decode attention under both tilings, the page budget's host time, the sampling head's two draws, the hand-off
+    # the update writes (the loop: followup_loop)
     common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
     step followup_paged 100 $PY benchmarks/sampler.py "${common[@]}" --kv-cache paged
@@ -189,8 +191,16 @@ EOF
     step followup_page_budget 40 $PY benchmarks/page_budget.py
     step followup_sampling_head 60 $PY benchmarks/sampling_head.py
     step followup_handoff 120 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
+    ;;
+  followup_loop)
+    # the loop at the 0.5B preset, 6 updates per eta, and its picture; then the job's memory plan at both presets on
+    # this GPU's memory, the working memory measured by XLA on small programs as the job does before compiling
     step followup_loop05 300 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 6 --warmup_steps 1 \
       --median 512 --cap 4096 --out "$WORK/loop05_6"
+    mkdir -p "$OUT/timeline_eta4_6"
+    step followup_report05 40 $PY -m areal_jax.programs.report "$WORK/loop05_6/eta4" --out "$OUT/timeline_eta4_6"
+    step followup_plan05 90 $PY benchmarks/loop.py --preset qwen2.5-0.5b --plan-only --out "$WORK/plan"
+    step followup_plan15 120 $PY benchmarks/loop.py --preset qwen2.5-1.5b --plan-only --out "$WORK/plan"
     ;;
   lora15)
     step lora15 150 $PY benchmarks/lora.py --preset 1.5b --train-memory --skip-decode --repeats 2
@@ -286,7 +296,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff followup trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff followup followup_loop trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
      exit 2 ;;
   esac
 done

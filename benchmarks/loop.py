@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs max(--warmup_steps, --steps) steps (being synchronous, it replays the measured run's "
                         "packed shapes), the most asynchronous one --warmup_steps (0: no warm-up)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "loop"))
+    p.add_argument("--device_memory_gib", type=float,
+                   help="plan against this much memory per device (mesh.device_memory_gib) instead of what it reports")
+    p.add_argument("--plan-only", dest="plan_only", action="store_true",
+                   help="print the job's memory plan and whether it fits, then stop (nothing is allocated; on an "
+                        "accelerator with a limit, the update's and the sampler's working memory are measured on "
+                        "small programs too; on the CPU only the resident parts)")
     args = p.parse_args(argv)
     preset = loadgen.PRESETS[args.preset]
     for key in ("steps", "median", "cap", "slots", "group_size", "batch_groups"):
@@ -278,15 +284,47 @@ def main(argv: list[str] | None = None) -> dict:
 
     job = from_config_dict(job_config(args, 0, 1, ("", "", ""), ""))  # the job's plan, as the job will check it
     limit = (device_memory() or {}).get("bytes_limit")
+    if args.device_memory_gib is not None:
+        limit = int(args.device_memory_gib * GiB)
+    hint = " (Here --slots is rollout.num_slots and --cap sets rollout.max_len.)"
     try:
-        memory = JobMemory.prepare(job, dataclasses.replace(cfg, param_dtype=job.model.storage_dtype),
-                                   build_meshes(job.mesh), limit)
+        meshes = build_meshes(job.mesh)
+        memory = JobMemory.prepare(job, dataclasses.replace(cfg, param_dtype=job.model.storage_dtype), meshes, limit)
+        if args.plan_only and jax.default_backend() != "cpu":  # the working memory too, as the job adds it
+            memory.resolve_update(job.train, meshes.train_mesh)
+            memory.resolve_rollout(job, meshes.rollout_mesh)
     except ConfigError as e:
-        raise SystemExit(f"{e} (Here --slots is rollout.num_slots and --cap sets rollout.max_len.)") from None
+        if args.plan_only:
+            print(f"does not fit: {e}{hint}", flush=True)
+            report = {"benchmark": "loop", "plan_only": True, "preset": args.model or args.preset,
+                      "device": dev.device_kind, "memory_limit_bytes": limit, "fits": False, "error": str(e)}
+            print(json.dumps(report))
+            return report
+        raise SystemExit(f"{e}{hint}") from None
     plan, n_params = memory.plan, memory.n_params
     parts = {**memory.train, **memory.rollout}  # each on its own slice's devices (both on one when colocated)
-    print("memory plan (GiB): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
+    sides = {"train": memory.train, "rollout": memory.rollout}  # per device of each slice
+    listed = lambda d: ", ".join(f"{k} {v / GiB:.2f}" for k, v in d.items())  # noqa: E731
+    print("memory plan (GiB per device): " + (listed(parts) if memory.colocated else
+                                              "; ".join(f"{k} slice: {listed(v)}" for k, v in sides.items()))
           + f"; {n_params / 1e6:.1f}M params", flush=True)
+    if args.plan_only:
+        of = f" of {limit / GiB:.1f} GiB" if limit else " (no limit given or reported: nothing checked)"
+        print(f"the most loaded device: {plan.total / GiB:.2f} GiB{of}; "
+              f"{'colocated' if memory.colocated else 'train and rollout on their own devices'}", flush=True)
+        if jax.default_backend() == "cpu":
+            print("resident parts only: XLA:CPU's memory analysis of the update and the sampler's programs does not "
+                  "reflect an accelerator's (every train.remat comes out the same there, and bf16 dots are widened to float32), so "
+                  "the working memory is measured on the accelerator itself", flush=True)
+        report = {"benchmark": "loop", "plan_only": True, "preset": args.model or args.preset, "device": dev.device_kind,
+                  "n_params": n_params, "memory_plan_bytes": parts, "memory_sides_bytes": sides,
+                  "memory_total_bytes": plan.total,
+                  "memory_limit_bytes": limit, "fits": True, "colocated": memory.colocated,
+                  "working_memory_measured": jax.default_backend() != "cpu",
+                  "settings": {k: getattr(args, k) for k in ("cap", "slots", "micro_batch_tokens", "sampler_dtype",
+                                                             "dtype")}}
+        print(json.dumps(report))
+        return report
     paths = prepare_assets(args)
     if args.warmup_steps:
         # The least asynchronous eta replays its measured run's packed shapes (its batches do not depend on
@@ -336,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'copied to the rollout slice' if h['job_handoff_copied'] else 'handed over, no copy'}")
     report = {"benchmark": "loop", "preset": args.model or args.preset, "device": dev.device_kind,
               "n_devices": jax.local_device_count(), "matmul_peak_gflops": peak, "n_params": n_params,
-              "memory_plan_bytes": parts, "memory_limit_bytes": limit,
+              "memory_plan_bytes": parts, "memory_sides_bytes": sides, "memory_limit_bytes": limit,
               "settings": {k: getattr(args, k) for k in ("steps", "median", "cap", "sigma", "slots", "group_size",
                                                          "batch_groups", "max_concurrent", "micro_batch_tokens",
                                                          "lr", "sampler_dtype", "dtype", "seed")},

@@ -97,6 +97,28 @@ def test_the_loop_plan_counts_the_published_qwen_size_and_names_what_to_shrink()
     big.plan.check()
 
 
+def test_plan_only_prints_the_resident_plan_of_a_preset_and_whether_it_fits(tmp_path, capsys):
+    """`--plan-only` at the 0.5B preset on one device: the parts the job checks, the hand-off's second bf16 copy
+    among them, against a given memory; a memory too small names the part to shrink instead."""
+    bench = _load_benchmark()
+    args = ["--preset", "qwen2.5-0.5b", "--plan-only", "--out", str(tmp_path)]
+    report = bench.main(args + ["--device_memory_gib", "139"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(report))
+    n, sides = report["n_params"], report["memory_sides_bytes"]
+    assert n == 494_032_768 and report["fits"] and not report["working_memory_measured"]
+    train, rollout = sides["train"], sides["rollout"]
+    assert rollout["sampler_params"] == rollout["handoff"]  # the next version's copy beside the current one
+    if report["colocated"]:  # one device: every part on it, the hand-off's copy counted once
+        assert rollout["handoff"] == 2 * n and train["params"] == 4 * n  # bf16 copies of float32 params
+        assert report["memory_total_bytes"] == sum({**train, **rollout}.values())
+    else:  # the update writes the copy on the train devices, then the channel moves it
+        assert train["handoff"] == train["params"] // 2  # bf16 copy of float32 params, both laid out alike
+        assert report["memory_total_bytes"] == max(sum(train.values()), sum(rollout.values()))
+    assert report["memory_total_bytes"] <= 0.9 * report["memory_limit_bytes"]
+    small = bench.main(args + ["--device_memory_gib", "4"])
+    assert not small["fits"] and "The largest part is kv_cache" in small["error"]
+
+
 def test_handoff_latencies_from_a_hand_made_timeline(tmp_path):
     def span(name, tid, ts, dur, **args):
         return {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
