@@ -28,13 +28,30 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
 class FlatParams:
     """The leaves of a parameter tree and its treedef; a pytree with the same leaves, in the same order."""
 
-    __slots__ = ("leaves", "treedef")
+    __slots__ = ("leaves", "treedef", "_avals", "_shardings")
 
     def __init__(self, leaves: Sequence[Any], treedef: Any) -> None:
         self.leaves = tuple(leaves)
         self.treedef = treedef
+        self._avals: tuple | None = None
+        self._shardings: tuple | None = None
         if treedef.num_leaves != len(self.leaves):
             raise ValueError(f"FlatParams got {len(self.leaves)} leaves for a tree of {treedef.num_leaves}.")
+
+    @property
+    def avals(self) -> tuple[tuple[tuple[int, ...], Any], ...]:
+        """(shape, dtype) of every leaf, read once: the leaves of a FlatParams never change, and a hand-off checks
+        them more than once (the channel's plan, the sampler's layout check)."""
+        if self._avals is None:
+            self._avals = tuple((x.shape, x.dtype) for x in self.leaves)
+        return self._avals
+
+    @property
+    def shardings(self) -> tuple[Any, ...]:
+        """The sharding of every leaf (None for a leaf without one), read once."""
+        if self._shardings is None:
+            self._shardings = tuple(getattr(x, "sharding", None) for x in self.leaves)
+        return self._shardings
 
     @classmethod
     def of(cls, tree: Any) -> "FlatParams":
@@ -55,7 +72,7 @@ class FlatParams:
     def laid_out(self, shardings: Sequence[Any]) -> "FlatParams":
         """The same params with leaf i laid out by shardings[i]: leaves already so stay as they are, the
         others move in one device_put."""
-        move = [i for i, (x, s) in enumerate(zip(self.leaves, shardings)) if x.sharding != s]
+        move = [i for i, (x, s) in enumerate(zip(self.shardings, shardings)) if x != s]
         if not move:
             return self
         leaves = list(self.leaves)
@@ -110,8 +127,10 @@ def check_same_layout(current: Any, new: Any, what: str = "update_params") -> No
     if cur.treedef != got.treedef:
         raise ValueError(f"{what} got params with a different tree structure than the sampler's model; publish "
                          "the nnx.State of the same architecture (nnx.split(model)[1]).")
-    for i, (a, b) in enumerate(zip(cur.leaves, got.leaves)):
-        if a.shape != b.shape or a.dtype != b.dtype:
+    if cur.avals == got.avals:
+        return
+    for i, ((a_shape, a_dtype), (b_shape, b_dtype)) in enumerate(zip(cur.avals, got.avals)):
+        if a_shape != b_shape or a_dtype != b_dtype:
             path = jax.tree_util.tree_flatten_with_path(cur.tree())[0][i][0]
-            raise ValueError(f"{what}: {jax.tree_util.keystr(path)} has shape {b.shape} {b.dtype}, the sampler's "
-                             f"model has {a.shape} {a.dtype}; publish params of the same model configuration.")
+            raise ValueError(f"{what}: {jax.tree_util.keystr(path)} has shape {b_shape} {b_dtype}, the sampler's "
+                             f"model has {a_shape} {a_dtype}; publish params of the same model configuration.")

@@ -144,13 +144,14 @@ class ParamChannel:
                                  out_shardings=staging)
         return self._cast(list(leaves))
 
-    def _plan(self, leaves: tuple, treedef: Any) -> tuple[bool, bool, int, bool]:
+    def _plan(self, flat: FlatParams) -> tuple[bool, bool, int, bool]:
         """(fully addressable, colocated with the rollout shardings, bytes of the sampler's copy, already the
         copy: every leaf in the sampler's dtype and laid out as the rollout wants it), cached per tree
-        structure, source shardings and dtypes."""
-        key = (treedef, tuple(x.sharding for x in leaves), tuple(x.dtype for x in leaves))
+        structure, source shardings, shapes and dtypes (read once per FlatParams)."""
+        key = (flat.treedef, flat.shardings, flat.avals)
         plan = self._plans.get(key)
         if plan is None:
+            leaves = flat.leaves
             if len(leaves) != len(self._targets):
                 raise ValueError(f"ParamChannel got params with {len(leaves)} leaves; its rollout shardings have "
                                  f"{len(self._targets)}. Publish the params of the model the channel was built for.")
@@ -176,12 +177,12 @@ class ParamChannel:
         # few hundred leaves, each pass over an nnx.State costs about a millisecond of Python, which used
         # to be most of a colocated hand-off.
         flat = FlatParams.of(params)
-        leaves = flat.leaves
-        plan = self._plan(leaves, flat.treedef)
+        plan = self._plan(flat)
         if not plan[0]:  # spans several processes
             # Every process gathers a full replica locally; take one and copy it to the rollout slice.
-            leaves = tuple(x.addressable_shards[0].data for x in self._replicate_on_train_mesh(leaves))
-            plan = self._plan(leaves, flat.treedef)
+            flat = flat.replace_leaves([x.addressable_shards[0].data for x in self._replicate_on_train_mesh(flat.leaves)])
+            plan = self._plan(flat)
+        leaves = flat.leaves
         _, colocated, self.last_bytes, ready = plan
         self.last_copied = not (owned and ready)
         if not self.last_copied:
