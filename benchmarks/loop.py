@@ -8,7 +8,8 @@ Each eta runs the real job (RLJob: controller, sampler loop, reward pool, buffer
 channel) for --steps updates on synthetic prompts. Every request generates exactly a length drawn from
 a long-tailed (log-normal) distribution with the given median and cap, with no stop token, and a
 Bernoulli reward (a hash of the completion) keeps the advantages non-zero. Per eta: trained and
-generated tokens/s (trained counts prompt + completion tokens), mean slot occupancy over decode steps,
+generated tokens/s (trained counts prompt + completion tokens; trained tokens/s after the first update too, the
+rate a long run sees), mean slot occupancy over decode steps,
 the share of wall time the trainer waited for data, staleness mean / max (from samples.jsonl), the
 weight hand-off (publish time, publish -> first token generated at the new version, bytes), and
 the seconds the run still spent tracing, compiling or loading programs from the
@@ -25,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -206,10 +208,23 @@ def staleness_of(run_dir: str, eta: int | None) -> dict:
             "within_bound": bool(eta is None or stale.max() <= eta)}
 
 
+def rate_after_first(rows: list[dict]) -> float | None:
+    """Trained tokens/s from the end of the first update to the end of the last, from the job's metrics rows (each has
+    the loop's elapsed time and its cumulative trained tokens/s). Every eta's first batch waits for the same long tail
+    (nothing was generated ahead), and a run of a few updates ends with work generated for versions it never trains:
+    this is the rate a long run sees. None with fewer than two updates."""
+    done = [(r["time/elapsed_s"], r["trained_tokens_per_s"] * r["time/elapsed_s"]) for r in rows if "time/elapsed_s" in r]
+    if len(done) < 2 or done[-1][0] <= done[0][0]:
+        return None
+    return (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0])
+
+
 def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: bool) -> dict:
     from areal_jax.system.job import RLJob
 
     lengths = loadgen.long_tail_lengths(4096, args.median, args.cap, sigma=args.sigma, seed=args.seed)
+    # A run directory of an earlier invocation would add its metrics and samples to this run's (the job appends).
+    shutil.rmtree(run_dir, ignore_errors=True)
     job = RLJob(job_config(args, eta, steps, paths, run_dir), log_fn=lambda *a, **k: None)
     try:
         job.controller.sampler = loadgen.ForcedLengths(job.sampler, lengths)
@@ -236,9 +251,10 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
     lat = loadgen.handoff_latencies(timeline)
     busy = loadgen.lane_busy_seconds(timeline)
     publish = [r["time/step_s"] - r["time/wait_batch_s"] for r in rows if "time/step_s" in r]
+    after_first = rate_after_first(rows)
     out = {
         "eta": "unbounded" if eta is None else eta, "steps": summary["steps"], "wall_s": wall,
-        "trained_tokens_per_s": summary["trained_tokens_per_s"],
+        "trained_tokens_per_s": summary["trained_tokens_per_s"], "trained_tokens_per_s_after_first": after_first,
         "completion_tokens_trained": float(sum(r.get("completion_tokens", 0) for r in rows)),
         "generated_tokens_per_s": stats["generated_tokens"] / wall, "generated_tokens": stats["generated_tokens"],
         "slot_occupancy": stats["mean_slot_occupancy"], "sampler_replicas": int(stats.get("replicas", 1)),
@@ -353,13 +369,18 @@ def main(argv: list[str] | None = None) -> dict:
                                  f"--micro_batch_tokens ({args.micro_batch_tokens}).") from e
             raise
     base = results[0]
-    print(f"{'eta':>9} {'wall s':>7} {'train tok/s':>11} {'x eta0':>6} {'gen tok/s':>9} {'x eta0':>6} "
+    print(f"{'eta':>9} {'wall s':>7} {'train tok/s':>11} {'x eta0':>6} {'after 1st':>9} {'x eta0':>6} "
+          f"{'gen tok/s':>9} {'x eta0':>6} "
           f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10} {'compile s':>9}")
     for r in results:
         r["trained_ratio_vs_first"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
+        later = (r["trained_tokens_per_s_after_first"], base["trained_tokens_per_s_after_first"])
+        r["trained_after_first_ratio_vs_first"] = later[0] / later[1] if None not in later else None
         r["generated_ratio_vs_first"] = r["generated_tokens_per_s"] / base["generated_tokens_per_s"]
         tok = r["handoff_first_token_s_mean"]
+        fmt = lambda x, spec: "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)  # noqa: E731
         print(f"{r['eta']!s:>9} {r['wall_s']:>7.1f} {r['trained_tokens_per_s']:>11.0f} {r['trained_ratio_vs_first']:>6.2f} "
+              f"{fmt(r['trained_tokens_per_s_after_first'], '9.0f')} {fmt(r['trained_after_first_ratio_vs_first'], '6.2f')} "
               f"{r['generated_tokens_per_s']:>9.0f} {r['generated_ratio_vs_first']:>6.2f} {r['slot_occupancy']:>5.2f} "
               f"{r['trainer_wait_share']:>5.2f} {r['staleness_mean']:>4.2f}/{r['staleness_max']:<4d} "
               f"{1e3 * r['publish_s_mean']:>10.1f} {'-' if tok is None else format(1e3 * tok, '>10.1f')} "

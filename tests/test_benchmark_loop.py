@@ -119,6 +119,16 @@ def test_plan_only_prints_the_resident_plan_of_a_preset_and_whether_it_fits(tmp_
     assert not small["fits"] and "The largest part is kv_cache" in small["error"]
 
 
+def test_the_rate_after_the_first_update_from_hand_made_metrics_rows():
+    rate = _load_benchmark().rate_after_first
+    rows = [{"time/elapsed_s": 10.0, "trained_tokens_per_s": 100.0},  # 1,000 tokens by the end of update 1
+            {"eval/pass": 0.5},  # a row without the loop's figures is skipped
+            {"time/elapsed_s": 12.0, "trained_tokens_per_s": 150.0},  # 1,800
+            {"time/elapsed_s": 14.0, "trained_tokens_per_s": 200.0}]  # 2,800
+    assert rate(rows) == pytest.approx((2800 - 1000) / (14 - 10))
+    assert rate(rows[:1]) is None
+
+
 def test_handoff_latencies_from_a_hand_made_timeline(tmp_path):
     def span(name, tid, ts, dur, **args):
         return {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
@@ -157,24 +167,35 @@ def test_loop_benchmark_at_toy_size(tmp_path, capsys):
     first = report["results"][0]
     assert first["compile_s"] > 0 and first["compile_share"] == pytest.approx(first["compile_s"] / first["wall_s"])
     lengths = loadgen.long_tail_lengths(4096, 6, 16, seed=0)
-    for r in report["results"]:
-        for key in ("trained_tokens_per_s", "generated_tokens_per_s", "slot_occupancy", "trainer_wait_share",
+
+    def check(r):
+        for key in ("trained_tokens_per_s", "trained_tokens_per_s_after_first", "generated_tokens_per_s",
+                    "slot_occupancy", "trainer_wait_share",
                     "staleness_mean", "staleness_max", "handoff_first_token_s_mean", "publish_s_mean"):
             assert r[key] is not None, key
         assert r["steps"] == 2 and 0 < r["slot_occupancy"] <= 1 and 0 <= r["trainer_wait_share"] < 1
         run_dir = tmp_path / f"eta{r['eta']}"
         rows = [json.loads(ln) for ln in open(run_dir / "samples.jsonl")]
+        assert len(rows) == 2 * 2  # two updates of two groups
         stale = [row["trained_version"] - row["min_token_version"] for row in rows]
         assert max(stale) <= r["eta"] and r["staleness_max"] == max(stale)
         # Every trained completion had exactly its drawn length (no stop token, no clipping).
         assert r["completion_tokens_trained"] == sum(2 * lengths[row["gid"]] for row in rows)
         assert (run_dir / "timeline.json").exists()
+
+    for r in report["results"]:
+        check(r)
     h = report["results"][-1]["handoff"]
     assert h["bytes_moved"] == 2 * report["n_params"] and h["source_bytes"] == 4 * report["n_params"]
     assert h["handoff_s"] > 0 and h["raw_copy_s"] > 0 and h["ratio_vs_raw_copy"] > 0
     # Sharing the devices, the job hands its trainer's update-written copy over as it is; split, it copies it.
     assert h["job_handoff_copied"] is not h["colocated"]
     assert report["results"][0]["memory_actual"]["sampler_params"] == report["memory_plan_bytes"]["sampler_params"]
+    # Run again into the same directory: the figures are this run's alone (the job appends to its files).
+    again = bench.main(["--preset", "tiny", "--steps", "2", "--etas", "0", "--median", "6", "--cap", "16",
+                        "--slots", "8", "--group_size", "2", "--batch_groups", "2", "--warmup_steps", "0",
+                        "--out", str(tmp_path)])
+    check(again["results"][0])
 
 
 def test_loop_benchmark_rejects_bad_flags(capsys):
