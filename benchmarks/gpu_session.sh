@@ -15,6 +15,9 @@
 #   handoff    the weight hand-off at the 0.5B shape (float32 -> bf16, colocated) against a raw device copy of the
 #              same bytes: the channel's own copy, and the copy the update's optimizer step writes (the step with and
 #              without it, then its hand-over), and the host's share (--host-only: the same 290 leaves, tiny) (~90 s).
+#   goals      the figures the open issues' goals name, in one call (~9 min, an H200): the 0.5B sampler's steady state
+#              at 256 slots beside HF generate on the same GPU, 128 x 16k new tokens at the 1.5B shape (30 s of it), the
+#              loop at the 0.5B preset (eta 0 vs 4, 5 updates each) and the job's memory plan with its working memory.
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
@@ -177,6 +180,18 @@ EOF
     mkdir -p "$OUT/timeline_eta4"  # the README's picture of where each lane's time went
     step report05 60 $PY -m areal_jax.programs.report "$WORK/loop05/eta4" --out "$OUT/timeline_eta4"
     ;;
+  goals)
+    # what the open issues' goals name, in one call of under 10 minutes on an H200: the 0.5B sampler's steady state at
+    # 256 slots beside HF generate on the same GPU, 128 sequences of 16k new tokens at the 1.5B shape, the loop at
+    # the 0.5B preset (eta 0 vs 4, its rate after the first update) and the job's memory plan there
+    step goal_sampler05 160 $PY benchmarks/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 \
+      --num-prompts 256 --decode-steps 16 --hf-prompts 256 --skip-static --steady --warmup-seconds 5 --steady-seconds 10
+    step goal_sampler15_long 80 $PY benchmarks/sampler.py --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 \
+      --max-new-tokens 16384 --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 30 --skip-hf
+    step goal_loop05 250 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 5 --warmup_steps 1 \
+      --median 512 --cap 4096 --out "$WORK/loop05_goal"
+    step goal_plan05 50 $PY benchmarks/loop.py --preset qwen2.5-0.5b --plan-only --out "$WORK/plan"
+    ;;
   followup)
     # what changed after the H100 lease of 2026-12-05 or stayed unmeasured, most wanted first: the paged sampler
     # against the dense one in the same steady state (the kernel's tiling and the host's page budget changed since),
@@ -296,7 +311,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff followup followup_loop trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff goals followup followup_loop trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
      exit 2 ;;
   esac
 done

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("flash", "trainer05", "sampler05", "handoff", "followup", "trainer15", "loop05", "lora15", "sampler_more",
+PHASES = ("flash", "trainer05", "sampler05", "handoff", "goals", "followup", "followup_loop", "trainer15", "loop05", "lora15", "sampler_more",
           "memory05", "trainer_long", "checkpoint05", "moe", "replay", "granitemoe", "gptoss20b", "deepseek",
           "staleness")
 RECORDER = """#!/bin/sh
