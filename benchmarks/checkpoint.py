@@ -2,7 +2,7 @@
 
 The trainer of a preset (random weights, float32 params and AdamW moments: the state a run checkpoints) runs
 `--updates` real `Trainer.update` calls on a small batch and saves the state every `--every` updates, into a
-fresh directory; each mode runs twice, alternated, each run in a process of its own on the same device.
+fresh directory; each mode runs twice (--rounds), alternated, each run in a process of its own on the same device.
 Printed per run: the time each save held the trainer, the time each took to be complete on disk, the loop's
 wall time and the process's peak resident memory; then the ratios. On a CPU the background write shares the
 cores with the updates, so the loop gains less than the held time does; on an accelerator host the write
@@ -55,8 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, default=4, help="trajectories per update")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per trajectory (half prompt)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternated (sync, async, sync, ...)")
     p.add_argument("--mode", choices=("sync", "async"), help=argparse.SUPPRESS)  # one run, in this process
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: each mode must run at least once")
+    return args
 
 
 def batch(vocab: int, n: int, length: int, seed: int) -> list[Trajectory]:
@@ -132,7 +136,7 @@ def main(argv=None) -> dict:
         return {}
     peak = matmul_peak_gflops()
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
-    results, order = {}, ("sync", "async", "sync", "async")
+    results, order = {}, ("sync", "async") * args.rounds
     for i, mode in enumerate(order):
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), *forwarded, "--mode", mode],
                               capture_output=True, text=True)

@@ -3,7 +3,8 @@ several times.
 
     python benchmarks/retirement.py [--tasks 128] [--steps 40] [--seeds 0] [--solved 2] [--unsolved 0]
 
-Each run is the default math job (configs/math.py, its own process, a fresh compile cache) on the
+Each run is the default math job (configs/math.py, its own process, a fresh compile cache unless
+--compile-cache shared) on the
 first --tasks rows of its training set, so --steps updates of 16 groups pass over them steps * 16 / tasks times.
 Printed side by side, per seed and as a mean: the share of trained groups whose samples all scored alike (zero
 group advantage: generation that teaches nothing), the groups with an advantage per minute of the training loop,
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-test", type=int, default=500, help="eval.n_test (0: no evaluation)")
     p.add_argument("--out", default="", help="where the runs go (default: a temporary directory)")
     p.add_argument("--extra", nargs="*", default=[], help="more --config overrides for every run, e.g. total_steps=4")
+    p.add_argument("--compile-cache", choices=("cold", "shared"), default="cold",
+                   help="cold: each run compiles from nothing (its loop time is a new user's); shared: later runs load "
+                        "the programs of the first from OUT/xla-cache (quicker, wall times then not comparable)")
     args = p.parse_args(argv)
     if args.tasks < 1 or args.steps < 1 or args.solved < 0 or args.unsolved < 0:
         p.error("--tasks and --steps must be >= 1, --solved and --unsolved >= 0")
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in args.seeds:
         for name, extra in variants.items():
             run_dir = os.path.join(out, f"{name}_seed{seed}")
-            env = {**os.environ, "AREAL_JAX_COMPILE_CACHE": os.path.join(run_dir, "xla-cache")}  # cold, every run
+            cache = os.path.join(run_dir if args.compile_cache == "cold" else out, "xla-cache")
+            env = {**os.environ, "AREAL_JAX_COMPILE_CACHE": cache}
             run_main_job(CONFIG, run_dir, [*common, f"seed={seed}", *extra], env=env)
             runs[name].append(read_run(run_dir))
             got = runs[name][-1]
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratios[key] = ratio
         print(f"{key:30s}{_fmt(fmt, a):>14s}{_fmt(fmt, b):>14s}{_fmt('{:.2f}x', ratio):>14s}")
     report = {"benchmark": "retirement", "device": device, "cores": os.cpu_count(), "tasks": kept,
+              "compile_cache": args.compile_cache,
               "steps": args.steps, "passes": passes, "seeds": args.seeds, "retire_solved": args.solved,
               "retire_unsolved": args.unsolved, "runs": runs, "mean": means, "ratio_retire_over_none": ratios}
     print(json.dumps(report))

@@ -8,9 +8,9 @@ from areal_jax.testing.scripts import load_script
 @pytest.mark.slow
 def test_checkpoint_benchmark_runs_both_modes_and_keeps_every_save(tmp_path):
     bench = load_script("benchmarks/checkpoint.py")
-    out = bench.main(["--updates", "4", "--every", "2", "--dir", str(tmp_path)])
+    out = bench.main(["--updates", "4", "--every", "2", "--dir", str(tmp_path), "--rounds", "1"])
     runs = out["runs"]
-    assert [r["mode"] for r in runs.values()] == ["sync", "async", "sync", "async"]
+    assert [r["mode"] for r in runs.values()] == ["sync", "async"]
     for r in runs.values():
         assert "failed" not in r, r
         assert r["steps_on_disk"] == [5, 7]  # 3 untimed updates (compile, update time), then saves after 2 and 4

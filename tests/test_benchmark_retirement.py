@@ -22,7 +22,7 @@ def test_retirement_benchmark_and_the_sample_log_agree(tmp_path, capsys):
     bench = _load()
     # 16 tasks, 16 groups an update: each update is about one pass.
     report = bench.main(["--tasks", "16", "--steps", "3", "--solved", "0", "--unsolved", "1", "--n-test", "0",
-                         "--out", str(tmp_path), "--extra", "rollout.max_staleness=0"])
+                         "--out", str(tmp_path), "--extra", "rollout.max_staleness=0", "--compile-cache", "shared"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(report))
     none, retire = report["runs"]["none"][0], report["runs"]["retire"][0]
     assert report["tasks"] == 16 and report["passes"] == 3.0
