@@ -132,7 +132,8 @@ class PagedEngine(PageBudget, Engine):
         self._dirty = False  # the host table changed since the last upload
         self._promised = 0  # pages reserved by admissions not inserted yet
         self._table_dev: tuple[np.ndarray, np.ndarray] | None = None  # the last upload: (table, placements)
-        self._table_programs: set[int] = set()  # ids of the programs that take the table (``_state_program``)
+        # The programs that take the table (``_state_program``), by id; held here, so no other object takes an id.
+        self._table_programs: dict[int, Any] = {}
         super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
 
     def _state_program(self, fn: Any, at: int, static: tuple[str, ...] = (), result: bool = False) -> Any:
@@ -145,7 +146,7 @@ class PagedEngine(PageBudget, Engine):
             return fn(*args, **kw)
 
         program = super()._state_program(run, at, static, result)
-        self._table_programs.add(id(program))
+        self._table_programs[id(program)] = program
         return program
 
     def _program_kwargs(self, fn: Any) -> dict[str, Any]:
