@@ -24,6 +24,18 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def cast_leaves(tree: Any, dtype: Any) -> list[Any]:
+    """The leaves of `tree`, floating ones cast to `dtype`, every leaf a fresh buffer (traced inside jit), as a
+    flat list (a list output unflattens in C++; an nnx.State output would cost about a millisecond of Python per
+    call): the sampler's copy, written by the update's last optimizer step or by the hand-off's channel."""
+    return [jnp.copy(x) for x in jax.tree.leaves(cast_floating(tree, dtype))]
+
+
+def cast_shapes(tree: Any, dtype: Any) -> Any:
+    """`tree`'s shapes (arrays or ShapeDtypeStructs) with the floating ones in `dtype` (None: unchanged)."""
+    return jax.eval_shape(lambda t: cast_floating(t, dtype), tree)
+
+
 @jax.tree_util.register_pytree_node_class
 class FlatParams:
     """The leaves of a parameter tree and its treedef; a pytree with the same leaves, in the same order."""

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.flat_params import cast_shapes
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.sampler.sampling import SamplingFilters, SamplingParams
 
@@ -72,9 +73,7 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
     small = model_cfg.with_layers(layers)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0))))
     if rollout.param_dtype != "same":
-        cast = jnp.dtype(rollout.param_dtype)
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, cast if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), params)
+        params = cast_shapes(params, jnp.dtype(rollout.param_dtype))
     engine = _probe_rollout(rollout).make_engine(graphdef, mesh=mesh, config=small)
     if mesh is not None:
         params = abstract(params, logical_to_mesh_sharding(params, mesh))

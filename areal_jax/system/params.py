@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from areal_jax.models import FlatParams, logical_to_mesh_sharding
-from areal_jax.models.flat_params import cast_floating
+from areal_jax.models.flat_params import cast_floating, cast_leaves, cast_shapes
 from areal_jax.system.interfaces import ParamsSink
 
 
@@ -140,7 +140,7 @@ class ParamChannel:
             else:
                 one = Mesh(np.array(source[:1]).reshape((1,) * rollout_mesh.devices.ndim), rollout_mesh.axis_names)
                 staging = [NamedSharding(one, PartitionSpec())] * len(targets)
-            self._cast = jax.jit(lambda xs: [jnp.copy(x) for x in cast_floating(xs, self.dtype)],
+            self._cast = jax.jit(lambda xs: cast_leaves(xs, self.dtype),
                                  out_shardings=staging)
         return self._cast(list(leaves))
 
@@ -157,7 +157,7 @@ class ParamChannel:
                                  f"{len(self._targets)}. Publish the params of the model the channel was built for.")
             addressable = all(getattr(x, "is_fully_addressable", True) for x in leaves)
             colocated = all(x.sharding.device_set == t.device_set for x, t in zip(leaves, self._targets))
-            written = jax.eval_shape(lambda xs: cast_floating(xs, self.dtype), list(leaves))
+            written = cast_shapes(list(leaves), self.dtype)
             copies = [t.mesh.shape.get("replica", 1) if isinstance(t, NamedSharding) else 1 for t in self._targets]
             nbytes = sum(tree_nbytes(w) * c for w, c in zip(written, copies))  # a whole copy per sampler replica
             ready = addressable and all(x.dtype == w.dtype and x.sharding.is_equivalent_to(t, x.ndim)
@@ -192,7 +192,7 @@ class ParamChannel:
             # may_alias=False, and the trainer's next (donating) update would then delete the sampler's
             # params. One jitted copy over the flat leaves always writes fresh buffers.
             if self._copy is None:
-                self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in cast_floating(xs, self.dtype)],
+                self._copy = jax.jit(lambda xs: cast_leaves(xs, self.dtype),
                                      out_shardings=self._targets)
             return flat.replace_leaves(self._copy(list(leaves)))
         staged = self._stage(leaves)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.flat_params import cast_shapes
 from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
@@ -94,9 +95,7 @@ def sampler_weight_parts(job: Any, state: Any, mesh: Any, rmesh: Any) -> tuple[d
     dtype = None if job.rollout.param_dtype == "same" else jnp.dtype(job.rollout.param_dtype)
 
     def on(tree: Any, where: Any, cast: bool = True) -> int:
-        if cast and dtype is not None:
-            tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
+        tree = cast_shapes(tree, dtype) if cast else tree
         return per_device_bytes(tree, logical_to_mesh_sharding(tree, where))
 
     if not job.lora.enabled:

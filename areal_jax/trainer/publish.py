@@ -23,14 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.flat_params import FlatParams, cast_floating, merge_order, merged_flat
-
-
-def cast_leaves(tree: Any, dtype: Any) -> list[jax.Array]:
-    """The leaves of `tree`, floating ones cast to `dtype`, every leaf a fresh buffer (traced inside jit), as a
-    flat list: the extra output of the update's last optimizer step (a list unflattens in C++; an nnx.State
-    output would cost about a millisecond of Python per call)."""
-    return [jnp.copy(x) for x in jax.tree.leaves(cast_floating(tree, dtype))]
+from areal_jax.models.flat_params import FlatParams, cast_leaves, merge_order, merged_flat
 
 
 class SamplerCopy:

@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models.flat_params import cast_leaves
 from areal_jax.models.moe import load_balancing_loss, moe_layer_count
 from areal_jax.models.sharding import auto_mesh
 from areal_jax.rl.losses import (
@@ -53,7 +54,6 @@ from areal_jax.trainer import balance
 from areal_jax.trainer.batch import staleness_stats
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.logprobs import model_outputs
-from areal_jax.trainer.publish import cast_leaves
 from areal_jax.trainer.state import TrainState
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets")
