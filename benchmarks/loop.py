@@ -23,7 +23,6 @@ backend has them. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import best_seconds, matmul_peak_gflops, raw_copy_seconds  # noqa: E402
+from loop_plan import job_plan  # noqa: E402
 
 from areal_jax.system import loadgen  # noqa: E402
 
@@ -293,54 +293,12 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = ModelConfig.from_pretrained(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     else:
         cfg = loadgen.model_config(args.preset, args.max_len, args.dtype)
-    from areal_jax.config import from_config_dict
-    from areal_jax.knobs import ConfigError
-    from areal_jax.runtime.mesh import build_meshes
-    from areal_jax.system.memory import GiB, JobMemory
-
-    job = from_config_dict(job_config(args, 0, 1, ("", "", ""), ""))  # the job's plan, as the job will check it
-    limit = (device_memory() or {}).get("bytes_limit")
-    if args.device_memory_gib is not None:
-        limit = int(args.device_memory_gib * GiB)
-    hint = " (Here --slots is rollout.num_slots and --cap sets rollout.max_len.)"
-    try:
-        meshes = build_meshes(job.mesh)
-        memory = JobMemory.prepare(job, dataclasses.replace(cfg, param_dtype=job.model.storage_dtype), meshes, limit)
-        if args.plan_only and jax.default_backend() != "cpu":  # the working memory too, as the job adds it
-            memory.resolve_update(job.train, meshes.train_mesh)
-            memory.resolve_rollout(job, meshes.rollout_mesh)
-    except ConfigError as e:
-        if args.plan_only:
-            print(f"does not fit: {e}{hint}", flush=True)
-            report = {"benchmark": "loop", "plan_only": True, "preset": args.model or args.preset,
-                      "device": dev.device_kind, "memory_limit_bytes": limit, "fits": False, "error": str(e)}
-            print(json.dumps(report))
-            return report
-        raise SystemExit(f"{e}{hint}") from None
-    plan, n_params = memory.plan, memory.n_params
-    parts = {**memory.train, **memory.rollout}  # each on its own slice's devices (both on one when colocated)
-    sides = {"train": memory.train, "rollout": memory.rollout}  # per device of each slice
-    listed = lambda d: ", ".join(f"{k} {v / GiB:.2f}" for k, v in d.items())  # noqa: E731
-    print("memory plan (GiB per device): " + (listed(parts) if memory.colocated else
-                                              "; ".join(f"{k} slice: {listed(v)}" for k, v in sides.items()))
-          + f"; {n_params / 1e6:.1f}M params", flush=True)
+    plan_out = job_plan(args, cfg, job_config(args, 0, 1, ("", "", ""), ""), device_memory(), dev.device_kind)
     if args.plan_only:
-        of = f" of {limit / GiB:.1f} GiB" if limit else " (no limit given or reported: nothing checked)"
-        print(f"the most loaded device: {plan.total / GiB:.2f} GiB{of}; "
-              f"{'colocated' if memory.colocated else 'train and rollout on their own devices'}", flush=True)
-        if jax.default_backend() == "cpu":
-            print("resident parts only: XLA:CPU's memory analysis of the update and the sampler's programs does not "
-                  "reflect an accelerator's (every train.remat comes out the same there, and bf16 dots are widened to float32), so "
-                  "the working memory is measured on the accelerator itself", flush=True)
-        report = {"benchmark": "loop", "plan_only": True, "preset": args.model or args.preset, "device": dev.device_kind,
-                  "n_params": n_params, "memory_plan_bytes": parts, "memory_sides_bytes": sides,
-                  "memory_total_bytes": plan.total,
-                  "memory_limit_bytes": limit, "fits": True, "colocated": memory.colocated,
-                  "working_memory_measured": jax.default_backend() != "cpu",
-                  "settings": {k: getattr(args, k) for k in ("cap", "slots", "micro_batch_tokens", "sampler_dtype",
-                                                             "dtype")}}
-        print(json.dumps(report))
-        return report
+        return plan_out
+    memory, limit, parts, sides = (plan_out[k] for k in ("memory", "memory_limit_bytes", "memory_plan_bytes",
+                                                          "memory_sides_bytes"))
+    plan, n_params = memory.plan, memory.n_params
     paths = prepare_assets(args)
     if args.warmup_steps:
         # The least asynchronous eta replays its measured run's packed shapes (its batches do not depend on
