@@ -7,7 +7,10 @@
 Each eta runs the real job (RLJob: controller, sampler loop, reward pool, buffer, trainer, param
 channel) for --steps updates on synthetic prompts. Every request generates exactly a length drawn from
 a long-tailed (log-normal) distribution with the given median and cap, with no stop token, and a
-Bernoulli reward (a hash of the completion) keeps the advantages non-zero. Per eta: trained and
+Bernoulli reward (a hash of the completion) keeps the advantages non-zero. A preset's random logits are
+tempered to --entropy nats a token (otherwise a random model's samples of a group repeat each other and
+score alike, and no update would change the weights); the table's last two columns show the trained
+tokens' entropy and the share of groups that scored alike. Per eta: trained and
 generated tokens/s (trained counts prompt + completion tokens; trained tokens/s after the first update too, the
 rate a long run sees), mean slot occupancy over decode steps,
 the share of wall time the trainer waited for data, staleness mean / max (from samples.jsonl), the
@@ -77,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--entropy", type=float, default=1.0,
+                   help="mean next-token entropy (nats) the preset's random logits are tempered to, so a group's "
+                        "samples differ and their rewards give non-zero advantages (ignored with --model)")
     p.add_argument("--train_devices", type=int, help="mesh.train_devices (default: the job's split)")
     p.add_argument("--rollout_devices", type=int, help="mesh.rollout_devices")
     p.add_argument("--rollout_tensor", type=int, default=-1,
@@ -114,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--slots={args.slots} is smaller than --group_size={args.group_size}; a group must fit the slots.")
     if not 1 <= args.median <= args.cap:
         p.error(f"--median={args.median} must lie in [1, --cap={args.cap}].")
+    if not args.entropy > 0:
+        p.error(f"--entropy={args.entropy} must be > 0 nats (1.0 is the default).")
     return args
 
 
@@ -129,13 +137,13 @@ def prepare_assets(args: argparse.Namespace) -> tuple[str, str, str]:
     if args.model:
         has_tok = os.path.exists(os.path.join(args.model, "tokenizer.json"))
         return args.model, args.model if has_tok else tok_dir, data
-    model_dir = os.path.join(args.out, f"model_{args.preset}")
+    model_dir = os.path.join(args.out, f"model_{args.preset}_entropy{args.entropy:g}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from areal_jax.testing.models import write_random_hf_checkpoint
 
         print(f"writing random {args.preset} weights to {model_dir} ...", flush=True)
         cfg = loadgen.model_config(args.preset, args.max_len, "float32")
-        write_random_hf_checkpoint(model_dir, cfg, seed=args.seed, max_shard_size=2 * 1024**3)
+        write_random_hf_checkpoint(model_dir, cfg, seed=args.seed, max_shard_size=2 * 1024**3, entropy=args.entropy)
     return model_dir, tok_dir, data
 
 
@@ -208,6 +216,14 @@ def staleness_of(run_dir: str, eta: int | None) -> dict:
             "within_bound": bool(eta is None or stale.max() <= eta)}
 
 
+def learning_of(rows: list[dict]) -> dict:
+    """Whether the updates really changed the weights: the trained tokens' mean entropy, the share of groups whose
+    samples all scored alike (they give zero advantages) and the mean gradient norm, over the job's metrics rows."""
+    mean = lambda key: float(np.mean([r[key] for r in rows if key in r])) if any(key in r for r in rows) else None  # noqa: E731
+    return {"entropy_mean": mean("train/entropy"), "uniform_group_fraction": mean("uniform_group_fraction"),
+            "grad_norm_mean": mean("train/grad_norm")}
+
+
 def rate_after_first(rows: list[dict]) -> float | None:
     """Trained tokens/s from the end of the first update to the end of the last, from the job's metrics rows (each has
     the loop's elapsed time and its cumulative trained tokens/s). Every eta's first batch waits for the same long tail
@@ -263,7 +279,7 @@ def run_eta(args, eta: int | None, steps: int, paths, run_dir: str, measure: boo
         "train_busy_share": busy.get("trainer", {}).get("train_step", 0.0) / wall,
         "recomputes": stats["recomputes"], "sampler_compiles": stats["compile_count"],
         "compile_s": compile_s, "compile_share": compile_s / wall, "backend_compiles": backend_compiles,
-        **staleness_of(run_dir, eta),
+        **staleness_of(run_dir, eta), **learning_of(rows),
         "publish_s_mean": busy.get("trainer", {}).get("publish", 0.0) / max(1, summary["steps"]),
         "handoff_first_token_s_mean": float(np.mean([x["first_token_s"] for x in lat])) if lat else None,
         "handoff_first_token_s_max": float(np.max([x["first_token_s"] for x in lat])) if lat else None,
@@ -329,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = results[0]
     print(f"{'eta':>9} {'wall s':>7} {'train tok/s':>11} {'x eta0':>6} {'after 1st':>9} {'x eta0':>6} "
           f"{'gen tok/s':>9} {'x eta0':>6} "
-          f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10} {'compile s':>9}")
+          f"{'occup':>5} {'wait':>5} {'stale':>9} {'publish ms':>10} {'->token ms':>10} {'compile s':>9} {'entropy':>7} "
+          f"{'alike':>5}")
     for r in results:
         r["trained_ratio_vs_first"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
         later = (r["trained_tokens_per_s_after_first"], base["trained_tokens_per_s_after_first"])
@@ -342,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['generated_tokens_per_s']:>9.0f} {r['generated_ratio_vs_first']:>6.2f} {r['slot_occupancy']:>5.2f} "
               f"{r['trainer_wait_share']:>5.2f} {r['staleness_mean']:>4.2f}/{r['staleness_max']:<4d} "
               f"{1e3 * r['publish_s_mean']:>10.1f} {'-' if tok is None else format(1e3 * tok, '>10.1f')} "
-              f"{r['compile_s']:>9.1f}")
+              f"{r['compile_s']:>9.1f} {fmt(r['entropy_mean'], '7.3f')} {fmt(r['uniform_group_fraction'], '5.2f')}")
     h = results[-1].get("handoff")
     if h:
         print(f"hand-off: {h['bytes_moved'] / 1e6:.1f} MB in {1e3 * h['handoff_s']:.2f} ms; raw copy of the same bytes "
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
               "memory_plan_bytes": parts, "memory_sides_bytes": sides, "memory_limit_bytes": limit,
               "settings": {k: getattr(args, k) for k in ("steps", "median", "cap", "sigma", "slots", "group_size",
                                                          "batch_groups", "max_concurrent", "micro_batch_tokens",
-                                                         "lr", "sampler_dtype", "dtype", "seed")},
+                                                         "lr", "sampler_dtype", "dtype", "seed", "entropy")},
               "results": results}
     print(json.dumps(report))
     return report

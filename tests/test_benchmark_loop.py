@@ -35,6 +35,34 @@ def test_bernoulli_reward_is_a_fair_deterministic_coin():
     assert [loadgen.bernoulli_reward(t, "x") for t in texts[:50]] == list(r[:50])
 
 
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])  # a plain final norm and Gemma's offset form
+def test_tempered_random_logits_have_the_asked_entropy(architecture):
+    import jax
+    import jax.numpy as jnp
+
+    from areal_jax.testing import models as testing
+
+    cfg = testing.tiny_config(architecture, vocab_size=512, tie_word_embeddings=True)
+    model = testing.random_model(cfg, seed=3)
+
+    def entropy(seed, shape=(4, 64)):  # the full forward
+        tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, shape), jnp.int32)
+        logp = jax.nn.log_softmax(model(tokens), axis=-1)
+        return float(jnp.mean(-jnp.sum(jnp.exp(logp) * logp, axis=-1)))
+
+    assert entropy(7) < 0.2  # untempered: a random model's samples at temperature 1 would repeat each other
+    before = np.asarray(model.final_norm.scale[...])
+    factor = testing.temper_logits(model, 1.5, seed=3)
+    after = np.asarray(model.final_norm.scale[...])
+    one = 1.0 if architecture == "gemma3" else 0.0
+    np.testing.assert_allclose(after + one, (before + one) * factor, rtol=1e-6)  # the norm's factor, scaled
+    assert entropy(3, (8, 128)) == pytest.approx(1.5, abs=1e-4)  # the tokens the factor was found on
+    print(entropy(7), entropy(8))
+    assert entropy(7) == pytest.approx(1.5, abs=0.25) and entropy(8) == pytest.approx(1.5, abs=0.25)  # others
+    with pytest.raises(ValueError, match="log\\(vocab_size\\)"):
+        testing.temper_logits(model, 7.0)  # log(512) = 6.24 nats is the most there is
+
+
 def test_forced_lengths_rewrites_each_request():
     from areal_jax.sampler import Request
 
@@ -182,6 +210,9 @@ def test_loop_benchmark_at_toy_size(tmp_path, capsys):
         # Every trained completion had exactly its drawn length (no stop token, no clipping).
         assert r["completion_tokens_trained"] == sum(2 * lengths[row["gid"]] for row in rows)
         assert (run_dir / "timeline.json").exists()
+        # The random logits were tempered (--entropy 1.0 by default): the trained tokens are not near-certain ones,
+        # so a group's samples differ (untempered, this model's tokens carried ~1e-10 nats and every group scored alike).
+        assert 0.3 < r["entropy_mean"] < 3 and 0 <= r["uniform_group_fraction"] <= 1 and r["grad_norm_mean"] >= 0
 
     for r in report["results"]:
         check(r)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
@@ -157,14 +158,50 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return randomize_params(Transformer(cfg, rngs=nnx.Rngs(seed)), seed)
 
 
+def temper_logits(model: Transformer, entropy: float, *, seed: int = 0, num_tokens: int = 1024) -> float:
+    """Scales the final norm in place so that the model's mean next-token entropy over `num_tokens` random tokens
+    (rows of 128) is `entropy` nats; returns the factor. `randomize_params` leaves the logits so peaked (a tied
+    embedding's logits have a spread of ~sqrt(hidden_size)) that samples at temperature 1 repeat each other: the
+    n samples of a group come out the same, and a reward of their text cannot tell them apart. Scaling the final
+    norm scales every logit before any soft cap, so the entropy falls as the factor grows; the factor is found by
+    bisection. Other contexts give other entropies (within ~0.2 nats of 1.5 at the tiny configs' size)."""
+    cfg = model.cfg
+    if not 0 < entropy < np.log(cfg.vocab_size):
+        raise ValueError(f"entropy={entropy} nats must lie in (0, log(vocab_size)={np.log(cfg.vocab_size):.3f}).")
+    rows = max(1, num_tokens // 128)  # rows of 128 tokens: the entropy also depends on the context's length
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, num_tokens // rows))
+    h = model.hidden(jnp.asarray(tokens, jnp.int32))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def mean_entropy(state: nnx.State, log_c: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, state).unembed(h * jnp.exp(log_c).astype(h.dtype))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.mean(-jnp.sum(jnp.exp(logp) * logp, axis=-1))
+
+    lo, hi = np.log(1e-4), np.log(1e4)  # entropy(lo) near log(vocab), entropy(hi) near 0
+    for _ in range(24):  # the factor to a millionth of itself
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if float(mean_entropy(state, jnp.float32(mid))) > entropy else (lo, mid)
+    factor = float(np.exp(0.5 * (lo + hi)))
+    scale = model.final_norm.scale
+    one = 1.0 if model.final_norm.offset else 0.0  # Gemma stores the norm's factor as its offset from one
+    scale[...] = ((scale[...].astype(jnp.float32) + one) * factor - one).astype(scale[...].dtype)
+    return factor
+
+
 def write_random_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, seed: int = 0,
-                               max_shard_size: int | None = None) -> Transformer:
+                               max_shard_size: int | None = None, entropy: float | None = None) -> Transformer:
     """Builds `random_model(cfg, seed)`, saves it as an HF checkpoint directory at `path`, returns the model.
 
     No torch needed. max_shard_size (bytes) splits the weights into model-*.safetensors with an index file.
+    entropy: the mean next-token entropy (nats) the logits are tempered to (`temper_logits`); None leaves them.
     """
     from areal_jax.models.hf_io import save_hf_checkpoint
 
     model = random_model(cfg, seed)
+    if entropy is not None:
+        temper_logits(model, entropy, seed=seed)
     save_hf_checkpoint(model, path, max_shard_size=max_shard_size)
     return model
