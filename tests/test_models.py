@@ -10,10 +10,11 @@ from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.models.mla import cache_layout
 from areal_jax.testing.models import random_model, tiny_config
 
-# gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; qwen3_moe,
-# mixtral, granitemoe, olmoe, qwen2_moe (with a shared expert): 2 of 4 experts per token
+# gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; exaone4: a
+# sliding layer and a full one without them; qwen3_moe, mixtral, granitemoe, olmoe, qwen2_moe (with a shared expert):
+# 2 of 4 experts per token
 ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
-         "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"]
+         "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4"]
 
 
 def _jitted(model):

@@ -36,26 +36,25 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.paged_pieces import TILE_ELEMENTS, pieced_paged_attention, power_of_two_divisor
-from areal_jax.models.transformer import KVCache, cache_dtype, cache_lengths, cached_layer, stacked_routes, zero_cache
+from areal_jax.models.transformer import (
+    KVCache,
+    LayerBuffers,
+    cache_dtype,
+    cache_lengths,
+    cached_layer,
+    stacked_routes,
+    zero_cache,
+)
 
 PagedPath = Literal["gather", "kernel"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PagedKVCache:
+class PagedKVCache(LayerBuffers):
     """Keys and values of every layer in pages. k, v: tuples of L arrays [K, num_pages, page_size, Dh]
     (compute dtype); a layer whose rows live in rings instead (`paged_hidden`'s ``rings``) has no pages
     ([K, 0, page_size, Dh])."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.k, list):
-            self.k = tuple(self.k)
-        if isinstance(self.v, list):
-            self.v = tuple(self.v)
 
     @property
     def num_pages(self) -> int:

@@ -24,19 +24,9 @@ from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
 )
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class KVCache:
-    """Keys and values, one array per layer. k, v: tuples of num_layers arrays [B, S, num_kv_heads, head_dim]
-    in the compute dtype (latent attention: k [B, S, 1, kv_lora_rank + rope], v [B, S, 1, 0]: `mla.cache_layout`).
-
-    Row b's entry at index s holds the token written at position s (see `Transformer.__call__`). Each layer
-    is its own buffer, so a decode step writes it in place and attends to it directly (one stacked
-    [L, B, S, ...] array made XLA:CPU copy a layer out of the stack per layer per step: 1.19x slower at
-    256 slots x 88 positions of the default model).
-
-    A sliding layer's buffer may be a *ring* shorter than the others (`init_cache(ring=True)`): it holds position
-    p at index p % R, only its window's worth (`cache_attention.ring_attention`)."""
+class LayerBuffers:
+    """Keys and values, one buffer per layer (the dense cache's `KVCache`, the paged cache's `PagedKVCache`)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -48,6 +38,21 @@ class KVCache:
             self.k = tuple(self.k)
         if isinstance(self.v, list):
             self.v = tuple(self.v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache(LayerBuffers):
+    """Keys and values, one array per layer. k, v: tuples of num_layers arrays [B, S, num_kv_heads, head_dim]
+    in the compute dtype (latent attention: k [B, S, 1, kv_lora_rank + rope], v [B, S, 1, 0]: `mla.cache_layout`).
+
+    Row b's entry at index s holds the token written at position s (see `Transformer.__call__`). Each layer
+    is its own buffer, so a decode step writes it in place and attends to it directly (one stacked
+    [L, B, S, ...] array made XLA:CPU copy a layer out of the stack per layer per step: 1.19x slower at
+    256 slots x 88 positions of the default model).
+
+    A sliding layer's buffer may be a *ring* shorter than the others (`init_cache(ring=True)`): it holds position
+    p at index p % R, only its window's worth (`cache_attention.ring_attention`)."""
 
     @property
     def num_layers(self) -> int:

@@ -25,7 +25,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
+    RoPE; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe as written at their branches below.
     Any ModelConfig field can be overridden.
     """
@@ -44,7 +45,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         bos_token_id=1,
         eos_token_id=2,
         attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss"),
-        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -79,6 +80,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
+    if architecture == "exaone4":  # EXAONE-4.0-32B's form: the global layers (the second here) without RoPE
+        types = tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers))
+        fields.update(sliding_window=8, layer_types=types, rope_layers=tuple(int(t != "full_attention") for t in types))
     if architecture == "deepseek_v3":  # latent attention (query rank 24, latent 16, 12 + 8 rotary dims, values of
         # 10), YaRN with mscale_all_dim; a dense first layer, then 2 of 8 experts in the best 2 of 4 groups, sigmoid
         # scores with a picking bias, times 2.5; two ungated shared experts
