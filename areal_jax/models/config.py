@@ -17,7 +17,7 @@ from areal_jax.models import config_checks as checks
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3",
-                 "granite", "ernie4_5", "glm4", "exaone4", *MOE_ARCHITECTURES)
+                 "granite", "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -57,7 +57,8 @@ class ModelConfig:
       after grouped-query attention with partial RoPE), "glm4_moe_lite" (GLM-4.7-Flash: V3's layer), "minimax_m2"
       (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
       (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
-      interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE).
+      interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
+      "hunyuan_v1_dense" (Llama's layer, per-head q/k norm after RoPE).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -67,8 +68,7 @@ class ModelConfig:
       `for_sequence_length`).
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
-    layer_types: per layer "full_attention" or "sliding_attention" (None: every layer sliding when
-      sliding_window is set, else every layer full).
+    layer_types: per layer "full_attention" or "sliding_attention" (None: all sliding when sliding_window is set).
     rope_local_theta: the RoPE base of sliding layers, which then take no rope_scaling (Gemma 3's
       rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).

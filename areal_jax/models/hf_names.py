@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from areal_jax.models import hunyuan
 from areal_jax.models.config import ModelConfig
 
 
@@ -95,6 +96,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj (GLM-4: the latter)
     glm4 = cfg.architecture == "glm4"  # its four norms' names
+    qk_norm_names = hunyuan.QK_NORM_NAMES if cfg.architecture in hunyuan.HF_CLASSES else ("q_norm", "k_norm")
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
@@ -111,8 +113,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_latent_entries(cfg, p + ("attn",), f"{hf}.self_attn"))
         entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
         if cfg.qk_norm:
-            entries.append(_Entry(p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", "same"))
-            entries.append(_Entry(p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", "same"))
+            for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
+                entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
         post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
             if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
         entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.{post_attn}.weight", "same"))

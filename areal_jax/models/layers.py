@@ -264,6 +264,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
+        self.norm_after_rope = cfg.architecture == "hunyuan_v1_dense"  # its q/k norms take the rotated q, k
         self.query_factor = cfg.attention_scale_factor
         self.rope_interleave = cfg.rope_interleave
 
@@ -280,17 +281,22 @@ class Attention(nnx.Module):
         q = self._project(x, self.q_proj, self.q_bias)
         k = self._project(x, self.k_proj, self.k_bias)
         v = self._project(x, self.v_proj, self.v_bias)
-        if self.q_norm is not None and self.flat_qk_norm:
-            q = self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
-            k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if not self.norm_after_rope:
+            q, k = self._qk_norms(q, k)
         if self.rope_interleave:  # pairs to halves, queries and keys alike (their products unchanged)
             q, k = deinterleave(q, cos.shape[-1]), deinterleave(k, cos.shape[-1])
-        q = apply_rope(q, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.norm_after_rope:
+            q, k = self._qk_norms(q, k)
         if self.query_factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
-        return q, apply_rope(k, cos, sin), v
+        return q, k, v
+
+    def _qk_norms(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.q_norm is not None and self.flat_qk_norm:
+            return (self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape),
+                    self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape))
+        return (q, k) if self.q_norm is None else (self.q_norm(q), self.k_norm(k))
 
     def out(self, attn: jax.Array, cached: bool = False) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D] (plus o_bias where the model has one)."""

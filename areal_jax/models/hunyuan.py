@@ -1,0 +1,74 @@
+"""Hunyuan dense (`HunYuanDenseV1ForCausalLM`: Hunyuan-0.5B / 1.8B / 4B / 7B, Pretrain and Instruct): what its
+config.json means here (`config_from_hf`, `config_to_hf`, `check_hf`).
+
+The layer is Llama's with a per-head RMSNorm on queries and keys applied *after* RoPE (Qwen3 normalises before it;
+`Attention.norm_after_rope`), named query_layernorm / key_layernorm on disk. The released checkpoints stretch the
+RoPE base by a fixed NTK alpha (rope type "dynamic" with an `alpha`, which transformers computes once:
+base * alpha ** (head_dim / (head_dim - 2))); that base is read here as the model's rope_theta, the same
+frequencies, and written back as a plain base. Dynamic NTK scaling without an alpha and attention biases (which
+would bias o_proj too) are refused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+HF_CLASSES = {"hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
+QK_NORM_NAMES = ("query_layernorm", "key_layernorm")  # its q_norm / k_norm on disk
+_DEFAULTS = dict(vocab_size=290943, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2)  # transformers' HunYuanDenseV1Config, where a config.json leaves a key out
+
+
+def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
+                   param_dtype: Any = jnp.float32) -> Any:
+    """A ModelConfig of a Hunyuan dense config.json (transformers' defaults where a key is absent)."""
+    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
+
+    def get(key: str) -> Any:
+        return d.get(key, _DEFAULTS.get(key))
+
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not Hunyuan's ('silu').")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias: biases on the projections (o_proj's too) are not supported; "
+                         "the released Hunyuan dense checkpoints have none.")
+    heads = int(get("num_attention_heads"))
+    head_dim = int(d.get("head_dim") or int(get("hidden_size")) // heads)
+    rope, _ = _hf_rope(d, model_type)
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "dynamic":
+        if not rope.get("alpha"):
+            raise ValueError(f"rope type 'dynamic' without an 'alpha' (dynamic NTK scaling, {rope}) is not supported; "
+                             "Hunyuan's checkpoints give a fixed alpha.")
+        theta, rope_type = theta * float(rope["alpha"]) ** (head_dim / (head_dim - 2)), "default"
+    eos = get("eos_token_id")
+    return cls(
+        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
+        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), qk_norm=True,
+        max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos, dtype=dtype, param_dtype=param_dtype)
+
+
+def check_hf(cfg: Any) -> None:
+    """Refuses a config transformers' HunYuanDenseV1ForCausalLM would not load as it is."""
+    if cfg.architecture not in HF_CLASSES:
+        return
+    if cfg.attention_bias or not cfg.qk_norm or cfg.rotary_dim is not None or cfg.sliding_window is not None \
+            or cfg.rope_layers is not None:
+        raise ValueError("HF Hunyuan dense has q/k norm (after RoPE), no biases, and full-width RoPE in every layer "
+                         "without windows; set qk_norm=True, attention_bias=False, rotary_dim=None, "
+                         "sliding_window=None, rope_layers=None.")
+
+
+def config_to_hf(cfg: Any, common: dict) -> dict:
+    """The config.json of a Hunyuan dense config: `common` (hf_config's keys every family writes) with its own."""
+    check_hf(cfg)
+    d = {k: v for k, v in common.items() if k != "rope_scaling"}
+    d.update(attention_bias=False, mlp_bias=False, pad_token_id=None, eod_token_id=None)
+    return d
