@@ -26,7 +26,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
-    RoPE; hunyuan_v1_dense normalises q and k after RoPE; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe as written at their branches below.
     Any ModelConfig field can be overridden.
     """
@@ -44,7 +44,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss"),
+        attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss", "seed_oss"),
+        attention_out_bias=architecture == "seed_oss",
         qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1_dense"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,

@@ -1,0 +1,67 @@
+"""Seed-OSS (`SeedOssForCausalLM`: Seed-OSS-36B-Base / -Instruct): what its config.json means here (`config_from_hf`,
+`config_to_hf`, `check_hf`).
+
+The layer is Qwen2's (biases on q/k/v by `attention_bias`, on o_proj by `attention_out_bias`, none in the MLP) with
+its own head_dim (128 where hidden_size / heads would be 64 at the released 36B shape). Its config's dropout rates
+(`attention_dropout`, `residual_dropout`, 0.1) act only in transformers' training mode; nothing here drops
+activations, in training or sampling (the RL update trains without dropout, as the sampler generates).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+HF_CLASSES = {"seed_oss": "SeedOssForCausalLM"}
+_DEFAULTS = dict(vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
+                 num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True, attention_out_bias=False,
+                 bos_token_id=0, eos_token_id=2)  # transformers' SeedOssConfig, where a config.json leaves a key out
+
+
+def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
+                   param_dtype: Any = jnp.float32) -> Any:
+    """A ModelConfig of a Seed-OSS config.json (transformers' defaults where a key is absent)."""
+    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
+
+    def get(key: str) -> Any:
+        return d.get(key, _DEFAULTS.get(key))
+
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not Seed-OSS's ('silu').")
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported (the MLP projections here have no bias); the released "
+                         "Seed-OSS checkpoints have none.")
+    heads = int(get("num_attention_heads"))
+    rope, _ = _hf_rope(d, model_type)
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    eos = get("eos_token_id")
+    return cls(
+        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads), rope_theta=theta,
+        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
+        attention_out_bias=bool(get("attention_out_bias")), max_position_embeddings=int(get("max_position_embeddings")),
+        bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos, dtype=dtype,
+        param_dtype=param_dtype)
+
+
+def check_hf(cfg: Any) -> None:
+    """Refuses a config transformers' SeedOssForCausalLM would not load as it is."""
+    if cfg.architecture not in HF_CLASSES:
+        return
+    if cfg.qk_norm or cfg.rotary_dim is not None or cfg.sliding_window is not None or cfg.rope_layers is not None:
+        raise ValueError("HF Seed-OSS has no q/k norm and full-width RoPE in every layer without windows; set "
+                         "qk_norm=False, rotary_dim=None, sliding_window=None, rope_layers=None.")
+
+
+def config_to_hf(cfg: Any, common: dict) -> dict:
+    """The config.json of a Seed-OSS config: `common` (hf_config's keys every family writes) with its own."""
+    check_hf(cfg)
+    d = {k: v for k, v in common.items() if k != "rope_scaling"}
+    d.update(attention_bias=cfg.attention_bias, attention_out_bias=cfg.attention_out_bias, mlp_bias=False,
+             attention_dropout=0.0, residual_dropout=0.0, pad_token_id=None)
+    return d
