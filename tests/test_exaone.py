@@ -36,6 +36,9 @@ def test_string_patterns_and_errors():
     with pytest.raises(ValueError, match="sliding_window is null"):
         ModelConfig.from_hf_dict({"model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": None,
                                   "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="partial_rotary_factor != 1 is not EXAONE 4.0's"):
+        ModelConfig.from_hf_dict({"model_type": "exaone4", "rope_parameters": {"rope_type": "default",
+                                                                               "partial_rotary_factor": 0.5}})
     with pytest.raises(ValueError, match="no biases"):
         ModelConfig.from_hf_dict({"model_type": "exaone4", "attention_bias": True})
     with pytest.raises(ValueError, match="rotates exactly its sliding layers"):

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models.hf_family import common_fields
+
 HF_CLASSES = {"exaone4": "Exaone4ForCausalLM"}
 _DEFAULTS = dict(vocab_size=102400, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -43,39 +45,18 @@ def _layer_types(get: Any, layers: int) -> list[str]:
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an EXAONE 4.0 config.json (transformers' defaults where a key is absent)."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
-
-    def get(key: str) -> Any:
-        return d.get(key, _DEFAULTS.get(key))
-
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={d['hidden_act']!r} is not EXAONE 4.0's ('silu').")
+    fields, get = common_fields(d, model_type, _DEFAULTS, "EXAONE 4.0")
     if d.get("attention_bias") or d.get("mlp_bias"):
         raise ValueError("EXAONE 4.0 has no biases; attention_bias / mlp_bias must be false.")
-    layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
-    types = _layer_types(get, layers)
+    types = _layer_types(get, fields["num_layers"])
     window = get("sliding_window")
     sliding = window is not None and "sliding_attention" in types
     if "sliding_attention" in types and window is None:
         raise ValueError("layer_types names sliding layers but sliding_window is null; give the window's length.")
-    rope, _ = _hf_rope(d, model_type)
-    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if float(rope.pop("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not EXAONE 4.0's (it rotates every dimension of a head).")
-    eos = get("eos_token_id")
-    return cls(
-        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
-        intermediate_size=int(get("intermediate_size")), num_layers=layers, num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or int(get("hidden_size")) // heads), rope_theta=theta,
-        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")), qk_norm=True,
-        max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        sliding_window=int(window) if sliding else None, layer_types=tuple(types) if sliding else None,
-        rope_layers=tuple(int(t == "sliding_attention") for t in types) if sliding else None,
-        dtype=dtype, param_dtype=param_dtype)
+    return cls(**fields, qk_norm=True, sliding_window=int(window) if sliding else None,
+               layer_types=tuple(types) if sliding else None,
+               rope_layers=tuple(int(t == "sliding_attention") for t in types) if sliding else None,
+               dtype=dtype, param_dtype=param_dtype)
 
 
 def check_hf(cfg: Any) -> None:

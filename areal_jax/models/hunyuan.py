@@ -14,6 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models.hf_family import common_fields
+
 HF_CLASSES = {"hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
 QK_NORM_NAMES = ("query_layernorm", "key_layernorm")  # its q_norm / k_norm on disk
 _DEFAULTS = dict(vocab_size=290943, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -24,35 +26,18 @@ _DEFAULTS = dict(vocab_size=290943, hidden_size=4096, intermediate_size=11008, n
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of a Hunyuan dense config.json (transformers' defaults where a key is absent)."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
-
-    def get(key: str) -> Any:
-        return d.get(key, _DEFAULTS.get(key))
-
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={d['hidden_act']!r} is not Hunyuan's ('silu').")
+    fields, _ = common_fields(d, model_type, _DEFAULTS, "Hunyuan")
     if d.get("attention_bias") or d.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias: biases on the projections (o_proj's too) are not supported; "
                          "the released Hunyuan dense checkpoints have none.")
-    heads = int(get("num_attention_heads"))
-    head_dim = int(d.get("head_dim") or int(get("hidden_size")) // heads)
-    rope, _ = _hf_rope(d, model_type)
-    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "dynamic":
+    rope, head_dim = fields["rope_scaling"], fields["head_dim"]
+    if rope is not None and rope.get("rope_type", rope.get("type")) == "dynamic":
         if not rope.get("alpha"):
             raise ValueError(f"rope type 'dynamic' without an 'alpha' (dynamic NTK scaling, {rope}) is not supported; "
                              "Hunyuan's checkpoints give a fixed alpha.")
-        theta, rope_type = theta * float(rope["alpha"]) ** (head_dim / (head_dim - 2)), "default"
-    eos = get("eos_token_id")
-    return cls(
-        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
-        intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
-        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")), qk_norm=True,
-        max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos, dtype=dtype, param_dtype=param_dtype)
+        fields.update(rope_theta=fields["rope_theta"] * float(rope["alpha"]) ** (head_dim / (head_dim - 2)),
+                      rope_scaling=None)
+    return cls(**fields, qk_norm=True, dtype=dtype, param_dtype=param_dtype)
 
 
 def check_hf(cfg: Any) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models.hf_family import common_fields
+
 HF_CLASSES = {"seed_oss": "SeedOssForCausalLM"}
 _DEFAULTS = dict(vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
                  num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
@@ -22,31 +24,12 @@ _DEFAULTS = dict(vocab_size=155136, hidden_size=4096, intermediate_size=27648, n
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of a Seed-OSS config.json (transformers' defaults where a key is absent)."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
-
-    def get(key: str) -> Any:
-        return d.get(key, _DEFAULTS.get(key))
-
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={d['hidden_act']!r} is not Seed-OSS's ('silu').")
+    fields, get = common_fields(d, model_type, _DEFAULTS, "Seed-OSS")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported (the MLP projections here have no bias); the released "
                          "Seed-OSS checkpoints have none.")
-    heads = int(get("num_attention_heads"))
-    rope, _ = _hf_rope(d, model_type)
-    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    eos = get("eos_token_id")
-    return cls(
-        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
-        intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads), rope_theta=theta,
-        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
-        attention_out_bias=bool(get("attention_out_bias")), max_position_embeddings=int(get("max_position_embeddings")),
-        bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos, dtype=dtype,
-        param_dtype=param_dtype)
+    return cls(**fields, attention_bias=bool(get("attention_bias")), attention_out_bias=bool(get("attention_out_bias")),
+               dtype=dtype, param_dtype=param_dtype)
 
 
 def check_hf(cfg: Any) -> None:

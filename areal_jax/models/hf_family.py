@@ -1,0 +1,35 @@
+"""What the config.json of a family with its own module (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`) says the
+same way as Llama's: `common_fields`, the ModelConfig fields read from its sizes, RoPE, norms and special tokens."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def common_fields(d: dict, model_type: str, defaults: dict, family: str) -> tuple[dict, Callable[[str], Any]]:
+    """(ModelConfig fields, get): `get(key)` reads a key of `d` with transformers' default from `defaults` where the
+    file leaves it out; the fields are the architecture, sizes, head layout, RoPE (base and scaling, as `_hf_rope`
+    reads them), norm epsilon, embedding tying, context length and special tokens. A hidden_act other than SiLU and
+    partial rotary embeddings are refused, naming the family."""
+    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches to the families)
+
+    def get(key: str) -> Any:
+        return d.get(key, defaults.get(key))
+
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not {family}'s ('silu').")
+    heads = int(get("num_attention_heads"))
+    rope, _ = _hf_rope(d, model_type)
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    if float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor != 1 is not {family}'s (it rotates every dimension of a head).")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    eos = get("eos_token_id")
+    fields = dict(
+        architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads), rope_theta=theta,
+        rope_scaling=None if rope_type == "default" else rope, rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), max_position_embeddings=int(get("max_position_embeddings")),
+        bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    return fields, get
