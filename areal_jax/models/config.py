@@ -17,7 +17,7 @@ from areal_jax.models import config_checks as checks
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
-                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", *MOE_ARCHITECTURES)
+                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -58,7 +58,7 @@ class ModelConfig:
       (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
       (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
       interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
-      "hunyuan_v1_dense" (Llama's layer, per-head q/k norm after RoPE), "seed_oss" (Qwen2's, an o_proj bias optional).
+      "hunyuan_v1_dense" (Llama's, per-head q/k norm after RoPE), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long

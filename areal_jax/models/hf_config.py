@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import deepseek, ernie, exaone, glm4, gpt_oss, hunyuan, minimax, seed_oss
+from areal_jax.models import arcee, deepseek, ernie, exaone, glm4, gpt_oss, hunyuan, minimax, seed_oss
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
@@ -15,8 +15,8 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM", "granitemoe":
              "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
              "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM", **deepseek.HF_CLASSES,
-             **ernie.HF_CLASSES, **exaone.HF_CLASSES, **hunyuan.HF_CLASSES, **seed_oss.HF_CLASSES}
-_OWN_MODULE = {arch: m for m in (deepseek, ernie, exaone, hunyuan, seed_oss) for arch in m.HF_CLASSES}  # families whose modules read and write
+             **ernie.HF_CLASSES, **exaone.HF_CLASSES, **hunyuan.HF_CLASSES, **seed_oss.HF_CLASSES, **arcee.HF_CLASSES}
+_OWN_MODULE = {arch: m for m in (deepseek, ernie, exaone, hunyuan, seed_oss, arcee) for arch in m.HF_CLASSES}  # families whose modules read and write
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the image-and-text checkpoints' text_config lists only the keys that differ
@@ -240,7 +240,7 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    for family in (gpt_oss, deepseek, minimax, ernie, glm4, exaone, hunyuan, seed_oss):
+    for family in (gpt_oss, deepseek, minimax, ernie, glm4, exaone, hunyuan, seed_oss, arcee):
         family.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):

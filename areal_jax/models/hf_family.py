@@ -1,22 +1,24 @@
-"""What the config.json of a family with its own module (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`) says the
+"""What the config.json of a family with its own module (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`, `arcee.py`) says the
 same way as Llama's: `common_fields`, the ModelConfig fields read from its sizes, RoPE, norms and special tokens."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 
-def common_fields(d: dict, model_type: str, defaults: dict, family: str) -> tuple[dict, Callable[[str], Any]]:
+def common_fields(d: dict, model_type: str, defaults: dict, family: str,
+                  act: str = "silu") -> tuple[dict, Callable[[str], Any]]:
     """(ModelConfig fields, get): `get(key)` reads a key of `d` with transformers' default from `defaults` where the
     file leaves it out; the fields are the architecture, sizes, head layout, RoPE (base and scaling, as `_hf_rope`
-    reads them), norm epsilon, embedding tying, context length and special tokens. A hidden_act other than SiLU and
-    partial rotary embeddings are refused, naming the family."""
+    reads them), norm epsilon, embedding tying, context length and special tokens. A hidden_act other than `act`
+    (the family's; transformers' default where the file leaves it out) and partial rotary embeddings are refused,
+    naming the family."""
     from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches to the families)
 
     def get(key: str) -> Any:
         return d.get(key, defaults.get(key))
 
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={d['hidden_act']!r} is not {family}'s ('silu').")
+    if d.get("hidden_act", act) != act:
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not {family}'s ({act!r}).")
     heads = int(get("num_attention_heads"))
     rope, _ = _hf_rope(d, model_type)
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))

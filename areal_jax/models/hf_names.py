@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from areal_jax.models import hunyuan
+from areal_jax.models import arcee, hunyuan
 from areal_jax.models.config import ModelConfig
 
 
@@ -128,7 +128,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
             entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
         else:
-            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
+            if cfg.architecture not in arcee.UNGATED:
+                entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
             entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
         if not cfg.layer_is_moe(i):
             entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))

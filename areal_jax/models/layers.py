@@ -306,20 +306,24 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(x @ gate) * (x @ up)), act SiLU (SwiGLU) or, for Gemma, GELU with the tanh
-    approximation."""
+    approximation; Arcee's has no gate (`gate_proj` None): down(relu(x @ up) ** 2)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        from areal_jax.models.arcee import UNGATED  # noqa: PLC0415 (it reads configs built here)
+
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.dtype = cfg.dtype
         self.gelu = cfg.gemma
-        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
+        self.gate_proj = None if cfg.architecture in UNGATED else make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
-        gate = project(x, self.gate_proj, self.dtype)
         up = project(x, self.up_proj, self.dtype)
+        if self.gate_proj is None:
+            return project(jnp.square(jax.nn.relu(up)), self.down_proj, self.dtype)
+        gate = project(x, self.gate_proj, self.dtype)
         act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
         return project(act * up, self.down_proj, self.dtype)
 

@@ -107,13 +107,14 @@ class LoRAConfig(Section):
                                  f"{', '.join(GROUPS)} or 're:<regex>' over paths like 'layers.0.attn.q_proj'.")
         return names, patterns
 
-    def target_paths(self, num_layers: int, experts: Sequence[int] = (),
-                     attention: Sequence[str] = ("q", "k", "v", "o")) -> list[tuple[int, str]]:
+    def target_paths(self, num_layers: int, experts: Sequence[int] = (), attention: Sequence[str] = ("q", "k", "v", "o"),
+                     mlp: Sequence[str] = ("gate", "up", "down")) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
         layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
         "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
-        (`attention_projections`); naming another one is an error."""
+        (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
+        Arcee's: `mlp_projections`), the others skipped."""
         names, patterns = self.target_rules()
         named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
         foreign = sorted(s for s in named & set(PROJECTIONS) if PROJECTIONS[s][0] == "attn" and s not in attention)
@@ -124,7 +125,7 @@ class LoRAConfig(Section):
         for i in range(num_layers):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
-                if part == "mlp" and moe or part == "attn" and short not in attention:
+                if part == "mlp" and (moe or short not in mlp) or part == "attn" and short not in attention:
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
@@ -246,7 +247,8 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     """
     if has_lora(model):
         raise ValueError("The model already has LoRA adapters; apply_lora once per model.")
-    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg), attention_projections(model.cfg))
+    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg), attention_projections(model.cfg),
+                               mlp_projections(model.cfg))
     if not targets:
         raise ValueError(f"lora.targets={cfg.targets!r} selects no projection of this {model.cfg.num_layers}-layer "
                          "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
@@ -340,7 +342,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
         m = model_cfg.mla
         dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
                     kv_b=(m.kv_lora_rank, h * (m.nope + m.v)), o=(h * m.v, d))
-    paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg))
+    paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
+                             mlp_projections(model_cfg))
     return sum(cfg.rank * sum(dims[s]) * itemsize for _, s in paths)
 
 
@@ -350,6 +353,13 @@ def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
     if model_cfg.mla is None:
         return ("q", "k", "v", "o")
     return (("q",) if model_cfg.mla.q_lora_rank is None else ("q_a", "q_b")) + ("kv_a", "kv_b", "o")
+
+
+def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The short names of a dense MLP's projections: gate, up, down; up and down where it has no gate (Arcee)."""
+    from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
+
+    return ("up", "down") if model_cfg.architecture in UNGATED else ("gate", "up", "down")
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

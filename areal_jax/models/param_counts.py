@@ -12,6 +12,13 @@ def latent_attention_weights(cfg: Any) -> int:
     return q + d * (m.kv_lora_rank + m.rope) + m.kv_lora_rank * h * (m.nope + m.v) + h * m.v * d
 
 
+def mlp_matrices(cfg: Any) -> int:
+    """A dense MLP's weight matrices: gate, up and down, or up and down where it has no gate (Arcee)."""
+    from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
+
+    return 2 if cfg.architecture in UNGATED else 3
+
+
 def num_params(cfg: Any) -> int:
     """Total number of parameters (embedding counted once when tied)."""
     d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -25,7 +32,7 @@ def num_params(cfg: Any) -> int:
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
     ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
-              else 3 * d * f for i in range(cfg.num_layers))
+              else mlp_matrices(cfg) * d * f for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * layer + ffn + emb + d
 
@@ -38,4 +45,5 @@ def matmul_params_per_token(cfg: Any) -> int:
     attn = d * hd * (hq + 2 * kv) + hq * hd * d if cfg.mla is None else latent_attention_weights(cfg)
     moe = cfg.num_experts_per_tok * 3 * d * cfg.expert_size + d * cfg.num_experts
     moe += 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
-    return sum(attn + (moe if cfg.layer_is_moe(i) else 3 * d * cfg.intermediate_size) for i in range(cfg.num_layers))
+    dense = mlp_matrices(cfg) * d * cfg.intermediate_size
+    return sum(attn + (moe if cfg.layer_is_moe(i) else dense) for i in range(cfg.num_layers))

@@ -26,7 +26,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
-    RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
+    gate (ReLU squared); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe as written at their branches below.
     Any ModelConfig field can be overridden.
     """
