@@ -285,12 +285,13 @@ class Attention(nnx.Module):
             q, k = self._qk_norms(q, k)
         if self.rope_interleave:  # pairs to halves, queries and keys alike (their products unchanged)
             q, k = deinterleave(q, cos.shape[-1]), deinterleave(k, cos.shape[-1])
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.norm_after_rope:
-            q, k = self._qk_norms(q, k)
+            q, k = self._qk_norms(apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+        else:  # (this order keeps the other families' programs, and their compile-cache entries, as they were)
+            q = apply_rope(q, cos, sin)
         if self.query_factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
-        return q, k, v
+        return q, k if self.norm_after_rope else apply_rope(k, cos, sin), v
 
     def _qk_norms(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.q_norm is not None and self.flat_qk_norm:
@@ -320,10 +321,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
-        up = project(x, self.up_proj, self.dtype)
         if self.gate_proj is None:
-            return project(jnp.square(jax.nn.relu(up)), self.down_proj, self.dtype)
+            return project(jnp.square(jax.nn.relu(project(x, self.up_proj, self.dtype))), self.down_proj, self.dtype)
         gate = project(x, self.gate_proj, self.dtype)
+        up = project(x, self.up_proj, self.dtype)
         act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
         return project(act * up, self.down_proj, self.dtype)
 
