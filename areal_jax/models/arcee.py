@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"arcee": "ArceeForCausalLM"}
 UNGATED = tuple(HF_CLASSES)  # architectures whose MLP has no gate_proj
@@ -33,16 +33,11 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' ArceeForCausalLM would not load as it is."""
     if cfg.architecture not in HF_CLASSES:
         return
-    if cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None or cfg.sliding_window is not None \
-            or cfg.rope_layers is not None:
-        raise ValueError("HF Arcee has Llama's attention: no biases or q/k norm, full-width RoPE in every layer, no "
-                         "windows; set attention_bias=False, qk_norm=False, rotary_dim=None, sliding_window=None, "
-                         "rope_layers=None.")
+    require_fields(cfg, "Arcee", "Llama's attention: no biases or q/k norm, full-width RoPE in every layer, no windows",
+                   attention_bias=False, qk_norm=False, rotary_dim=None, sliding_window=None, rope_layers=None)
 
 
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of an Arcee config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    d = {k: v for k, v in common.items() if k != "rope_scaling"}
-    d.update(hidden_act="relu2", attention_bias=False, mlp_bias=False, pad_token_id=None)
-    return d
+    return hf_dict(common, hidden_act="relu2", attention_bias=False, mlp_bias=False, pad_token_id=None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"exaone4": "Exaone4ForCausalLM"}
 _DEFAULTS = dict(vocab_size=102400, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
@@ -64,9 +64,8 @@ def check_hf(cfg: Any) -> None:
     if cfg.architecture not in HF_CLASSES:
         return
     sliding = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)]
-    if cfg.attention_bias or not cfg.qk_norm or cfg.rotary_dim is not None or cfg.rope_local_theta is not None:
-        raise ValueError("HF EXAONE 4.0 has q/k norm, no q/k/v bias and one full-width RoPE; set qk_norm=True, "
-                         "attention_bias=False, rotary_dim=None, rope_local_theta=None.")
+    require_fields(cfg, "EXAONE 4.0", "q/k norm, no q/k/v bias and one full-width RoPE", qk_norm=True,
+                   attention_bias=False, rotary_dim=None, rope_local_theta=None)
     rotates = [cfg.layer_rope(i) != "none" for i in range(cfg.num_layers)]
     if rotates != (sliding if any(sliding) else [True] * cfg.num_layers):
         raise ValueError("HF EXAONE 4.0 rotates exactly its sliding layers when some slide (every layer when none "
@@ -76,9 +75,6 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of an EXAONE 4.0 config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    sliding = any(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
-    d = {k: v for k, v in common.items() if k != "rope_scaling"}
-    d.update(sliding_window=cfg.sliding_window if sliding else None, sliding_window_pattern=None,
-             layer_types=["sliding_attention" if cfg.layer_window(i) is not None else "full_attention"
-                          for i in range(cfg.num_layers)], attention_bias=False, pad_token_id=None)
-    return d
+    types = ["sliding_attention" if cfg.layer_window(i) is not None else "full_attention" for i in range(cfg.num_layers)]
+    return hf_dict(common, sliding_window=cfg.sliding_window if "sliding_attention" in types else None,
+                   sliding_window_pattern=None, layer_types=types, attention_bias=False, pad_token_id=None)

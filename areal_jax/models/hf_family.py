@@ -35,3 +35,16 @@ def common_fields(d: dict, model_type: str, defaults: dict, family: str,
         tie_word_embeddings=bool(get("tie_word_embeddings")), max_position_embeddings=int(get("max_position_embeddings")),
         bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
     return fields, get
+
+
+def require_fields(cfg: Any, family: str, what: str, **wanted: Any) -> None:
+    """Refuses `cfg` unless each named ModelConfig field has the wanted value; the error says what the family has
+    (`what`) and lists every wanted setting, in the given order."""
+    if any(getattr(cfg, key) != value for key, value in wanted.items()):
+        raise ValueError(f"HF {family} has {what}; set {', '.join(f'{k}={v!r}' for k, v in wanted.items())}.")
+
+
+def hf_dict(common: dict, **own: Any) -> dict:
+    """A family's config.json: `common` (hf_config's keys every family writes; rope_scaling left out, the families
+    write rope_parameters) with its own keys."""
+    return {**{k: v for k, v in common.items() if k != "rope_scaling"}, **own}

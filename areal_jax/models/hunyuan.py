@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
 QK_NORM_NAMES = ("query_layernorm", "key_layernorm")  # its q_norm / k_norm on disk
@@ -44,16 +44,11 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' HunYuanDenseV1ForCausalLM would not load as it is."""
     if cfg.architecture not in HF_CLASSES:
         return
-    if cfg.attention_bias or not cfg.qk_norm or cfg.rotary_dim is not None or cfg.sliding_window is not None \
-            or cfg.rope_layers is not None:
-        raise ValueError("HF Hunyuan dense has q/k norm (after RoPE), no biases, and full-width RoPE in every layer "
-                         "without windows; set qk_norm=True, attention_bias=False, rotary_dim=None, "
-                         "sliding_window=None, rope_layers=None.")
+    require_fields(cfg, "Hunyuan dense", "q/k norm (after RoPE), no biases, and full-width RoPE in every layer without "
+                   "windows", qk_norm=True, attention_bias=False, rotary_dim=None, sliding_window=None, rope_layers=None)
 
 
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Hunyuan dense config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    d = {k: v for k, v in common.items() if k != "rope_scaling"}
-    d.update(attention_bias=False, mlp_bias=False, pad_token_id=None, eod_token_id=None)
-    return d
+    return hf_dict(common, attention_bias=False, mlp_bias=False, pad_token_id=None, eod_token_id=None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"seed_oss": "SeedOssForCausalLM"}
 _DEFAULTS = dict(vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
@@ -36,15 +36,12 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' SeedOssForCausalLM would not load as it is."""
     if cfg.architecture not in HF_CLASSES:
         return
-    if cfg.qk_norm or cfg.rotary_dim is not None or cfg.sliding_window is not None or cfg.rope_layers is not None:
-        raise ValueError("HF Seed-OSS has no q/k norm and full-width RoPE in every layer without windows; set "
-                         "qk_norm=False, rotary_dim=None, sliding_window=None, rope_layers=None.")
+    require_fields(cfg, "Seed-OSS", "no q/k norm and full-width RoPE in every layer without windows", qk_norm=False,
+                   rotary_dim=None, sliding_window=None, rope_layers=None)
 
 
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Seed-OSS config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    d = {k: v for k, v in common.items() if k != "rope_scaling"}
-    d.update(attention_bias=cfg.attention_bias, attention_out_bias=cfg.attention_out_bias, mlp_bias=False,
-             attention_dropout=0.0, residual_dropout=0.0, pad_token_id=None)
-    return d
+    return hf_dict(common, attention_bias=cfg.attention_bias, attention_out_bias=cfg.attention_out_bias,
+                   mlp_bias=False, attention_dropout=0.0, residual_dropout=0.0, pad_token_id=None)
