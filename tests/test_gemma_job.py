@@ -3,8 +3,8 @@
 Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout routing replay) and a gpt-oss one
 (attention sinks, every other layer sliding, experts with biases and the clamped GLU) and a DeepSeek-V3 one (latent
 attention, a dense layer then experts picked by sigmoid scores within groups, with rollout routing replay), an
-EXAONE 4.0 one (norms after attention and MLP only, the global layer without RoPE) and an Arcee one (an MLP without
-gate): the
+EXAONE 4.0 one (norms after attention and MLP only, the global layer without RoPE), an Arcee one (an MLP without
+gate) and a Qwen3.5 one (Gated DeltaNet layers around one of gated attention): the
 memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
 log-prob the sampler recorded equals a full forward of the policy version that generated it (and for the
 mixture of experts, every route it recorded the experts that forward picks)."""
@@ -25,11 +25,11 @@ from areal_jax.testing.tiny import tiny_config
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v3", "exaone4",
-                                  "arcee"])
+                                  "arcee", "qwen3_5_text"])
 def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     tok = build_math_tokenizer()
     model_dir = str(tmp_path / arch)
-    window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}}.get(
+    window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}, "qwen3_5_text": {}}.get(
         arch, {"sliding_window": 6})
     cfg = tiny_model_config(arch, num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **window)

@@ -17,9 +17,11 @@ from areal_jax.models import config_checks as checks
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
-                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", *MOE_ARCHITECTURES)
+                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text",
+                 *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
-_ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention")
+_ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention",
+                                                                                   "linear_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -58,7 +60,8 @@ class ModelConfig:
       (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
       (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
       interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
-      "hunyuan_v1_dense" (Llama's, per-head q/k norm after RoPE), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate).
+      "hunyuan_v1_dense" (Llama's, per-head q/k norm after RoPE), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate),
+      "qwen3_5_text" (Qwen3.5: Gated DeltaNet layers, `linear`, between layers of gated attention; norms 1 + w).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
@@ -68,7 +71,8 @@ class ModelConfig:
       `for_sequence_length`).
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
-    layer_types: per layer "full_attention" or "sliding_attention" (None: all sliding when sliding_window is set).
+    layer_types: per layer "full_attention", "sliding_attention" (None: all sliding when sliding_window is set) or
+      "linear_attention" (a Gated DeltaNet layer of `linear`'s shapes: models.gated_deltanet).
     rope_local_theta: the RoPE base of sliding layers, which then take no rope_scaling (Gemma 3's
       rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
@@ -101,6 +105,7 @@ class ModelConfig:
       weights (the picked scores, renormalised with norm_topk_prob) times routed_scaling_factor.
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
     mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope).
+    linear: None, or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet.
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
@@ -163,6 +168,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
     mla: checks.MLA | None = None
+    linear: checks.LinearAttention | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -190,32 +196,10 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
-        for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla):
+        for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla,
+                      checks.check_linear):
             check(self)
-        if self.rope_scaling is not None:
-            scaling = dict(self.rope_scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in _ROPE_TYPES:
-                raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported types are "
-                                 f"{', '.join(_ROPE_TYPES)} (or rope_scaling=None).")
-            if rope_type == "linear" and not float(scaling.get("factor") or 0) > 0:
-                raise ValueError(f"rope_scaling of type 'linear' needs a positive factor; got {scaling}.")
-            if rope_type == "llama3":
-                missing = [k for k in _LLAMA3_KEYS if k not in scaling]
-                if missing:
-                    raise ValueError(f"rope_scaling of type 'llama3' needs keys {', '.join(missing)}; got {scaling}.")
-            if rope_type == "yarn":
-                if scaling.get("original_max_position_embeddings") is None:  # as transformers: the model's own
-                    scaling["original_max_position_embeddings"] = self.max_position_embeddings
-                if scaling.get("factor") is None:
-                    scaling["factor"] = self.max_position_embeddings / scaling["original_max_position_embeddings"]
-                if not float(scaling["factor"]) > 0:
-                    raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
-            if rope_type == "longrope":
-                checks.check_longrope(scaling, self.rope_dim, self.max_position_embeddings)
-            scaling.pop("type", None)
-            scaling["rope_type"] = rope_type
-            object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
+        checks.check_rope_scaling(self)
 
     @property
     def rope_dim(self) -> int:
@@ -301,6 +285,15 @@ class ModelConfig:
         return self.architecture in ("gemma2", "gemma3")
 
     @property
+    def norm_offset(self) -> bool:
+        """Whether RMSNorms scale by 1 + w (weights stored as the offset from one): Gemma's and Qwen3.5's."""
+        return self.gemma or self.architecture == "qwen3_5_text"
+
+    def layer_is_linear(self, i: int) -> bool:
+        """Whether layer i is a Gated DeltaNet layer (`linear`) rather than attention."""
+        return self.layer_types is not None and self.layer_types[i] == "linear_attention"
+
+    @property
     def sandwich_norms(self) -> bool:
         """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4)."""
         return self.gemma or self.architecture == "glm4"
@@ -332,7 +325,7 @@ class ModelConfig:
         """This model with `n` decoder layers, all of full attention: what memory probes compile and extrapolate
         from (a sliding window never needs more memory than full attention, so they bound the real model)."""
         moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
-        return self.replace(num_layers=n, layer_types=None, sliding_window=None, moe_layers=moe)
+        return self.replace(num_layers=n, layer_types=None, sliding_window=None, moe_layers=moe, linear=None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""

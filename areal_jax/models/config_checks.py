@@ -154,3 +154,70 @@ def mla_query_factor(cfg) -> float:
     factor = float(s["factor"])
     m = 1.0 if factor <= 1 else 0.1 * float(s["mscale_all_dim"]) * math.log(factor) + 1.0
     return m * m
+
+
+def check_rope_scaling(cfg) -> None:
+    """`ModelConfig.rope_scaling` checked and completed as transformers completes it (the type under "rope_type"; None
+    for the default type)."""
+    from areal_jax.models.config import _LLAMA3_KEYS, _ROPE_TYPES  # noqa: PLC0415 (a cycle)
+
+    if cfg.rope_scaling is not None:
+        scaling = dict(cfg.rope_scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported types are "
+                             f"{', '.join(_ROPE_TYPES)} (or rope_scaling=None).")
+        if rope_type == "linear" and not float(scaling.get("factor") or 0) > 0:
+            raise ValueError(f"rope_scaling of type 'linear' needs a positive factor; got {scaling}.")
+        if rope_type == "llama3":
+            missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type 'llama3' needs keys {', '.join(missing)}; got {scaling}.")
+        if rope_type == "yarn":
+            if scaling.get("original_max_position_embeddings") is None:  # as transformers: the model's own
+                scaling["original_max_position_embeddings"] = cfg.max_position_embeddings
+            if scaling.get("factor") is None:
+                scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+            if not float(scaling["factor"]) > 0:
+                raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
+        if rope_type == "longrope":
+            check_longrope(scaling, cfg.rope_dim, cfg.max_position_embeddings)
+        scaling.pop("type", None)
+        scaling["rope_type"] = rope_type
+        object.__setattr__(cfg, "rope_scaling", None if rope_type == "default" else scaling)
+
+
+class LinearAttention(NamedTuple):
+    """Gated DeltaNet's shapes (Qwen3.5's linear-attention layers; `models.gated_deltanet`): `key_heads` query / key
+    heads of `key_dim`, `value_heads` value heads of `value_dim` (a multiple of key_heads: each query / key head
+    serves value_heads / key_heads of them), and a causal depthwise convolution of `conv_kernel` taps over the
+    projected queries, keys and values."""
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int = 4
+
+
+def check_linear(cfg) -> None:
+    """`ModelConfig.linear` made a `LinearAttention` (from a tuple or dict) and checked against layer_types: the
+    "linear_attention" layers need it, and it needs at least one of them."""
+    m, types = cfg.linear, cfg.layer_types or ()
+    if m is None:
+        if "linear_attention" in types:
+            raise ValueError("ModelConfig.layer_types has linear_attention layers but linear is None; set linear="
+                             "LinearAttention(key_heads, value_heads, key_dim, value_dim, conv_kernel).")
+        return
+    try:
+        m = LinearAttention(**m) if isinstance(m, dict) else LinearAttention(*m)
+    except TypeError as err:
+        raise ValueError(f"ModelConfig.linear must be LinearAttention(key_heads, value_heads, key_dim, value_dim, "
+                         f"conv_kernel); got {cfg.linear!r}.") from err
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m):
+        raise ValueError(f"ModelConfig.linear's fields must be positive integers, got {m}.")
+    if m.value_heads % m.key_heads or m.conv_kernel < 2:
+        raise ValueError(f"ModelConfig.linear needs value_heads a multiple of key_heads and conv_kernel >= 2, got {m}.")
+    if "linear_attention" not in types:
+        raise ValueError("ModelConfig.linear is set but no layer is linear_attention: list them in layer_types, or "
+                         "leave linear None.")
+    object.__setattr__(cfg, "linear", m)

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import arcee, deepseek, ernie, exaone, glm4, gpt_oss, hunyuan, minimax, seed_oss
+from areal_jax.models import arcee, deepseek, ernie, exaone, glm4, gpt_oss, hunyuan, minimax, qwen3_5, seed_oss
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
@@ -14,9 +14,9 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3_moe":
              "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM", "granitemoe":
              "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
-             "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM", **deepseek.HF_CLASSES,
-             **ernie.HF_CLASSES, **exaone.HF_CLASSES, **hunyuan.HF_CLASSES, **seed_oss.HF_CLASSES, **arcee.HF_CLASSES}
-_OWN_MODULE = {arch: m for m in (deepseek, ernie, exaone, hunyuan, seed_oss, arcee) for arch in m.HF_CLASSES}  # families whose modules read and write
+             "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM"}
+_OWN_MODULE = {arch: m for m in (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5) for arch in m.HF_CLASSES}
+_HF_CLASS.update({arch: m.HF_CLASSES[arch] for arch, m in _OWN_MODULE.items()})  # families whose modules read and write
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the image-and-text checkpoints' text_config lists only the keys that differ
@@ -130,6 +130,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         archs = d.get("architectures") or []
         inverse = {v: k for k, v in _HF_CLASS.items()}
         model_type = next((inverse[a] for a in archs if a in inverse), None)
+    d, model_type = (qwen3_5.text_config(d), "qwen3_5_text") if model_type == qwen3_5.WRAPPER else (d, model_type)
     if model_type == "gemma3":  # the image-and-text model (4B and up): its text decoder, under text_config
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -240,7 +241,7 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    for family in (gpt_oss, deepseek, minimax, ernie, glm4, exaone, hunyuan, seed_oss, arcee):
+    for family in (gpt_oss, deepseek, minimax, ernie, glm4, exaone, hunyuan, seed_oss, arcee, qwen3_5):
         family.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):
@@ -281,7 +282,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE 4's; HF {cfg.architecture} "
                          "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4"):
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "qwen3_5_text"):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):

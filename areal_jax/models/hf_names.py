@@ -18,7 +18,8 @@ class _Entry:
 
     kind "same": identical layout; "flat": ours [N, Dh] <-> HF [N * Dh];
     "in_first": ours [D_in, *out] <-> HF [prod(out), D_in]; "out_last": ours [*in, D_out] <-> HF [D_out, prod(in)];
-    "swap_last": ours [E, a, b] <-> HF [E, b, a] (Granite's stacked experts); "row": ours [N] <-> HF [1, N].
+    "swap_last": ours [E, a, b] <-> HF [E, b, a] (Granite's stacked experts); "row": ours [N] <-> HF [1, N];
+    "conv": ours [K, C] <-> HF [C, 1, K] (a depthwise convolution's taps: Gated DeltaNet's conv1d).
     rows: (start, stop, total) when the HF tensor fuses several of ours along its first axis (Phi's qkv_proj and
     gate_up_proj; for "swap_last", its second: Granite's input_linear): ours is its rows start..stop of total.
     expert: the HF tensor is this expert's slice of ours (ours stacks a layer's experts on its first axis; HF
@@ -63,6 +64,8 @@ class _Entry:
             return (shape[0], shape[2], shape[1])
         if self.kind == "row":
             return (1, *shape)
+        if self.kind == "conv":
+            return (shape[1], 1, shape[0])
         return (shape[-1], int(np.prod(shape[:-1])))
 
     def to_ours(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -74,6 +77,8 @@ class _Entry:
             return hf.reshape(shape)
         if self.kind == "swap_last":
             return hf.transpose(0, 2, 1).reshape(shape)
+        if self.kind == "conv":
+            return hf.reshape(shape[1], shape[0]).T
         return hf.T.reshape(shape)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
@@ -85,6 +90,8 @@ class _Entry:
             return ours[None]
         if self.kind == "swap_last":
             return ours.transpose(0, 2, 1)
+        if self.kind == "conv":
+            return np.ascontiguousarray(ours.T[:, None, :])
         if self.kind == "in_first":
             return ours.reshape(ours.shape[0], -1).T
         return ours.reshape(-1, ours.shape[-1]).T
@@ -101,7 +108,10 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
             entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
-        for name, rows in zip("qkv" if cfg.mla is None else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+        linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
+        if linear:
+            entries.extend(_linear_entries(p + ("linear_attn",), f"{hf}.linear_attn"))
+        for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
             if fused:
                 entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
                                       (*rows, q + 2 * kv)))
@@ -111,8 +121,9 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
                 entries.append(_Entry(p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", "flat"))
         if cfg.mla is not None:
             entries.extend(_latent_entries(cfg, p + ("attn",), f"{hf}.self_attn"))
-        entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
-        if cfg.qk_norm:
+        if not linear:
+            entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
+        if cfg.qk_norm and not linear:
             for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
                 entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
         post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
@@ -197,3 +208,16 @@ def _latent_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
     return out + [_Entry(path + ("kv_a_proj",), f"{hf}.kv_a_proj_with_mqa.weight", "in_first"),
                   _Entry(path + ("kv_a_norm", "scale"), f"{hf}.kv_a_layernorm.weight", "same"),
                   _Entry(path + ("kv_b_proj",), f"{hf}.kv_b_proj.weight", "in_first")]
+
+
+def _linear_entries(path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A Gated DeltaNet layer's parameters (models.gated_deltanet), as Qwen3.5 names them under linear_attn."""
+    return [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first"),
+            _Entry(path + ("in_proj_z",), f"{hf}.in_proj_z.weight", "in_first"),
+            _Entry(path + ("in_proj_b",), f"{hf}.in_proj_b.weight", "in_first"),
+            _Entry(path + ("in_proj_a",), f"{hf}.in_proj_a.weight", "in_first"),
+            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv"),
+            _Entry(path + ("dt_bias",), f"{hf}.dt_bias", "same"),
+            _Entry(path + ("A_log",), f"{hf}.A_log", "same"),
+            _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),
+            _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]

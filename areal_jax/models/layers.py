@@ -246,7 +246,8 @@ class Attention(nnx.Module):
         d, h, k, hd, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.dtype = cfg.dtype
         self.eps = cfg.rms_norm_eps
-        self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
+        self.output_gate = cfg.architecture == "qwen3_5_text"  # q_proj also gives each head's output gate
+        self.q_proj = make_param(rngs, (d, h, 2 * hd if self.output_gate else hd), ("embed", "heads", "head_dim"), pdt)
         self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.o_proj = make_param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pdt)
@@ -259,8 +260,8 @@ class Attention(nnx.Module):
         self.o_bias = make_param(rngs, (d,), ("embed",), pdt, init="zeros") if cfg.attention_out_bias else None
         self.sinks = make_param(rngs, (h,), ("heads",), pdt, init="zeros") if cfg.attention_sinks else None
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo, OLMoE)
-            self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
-            self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.gemma)
+            self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
@@ -292,6 +293,15 @@ class Attention(nnx.Module):
         if self.query_factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
         return q, k if self.norm_after_rope else apply_rope(k, cos, sin), v
+
+    def gated_qkv(self, x: jax.Array, cos: jax.Array,
+                  sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Qwen3.5's form of `qkv`: q_proj gives each head's query and then its output gate ([B, T, H, 2 Dh]);
+        returns (q, k, v, gate [B, T, H, Dh]), the attention's output to be times sigmoid(gate)."""
+        y = self._project(x, self.q_proj, self.q_bias)
+        hd = y.shape[-1] // 2
+        q, k = self._qk_norms(y[..., :hd], self._project(x, self.k_proj, self.k_bias))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), self._project(x, self.v_proj, self.v_bias), y[..., hd:]
 
     def _qk_norms(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.q_norm is not None and self.flat_qk_norm:
@@ -334,17 +344,20 @@ class DecoderLayer(nnx.Module):
     MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`), and
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
     pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
-    (`models.moe.MoE`) rather than one MLP."""
+    (`models.moe.MoE`) rather than one MLP. linear: the token mixer is Gated DeltaNet (`linear_attn`:
+    models.gated_deltanet), not attention (`attn` None)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        from areal_jax.models.mla import MLAttention  # noqa: PLC0415 (both build on this module)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False):
+        from areal_jax.models.gated_deltanet import GatedDeltaNet  # noqa: PLC0415 (they build on this module)
+        from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
 
         def norm() -> RMSNorm:
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.gemma)
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset)
 
         self.input_norm = None if cfg.olmo else norm()
-        self.attn = MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
+        self.linear_attn = GatedDeltaNet(cfg, rngs=rngs) if linear else None
+        self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = norm() if cfg.sandwich_norms else None
@@ -373,9 +386,16 @@ class DecoderLayer(nnx.Module):
             extras.append(found)
             return out
 
-        q, k, v, *write = self.attn.qkv(x if self.input_norm is None else self.input_norm(x), cos, sin, cached)
-        sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
-        a = self.attn.out(attend(q, k, v, sinks, *write), cached)
+        h = x if self.input_norm is None else self.input_norm(x)
+        if self.linear_attn is not None:  # Gated DeltaNet: attend is its context (gated_deltanet.Segments / StateCache)
+            a = self.linear_attn(h, attend)
+        elif getattr(self.attn, "output_gate", False):
+            q, k, v, gate = self.attn.gated_qkv(h, cos, sin)
+            a = self.attn.out(attend(q, k, v, None) * jax.nn.sigmoid(gate))
+        else:
+            q, k, v, *write = self.attn.qkv(h, cos, sin, cached)
+            sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
+            a = self.attn.out(attend(q, k, v, sinks, *write), cached)
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

@@ -108,13 +108,14 @@ class LoRAConfig(Section):
         return names, patterns
 
     def target_paths(self, num_layers: int, experts: Sequence[int] = (), attention: Sequence[str] = ("q", "k", "v", "o"),
-                     mlp: Sequence[str] = ("gate", "up", "down")) -> list[tuple[int, str]]:
+                     mlp: Sequence[str] = ("gate", "up", "down"), linear: Sequence[int] = ()) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
         layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
         "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
         (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
-        Arcee's: `mlp_projections`), the others skipped."""
+        Arcee's: `mlp_projections`), the others skipped. linear: the Gated DeltaNet layers (Qwen3.5's), whose token
+        mixer takes no adapters (their MLP's still may)."""
         names, patterns = self.target_rules()
         named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
         foreign = sorted(s for s in named & set(PROJECTIONS) if PROJECTIONS[s][0] == "attn" and s not in attention)
@@ -125,7 +126,8 @@ class LoRAConfig(Section):
         for i in range(num_layers):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
-                if part == "mlp" and (moe or short not in mlp) or part == "attn" and short not in attention:
+                if part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or
+                                                                                       i in linear):
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
@@ -248,7 +250,7 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     if has_lora(model):
         raise ValueError("The model already has LoRA adapters; apply_lora once per model.")
     targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg), attention_projections(model.cfg),
-                               mlp_projections(model.cfg))
+                               mlp_projections(model.cfg), linear_layers(model.cfg))
     if not targets:
         raise ValueError(f"lora.targets={cfg.targets!r} selects no projection of this {model.cfg.num_layers}-layer "
                          "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
@@ -335,7 +337,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     d, f, h, k, hd = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
                       model_cfg.num_kv_heads, model_cfg.head_dim)
     e, fe = model_cfg.num_experts or 0, model_cfg.expert_size if model_cfg.num_experts else 0
-    dims = {"q": (d, h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
+    gated = 2 if model_cfg.architecture == "qwen3_5_text" else 1  # Qwen3.5's q_proj gives each head's gate too
+    dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
     if model_cfg.mla is not None:
@@ -343,7 +346,7 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
         dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
                     kv_b=(m.kv_lora_rank, h * (m.nope + m.v)), o=(h * m.v, d))
     paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
-                             mlp_projections(model_cfg))
+                             mlp_projections(model_cfg), linear_layers(model_cfg))
     return sum(cfg.rank * sum(dims[s]) * itemsize for _, s in paths)
 
 
@@ -360,6 +363,11 @@ def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
     from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
 
     return ("up", "down") if model_cfg.architecture in UNGATED else ("gate", "up", "down")
+
+
+def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
+    """The Gated DeltaNet layers of `model_cfg` (no attention projections to adapt there)."""
+    return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_linear(i))
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

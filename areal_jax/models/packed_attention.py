@@ -122,10 +122,17 @@ def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
 
 def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
                     backend: str | None = None) -> list[AttentionFn]:
-    """Each decoder layer's `packed_attention` (one function per distinct window, shared by its layers)."""
+    """Each decoder layer's `packed_attention` (one function per distinct window, shared by its layers); a Gated
+    DeltaNet layer's is its `gated_deltanet.Segments`."""
+    from areal_jax.models.gated_deltanet import Segments  # noqa: PLC0415 (it builds on the layers this module runs)
+
     by_window: dict[int | None, AttentionFn] = {}
-    out = []
+    out: list = []
+    linear = Segments(segment_ids)  # a Gated DeltaNet layer's context: its segments (one object: scans see a period)
     for i in range(cfg.num_layers):
+        if cfg.layer_is_linear(i):
+            out.append(linear)
+            continue
         w = cfg.layer_window(i)
         if w not in by_window:
             by_window[w] = packed_attention(segment_ids, choice, backend, w, cfg.attn_logit_softcap)

@@ -12,6 +12,24 @@ def latent_attention_weights(cfg: Any) -> int:
     return q + d * (m.kv_lora_rank + m.rope) + m.kv_lora_rank * h * (m.nope + m.v) + h * m.v * d
 
 
+def linear_attention_weights(cfg: Any) -> tuple[int, int]:
+    """(matrices, the rest) of one Gated DeltaNet layer (models.gated_deltanet): its projections, and its
+    convolution, decay parameters and norm."""
+    m, d = cfg.linear, cfg.hidden_size
+    c, hv = 2 * m.key_heads * m.key_dim + m.value_heads * m.value_dim, m.value_heads
+    return d * (c + hv * m.value_dim + 2 * hv) + hv * m.value_dim * d, m.conv_kernel * c + 2 * hv + m.value_dim
+
+
+def attention_matrices(cfg: Any, i: int) -> int:
+    """The weights of layer i's token mixer one token multiplies through (Qwen3.5's q_proj gives a gate too)."""
+    d, hq, hd, kv = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
+    if cfg.layer_is_linear(i):
+        return linear_attention_weights(cfg)[0]
+    if cfg.mla is not None:
+        return latent_attention_weights(cfg)
+    return d * hd * (hq * (2 if cfg.architecture == "qwen3_5_text" else 1) + 2 * kv) + hq * hd * d
+
+
 def mlp_matrices(cfg: Any) -> int:
     """A dense MLP's weight matrices: gate, up and down, or up and down where it has no gate (Arcee)."""
     from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
@@ -27,23 +45,26 @@ def num_params(cfg: Any) -> int:
     attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
     if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
+    if cfg.architecture == "qwen3_5_text":  # q_proj's output gate
+        attn += d * h * hd
     layer = attn + (4 if cfg.sandwich_norms else 2) * d
+    linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
+    mixers = (cfg.num_layers - linear) * attn + (linear and sum(linear_attention_weights(cfg)) * linear)
     shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
     ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else mlp_matrices(cfg) * d * f for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * layer + ffn + emb + d
+    return mixers + cfg.num_layers * (layer - attn) + ffn + emb + d
 
 
 def matmul_params_per_token(cfg: Any) -> int:
     """The weights one token multiplies through in the decoder layers (the unembedding aside): every attention
     projection, and its layer's MLP, or its top-k experts, the router and any shared expert. 2x this is a token's
     forward matmul FLOPs there (the active parameters of a mixture of experts)."""
-    d, hq, hd, kv = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
-    attn = d * hd * (hq + 2 * kv) + hq * hd * d if cfg.mla is None else latent_attention_weights(cfg)
+    d = cfg.hidden_size
     moe = cfg.num_experts_per_tok * 3 * d * cfg.expert_size + d * cfg.num_experts
     moe += 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     dense = mlp_matrices(cfg) * d * cfg.intermediate_size
-    return sum(attn + (moe if cfg.layer_is_moe(i) else dense) for i in range(cfg.num_layers))
+    return sum(attention_matrices(cfg, i) + (moe if cfg.layer_is_moe(i) else dense) for i in range(cfg.num_layers))

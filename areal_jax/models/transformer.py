@@ -12,6 +12,7 @@ from flax import nnx
 
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.gated_deltanet import StateCache, state_buffers
 from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
@@ -101,12 +102,18 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
 
 
 def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> KVCache:
-    """A zero KVCache of `rows` rows, layer i holding lengths[i] positions in `mla.cache_layout`'s heads and widths;
-    dtype defaults to `cache_dtype(cfg)`."""
+    """A zero KVCache of `rows` rows, layer i holding lengths[i] positions in `mla.cache_layout`'s heads and widths
+    (a Gated DeltaNet layer: its window and state, `gated_deltanet.state_buffers`); dtype defaults to
+    `cache_dtype(cfg)`."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
-    return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
-                   v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
+    if cfg.linear is None:
+        return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
+                       v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
+    pairs = [state_buffers(cfg, rows) if cfg.layer_is_linear(i) else
+             (jnp.zeros((rows, n, heads, k_dim), dtype), jnp.zeros((rows, n, heads, v_dim), dtype))
+             for i, n in enumerate(lengths)]
+    return KVCache(k=tuple(k for k, _ in pairs), v=tuple(v for _, v in pairs))
 
 
 def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, picks: list | None,
@@ -140,8 +147,9 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i)) for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset=cfg.gemma)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i), linear=cfg.layer_is_linear(i))
+                                for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset=cfg.norm_offset)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -161,6 +169,8 @@ class Transformer(nnx.Module):
         also drops keys more than its window behind the query, in both modes. The cache path reads each layer in chunks
         up to the largest position in the batch (`cache_attention.cached_attention`) and is forward-only.
         ring: the sliding layers' buffers are rings (`init_cache(ring=True)`; one token per row).
+        A Gated DeltaNet layer (Qwen3.5) keeps a state in place of positions (`gated_deltanet`): with a cache its
+        tokens must come in order, each once; a token at a negative position leaves it as it is.
         """
         out = self.hidden(tokens, positions, segment_ids, cache, ring=ring)
         if cache is None:
@@ -217,8 +227,7 @@ class Transformer(nnx.Module):
             s = max((g[1] for g in got if len(g) == 4), default=None)
             rings = ring and cfg.sliding_window is not None
             lengths = cache_lengths(cfg, s or 0, rings)
-            heads, k_dim, v_dim = cache_layout(cfg)
-            expected = [(b, n, heads, k_dim) for n in lengths] + [(b, n, heads, v_dim) for n in lengths]
+            expected = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: zero_cache(cfg, b, lengths)))]
             if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or got != expected:
                 raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} layers of shapes {sorted(set(got))}, "
                                  f"expected {cfg.num_layers} layers of {sorted(set(expected))}; build it with "
@@ -253,6 +262,14 @@ class Transformer(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         picks: list[jax.Array] = []  # record_routes: each expert layer's [B, T, k]
         for i, layer in enumerate(self.layers):
+            if cfg.layer_is_linear(i):  # Gated DeltaNet: its window and state in place of keys and values
+
+                def store(window: jax.Array, state: jax.Array, i: int = i) -> None:
+                    ks[i], vs[i] = window, state
+
+                x = cached_layer(layer, x, ropes[i], StateCache(ks[i], vs[i], positions >= 0, store),
+                                 picks if record_routes else None)
+                continue
             window = cfg.layer_window(i)
             r = ks[i].shape[1]
             at = jnp.where(positions >= 0, positions % r, r) if ring and window is not None else write_at

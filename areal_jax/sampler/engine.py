@@ -235,6 +235,8 @@ class Engine(StandbyRows, CountedPrograms):
         valid = ~state.done
         step = valid.astype(jnp.int32)
         positions = state.lengths
+        if self.config.linear is not None:  # a finished row must not advance a Gated DeltaNet layer's state
+            positions = jnp.where(valid, positions, -1)
         lengths = state.lengths + step
         generated = state.generated + step
         is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)

@@ -113,6 +113,9 @@ class PagedEngine(PageBudget, Engine):
         self._k = 1  # steps of the last dispatch: the growth an optimistic admission leaves room for
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
+        if cfg is not None and cfg.linear is not None:
+            raise ValueError("the paged KV cache holds attention keys and values only, not the Gated DeltaNet layers' "
+                             f"states of this {cfg.architecture} model; use --config.rollout.kv_cache=dense.")
         self.attention = attention or default_path(cache_layout(cfg)[1] if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
         self.pages_per_slot = per_sequence  # the page table's width

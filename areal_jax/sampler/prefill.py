@@ -24,6 +24,8 @@ def prefill_rows(model: nnx.Module, config, tokens: jax.Array, lengths: jax.Arra
     routes a mixture-of-experts model's experts of each position, [R, P, L_moe, k] int32, third."""
     r, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
+    if config.linear is not None:  # padding must not advance a Gated DeltaNet layer's state: it gets position -1
+        positions = jnp.where(positions < lengths[:, None], positions, -1)
     h, cache, *picks = model.hidden(tokens, positions, cache=init_cache(config, r, p), record_routes=routes,
                                     fresh=True)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [R, 1, D]

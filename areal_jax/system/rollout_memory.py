@@ -12,6 +12,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.flat_params import cast_shapes
+from areal_jax.models.gated_deltanet import state_bytes
 from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
@@ -69,19 +70,22 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache and a page pool
     split their kv heads over the rollout mesh's tensor axis when they divide), with the standby
     rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
-    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket)."""
+    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket); a Gated DeltaNet layer
+    keeps each row's window and state (`gated_deltanet.state_bytes`)."""
     rows = rollout.num_slots + rollout.standby
     rings = ring_layers(cfg, rollout.max_len)
     lengths = cache_lengths(cfg, rollout.max_len, ring=True)
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
     layer_position = kv_position_bytes(cfg, tensor, layers=1)
-    full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings))
+    linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # Gated DeltaNet: a fixed state per row
+    row_states = linear * (0 if cfg.linear is None else state_bytes(cfg))
+    full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings) - linear)
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full
-        return pool + rows * ring_positions * layer_position + rows * cfg.vocab_size * 4
+        return pool + rows * (ring_positions * layer_position + row_states) + rows * cfg.vocab_size * 4
     slots = rollout.num_slots * (rollout.max_len * full + ring_positions * layer_position)
-    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor)
-    return slots + standby + rows * cfg.vocab_size * 4
+    standby = rollout.standby * rollout.standby_length() * kv_position_bytes(cfg, tensor, layers=cfg.num_layers - linear)
+    return slots + standby + rows * (row_states + cfg.vocab_size * 4)
 
 
 def sampler_weight_parts(job: Any, state: Any, mesh: Any, rmesh: Any) -> tuple[dict[str, int], dict[str, int]]:

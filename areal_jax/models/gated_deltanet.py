@@ -1,0 +1,235 @@
+"""Gated DeltaNet (arXiv 2412.06464): the linear-attention layers of Qwen3.5, between its layers of gated attention.
+
+A layer keeps, per value head, a state S [key_dim, value_dim] that each token decays and corrects instead of a
+cache that grows with the sequence:
+
+    S <- exp(g_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T q_t
+
+with q_t, k_t L2-normalised (q_t also times key_dim ** -0.5), beta_t = sigmoid(b_t) and the decay
+g_t = -exp(A_log) softplus(a_t + dt_bias). Queries, keys and values first pass a causal depthwise convolution
+of `conv_kernel` taps and SiLU; the output is RMS-normalised per head, times SiLU(z_t) and projected back.
+
+`delta_rule` computes the recurrence in chunks (the WY form: within a chunk a unit lower-triangular solve, between
+chunks a scan carrying S), with packed rows' segments kept apart: a segment starts from a zero state and its
+convolution sees only its own tokens. `delta_step` is one token's update (decode). In a KV-cache forward a layer's
+cache entries hold its convolution window, k [B, conv_kernel - 1, channels, 1] (the last inputs, oldest first),
+and its state, v [B, 1, value_heads * key_dim, value_dim] in float32 (`state_buffers`); a token at a negative
+position (padding) leaves both unchanged, so a tail-padded prefill ends with each row's own state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.layers import dense, make_param
+
+CHUNK = 64  # tokens per chunk of `delta_rule` (the within-chunk solve is CHUNK x CHUNK)
+
+
+def channels(cfg: ModelConfig) -> int:
+    """Width of the convolved projection: queries and keys (key_heads * key_dim each), then values."""
+    m = cfg.linear
+    return 2 * m.key_heads * m.key_dim + m.value_heads * m.value_dim
+
+
+def state_buffers(cfg: ModelConfig, rows: int) -> tuple[jax.Array, jax.Array]:
+    """A linear layer's zero cache entries for `rows` rows: (convolution window [rows, conv_kernel - 1, channels, 1],
+    state [rows, 1, value_heads * key_dim, value_dim]), both float32 (the state sums thousands of updates)."""
+    m = cfg.linear
+    return (jnp.zeros((rows, m.conv_kernel - 1, channels(cfg), 1), jnp.float32),
+            jnp.zeros((rows, 1, m.value_heads * m.key_dim, m.value_dim), jnp.float32))
+
+
+def state_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one row's `state_buffers` in one linear layer."""
+    m = cfg.linear
+    return 4 * ((m.conv_kernel - 1) * channels(cfg) + m.value_heads * m.key_dim * m.value_dim)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (float32)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def segment_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal depthwise convolution of packed rows: x [B, T, C], w [K, C] (tap K-1 reads the token itself, tap j
+    the one K-1-j before it), segment_ids [B, T]; a tap that reaches into another segment (or before the row) reads
+    zero. Returns [B, T, C] in x's dtype, before the activation."""
+    k_taps, t = w.shape[0], x.shape[1]
+    out = x * w[-1]
+    for back in range(1, k_taps):
+        if back >= t:
+            break
+        shifted = jnp.pad(x, ((0, 0), (back, 0), (0, 0)))[:, :t]
+        same = jnp.pad(segment_ids, ((0, 0), (back, 0)), constant_values=-1)[:, :t] == segment_ids
+        out = out + jnp.where(same[..., None], shifted, 0) * w[k_taps - 1 - back]
+    return out
+
+
+def window_conv(x: jax.Array, w: jax.Array, window: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise convolution continuing from a window of earlier inputs: x [B, T, C], w [K, C], window
+    [B, K-1, C] (oldest first), valid [B, T] (a row's valid tokens come first). Returns (output [B, T, C] before the
+    activation, the new window: the last K-1 inputs up to each row's last valid token)."""
+    k_taps, t = w.shape[0], x.shape[1]
+    full = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    out = sum(full[:, j:j + t] * w[j] for j in range(k_taps))
+    n = jnp.sum(valid.astype(jnp.int32), axis=1)  # [B]
+    index = n[:, None] + jnp.arange(k_taps - 1)[None, :]  # the window after the row's last valid token
+    return out, jnp.take_along_axis(full, index[..., None], axis=1)
+
+
+def delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (all float32) ->
+    (o [B, H, Dv], the new state)."""
+    state = state * jnp.exp(g)[..., None, None]
+    delta = (v - jnp.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               segment_ids: jax.Array | None = None, state: jax.Array | None = None,
+               chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over whole rows, chunk by chunk.
+
+    q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H] (float32; a token with g = beta = 0 leaves the state as
+    it is). segment_ids [B, T]: packed rows, each segment from a zero state (contiguous segments; None: one per
+    row). state [B, H, Dk, Dv]: the state before the first token (None: zeros). Returns (o [B, T, H, Dv], the state
+    after the last token) in float32."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    c = min(chunk, max(8, -(-t // 8) * 8))
+    pad = -t % c
+    n = (t + pad) // c
+    seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+    def chunked(x: jax.Array, mode: str = "constant") -> jax.Array:  # [B, T, ...] -> [N, B, H?, C, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), mode=mode)
+        x = x.reshape(b, n, c, *x.shape[2:])
+        return jnp.moveaxis(x, (1, 3), (0, 2)) if x.ndim > 3 else jnp.moveaxis(x, 1, 0)
+
+    qs, ks, vs = chunked(q), chunked(k), chunked(v)  # [N, B, H, C, D]
+    gs, bs = chunked(g), chunked(beta)  # [N, B, H, C]
+    segs = chunked(seg, "edge")  # [N, B, C]: padding continues the last segment
+    cum = jnp.cumsum(gs, axis=-1)
+    lower = np.tril(np.ones((c, c), bool))
+    same = (segs[..., :, None] == segs[..., None, :]) & lower  # [N, B, C, C]
+    same = same[:, :, None]
+    decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # i >= j, one segment
+    kb = ks * bs[..., None]
+    strict = decay * (1 - np.eye(c, dtype=np.float32))
+    system = jnp.einsum("nbhid,nbhjd->nbhij", kb, ks) * strict + np.eye(c, dtype=np.float32)
+    rhs = jnp.concatenate([vs * bs[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # the corrections before the carried state; its keys
+    scores = jnp.einsum("nbhid,nbhjd->nbhij", qs, ks) * decay
+    q_decayed = qs * jnp.exp(cum)[..., None]
+    last = segs[..., -1:]  # [N, B, 1]
+    k_to_end = ks * jnp.where((segs == last)[:, :, None], jnp.exp(cum[..., -1:] - cum), 0)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [N, B, H]
+    firsts = jnp.concatenate([seg[:, :1][None], segs[:-1, :, -1:]], axis=0)  # the segment each chunk continues
+
+    def step(s: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
+        u_n, w_n, qd_n, sc_n, kend_n, cd_n, seg_n, before, last_n = xs
+        cont = (seg_n == before)[:, None, :, None].astype(jnp.float32)  # [B, 1, C, 1]: the token reads the state
+        v_new = u_n - cont * jnp.einsum("bhcd,bhde->bhce", w_n, s)
+        o = cont * jnp.einsum("bhcd,bhde->bhce", qd_n, s) + jnp.einsum("bhij,bhje->bhie", sc_n, v_new)
+        keep = (last_n == before)[:, :, None, None].astype(jnp.float32)  # [B, 1, 1, 1]: one segment throughout
+        s = s * (cd_n[..., None, None] * keep) + jnp.einsum("bhcd,bhce->bhde", kend_n, v_new)
+        return s, o
+
+    s0 = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    s, out = jax.lax.scan(step, s0, (u, w, q_decayed, scores, k_to_end, chunk_decay, segs, firsts, last))
+    out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * c, h, dv)[:, :t]  # [N, B, H, C, Dv] -> [B, T, H, Dv]
+    return out, s
+
+
+@dataclasses.dataclass
+class Segments:
+    """The cache-free forward's context of a linear layer: packed rows' segment ids [B, T] (0: padding)."""
+
+    segment_ids: jax.Array
+
+
+@dataclasses.dataclass
+class StateCache:
+    """A KV-cache forward's context of a linear layer: its window and state (`state_buffers`' layout), which tokens
+    advance them (valid [B, T]: position >= 0) and where the new ones go (`store(window, state)`)."""
+
+    window: jax.Array
+    state: jax.Array
+    valid: jax.Array
+    store: Callable[[jax.Array, jax.Array], None]
+
+
+class GatedDeltaNet(nnx.Module):
+    """A Gated DeltaNet layer as Qwen3.5 lays it out: in_proj_qkv [D, channels], in_proj_z [D, Hv * Dv],
+    in_proj_b and in_proj_a [D, Hv], conv [K, channels], dt_bias and A_log [Hv], the gated norm's scale [Dv]
+    (plain, not 1 + w) and out_proj [Hv * Dv, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m, d, pdt = cfg.linear, cfg.hidden_size, cfg.param_dtype
+        hv, c = m.value_heads, channels(cfg)
+        self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
+        self.in_proj_qkv = make_param(rngs, (d, c), ("embed", None), pdt)
+        self.in_proj_z = make_param(rngs, (d, hv * m.value_dim), ("embed", None), pdt)
+        self.in_proj_b = make_param(rngs, (d, hv), ("embed", None), pdt)
+        self.in_proj_a = make_param(rngs, (d, hv), ("embed", None), pdt)
+        self.conv = make_param(rngs, (m.conv_kernel, c), (None, None), pdt, std=0.5)
+        self.dt_bias = make_param(None, (hv,), (None,), pdt, init="ones")
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pdt), out_sharding=(None,),
+                               eager_sharding=False)
+        self.norm_scale = make_param(None, (m.value_dim,), ("norm",), pdt, init="ones")
+        self.out_proj = make_param(rngs, (hv * m.value_dim, d), (None, "embed"), pdt)
+
+    def __call__(self, x: jax.Array, context: Segments | StateCache) -> jax.Array:
+        """x [B, T, D] (the layer's normed input) -> [B, T, D] in the compute dtype."""
+        m, dt = self.shape, self.dtype
+        b, t, _ = x.shape
+        hk, hv, dk, dv = m.key_heads, m.value_heads, m.key_dim, m.value_dim
+        mixed = dense(x, self.in_proj_qkv[...].astype(dt))
+        z = dense(x, self.in_proj_z[...].astype(dt)).reshape(b, t, hv, dv)
+        gate_b = dense(x, self.in_proj_b[...].astype(dt)).astype(jnp.float32)
+        gate_a = dense(x, self.in_proj_a[...].astype(dt)).astype(jnp.float32)
+        w = self.conv[...].astype(dt)
+        if isinstance(context, Segments):
+            mixed = segment_conv(mixed, w, context.segment_ids)
+            valid = None
+        else:
+            valid = context.valid
+            mixed, window = window_conv(mixed, w, context.window[..., 0], valid)
+        mixed = jax.nn.silu(mixed)
+        q = mixed[..., : hk * dk].reshape(b, t, hk, dk).astype(jnp.float32)
+        k = mixed[..., hk * dk: 2 * hk * dk].reshape(b, t, hk, dk).astype(jnp.float32)
+        v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv).astype(jnp.float32)
+        if hv != hk:  # query / key head i serves value heads i * r .. i * r + r - 1
+            q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
+        q = l2_normalize(q) * np.float32(1.0 / math.sqrt(dk))
+        k = l2_normalize(k)
+        beta = jax.nn.sigmoid(gate_b)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(gate_a + self.dt_bias[...].astype(
+            jnp.float32))
+        if valid is None:
+            o, _ = delta_rule(q, k, v, g, beta, context.segment_ids)
+        else:
+            g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+            state = context.state.reshape(b, hv, dk, dv)
+            if t == 1:
+                o, state = delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o = o[:, None]
+            else:
+                o, state = delta_rule(q, k, v, g, beta, state=state)
+            context.store(window[..., None].astype(context.window.dtype),
+                          state.reshape(context.state.shape).astype(context.state.dtype))
+        o = o.astype(dt).astype(jnp.float32)  # the rule's output in the compute dtype, as the norm receives it
+        normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)).astype(dt)
+        y = (normed * self.norm_scale[...].astype(dt)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        return dense(y.astype(dt).reshape(b, t, hv * dv), self.out_proj[...].astype(dt))
