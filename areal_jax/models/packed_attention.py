@@ -184,15 +184,17 @@ def _stacked(found: list[dict]) -> dict | None:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *found) if found else None
 
 
-def scannable(layers) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
+def scannable(layers, period: int = 1) -> tuple[nnx.GraphDef, list[nnx.State]] | None:
     """(shared graphdef, per-layer states) when every layer has one module structure and holds parameters
     only (no RNG or other mutable state a scan would have to carry out), else None. LoRA-adapted layers differ
-    in structure (each adapter has its own dropout salt), so they are not scanned."""
+    in structure (each adapter has its own dropout salt), so they are not scanned. With period p > 1 the layers
+    need one structure per position in a group of p (Qwen3.5's three Gated DeltaNet layers and one of attention):
+    the graphdef is then a tuple of p, layer i's at i mod p."""
     if len(layers) < 2:
         return None
     splits = [nnx.split(layer) for layer in layers]
-    graphdef = splits[0][0]
-    if any(g != graphdef for g, _ in splits):
+    graphdef = splits[0][0] if period == 1 else tuple(g for g, _ in splits[:period])
+    if any(g != (graphdef if period == 1 else graphdef[i % period]) for i, (g, _) in enumerate(splits)):
         return None
     if any(jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param))) for layer in layers):
         return None
@@ -232,6 +234,8 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
 
     period = _period(ropes, attends) if scan else None
     shared = scannable(layers) if period is not None else None
+    if shared is None and period is not None and period > 1 and len({is_moe_layer(y) for y in layers}) == 1:
+        shared = scannable(layers, period)  # one structure per place in the group (routes index layers as below)
     found: list[dict] = []
     if shared is None:
         for i, layer in enumerate(layers):
@@ -247,7 +251,8 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
         group, group_routes = xs
         inner: list[dict] = []
         for j, state in enumerate(group):
-            h = run(nnx.merge(graphdef, state), h, j, inner, None if group_routes is None else group_routes[j])
+            h = run(nnx.merge(graphdef if not isinstance(graphdef, tuple) else graphdef[j], state), h, j, inner,
+                    None if group_routes is None else group_routes[j])
         return h, _stacked(inner)  # [p', ...]: the group's expert layers
 
     x, per_group = jax.lax.scan(body, x, (stacked, given))

@@ -1,0 +1,216 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, and the text decoder of Qwen3_5ForConditionalGeneration): Gated DeltaNet layers beside
+gated attention. The delta rule against transformers' token-by-token reference (packed segments, chunk boundaries,
+a carried state, gradients against a token-by-token scan), logits and round trips against transformers' classes (the
+image-and-text checkpoint too), packed rows, the sampler against full forwards, the memory plan against what the
+engine allocates, and the errors that say what differs."""
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.gated_deltanet import delta_rule, delta_step, l2_normalize
+from areal_jax.testing import models as testing
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens, randomize_torch
+
+# A Qwen3.5-0.8B-shaped text_config as the image-and-text checkpoints write it (sizes shrunk; no layer_types, so the
+# default pattern: every fourth layer attention)
+_IMAGE_AND_TEXT = {
+    "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "eos_token_id": 7,
+    "text_config": {"model_type": "qwen3_5_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16, "tie_word_embeddings": True,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True}},
+    "vision_config": {"depth": 2}}
+
+
+def _inputs(b=2, t=150, h=3, dk=8, dv=6, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k = rng.normal(size=(b, t, h, dk)), rng.normal(size=(b, t, h, dk))
+    v = rng.normal(size=(b, t, h, dv))
+    g = -0.3 * np.abs(rng.normal(size=(b, t, h)))
+    beta = 1 / (1 + np.exp(-rng.normal(size=(b, t, h))))
+    return [x.astype(np.float32) for x in (q, k, v, g, beta)]
+
+
+def test_config_of_an_image_and_text_checkpoint_and_refusals():
+    cfg = ModelConfig.from_hf_dict(_IMAGE_AND_TEXT)
+    assert cfg.architecture == "qwen3_5_text" and cfg.eos_token_id == 7 and cfg.tie_word_embeddings
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
+        "full_attention",)
+    assert cfg.rotary_dim == 8 and cfg.rope_theta == 1e7 and cfg.rope_scaling is None  # mrope: plain RoPE for text
+    assert tuple(cfg.linear) == (2, 4, 16, 16, 4) and cfg.qk_norm and cfg.norm_offset
+    again = ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict())))
+    assert again == cfg and cfg.to_hf_dict()["architectures"] == ["Qwen3_5ForCausalLM"]
+    with pytest.raises(ValueError, match="needs a text_config"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3_5"})
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        ModelConfig.from_hf_dict({**_IMAGE_AND_TEXT["text_config"], "attention_bias": True})
+    with pytest.raises(ValueError, match="linear is None"):
+        testing.tiny_config("qwen3_5_text", linear=None)
+    with pytest.raises(ValueError, match="value_heads a multiple of key_heads"):
+        testing.tiny_config("qwen3_5_text", linear=(3, 4, 8, 8, 4))
+
+
+@pytest.mark.parity
+def test_delta_rule_matches_transformers_recurrence():
+    """Chunked (64 tokens, 150 of them: a partial last chunk), with packed segments (a reset inside a chunk and one
+    on a chunk boundary) and with a carried state, against transformers' token-by-token reference."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    reference = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5").torch_recurrent_gated_delta_rule
+    q, k, v, g, beta = _inputs()
+    qn, kn = np.asarray(l2_normalize(jnp.asarray(q))) / np.sqrt(8), np.asarray(l2_normalize(jnp.asarray(k)))
+
+    def ref(lo, hi, rows=slice(None)):
+        out, state = reference(*(torch.tensor(x[rows, lo:hi]) for x in (q, k, v)), g=torch.tensor(g[rows, lo:hi]),
+                               beta=torch.tensor(beta[rows, lo:hi]), output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+        return out.numpy(), state.numpy()
+
+    want, want_state = ref(0, 150)
+    out, state = delta_rule(*map(jnp.asarray, (qn, kn, v, g, beta)))
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    np.testing.assert_allclose(state, want_state, atol=2e-6)
+    seg = np.ones((2, 150), np.int32)
+    seg[0, 40:], seg[0, 64:] = 2, 3  # row 0: segments [0, 40), [40, 64), [64, 150)
+    out, _ = delta_rule(*map(jnp.asarray, (qn, kn, v, g, beta)), segment_ids=jnp.asarray(seg))
+    for lo, hi in ((0, 40), (40, 64), (64, 150)):
+        np.testing.assert_allclose(out[0, lo:hi], ref(lo, hi, slice(0, 1))[0][0], atol=2e-6)
+    np.testing.assert_allclose(out[1], want[1], atol=2e-6)
+    _, head = delta_rule(*(jnp.asarray(x[:, :70]) for x in (qn, kn, v, g, beta)))
+    out, state = delta_rule(*(jnp.asarray(x[:, 70:]) for x in (qn, kn, v, g, beta)), state=head)
+    np.testing.assert_allclose(out, want[:, 70:], atol=2e-6)
+    np.testing.assert_allclose(state, want_state, atol=2e-6)
+
+
+def test_delta_rule_gradients_equal_a_token_scan_and_inert_tokens_keep_the_state():
+    q, k, v, g, beta = (jnp.asarray(x) for x in _inputs(t=90, seed=1))
+    q, k = l2_normalize(q) / np.sqrt(8), l2_normalize(k)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(2, 90, 3, 6)), jnp.float32)
+
+    def scanned(q, k, v, g, beta):  # one token at a time, another way of writing the same recurrence
+        def step(s, xs):
+            o, s = delta_step(*xs, s)
+            return s, o
+        xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+        _, o = jax.lax.scan(step, jnp.zeros((2, 3, 8, 6)), xs)
+        return jnp.sum(jnp.moveaxis(o, 0, 1) * w)
+
+    def chunked(q, k, v, g, beta):
+        return jnp.sum(delta_rule(q, k, v, g, beta, chunk=32)[0] * w)
+
+    for a, b in zip(jax.grad(chunked, argnums=range(5))(q, k, v, g, beta),
+                    jax.grad(scanned, argnums=range(5))(q, k, v, g, beta)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    # tokens with g = beta = 0 (padding, a finished row) leave the state as it was, wherever they sit
+    inert = np.ones(90, bool)
+    inert[[5, 33, 60, 61, 89]] = False
+    keep = jnp.asarray(inert)[None, :, None]
+    _, s_masked = delta_rule(q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0))
+    _, s_dropped = delta_rule(*(x[:, inert] for x in (q, k, v, g, beta)))
+    np.testing.assert_allclose(s_masked, s_dropped, atol=2e-6)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("overrides", [{"num_layers": 4}, {"num_layers": 2, "linear": (2, 2, 8, 8, 3),
+                                                            "tie_word_embeddings": True, "num_kv_heads": 1}])
+def test_model_matches_transformers_and_round_trips(tmp_path, overrides):
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = testing.tiny_config("qwen3_5_text", **overrides)
+    hf = hf_model_of(cfg, seed=1)
+    # atol: two float32 forms of the chunked rule part by up to ~5e-4 at logits of up to ~70 (tied embeddings); against
+    # transformers in float64 ours was off by 2.7e-4 there and its own float32 forward by 3.5e-4
+    ours = assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 80), seed=2), atol=1e-3)
+    want = hf.model.layers[0].linear_attn.conv1d.weight.detach().numpy()  # [C, 1, K] on disk, [K, C] here
+    np.testing.assert_array_equal(np.asarray(ours.layers[0].linear_attn.conv[...]), want[:, 0].T)
+
+
+@pytest.mark.parity
+def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from areal_jax.models import load_hf_checkpoint
+
+    cfg = testing.tiny_config("qwen3_5_text", num_layers=4)
+    text = {k: v for k, v in cfg.to_hf_dict().items() if k != "architectures"}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf = randomize_torch(transformers.Qwen3_5ForConditionalGeneration(config).eval(), seed=4)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    assert ours.cfg == cfg  # the vision tower's tensors are left on disk
+    tokens = random_tokens(97, (2, 30), seed=2)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
+
+
+def test_sampler_decodes_as_its_full_forward_and_the_paged_cache_is_refused():
+    from areal_jax.sampler.paged_engine import PagedEngine
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    model = testing.random_model(testing.tiny_config("qwen3_5_text", num_layers=4), seed=3)
+    # three prompts through two slots: a slot's state is replaced whole when it takes the next prompt
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
+    with pytest.raises(ValueError, match="kv_cache=dense"):
+        PagedEngine(model, num_slots=2, max_len=32, page_size=8)
+
+
+def test_memory_plan_counts_the_states_as_allocated():
+    """`kv_cache_bytes` equals what the dense engine allocates (attention layers' keys and values, each linear layer's
+    window and float32 state per slot and standby row, logits), and is below that of the same model in attention."""
+    from areal_jax.sampler.config import RolloutConfig
+    from areal_jax.system.memory import kv_cache_bytes
+
+    model = testing.random_model(testing.tiny_config("qwen3_5_text", num_layers=4), seed=0)
+    rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, standby_rows=2, standby_len=16)
+    state = jax.eval_shape(rollout.make_engine(model, mesh=None, config=model.cfg)._init_fn)
+
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim >= 2 and x.dtype != jnp.int32)
+
+    allocated = nbytes(state.cache) + nbytes(state.logits) + nbytes(state.standby.cache) + nbytes(state.standby.logits)
+    assert kv_cache_bytes(model.cfg, rollout, 1) == allocated
+    attention = testing.tiny_config("qwen3_5_text", num_layers=4, linear=None, layer_types=None)
+    assert kv_cache_bytes(model.cfg, rollout, 1) < kv_cache_bytes(attention, rollout, 1)
+
+
+def test_layers_scan_in_groups_of_three_linear_and_one_attention():
+    """Nine layers (two groups of three Gated DeltaNet layers and one of attention, then one more): the cache-free
+    forward scans the two groups (each place in the group its own structure) and unrolls the last; values and
+    gradients as the unrolled loop's, on packed rows."""
+    from flax import nnx
+
+
+    types = (("linear_attention",) * 3 + ("full_attention",)) * 2 + ("linear_attention",)
+    cfg = testing.tiny_config("qwen3_5_text", num_layers=9, layer_types=types, hidden_size=32, intermediate_size=48,
+                              num_heads=2, num_kv_heads=1, max_position_embeddings=512)
+    graphdef, params = nnx.split(testing.random_model(cfg, seed=3))
+    lengths = [[80, 60, 40], [100, 92]]  # two packed rows of 192 (the first ends in padding, segment 0)
+    seg, pos = np.zeros((2, 192), np.int32), np.zeros((2, 192), np.int32)
+    for r, row in enumerate(lengths):
+        starts = np.cumsum([0] + row)
+        for s, (a, n) in enumerate(zip(starts, row)):
+            seg[r, a:a + n], pos[r, a:a + n] = s + 1, np.arange(n)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 192)), jnp.int32)
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+    w = jnp.asarray(np.random.default_rng(4).normal(size=(2, 192, cfg.hidden_size)), jnp.float32)
+
+    def loss(p, scan):
+        h = nnx.merge(graphdef, p).hidden(tokens, pos, seg, attention="dense", remat="full", scan_layers=scan)
+        return jnp.sum(h * w)
+
+    lengths = re.findall(r"length=(\d+)", str(jax.make_jaxpr(lambda p: loss(p, True))(params)))
+    assert sorted(set(lengths)) == ["2", "3"]  # the scan over the two groups; the delta rule's over its 3 chunks
+    (v0, g0), (v1, g1) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, s) for s in (False, True))
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-4 * float(jnp.abs(a).max()))
