@@ -67,7 +67,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("minimax_m2", "attn,experts"), ("ernie4_5", "all"), ("glm4", "all"),
                                           ("ernie4_5_moe", "attn,experts"), ("exaone4", "all"),
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
-                                          ("arcee", "all"), ("qwen3_5_text", "all")])
+                                          ("arcee", "all"), ("qwen3_5_text", "all"),
+                                          ("qwen3_5_moe_text", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do

@@ -1,5 +1,5 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM, and the text decoder of Qwen3_5ForConditionalGeneration): Gated DeltaNet layers beside
-gated attention. The delta rule against transformers' token-by-token reference (packed segments, chunk boundaries,
+"""Qwen3.5 (Qwen3_5ForCausalLM, and the text decoder of Qwen3_5ForConditionalGeneration) and Qwen3.5-MoE: Gated
+DeltaNet layers beside gated attention (the MoE's feed-forward Qwen2-MoE's). The delta rule against transformers' token-by-token reference (packed segments, chunk boundaries,
 a carried state, gradients against a token-by-token scan), logits and round trips against transformers' classes (the
 image-and-text checkpoint too), packed rows, the sampler against full forwards, the memory plan against what the
 engine allocates, and the errors that say what differs."""
@@ -116,19 +116,34 @@ def test_delta_rule_gradients_equal_a_token_scan_and_inert_tokens_keep_the_state
     np.testing.assert_allclose(s_masked, s_dropped, atol=2e-6)
 
 
+def test_released_shapes_parameter_counts():
+    """transformers' defaults are Qwen3.5-9B's text decoder and Qwen3.5-35B-A3B's (the cards: 9B with the vision
+    tower; 35B, 3B active): the counts here, worked from the shapes (tests/test_models.py checks them against built
+    models)."""
+    dense = ModelConfig.from_hf_dict({"model_type": "qwen3_5_text"})
+    moe = ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe_text"})
+    assert dense.num_params == 8_953_803_264 and moe.num_params == 34_660_610_688
+    assert moe.num_experts == 256 and moe.num_experts_per_tok == 8 and moe.shared_expert_size == 512
+    # active: the decoder's matrices a token goes through, plus its embedding row and the unembedding
+    assert 2.9e9 < moe.matmul_params_per_token + moe.vocab_size * moe.hidden_size < 3.1e9
+
+
 @pytest.mark.parity
-@pytest.mark.parametrize("overrides", [{"num_layers": 4}, {"num_layers": 2, "linear": (2, 2, 8, 8, 3),
-                                                            "tie_word_embeddings": True, "num_kv_heads": 1}])
-def test_model_matches_transformers_and_round_trips(tmp_path, overrides):
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3_5_text", {"num_layers": 4}),
+    ("qwen3_5_text", {"num_layers": 2, "linear": (2, 2, 8, 8, 3), "tie_word_embeddings": True, "num_kv_heads": 1}),
+    ("qwen3_5_moe_text", {"num_layers": 4})])
+def test_model_matches_transformers_and_round_trips(tmp_path, arch, overrides):
     pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
-    cfg = testing.tiny_config("qwen3_5_text", **overrides)
+    cfg = testing.tiny_config(arch, **overrides)
     hf = hf_model_of(cfg, seed=1)
     # atol: two float32 forms of the chunked rule part by up to ~5e-4 at logits of up to ~70 (tied embeddings); against
     # transformers in float64 ours was off by 2.7e-4 there and its own float32 forward by 3.5e-4
     ours = assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 80), seed=2), atol=1e-3)
     want = hf.model.layers[0].linear_attn.conv1d.weight.detach().numpy()  # [C, 1, K] on disk, [K, C] here
     np.testing.assert_array_equal(np.asarray(ours.layers[0].linear_attn.conv[...]), want[:, 0].T)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 
 @pytest.mark.parity
@@ -153,11 +168,12 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
 
 
-def test_sampler_decodes_as_its_full_forward_and_the_paged_cache_is_refused():
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_sampler_decodes_as_its_full_forward_and_the_paged_cache_is_refused(arch):
     from areal_jax.sampler.paged_engine import PagedEngine
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
-    model = testing.random_model(testing.tiny_config("qwen3_5_text", num_layers=4), seed=3)
+    model = testing.random_model(testing.tiny_config(arch, num_layers=4), seed=3)
     # three prompts through two slots: a slot's state is replaced whole when it takes the next prompt
     assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
     with pytest.raises(ValueError, match="kv_cache=dense"):

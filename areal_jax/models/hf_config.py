@@ -130,7 +130,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         archs = d.get("architectures") or []
         inverse = {v: k for k, v in _HF_CLASS.items()}
         model_type = next((inverse[a] for a in archs if a in inverse), None)
-    d, model_type = (qwen3_5.text_config(d), "qwen3_5_text") if model_type == qwen3_5.WRAPPER else (d, model_type)
+    d, model_type = (qwen3_5.text_config(d), f"{model_type}_text") if model_type in qwen3_5.WRAPPERS else (d, model_type)
     if model_type == "gemma3":  # the image-and-text model (4B and up): its text decoder, under text_config
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -202,8 +202,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings", 4096))
     return cls(
         architecture=model_type,
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
         num_layers=num_layers,
         num_heads=heads,
@@ -268,7 +267,8 @@ def config_to_hf(cfg: Any) -> dict:
         raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
-    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", *deepseek.HF_CLASSES):
+    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text",
+                                                                       *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
@@ -282,7 +282,7 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE 4's; HF {cfg.architecture} "
                          "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "qwen3_5_text"):
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):

@@ -187,13 +187,19 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
     elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's beside its gate)
         holder = base if cfg.architecture == "minimax_m2" else f"{base}.gate"
         out.append(_Entry(path + ("router_score_bias",), f"{holder}.e_score_correction_bias", "same"))
-    if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its sigmoid gate; DeepSeek's shared_experts, ungated
-        shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
-        out += [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
-                _Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
-                _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
-        if cfg.shared_expert_gated:
-            out.append(_Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first"))
+    return out + _shared_entries(cfg, path, base)
+
+
+def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) -> list[_Entry]:
+    """Qwen2-MoE's shared expert and its sigmoid gate (Qwen3.5-MoE's too); DeepSeek's shared_experts, ungated."""
+    if not cfg.shared_expert_size:
+        return []
+    shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
+    out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
+           _Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
+           _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
+    if cfg.shared_expert_gated:
+        out.append(_Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first"))
     return out
 
 

@@ -246,7 +246,7 @@ class Attention(nnx.Module):
         d, h, k, hd, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.dtype = cfg.dtype
         self.eps = cfg.rms_norm_eps
-        self.output_gate = cfg.architecture == "qwen3_5_text"  # q_proj also gives each head's output gate
+        self.output_gate = cfg.gated_attention  # q_proj also gives each head's output gate
         self.q_proj = make_param(rngs, (d, h, 2 * hd if self.output_gate else hd), ("embed", "heads", "head_dim"), pdt)
         self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pdt)

@@ -337,7 +337,7 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     d, f, h, k, hd = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
                       model_cfg.num_kv_heads, model_cfg.head_dim)
     e, fe = model_cfg.num_experts or 0, model_cfg.expert_size if model_cfg.num_experts else 0
-    gated = 2 if model_cfg.architecture == "qwen3_5_text" else 1  # Qwen3.5's q_proj gives each head's gate too
+    gated = 2 if model_cfg.gated_attention else 1  # Qwen3.5's q_proj gives each head's gate too
     dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}

@@ -27,7 +27,7 @@ def attention_matrices(cfg: Any, i: int) -> int:
         return linear_attention_weights(cfg)[0]
     if cfg.mla is not None:
         return latent_attention_weights(cfg)
-    return d * hd * (hq * (2 if cfg.architecture == "qwen3_5_text" else 1) + 2 * kv) + hq * hd * d
+    return d * hd * (hq * (2 if cfg.gated_attention else 1) + 2 * kv) + hq * hd * d
 
 
 def mlp_matrices(cfg: Any) -> int:
@@ -45,7 +45,7 @@ def num_params(cfg: Any) -> int:
     attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
     if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
-    if cfg.architecture == "qwen3_5_text":  # q_proj's output gate
+    if cfg.gated_attention:  # q_proj's output gate
         attn += d * h * hd
     layer = attn + (4 if cfg.sandwich_norms else 2) * d
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))

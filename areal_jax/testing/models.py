@@ -28,7 +28,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
     RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
     gate (ReLU squared); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
-    and ernie4_5_moe, qwen3_5_text as written at their branches below.
+    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text as written at their branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -125,7 +125,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
                       router_score_bias=True, shared_expert_size=32, shared_expert_gated=False,
                       moe_layers=tuple(int(i > 0) for i in range(layers)))
-    if architecture == "qwen3_5_text":  # Qwen3.5's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps)
+    if architecture == "qwen3_5_moe_text":  # Qwen3.5-MoE's: 2 of 4 experts of width 32 and a gated shared one of 40
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      shared_expert_size=40, intermediate_size=32)  # (no dense MLP: it reads intermediate_size so)
+    if architecture in ("qwen3_5_text", "qwen3_5_moe_text"):  # Qwen3.5's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps)
         # but in the second layer of each four: gated attention there, q/k norm, a quarter of each head rotating
         fields.update(qk_norm=True, rotary_dim=4, linear=(2, 4, 8, 12, 4), layer_types=tuple(
             "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
