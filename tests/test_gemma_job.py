@@ -4,7 +4,7 @@ Qwen3-MoE one (experts in two layers of three, a dense MLP between; with rollout
 (attention sinks, every other layer sliding, experts with biases and the clamped GLU) and a DeepSeek-V3 one (latent
 attention, a dense layer then experts picked by sigmoid scores within groups, with rollout routing replay), an
 EXAONE 4.0 one (norms after attention and MLP only, the global layer without RoPE), an Arcee one (an MLP without
-gate) and a Qwen3.5 one (Gated DeltaNet layers around one of gated attention): the
+gate) and a Qwen3.5 one (Gated DeltaNet layers around one of gated attention; the paged cache): the
 memory plan's probes, the sampler, the trainer, the hand-off and the HF export all take it, and every behaviour
 log-prob the sampler recorded equals a full forward of the policy version that generated it (and for the
 mixture of experts, every route it recorded the experts that forward picks)."""
@@ -45,6 +45,8 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         c.model.moe_impl = "ragged"
     if arch in ("qwen3_moe", "deepseek_v3"):  # the sampler records each sample's experts; the trainer replays them
         c.train.router_replay = "replay"
+    if arch == "qwen3_5_text":  # the Gated DeltaNet states as ring rows beside the pages; a group shares its prompt's
+        c.rollout.kv_cache, c.rollout.page_size = "paged", 4
     if arch == "deepseek_v3":  # auxiliary-loss-free balancing moves the picking bias after each optimizer step
         c.train.router_bias_rate = 0.01
     lines, trained = [], []

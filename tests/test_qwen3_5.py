@@ -168,26 +168,27 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
-def test_sampler_decodes_as_its_full_forward_and_the_paged_cache_is_refused(arch):
-    from areal_jax.sampler.paged_engine import PagedEngine
+@pytest.mark.parametrize("arch,page_size", [("qwen3_5_text", None), ("qwen3_5_text", 8), ("qwen3_5_moe_text", None)])
+def test_sampler_decodes_as_its_full_forward(arch, page_size):
+    """The dense cache, and pages with the Gated DeltaNet states as ring rows beside them: three prompts through two
+    slots (a slot's state is replaced whole when it takes the next prompt), four decode steps a dispatch."""
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
     model = testing.random_model(testing.tiny_config(arch, num_layers=4), seed=3)
-    # three prompts through two slots: a slot's state is replaced whole when it takes the next prompt
-    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]])
-    with pytest.raises(ValueError, match="kv_cache=dense"):
-        PagedEngine(model, num_slots=2, max_len=32, page_size=8)
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=page_size)
 
 
-def test_memory_plan_counts_the_states_as_allocated():
-    """`kv_cache_bytes` equals what the dense engine allocates (attention layers' keys and values, each linear layer's
-    window and float32 state per slot and standby row, logits), and is below that of the same model in attention."""
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_memory_plan_counts_the_states_as_allocated(kv_cache):
+    """`kv_cache_bytes` equals what the engine allocates (attention layers' keys and values, or their pages; each linear
+    layer's window and float32 state per slot and standby row; logits), and is below that of the model in attention."""
     from areal_jax.sampler.config import RolloutConfig
     from areal_jax.system.memory import kv_cache_bytes
 
     model = testing.random_model(testing.tiny_config("qwen3_5_text", num_layers=4), seed=0)
-    rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, standby_rows=2, standby_len=16)
+    rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, standby_rows=2, standby_len=16, kv_cache=kv_cache,
+                            page_size=4, kv_pages=40)
     state = jax.eval_shape(rollout.make_engine(model, mesh=None, config=model.cfg)._init_fn)
 
     def nbytes(tree):

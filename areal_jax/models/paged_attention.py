@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.gated_deltanet import StateCache
 from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.paged_pieces import TILE_ELEMENTS, pieced_paged_attention, power_of_two_divisor
@@ -280,7 +281,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     (``kernel_attention``). JAX's paged kernels take no window and no sinks: sliding layers gather their window's
     pages on either path, and so does a model with attention sinks. rings (`init_rings`, one row per row of the
     batch; T must be 1): the layers with ring rows there write and read them (`cache_attention.ring_attention`)
-    instead of pages, and the new rings are returned third. mesh: the rollout mesh the kernel path splits heads
+    instead of pages, and the new rings are returned third; a Gated DeltaNet layer keeps its window and state there. mesh: the rollout mesh the kernel path splits heads
     over (`kernel_attention`). record_routes: a mixture-of-experts model's experts of each token, [B, T, L_moe, k]
     int32, come last (`Transformer.hidden`)."""
     cfg = model.cfg
@@ -302,6 +303,17 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
         raise ValueError(f"ring rows take one token per row (decode), got {t}.")
     for i, layer in enumerate(model.layers):
         window = cfg.layer_window(i)
+        if cfg.layer_is_linear(i):  # Gated DeltaNet: its window and state are a row's, beside the pages, in rings
+            if rings is None:
+                raise ValueError(f"layer {i} is a Gated DeltaNet layer: paged_hidden needs rings holding its state "
+                                 "(init_rings with the linear layers among them).")
+
+            def store(w: jax.Array, s: jax.Array, i: int = i) -> None:
+                ring_k[i], ring_v[i] = w, s
+
+            x = cached_layer(layer, x, tables[cfg.layer_rope(i)], StateCache(ring_k[i], ring_v[i], positions >= 0,
+                                                                             store), picks)
+            continue
         if rings is not None and ring_k[i].shape[1]:
             r = ring_k[i].shape[1]
             at, rows = jnp.where(positions >= 0, positions % r, r), jnp.arange(b)[:, None]

@@ -82,7 +82,7 @@ def _write_rows(cache: PagedCacheState, table: jax.Array, rows: Any, slots: jax.
     if rings is not None:
         rings = write_rows(rings, rows, slots, lengths)
     if pages is not None:
-        n, t = table.shape[0], rows.k[0].shape[1]
+        n, t = table.shape[0], max(x.shape[1] for x in rows.k)  # (a Gated DeltaNet layer's window is shorter)
         full = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), rows)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (n, t))
         page, offset = page_coordinates(table, positions, pages.page_size, pages.num_pages)
@@ -113,9 +113,6 @@ class PagedEngine(PageBudget, Engine):
         self._k = 1  # steps of the last dispatch: the growth an optimistic admission leaves room for
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
-        if cfg is not None and cfg.linear is not None:
-            raise ValueError("the paged KV cache holds attention keys and values only, not the Gated DeltaNet layers' "
-                             f"states of this {cfg.architecture} model; use --config.rollout.kv_cache=dense.")
         self.attention = attention or default_path(cache_layout(cfg)[1] if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
         self.pages_per_slot = per_sequence  # the page table's width
@@ -127,6 +124,8 @@ class PagedEngine(PageBudget, Engine):
                              f"({per_sequence} pages of {self.page_size}); raise num_pages or lower max_len.")
         self._rows = int(num_slots) + max(0, int(kwargs.get("standby_rows") or 0))  # allocator rows: slots, standby
         self.rings = ring_layers(cfg, int(max_len)) if cfg is not None and kwargs.get("ring_cache", True) else ()
+        if cfg is not None and cfg.linear is not None:  # Gated DeltaNet layers keep a state per row beside the pages
+            self.rings = tuple(sorted({*self.rings, *(i for i in range(cfg.num_layers) if cfg.layer_is_linear(i))}))
         self.allocator = PageAllocator(self.num_pages, self.page_size, self._rows, self.pages_per_slot)
         self._limit: dict[int, int] = {}  # active row -> most positions its request can reach
         self._upper: dict[int, int] = {}  # active row -> upper bound of positions written so far
