@@ -49,17 +49,22 @@ class MLA(NamedTuple):
     interleave: bool = True
 
 
+def _named(kind: type, value, field: str):
+    """A NamedTuple `kind` of a ModelConfig field given as one, a tuple or a dict; a clear error otherwise."""
+    try:
+        return kind(**value) if isinstance(value, dict) else kind(*value)
+    except TypeError as err:
+        raise ValueError(f"ModelConfig.{field} must be {kind.__name__}({', '.join(kind._fields)}); got "
+                         f"{value!r}.") from err
+
+
 def check_mla(cfg) -> None:
     """`ModelConfig.mla` made an `MLA` (from a tuple or dict) and checked against the attention fields it fixes:
     head_dim = nope + rope (the keys' width; values are padded to it), one key/value head per query head."""
     m = cfg.mla
     if m is None:
         return
-    try:
-        m = MLA(**m) if isinstance(m, dict) else MLA(*m)
-    except TypeError as err:
-        raise ValueError(f"ModelConfig.mla must be MLA(q_lora_rank, kv_lora_rank, nope, rope, v, interleave); got "
-                         f"{cfg.mla!r}.") from err
+    m = _named(MLA, m, "mla")
     object.__setattr__(cfg, "mla", m)
     sizes = [m.kv_lora_rank, m.nope, m.rope, m.v] + ([] if m.q_lora_rank is None else [m.q_lora_rank])
     if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes) or m.rope % 2:
@@ -208,11 +213,7 @@ def check_linear(cfg) -> None:
             raise ValueError("ModelConfig.layer_types has linear_attention layers but linear is None; set linear="
                              "LinearAttention(key_heads, value_heads, key_dim, value_dim, conv_kernel).")
         return
-    try:
-        m = LinearAttention(**m) if isinstance(m, dict) else LinearAttention(*m)
-    except TypeError as err:
-        raise ValueError(f"ModelConfig.linear must be LinearAttention(key_heads, value_heads, key_dim, value_dim, "
-                         f"conv_kernel); got {cfg.linear!r}.") from err
+    m = _named(LinearAttention, m, "linear")
     if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m):
         raise ValueError(f"ModelConfig.linear's fields must be positive integers, got {m}.")
     if m.value_heads % m.key_heads or m.conv_kernel < 2:

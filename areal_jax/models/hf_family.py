@@ -1,5 +1,7 @@
-"""What the config.json of a family with its own module (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`, `arcee.py`) says the
-same way as Llama's: `common_fields`, the ModelConfig fields read from its sizes, RoPE, norms and special tokens."""
+"""What the families with modules of their own (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`, `arcee.py`,
+`qwen3_5.py`) share: `common_fields` (the ModelConfig fields their config.json says as Llama's does: sizes, RoPE,
+norms, special tokens), `require_fields` (the refusal of a config their transformers class would not load as it is)
+and `hf_dict` (the config.json they write)."""
 from __future__ import annotations
 
 from typing import Any, Callable
