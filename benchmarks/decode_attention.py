@@ -29,9 +29,10 @@ from common import add_model_args, matmul_peak_gflops, model_config
 from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache, paged_attention
-from areal_jax.models.layers import MASK_VALUE, rope_cos_sin, rope_inv_freq
+from areal_jax.models.layers import MASK_VALUE
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
 from areal_jax.models.paged_pieces import power_of_two_divisor
+from areal_jax.models.rope import rope_cos_sin, rope_inv_freq
 from areal_jax.testing import models as testing
 
 

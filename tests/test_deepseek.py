@@ -170,9 +170,10 @@ def test_sampler_decodes_as_its_full_forward(arch, page_size):
 
 
 def test_the_cache_holds_the_latent():
-    from areal_jax.models.layers import dot_attention, rope_tables
+    from areal_jax.models.layers import dot_attention
     from areal_jax.models.mla import cache_layout, cached_values
     from areal_jax.models.paged_attention import init_paged_cache
+    from areal_jax.models.rope import rope_tables
     from areal_jax.models.transformer import init_cache
     from areal_jax.system.memory import kv_position_bytes
 

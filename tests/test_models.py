@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from areal_jax.models import KVCache, ModelConfig, Transformer, init_cache
-from areal_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.models.mla import cache_layout
+from areal_jax.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from areal_jax.testing.models import random_model, tiny_config
 
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; exaone4: a

@@ -38,7 +38,7 @@ def test_recorded_routes_are_each_layers_top_k():
     assert routes.shape == (2, 11, 2, CFG.num_experts_per_tok) and routes.dtype == jnp.int32
     layer = model.layers[0]
     x = model.embed(TOKENS)
-    from areal_jax.models.layers import rope_tables
+    from areal_jax.models.rope import rope_tables
 
     cos, sin = rope_tables(CFG, jnp.broadcast_to(jnp.arange(11)[None], (2, 11)))[CFG.layer_rope(0)]
     q, k, v = layer.attn.qkv(layer.input_norm(x), cos, sin)

@@ -37,7 +37,8 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.config_checks import MLA  # noqa: F401 (the shapes' type)
-from areal_jax.models.layers import RMSNorm, apply_rope, deinterleave, make_param, project
+from areal_jax.models.layers import RMSNorm, make_param, project
+from areal_jax.models.rope import apply_rope, deinterleave
 
 
 def cache_layout(cfg: ModelConfig) -> tuple[int, int, int]:

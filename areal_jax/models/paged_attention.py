@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 from areal_jax.models.attention_sinks import sink_softmax
 from areal_jax.models.cache_attention import ring_attention, window_span
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.gated_deltanet import StateCache
-from areal_jax.models.layers import MASK_VALUE, rope_tables, soft_cap
+from areal_jax.models.layers import MASK_VALUE, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.paged_pieces import TILE_ELEMENTS, pieced_paged_attention, power_of_two_divisor
+from areal_jax.models.rope import rope_tables
 from areal_jax.models.transformer import (
     KVCache,
     LayerBuffers,
@@ -44,6 +44,7 @@ from areal_jax.models.transformer import (
     cache_lengths,
     cached_layer,
     stacked_routes,
+    state_layer,
     zero_cache,
 )
 
@@ -307,12 +308,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             if rings is None:
                 raise ValueError(f"layer {i} is a Gated DeltaNet layer: paged_hidden needs rings holding its state "
                                  "(init_rings with the linear layers among them).")
-
-            def store(w: jax.Array, s: jax.Array, i: int = i) -> None:
-                ring_k[i], ring_v[i] = w, s
-
-            x = cached_layer(layer, x, tables[cfg.layer_rope(i)], StateCache(ring_k[i], ring_v[i], positions >= 0,
-                                                                             store), picks)
+            x = state_layer(layer, x, tables[cfg.layer_rope(i)], ring_k, ring_v, i, positions, picks)
             continue
         if rings is not None and ring_k[i].shape[1]:
             r = ring_k[i].shape[1]

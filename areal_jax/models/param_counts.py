@@ -49,7 +49,7 @@ def num_params(cfg: Any) -> int:
         attn += d * h * hd
     layer = attn + (4 if cfg.sandwich_norms else 2) * d
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
-    mixers = (cfg.num_layers - linear) * attn + (linear and sum(linear_attention_weights(cfg)) * linear)
+    mixers = (cfg.num_layers - linear) * attn + (linear * sum(linear_attention_weights(cfg)) if linear else 0)
     shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0

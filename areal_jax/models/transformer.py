@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.gated_deltanet import StateCache, state_buffers
-from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, rope_tables, soft_cap
+from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
@@ -23,6 +23,7 @@ from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
     packed_attention,
     packed_mask,
 )
+from areal_jax.models.rope import rope_tables
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> 
     `cache_dtype(cfg)`."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
-    if cfg.linear is None:
+    if cfg.linear is None:  # (its own branch: the buffers keep the order, and programs the lowering, of before)
         return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
                        v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
     pairs = [state_buffers(cfg, rows) if cfg.layer_is_linear(i) else
@@ -126,6 +127,17 @@ def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, pi
     if extras is not None:
         picks.append(extras["routes"])
     return x
+
+
+def state_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, ks: list, vs: list, i: int, positions: jax.Array,
+                picks: list | None) -> jax.Array:
+    """Gated DeltaNet layer i of a cache forward (dense cache or pages): its window and state are ks[i] and vs[i]
+    (lists, replaced by the new ones); tokens at negative positions leave them as they are."""
+
+    def store(window: jax.Array, state: jax.Array) -> None:
+        ks[i], vs[i] = window, state
+
+    return cached_layer(layer, x, rope, StateCache(ks[i], vs[i], positions >= 0, store), picks)
 
 
 def stacked_routes(picks: list[jax.Array], b: int, t: int) -> jax.Array:
@@ -263,12 +275,7 @@ class Transformer(nnx.Module):
         picks: list[jax.Array] = []  # record_routes: each expert layer's [B, T, k]
         for i, layer in enumerate(self.layers):
             if cfg.layer_is_linear(i):  # Gated DeltaNet: its window and state in place of keys and values
-
-                def store(window: jax.Array, state: jax.Array, i: int = i) -> None:
-                    ks[i], vs[i] = window, state
-
-                x = cached_layer(layer, x, ropes[i], StateCache(ks[i], vs[i], positions >= 0, store),
-                                 picks if record_routes else None)
+                x = state_layer(layer, x, ropes[i], ks, vs, i, positions, picks if record_routes else None)
                 continue
             window = cfg.layer_window(i)
             r = ks[i].shape[1]

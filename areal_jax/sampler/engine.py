@@ -234,9 +234,7 @@ class Engine(StandbyRows, CountedPrograms):
         tokens, logprobs = sample_tokens(state.logits, rng, state.temperature, state.top_k, state.top_p, filters)
         valid = ~state.done
         step = valid.astype(jnp.int32)
-        positions = state.lengths
-        if self.config.linear is not None:  # a finished row must not advance a Gated DeltaNet layer's state
-            positions = jnp.where(valid, positions, -1)
+        positions = _prefill.held_positions(self.config, state.lengths, valid)
         lengths = state.lengths + step
         generated = state.generated + step
         is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)

@@ -24,12 +24,18 @@ def prefill_rows(model: nnx.Module, config, tokens: jax.Array, lengths: jax.Arra
     routes a mixture-of-experts model's experts of each position, [R, P, L_moe, k] int32, third."""
     r, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (r, p))
-    if config.linear is not None:  # padding must not advance a Gated DeltaNet layer's state: it gets position -1
-        positions = jnp.where(positions < lengths[:, None], positions, -1)
+    positions = held_positions(config, positions, positions < lengths[:, None])
     h, cache, *picks = model.hidden(tokens, positions, cache=init_cache(config, r, p), record_routes=routes,
                                     fresh=True)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [R, 1, D]
     return cache, model.unembed(last)[:, 0].astype(jnp.float32), *picks
+
+
+def held_positions(config, positions: jax.Array, real: jax.Array) -> jax.Array:
+    """positions with -1 where ``real`` is False (a prefill's padding, a finished row's decode step), for a model with
+    Gated DeltaNet layers, whose states such a token must not advance; other models' positions as they are (their
+    writes there are overwritten or never read, and their programs lower as before)."""
+    return positions if config.linear is None else jnp.where(real, positions, -1)
 
 
 def last_tokens(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
