@@ -9,8 +9,8 @@ with q_t, k_t L2-normalised (q_t also times key_dim ** -0.5), beta_t = sigmoid(b
 g_t = -exp(A_log) softplus(a_t + dt_bias). Queries, keys and values first pass a causal depthwise convolution
 of `conv_kernel` taps and SiLU; the output is RMS-normalised per head, times SiLU(z_t) and projected back.
 
-`delta_rule` computes the recurrence in chunks (the WY form: within a chunk a unit lower-triangular solve, between
-chunks a scan carrying S), with packed rows' segments kept apart: a segment starts from a zero state and its
+`delta_rule` computes the recurrence in chunks (the WY form: within a chunk a unit lower-triangular system, inverted
+by matrix products alone (`unit_lower_inverse`), between chunks a scan carrying S), with packed rows' segments kept apart: a segment starts from a zero state and its
 convolution sees only its own tokens. `delta_step` is one token's update (decode). In a KV-cache forward a layer's
 cache entries hold its convolution window, k [B, conv_kernel - 1, channels, 1] (the last inputs, oldest first),
 and its state, v [B, 1, value_heads * key_dim, value_dim] in float32 (`state_buffers`); a token at a negative
@@ -85,6 +85,35 @@ def window_conv(x: jax.Array, w: jax.Array, window: jax.Array, valid: jax.Array)
     return out, jnp.take_along_axis(full, index[..., None], axis=1)
 
 
+def unit_lower_inverse(t: jax.Array) -> jax.Array:
+    """The inverse of unit lower-triangular matrices t [..., C, C], by block doubling: the inverses of the diagonal
+    blocks of size s give those of size 2s as [[L1^-1, 0], [-L2^-1 M L1^-1, L2^-1]] (M the block below L1).
+
+    Batched matrix products only, for every backend and its gradient alike. (Not `solve_triangular`: on the CPU two
+    of its batched LAPACK calls running at once can each wait on the other for the same worker threads, and the
+    trainer's backward stops there with the CPU idle.)"""
+    c = t.shape[-1]
+    size = 1 << max(c - 1, 0).bit_length()  # the next power of two; padded with the identity
+    if size != c:
+        pad = [(0, 0)] * (t.ndim - 2) + [(0, size - c)] * 2
+        t = jnp.pad(t, pad) + np.diag(np.arange(size) >= c).astype(t.dtype)
+    batch = t.shape[:-2]
+    inv = jnp.ones(batch + (size, 1, 1), t.dtype)  # [..., blocks, s, s]: the diagonal blocks' inverses
+    s = 1
+    while s < size:
+        m = size // (2 * s)
+        blocks = t.reshape(batch + (m, 2 * s, m, 2 * s))
+        below = jnp.diagonal(blocks, axis1=-4, axis2=-2)  # [..., 2s, 2s, m]: the diagonal 2s-blocks
+        below = jnp.moveaxis(below, -1, -3)[..., s:, :s]  # [..., m, s, s]: M of each pair
+        pairs = inv.reshape(batch + (m, 2, s, s))
+        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        corner = -second @ below @ first
+        zeros = jnp.zeros_like(corner)
+        inv = jnp.concatenate([jnp.concatenate([first, zeros], -1), jnp.concatenate([corner, second], -1)], -2)
+        s *= 2
+    return inv.reshape(batch + (size, size))[..., :c, :c]
+
+
 def delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token per row: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (all float32) ->
@@ -128,7 +157,7 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     strict = decay * (1 - np.eye(c, dtype=np.float32))
     system = jnp.einsum("nbhid,nbhjd->nbhij", kb, ks) * strict + np.eye(c, dtype=np.float32)
     rhs = jnp.concatenate([vs * bs[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    solved = unit_lower_inverse(system) @ rhs
     u, w = solved[..., :dv], solved[..., dv:]  # the corrections before the carried state; its keys
     scores = jnp.einsum("nbhid,nbhjd->nbhij", qs, ks) * decay
     q_decayed = qs * jnp.exp(cum)[..., None]
