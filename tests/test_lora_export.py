@@ -68,6 +68,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("ernie4_5_moe", "attn,experts"), ("exaone4", "all"),
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
                                           ("arcee", "all"), ("qwen3_5_text", "all"),
+                                          ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
                                           ("qwen3_5_moe_text", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
@@ -93,6 +94,32 @@ def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     load_peft_adapter(fresh, out)
     for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_gated_deltanet_targets_adapt_only_its_layers_and_refuse_elsewhere(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers take adapters on their five projections (HF's names too) and its attention
+    layers on q/k/v/o; a model without such layers refuses their names; the adapter bytes count what is built."""
+    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch="qwen3_5_text", targets="all")
+    linear = lora.linear_layers(model.cfg)
+    assert linear and len(linear) < model.cfg.num_layers
+    adapted = {(i, short) for i, short in lora.LoRAConfig(targets="all").target_paths(
+        model.cfg.num_layers, (), lora.attention_projections(model.cfg), lora.mlp_projections(model.cfg), linear)}
+    for i in range(model.cfg.num_layers):
+        mixer = set(lora.LINEAR) if i in linear else {"q", "k", "v", "o"}
+        assert {s for j, s in adapted if j == i} == mixer | {"gate", "up", "down"}
+        if i in linear:
+            assert isinstance(model.layers[i].linear_attn.in_proj_qkv, lora.LoRAProjection)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert lora.adapter_bytes(model.cfg, lcfg) == 4 * n
+    tensors = peft_tensors(model)
+    assert f"base_model.model.model.layers.{linear[0]}.linear_attn.in_proj_qkv.lora_A.weight" in tensors
+    # the merged weights give the adapted model's logits (the Gated DeltaNet's adapters folded in like the rest)
+    np.testing.assert_allclose(np.asarray(lora.merged_model(model, lcfg.scale)(jnp.asarray(TOKENS))),
+                               np.asarray(model(jnp.asarray(TOKENS))), atol=2e-5, rtol=0)
+    plain = write_random_hf_checkpoint(str(tmp_path / "qwen2"), tiny_config("qwen2"))
+    with pytest.raises(ValueError, match="names in_qkv, out, the projections of Gated DeltaNet layers, which this "
+                                         "model does not have"):
+        lora.apply_lora(plain, lora.LoRAConfig(targets="q,in_proj_qkv,out_proj"), rngs=nnx.Rngs(0))
 
 
 def test_peft_refuses_dense_mlp_adapters_where_peft_reads_them_as_experts(tmp_path):

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.layers import dense, make_param
+from areal_jax.models.layers import make_param, project
 
 CHUNK = 64  # tokens per chunk of `delta_rule` (the within-chunk solve is CHUNK x CHUNK)
 
@@ -224,10 +224,10 @@ class GatedDeltaNet(nnx.Module):
         m, dt = self.shape, self.dtype
         b, t, _ = x.shape
         hk, hv, dk, dv = m.key_heads, m.value_heads, m.key_dim, m.value_dim
-        mixed = dense(x, self.in_proj_qkv[...].astype(dt))
-        z = dense(x, self.in_proj_z[...].astype(dt)).reshape(b, t, hv, dv)
-        gate_b = dense(x, self.in_proj_b[...].astype(dt)).astype(jnp.float32)
-        gate_a = dense(x, self.in_proj_a[...].astype(dt)).astype(jnp.float32)
+        mixed = project(x, self.in_proj_qkv, dt)  # (each a parameter, or LoRA's base plus adapters)
+        z = project(x, self.in_proj_z, dt).reshape(b, t, hv, dv)
+        gate_b = project(x, self.in_proj_b, dt).astype(jnp.float32)
+        gate_a = project(x, self.in_proj_a, dt).astype(jnp.float32)
         w = self.conv[...].astype(dt)
         if isinstance(context, Segments):
             mixed = segment_conv(mixed, w, context.segment_ids)
@@ -261,4 +261,4 @@ class GatedDeltaNet(nnx.Module):
         o = o.astype(dt).astype(jnp.float32)  # the rule's output in the compute dtype, as the norm receives it
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)).astype(dt)
         y = (normed * self.norm_scale[...].astype(dt)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        return dense(y.astype(dt).reshape(b, t, hv * dv), self.out_proj[...].astype(dt))
+        return project(y.astype(dt).reshape(b, t, hv * dv), self.out_proj, dt)

@@ -41,11 +41,17 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     # latent attention's (models.mla)
     "q_a": ("attn", "q_a_proj", 1), "q_b": ("attn", "q_b_proj", 1), "kv_a": ("attn", "kv_a_proj", 1),
     "kv_b": ("attn", "kv_b_proj", 1),
+    # a Gated DeltaNet layer's (models.gated_deltanet: Qwen3.5's linear attention), named also as HF does
+    "in_qkv": ("linear_attn", "in_proj_qkv", 1), "in_z": ("linear_attn", "in_proj_z", 1),
+    "in_b": ("linear_attn", "in_proj_b", 1), "in_a": ("linear_attn", "in_proj_a", 1),
+    "out": ("linear_attn", "out_proj", 1),
 }
+LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
+_BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
-GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b"), "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS),
-          "experts": EXPERTS}
+GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b") + LINEAR, "linear": LINEAR,
+          "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS), "experts": EXPERTS}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -60,8 +66,9 @@ class LoRAConfig(Section):
     rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
     alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
-    targets: str = knob("all", "q,k,v,o,gate,up,down | attn | mlp | all | experts (a mixture of experts' expert "
-                        "weights, not in all) | re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
+    targets: str = knob("all", "q,k,v,o,gate,up,down | attn (Gated DeltaNet's too) | linear (Gated DeltaNet's: "
+                        "in_qkv,in_z,in_b,in_a,out) | mlp | all | experts (a mixture of experts' expert weights, not "
+                        "in all) | re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
                            choices=("", *BASE_DTYPES))
     sampler: str = knob("merged", "merged (adapters folded into the sampler's copy at hand-off) | unmerged",
@@ -100,6 +107,8 @@ class LoRAConfig(Section):
                 names.update(GROUPS[entry])
             elif entry.removesuffix("_proj") in PROJECTIONS:
                 names.add(entry.removesuffix("_proj"))
+            elif entry in _BY_ATTR:  # in_proj_qkv, out_proj, ...: HF's names
+                names.add(_BY_ATTR[entry])
             elif entry in EXPERTS:
                 names.add(entry)
             else:
@@ -114,20 +123,25 @@ class LoRAConfig(Section):
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
         "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
         (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
-        Arcee's: `mlp_projections`), the others skipped. linear: the Gated DeltaNet layers (Qwen3.5's), whose token
-        mixer takes no adapters (their MLP's still may)."""
+        Arcee's: `mlp_projections`), the others skipped. linear: the Gated DeltaNet layers (Qwen3.5's): their token
+        mixer's projections are in_qkv, in_z, in_b, in_a and out (`LINEAR`, under 'layers.0.linear_attn')."""
         names, patterns = self.target_rules()
         named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
+        named |= {_BY_ATTR[e.strip()] for e in str(self.targets).split(",") if e.strip() in _BY_ATTR}
         foreign = sorted(s for s in named & set(PROJECTIONS) if PROJECTIONS[s][0] == "attn" and s not in attention)
         if foreign:
             raise ValueError(f"lora.targets names {', '.join(foreign)}, which this model's attention does not have; "
                              f"its projections are {', '.join(attention)} (or use 'attn').")
+        if not linear and named & set(LINEAR):
+            raise ValueError(f"lora.targets names {', '.join(sorted(named & set(LINEAR)))}, the projections of Gated "
+                             f"DeltaNet layers, which this model does not have; its attention's are "
+                             f"{', '.join(attention)} (or use 'attn').")
         out = []
         for i in range(num_layers):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
-                if part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or
-                                                                                       i in linear):
+                if (part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or i in linear)
+                        or part == "linear_attn" and i not in linear):
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
@@ -341,6 +355,12 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
+    if model_cfg.linear is not None:
+        from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
+
+        lin = model_cfg.linear
+        dims.update(in_qkv=(d, channels(model_cfg)), in_z=(d, lin.value_heads * lin.value_dim),
+                    in_b=(d, lin.value_heads), in_a=(d, lin.value_heads), out=(lin.value_heads * lin.value_dim, d))
     if model_cfg.mla is not None:
         m = model_cfg.mla
         dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
@@ -366,7 +386,7 @@ def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
-    """The Gated DeltaNet layers of `model_cfg` (no attention projections to adapt there)."""
+    """The Gated DeltaNet layers of `model_cfg` (their projections are `LINEAR`'s, not attention's)."""
     return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_linear(i))
 
 

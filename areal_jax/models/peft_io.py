@@ -31,7 +31,7 @@ from areal_jax.models.peft_experts import expert_config, expert_groups, expert_t
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_HF_PART = {"attn": "self_attn", "mlp": "mlp"}
+_HF_PART = {"attn": "self_attn", "mlp": "mlp", "linear_attn": "linear_attn"}
 
 
 def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
