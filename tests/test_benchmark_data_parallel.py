@@ -3,6 +3,8 @@ JSON line holds both runs' collective bytes, and the mesh context cuts the activ
 --moe, expert parallelism moves rows instead of expert weights."""
 from __future__ import annotations
 
+import pytest
+
 from areal_jax.testing.processes import run_benchmark
 
 
@@ -19,6 +21,7 @@ def test_the_data_parallel_benchmark_reports_fewer_activation_bytes_with_the_mes
     assert set(with_["activations"]) <= {"all-to-all", "all-gather"}  # the embedding rows, an int gather
 
 
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_with_moe_it_also_reports_expert_parallelism_against_fsdp_experts():
     line, _ = run_benchmark("data_parallel.py", "--moe", "--hidden", "64", "--layers", "1", "--heads", "4",
                             "--kv-heads", "2", "--intermediate", "512", "--vocab", "256", "--trajectories", "8",

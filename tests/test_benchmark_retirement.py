@@ -17,7 +17,7 @@ def _load():
     return load_script("benchmarks/retirement.py")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_retirement_benchmark_and_the_sample_log_agree(tmp_path, capsys):
     bench = _load()
     # 16 tasks, 16 groups an update: each update is about one pass.

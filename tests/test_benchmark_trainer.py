@@ -18,7 +18,7 @@ def toy_params(heads, kv, layers=2, hd=16, vocab=512):
     return layers * (attn + 3 * d * f + 2 * d) + vocab * d + d
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_qwen_preset_at_toy_size_bf16_with_same_device_baseline():
     report, text = run("--preset", "qwen2.5-0.5b", "--sequential")
     assert report["benchmark"] == "trainer" and report["preset"] == "qwen2.5-0.5b" and report["toy"]
@@ -66,7 +66,7 @@ def test_gemma_preset_at_toy_size_against_the_same_device_baseline():
     assert "HF transformers + PyTorch (cpu)" in text
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_phi_preset_at_toy_size_against_the_same_device_baseline():
     """Phi-4-mini's layout at toy size (24 / 8 heads of 16, 12 rotating dimensions, LongRoPE) through the update and
     the HF + PyTorch step built from the same shape (Phi3ForCausalLM, fused q/k/v)."""

@@ -134,6 +134,7 @@ def test_expert_adapter_errors(tmp_path):
                         rngs=nnx.Rngs(0))
 
 
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_a_lora_run_on_a_mixture_of_experts_trains_the_experts_adapters(tmp_path):
     """A whole Qwen3-MoE run with adapters on attention and experts, exported to HF every step: the behaviour log-probs
     equal a full forward of the exported model of their version, the sampler's last weights the last export's (the

@@ -65,7 +65,7 @@ def assets(tmp_path_factory):
     return directory
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_two_processes_async_steps_then_resume(assets, tmp_path, monkeypatch):
     """The run directory is on the fake object store (areal_jax.testing.fake_store), as on a pod without a
     shared disk: every file, the per-process ones and the checkpoint metadata included, goes through

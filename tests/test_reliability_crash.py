@@ -215,7 +215,7 @@ def _workspace(tmp_path, run_name: str) -> tuple[str, str, str, str, str]:
     return (driver, *map(str, paths))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_kill9_at_seeded_moments_then_resume_matches_uninterrupted_run(tmp_path):
     t_start = time.monotonic()
     driver, assets, logs, ref_dir, run_dir = _workspace(tmp_path, "killed")

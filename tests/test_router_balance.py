@@ -47,7 +47,7 @@ def _trainer(model, wrt=nnx.Param, **kw):
     return Trainer(model, TrainerConfig(micro_batch_tokens=4096, lr=1e-3, **kw), mesh, wrt=wrt)
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.01])
+@pytest.mark.parametrize("rate", [pytest.param(0.0, marks=pytest.mark.long), 0.01])
 def test_an_update_moves_the_picking_bias_by_its_minibatchs_load(rate):
     """After one optimizer step the bias is the loaded one plus rate * sign(mean - picks), the picks counted by
     separate forwards of the starting model over the batch's input tokens; with rate 0 AdamW leaves it as loaded

@@ -33,7 +33,7 @@ def tiny_config_file(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.slow  # four subprocess runs of the tiny job
+@pytest.mark.long  # four subprocess runs of the tiny job (excluded from the default run: `-m long`)
 def test_sweep_writes_table_png_json_and_resumes(tiny_config_file, tmp_path, capsys):
     bench = _load()
     argv = ["--config", tiny_config_file, "--etas", "0,1", "--losses", "decoupled,ppo", "--seeds", "1",
