@@ -226,13 +226,14 @@ def test_adapter_channel_takes_the_adapters_alone_held_flat_as_the_job_does(mode
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_merged_and_unmerged_decoding_give_the_same_greedy_tokens():
-    model, lcfg = adapted(b_std=0.3)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5_text"])  # Qwen3.5: adapters on its Gated DeltaNet layers too
+def test_merged_and_unmerged_decoding_give_the_same_greedy_tokens(arch):
+    model, lcfg = adapted(arch, b_std=0.3)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(3, 12, 6)]
     unmerged = nnx.merge(lora.sampler_graphdef(model), nnx.state(model))
     merged = lora.merged_model(model, lcfg.scale)
-    base = random_model(tiny_config(), seed=3)
+    base = random_model(tiny_config(arch), seed=3)
     kw = dict(max_new_tokens=12, temperature=0.0, num_slots=4)
     a = [list(c.tokens) for c in generate_batch(unmerged, prompts, **kw)]
     b = [list(c.tokens) for c in generate_batch(merged, prompts, **kw)]

@@ -38,6 +38,20 @@ def test_two_shallow_programs_predict_the_full_depth_sampler_memory(rollout, ten
         assert probe > 0 and abs(probe - full) <= 0.01 * full, (program, probe, full)
 
 
+def test_a_hybrid_models_sampler_memory_adds_each_kind_of_layers_own_step():
+    """Qwen3.5's Gated DeltaNet layers (a float32 state per slot, the chunked rule in a prefill) need far more
+    working memory than its attention layers here: each kind is probed apart (attention alone gave 0.08 of the
+    decode dispatch's and 0.24 of the prefill's)."""
+    hybrid = testing.wide_hybrid_config(dtype=jnp.float32, param_dtype=jnp.float32)
+    r = RolloutConfig(num_slots=16, max_len=512, decode_steps=4)
+    longest = sampler_memory.longest_prefill(r, 64)
+    for program in sampler_memory.PROGRAMS:
+        probe = sampler_memory.program_bytes(r, hybrid, None, program, longest=longest)
+        full = sampler_memory.program_temp_bytes(r, hybrid, None, layers=8, program=program, longest=longest,
+                                                 kind="model")
+        assert abs(probe - full) <= 0.03 * full, (program, probe, full)
+
+
 def test_the_longest_prefill_follows_what_can_be_re_prefilled():
     r = RolloutConfig(max_len=2048)
     assert sampler_memory.longest_prefill(r, 100) == 2048  # a weight update recomputes in-flight sequences

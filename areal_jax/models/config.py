@@ -327,11 +327,12 @@ class ModelConfig:
             return 1.0
         return math.sqrt(self.head_dim / float(self.query_pre_attn_scalar))
 
-    def with_layers(self, n: int) -> ModelConfig:
-        """This model with `n` decoder layers, all of full attention: what memory probes compile and extrapolate
-        from (a sliding window never needs more memory than full attention, so they bound the real model)."""
+    def with_layers(self, n: int, linear: bool = False) -> ModelConfig:
+        """This model with `n` decoder layers of full attention (a window needs no more memory) or, with linear, of
+        Gated DeltaNet: what memory probes compile and extrapolate from (a hybrid's kinds apart). Experts: probed."""
         moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
-        return self.replace(num_layers=n, layer_types=None, sliding_window=None, moe_layers=moe, linear=None)
+        return self.replace(num_layers=n, layer_types=("linear_attention",) * n if linear else None,
+                            sliding_window=None, moe_layers=moe, linear=self.linear if linear else None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""

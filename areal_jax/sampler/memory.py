@@ -60,17 +60,20 @@ def _probe_rollout(rollout: Any) -> Any:
 
 
 def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layers: int, program: str,
-                       longest: int) -> int | None:
+                       longest: int, kind: str = "attention") -> int | None:
     """XLA's working memory (bytes per rollout device) of one sampler program for a `layers`-layer copy of the
     model: "decode", a dispatch of rollout.decode_steps steps over every slot; "prefill", the batched
     prefill-and-insert call at the bucket of `longest` tokens. None where the backend gives no memory
-    analysis. One small compile."""
+    analysis. One small compile. kind: the copy's layers, as in `trainer.memory.update_temp_bytes`."""
     from areal_jax.models import Transformer
-    from areal_jax.trainer.memory import abstract
+    from areal_jax.trainer.memory import KINDS, abstract
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}.")
-    small = model_cfg.with_layers(layers)
+    if kind not in KINDS or kind == "model" and layers != model_cfg.num_layers:
+        raise ValueError(f"kind must be one of {KINDS} (model: at its own {model_cfg.num_layers} layers), got "
+                         f"{kind!r} at {layers} layers.")
+    small = model_cfg if kind == "model" else model_cfg.with_layers(layers, linear=kind == "linear")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0))))
     if rollout.param_dtype != "same":
         params = cast_shapes(params, jnp.dtype(rollout.param_dtype))
@@ -97,11 +100,13 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
 
 def program_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, program: str, *, longest: int) -> int | None:
     """XLA's working memory of the full-depth sampler `program`, from its 3- and 4-layer copies (the program
-    itself when the model is that shallow). None where the backend gives no memory analysis."""
-    from areal_jax.trainer.memory import extended_to_depth
+    itself when the model is that shallow; a hybrid model's kinds of layer apart: `trainer.memory.extended_by_kind`).
+    None where the backend gives no memory analysis."""
+    from areal_jax.trainer.memory import extended_by_kind
 
-    return extended_to_depth(lambda layers: program_temp_bytes(rollout, model_cfg, mesh, layers=layers, program=program,
-                                                              longest=longest), model_cfg.num_layers, BASE_LAYERS)
+    return extended_by_kind(lambda layers, kind: program_temp_bytes(rollout, model_cfg, mesh, layers=layers,
+                                                                    program=program, longest=longest, kind=kind),
+                            model_cfg, BASE_LAYERS)
 
 
 def sampler_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, max_prompt_len: int) -> dict[str, int] | None:

@@ -136,6 +136,16 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def wide_hybrid_config(num_layers: int = 8, **overrides: Any) -> ModelConfig:
+    """A Qwen3.5 of `tiny_config`'s layer pattern whose Gated DeltaNet layers are wide (16 value heads of 32):
+    its linear layers' working memory, not its attention's, is most of a program's (what memory probes must see)."""
+    from areal_jax.models.config_checks import LinearAttention  # noqa: PLC0415
+
+    linear = LinearAttention(key_heads=4, value_heads=16, key_dim=32, value_dim=32, conv_kernel=4)
+    return tiny_config("qwen3_5_text", num_layers=num_layers, vocab_size=256, max_position_embeddings=4096,
+                       **overrides).replace(linear=linear)
+
+
 def randomize_params(model: Transformer, seed: int = 0) -> Transformer:
     """Re-draws every parameter in place so that activations are O(1) and outputs are far from uniform.
 

@@ -127,9 +127,38 @@ def extended_to_depth(at: Callable[[int], int | None], layers: int, base: int) -
     return max(shallow, shallow + (layers - base) * (deeper - shallow))
 
 
+KINDS = ("attention", "linear", "model")  # a probe's layers: all attention; all Gated DeltaNet; the model's own
+
+
+def layer_counts(model_cfg: ModelConfig) -> dict[str, int]:
+    """{kind: layers} of the kinds `model_cfg` has: "attention" (sliding or full) and "linear" (Gated DeltaNet)."""
+    linear = sum(map(model_cfg.layer_is_linear, range(model_cfg.num_layers)))
+    return {k: n for k, n in (("attention", model_cfg.num_layers - linear), ("linear", linear)) if n}
+
+
+def extended_by_kind(at: Callable[[int, str], int | None], model_cfg: ModelConfig, base: int) -> int | None:
+    """`extended_to_depth` for a model whose layers differ in kind (`layer_counts`; at(n, kind): the bytes of an
+    n-layer copy of that kind alone). A hybrid's layers (Qwen3.5: three Gated DeltaNet layers to one of attention)
+    each add their own kind's step; the part that does not grow with depth is the larger of the kinds'. Two small
+    compiles per kind."""
+    counts = layer_counts(model_cfg)
+    if len(counts) == 1:
+        kind, n = next(iter(counts.items()))
+        return extended_to_depth(lambda layers: at(layers, kind), n, base)
+    shallow_max, fixed, grown = 0, 0, 0
+    for kind, n in counts.items():
+        shallow = at(base, kind)
+        deeper = None if shallow is None else at(base + 1, kind)
+        if deeper is None:
+            return None
+        step = deeper - shallow
+        shallow_max, fixed, grown = max(shallow_max, shallow), max(fixed, shallow - base * step), grown + n * step
+    return max(shallow_max, fixed + grown)
+
+
 def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
                       layers: int, tokens: int | None = None, wrt: Any = nnx.Param,
-                      program: str = "accumulate") -> int | None:
+                      program: str = "accumulate", kind: str = "attention") -> int | None:
     """XLA's working memory (bytes per device) of one micro-step of the update for a `layers`-layer copy
     of the model, at one packed row of `tokens` (default micro_batch_tokens) per data device; with
     program="apply", of the optimizer step instead (gradient clipping and AdamW: about 1.5x the trained
@@ -137,8 +166,12 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
 
     build(model_cfg) makes the model (with adapters, for LoRA); it runs under nnx.eval_shape, so no
     parameter is allocated. Compiles one small program. remat "auto" is measured as "none". None where the
-    backend gives no memory analysis."""
-    small = model_cfg.with_layers(layers)
+    backend gives no memory analysis. kind: the copy's layers (`KINDS`): all full attention, all Gated DeltaNet,
+    or the model's own (then `layers` is its depth)."""
+    if kind not in KINDS or kind == "model" and layers != model_cfg.num_layers:
+        raise ValueError(f"kind must be one of {KINDS} (model: at its own {model_cfg.num_layers} layers), got "
+                         f"{kind!r} at {layers} layers.")
+    small = model_cfg if kind == "model" else model_cfg.with_layers(layers, linear=kind == "linear")
     if cfg.remat == "auto":
         cfg = dataclasses.replace(cfg, remat="none")
     graphdef, params, other = nnx.split(nnx.eval_shape(lambda: build(small)), wrt, ...)
@@ -176,11 +209,12 @@ def program_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfi
     """XLA's working memory (bytes per device) of the full-depth `program` ("accumulate": one micro-step;
     "apply": the optimizer step), from its 1- and 2-layer copies (2- and 3-layer for the optimizer step, whose
     buffers settle into their per-layer growth from the second layer on, and with train.scan_layers, since
-    a scan needs two layers); the program itself when the model is that shallow. None where the backend
-    gives no memory analysis. Two small compiles."""
+    a scan needs two layers), per kind of layer (`extended_by_kind`); the program itself when the model is that
+    shallow. None where the backend gives no memory analysis. Two small compiles (four for a hybrid model)."""
     base = 2 if cfg.scan_layers or program == "apply" else 1
-    return extended_to_depth(lambda layers: update_temp_bytes(build, model_cfg, cfg, mesh, layers=layers, tokens=tokens,
-                                                             wrt=wrt, program=program), model_cfg.num_layers, base)
+    return extended_by_kind(lambda layers, kind: update_temp_bytes(build, model_cfg, cfg, mesh, layers=layers,
+                                                                   tokens=tokens, wrt=wrt, program=program, kind=kind),
+                            model_cfg, base)
 
 
 def activation_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *,
