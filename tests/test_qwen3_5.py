@@ -193,6 +193,27 @@ def test_sampler_decodes_as_its_full_forward(arch, page_size):
                                          page_size=page_size)
 
 
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_sampler_on_a_tensor_axis_splits_the_gated_deltanet_by_value_heads(page_size):
+    """Rollout tensor parallelism: the Gated DeltaNet's z / b / a / out projections (and its decay parameters) split
+    by value heads like attention's, the cache's states over the same axis; greedy decoding as by full forwards."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    from areal_jax.models import shard_params
+    from areal_jax.models.sharding import logical_names
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    model = testing.random_model(testing.tiny_config("qwen3_5_text", num_layers=4, num_kv_heads=2), seed=3)
+    specs = {name: logical_names(getattr(model.layers[0].linear_attn, name)) for name in ("in_proj_z", "out_proj", "A_log")}
+    assert specs == {"in_proj_z": ("embed", "heads"), "out_proj": ("heads", "embed"), "A_log": ("heads",)}
+    placed = shard_params(testing.random_model(model.cfg, seed=3), mesh).layers[0].linear_attn
+    assert placed.out_proj[...].sharding.spec == PartitionSpec("tensor", None)
+    assert placed.in_proj_qkv[...].sharding.is_fully_replicated  # (q, k and v side by side: not split by head)
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=page_size, mesh=mesh)
+
+
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 def test_memory_plan_counts_the_states_as_allocated(kv_cache):
     """`kv_cache_bytes` equals what the engine allocates (attention layers' keys and values, or their pages; each linear
@@ -250,7 +271,8 @@ def test_layers_scan_in_groups_of_three_linear_and_one_attention():
 @pytest.mark.parametrize("axis_type", [pytest.param("Auto", marks=pytest.mark.long), "Explicit"])
 def test_sharded_forward_and_gradients_match_one_device(axis_type):
     """On a 2 x 2 (fsdp, tensor) mesh: the cache-free forward over packed rows and its gradients, and the cache
-    path, as on one device (the Gated DeltaNet projections sharded over fsdp, the attention layer over both)."""
+    path, as on one device (the Gated DeltaNet projections sharded over fsdp, z / b / a / out also by value heads over tensor, the
+    attention layer over both)."""
     from flax import nnx
     from jax.sharding import AxisType
 

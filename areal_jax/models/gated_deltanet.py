@@ -202,22 +202,23 @@ class StateCache:
 class GatedDeltaNet(nnx.Module):
     """A Gated DeltaNet layer as Qwen3.5 lays it out: in_proj_qkv [D, channels], in_proj_z [D, Hv * Dv],
     in_proj_b and in_proj_a [D, Hv], conv [K, channels], dt_bias and A_log [Hv], the gated norm's scale [Dv]
-    (plain, not 1 + w) and out_proj [Hv * Dv, D]."""
+    (plain, not 1 + w) and out_proj [Hv * Dv, D]. Those of Hv split by value heads over a tensor axis ("heads");
+    in_proj_qkv and conv, whose q, k and v lie side by side rather than head by head, stay whole there."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m, d, pdt = cfg.linear, cfg.hidden_size, cfg.param_dtype
         hv, c = m.value_heads, channels(cfg)
         self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
         self.in_proj_qkv = make_param(rngs, (d, c), ("embed", None), pdt)
-        self.in_proj_z = make_param(rngs, (d, hv * m.value_dim), ("embed", None), pdt)
-        self.in_proj_b = make_param(rngs, (d, hv), ("embed", None), pdt)
-        self.in_proj_a = make_param(rngs, (d, hv), ("embed", None), pdt)
+        self.in_proj_z = make_param(rngs, (d, hv * m.value_dim), ("embed", "heads"), pdt)
+        self.in_proj_b = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
+        self.in_proj_a = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
         self.conv = make_param(rngs, (m.conv_kernel, c), (None, None), pdt, std=0.5)
-        self.dt_bias = make_param(None, (hv,), (None,), pdt, init="ones")
-        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pdt), out_sharding=(None,),
+        self.dt_bias = make_param(None, (hv,), ("heads",), pdt, init="ones")
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pdt), out_sharding=("heads",),
                                eager_sharding=False)
         self.norm_scale = make_param(None, (m.value_dim,), ("norm",), pdt, init="ones")
-        self.out_proj = make_param(rngs, (hv * m.value_dim, d), (None, "embed"), pdt)
+        self.out_proj = make_param(rngs, (hv * m.value_dim, d), ("heads", "embed"), pdt)
 
     def __call__(self, x: jax.Array, context: Segments | StateCache) -> jax.Array:
         """x [B, T, D] (the layer's normed input) -> [B, T, D] in the compute dtype."""
