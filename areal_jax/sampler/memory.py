@@ -66,14 +66,11 @@ def program_temp_bytes(rollout: Any, model_cfg: ModelConfig, mesh: Any, *, layer
     prefill-and-insert call at the bucket of `longest` tokens. None where the backend gives no memory
     analysis. One small compile. kind: the copy's layers, as in `trainer.memory.update_temp_bytes`."""
     from areal_jax.models import Transformer
-    from areal_jax.trainer.memory import KINDS, abstract
+    from areal_jax.trainer.memory import abstract, probe_config
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}.")
-    if kind not in KINDS or kind == "model" and layers != model_cfg.num_layers:
-        raise ValueError(f"kind must be one of {KINDS} (model: at its own {model_cfg.num_layers} layers), got "
-                         f"{kind!r} at {layers} layers.")
-    small = model_cfg if kind == "model" else model_cfg.with_layers(layers, linear=kind == "linear")
+    small = probe_config(model_cfg, layers, kind)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0))))
     if rollout.param_dtype != "same":
         params = cast_shapes(params, jnp.dtype(rollout.param_dtype))

@@ -130,6 +130,15 @@ def extended_to_depth(at: Callable[[int], int | None], layers: int, base: int) -
 KINDS = ("attention", "linear", "model")  # a probe's layers: all attention; all Gated DeltaNet; the model's own
 
 
+def probe_config(model_cfg: ModelConfig, layers: int, kind: str) -> ModelConfig:
+    """The config a memory probe compiles: `layers` layers of one `KINDS` kind, or the model itself ("model", at its
+    own depth)."""
+    if kind not in KINDS or kind == "model" and layers != model_cfg.num_layers:
+        raise ValueError(f"kind must be one of {KINDS} (model: at its own {model_cfg.num_layers} layers), got "
+                         f"{kind!r} at {layers} layers.")
+    return model_cfg if kind == "model" else model_cfg.with_layers(layers, linear=kind == "linear")
+
+
 def layer_counts(model_cfg: ModelConfig) -> dict[str, int]:
     """{kind: layers} of the kinds `model_cfg` has: "attention" (sliding or full) and "linear" (Gated DeltaNet)."""
     linear = sum(map(model_cfg.layer_is_linear, range(model_cfg.num_layers)))
@@ -168,10 +177,7 @@ def update_temp_bytes(build: ModelBuilder, model_cfg: ModelConfig, cfg: TrainerC
     parameter is allocated. Compiles one small program. remat "auto" is measured as "none". None where the
     backend gives no memory analysis. kind: the copy's layers (`KINDS`): all full attention, all Gated DeltaNet,
     or the model's own (then `layers` is its depth)."""
-    if kind not in KINDS or kind == "model" and layers != model_cfg.num_layers:
-        raise ValueError(f"kind must be one of {KINDS} (model: at its own {model_cfg.num_layers} layers), got "
-                         f"{kind!r} at {layers} layers.")
-    small = model_cfg if kind == "model" else model_cfg.with_layers(layers, linear=kind == "linear")
+    small = probe_config(model_cfg, layers, kind)
     if cfg.remat == "auto":
         cfg = dataclasses.replace(cfg, remat="none")
     graphdef, params, other = nnx.split(nnx.eval_shape(lambda: build(small)), wrt, ...)
