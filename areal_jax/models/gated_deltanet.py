@@ -10,8 +10,9 @@ g_t = -exp(A_log) softplus(a_t + dt_bias). Queries, keys and values first pass a
 of `conv_kernel` taps and SiLU; the output is RMS-normalised per head, times SiLU(z_t) and projected back.
 
 `delta_rule` computes the recurrence in chunks (the WY form: within a chunk a unit lower-triangular system, inverted
-by matrix products alone (`unit_lower_inverse`), between chunks a scan carrying S), with packed rows' segments kept apart: a segment starts from a zero state and its
-convolution sees only its own tokens. `delta_step` is one token's update (decode). In a KV-cache forward a layer's
+by matrix products alone (`unit_lower_inverse`), between chunks a scan carrying S), with packed rows' segments
+kept apart: a segment starts from a zero state and its convolution sees only its own tokens. The convolved channels
+are held key head by key head (`grouped_channels`), so that a tensor axis splits every part of a layer by heads. `delta_step` is one token's update (decode). In a KV-cache forward a layer's
 cache entries hold its convolution window, k [B, conv_kernel - 1, channels, 1] (the last inputs, oldest first),
 and its state, v [B, 1, value_heads * key_dim, value_dim] in float32 (`state_buffers`); a token at a negative
 position (padding) leaves both unchanged, so a tail-padded prefill ends with each row's own state.
@@ -34,9 +35,19 @@ CHUNK = 64  # tokens per chunk of `delta_rule` (the within-chunk solve is CHUNK 
 
 
 def channels(cfg: ModelConfig) -> int:
-    """Width of the convolved projection: queries and keys (key_heads * key_dim each), then values."""
+    """Width of the convolved projection: queries and keys (key_heads * key_dim each) and values."""
     m = cfg.linear
     return 2 * m.key_heads * m.key_dim + m.value_heads * m.value_dim
+
+
+def grouped_channels(cfg: ModelConfig) -> np.ndarray:
+    """Where our channels come from in HF's: in_proj_qkv and conv hold key head by key head its query, its key and
+    its value heads' values side by side ([key_heads, 2 key_dim + value_heads / key_heads * value_dim]), so a tensor
+    axis splits them by head; transformers keeps all queries, then all keys, then all values. Ours[j] = HF's[perm[j]]."""
+    m = cfg.linear
+    hk, qk, vals = m.key_heads, m.key_heads * m.key_dim, m.value_heads * m.value_dim
+    return np.concatenate([np.arange(qk).reshape(hk, -1), qk + np.arange(qk).reshape(hk, -1),
+                           2 * qk + np.arange(vals).reshape(hk, -1)], axis=1).reshape(-1)
 
 
 def state_buffers(cfg: ModelConfig, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -202,18 +213,18 @@ class StateCache:
 class GatedDeltaNet(nnx.Module):
     """A Gated DeltaNet layer as Qwen3.5 lays it out: in_proj_qkv [D, channels], in_proj_z [D, Hv * Dv],
     in_proj_b and in_proj_a [D, Hv], conv [K, channels], dt_bias and A_log [Hv], the gated norm's scale [Dv]
-    (plain, not 1 + w) and out_proj [Hv * Dv, D]. Those of Hv split by value heads over a tensor axis ("heads");
-    in_proj_qkv and conv, whose q, k and v lie side by side rather than head by head, stay whole there."""
+    (plain, not 1 + w) and out_proj [Hv * Dv, D]. On a tensor axis those of Hv split by value heads ("heads"),
+    in_proj_qkv and conv by key heads ("kv_heads": their channels are grouped so, `grouped_channels`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m, d, pdt = cfg.linear, cfg.hidden_size, cfg.param_dtype
         hv, c = m.value_heads, channels(cfg)
         self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
-        self.in_proj_qkv = make_param(rngs, (d, c), ("embed", None), pdt)
+        self.in_proj_qkv = make_param(rngs, (d, c), ("embed", "kv_heads"), pdt)
         self.in_proj_z = make_param(rngs, (d, hv * m.value_dim), ("embed", "heads"), pdt)
         self.in_proj_b = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
         self.in_proj_a = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
-        self.conv = make_param(rngs, (m.conv_kernel, c), (None, None), pdt, std=0.5)
+        self.conv = make_param(rngs, (m.conv_kernel, c), (None, "kv_heads"), pdt, std=0.5)
         self.dt_bias = make_param(None, (hv,), ("heads",), pdt, init="ones")
         self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pdt), out_sharding=("heads",),
                                eager_sharding=False)
@@ -237,9 +248,10 @@ class GatedDeltaNet(nnx.Module):
             valid = context.valid
             mixed, window = window_conv(mixed, w, context.window[..., 0], valid)
         mixed = jax.nn.silu(mixed)
-        q = mixed[..., : hk * dk].reshape(b, t, hk, dk).astype(jnp.float32)
-        k = mixed[..., hk * dk: 2 * hk * dk].reshape(b, t, hk, dk).astype(jnp.float32)
-        v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv).astype(jnp.float32)
+        mixed = mixed.reshape(b, t, hk, -1)  # key head by key head (`grouped_channels`)
+        q = mixed[..., :dk].astype(jnp.float32)
+        k = mixed[..., dk: 2 * dk].astype(jnp.float32)
+        v = mixed[..., 2 * dk:].reshape(b, t, hv, dv).astype(jnp.float32)
         if hv != hk:  # query / key head i serves value heads i * r .. i * r + r - 1
             q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
         q = l2_normalize(q) * np.float32(1.0 / math.sqrt(dk))

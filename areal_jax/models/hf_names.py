@@ -27,6 +27,7 @@ class _Entry:
     and return the one expert's slice.
     interleave: (offset, count) when the HF tensor interleaves `count` of ours along its last axis (gpt-oss's
     gate_up_proj: gate at even columns, up at odd ones): ours is its columns offset::count ("same" kind).
+    channels: ours takes the HF tensor's first-axis entries in this order (Gated DeltaNet's, grouped by key head).
     """
 
     path: tuple[str | int, ...]
@@ -35,6 +36,7 @@ class _Entry:
     rows: tuple[int, int, int] | None = None
     expert: int | None = None
     interleave: tuple[int, int] | None = None
+    channels: tuple[int, ...] | None = None
 
     @property
     def row_axis(self) -> int:
@@ -73,6 +75,8 @@ class _Entry:
             shape = shape[1:]
         if self.interleave is not None:
             hf = hf[..., self.interleave[0]::self.interleave[1]]
+        if self.channels is not None:
+            hf = hf[np.asarray(self.channels)]
         if self.kind in ("same", "flat", "row"):
             return hf.reshape(shape)
         if self.kind == "swap_last":
@@ -82,6 +86,11 @@ class _Entry:
         return hf.T.reshape(shape)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.channels is not None:
+            out = self.__class__(self.path, self.hf_name, self.kind).to_hf(ours)
+            hf = np.empty_like(out)
+            hf[np.asarray(self.channels)] = out
+            return hf
         if self.kind == "same":
             return ours
         if self.kind == "flat":
@@ -110,7 +119,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
         linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
         if linear:
-            entries.extend(_linear_entries(p + ("linear_attn",), f"{hf}.linear_attn"))
+            entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
         for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
             if fused:
                 entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
@@ -216,13 +225,17 @@ def _latent_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                   _Entry(path + ("kv_b_proj",), f"{hf}.kv_b_proj.weight", "in_first")]
 
 
-def _linear_entries(path: tuple[str | int, ...], hf: str) -> list[_Entry]:
-    """A Gated DeltaNet layer's parameters (models.gated_deltanet), as Qwen3.5 names them under linear_attn."""
-    return [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first"),
+def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A Gated DeltaNet layer's parameters (models.gated_deltanet), as Qwen3.5 names them under linear_attn (the
+    channels of in_proj_qkv and conv1d regrouped by key head: `gated_deltanet.grouped_channels`)."""
+    from areal_jax.models.gated_deltanet import grouped_channels  # noqa: PLC0415 (it imports the layers)
+
+    grouped = tuple(int(i) for i in grouped_channels(cfg))
+    return [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first", channels=grouped),
             _Entry(path + ("in_proj_z",), f"{hf}.in_proj_z.weight", "in_first"),
             _Entry(path + ("in_proj_b",), f"{hf}.in_proj_b.weight", "in_first"),
             _Entry(path + ("in_proj_a",), f"{hf}.in_proj_a.weight", "in_first"),
-            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv"),
+            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),
             _Entry(path + ("dt_bias",), f"{hf}.dt_bias", "same"),
             _Entry(path + ("A_log",), f"{hf}.A_log", "same"),
             _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from areal_jax.models.gated_deltanet import grouped_channels
 from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 
@@ -114,6 +115,9 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
         fused = _fused_module(model, parts[0][0])
         if fused is None:
+            order = _hf_order(model, parts[0][0])
+            if order is not None:  # B's rows in HF's order of the base's outputs
+                b_cols[0] = b_cols[0][np.argsort(order)]
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_cols[0])
             continue
         rows, r = _fused_rows(model, module, fused), a_rows[0].shape[0]
@@ -182,9 +186,17 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
             r = node.lora_a.shape[-1]
             _check_rank(config, path, r, node.scale)
             first, count = rows[short] if rows is not None else (0, b.shape[0])
+            part = b[first:first + count, j * r:(j + 1) * r]
+            order = _hf_order(model, short)
             node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
-            node.lora_b.set_value(b[first:first + count, j * r:(j + 1) * r].T.reshape(node.lora_b.shape))
+            node.lora_b.set_value((part if order is None else part[order]).T.reshape(node.lora_b.shape))
     return model
+
+
+def _hf_order(model: nnx.Module, short: str) -> np.ndarray | None:
+    """Where each of our output rows of projection `short` lies in HF's weight, when they differ (the Gated
+    DeltaNet's in_proj_qkv, grouped by key head here: `gated_deltanet.grouped_channels`), else None."""
+    return grouped_channels(model.cfg) if short == "in_qkv" else None
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
