@@ -26,7 +26,7 @@ from areal_jax.testing.scripts import load_script
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_soak_600_steps_holds_bounded_state(tmp_path):
     steps, eta, batch_groups, group_size = 600, 1, 2, 2  # tiny_config's B and group size
     env = cpu_env(1)

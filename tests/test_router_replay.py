@@ -110,6 +110,7 @@ def with_routes(trajs, routes_of):
     return [dataclasses.replace(t, routes=routes_of(t)) for t in trajs]
 
 
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_trainer_measures_agreement_and_replays():
     """measure: the trainer's own routes agree fully, random ones about as often as chance; replay of its own routes
     gives the loss and gradients of no replay, of others a different loss; missing routes are a clear error."""

@@ -57,7 +57,7 @@ def test_two_shallow_programs_predict_the_full_depth_update_memory(case):
     assert abs(predicted - max(full.values())) <= 0.01 * max(full.values()), (predicted, full)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (excluded from the default run: `-m long`)
 def test_a_hybrid_models_update_memory_adds_each_kind_of_layers_own_step():
     """Qwen3.5: Gated DeltaNet layers (the chunked rule's [chunk, chunk] matrices per head) and attention layers
     grow the update by different steps, each probed on copies of its own kind; the sum predicts the real model's
