@@ -4,7 +4,7 @@ parameter is, and the exact transposes and reshapes between the layouts (HF line
 stacked [E, ...]). models.hf_io reads and writes checkpoints with it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class _Entry:
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
         if self.channels is not None:
-            out = self.__class__(self.path, self.hf_name, self.kind).to_hf(ours)
+            out = replace(self, channels=None).to_hf(ours)  # then each row back to its HF place
             hf = np.empty_like(out)
             hf[np.asarray(self.channels)] = out
             return hf
