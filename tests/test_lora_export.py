@@ -67,7 +67,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("minimax_m2", "attn,experts"), ("ernie4_5", "all"), ("glm4", "all"),
                                           ("ernie4_5_moe", "attn,experts"), ("exaone4", "all"),
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
-                                          ("arcee", "all"), ("qwen3_5_text", "all"),
+                                          ("arcee", "all"), ("qwen3_5_text", "all"), ("ministral3", "all"),
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
                                           ("qwen3_5_moe_text", "attn,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):

@@ -20,6 +20,7 @@ from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, ran
 # default pattern: every fourth layer attention)
 _IMAGE_AND_TEXT = {
     "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "eos_token_id": 7,
+    "tie_word_embeddings": True,  # transformers ties these models' weights by the outer flag (default False)
     "text_config": {"model_type": "qwen3_5_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
                     "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -47,6 +48,8 @@ def test_config_of_an_image_and_text_checkpoint_and_refusals():
     assert tuple(cfg.linear) == (2, 4, 16, 16, 4) and cfg.qk_norm and cfg.norm_offset
     again = ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict())))
     assert again == cfg and cfg.to_hf_dict()["architectures"] == ["Qwen3_5ForCausalLM"]
+    untied = {k: v for k, v in _IMAGE_AND_TEXT.items() if k != "tie_word_embeddings"}  # text_config's True is not read
+    assert not ModelConfig.from_hf_dict(untied).tie_word_embeddings
     with pytest.raises(ValueError, match="needs a text_config"):
         ModelConfig.from_hf_dict({"model_type": "qwen3_5"})
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):

@@ -17,7 +17,7 @@ from areal_jax.models import config_checks as checks
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
-                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text",
+                 "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention",
@@ -62,14 +62,14 @@ class ModelConfig:
       interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
       "hunyuan_v1_dense" (Llama's, per-head q/k norm after RoPE), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate),
       "qwen3_5_text" (Qwen3.5: Gated DeltaNet layers, `linear`, between layers of gated attention; norms 1 + w) and
-      "qwen3_5_moe_text" (its layers with Qwen2-MoE's experts and gated shared expert).
+      "qwen3_5_moe_text" (its layers with Qwen2-MoE's experts and gated shared expert), "ministral3" (Mistral's, queries
+      scaled by position past the pretraining length: rope_scaling's llama_4_scaling_beta, `rope.query_position_scale`).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
       context), {"rope_type": "linear", "factor": 8.0} (positions divided by the factor), or Phi's
       {"rope_type": "longrope", "short_factor": [...], "long_factor": [...], "original_max_position_embeddings":
-      4096} (each frequency divided by its factor; the long factors where "use_long_factor" is set:
-      `for_sequence_length`).
+      4096} (each frequency divided by its factor; the long factors where "use_long_factor": `for_sequence_length`).
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
     layer_types: per layer "full_attention", "sliding_attention" (None: all sliding when sliding_window is set) or

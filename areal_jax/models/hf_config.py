@@ -6,8 +6,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import arcee, deepseek, ernie, exaone, glm4, gpt_oss, hunyuan, minimax, qwen3_5, seed_oss
+from areal_jax.models import deepseek, glm4, gpt_oss, minimax, ministral3, qwen3_5
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
+from areal_jax.models.families import OWN_MODULES
+from areal_jax.models.hf_family import text_decoder
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
              "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
@@ -15,7 +17,7 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM", "granitemoe":
              "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss":
              "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM"}
-_OWN_MODULE = {arch: m for m in (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5) for arch in m.HF_CLASSES}
+_OWN_MODULE = {arch: m for m in OWN_MODULES for arch in m.HF_CLASSES}
 _HF_CLASS.update({arch: m.HF_CLASSES[arch] for arch, m in _OWN_MODULE.items()})  # families whose modules read and write
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
@@ -131,14 +133,10 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         inverse = {v: k for k, v in _HF_CLASS.items()}
         model_type = next((inverse[a] for a in archs if a in inverse), None)
     d, model_type = (qwen3_5.text_config(d), f"{model_type}_text") if model_type in qwen3_5.WRAPPERS else (d, model_type)
+    d, model_type = ministral3.text_config(d) if model_type == ministral3.WRAPPER else (d, model_type)
     if model_type == "gemma3":  # the image-and-text model (4B and up): its text decoder, under text_config
-        text = d.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError("model_type='gemma3' (Gemma3ForConditionalGeneration) needs a text_config dictionary "
-                             "describing its text decoder; this config.json has none.")
-        outer = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
-        return config_from_hf(cls, {**outer, **text, "model_type": "gemma3_text"}, dtype=dtype,
-                              param_dtype=param_dtype)
+        return config_from_hf(cls, text_decoder(d, "Gemma3ForConditionalGeneration", "gemma3_text", tied=True),
+                              dtype=dtype, param_dtype=param_dtype)
     model_type = {v: k for k, v in _HF_MODEL_TYPE.items()}.get(model_type, model_type)
     if model_type == "gemma3":  # keys a Gemma 3 config.json leaves out take transformers' defaults
         d = {**_GEMMA3_TEXT_DEFAULTS, **d}
@@ -240,7 +238,7 @@ def config_to_hf(cfg: Any) -> dict:
                          "or choose another architecture.")
     if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    for family in (gpt_oss, deepseek, minimax, ernie, glm4, exaone, hunyuan, seed_oss, arcee, qwen3_5):
+    for family in (gpt_oss, minimax, glm4, *OWN_MODULES):
         family.check_hf(cfg)
     if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
             cfg.attention_bias or cfg.qk_norm):

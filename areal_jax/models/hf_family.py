@@ -1,7 +1,7 @@
 """What the families with modules of their own (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`, `arcee.py`,
-`qwen3_5.py`) share: `common_fields` (the ModelConfig fields their config.json says as Llama's does: sizes, RoPE,
-norms, special tokens), `require_fields` (the refusal of a config their transformers class would not load as it is)
-and `hf_dict` (the config.json they write)."""
+`qwen3_5.py`, `ministral3.py`) share: `common_fields` (the ModelConfig fields their config.json says as Llama's does:
+sizes, RoPE, norms, special tokens), `require_fields` (the refusal of a config their transformers class would not load
+as it is), `hf_dict` (the config.json they write) and `text_decoder` (an image-and-text config's text decoder)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -50,3 +50,16 @@ def hf_dict(common: dict, **own: Any) -> dict:
     """A family's config.json: `common` (hf_config's keys every family writes; rope_scaling left out, the families
     write rope_parameters) with its own keys."""
     return {**{k: v for k, v in common.items() if k != "rope_scaling"}, **own}
+
+
+def text_decoder(d: dict, what: str, model_type: str, tied: bool) -> dict:
+    """The text decoder's config.json keys of an image-and-text config `d` (`what`: its transformers class): its
+    text_config under `model_type`, with the outer file's special tokens where the inner one has none. Whether the
+    output matrix is the embedding is the outer file's tie_word_embeddings, as transformers ties these models'
+    weights by the outer config (`tied`: that class's default when the file leaves it out), whatever text_config says."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"model_type={d.get('model_type')!r} ({what}) needs a text_config dictionary describing its "
+                         "text decoder; this config.json has none.")
+    outer = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+    return {**outer, **text, "model_type": model_type, "tie_word_embeddings": bool(d.get("tie_word_embeddings", tied))}

@@ -151,12 +151,13 @@ class Attention(nnx.Module):
         y = project(x, w, self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
-    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-            cached: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cached: bool = False,
+            query_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh] in the compute dtype, RoPE applied to q, k.
         q comes times `ModelConfig.attention_scale_factor` (1 unless query_pre_attn_scalar != head_dim), so
-        every attention path's 1 / sqrt(head_dim) gives the model's own scale. cached (a KV-cache forward) changes
-        nothing here (latent attention's form: `mla.MLAttention`)."""
+        every attention path's 1 / sqrt(head_dim) gives the model's own scale, and times query_scale [B, T] where
+        given (`rope.query_position_scale`: Ministral 3). cached (a KV-cache forward) changes nothing here (latent
+        attention's form: `mla.MLAttention`)."""
         q = self._project(x, self.q_proj, self.q_bias)
         k = self._project(x, self.k_proj, self.k_bias)
         v = self._project(x, self.v_proj, self.v_bias)
@@ -170,6 +171,8 @@ class Attention(nnx.Module):
             q = apply_rope(q, cos, sin)
         if self.query_factor != 1.0:
             q = (q.astype(jnp.float32) * np.float32(self.query_factor)).astype(q.dtype)
+        if query_scale is not None:  # in q's dtype, as transformers scales it
+            q = q * query_scale.astype(q.dtype)[:, :, None, None]
         return q, k if self.norm_after_rope else apply_rope(k, cos, sin), v
 
     def gated_qkv(self, x: jax.Array, cos: jax.Array,
@@ -244,8 +247,9 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,
                  routes: jax.Array | None = None, replay: bool = False, record: bool = False,
-                 cached: bool = False) -> Any:
-        """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim]; attend(q, k, v, sinks) ->
+                 cached: bool = False, query_scale: jax.Array | None = None) -> Any:
+        """x: [B, T, D] compute dtype; cos, sin: this layer's RoPE table [B, T, head_dim] (query_scale [B, T]: its
+        queries' factor by position, `rope.query_position_scale`, or None); attend(q, k, v, sinks) ->
         [B, T, H, Dh]: the attention over whatever holds the keys (packed rows, a KV cache, pages), which the
         caller's function may also write; sinks: the layer's sink logits [H] float32, or None. routes [B, T, k],
         replay: a mixture-of-experts layer's given experts (`MoE.__call__`). With
@@ -271,7 +275,8 @@ class DecoderLayer(nnx.Module):
             q, k, v, gate = self.attn.gated_qkv(h, cos, sin)
             a = self.attn.out(attend(q, k, v, None) * jax.nn.sigmoid(gate))
         else:
-            q, k, v, *write = self.attn.qkv(h, cos, sin, cached)
+            q, k, v, *write = self.attn.qkv(h, cos, sin, cached) if query_scale is None else \
+                self.attn.qkv(h, cos, sin, cached, query_scale)
             sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
             a = self.attn.out(attend(q, k, v, sinks, *write), cached)
         if self.residual_multiplier is not None:

@@ -148,23 +148,26 @@ def remat_policy(choice: str) -> Callable | None:
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable if choice == "dots" else None
 
 
-def decoder_layer(layer: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttentionFn,
+def decoder_layer(layer: nnx.Module, x: jax.Array, rope: tuple[jax.Array, ...], attend: AttentionFn,
                   remat: str = "none", router_mask: jax.Array | None = None, routes: jax.Array | None = None,
                   replay: bool = False, record: bool = False) -> Any:
     """One decoder layer of the cache-free forward (`layers.DecoderLayer.__call__`).
 
-    layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; cos, sin: [B, T, head_dim] float32.
+    layer: a `layers.DecoderLayer`; x: [B, T, D] compute dtype; rope: its table, (cos, sin) [B, T, head_dim] float32
+    (and the queries' scale [B, T] where the model has one: `rope.rope_tables`).
     With remat other than "none" the layer runs as a pure function of its state under `jax.checkpoint`.
     routes [B, T, k], replay: a mixture-of-experts layer's given experts. With router_mask [B, T] or record: (x,
     the layer's extras or None), as `DecoderLayer.__call__`.
     """
     extra = router_mask is not None or record
+    cos, sin, *scale = rope
+    scaled = {"query_scale": scale[0]} if scale else {}
 
     def apply(lyr: nnx.Module, x: jax.Array) -> Any:  # rows stay on their device (models.sharding)
         if not extra:
-            return constrain_batch(lyr(constrain_batch(x), cos, sin, attend, routes=routes, replay=replay))
+            return constrain_batch(lyr(constrain_batch(x), cos, sin, attend, routes=routes, replay=replay, **scaled))
         out, found = lyr(constrain_batch(x), cos, sin, attend, router_mask, routes=routes, replay=replay,
-                         record=record)
+                         record=record, **scaled)
         return constrain_batch(out), found
 
     if remat == "none":
@@ -201,7 +204,7 @@ def scannable(layers, period: int = 1) -> tuple[nnx.GraphDef, list[nnx.State]] |
     return graphdef, [state for _, state in splits]
 
 
-def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]], attends: list[AttentionFn],
+def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, ...]], attends: list[AttentionFn],
                   remat: str = "none", scan: bool = True, router_mask: jax.Array | None = None,
                   routes: jax.Array | None = None, replay: bool = False, record: bool = False) -> Any:
     """Every decoder layer of the cache-free forward, in order; layer i reads RoPE table ropes[i] (cos, sin) and
@@ -222,7 +225,7 @@ def decoder_stack(layers, x: jax.Array, ropes: list[tuple[jax.Array, jax.Array]]
     moe_index = list(itertools.accumulate((is_moe_layer(layer) for layer in layers), initial=0))
 
     def run(layer: nnx.Module, h: jax.Array, i: int, found: list, layer_routes: jax.Array | None) -> jax.Array:
-        out = decoder_layer(layer, h, *ropes[i], attends[i], remat, router_mask, layer_routes, replay, record)
+        out = decoder_layer(layer, h, ropes[i], attends[i], remat, router_mask, layer_routes, replay, record)
         if not extra:
             return out
         if out[1] is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.config_checks import LinearAttention
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, text_decoder
 
 HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # the image-and-text models' model_type: the text decoder under text_config
@@ -38,12 +38,7 @@ def text_config(d: dict) -> dict:
     file's special tokens where the inner one has none)."""
     if d.get("model_type") not in WRAPPERS:
         return d
-    text = d.get("text_config")
-    if not isinstance(text, dict):
-        raise ValueError(f"model_type={d['model_type']!r} (an image-and-text Qwen3.5) needs a text_config dictionary "
-                         "describing its text decoder; this config.json has none.")
-    outer = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
-    return {**outer, **text, "model_type": f"{d['model_type']}_text"}
+    return text_decoder(d, "an image-and-text Qwen3.5", f"{d['model_type']}_text", tied=False)
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,

@@ -43,10 +43,11 @@ def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, ...]]:
     """positions [B, T] -> {table: (cos, sin)} for each RoPE table the model's layers read
     (`ModelConfig.layer_rope`: "global"; "local" where sliding layers have a base of their own; "none", cos 1 and
-    sin 0, where layers do not rotate)."""
+    sin 0, where layers do not rotate). A model whose queries are scaled by position (`query_position_scale`:
+    Ministral 3) gets (cos, sin, that scale [B, T]) instead."""
     names = sorted({cfg.layer_rope(i) for i in range(cfg.num_layers)})
     tables = {}
     for n in names:
@@ -55,7 +56,19 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.A
             tables[n] = (jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
         else:
             tables[n] = rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n))
-    return tables
+    scale = query_position_scale(cfg, positions)
+    return tables if scale is None else {n: (*table, scale) for n, table in tables.items()}
+
+
+def query_position_scale(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+    """Ministral 3's queries (after RoPE) times 1 + beta ln(1 + floor(position / original_max_position_embeddings)),
+    beta its rope parameters' llama_4_scaling_beta: [B, T] float32 (1 within the pretraining length, growing slowly
+    past it; negative positions, which attend nothing, count as 0); None for every other model."""
+    s = cfg.rope_scaling
+    if cfg.architecture != "ministral3" or s is None or s.get("llama_4_scaling_beta") is None:
+        return None
+    blocks = jnp.floor(jnp.maximum(positions, 0).astype(jnp.float32) / np.float32(s["original_max_position_embeddings"]))
+    return 1.0 + np.float32(s["llama_4_scaling_beta"]) * jnp.log1p(blocks)
 
 
 def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:

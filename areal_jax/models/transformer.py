@@ -121,9 +121,10 @@ def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, pi
                  cached: bool | str = True) -> jax.Array:
     """One decoder layer of a cache forward (``attend`` writes and reads the cache; cached: `DecoderLayer`'s); with
     ``picks`` (a list) an expert layer appends the experts it sent each token to, [B, T, k]."""
+    cos, sin, *scale = rope  # (cos, sin) or, with queries scaled by position, (cos, sin, scale): `rope_tables`
     if picks is None:
-        return layer(x, *rope, attend, cached=cached)
-    x, extras = layer(x, *rope, attend, record=True, cached=cached)
+        return layer(x, cos, sin, attend, cached=cached, **({"query_scale": scale[0]} if scale else {}))
+    x, extras = layer(x, cos, sin, attend, record=True, cached=cached, **({"query_scale": scale[0]} if scale else {}))
     if extras is not None:
         picks.append(extras["routes"])
     return x

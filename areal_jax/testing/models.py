@@ -27,7 +27,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
     RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
-    gate (ReLU squared); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    gate (ReLU squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
+    1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text as written at their branches below.
     Any ModelConfig field can be overridden.
     """
@@ -116,6 +117,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # intermediate_size in every layer by sigmoid scores with a picking bias, renormalised
         fields.update(qk_norm=True, rotary_dim=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, rope_theta=5e6)
+    if architecture == "ministral3":  # YaRN, and queries scaled past each multiple of the pretraining length (8)
+        fields.update(rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8,
+                                                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})
     if architecture == "glm4":  # GLM-4-0414's form: q/k/v bias, half of each head rotating as interleaved pairs
         fields.update(attention_bias=True, rotary_dim=8, rope_interleave=True)
     if architecture in ("ernie4_5", "ernie4_5_moe"):  # RoPE on interleaved pairs; the MoE's: a dense first layer,

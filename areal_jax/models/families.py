@@ -1,0 +1,7 @@
+"""The model families with modules of their own (each with HF_CLASSES, `config_from_hf`, `config_to_hf` and
+`check_hf`), which `hf_config` dispatches a config.json's model type to."""
+from __future__ import annotations
+
+from areal_jax.models import arcee, deepseek, ernie, exaone, hunyuan, ministral3, qwen3_5, seed_oss
+
+OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3)
