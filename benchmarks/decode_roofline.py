@@ -12,14 +12,29 @@ import numpy as np
 from common import best_seconds
 
 
+def _contexts(prompts: list[list[int]], lengths: list[int]) -> np.ndarray:
+    """The context of every generated token: P + 1 .. P + L for a request of prompt P and length L."""
+    return np.concatenate([len(p) + np.arange(1, n + 1, dtype=np.float64) for p, n in zip(prompts, lengths)] or
+                          [np.zeros(0)])
+
+
 def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
-    """Model FLOPs of prefilling every prompt and generating every token (real context only)."""
-    d, hq, hd, layers = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
+    """Model FLOPs of prefilling every prompt and generating every token (real context only; a sliding layer's
+    within its window; a Gated DeltaNet layer's state update and read, 4 x value heads x key_dim x value_dim a token,
+    in place of attention)."""
+    d, hq, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     dense = 2 * (cfg.matmul_params_per_token + d * cfg.vocab_size)  # per token, incl. the unembedding
     total = 0.0
     for p, n in zip(prompts, lengths):
         ctx = np.arange(1, len(p) + n + 1, dtype=np.float64)  # context each token attends to
-        total += (len(p) + n) * dense + 4.0 * layers * hq * hd * ctx.sum()
+        total += (len(p) + n) * dense
+        for i in range(cfg.num_layers):
+            if cfg.linear is not None and cfg.layer_is_linear(i):
+                m = cfg.linear
+                total += (len(p) + n) * 4.0 * m.value_heads * m.key_dim * m.value_dim
+            else:
+                window = cfg.layer_window(i)
+                total += 4.0 * hq * hd * (ctx if window is None else np.minimum(ctx, window)).sum()
     return total
 
 
@@ -30,19 +45,42 @@ def copy_bandwidth_gbs(nbytes: int, repeats: int = 5) -> float:
     return 2 * x.nbytes / best_seconds(lambda: f(x), repeats) / 1e9
 
 
+def cache_bytes_per_row(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Cache bytes one decode step must touch for one live row, time-averaged over the workload's generated tokens:
+    each attention layer reads its keys and values over the row's context (a sliding layer's over its window at
+    most; latent attention's one latent a position: `mla.cache_layout`) in the cache's dtype
+    (`transformer.cache_dtype`), and each Gated DeltaNet layer reads and writes its state and convolution window."""
+    from areal_jax.models.gated_deltanet import state_bytes
+    from areal_jax.models.mla import cache_layout
+    from areal_jax.models.transformer import cache_dtype
+
+    ctx = _contexts(prompts, lengths)
+    heads, k_dim, v_dim = cache_layout(cfg)
+    per_position = heads * (k_dim + v_dim) * jnp.dtype(cache_dtype(cfg)).itemsize
+    total = 0.0
+    for i in range(cfg.num_layers):
+        if cfg.linear is not None and cfg.layer_is_linear(i):
+            total += 2 * state_bytes(cfg)
+            continue
+        window = cfg.layer_window(i)
+        read = ctx if window is None else np.minimum(ctx, window)
+        total += (float(read.mean()) if read.size else 0.0) * per_position
+    return total
+
+
 def roofline(cfg, params, prompts, lengths, live_rows: float, bandwidth_gbs: float) -> dict:
-    """Bytes one decode step must read (weights + live KV) and the tokens/s that allows at ``bandwidth_gbs``.
+    """Bytes one decode step must read (weights + each live row's cache: `cache_bytes_per_row`) and the tokens/s
+    that allows at ``bandwidth_gbs``.
 
     The live context of a row is time-averaged over its generation: a sequence of prompt P and length L
     attends P + j positions at its j-th step."""
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    ctx = sum(n * len(p) + n * (n + 1) / 2 for p, n in zip(prompts, lengths)) / max(1, sum(lengths))
-    step_bytes = weight_bytes + live_rows * ctx * kv_per_token
+    ctx = _contexts(prompts, lengths)
+    step_bytes = weight_bytes + live_rows * cache_bytes_per_row(cfg, prompts, lengths)
     step_s = step_bytes / (bandwidth_gbs * 1e9)
-    return {"weight_bytes": int(weight_bytes), "mean_live_context": round(ctx, 1), "live_rows": float(f"{live_rows:.4g}"),
-            "bytes_per_step": int(step_bytes), "step_ms_at_bandwidth": round(1e3 * step_s, 4),
-            "tokens_per_s": round(live_rows / step_s, 1)}
+    return {"weight_bytes": int(weight_bytes), "mean_live_context": round(float(ctx.mean()) if ctx.size else 0.0, 1),
+            "live_rows": float(f"{live_rows:.4g}"), "bytes_per_step": int(step_bytes),
+            "step_ms_at_bandwidth": round(1e3 * step_s, 4), "tokens_per_s": round(live_rows / step_s, 1)}
 
 
 def live_contexts(prompts: list[list[int]], lengths: list[int], rows: int, rng: np.random.Generator) -> np.ndarray:

@@ -49,6 +49,10 @@
 #              GPU, and the sampler's steady state against HF generate (~5 min).
 #   phi4mini   the phi4-mini shape (3.8B, fused q/k/v on disk, partial rotary, LongRoPE), bf16: the update against HF +
 #              PyTorch on the same GPU, and the sampler's steady state against HF generate (~6 min).
+#   hybrid     Qwen3.5's chunked delta rule against the token scan at the 9B's 32 value heads (8 rows x 8,192 tokens,
+#              forward + backward, float32); the sampler's steady state at the Qwen3.5-9B shape (Gated DeltaNet states
+#              per slot, bf16, 128 slots) and at the Ministral-3-8B shape, each against HF generate on the same GPU
+#              (~10 min; HF's delta rule is its PyTorch reference without flash-linear-attention installed).
 #   moe        the grouped-matmul kernel's tests compiled by Triton (values, gradients, the blocks it skips under
 #              expert parallelism); one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16,
 #              16,384 tokens, forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
@@ -263,6 +267,13 @@ EOF
       --attention "$ATTN" --skip-hf
     step phi_trainer_torch 120 $PY benchmarks/trainer.py --preset phi4-mini --dtype bfloat16 --skip-jax --repeats 3
     step phi_sampler 200 $PY benchmarks/sampler.py --preset phi4-mini --dtype bfloat16 --num-slots 128 \
+      --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    ;;
+  hybrid)
+    step delta_rule 150 $PY benchmarks/delta_rule.py --rows 8 --tokens 8192 --heads 32 --repeats 3
+    step qwen35_sampler 240 $PY benchmarks/sampler.py --preset qwen3.5-9b --dtype bfloat16 --num-slots 128 \
+      --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    step ministral_sampler 200 $PY benchmarks/sampler.py --preset ministral3-8b --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     ;;
   moe)

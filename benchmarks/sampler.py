@@ -38,10 +38,11 @@ from flax import nnx
 from hf_generate import run_hf
 
 from areal_jax.models import load_hf_checkpoint
+from areal_jax.models.config_checks import LinearAttention
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.config import default_standby_rows, prompt_bucket
 from areal_jax.sampler.paged_engine import PagedEngine
-from areal_jax.system.loadgen import shape_config
+from areal_jax.system.loadgen import MODEL_SHAPES, shape_config
 from areal_jax.testing import models as testing
 
 # Model shapes (areal_jax.system.loadgen.MODEL_SHAPES) and the workload that goes with each.
@@ -61,7 +62,14 @@ PRESETS = {
                         prompt_len=(64, 128)),
     "deepseek-v2-lite": dict(model="deepseek-v2-lite", dtype="bfloat16", slots=128, prompts=512, median=256,
                              cap=1024, prompt_len=(64, 128)),
+    "qwen3.5-9b": dict(model="qwen3.5-9b", dtype="bfloat16", slots=128, prompts=512, median=256, cap=1024,
+                       prompt_len=(64, 128)),
+    "ministral3-8b": dict(model="ministral3-8b", dtype="bfloat16", slots=128, prompts=512, median=256, cap=1024,
+                          prompt_len=(64, 128)),
 }
+# --toy: a preset's layer kinds and head layout at a size that runs in seconds on a CPU (the smoke test): 4 layers
+# (a Qwen3.5's three Gated DeltaNet layers and one of attention), head_dim 16, a 512-token vocabulary.
+TOY_MODEL = dict(vocab_size=512, num_layers=4, head_dim=16)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -102,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steady-seconds", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="with --steady: a jax.profiler trace of three bare dispatches")
+    p.add_argument("--toy", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     for flag, key in (("dtype", "dtype"), ("num_slots", "slots"), ("num_prompts", "prompts"),
@@ -122,7 +131,13 @@ def build_config(args: argparse.Namespace):
     shape = PRESETS[args.preset]["model"]
     if shape is None:
         return model_config(args, dtype=dtype, param_dtype=dtype, max_position_embeddings=max(4096, max_len))
-    return shape_config(shape, max_len=max_len, dtype=args.dtype, param_dtype=args.dtype)
+    fields = {}
+    if args.toy:
+        heads = MODEL_SHAPES[shape]["num_heads"]
+        fields = dict(TOY_MODEL, hidden_size=heads * 16, intermediate_size=heads * 40)
+        if MODEL_SHAPES[shape]["architecture"] == "qwen3_5_text":  # its Gated DeltaNet heads at the same scale
+            fields["linear"] = LinearAttention(key_heads=4, value_heads=8, key_dim=16, value_dim=16, conv_kernel=4)
+    return shape_config(shape, max_len=max_len, dtype=args.dtype, param_dtype=args.dtype, **fields)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:

@@ -52,3 +52,55 @@ def test_live_contexts_follow_the_steady_state_worked_by_hand(monkeypatch):
     share = {c: float(np.mean(got == c)) for c in (3, 4, 5)}
     assert set(np.unique(got)) == {3, 4, 5}
     assert abs(share[3] - 0.25) < 0.01 and abs(share[4] - 0.25) < 0.01 and abs(share[5] - 0.5) < 0.01
+
+
+def test_roofline_cache_bytes_follow_each_kind_of_layer_worked_by_hand(monkeypatch):
+    # Requests of prompt 5 generating 1 token and prompt 3 generating 3: contexts 6 and 4, 5, 6 (mean 5.25).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from decode_roofline import cache_bytes_per_row, workload_flops
+
+    from areal_jax.testing.models import tiny_config
+
+    prompts, lengths = [[7] * 5, [7] * 3], [1, 3]
+    per_position = 2 * (16 + 16) * 4  # 2 kv heads of 16 keys and 16 values, float32 on the CPU
+    assert cache_bytes_per_row(tiny_config("qwen2"), prompts, lengths) == 2 * 5.25 * per_position
+    # Gemma 3's first layer slides over 4 positions (contexts 6, 4, 5, 6 read 4 each), its second attends to all
+    gemma = tiny_config("gemma3", sliding_window=4)
+    assert cache_bytes_per_row(gemma, prompts, lengths) == (4 + 5.25) * per_position
+    # Qwen3.5: three Gated DeltaNet layers read and write a state of 4 value heads x 8 x 12 and a window of 3 taps
+    # over 2 x 2 x 8 + 4 x 12 = 80 channels, float32; the attention layer reads its cache
+    hybrid = tiny_config("qwen3_5_text", num_layers=4)
+    state = 4 * (3 * 80 + 4 * 8 * 12)
+    assert cache_bytes_per_row(hybrid, prompts, lengths) == 3 * 2 * state + 5.25 * per_position
+    dense = 2 * (hybrid.matmul_params_per_token + 64 * 97)
+    tokens, contexts = 5 + 1 + 3 + 3, sum(range(1, 7)) + sum(range(1, 7))
+    want = tokens * dense + 3 * tokens * 4 * 4 * 8 * 12 + 4 * 4 * 16 * contexts
+    assert abs(workload_flops(hybrid, prompts, lengths) - want) < 1e-6 * want
+
+
+def test_hybrid_preset_at_toy_size_runs_and_counts_its_states():
+    """The Qwen3.5-9B preset's layer kinds at toy size (three Gated DeltaNet layers and one of attention): the
+    sampler runs it, and the roofline's cache bytes are its one attention layer's KV plus the states."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sampler.py"), "--preset", "qwen3.5-9b", "--toy",
+           "--dtype", "float32", "--num-slots", "4", "--num-prompts", "6", "--max-new-tokens", "10",
+           "--median-new-tokens", "4", "--prompt-len", "2", "6", "--decode-steps", "3", "--skip-static", "--skip-hf"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["preset"] == "qwen3.5-9b" and out["generated_tokens"] > 0 and out["tokens_per_s"]["continuous"] > 0
+    roof = out["roofline"]
+    state = 4 * (3 * (2 * 4 * 16 + 8 * 16) + 8 * 16 * 16)  # 4 key / 8 value heads of 16, 4 taps, float32
+    kv = roof["mean_live_context"] * 4 * (16 + 16) * 4  # the attention layer: 4 kv heads (the 9B's) of 16
+    want = roof["weight_bytes"] + roof["live_rows"] * (3 * 2 * state + kv)
+    assert abs(roof["bytes_per_step"] - want) <= 1e-3 * want
+
+
+def test_new_shapes_are_the_checkpoints_defaults():
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.system.loadgen import shape_config
+
+    for name, model_type in (("qwen3.5-9b", "qwen3_5_text"), ("ministral3-8b", "ministral3")):
+        got, hf = shape_config(name, max_len=2048), ModelConfig.from_hf_dict({"model_type": model_type})
+        assert got.num_params == hf.num_params and got.layer_types == hf.layer_types and got.linear == hf.linear
+        assert got.rope_scaling == hf.rope_scaling and got.eos_token_id is None

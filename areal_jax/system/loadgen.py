@@ -1,7 +1,8 @@
 """Synthetic load for measuring the RL loop at a given model size (benchmarks/loop.py).
 
 - `MODEL_SHAPES` / `shape_config`: the published shapes of Qwen2.5 0.5B / 1.5B / 7B, Gemma 3 1B / 4B (text),
-  Phi-4-mini, Granite 3 MoE 1B, gpt-oss-20b and DeepSeek-V2-Lite, as ModelConfigs for random weights: every benchmark's presets name one;
+  Phi-4-mini, Granite 3 MoE 1B, gpt-oss-20b, DeepSeek-V2-Lite, Qwen3.5-9B and Ministral-3-8B (text), as ModelConfigs
+  for random weights: every benchmark's presets name one;
 - `PRESETS`: those shapes (and a tiny one) with the rollout sizes that go with them;
 - `long_tail_lengths`: per-request generation lengths, log-normal around a median, capped;
 - `ForcedLengths`: wraps a SamplerLoop so each request generates exactly its drawn length (no stop
@@ -63,6 +64,13 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                              num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, tie_word_embeddings=False,
                              num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
                              shared_expert_size=2816),
+    # The text decoders of Qwen/Qwen3.5-9B (three Gated DeltaNet layers of 16 key / 32 value heads of 128 to each gated
+    # attention layer, 8.95B) and mistralai/Ministral-3-8B-Base-2512 (Mistral's layer, YaRN, queries scaled by
+    # position; 8.49B): transformers' Qwen3_5TextConfig and Ministral3Config defaults, which `shape_config` starts from.
+    "qwen3.5-9b": dict(architecture="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                       num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, tie_word_embeddings=False),
+    "ministral3-8b": dict(architecture="ministral3", vocab_size=131072, hidden_size=4096, intermediate_size=14336,
+                          num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 
 
@@ -78,6 +86,17 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
     if name not in MODEL_SHAPES:
         raise ValueError(f"Unknown model shape {name!r}; choose one of {', '.join(MODEL_SHAPES)}.")
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    architecture = MODEL_SHAPES[name]["architecture"]
+    if architecture in ("qwen3_5_text", "ministral3"):  # the rest of the layer as transformers' defaults have it
+        base = ModelConfig.from_hf_dict({"model_type": architecture})
+        fields = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **MODEL_SHAPES[name],
+                  "bos_token_id": None, "eos_token_id": None, "dtype": dtypes[dtype], "param_dtype": dtypes[param_dtype],
+                  "max_position_embeddings": max(base.max_position_embeddings, max_len), **overrides}
+        if architecture == "qwen3_5_text":  # every fourth layer attention and a quarter of each head rotating,
+            fields["layer_types"] = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"  # whatever
+                                          for i in range(fields["num_layers"]))  # the layer count and head_dim
+            fields["rotary_dim"] = fields["head_dim"] // 8 * 2
+        return ModelConfig(**fields)
     fields = dict(MODEL_SHAPES[name], rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                   max_position_embeddings=max(32768, max_len), dtype=dtypes[dtype], param_dtype=dtypes[param_dtype])
     if fields["architecture"] == "qwen2":
