@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models.gated_deltanet import grouped_channels
+from areal_jax.models.hf_names import weight_entries
 from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 
@@ -102,7 +102,7 @@ def _fused_rows(model: nnx.Module, module: str, fused: str) -> dict[str, tuple[i
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every adapter as PEFT names it: {...q_proj.lora_A.weight: [r, in], ...lora_B.weight: [out, r]} float32
     (a fused module's: rank n * r, see the module docstring; the experts': `peft_experts.expert_tensors`)."""
-    tensors = expert_tensors(model)
+    tensors, orders = expert_tensors(model), _hf_orders(model.cfg)
     for module, parts in _groups(model):
         a_rows, b_cols = [], []
         for _, node in parts:
@@ -115,7 +115,7 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
         fused = _fused_module(model, parts[0][0])
         if fused is None:
-            order = _hf_order(model, parts[0][0])
+            order = orders.get(parts[0][0])
             if order is not None:  # B's rows in HF's order of the base's outputs
                 b_cols[0] = b_cols[0][np.argsort(order)]
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_cols[0])
@@ -173,6 +173,7 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
     for _, _, parts in expert_groups(model):
         _check_rank(config, path, parts[0][1].lora_a.shape[-1], parts[0][1].scale)
     load_expert_tensors(model, tensors, path)
+    orders = _hf_orders(model.cfg)
     for module, parts in _groups(model):
         name = f"base_model.model.{module}"
         if f"{name}.lora_A.weight" not in tensors or tensors[f"{name}.lora_A.weight"].shape != \
@@ -187,16 +188,19 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
             _check_rank(config, path, r, node.scale)
             first, count = rows[short] if rows is not None else (0, b.shape[0])
             part = b[first:first + count, j * r:(j + 1) * r]
-            order = _hf_order(model, short)
+            order = orders.get(short)
             node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
             node.lora_b.set_value((part if order is None else part[order]).T.reshape(node.lora_b.shape))
     return model
 
 
-def _hf_order(model: nnx.Module, short: str) -> np.ndarray | None:
-    """Where each of our output rows of projection `short` lies in HF's weight, when they differ (the Gated
-    DeltaNet's in_proj_qkv, grouped by key head here: `gated_deltanet.grouped_channels`), else None."""
-    return grouped_channels(model.cfg) if short == "in_qkv" else None
+def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
+    """{projection: where each of our output rows lies in HF's weight} for the projections whose rows the HF weight
+    table regroups (`hf_names._Entry.channels`: the Gated DeltaNet's in_proj_qkv, held key head by key head here);
+    the others' rows are HF's own order."""
+    short_of = {attr: short for short, (_, attr, _) in PROJECTIONS.items()}
+    return {short_of[e.path[-1]]: np.asarray(e.channels) for e in weight_entries(cfg)
+            if e.channels is not None and e.path[-1] in short_of}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
