@@ -145,6 +145,7 @@ def _trainer(model, **kw):
     return Trainer(model, TrainerConfig(micro_batch_tokens=4096, lr=1e-3, **kw), mesh)
 
 
+@pytest.mark.long  # 33-69 s; the aux loss's gradient and the picking bias's update have their own tests in CI
 def test_trainer_reports_the_load_and_the_aux_loss_enters_the_objective():
     cfg = tiny_config("qwen3_moe", moe_layers=(1, 0))
     trajs = random_trajectories(6, vocab=cfg.vocab_size, seed=1)
