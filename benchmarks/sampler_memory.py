@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         report[f"{program}_probe_bytes"], report[f"{program}_probe_s"] = probe, round(seconds, 2)
         if args.full:
             full = sampler_memory.program_temp_bytes(r, cfg, None, layers=cfg.num_layers, program=program,
-                                                     longest=longest)
+                                                     longest=longest, kind="model")  # the model itself
             line += f"   full depth {full / GiB:8.3f} GiB   probe / full {probe / full:.3f}"
             report[f"{program}_full_bytes"] = full
         print(line, flush=True)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_module.Engine.prefill_rows_for = lambda self, bucket: self.prefill_batch
         try:
             before = sampler_memory.program_temp_bytes(r, cfg, None, layers=cfg.num_layers, program="prefill",
-                                                       longest=longest)
+                                                       longest=longest, kind="model")
         finally:
             cache_attention.query_block_size, engine_module.Engine.prefill_rows_for = block, rows_for
         print(f"  prefill without its bounds (all queries at once, 8 rows per call): {before / GiB:.3f} GiB")
