@@ -69,7 +69,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
                                           ("arcee", "all"), ("qwen3_5_text", "all"), ("ministral3", "all"),
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
-                                          ("qwen3_5_moe_text", "attn,experts")])
+                                          ("qwen3_5_moe_text", "attn,experts"), ("qwen3_next", "q,k,v,o,out,experts")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do

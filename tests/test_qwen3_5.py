@@ -149,7 +149,7 @@ def test_released_shapes_parameter_counts():
 @pytest.mark.parametrize("arch,overrides", [
     ("qwen3_5_text", {"num_layers": 4}),
     ("qwen3_5_text", {"num_layers": 2, "linear": (2, 2, 8, 8, 3), "tie_word_embeddings": True, "num_kv_heads": 1}),
-    ("qwen3_5_moe_text", {"num_layers": 4})])
+    ("qwen3_5_moe_text", {"num_layers": 4}), ("qwen3_next", {"num_layers": 4})])
 def test_model_matches_transformers_and_round_trips(tmp_path, arch, overrides):
     pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -191,7 +191,8 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch,page_size", [("qwen3_5_text", None), ("qwen3_5_text", 8), ("qwen3_5_moe_text", None)])
+@pytest.mark.parametrize("arch,page_size", [("qwen3_5_text", None), ("qwen3_5_text", 8), ("qwen3_5_moe_text", None),
+                                            ("qwen3_next", 8)])
 def test_sampler_decodes_as_its_full_forward(arch, page_size):
     """The dense cache, and pages with the Gated DeltaNet states as ring rows beside them: three prompts through two
     slots (a slot's state is replaced whole when it takes the next prompt), four decode steps a dispatch."""

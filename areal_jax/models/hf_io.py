@@ -282,6 +282,11 @@ def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | No
         return held[e.path][e.expert]
 
     parts = [e.to_hf(host(e).astype(save_dtype)) for e in group]
+    if group[0].gather is not None:  # Qwen3-Next's fused projections: each part's rows at their own places
+        whole = np.empty((group[0].gather, *parts[0].shape[1:]), parts[0].dtype)
+        for e, part in zip(group, parts):
+            whole[np.asarray(e.channels)] = part
+        return whole
     if group[0].interleave is not None:  # gpt-oss's gate_up_proj: the parts alternate along the last axis
         return np.ascontiguousarray(np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1))
     return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].row_axis))

@@ -28,6 +28,8 @@ class _Entry:
     interleave: (offset, count) when the HF tensor interleaves `count` of ours along its last axis (gpt-oss's
     gate_up_proj: gate at even columns, up at odd ones): ours is its columns offset::count ("same" kind).
     channels: ours takes the HF tensor's first-axis entries in this order (Gated DeltaNet's, grouped by key head).
+    gather: with channels, the HF tensor fuses several of ours in an order of its own and has `gather` rows, ours
+    being rows `channels` of it (Qwen3-Next's in_proj_qkvz and in_proj_ba, interleaved key head by key head).
     """
 
     path: tuple[str | int, ...]
@@ -37,6 +39,7 @@ class _Entry:
     expert: int | None = None
     interleave: tuple[int, int] | None = None
     channels: tuple[int, ...] | None = None
+    gather: int | None = None
 
     @property
     def row_axis(self) -> int:
@@ -46,6 +49,8 @@ class _Entry:
     def fused_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole HF tensor's shape (the fused one where `rows` is set)."""
         own = self.hf_shape(shape)
+        if self.gather is not None:
+            return (self.gather,) + own[1:]
         if self.interleave is not None:
             return own[:-1] + (own[-1] * self.interleave[1],)
         if self.rows is None:
@@ -86,6 +91,10 @@ class _Entry:
         return hf.T.reshape(shape)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        """Ours in HF's layout: the whole tensor, or with `rows`, `interleave` or `gather` this entry's part of a fused
+        one (with gather, its rows in `channels`' order: models.hf_io puts each at its place)."""
+        if self.gather is not None:
+            return replace(self, channels=None, gather=None).to_hf(ours)
         if self.channels is not None:
             out = replace(self, channels=None).to_hf(ours)  # then each row back to its HF place
             hf = np.empty_like(out)
@@ -227,14 +236,33 @@ def _latent_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
 
 def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
     """A Gated DeltaNet layer's parameters (models.gated_deltanet), as Qwen3.5 names them under linear_attn (the
-    channels of in_proj_qkv and conv1d regrouped by key head: `gated_deltanet.grouped_channels`)."""
+    channels of in_proj_qkv and conv1d regrouped by key head: `gated_deltanet.grouped_channels`), or Qwen3-Next with
+    its fused in_proj_qkvz and in_proj_ba."""
     from areal_jax.models.gated_deltanet import grouped_channels  # noqa: PLC0415 (it imports the layers)
 
     grouped = tuple(int(i) for i in grouped_channels(cfg))
-    return [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first", channels=grouped),
-            _Entry(path + ("in_proj_z",), f"{hf}.in_proj_z.weight", "in_first"),
-            _Entry(path + ("in_proj_b",), f"{hf}.in_proj_b.weight", "in_first"),
-            _Entry(path + ("in_proj_a",), f"{hf}.in_proj_a.weight", "in_first"),
+    if cfg.architecture == "qwen3_next":  # q, k, v, z and b, a fused, key head by key head
+        m = cfg.linear
+        r = m.value_heads // m.key_heads
+        qkv, z, block = 2 * m.key_dim + r * m.value_dim, r * m.value_dim, 2 * m.key_dim + 2 * r * m.value_dim
+
+        def rows(width: int, offset: int, stride: int) -> tuple[int, ...]:
+            return tuple(int(i) for i in (np.arange(m.key_heads)[:, None] * stride + offset + np.arange(width)).ravel())
+
+        projections = [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkvz.weight", "in_first",
+                              channels=rows(qkv, 0, block), gather=m.key_heads * block),
+                       _Entry(path + ("in_proj_z",), f"{hf}.in_proj_qkvz.weight", "in_first",
+                              channels=rows(z, qkv, block), gather=m.key_heads * block),
+                       _Entry(path + ("in_proj_b",), f"{hf}.in_proj_ba.weight", "in_first", channels=rows(r, 0, 2 * r),
+                              gather=2 * m.value_heads),
+                       _Entry(path + ("in_proj_a",), f"{hf}.in_proj_ba.weight", "in_first", channels=rows(r, r, 2 * r),
+                              gather=2 * m.value_heads)]
+    else:
+        projections = [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first", channels=grouped),
+                       _Entry(path + ("in_proj_z",), f"{hf}.in_proj_z.weight", "in_first"),
+                       _Entry(path + ("in_proj_b",), f"{hf}.in_proj_b.weight", "in_first"),
+                       _Entry(path + ("in_proj_a",), f"{hf}.in_proj_a.weight", "in_first")]
+    return [*projections,
             _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),
             _Entry(path + ("dt_bias",), f"{hf}.dt_bias", "same"),
             _Entry(path + ("A_log",), f"{hf}.A_log", "same"),

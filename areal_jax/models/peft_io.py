@@ -55,7 +55,8 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
 
 
 # mixtures of experts whose dense layers' MLP names PEFT maps onto the experts (transformers' qwen2_moe conversion)
-_EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe")
+_EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe",
+                     "qwen3_next")
 
 
 _HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
@@ -82,7 +83,13 @@ def module_name(layer: int, short: str, fused: str | None = None) -> str:
 def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
     """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
     out: dict[str, list[tuple[str, LoRAProjection]]] = {}
+    gathered = {e.path[-1] for e in weight_entries(model.cfg) if e.gather is not None}
     for i, short, node in _adapted(model):
+        if PROJECTIONS[short][1] in gathered:
+            raise ValueError(f"{short}: this model's HF form fuses it with other projections key head by key head "
+                             f"({model.cfg.architecture}'s in_proj_qkvz / in_proj_ba), which a PEFT adapter cannot "
+                             "express; export the merged checkpoint (export --format=hf), or leave it out of "
+                             "lora.targets (its out projection, attention and experts can be adapted).")
         out.setdefault(module_name(i, short, _fused_module(model, short)), []).append((short, node))
     return list(out.items())
 
@@ -200,7 +207,7 @@ def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
     the others' rows are HF's own order."""
     short_of = {attr: short for short, (_, attr, _) in PROJECTIONS.items()}
     return {short_of[e.path[-1]]: np.asarray(e.channels) for e in weight_entries(cfg)
-            if e.channels is not None and e.path[-1] in short_of}
+            if e.channels is not None and e.gather is None and e.path[-1] in short_of}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:

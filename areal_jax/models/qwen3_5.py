@@ -10,6 +10,9 @@ multimodal RoPE (mrope_section) rotates text positions exactly as plain RoPE doe
 that; their vision tower is not loaded. The MoE's feed-forward is Qwen2-MoE's in every layer (a softmax router,
 the top `num_experts_per_tok` renormalised, and a shared expert times sigmoid(x . shared_expert_gate)), one tensor per
 expert on disk (`mlp.experts.{j}.gate_proj` ..., as transformers writes them; its class stacks them on loading).
+Qwen3-Next (`Qwen3NextForCausalLM`: Qwen3-Next-80B-A3B) is the MoE's layer with its q, k, v, z projections fused in
+one in_proj_qkvz and b, a in one in_proj_ba, each key head's parts side by side (split on loading, fused again on
+saving: `hf_names`), dense MLP layers where `mlp_only_layers` / `decoder_sparse_step` say, and plain partial RoPE.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import jax.numpy as jnp
 from areal_jax.models.config_checks import LinearAttention
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, text_decoder
 
-HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+              "qwen3_next": "Qwen3NextForCausalLM"}
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # the image-and-text models' model_type: the text decoder under text_config
 _DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                  num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
@@ -30,6 +34,10 @@ _DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, n
 _MOE_DEFAULTS = dict(_DEFAULTS, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2, num_experts=256,
                      num_experts_per_tok=8, moe_intermediate_size=512,
                      shared_expert_intermediate_size=512)  # Qwen3_5MoeTextConfig's (it has no intermediate_size)
+_NEXT_DEFAULTS = dict(_DEFAULTS, vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                      num_key_value_heads=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+                      tie_word_embeddings=False)  # Qwen3NextConfig's
 _ROPE_EXTRAS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
@@ -45,9 +53,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of a Qwen3.5 config.json (transformers' defaults where a key is absent)."""
     d = text_config(d)
-    moe = model_type == "qwen3_5_moe_text"
-    defaults = _MOE_DEFAULTS if moe else _DEFAULTS
-    if moe:  # no dense MLP anywhere: intermediate_size (which ModelConfig needs) is the experts' width
+    moe, nxt = model_type in ("qwen3_5_moe_text", "qwen3_next"), model_type == "qwen3_next"
+    defaults = _NEXT_DEFAULTS if nxt else _MOE_DEFAULTS if moe else _DEFAULTS
+    if moe and not nxt:  # no dense MLP anywhere: intermediate_size (which ModelConfig needs) is the experts' width
         d = {**d, "intermediate_size": d.get("moe_intermediate_size", defaults["moe_intermediate_size"])}
     rope = dict(d.get("rope_parameters") or {})
     factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
@@ -68,6 +76,10 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         fields.update(num_experts=int(get("num_experts")), num_experts_per_tok=int(get("num_experts_per_tok")),
                       moe_intermediate_size=int(get("moe_intermediate_size")), norm_topk_prob=True,
                       shared_expert_size=int(get("shared_expert_intermediate_size")), shared_expert_gated=True)
+    if nxt:  # experts in every decoder_sparse_step-th layer outside mlp_only_layers, dense MLPs elsewhere
+        step, dense = int(get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or ())
+        flags = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+        fields.update(norm_topk_prob=bool(get("norm_topk_prob")), moe_layers=None if all(flags) else flags)
     return cls(**fields, qk_norm=True, rotary_dim=None if rotary == fields["head_dim"] else rotary, layer_types=types,
                linear=linear if "linear_attention" in types else None, dtype=dtype, param_dtype=param_dtype)
 
@@ -78,9 +90,13 @@ def check_hf(cfg: Any) -> None:
         return
     require_fields(cfg, "Qwen3.5", "per-head q/k norm, no biases, and no windows or layers without RoPE", qk_norm=True,
                    attention_bias=False, sliding_window=None, rope_layers=None)
-    if cfg.num_experts:
+    if cfg.architecture == "qwen3_next":
+        require_fields(cfg, "Qwen3-Next", "softmax routing and a gated shared expert", router_scoring="softmax",
+                       shared_expert_gated=True)
+    elif cfg.num_experts:
         require_fields(cfg, "Qwen3.5-MoE", "experts in every layer, renormalised, and a gated shared expert",
                        moe_layers=None, norm_topk_prob=True, router_scoring="softmax", shared_expert_gated=True)
+    if cfg.num_experts:
         if cfg.shared_expert_size is None:
             raise ValueError("HF Qwen3.5-MoE has a shared expert in every layer; set shared_expert_size.")
 
@@ -88,8 +104,12 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Qwen3.5 config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    if cfg.num_experts:
+    if cfg.architecture == "qwen3_next":
+        common = {**common, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.layer_is_moe(i)]}
+    elif cfg.num_experts:
         common = {k: v for k, v in common.items() if k != "intermediate_size"}
+    if cfg.num_experts:
         common.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                       moe_intermediate_size=cfg.expert_size, shared_expert_intermediate_size=cfg.shared_expert_size)
     m = cfg.linear or LinearAttention(*(_DEFAULTS[f"linear_{k}"] for k in (

@@ -29,7 +29,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
     gate (ReLU squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
-    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text as written at their branches below.
+    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next as written at their branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -133,7 +133,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "qwen3_5_moe_text":  # Qwen3.5-MoE's: 2 of 4 experts of width 32 and a gated shared one of 40
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       shared_expert_size=40, intermediate_size=32)  # (no dense MLP: it reads intermediate_size so)
-    if architecture in ("qwen3_5_text", "qwen3_5_moe_text"):  # Qwen3.5's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps)
+    if architecture == "qwen3_next":  # Qwen3.5-MoE's layer with a dense MLP (width 96) in the first layer
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      shared_expert_size=40, moe_layers=tuple(int(i > 0) for i in range(layers)))
+    if architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):  # Qwen3.5's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps)
         # but in the second layer of each four: gated attention there, q/k norm, a quarter of each head rotating
         fields.update(qk_norm=True, rotary_dim=4, linear=(2, 4, 8, 12, 4), layer_types=tuple(
             "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
