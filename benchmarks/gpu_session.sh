@@ -52,7 +52,9 @@
 #   hybrid     Qwen3.5's chunked delta rule against the token scan at the 9B's 32 value heads (8 rows x 8,192 tokens,
 #              forward + backward, float32); the sampler's steady state at the Qwen3.5-9B shape (Gated DeltaNet states
 #              per slot, bf16, 128 slots) and at the Ministral-3-8B shape, each against HF generate on the same GPU
-#              (~10 min; HF's delta rule is its PyTorch reference without flash-linear-attention installed).
+#              (~10 min; HF's delta rule is its PyTorch reference without flash-linear-attention installed); then
+#              the Qwen3.5-9B sampler's working memory, probe and full depth (on the CPU XLA copies every layer's
+#              states once per step, 6.7 GiB of its decode dispatch at 128 slots: does the GPU's layout do the same?).
 #   moe        the grouped-matmul kernel's tests compiled by Triton (values, gradients, the blocks it skips under
 #              expert parallelism); one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16,
 #              16,384 tokens, forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against
@@ -275,6 +277,7 @@ EOF
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     step ministral_sampler 200 $PY benchmarks/sampler.py --preset ministral3-8b --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    step hybrid_memory 150 $PY benchmarks/sampler_memory.py --preset qwen3.5-9b --full
     ;;
   moe)
     # the grouped-matmul kernel compiled by Triton for real (the CPU tests run it in the interpreter): values and
