@@ -53,8 +53,8 @@
 #              forward + backward, float32); the sampler's steady state at the Qwen3.5-9B shape (Gated DeltaNet states
 #              per slot, bf16, 128 slots) and at the Ministral-3-8B shape, each against HF generate on the same GPU
 #              (~10 min; HF's delta rule is its PyTorch reference without flash-linear-attention installed); then
-#              the Qwen3.5-9B sampler's working memory, probe and full depth (on the CPU XLA copies every layer's
-#              states once per step, 6.7 GiB of its decode dispatch at 128 slots: does the GPU's layout do the same?).
+#              the Qwen3.5-9B sampler's working memory, probe and full depth (on the CPU the decode dispatch takes
+#              0.64 GiB at 128 slots, 6.7 GiB before its step kept the states in their buffer's layout).
 #   moe        the grouped-matmul kernel's tests compiled by Triton (values, gradients, the blocks it skips under
 #              expert parallelism); one mixture-of-experts layer at Qwen3-30B-A3B's shape (128 experts, top 8), bf16,
 #              16,384 tokens, forward + backward: the blocked, pallas (grouped-matmul kernel), ragged and dense paths against

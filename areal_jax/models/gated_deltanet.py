@@ -12,7 +12,8 @@ of `conv_kernel` taps and SiLU; the output is RMS-normalised per head, times SiL
 `delta_rule` computes the recurrence in chunks (the WY form: within a chunk a unit lower-triangular system, inverted
 by matrix products alone (`unit_lower_inverse`), between chunks a scan carrying S), with packed rows' segments
 kept apart: a segment starts from a zero state and its convolution sees only its own tokens. The convolved channels
-are held key head by key head (`grouped_channels`), so that a tensor axis splits every part of a layer by heads. `delta_step` is one token's update (decode). In a KV-cache forward a layer's
+are held key head by key head (`grouped_channels`), so that a tensor axis splits every part of a layer by heads. `delta_step` is one token's update, and `flat_delta_step` the same on the state as
+the decode cache holds it (so XLA updates the buffer in place instead of copying it between layouts every step). In a KV-cache forward a layer's
 cache entries hold its convolution window, k [B, conv_kernel - 1, channels, 1] (the last inputs, oldest first),
 and its state, v [B, 1, value_heads * key_dim, value_dim] in float32 (`state_buffers`); a token at a negative
 position (padding) leaves both unchanged, so a tail-padded prefill ends with each row's own state.
@@ -133,6 +134,20 @@ def delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     delta = (v - jnp.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
     state = state + k[..., :, None] * delta[..., None, :]
     return jnp.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def flat_delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                    state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`delta_step` on the state as its cache buffer holds it, [B, 1, H * Dk, Dv] float32: every update is elementwise
+    in that shape (each head's decay, key and delta spread over its Dk rows), so the new state keeps the buffer's
+    layout. q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H] -> (o [B, H, Dv], the new state)."""
+    b, h, dk = k.shape
+    rows = lambda x: x.reshape(b, 1, h * dk, -1)  # noqa: E731 ([B, H, Dk, ...] -> the buffer's rows)
+    decayed = state * rows(jnp.broadcast_to(jnp.exp(g)[..., None, None], (b, h, dk, 1)))
+    ks = rows(k[..., None])
+    delta = (v - jnp.sum((decayed * ks).reshape(b, h, dk, -1), axis=2)) * beta[..., None]
+    state = decayed + ks * rows(jnp.broadcast_to(delta[:, :, None, :], (b, h, dk, delta.shape[-1])))
+    return jnp.sum((state * rows(q[..., None])).reshape(b, h, dk, -1), axis=2), state
 
 
 def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -263,14 +278,13 @@ class GatedDeltaNet(nnx.Module):
             o, _ = delta_rule(q, k, v, g, beta, context.segment_ids)
         else:
             g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-            state = context.state.reshape(b, hv, dk, dv)
             if t == 1:
-                o, state = delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o, state = flat_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], context.state)
                 o = o[:, None]
             else:
-                o, state = delta_rule(q, k, v, g, beta, state=state)
-            context.store(window[..., None].astype(context.window.dtype),
-                          state.reshape(context.state.shape).astype(context.state.dtype))
+                o, state = delta_rule(q, k, v, g, beta, state=context.state.reshape(b, hv, dk, dv))
+                state = state.reshape(context.state.shape)
+            context.store(window[..., None].astype(context.window.dtype), state.astype(context.state.dtype))
         o = o.astype(dt).astype(jnp.float32)  # the rule's output in the compute dtype, as the norm receives it
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)).astype(dt)
         y = (normed * self.norm_scale[...].astype(dt)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
