@@ -22,6 +22,9 @@
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
 #              update (~7 min).
+#   ragged     the dense cache's ragged decode kernel (models/ragged_decode.py) against XLA's attention on the same
+#              caches (0.5B's sampler shape: 256 rows x 1,152; 1.5B's heads at 64 rows x 16,512), then the 0.5B
+#              sampler's steady state at 256 slots with XLA's attention and with the kernel (~5 min).
 #   followup_loop  the loop at the 0.5B preset, eta 0 vs 4, 6 updates each, and its timeline picture; the job's
 #              memory plan of the 0.5B and 1.5B presets on this GPU, working memory measured (--plan-only) (~9 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
@@ -213,6 +216,17 @@ EOF
     step followup_sampling_head 60 $PY benchmarks/sampling_head.py
     step followup_handoff 120 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
     ;;
+  ragged)
+    # the decode attention of the dense cache read up to each row's length (the H100 trace had XLA's two products
+    # reading all 1,152 positions where rows held ~400), then the sampler's steady state with either path
+    step ragged05 60 $PY benchmarks/ragged_decode.py
+    step ragged15 90 $PY benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \
+      --layers 28 --median 16384 --sigma 0 --cap 16384 --repeats 10
+    common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
+            --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
+    step ragged_sampler_xla 100 $PY benchmarks/sampler.py "${common[@]}"
+    step ragged_sampler_kernel 100 $PY benchmarks/sampler.py "${common[@]}" --decode-attention kernel
+    ;;
   followup_loop)
     # the loop at the 0.5B preset, 6 updates per eta, and its picture; then the job's memory plan at both presets on
     # this GPU's memory, the working memory measured by XLA on small programs as the job does before compiling
@@ -325,7 +339,7 @@ EOF
       --n_test 300 --out "$WORK/staleness"
     mkdir -p "$OUT/staleness" && cp "$WORK"/staleness/{table.md,results.json,accuracy_vs_eta.png} "$OUT/staleness/" 2>/dev/null
     ;;
-  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff goals followup followup_loop trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
+  *) echo "unknown phase $phase (flash trainer05 sampler05 handoff goals ragged followup followup_loop trainer15 loop05 lora15 sampler_more memory05 trainer_long checkpoint05 sliding gemma1b phi4mini moe replay granitemoe staleness)"
      exit 2 ;;
   esac
 done

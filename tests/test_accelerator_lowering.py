@@ -67,6 +67,55 @@ def test_paged_decode_attention_lowers(platform, head_dim, softcap):
     assert "stablehlo.gather" not in text  # pages are read in place, never gathered into a copy
 
 
+@pytest.mark.parametrize("rows,heads,head_dim,max_len,softcap,grid", [
+    (256, (14, 2), 64, 1152, None, ("256", "2", "1")),  # Qwen2.5-0.5B at 256 slots: one split
+    (64, (12, 2), 128, 16384, None, ("64", "2", "4")),  # 1.5B's heads at 16k positions: four splits
+    (8, (8, 4), 256, 8192, 50.0, ("8", "4", "16"))])  # Gemma 2's width and score cap
+def test_ragged_dense_decode_attention_lowers_for_triton(rows, heads, head_dim, max_len, softcap, grid):
+    import re
+
+    from areal_jax.models.ragged_decode import decode_attention
+
+    (h, kv) = heads
+
+    def attend(q, k, v, positions):
+        return decode_attention(q, k, v, positions, softcap=softcap)
+
+    text = lowered(attend, "cuda", spec((rows, 1, h, head_dim)), spec((rows, max_len, kv, head_dim)),
+                   spec((rows, max_len, kv, head_dim)), spec((rows, 1), jnp.int32))
+    assert f"@{TRITON}" in text
+    assert re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text) == [grid]
+    assert "stablehlo.gather" not in text and "stablehlo.transpose" not in text  # the cache is read in place
+
+
+def test_the_engines_decode_dispatch_with_the_ragged_kernel_lowers_for_cuda(monkeypatch):
+    """The sampler's k-step dispatch at Qwen2.5-0.5B's attention widths (2 layers), traced as on a GPU: with
+    decode_attention="kernel" its attention is the Triton call and no XLA product reads the [256, 1152] cache, which
+    the XLA path's four (keys and values, two layers) do."""
+    import re
+
+    from flax import nnx
+
+    from areal_jax.models import Transformer
+    from areal_jax.sampler.engine import Engine
+    from areal_jax.testing.models import tiny_config
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # trace as the GPU would (no interpreter)
+    cfg = tiny_config("qwen2", hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=256,
+                      dtype=jnp.bfloat16, max_position_embeddings=4096)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, params = nnx.split(model)
+    cache_products = {}
+    for path in ("xla", "kernel"):
+        engine = Engine(model, num_slots=256, max_len=1152, decode_attention=path)
+        exported = export.export(engine._jit_generate_steps, platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])
+        text = exported(params, jax.eval_shape(engine._init_fn), spec((4, 2), jnp.uint32)).mlir_module()
+        assert (f"@{TRITON}" in text) == (path == "kernel")
+        cache_products[path] = len(re.findall(r"stablehlo.dot_general[^\n]*256x1152", text))
+    assert cache_products == {"xla": 4, "kernel": 0}
+
+
 @pytest.mark.parametrize("experts,hidden,width,block", [
     (128, 2048, 768, 128),  # Qwen3-30B-A3B
     (40, 1536, 512, 64),  # granite-3.0-3b-a800m: a hidden size that is no power of two

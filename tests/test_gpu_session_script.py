@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("flash", "trainer05", "sampler05", "handoff", "goals", "followup", "followup_loop", "trainer15", "loop05", "lora15", "sampler_more",
+PHASES = ("flash", "trainer05", "sampler05", "handoff", "goals", "ragged", "followup", "followup_loop", "trainer15", "loop05", "lora15", "sampler_more",
           "memory05", "trainer_long", "checkpoint05", "moe", "replay", "granitemoe", "gptoss20b", "deepseek",
           "staleness", "hybrid")
 RECORDER = """#!/bin/sh
@@ -63,7 +63,8 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
             "benchmarks/loop.py", "areal_jax.programs.report", "benchmarks/lora.py", "benchmarks/decode_attention.py",
             "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
             "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py", "benchmarks/paged_pieces.py",
-            "benchmarks/mla_prefill.py", "benchmarks/page_budget.py", "benchmarks/sampling_head.py", "benchmarks/delta_rule.py", "pytest"}
+            "benchmarks/mla_prefill.py", "benchmarks/page_budget.py", "benchmarks/sampling_head.py", "benchmarks/delta_rule.py",
+            "benchmarks/ragged_decode.py", "pytest"}
     assert set(parsed) == want and len(parsed) >= 20
 
 

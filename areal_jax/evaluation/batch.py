@@ -54,7 +54,8 @@ class EvalGeneration:
 
 def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
                 mesh: Any = None, config: Any = None, max_stop_tokens: int = 8,
-                longest_prompt: int | None = None, streams: int = 1, decode_steps: int = 1) -> Engine:
+                longest_prompt: int | None = None, streams: int = 1, decode_steps: int = 1,
+                decode_attention: str = "xla") -> Engine:
     """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
     (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling.
 
@@ -68,7 +69,7 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
 
     decode_steps: what the evaluation will run per dispatch; with several, each stream's slots get standby rows
     as the rollout's do (``sampler.config.default_standby_rows``: sequences wait prefilled on the device and
-    take a slot inside a dispatch)."""
+    take a slot inside a dispatch). decode_attention: the Engine's (the rollout's)."""
     streams = max(1, int(streams))
     slots = int(num_slots) if num_sequences is None else max(1, min(int(num_slots), int(num_sequences)))
     slots = -(-slots // streams)
@@ -82,7 +83,7 @@ def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_seq
         standby_len = prompt_bucket(int(max_len), longest_prompt)
     return Engine(model_or_graphdef, num_slots=slots, max_len=int(max_len), mesh=mesh, config=config,
                   max_stop_tokens=max_stop_tokens, prefill_buckets=buckets, standby_len=standby_len,
-                  standby_rows=default_standby_rows(slots, decode_steps))
+                  standby_rows=default_standby_rows(slots, decode_steps), decode_attention=decode_attention)
 
 
 def eval_engines(model_or_graphdef: Any, *, mesh: Any, num_sequences: int | None = None, **kw: Any) -> list[Engine]:

@@ -53,7 +53,7 @@ class JobEvaluator:
                 max_len=max(2, min(c.rollout.max_len, -(-longest // 8) * 8)),
                 num_sequences=len(self.examples) * (1 + c.eval.samples), mesh=self.mesh,
                 max_stop_tokens=max(8, len(self.tokenizer.eos_token_ids)), longest_prompt=prompt,
-                streams=self.streams, decode_steps=self.decode_steps)
+                streams=self.streams, decode_steps=self.decode_steps, decode_attention=c.rollout.decode_attention)
         return self._engine
 
     def run(self, params: Any, pool: Any, tag: str, log: Any = None) -> dict:

@@ -2,7 +2,9 @@
 
 `cached_attention` is the dense cache's path; the paged cache's paths (`paged_attention`) keep its semantics.
 How many positions a step reads (`cache_chunk_size`), how many queries are scored at once (`query_block_size`)
-and whether a decode call's chunk loop has a trip count XLA knows (`counted_decode_loop`) are chosen here.
+and whether a decode call's chunk loop has a trip count XLA knows (`counted_decode_loop`) are chosen here, and
+whether a decode call reads each row only up to its own length through `ragged_decode`'s kernel instead
+(`ragged_decode_calls`, the sampler's ``Engine(decode_attention="kernel")``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from areal_jax.models.attention_sinks import sink_start
 from areal_jax.models.layers import MASK_VALUE, _group_queries, soft_cap
+from areal_jax.models.ragged_decode import decode_attention, supports
 
 # Cache positions per step of `cached_attention`. XLA:CPU copies a chunk out of the layer's cache before its
 # matrix products; at 128 positions that copy stays in the core's L2 cache (decode at 1024 positions took 67 ms
@@ -70,6 +73,22 @@ def counted_decode_loop(backend: str | None = None) -> bool:
     if counted is not None:
         return counted
     return (jax.default_backend() if backend is None else backend) == "gpu"
+
+
+_RAGGED = contextvars.ContextVar("ragged_decode_calls", default=None)
+
+
+@contextlib.contextmanager
+def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None, interpret: bool = False) -> Iterator[None]:
+    """Within it with ``on`` (while a program is traced), `cached_attention`'s decode calls over a whole cache
+    (one query per row, no window, no sinks, head widths the kernel takes: `ragged_decode.supports`) go through
+    `ragged_decode.decode_attention`, which reads each row only up to its own position; mesh: the sampler's (the
+    kernel then runs on each device's heads); interpret: run the kernel in the Pallas interpreter (off GPUs)."""
+    token = _RAGGED.set((mesh, interpret) if on else None)
+    try:
+        yield
+    finally:
+        _RAGGED.reset(token)
 
 
 def use_block_diagonal_queries(num_queries: int, kv_heads: int) -> bool:
@@ -167,6 +186,10 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
     if window is not None and t == 1 and window_span(window) < s:
         return window_decode_attention(q, k_cache, v_cache, positions, window, softcap, sinks)
+    ragged = _RAGGED.get()
+    if (ragged is not None and t == 1 and window is None and sinks is None and h % k_cache.shape[2] == 0
+            and supports(dh, v_cache.shape[3], s)):
+        return decode_attention(q, k_cache, v_cache, positions, softcap=softcap, mesh=ragged[0], interpret=ragged[1])
     if counted is None:
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)

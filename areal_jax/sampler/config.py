@@ -65,6 +65,9 @@ class RolloutConfig(Section):
                                    "bucket of data.max_prompt_len, so every prompt can wait in one")
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
+    decode_attention: str = knob("xla", "dense cache: xla (on GPUs every position of the cache, every step) | kernel "
+                                 "(models/ragged_decode.py, a Pallas kernel that reads each row up to its own length; "
+                                 "GPUs, and the slow Pallas interpreter on the CPU)", choices=("xla", "kernel"))
     page_size: int = knob(16, "positions per KV page (paged)")
     kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len; -1 = as many as the memory "
                                 "the job's plan leaves free on the device holds (system.memory; None's pool where the "
@@ -130,7 +133,7 @@ class RolloutConfig(Section):
                                **common)
         from areal_jax.sampler.engine import Engine
 
-        return Engine(model, standby_len=self.standby_length(), **common)
+        return Engine(model, standby_len=self.standby_length(), decode_attention=self.decode_attention, **common)
 
     @property
     def eta(self) -> int | None:
@@ -155,6 +158,9 @@ class RolloutConfig(Section):
                 "slot's longest sequence anyway).")
         require(self.kv_pages != -1 or self.kv_cache == "paged",
                 f"{k('kv_pages')}=-1 sizes a page pool to the free memory: set {k('kv_cache')}=paged too.")
+        require(self.decode_attention == "xla" or self.kv_cache == "dense",
+                f"{k('decode_attention')}={self.decode_attention} is the dense cache's kernel; the paged cache reads "
+                f"each row up to its length already (its own kernel). Drop it or set {k('kv_cache')}=dense.")
         if self.kv_cache == "paged":
             require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
             per_seq = -(-self.max_len // self.page_size)

@@ -30,9 +30,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cache, logical_to_mesh_sharding
-from areal_jax.models.cache_attention import counted_decode_loops
+from areal_jax.models.cache_attention import counted_decode_loops, ragged_decode_calls
 from areal_jax.models.config import model_config_of
 from areal_jax.models.mla import cache_layout
+from areal_jax.models.ragged_decode import decode_path
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import CountedPrograms
@@ -65,6 +66,7 @@ class Engine(StandbyRows, CountedPrograms):
         standby_len: int | None = None,
         counted_loop: bool | None = None,
         ring_cache: bool = True,
+        decode_attention: str = "xla",
     ) -> None:
         """Build the engine.
 
@@ -91,6 +93,8 @@ class Engine(StandbyRows, CountedPrograms):
           ring_cache: a sliding-window layer's slots hold only its window, as rings (``init_cache(ring=True)``),
             instead of max_len positions: Gemma 3's 5 sliding layers of 6 at window 512 and max_len 8,192 then
             hold 19% of the dense cache. Prompts are still prefilled into full-length rows, then copied in.
+          decode_attention: "xla" (``cached_attention``: on GPUs every position of the cache each step) or "kernel"
+            (``models.ragged_decode``: each row up to its own length); ``ragged_decode.decode_path``.
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -120,6 +124,7 @@ class Engine(StandbyRows, CountedPrograms):
         self._compiles = 0
         self.sampling_filters = NO_FILTERS  # what the requests seen so far need (``settings``)
         self.counted_loop = jax.default_backend() == "gpu" if counted_loop is None else bool(counted_loop)
+        self.decode_attention = decode_path(decode_attention)
         self._placement: tuple[Any, list] | None = None  # (params treedef, its leaves' shardings on the mesh)
         self._state_sharding = None
         self._prefix_sharding = None
@@ -240,15 +245,9 @@ class Engine(StandbyRows, CountedPrograms):
         is_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
         finished = valid & (is_stop | (generated >= state.max_new) | (lengths >= self.max_len))
         logits, cache, *picks = self._decode_forward(model, tokens[:, None], positions[:, None], state.cache, routes)
-        new_state = dataclasses.replace(
-            state,
-            cache=cache,
-            logits=logits[:, 0].astype(jnp.float32),
-            lengths=lengths,
-            last_tokens=jnp.where(valid, tokens, state.last_tokens),
-            done=state.done | finished,
-            generated=generated,
-        )
+        new_state = dataclasses.replace(state, cache=cache, logits=logits[:, 0].astype(jnp.float32), lengths=lengths,
+                                        last_tokens=jnp.where(valid, tokens, state.last_tokens),
+                                        done=state.done | finished, generated=generated)
         return new_state, StepResult(tokens=tokens, logprobs=logprobs, done=new_state.done, valid=valid,
                                      routes=picks[0][:, 0].astype(token_routes(self.config).dtype) if picks else None)
 
@@ -256,7 +255,8 @@ class Engine(StandbyRows, CountedPrograms):
                         routes: bool = False) -> tuple:
         """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache), and with routes the experts of each
         token, [S, 1, L_moe, k] int32: the model's cache path."""
-        h, cache, *picks = model.hidden(tokens, positions, cache=cache, ring=self.ring_cache, record_routes=routes)
+        with ragged_decode_calls(self.decode_attention == "kernel", self.mesh, jax.default_backend() != "gpu"):
+            h, cache, *picks = model.hidden(tokens, positions, cache=cache, ring=self.ring_cache, record_routes=routes)
         return model.unembed(h), cache, *picks
 
     def _generate_steps_fn(self, params: nnx.State, state: DecodeState, keys: jax.Array,
@@ -381,12 +381,11 @@ class Engine(StandbyRows, CountedPrograms):
         return self._call(self._jit_generate, params, decode_state, rng, filters=self.sampling_filters)
 
     def can_admit(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
-        """Whether the cache can take n samples of this size now (always, for the dense cache)."""
+        """Whether the cache can take n samples of this size now (always, for the dense cache). ``reserve``: the
+        same, holding the memory for the insert that follows (nothing to hold for the dense cache)."""
         return True
 
-    def reserve(self, prompt_length: int, max_new_tokens: int, n: int = 1) -> bool:
-        """``can_admit``, holding the memory for the insert that follows (nothing to hold for the dense cache)."""
-        return True
+    reserve = can_admit
 
     def finished(self, slot: int) -> None:
         """Host hook: the loop handed back the sequence in ``slot`` (nothing to do for the dense cache)."""

@@ -165,15 +165,17 @@ def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeou
 
 def assert_greedy_decode_is_full_forward(model: Transformer, prompts: Sequence[Sequence[int]], *, max_len: int = 32,
                                          new_tokens: int = 16, slots: int = 2, decode_steps: int = 4,
-                                         page_size: int | None = None, mesh: Any = None) -> None:
+                                         page_size: int | None = None, mesh: Any = None,
+                                         decode_attention: str = "xla") -> None:
     """Greedy requests of `prompts` through an Engine of `slots` slots (a PagedEngine of pages of `page_size`
-    positions when given; params and cache laid out on `mesh` when given) and a SamplerLoop (k = decode_steps) give
-    the tokens and log-probs (within 1e-4) of greedy decoding by repeated full forwards."""
+    positions when given; params and cache laid out on `mesh` when given; the dense Engine's `decode_attention`)
+    and a SamplerLoop (k = decode_steps) give the tokens and log-probs (within 1e-4) of greedy decoding by repeated
+    full forwards."""
     from areal_jax.sampler.paged_engine import PagedEngine  # noqa: PLC0415 (only here)
 
     _, params = nnx.split(model)
-    engine = Engine(model, num_slots=slots, max_len=max_len, mesh=mesh) if page_size is None else \
-        PagedEngine(model, num_slots=slots, max_len=max_len, page_size=page_size, mesh=mesh)
+    engine = Engine(model, num_slots=slots, max_len=max_len, mesh=mesh, decode_attention=decode_attention) \
+        if page_size is None else PagedEngine(model, num_slots=slots, max_len=max_len, page_size=page_size, mesh=mesh)
     if mesh is not None:
         params = engine.place_params(params)
     done = serve(engine, params,
