@@ -41,6 +41,22 @@ def model_config(args: argparse.Namespace, **overrides):
     return testing.tiny_config("qwen2", **fields)
 
 
+def toy_fields(shape: dict, layers: int) -> dict:
+    """--toy: the ModelConfig fields that shrink a `system.loadgen.MODEL_SHAPES` entry to a size that runs in seconds
+    on a CPU (the benchmarks' smoke tests), keeping its head layout and layer kinds: `layers` layers, 16 wide a head
+    (hidden = heads x 16, intermediate = heads x 40), a 512-token vocabulary; a mixture of experts routes 2 of 4; a
+    Qwen3.5's Gated DeltaNet heads at the same scale (4 key heads, 8 value heads of 16)."""
+    heads = shape["num_heads"]
+    fields = dict(vocab_size=512, num_layers=layers, head_dim=16, hidden_size=heads * 16, intermediate_size=heads * 40)
+    if shape.get("num_experts"):
+        fields.update(num_experts=4, num_experts_per_tok=2)
+    if shape.get("architecture") == "qwen3_5_text":
+        from areal_jax.models.config_checks import LinearAttention
+
+        fields["linear"] = LinearAttention(key_heads=4, value_heads=8, key_dim=16, value_dim=16, conv_kernel=4)
+    return fields
+
+
 def best_seconds(fn, repeats: int = 5) -> float:
     """Best wall time of `fn()` (its result waited for) over `repeats` runs, after one untimed run."""
     import time

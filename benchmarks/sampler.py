@@ -32,13 +32,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import add_model_args, device_peak_gflops, model_config
+from common import add_model_args, device_peak_gflops, model_config, toy_fields
 from decode_roofline import bare_dispatch, copy_bandwidth_gbs, roofline, workload_flops
 from flax import nnx
 from hf_generate import run_hf
 
 from areal_jax.models import load_hf_checkpoint
-from areal_jax.models.config_checks import LinearAttention
 from areal_jax.sampler import Engine, Request, SamplerLoop, SamplingParams
 from areal_jax.sampler.config import default_standby_rows, prompt_bucket
 from areal_jax.sampler.paged_engine import PagedEngine
@@ -67,9 +66,7 @@ PRESETS = {
     "ministral3-8b": dict(model="ministral3-8b", dtype="bfloat16", slots=128, prompts=512, median=256, cap=1024,
                           prompt_len=(64, 128)),
 }
-# --toy: a preset's layer kinds and head layout at a size that runs in seconds on a CPU (the smoke test): 4 layers
-# (a Qwen3.5's three Gated DeltaNet layers and one of attention), head_dim 16, a 512-token vocabulary.
-TOY_MODEL = dict(vocab_size=512, num_layers=4, head_dim=16)
+TOY_LAYERS = 4  # --toy (common.toy_fields): a Qwen3.5's three Gated DeltaNet layers and one of attention
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -133,12 +130,7 @@ def build_config(args: argparse.Namespace):
     shape = PRESETS[args.preset]["model"]
     if shape is None:
         return model_config(args, dtype=dtype, param_dtype=dtype, max_position_embeddings=max(4096, max_len))
-    fields = {}
-    if args.toy:
-        heads = MODEL_SHAPES[shape]["num_heads"]
-        fields = dict(TOY_MODEL, hidden_size=heads * 16, intermediate_size=heads * 40)
-        if MODEL_SHAPES[shape]["architecture"] == "qwen3_5_text":  # its Gated DeltaNet heads at the same scale
-            fields["linear"] = LinearAttention(key_heads=4, value_heads=8, key_dim=16, value_dim=16, conv_kernel=4)
+    fields = toy_fields(MODEL_SHAPES[shape], TOY_LAYERS) if args.toy else {}
     return shape_config(shape, max_len=max_len, dtype=args.dtype, param_dtype=args.dtype, **fields)
 
 

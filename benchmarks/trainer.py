@@ -45,7 +45,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import add_model_args, device_peak_gflops, model_config  # noqa: E402
+from common import add_model_args, device_peak_gflops, model_config, toy_fields  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from torch_baseline import hf_step, torch_device  # noqa: E402
@@ -69,8 +69,6 @@ PRESETS = {"qwen2.5-0.5b": dict(workload=_SMALL), "qwen2.5-1.5b": dict(workload=
            "phi4-mini": dict(workload=_MEDIUM), "granite3-moe-1b": dict(workload=_SMALL)}
 TINY_WORKLOAD = dict(num_seqs=64, prompt_len=(16, 64), median_completion=64, max_completion=256,
                      micro_batch_tokens=1024, logits_chunk=256)
-# --toy: a preset's head layout and embedding tying at a size that runs in seconds (the smoke test).
-TOY_MODEL = dict(vocab_size=512, num_layers=2, head_dim=16)
 TOY_WORKLOAD = dict(num_seqs=8, prompt_len=(8, 16), median_completion=16, max_completion=48,
                     micro_batch_tokens=256, logits_chunk=64)
 
@@ -126,12 +124,7 @@ def bench_model_config(args: argparse.Namespace) -> ModelConfig:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset == "tiny":
         return model_config(args, dtype=dtype)
-    fields = {}
-    if args.toy:
-        heads = MODEL_SHAPES[args.preset]["num_heads"]
-        fields = dict(TOY_MODEL, hidden_size=heads * 16, intermediate_size=heads * 40)
-        if MODEL_SHAPES[args.preset].get("num_experts"):  # a mixture of experts: 2 of 4 at toy size
-            fields.update(num_experts=4, num_experts_per_tok=2)
+    fields = toy_fields(MODEL_SHAPES[args.preset], layers=2) if args.toy else {}
     max_len = max(4096, args.trajectory_len or 0, args.prompt_len[1] + args.max_completion)
     return shape_config(args.preset, max_len=max_len, dtype=jnp.dtype(dtype).name, param_dtype="float32", **fields)
 

@@ -35,7 +35,29 @@ def test_fused_rows_land_in_our_projections(tmp_path):
     hf = hf_model_of(cfg, seed=3)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
     hf.save_pretrained(tmp_path)
-    ours = load_hf_checkpoint(tmp_path).layers[0].linear_attn
+    from areal_jax.models import hf_io
+
+    reads: list[str] = []  # every whole tensor the loader reads from the files
+    handle = hf_io._Reader._handle
+
+    def counted(reader, name):
+        opened = handle(reader, name)
+
+        class Counting:
+            def get_tensor(self, key):
+                reads.append(key)
+                return opened.get_tensor(key)
+
+            def __getattr__(self, attr):
+                return getattr(opened, attr)
+
+        return Counting()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_io._Reader, "_handle", counted)
+        ours = load_hf_checkpoint(tmp_path).layers[0].linear_attn
+    fused = [n for n in reads if "in_proj_qkvz" in n or "in_proj_ba" in n]
+    assert len(fused) == len(set(fused)) == 2 * 3  # each fused tensor read once (3 Gated DeltaNet layers of 4)
     theirs = hf.model.layers[0].linear_attn
     m, r = cfg.linear, cfg.linear.value_heads // cfg.linear.key_heads
     qkvz = theirs.in_proj_qkvz.weight.detach().numpy()  # [key heads x (q, k, r values, r gates), D]

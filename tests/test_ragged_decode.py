@@ -64,6 +64,23 @@ def test_the_kernel_equals_cached_attention_and_numpy_at_every_row_length(s, h, 
     assert not np.asarray(got[0]).any()  # a row with no position attends nothing
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_sinks_join_the_softmax_as_cached_attention_has_them(splits):
+    """gpt-oss's sinks (a logit per query head, one more key of value zero) are joined where the splits combine:
+    the same output as cached_attention's, rows with no position still zero."""
+    positions = np.array([-1, 0, 5, 20, 39], np.int32)
+    q, k, v = inputs(len(positions), 40, 8, 2, 32)
+    sinks = jax.random.normal(jax.random.key(7), (8,)) * 2
+    got = rd.ragged_decode_attention(q[:, 0], k, v, jnp.asarray(np.clip(positions + 1, 0, 40)), sinks=sinks,
+                                     block=16, splits=splits, interpret=True)
+    want = cached_attention(q, k, v, jnp.asarray(positions)[:, None], sinks=sinks, counted=True)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    assert not np.asarray(got[0]).any()
+    plain = rd.ragged_decode_attention(q[:, 0], k, v, jnp.asarray(np.clip(positions + 1, 0, 40)), block=16,
+                                       splits=splits, interpret=True)
+    assert np.abs(np.asarray(plain[1:]) - np.asarray(got[1:])).max() > 1e-3  # the sinks take weight
+
+
 def test_positions_past_each_rows_length_change_nothing_and_past_its_last_block_are_never_read():
     """Keys and values past a row's length (here 1e4 times larger) leave its output alone, and past the block
     holding its last position (here NaN) the kernel reads nothing: its loop stops there."""
@@ -112,29 +129,34 @@ def test_supports_and_the_decode_path_check():
 
 
 def test_cached_attention_takes_the_kernel_only_where_it_applies(monkeypatch):
-    """Inside `ragged_decode_calls`, decode calls over the whole cache go through the kernel (same answer); a
-    window, sinks, several queries or an unsupported width keep the XLA path."""
+    """Inside `ragged_decode_calls`, decode calls over the whole cache go through the kernel (same answer, with
+    sinks too); a window, several queries or an unsupported width keep the XLA path."""
     calls = []
     kernel = rd.ragged_decode_attention
     monkeypatch.setattr(rd, "ragged_decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     q, k, v = inputs(3, 32, 4, 2, 16)
     positions = jnp.array([[3], [20], [31]], jnp.int32)
     want = cached_attention(q, k, v, positions, counted=True)
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    want_sinks = cached_attention(q, k, v, positions, sinks=sinks, counted=True)
     with ragged_decode_calls(True, interpret=True):
         got = cached_attention(q, k, v, positions)
         assert len(calls) == 1
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+        np.testing.assert_allclose(np.asarray(cached_attention(q, k, v, positions, sinks=sinks)),
+                                   np.asarray(want_sinks), atol=2e-6)
+        assert len(calls) == 2
         cached_attention(q, k, v, positions, window=8)
-        cached_attention(q, k, v, positions, sinks=jnp.zeros((4,)))
         cached_attention(jnp.tile(q, (1, 2, 1, 1)), k, v, jnp.tile(positions, (1, 2)))
         wide = inputs(3, 32, 4, 2, 24)
         cached_attention(*wide, positions)
-    assert len(calls) == 1
+    assert len(calls) == 2
     cached_attention(q, k, v, positions)  # outside the context: XLA
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])  # gemma2: a score cap, and ring-cached sliding layers beside
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gpt_oss"])  # gemma2: a score cap, and ring-cached sliding
+# layers beside; gpt_oss: attention sinks (and sliding layers, experts)
 def test_an_engine_with_the_kernel_decodes_greedily_as_full_forwards(arch, monkeypatch):
     calls = []
     kernel = rd.ragged_decode_attention

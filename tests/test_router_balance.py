@@ -52,9 +52,9 @@ def test_an_update_moves_the_picking_bias_by_its_minibatchs_load(rate):
     """After one optimizer step the bias is the loaded one plus rate * sign(mean - picks), the picks counted by
     separate forwards of the starting model over the batch's input tokens; with rate 0 AdamW leaves it as loaded
     (no gradient reaches it, and it is a vector: no weight decay)."""
-    cfg = tiny_config("deepseek_v3", num_layers=3)
+    cfg = tiny_config("deepseek_v3", num_layers=2)  # a dense first layer, then one of experts (two took 60 s)
     layers = bias_layers(cfg)
-    assert layers == (1, 2)
+    assert layers == (1,)
     trajs = random_trajectories(6, vocab=cfg.vocab_size, seed=1)
     model = random_model(cfg, seed=4)
     for i in layers:  # distinct starting biases, large enough to steer some picks

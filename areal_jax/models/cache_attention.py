@@ -81,7 +81,7 @@ _RAGGED = contextvars.ContextVar("ragged_decode_calls", default=None)
 @contextlib.contextmanager
 def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None, interpret: bool = False) -> Iterator[None]:
     """Within it with ``on`` (while a program is traced), `cached_attention`'s decode calls over a whole cache
-    (one query per row, no window, no sinks, head widths the kernel takes: `ragged_decode.supports`) go through
+    (one query per row, no window, head widths the kernel takes: `ragged_decode.supports`) go through
     `ragged_decode.decode_attention`, which reads each row only up to its own position; mesh: the sampler's (the
     kernel then runs on each device's heads); interpret: run the kernel in the Pallas interpreter (off GPUs)."""
     token = _RAGGED.set((mesh, interpret) if on else None)
@@ -187,9 +187,10 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     if window is not None and t == 1 and window_span(window) < s:
         return window_decode_attention(q, k_cache, v_cache, positions, window, softcap, sinks)
     ragged = _RAGGED.get()
-    if (ragged is not None and t == 1 and window is None and sinks is None and h % k_cache.shape[2] == 0
+    if (ragged is not None and t == 1 and window is None and h % k_cache.shape[2] == 0
             and supports(dh, v_cache.shape[3], s)):
-        return decode_attention(q, k_cache, v_cache, positions, softcap=softcap, mesh=ragged[0], interpret=ragged[1])
+        return decode_attention(q, k_cache, v_cache, positions, softcap=softcap, sinks=sinks, mesh=ragged[0],
+                                interpret=ragged[1])
     if counted is None:
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)

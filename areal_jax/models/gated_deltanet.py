@@ -129,7 +129,8 @@ def unit_lower_inverse(t: jax.Array) -> jax.Array:
 def delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token per row: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (all float32) ->
-    (o [B, H, Dv], the new state)."""
+    (o [B, H, Dv], the new state). The recurrence as written: the reference of the tests and of
+    benchmarks/delta_rule.py; the sampler's decode runs `flat_delta_step` (the same step in its buffer's layout)."""
     state = state * jnp.exp(g)[..., None, None]
     delta = (v - jnp.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
     state = state + k[..., :, None] * delta[..., None, :]

@@ -108,7 +108,7 @@ class _Reader:
                     for key in fh.keys():
                         self.weight_map[key] = os.path.basename(file)
         self._handles: dict[str, Any] = {}
-        self._dequantized: tuple[str | None, Any] = (None, None)
+        self._held: tuple[str | None, Any] = (None, None)  # the last whole tensor `read` kept
         self.fp8_block = None  # (rows, columns) of a block-scaled fp8 checkpoint's blocks (models.fp8)
         if os.path.isfile(os.path.join(path, "config.json")):
             with open(os.path.join(path, "config.json")) as fh:
@@ -142,13 +142,16 @@ class _Reader:
             return (*lead, groups * 32, rows)
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
-    def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0) -> np.ndarray:
+    def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0, keep: bool = False) -> np.ndarray:
         """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 or fp8 one
-        dequantised (the last kept for the next part that reads it)."""
-        if self._mxfp4(name) or self._fp8(name):
-            if self._dequantized[0] != name:
-                self._dequantized = (name, self._dequantize(name))
-            whole = self._dequantized[1]
+        dequantised. That one, or with `keep` any, is kept whole for the next part that reads it (Qwen3-Next's
+        in_proj_qkvz / in_proj_ba, each of whose parts takes rows of its own from the whole tensor)."""
+        quantised = self._mxfp4(name) or self._fp8(name)
+        if quantised or keep:
+            if self._held[0] != name:
+                self._held = (name, self._dequantize(name) if quantised else
+                              self._handle(name).get_tensor(self.names[name]))
+            whole = self._held[1]
             return whole if rows is None else whole[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
         if rows is None:
             return self._handle(name).get_tensor(self.names[name])
@@ -214,7 +217,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
             if got != want:
                 raise ValueError(f"Tensor {entry.hf_name!r} in {reader.file_of(entry.hf_name)!r} has shape {got}, "
                                  f"but config.json implies {want}; the weights do not match the config.")
-            parts.append(entry.to_ours(reader.read(entry.hf_name, entry.rows, entry.row_axis), tuple(leaf.shape)).astype(cfg.param_dtype))
+            hf = reader.read(entry.hf_name, entry.rows, entry.row_axis, keep=entry.gather is not None)
+            parts.append(entry.to_ours(hf, tuple(leaf.shape)).astype(cfg.param_dtype))
         host = parts[0] if entries[0].expert is None else np.stack(parts)
         if shardings is None:
             return jnp.asarray(host)

@@ -16,6 +16,7 @@ PEFT's target_parameters (`peft_experts`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -83,7 +84,7 @@ def module_name(layer: int, short: str, fused: str | None = None) -> str:
 def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
     """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
     out: dict[str, list[tuple[str, LoRAProjection]]] = {}
-    gathered = {e.path[-1] for e in weight_entries(model.cfg) if e.gather is not None}
+    gathered = _hf_layout(model.cfg)[0]
     for i, short, node in _adapted(model):
         if PROJECTIONS[short][1] in gathered:
             raise ValueError(f"{short}: this model's HF form fuses it with other projections key head by key head "
@@ -205,9 +206,18 @@ def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
     """{projection: where each of our output rows lies in HF's weight} for the projections whose rows the HF weight
     table regroups (`hf_names._Entry.channels`: the Gated DeltaNet's in_proj_qkv, held key head by key head here);
     the others' rows are HF's own order."""
+    return _hf_layout(cfg)[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_layout(cfg: Any) -> tuple[frozenset[str], dict[str, np.ndarray]]:
+    """(our projections that HF fuses with others key head by key head, `_hf_orders`), read off the HF weight
+    table once per config (a save or a load asks several times)."""
     short_of = {attr: short for short, (_, attr, _) in PROJECTIONS.items()}
-    return {short_of[e.path[-1]]: np.asarray(e.channels) for e in weight_entries(cfg)
-            if e.channels is not None and e.gather is None and e.path[-1] in short_of}
+    entries = weight_entries(cfg)
+    gathered = frozenset(e.path[-1] for e in entries if e.gather is not None)
+    return gathered, {short_of[e.path[-1]]: np.asarray(e.channels) for e in entries
+                      if e.channels is not None and e.gather is None and e.path[-1] in short_of}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:

@@ -14,7 +14,7 @@ head share each block read (grouped-query attention reads each key once). A bloc
 one kv head, strided in the cache's [B, S, K, Dh] layout (head_dim contiguous), so the layer is never copied or
 transposed. Splits (flash-decoding) give short batches enough programs; their partial results are combined
 outside the kernel (`combine_splits`). With one split (the usual case at 256 slots) the kernel writes the output
-itself.
+itself; attention sinks (gpt-oss) join the softmax where the splits are combined.
 
 Written for the Pallas Triton lowering on NVIDIA GPUs (head widths powers of two, at least 16); `interpret=True`
 runs the same code on any backend (the CPU tests compare it with `cached_attention`).
@@ -121,23 +121,29 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block, per_
     l_ref[...] = l_sum
 
 
-def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
+def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Splits' normalised outputs o [splits, ..., D] with their running maxima and sums m, l_sum [splits, ...] ->
-    the attention over all of them, [..., D] float32 (zeros where no split saw a position)."""
-    weight = l_sum * jnp.exp(m - m.max(axis=0)[None])  # a split that saw nothing has l = 0
-    total = weight.sum(axis=0)
+    the attention over all of them, [..., D] float32 (zeros where no split saw a position). sinks: a logit per query,
+    broadcasting to m[0] (`attention_sinks`: one more key of value zero), or None."""
+    top = m.max(axis=0)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks)
+    weight = l_sum * jnp.exp(m - top[None])  # a split that saw nothing has l = 0
+    total = weight.sum(axis=0) + (0.0 if sinks is None else jnp.exp(sinks - top))
     out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
     return out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "block", "splits", "num_warps", "interpret"))
 def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
-                            softcap: float | None = None, block: int | None = None, splits: int | None = None,
-                            num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+                            softcap: float | None = None, sinks: jax.Array | None = None, block: int | None = None,
+                            splits: int | None = None, num_warps: int | None = None,
+                            interpret: bool = False) -> jax.Array:
     """One query per row over one layer of the dense cache, each row read up to its own length.
 
     q: [B, H, Dh] (RoPE applied, not scaled); k_cache [B, S, K, Dh], v_cache [B, S, K, Dv]; lengths [B] int32: row
-    b attends positions 0..lengths[b] - 1 (0: zeros; at most S). softcap: the scaled scores' `layers.soft_cap`.
+    b attends positions 0..lengths[b] - 1 (0: zeros; at most S). softcap: the scaled scores' `layers.soft_cap`;
+    sinks: [H] each query head's sink logit (`attention_sinks`; joined where the splits are combined), or None.
     block / splits: the tiling (default `tiling`); num_warps: Triton's (default 4, 8 past 128-wide heads).
     Returns [B, H, Dv] in q's dtype."""
     b, h, dh = q.shape
@@ -163,7 +169,8 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=num_warps or (4 if max(dh, dv) <= 128 else 8), num_stages=2)
-    out_dtype = q.dtype if splits == 1 else jnp.float32  # one split: the kernel's output is the answer
+    whole = splits == 1 and sinks is None  # the kernel's output is the answer
+    out_dtype = q.dtype if whole else jnp.float32
     o, m, l_sum = pl.pallas_call(
         kernel,
         grid=(b, kv * heads, splits),
@@ -185,26 +192,32 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         interpret=interpret,
         name="ragged_decode_attention",
     )(jnp.clip(lengths, 0, s).reshape(b, 1).astype(jnp.int32), qg, k_cache, v_cache)
-    out = o[0] if splits == 1 else combine_splits(o, m, l_sum)
+    if sinks is not None:  # [H] -> [B, K, padded] as the queries are laid out (padding heads: no sink)
+        sinks = jnp.pad(sinks.astype(jnp.float32).reshape(kv, group), ((0, 0), (0, padded - group)),
+                        constant_values=MASK_VALUE)[None]
+    out = o[0] if whole else combine_splits(o, m, l_sum, sinks)
     return out[:, :, :group].reshape(b, h, dv).astype(q.dtype)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, *,
-                     softcap: float | None = None, mesh: jax.sharding.Mesh | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     softcap: float | None = None, sinks: jax.Array | None = None,
+                     mesh: jax.sharding.Mesh | None = None, interpret: bool = False) -> jax.Array:
     """`cache_attention.cached_attention` of one query per row through the kernel: q [B, 1, H, Dh]; positions
-    [B, 1] (row b attends 0..positions[b]; none when negative, all S when >= S). mesh: the sampler's; when its
+    [B, 1] (row b attends 0..positions[b]; none when negative, all S when >= S); sinks [H] or None. mesh: the
+    sampler's; when its
     "tensor" axis divides both head counts (the cache splits its kv heads over it), the kernel runs in a shard_map
     on each device's heads (XLA cannot partition a Pallas call: it would gather every head to every device).
     Returns [B, 1, H, Dv] in q's dtype."""
     s = k_cache.shape[1]
     lengths = jnp.clip(positions[:, 0] + 1, 0, s).astype(jnp.int32)
 
-    def run(q, k, v, lengths):
-        return ragged_decode_attention(q[:, 0], k, v, lengths, softcap=softcap, interpret=interpret)[:, None]
+    def run(q, k, v, lengths, sinks):
+        return ragged_decode_attention(q[:, 0], k, v, lengths, softcap=softcap, sinks=sinks,
+                                       interpret=interpret)[:, None]
 
     tensor = int(mesh.shape.get("tensor", 1)) if mesh is not None else 1
     if tensor > 1 and k_cache.shape[2] % tensor == 0 and q.shape[2] % tensor == 0:
         heads = P(None, None, "tensor", None)
-        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, heads, P()), out_specs=heads, check_vma=False)
-    return run(q, k_cache, v_cache, lengths)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, heads, P(), None if sinks is None else
+                                                      P("tensor")), out_specs=heads, check_vma=False)
+    return run(q, k_cache, v_cache, lengths, sinks)
