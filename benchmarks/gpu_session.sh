@@ -22,9 +22,9 @@
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
 #              update (~7 min).
-#   ragged     the dense cache's ragged decode kernel (models/ragged_decode.py) against XLA's attention on the same
-#              caches (0.5B's sampler shape: 256 rows x 1,152; 1.5B's heads at 64 rows x 16,512), then the 0.5B
-#              sampler's steady state at 256 slots with XLA's attention and with the kernel (~5 min).
+#   ragged     the dense cache's ragged decode kernel (models/ragged_decode.py): its tests compiled by Triton, then
+#              against XLA's attention on the same caches (0.5B's sampler shape: 256 rows x 1,152; 1.5B's heads at 64 rows x 16,512), then the 0.5B
+#              sampler's steady state at 256 slots with XLA's attention and with the kernel (~6 min).
 #   followup_loop  the loop at the 0.5B preset, eta 0 vs 4, 6 updates each, and its timeline picture; the job's
 #              memory plan of the 0.5B and 1.5B presets on this GPU, working memory measured (--plan-only) (~9 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
@@ -219,6 +219,8 @@ EOF
   ragged)
     # the decode attention of the dense cache read up to each row's length (the H100 trace had XLA's two products
     # reading all 1,152 positions where rows held ~400), then the sampler's steady state with either path
+    step ragged_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -o addopts="" tests/test_ragged_decode.py \
+      -k "kernel_equals or sinks or past_each or bfloat16"
     step ragged05 60 $PY benchmarks/ragged_decode.py
     step ragged15 90 $PY benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \
       --layers 28 --median 16384 --sigma 0 --cap 16384 --repeats 10

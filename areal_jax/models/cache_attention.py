@@ -79,11 +79,13 @@ _RAGGED = contextvars.ContextVar("ragged_decode_calls", default=None)
 
 
 @contextlib.contextmanager
-def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None, interpret: bool = False) -> Iterator[None]:
+def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None,
+                        interpret: bool | None = None) -> Iterator[None]:
     """Within it with ``on`` (while a program is traced), `cached_attention`'s decode calls over a whole cache
     (one query per row, no window, head widths the kernel takes: `ragged_decode.supports`) go through
     `ragged_decode.decode_attention`, which reads each row only up to its own position; mesh: the sampler's (the
-    kernel then runs on each device's heads); interpret: run the kernel in the Pallas interpreter (off GPUs)."""
+    kernel then runs on each device's heads); interpret: run the kernel in the Pallas interpreter (default: off
+    GPUs)."""
     token = _RAGGED.set((mesh, interpret) if on else None)
     try:
         yield

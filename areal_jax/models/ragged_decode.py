@@ -138,13 +138,14 @@ def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array, sinks: jax.Arra
 def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
                             softcap: float | None = None, sinks: jax.Array | None = None, block: int | None = None,
                             splits: int | None = None, num_warps: int | None = None,
-                            interpret: bool = False) -> jax.Array:
+                            interpret: bool | None = None) -> jax.Array:
     """One query per row over one layer of the dense cache, each row read up to its own length.
 
     q: [B, H, Dh] (RoPE applied, not scaled); k_cache [B, S, K, Dh], v_cache [B, S, K, Dv]; lengths [B] int32: row
     b attends positions 0..lengths[b] - 1 (0: zeros; at most S). softcap: the scaled scores' `layers.soft_cap`;
     sinks: [H] each query head's sink logit (`attention_sinks`; joined where the splits are combined), or None.
-    block / splits: the tiling (default `tiling`); num_warps: Triton's (default 4, 8 past 128-wide heads).
+    block / splits: the tiling (default `tiling`); num_warps: Triton's (default 4, 8 past 128-wide heads);
+    interpret: run the Pallas interpreter (default: on any backend but GPU).
     Returns [B, H, Dv] in q's dtype."""
     b, h, dh = q.shape
     s, kv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -152,6 +153,7 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         raise ValueError(f"ragged_decode_attention takes heads of power-of-two widths >= 16 over >= 16 positions and "
                          f"query heads a multiple of kv heads; got q {q.shape}, keys {k_cache.shape}, values "
                          f"{v_cache.shape}. Use cached_attention (decode_attention='xla').")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     group = h // kv
     padded = -(-group // BLOCK_H) * BLOCK_H
     heads = padded // BLOCK_H
@@ -201,7 +203,7 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, *,
                      softcap: float | None = None, sinks: jax.Array | None = None,
-                     mesh: jax.sharding.Mesh | None = None, interpret: bool = False) -> jax.Array:
+                     mesh: jax.sharding.Mesh | None = None, interpret: bool | None = None) -> jax.Array:
     """`cache_attention.cached_attention` of one query per row through the kernel: q [B, 1, H, Dh]; positions
     [B, 1] (row b attends 0..positions[b]; none when negative, all S when >= S); sinks [H] or None. mesh: the
     sampler's; when its

@@ -255,7 +255,7 @@ class Engine(StandbyRows, CountedPrograms):
                         routes: bool = False) -> tuple:
         """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache), and with routes the experts of each
         token, [S, 1, L_moe, k] int32: the model's cache path."""
-        with ragged_decode_calls(self.decode_attention == "kernel", self.mesh, jax.default_backend() != "gpu"):
+        with ragged_decode_calls(self.decode_attention == "kernel", self.mesh):
             h, cache, *picks = model.hidden(tokens, positions, cache=cache, ring=self.ring_cache, record_routes=routes)
         return model.unembed(h), cache, *picks
 
