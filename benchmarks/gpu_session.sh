@@ -221,9 +221,9 @@ EOF
     # reading all 1,152 positions where rows held ~400), then the sampler's steady state with either path
     step ragged_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -o addopts="" tests/test_ragged_decode.py \
       -k "kernel_equals or sinks or past_each or bfloat16"
-    step ragged05 60 $PY benchmarks/ragged_decode.py
-    step ragged15 90 $PY benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \
-      --layers 28 --median 16384 --sigma 0 --cap 16384 --repeats 10
+    step ragged05 90 $PY benchmarks/ragged_decode.py --tilings 2x128 4x128 2x64 4x64 8x64
+    step ragged15 120 $PY benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \
+      --layers 28 --median 16384 --sigma 0 --cap 16384 --repeats 10 --tilings 8x128 16x128 4x64
     common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
     step ragged_sampler_xla 100 $PY benchmarks/sampler.py "${common[@]}"

@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--standby_rows", type=int, default=None,
                    help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
+    p.add_argument("--decode_attention", choices=("xla", "kernel"), default="xla",
+                   help="rollout.decode_attention: XLA's (every cache position on GPUs) or the ragged kernel")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--entropy", type=float, default=1.0,
@@ -161,7 +163,7 @@ def job_config(args: argparse.Namespace, eta: int | None, steps: int, paths: tup
     c.rollout.max_staleness = -1 if eta is None else eta
     c.rollout.max_concurrent = args.max_concurrent if eta is None else None
     c.rollout.param_dtype = args.sampler_dtype
-    c.rollout.standby_rows = args.standby_rows
+    c.rollout.standby_rows, c.rollout.decode_attention = args.standby_rows, args.decode_attention
     c.train.batch_groups, c.train.lr = args.batch_groups, args.lr
     c.mesh.train_devices, c.mesh.rollout_devices = args.train_devices, args.rollout_devices
     c.mesh.rollout_tensor = args.rollout_tensor
@@ -373,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
               "memory_plan_bytes": parts, "memory_sides_bytes": sides, "memory_limit_bytes": limit,
               "settings": {k: getattr(args, k) for k in ("steps", "median", "cap", "sigma", "slots", "group_size",
                                                          "batch_groups", "max_concurrent", "micro_batch_tokens",
-                                                         "lr", "sampler_dtype", "dtype", "seed", "entropy")},
+                                                         "lr", "sampler_dtype", "dtype", "seed", "entropy",
+                                                         "decode_attention")},
               "results": results}
     print(json.dumps(report))
     return report

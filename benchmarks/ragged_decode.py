@@ -9,7 +9,8 @@ reads each row up to its own context.
 
 Prints each path's best time for one decode step's attention over all layers, the bytes of keys and values it must
 read (the rows' live contexts) over the device's measured copy bandwidth (the roofline) and the share of it reached,
-the ratio XLA / kernel, the largest difference between the two outputs, and ends with one JSON line.
+the ratio XLA / kernel, the largest difference between the paths' outputs, and ends with one JSON line. --tilings
+times the kernel at other (splits, block) tilings too.
 
     python benchmarks/ragged_decode.py                                   # a GPU: Qwen2.5-0.5B's sampler shape
     python benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \\
@@ -30,7 +31,7 @@ from common import best_seconds
 from decode_roofline import copy_bandwidth_gbs
 
 from areal_jax.models.cache_attention import cached_attention
-from areal_jax.models.ragged_decode import decode_attention, supports
+from areal_jax.models.ragged_decode import decode_attention, ragged_decode_attention, supports, tiling
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,11 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap", type=int, default=1024, help="longest generation")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tilings", nargs="*", default=(), metavar="SPLITSxBLOCK",
+                   help="also time the kernel at these tilings (e.g. 2x128 4x64), beside its default one")
     p.add_argument("--interpret", action="store_true",
                    help="run the kernel in the Pallas interpreter (off GPUs: a correctness check, no speed figure)")
     args = p.parse_args(argv)
     if args.prompt_len[1] + args.cap > args.max_len:
         p.error(f"--max-len {args.max_len} cannot hold a prompt of {args.prompt_len[1]} and {args.cap} new tokens.")
+    try:
+        args.tilings = [tuple(int(x) for x in s.lower().split("x")) for s in args.tilings]
+    except ValueError:
+        p.error(f"--tilings takes SPLITSxBLOCK entries such as 2x128, got {args.tilings}.")
+    if any(len(x) != 2 or x[0] < 1 or x[1] < 16 or x[1] & (x[1] - 1) or x[1] > args.max_len for x in args.tilings):
+        p.error(f"--tilings: splits >= 1 and blocks powers of two in [16, --max-len], got {args.tilings}.")
     if not supports(args.head_dim, args.head_dim, args.max_len) or args.heads % args.kv_heads:
         p.error("the kernel takes a power-of-two --head-dim of at least 16, --max-len >= 16 and --heads a multiple "
                 "of --kv-heads.")
@@ -88,8 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     paths = {"xla": every_layer(lambda q, k, v, p: cached_attention(q, k, v, p)),
              "kernel": every_layer(lambda q, k, v, p: decode_attention(q, k, v, p, interpret=args.interpret))}
+    for splits, block in args.tilings:  # the same kernel, tiled otherwise
+        paths[f"{splits}x{block}"] = every_layer(
+            lambda q, k, v, p, s=splits, b=block: ragged_decode_attention(
+                q[:, 0], k, v, jnp.clip(p[:, 0] + 1, 0, args.max_len), splits=s, block=b,
+                interpret=args.interpret)[:, None])
     outs = {name: fn(q, k, v, positions) for name, fn in paths.items()}
-    diff = float(jnp.max(jnp.abs(outs["xla"].astype(jnp.float32) - outs["kernel"].astype(jnp.float32))))
+    diff = max(float(jnp.max(jnp.abs(outs["xla"].astype(jnp.float32) - out.astype(jnp.float32))))
+               for name, out in outs.items() if name != "xla")
     seconds = {name: best_seconds(lambda fn=fn: fn(q, k, v, positions), args.repeats) for name, fn in paths.items()}
     per_position = 2 * args.kv_heads * args.head_dim * dtype.itemsize * args.layers  # keys and values, every layer
     live = float(np.sum(np.asarray(positions) + 1)) * per_position
@@ -105,8 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:8s} {t * 1e3:15.3f} ms {t / args.layers * 1e6:7.1f} us {roof / t:14.1%}")
     ratio = seconds["xla"] / seconds["kernel"]
     note = " (kernel in the interpreter: not a speed figure)" if args.interpret else ""
-    print(f"xla / kernel: {ratio:.2f}x{note}; roofline {roof * 1e3:.3f} ms (live keys and values once); "
-          f"largest output difference {diff:.3g}")
+    default = tiling(args.rows, args.kv_heads * -(-(args.heads // args.kv_heads) // 16), args.max_len, args.head_dim)
+    print(f"xla / kernel: {ratio:.2f}x{note}; the kernel's default tiling {default[1]}x{default[0]} (splits x block); "
+          f"roofline {roof * 1e3:.3f} ms (live keys and values once); largest output difference {diff:.3g}")
     out = {"benchmark": "ragged_decode", "device": jax.devices()[0].platform, "device_kind": device,
            "dtype": args.dtype, "rows": args.rows, "max_len": args.max_len, "layers": args.layers,
            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
@@ -115,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
            "xla_ms": round(seconds["xla"] * 1e3, 4), "kernel_ms": round(seconds["kernel"] * 1e3, 4),
            "xla_roofline_share": round(roof / seconds["xla"], 4),
            "kernel_roofline_share": round(roof / seconds["kernel"], 4), "xla_over_kernel": float(f"{ratio:.3g}"),
-           "max_abs_diff": float(f"{diff:.3g}"), "interpreted": bool(args.interpret)}
+           "max_abs_diff": float(f"{diff:.3g}"), "interpreted": bool(args.interpret),
+           "default_tiling": f"{default[1]}x{default[0]}",
+           "tilings_ms": {name: round(t * 1e3, 4) for name, t in seconds.items() if name not in ("xla", "kernel")}}
     print(json.dumps(out))
     return out
 

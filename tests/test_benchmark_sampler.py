@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,6 +80,7 @@ def test_roofline_cache_bytes_follow_each_kind_of_layer_worked_by_hand(monkeypat
     assert abs(workload_flops(hybrid, prompts, lengths) - want) < 1e-6 * want
 
 
+@pytest.mark.long  # 30-40 s; the sampler benchmark's other tests run its path, tests/test_qwen3_5.py the hybrid sampler
 def test_hybrid_preset_at_toy_size_runs_and_counts_its_states():
     """The Qwen3.5-9B preset's layer kinds at toy size (three Gated DeltaNet layers and one of attention): the
     sampler runs it, and the roofline's cache bytes are its one attention layer's KV plus the states."""
