@@ -16,8 +16,8 @@ transposed. Splits (flash-decoding) give short batches enough programs; their pa
 outside the kernel (`combine_splits`). With one split (the usual case at 256 slots) the kernel writes the output
 itself; attention sinks (gpt-oss) join the softmax where the splits are combined.
 
-Written for the Pallas Triton lowering on NVIDIA GPUs (head widths powers of two, at least 16); `interpret=True`
-runs the same code on any backend (the CPU tests compare it with `cached_attention`).
+Written for the Pallas Triton lowering on NVIDIA GPUs (head widths powers of two, at least 16); off GPUs the same code
+runs in the Pallas interpreter (`interpret`'s default there: the CPU tests compare it with `cached_attention`).
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ BLOCK_H = 16  # query heads of one kv head per program (Triton's dot takes no fe
 MAX_BLOCK = 128  # cache positions a program reads at once
 TILE_ELEMENTS = 16384  # a block's keys at most this many elements (two pipeline stages of them in shared memory)
 PROGRAMS = 512  # rows x kv-head blocks x splits the grid aims at: about four programs for each of an H100's 132 SMs
-
-
 DECODE_PATHS = ("xla", "kernel")
 
 
