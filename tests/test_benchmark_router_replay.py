@@ -3,9 +3,12 @@ the same weights far more than with a perturbed one, and replaying them brings t
 tokens closer to the sampler's for both."""
 from __future__ import annotations
 
+import pytest
+
 from areal_jax.testing.processes import run_benchmark
 
 
+@pytest.mark.long  # 28-41 s in CI; tests/test_router_replay.py checks replay itself
 def test_the_replay_benchmark_reports_agreement_gaps_and_cost():
     line, _ = run_benchmark("router_replay.py", "--hidden", "64", "--layers", "2", "--experts", "4", "--vocab", "128",
                             "--requests", "8", "--new-tokens", "12", "--cap", "24", "--slots", "8", "--repeats", "1")
