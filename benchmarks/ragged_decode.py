@@ -31,7 +31,7 @@ from common import best_seconds
 from decode_roofline import copy_bandwidth_gbs
 
 from areal_jax.models.cache_attention import cached_attention
-from areal_jax.models.ragged_decode import decode_attention, ragged_decode_attention, supports, tiling
+from areal_jax.models.ragged_decode import decode_attention, default_tiling, ragged_decode_attention, supports
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:8s} {t * 1e3:15.3f} ms {t / args.layers * 1e6:7.1f} us {roof / t:14.1%}")
     ratio = seconds["xla"] / seconds["kernel"]
     note = " (kernel in the interpreter: not a speed figure)" if args.interpret else ""
-    default = tiling(args.rows, args.kv_heads * -(-(args.heads // args.kv_heads) // 16), args.max_len, args.head_dim)
+    default = default_tiling(args.rows, args.heads, args.kv_heads, args.max_len, args.head_dim)
     print(f"xla / kernel: {ratio:.2f}x{note}; the kernel's default tiling {default[1]}x{default[0]} (splits x block); "
           f"roofline {roof * 1e3:.3f} ms (live keys and values once); largest output difference {diff:.3g}")
     out = {"benchmark": "ragged_decode", "device": jax.devices()[0].platform, "device_kind": device,

@@ -81,6 +81,12 @@ def tiling(rows: int, programs_per_row: int, max_len: int, width: int) -> tuple[
     return block, splits, -(-blocks // splits) * block
 
 
+def default_tiling(rows: int, heads: int, kv_heads: int, max_len: int, width: int) -> tuple[int, int, int]:
+    """`tiling` of the kernel's grid for `rows` rows of `heads` query heads over `kv_heads` kv heads: each row has
+    kv_heads x ceil(group / BLOCK_H) programs."""
+    return tiling(rows, kv_heads * -(-(heads // kv_heads) // BLOCK_H), max_len, width)
+
+
 def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block, per_split, scale, softcap):
     """length_ref [1]: the row's visible positions; q_ref [BLOCK_H, Dh]; k_ref [S, Dh] and v_ref [S, Dv]: one kv
     head's positions of one row (strided views of the cache). Writes this split's output (normalised), its
@@ -155,7 +161,7 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     group = h // kv
     padded = -(-group // BLOCK_H) * BLOCK_H
     heads = padded // BLOCK_H
-    default_block, default_splits, _ = tiling(b, kv * heads, s, max(dh, dv))
+    default_block, default_splits, _ = default_tiling(b, h, kv, s, max(dh, dv))
     block = min(default_block if block is None else int(block), s)
     splits = default_splits if splits is None else int(splits)
     per_split = -(-blocks_per_row(s, block) // splits) * block
