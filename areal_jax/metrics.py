@@ -23,7 +23,7 @@ from areal_jax import paths
 from areal_jax.knobs import Section, knob, require
 from areal_jax.timeline import SpanRecorder, Timeline
 
-__all__ = ["MetricsLogger", "SpanRecorder", "Timeline", "format_duration", "format_progress", "matmul_peak_gflops", "PROGRESS_KEYS"]
+__all__ = ["MetricsLogger", "SpanRecorder", "Timeline", "best_seconds", "format_duration", "format_progress", "matmul_peak_gflops", "PROGRESS_KEYS"]
 
 # Headline numbers of the progress line: label -> metric names tried in order (first present wins).
 PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
@@ -100,6 +100,19 @@ def format_progress(step: int, total_steps: int | None, elapsed_s: float,
             continue
         parts.append(f"{value:,.0f} {label}" if label == "tok/s" else f"{label} {value:.3f}")
     return " | ".join(parts)
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
+    """Best wall time of `fn()` (its result waited for) over `repeats` runs, after one untimed run (its compile)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:

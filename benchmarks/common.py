@@ -58,18 +58,11 @@ def toy_fields(shape: dict, layers: int) -> dict:
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
-    """Best wall time of `fn()` (its result waited for) over `repeats` runs, after one untimed run."""
-    import time
+    """Best wall time of `fn()` (its result waited for) over `repeats` runs, after one untimed run
+    (`metrics.best_seconds`)."""
+    from areal_jax.metrics import best_seconds as best
 
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best(fn, repeats)
 
 
 def raw_copy_seconds(nbytes: int, src, dst, repeats: int = 5) -> float:

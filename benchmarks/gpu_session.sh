@@ -24,7 +24,8 @@
 #              update (~7 min).
 #   ragged     the dense cache's ragged decode kernel (models/ragged_decode.py): its tests compiled by Triton, then
 #              against XLA's attention on the same caches (0.5B's sampler shape: 256 rows x 1,152; 1.5B's heads at 64 rows x 16,512), then the 0.5B
-#              sampler's steady state at 256 slots with XLA's attention and with the kernel (~6 min).
+#              sampler's steady state at 256 slots with XLA's attention and with the kernel; each attention run
+#              also prints what decode_attention=auto (the default) takes at its shape (~6 min).
 #   followup_loop  the loop at the 0.5B preset, eta 0 vs 4, 6 updates each, and its timeline picture; the job's
 #              memory plan of the 0.5B and 1.5B presets on this GPU, working memory measured (--plan-only) (~9 min).
 #   trainer15  Qwen2.5-1.5B shape, 64 trajectories at micro_batch_tokens 16384, no remat (remat full where that does
@@ -226,7 +227,7 @@ EOF
       --layers 28 --median 16384 --sigma 0 --cap 16384 --repeats 10 --tilings 8x128 16x128 4x64
     common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
-    step ragged_sampler_xla 100 $PY benchmarks/sampler.py "${common[@]}"
+    step ragged_sampler_xla 100 $PY benchmarks/sampler.py "${common[@]}" --decode-attention xla
     step ragged_sampler_kernel 100 $PY benchmarks/sampler.py "${common[@]}" --decode-attention kernel
     ;;
   followup_loop)

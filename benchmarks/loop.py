@@ -78,8 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--standby_rows", type=int, default=None,
                    help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
-    p.add_argument("--decode_attention", choices=("xla", "kernel"), default="xla",
-                   help="rollout.decode_attention: XLA's (every cache position on GPUs) or the ragged kernel")
+    p.add_argument("--decode_attention", choices=("auto", "xla", "kernel"), default="auto",
+                   help="rollout.decode_attention: the faster of the two, timed on GPUs (auto), XLA's (every cache "
+                        "position on GPUs) or the ragged kernel")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--entropy", type=float, default=1.0,

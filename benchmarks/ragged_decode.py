@@ -9,8 +9,9 @@ reads each row up to its own context.
 
 Prints each path's best time for one decode step's attention over all layers, the bytes of keys and values it must
 read (the rows' live contexts) over the device's measured copy bandwidth (the roofline) and the share of it reached,
-the ratio XLA / kernel, the largest difference between the paths' outputs, and ends with one JSON line. --tilings
-times the kernel at other (splits, block) tilings too.
+the ratio XLA / kernel, the largest difference between the paths' outputs, what the sampler's decode_attention="auto"
+takes at this shape (sampler/decode_choice.py: its own timing of one layer, rows spread evenly over the cache), and
+ends with one JSON line. --tilings times the kernel at other (splits, block) tilings too.
 
     python benchmarks/ragged_decode.py                                   # a GPU: Qwen2.5-0.5B's sampler shape
     python benchmarks/ragged_decode.py --rows 64 --max-len 16512 --heads 12 --kv-heads 2 --head-dim 128 \\
@@ -32,6 +33,7 @@ from decode_roofline import copy_bandwidth_gbs
 
 from areal_jax.models.cache_attention import cached_attention
 from areal_jax.models.ragged_decode import decode_attention, default_tiling, ragged_decode_attention, supports
+from areal_jax.sampler.decode_choice import choose_shape
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
     default = default_tiling(args.rows, args.heads, args.kv_heads, args.max_len, args.head_dim)
     print(f"xla / kernel: {ratio:.2f}x{note}; the kernel's default tiling {default[1]}x{default[0]} (splits x block); "
           f"roofline {roof * 1e3:.3f} ms (live keys and values once); largest output difference {diff:.3g}")
+    auto = None
+    if not args.interpret:  # (the interpreter's times say nothing of what a GPU would choose)
+        auto = choose_shape(args.rows, args.max_len, args.heads, args.kv_heads, args.head_dim, args.head_dim, dtype)
+        print(f"decode_attention=auto takes {auto.describe()}")
     out = {"benchmark": "ragged_decode", "device": jax.devices()[0].platform, "device_kind": device,
            "dtype": args.dtype, "rows": args.rows, "max_len": args.max_len, "layers": args.layers,
            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
            "kernel_roofline_share": round(roof / seconds["kernel"], 4), "xla_over_kernel": float(f"{ratio:.3g}"),
            "max_abs_diff": float(f"{diff:.3g}"), "interpreted": bool(args.interpret),
            "default_tiling": f"{default[1]}x{default[0]}",
-           "tilings_ms": {name: round(t * 1e3, 4) for name, t in seconds.items() if name not in ("xla", "kernel")}}
+           "tilings_ms": {name: round(t * 1e3, 4) for name, t in seconds.items() if name not in ("xla", "kernel")},
+           "auto": None if auto is None else auto.as_dict()}
     print(json.dumps(out))
     return out
 

@@ -24,6 +24,7 @@ def test_the_ragged_decode_benchmark_runs_and_its_paths_agree(monkeypatch, capsy
     assert line["max_abs_diff"] < 2e-2  # bfloat16 outputs
     assert line["xla_over_kernel"] == pytest.approx(line["xla_ms"] / line["kernel_ms"], rel=0.01)
     assert set(line["tilings_ms"]) == {"2x16"} and line["default_tiling"] == "1x64"  # 6 x 2 programs; one block
+    assert line["auto"] is None  # the interpreter's times would say nothing of what a GPU takes
     args = bench.parse_args(argv)
     contexts = bench.steady_contexts(args, np.random.default_rng(args.seed)) + 1  # the same draw as the run's
     assert contexts.min() >= 9 and contexts.max() <= 16 + 40

@@ -55,7 +55,7 @@ class EvalGeneration:
 def eval_engine(model_or_graphdef: Any, *, num_slots: int, max_len: int, num_sequences: int | None = None,
                 mesh: Any = None, config: Any = None, max_stop_tokens: int = 8,
                 longest_prompt: int | None = None, streams: int = 1, decode_steps: int = 1,
-                decode_attention: str = "xla") -> Engine:
+                decode_attention: str = "auto") -> Engine:
     """The Engine an evaluation decodes with; ``num_slots`` is capped at ``num_sequences`` when given
     (a 10-problem test does not need 256 slots). Keep it to evaluate again without recompiling.
 

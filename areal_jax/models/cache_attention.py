@@ -79,14 +79,14 @@ _RAGGED = contextvars.ContextVar("ragged_decode_calls", default=None)
 
 
 @contextlib.contextmanager
-def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None,
-                        interpret: bool | None = None) -> Iterator[None]:
+def ragged_decode_calls(on: bool, mesh: jax.sharding.Mesh | None = None, interpret: bool | None = None,
+                        tiling: tuple[int, int] | None = None) -> Iterator[None]:
     """Within it with ``on`` (while a program is traced), `cached_attention`'s decode calls over a whole cache
     (one query per row, no window, head widths the kernel takes: `ragged_decode.supports`) go through
     `ragged_decode.decode_attention`, which reads each row only up to its own position; mesh: the sampler's (the
     kernel then runs on each device's heads); interpret: run the kernel in the Pallas interpreter (default: off
-    GPUs)."""
-    token = _RAGGED.set((mesh, interpret) if on else None)
+    GPUs); tiling: the kernel's (splits, block) (default `ragged_decode.tiling`)."""
+    token = _RAGGED.set((mesh, interpret, tiling) if on else None)
     try:
         yield
     finally:
@@ -192,7 +192,7 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     if (ragged is not None and t == 1 and window is None and h % k_cache.shape[2] == 0
             and supports(dh, v_cache.shape[3], s)):
         return decode_attention(q, k_cache, v_cache, positions, softcap=softcap, sinks=sinks, mesh=ragged[0],
-                                interpret=ragged[1])
+                                interpret=ragged[1], tiling=ragged[2])
     if counted is None:
         counted = t == 1 and counted_decode_loop()
     block = query_block_size(b, t, h, chunk, score_elements)

@@ -38,13 +38,14 @@ BLOCK_H = 16  # query heads of one kv head per program (Triton's dot takes no fe
 MAX_BLOCK = 128  # cache positions a program reads at once
 TILE_ELEMENTS = 16384  # a block's keys at most this many elements (two pipeline stages of them in shared memory)
 PROGRAMS = 512  # rows x kv-head blocks x splits the grid aims at: about four programs for each of an H100's 132 SMs
-DECODE_PATHS = ("xla", "kernel")
+DECODE_PATHS = ("auto", "xla", "kernel")
 
 
 def decode_path(choice: str, backend: str | None = None) -> str:
-    """A dense-cache sampler's decode attention, checked: "xla" (``cache_attention.cached_attention``) or "kernel"
-    (this module; GPUs, or the Pallas interpreter on the CPU: correct but slow, for tests). A TPU runs no Triton
-    kernel: there the paged cache's Mosaic kernel reads each row up to its length."""
+    """A dense-cache sampler's decode attention, checked: "xla" (``cache_attention.cached_attention``), "kernel"
+    (this module; GPUs, or the Pallas interpreter on the CPU: correct but slow, for tests) or "auto" (the faster of
+    the two, measured: ``sampler.decode_choice``). A TPU runs no Triton kernel: there the paged cache's Mosaic
+    kernel reads each row up to its length."""
     if choice not in DECODE_PATHS:
         raise ValueError(f"decode_attention={choice!r} is not one of {DECODE_PATHS}.")
     if choice == "kernel" and (jax.default_backend() if backend is None else backend) == "tpu":
@@ -207,19 +208,21 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, *,
                      softcap: float | None = None, sinks: jax.Array | None = None,
-                     mesh: jax.sharding.Mesh | None = None, interpret: bool | None = None) -> jax.Array:
+                     mesh: jax.sharding.Mesh | None = None, interpret: bool | None = None,
+                     tiling: tuple[int, int] | None = None) -> jax.Array:
     """`cache_attention.cached_attention` of one query per row through the kernel: q [B, 1, H, Dh]; positions
     [B, 1] (row b attends 0..positions[b]; none when negative, all S when >= S); sinks [H] or None. mesh: the
     sampler's; when its
     "tensor" axis divides both head counts (the cache splits its kv heads over it), the kernel runs in a shard_map
     on each device's heads (XLA cannot partition a Pallas call: it would gather every head to every device).
-    Returns [B, 1, H, Dv] in q's dtype."""
+    tiling: (splits, block) of each device's call (default `tiling`). Returns [B, 1, H, Dv] in q's dtype."""
     s = k_cache.shape[1]
     lengths = jnp.clip(positions[:, 0] + 1, 0, s).astype(jnp.int32)
 
     def run(q, k, v, lengths, sinks):
-        return ragged_decode_attention(q[:, 0], k, v, lengths, softcap=softcap, sinks=sinks,
-                                       interpret=interpret)[:, None]
+        splits, block = (None, None) if tiling is None else tiling
+        return ragged_decode_attention(q[:, 0], k, v, lengths, softcap=softcap, sinks=sinks, splits=splits,
+                                       block=block, interpret=interpret)[:, None]
 
     tensor = int(mesh.shape.get("tensor", 1)) if mesh is not None else 1
     if tensor > 1 and k_cache.shape[2] % tensor == 0 and q.shape[2] % tensor == 0:

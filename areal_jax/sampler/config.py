@@ -65,9 +65,11 @@ class RolloutConfig(Section):
                                    "bucket of data.max_prompt_len, so every prompt can wait in one")
     kv_cache: str = knob("dense", "dense ([slots, max_len] per slot) | paged (a pool of pages, "
                          "sampler/paged_engine.py)", choices=("dense", "paged"))
-    decode_attention: str = knob("xla", "dense cache: xla (on GPUs every position of the cache, every step) | kernel "
-                                 "(models/ragged_decode.py, a Pallas kernel that reads each row up to its own length; "
-                                 "GPUs, and the slow Pallas interpreter on the CPU)", choices=("xla", "kernel"))
+    decode_attention: str = knob("auto", "dense cache: auto (the faster of the two below, timed once at the sampler's "
+                                 "shapes on GPUs, sampler/decode_choice.py; xla elsewhere) | xla (on GPUs every "
+                                 "position of the cache, every step) | kernel (models/ragged_decode.py, a Pallas kernel "
+                                 "that reads each row up to its own length; GPUs, and the slow Pallas interpreter on "
+                                 "the CPU)", choices=("auto", "xla", "kernel"))
     page_size: int = knob(16, "positions per KV page (paged)")
     kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len; -1 = as many as the memory "
                                 "the job's plan leaves free on the device holds (system.memory; None's pool where the "
@@ -158,7 +160,7 @@ class RolloutConfig(Section):
                 "slot's longest sequence anyway).")
         require(self.kv_pages != -1 or self.kv_cache == "paged",
                 f"{k('kv_pages')}=-1 sizes a page pool to the free memory: set {k('kv_cache')}=paged too.")
-        require(self.decode_attention == "xla" or self.kv_cache == "dense",
+        require(self.decode_attention != "kernel" or self.kv_cache == "dense",
                 f"{k('decode_attention')}={self.decode_attention} is the dense cache's kernel; the paged cache reads "
                 f"each row up to its length already (its own kernel). Drop it or set {k('kv_cache')}=dense.")
         if self.kv_cache == "paged":

@@ -33,7 +33,7 @@ from areal_jax.models import FlatParams, KVCache, ModelConfig, as_tree, init_cac
 from areal_jax.models.cache_attention import counted_decode_loops, ragged_decode_calls
 from areal_jax.models.config import model_config_of
 from areal_jax.models.mla import cache_layout
-from areal_jax.models.ragged_decode import decode_path
+from areal_jax.sampler import decode_choice
 from areal_jax.sampler import prefill as _prefill
 from areal_jax.sampler.config import default_buckets
 from areal_jax.sampler.introspect import CountedPrograms
@@ -66,7 +66,7 @@ class Engine(StandbyRows, CountedPrograms):
         standby_len: int | None = None,
         counted_loop: bool | None = None,
         ring_cache: bool = True,
-        decode_attention: str = "xla",
+        decode_attention: str = "auto",
     ) -> None:
         """Build the engine.
 
@@ -93,8 +93,8 @@ class Engine(StandbyRows, CountedPrograms):
           ring_cache: a sliding-window layer's slots hold only its window, as rings (``init_cache(ring=True)``),
             instead of max_len positions: Gemma 3's 5 sliding layers of 6 at window 512 and max_len 8,192 then
             hold 19% of the dense cache. Prompts are still prefilled into full-length rows, then copied in.
-          decode_attention: "xla" (``cached_attention``: on GPUs every position of the cache each step) or "kernel"
-            (``models.ragged_decode``: each row up to its own length); ``ragged_decode.decode_path``.
+          decode_attention: "xla" (``cached_attention``: every cache position on GPUs), "kernel" (``ragged_decode``: rows
+            up to their lengths) or "auto" (the faster, timed on GPUs, else XLA; ``decode_choice`` says what it took).
         """
         if isinstance(model_graphdef_or_model, nnx.Module):
             self.config = config or model_config_of(model_graphdef_or_model)
@@ -124,7 +124,8 @@ class Engine(StandbyRows, CountedPrograms):
         self._compiles = 0
         self.sampling_filters = NO_FILTERS  # what the requests seen so far need (``settings``)
         self.counted_loop = jax.default_backend() == "gpu" if counted_loop is None else bool(counted_loop)
-        self.decode_attention = decode_path(decode_attention)
+        self.decode_choice = decode_choice.resolve(decode_attention, self.config, self.num_slots, self.max_len, mesh)
+        self.decode_attention = self.decode_choice.path
         self._placement: tuple[Any, list] | None = None  # (params treedef, its leaves' shardings on the mesh)
         self._state_sharding = None
         self._prefix_sharding = None
@@ -255,7 +256,7 @@ class Engine(StandbyRows, CountedPrograms):
                         routes: bool = False) -> tuple:
         """tokens, positions [S, 1] -> (logits [S, 1, V] float32, new cache), and with routes the experts of each
         token, [S, 1, L_moe, k] int32: the model's cache path."""
-        with ragged_decode_calls(self.decode_attention == "kernel", self.mesh):
+        with ragged_decode_calls(self.decode_attention == "kernel", self.mesh, tiling=self.decode_choice.tiling):
             h, cache, *picks = model.hidden(tokens, positions, cache=cache, ring=self.ring_cache, record_routes=routes)
         return model.unembed(h), cache, *picks
 

@@ -136,6 +136,7 @@ class PagedEngine(PageBudget, Engine):
         self._table_dev: tuple[np.ndarray, np.ndarray] | None = None  # the last upload: (table, placements)
         # The programs that take the table (``_state_program``), by id; held here, so no other object takes an id.
         self._table_programs: dict[int, Any] = {}
+        kwargs.setdefault("decode_attention", "xla")  # the dense cache's choice; the pages have their own kernel
         super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
 
     def _state_program(self, fn: Any, at: int, static: tuple[str, ...] = (), result: bool = False) -> Any:

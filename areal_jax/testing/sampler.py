@@ -166,7 +166,7 @@ def serve(engine: Engine, params: nnx.State, requests: Sequence[Request], timeou
 def assert_greedy_decode_is_full_forward(model: Transformer, prompts: Sequence[Sequence[int]], *, max_len: int = 32,
                                          new_tokens: int = 16, slots: int = 2, decode_steps: int = 4,
                                          page_size: int | None = None, mesh: Any = None,
-                                         decode_attention: str = "xla") -> None:
+                                         decode_attention: str = "auto") -> None:
     """Greedy requests of `prompts` through an Engine of `slots` slots (a PagedEngine of pages of `page_size`
     positions when given; params and cache laid out on `mesh` when given; the dense Engine's `decode_attention`)
     and a SamplerLoop (k = decode_steps) give the tokens and log-probs (within 1e-4) of greedy decoding by repeated

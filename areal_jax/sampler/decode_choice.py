@@ -1,0 +1,199 @@
+"""The dense cache's decode attention, chosen by measuring it: ``decode_attention="auto"``.
+
+Two paths compute a decode step's attention over the dense cache. XLA's (`cache_attention.cached_attention`) reads
+every position of the cache on GPUs, each step; the ragged kernel (`models.ragged_decode`) reads each row only up
+to its own length, in many short programs. Which is faster depends on the GPU, the shapes and how full the rows
+are, and the kernel must also compile under the installed Triton. "auto" settles it once per process and shape: on
+a GPU it times one layer's decode attention both ways at the engine's own per-device shapes, the kernel at its
+default tiling and a few others, with rows at lengths spread evenly over the cache (half of it live; in an RL
+steady state less is, and the kernel's gain grows as less is live, so this errs toward XLA). It takes the kernel
+only where it compiled, its output matched XLA's, and it was at least `MARGIN` faster; anything else keeps XLA,
+with the reason. Off GPUs "auto" is XLA (the kernel runs there only in the Pallas interpreter, for tests); so it is
+where the kernel does not apply (head widths that are not powers of two, latent attention, no full-length layer),
+and on a sampler mesh that spans processes (each would time on its own and could compile another program).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from areal_jax.metrics import best_seconds
+from areal_jax.models import ragged_decode as rd
+from areal_jax.models.cache_attention import cached_attention, counted_decode_loops
+from areal_jax.models.mla import cache_layout
+from areal_jax.models.ragged_decode import blocks_per_row, decode_path, default_tiling, supports
+from areal_jax.models.transformer import cache_dtype
+
+MARGIN = 0.03  # the kernel must beat XLA's time by this share to be taken (timings of a few ms jitter by ~1%)
+INNER = 8  # attention calls per timed program (each feeding the next), so that dispatch is not what is timed
+REPEATS = 5  # timed runs of each candidate after one untimed one; the best counts
+TIMING_BYTES = 0.25  # share of the device's free memory one layer's timing caches may take (else XLA, untimed)
+Timer = Callable[[str, Callable[[], Any]], float]  # (candidate, run) -> seconds of INNER calls
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChoice:
+    """The decode attention an Engine runs: path "xla" or "kernel"; tiling (splits, block) of the kernel (None:
+    its default); seconds: each timed candidate's time for one layer's attention ("xla", "kernel SxB");
+    reason: why this path."""
+
+    path: str
+    tiling: tuple[int, int] | None = None
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    reason: str = ""
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{name} {s * 1e6:.1f} us" for name, s in self.seconds.items())
+        tiling = f" at {self.tiling[0]}x{self.tiling[1]} (splits x block)" if self.tiling else ""
+        return f"{self.path}{tiling}: {self.reason}" + (f" (one layer: {timed})" if timed else "")
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "tiling": None if self.tiling is None else f"{self.tiling[0]}x{self.tiling[1]}",
+                "reason": self.reason, "us": {k: round(v * 1e6, 2) for k, v in self.seconds.items()}}
+
+
+def candidate_tilings(rows: int, heads: int, kv_heads: int, max_len: int, width: int) -> list[tuple[int, int]]:
+    """(splits, block) tilings to time: the kernel's default first, then twice the splits, half the block, and
+    both (each kept only where every split holds a block)."""
+    block, splits, _ = default_tiling(rows, heads, kv_heads, max_len, width)
+    out = [(splits, block)]
+    for s, b in ((2 * splits, block), (splits, block // 2), (2 * splits, block // 2)):
+        if b >= 16 and s <= blocks_per_row(max_len, b) and (s, b) not in out:
+            out.append((s, b))
+    return out
+
+
+def _measure(name: str, run: Callable[[], Any]) -> float:
+    """Best wall time of run() over REPEATS runs after one untimed run (its compile)."""
+    return best_seconds(run, REPEATS)
+
+
+def _free_bytes(device: Any) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+_CHOICES: dict[tuple, DecodeChoice] = {}
+
+
+def choose(config: Any, rows: int, max_len: int, mesh: jax.sharding.Mesh | None = None, *,
+           backend: str | None = None, timer: Timer | None = None, interpret: bool | None = None) -> DecodeChoice:
+    """The decode attention "auto" means for an Engine of `rows` slots of `max_len` positions of this model
+    config on `mesh` (see the module's docstring). backend, timer (candidate name, run -> seconds of INNER calls)
+    and interpret: for tests (a fake clock; the kernel in the interpreter). Choices made with the real clock are
+    kept for the process, per device kind and shape."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "gpu":
+        return DecodeChoice("xla", reason=f"the ragged kernel is a GPU kernel and this backend is {backend}")
+    kv, dh, dv = cache_layout(config)
+    heads = config.num_heads if config.mla is None else 1
+    if config.mla is not None or not supports(dh, dv, max_len) or heads % kv:
+        return DecodeChoice("xla", reason=f"the kernel does not take this cache (kv heads {kv}, widths {dh} / {dv}, "
+                                          f"{max_len} positions)")
+    linear = (lambda i: False) if config.linear is None else config.layer_is_linear
+    if all(linear(i) or config.layer_window(i) is not None for i in range(config.num_layers)):
+        return DecodeChoice("xla", reason="no attention layer reads the whole cache (sliding windows and linear "
+                                          "attention take their own paths)")
+    if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+        return DecodeChoice("xla", reason="the sampler's mesh spans processes, whose timings could disagree (each "
+                                          "would compile another program); time the shape with "
+                                          "benchmarks/ragged_decode.py and set decode_attention=kernel to take it")
+    tensor = int(mesh.shape.get("tensor", 1)) if mesh is not None else 1
+    if tensor > 1 and kv % tensor == 0 and heads % tensor == 0:  # the kernel runs on each device's heads
+        kv, heads = kv // tensor, heads // tensor
+    return choose_shape(rows, max_len, heads, kv, dh, dv, cache_dtype(config, backend),
+                        softcap=config.attn_logit_softcap, sinks=bool(getattr(config, "attention_sinks", False)),
+                        device=mesh.devices.flat[0] if mesh is not None else None, timer=timer, interpret=interpret)
+
+
+def choose_shape(rows: int, max_len: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype: Any, *,
+                 softcap: float | None = None, sinks: bool = False, device: Any = None, timer: Timer | None = None,
+                 interpret: bool | None = None) -> DecodeChoice:
+    """`choose` for one device's decode attention: `rows` queries of `heads` heads over [rows, max_len, kv_heads,
+    head_dim] keys and value_dim-wide values of `dtype` (the kernel must take them: `ragged_decode.supports`),
+    timed on `device` (default JAX's first). Choices made with the real clock are kept for the process."""
+    device = jax.devices()[0] if device is None else device
+    dtype = jnp.dtype(dtype)
+    key = (device.device_kind, rows, max_len, heads, kv_heads, head_dim, value_dim, dtype.name, softcap, sinks)
+    if timer is None and key in _CHOICES:
+        return _CHOICES[key]
+    nbytes = rows * max_len * kv_heads * (head_dim + value_dim) * dtype.itemsize
+    free = _free_bytes(device)
+    if free is not None and nbytes > TIMING_BYTES * free:
+        return DecodeChoice("xla", reason=f"no room to time the kernel: one layer's cache ({nbytes / 2**20:.0f} MiB) "
+                                          f"is over {TIMING_BYTES:.0%} of the {free / 2**20:.0f} MiB free")
+    choice = _timed(rows, max_len, heads, kv_heads, head_dim, value_dim, dtype, softcap, sinks, device,
+                    timer or _measure, interpret)
+    if timer is None:
+        _CHOICES[key] = choice
+    return choice
+
+
+def _timed(rows: int, max_len: int, heads: int, kv: int, dh: int, dv: int, dtype: Any, softcap: float | None,
+           sinks: bool, device: Any, timer: Timer, interpret: bool | None) -> DecodeChoice:
+    rng = np.random.default_rng(0)
+    lengths_np = rng.integers(1, max_len + 1, size=rows).astype(np.int32)  # even over the cache: half of it live
+    with jax.default_device(device):
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (rows, heads, dh), dtype)
+        k = jax.random.normal(keys[1], (rows, max_len, kv, dh), dtype)
+        v = jax.random.normal(keys[2], (rows, max_len, kv, dv), dtype)
+        sink = jax.random.normal(keys[3], (heads,), jnp.float32) if sinks else None
+        lengths = jnp.asarray(lengths_np)
+
+    def xla(q):
+        with counted_decode_loops(True):  # as a GPU engine's decode step runs it
+            return cached_attention(q[:, None], k, v, (lengths - 1)[:, None], softcap=softcap, sinks=sink)[:, 0]
+
+    def kernel(tiling):
+        return lambda q: rd.ragged_decode_attention(q, k, v, lengths, softcap=softcap, sinks=sink, splits=tiling[0],
+                                                 block=tiling[1], interpret=interpret)
+
+    def looped(attend):  # INNER calls, each query nudged by the last output, so none can be hoisted or dropped
+        def body(_, q):
+            return q + (1e-3 * attend(q).astype(jnp.float32).mean(-1, keepdims=True)).astype(q.dtype)
+
+        return jax.jit(lambda q: lax.fori_loop(0, INNER, body, q))
+
+    want = jax.jit(xla)(q)
+    seconds = {"xla": timer("xla", lambda f=looped(xla): f(q)) / INNER}
+    failures = []
+    tol = 2e-2 if dtype.itemsize < 4 else 5e-3  # bf16 outputs; float32 products in TF32 on GPUs
+    for tiling in candidate_tilings(rows, heads, kv, max_len, max(dh, dv)):
+        name = f"kernel {tiling[0]}x{tiling[1]}"
+        try:
+            got = jax.jit(kernel(tiling))(q)
+            gap = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            if not gap <= tol * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32))))):
+                failures.append(f"{name} differs from XLA's output by {gap:.3g}")
+                continue
+            seconds[name] = timer(name, lambda f=looped(kernel(tiling)): f(q)) / INNER
+        except Exception as err:  # noqa: BLE001 - a kernel Triton cannot compile or run leaves XLA's path
+            failures.append(f"{name} failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    note = f"; {'; '.join(failures)}" if failures else ""
+    timed = {n: s for n, s in seconds.items() if n != "xla"}
+    if not timed:
+        return DecodeChoice("xla", seconds=seconds, reason=f"no kernel tiling ran{note}")
+    best = min(timed, key=timed.get)
+    splits, block = (int(x) for x in best.split()[1].split("x"))
+    ratio = seconds["xla"] / timed[best]
+    if timed[best] <= (1 - MARGIN) * seconds["xla"]:
+        return DecodeChoice("kernel", (splits, block), seconds, f"{ratio:.2f}x XLA's time{note}")
+    return DecodeChoice("xla", seconds=seconds, reason=f"the best kernel tiling ({best.split()[1]}) was only "
+                                                       f"{ratio:.2f}x XLA's speed{note}")
+
+
+def resolve(choice: str, config: Any, rows: int, max_len: int, mesh: jax.sharding.Mesh | None = None) -> DecodeChoice:
+    """An Engine's decode_attention setting ("auto", "xla", "kernel"; `ragged_decode.decode_path`) -> its choice."""
+    choice = decode_path(choice)
+    if choice != "auto":
+        return DecodeChoice(choice, reason="as configured")
+    return choose(config, rows, max_len, mesh)
