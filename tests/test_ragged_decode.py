@@ -176,3 +176,29 @@ def test_on_a_tensor_parallel_mesh_the_kernel_runs_on_each_devices_heads():
     model = Transformer(tiny_config("qwen2"), rngs=nnx.Rngs(1))
     assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40], [7, 30, 31]], slots=2, mesh=mesh,
                                          decode_attention="kernel")
+
+
+@pytest.mark.parametrize("normalised", [True, False])
+def test_combine_splits_is_the_softmax_over_every_split(normalised):
+    """Per-split softmax pieces (normalised as this kernel writes them, or unnormalised as `paged_pieces` does;
+    one split empty) combine to the softmax over all positions, with and without a sink, worked in float64."""
+    rng = np.random.default_rng(0)
+    scores, values = rng.normal(size=(3, 12)) * 3, rng.normal(size=(12, 5))
+    bounds = [(0, 5), (5, 5), (5, 12)]  # the middle split saw nothing
+    o, m, l_sum = [], [], []
+    for lo, hi in bounds:
+        s = scores[:, lo:hi]
+        top = s.max(axis=1) if hi > lo else np.full(3, np.finfo(np.float32).min)
+        p = np.exp(s - top[:, None])
+        out = p @ values[lo:hi]
+        o.append(out / np.maximum(p.sum(1), 1e-30)[:, None] if normalised else out)
+        m.append(top)
+        l_sum.append(p.sum(1))
+    o, m, l_sum = (jnp.asarray(np.stack(x), jnp.float32) for x in (o, m, l_sum))
+    sink = rng.normal(size=3)
+    for sinks in (None, sink):
+        extra = 0.0 if sinks is None else np.exp(sinks)[:, None]
+        weights = np.exp(scores) / (np.exp(scores).sum(1, keepdims=True) + extra)
+        got = rd.combine_splits(o, m, l_sum, None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                                normalised=normalised)
+        np.testing.assert_allclose(np.asarray(got), weights @ values, rtol=2e-5, atol=2e-6)

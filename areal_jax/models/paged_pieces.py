@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 
 from areal_jax.models.flash_attention import _dot, _dot_nt
 from areal_jax.models.layers import MASK_VALUE
+from areal_jax.models.ragged_decode import combine_splits
 
 MIN_PIECE = 16  # Triton's dot takes no smaller contraction
 BLOCK_H = 16
@@ -164,8 +165,5 @@ def pieced_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         name="pieced_paged_attention",
     )(qg, k_pages, v_pages, table.reshape(b, splits, per_split).astype(jnp.int32),
       lengths.reshape(b, 1).astype(jnp.int32))
-    top = m.max(axis=0)
-    weight = jnp.exp(m - top[None])  # each split's share; a split that saw nothing has l = 0
-    total = (l_sum * weight).sum(axis=0)
-    out = (o * weight[..., None]).sum(axis=0) / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
+    out = combine_splits(o, m, l_sum, normalised=False)  # each split's unnormalised sum
     return out[:, :, :group].reshape(b, h, dv).astype(q.dtype)

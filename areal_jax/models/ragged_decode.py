@@ -126,16 +126,18 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block, per_
     l_ref[...] = l_sum
 
 
-def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
-    """Splits' normalised outputs o [splits, ..., D] with their running maxima and sums m, l_sum [splits, ...] ->
-    the attention over all of them, [..., D] float32 (zeros where no split saw a position). sinks: a logit per query,
-    broadcasting to m[0] (`attention_sinks`: one more key of value zero), or None."""
+def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array, sinks: jax.Array | None = None,
+                   normalised: bool = True) -> jax.Array:
+    """Splits' outputs o [splits, ..., D] with their running maxima and sums m, l_sum [splits, ...] -> the attention
+    over all of them, [..., D] float32 (zeros where no split saw a position). normalised: each split's o is its own
+    softmax's output (this kernel's); else its unnormalised sum of exp(score - m) v (`paged_pieces`'). sinks: a logit
+    per query, broadcasting to m[0] (`attention_sinks`: one more key of value zero), or None."""
     top = m.max(axis=0)
     if sinks is not None:
         top = jnp.maximum(top, sinks)
-    weight = l_sum * jnp.exp(m - top[None])  # a split that saw nothing has l = 0
-    total = weight.sum(axis=0) + (0.0 if sinks is None else jnp.exp(sinks - top))
-    out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
+    scale = jnp.exp(m - top[None])  # a split that saw nothing has l = 0 (and o = 0)
+    total = (l_sum * scale).sum(axis=0) + (0.0 if sinks is None else jnp.exp(sinks - top))
+    out = (o.astype(jnp.float32) * (l_sum * scale if normalised else scale)[..., None]).sum(axis=0)
     return out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
