@@ -196,3 +196,11 @@ def test_a_mesh_across_processes_keeps_xla_untimed():
     seen = []
     got = choose(timer=clock({}, seen), mesh=TwoHosts())
     assert got.path == "xla" and "spans processes" in got.reason and not seen
+
+
+def test_when_timing_xla_fails_xla_is_kept_with_the_reason():
+    def timer(name, run):
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory while trying to allocate\ndetail")
+
+    got = choose(timer=timer)
+    assert got.path == "xla" and "RESOURCE_EXHAUSTED" in got.reason and "detail" not in got.reason

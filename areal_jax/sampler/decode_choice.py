@@ -15,6 +15,7 @@ and on a sampler mesh that spans processes (each would time on its own and could
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -139,45 +140,32 @@ def choose_shape(rows: int, max_len: int, heads: int, kv_heads: int, head_dim: i
 
 def _timed(rows: int, max_len: int, heads: int, kv: int, dh: int, dv: int, dtype: Any, softcap: float | None,
            sinks: bool, device: Any, timer: Timer, interpret: bool | None) -> DecodeChoice:
-    rng = np.random.default_rng(0)
-    lengths_np = rng.integers(1, max_len + 1, size=rows).astype(np.int32)  # even over the cache: half of it live
-    with jax.default_device(device):
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (rows, heads, dh), dtype)
-        k = jax.random.normal(keys[1], (rows, max_len, kv, dh), dtype)
-        v = jax.random.normal(keys[2], (rows, max_len, kv, dv), dtype)
-        sink = jax.random.normal(keys[3], (heads,), jnp.float32) if sinks else None
-        lengths = jnp.asarray(lengths_np)
-
-    def xla(q):
-        with counted_decode_loops(True):  # as a GPU engine's decode step runs it
-            return cached_attention(q[:, None], k, v, (lengths - 1)[:, None], softcap=softcap, sinks=sink)[:, 0]
-
-    def kernel(tiling):
-        return lambda q: rd.ragged_decode_attention(q, k, v, lengths, softcap=softcap, sinks=sink, splits=tiling[0],
-                                                 block=tiling[1], interpret=interpret)
-
-    def looped(attend):  # INNER calls, each query nudged by the last output, so none can be hoisted or dropped
-        def body(_, q):
-            return q + (1e-3 * attend(q).astype(jnp.float32).mean(-1, keepdims=True)).astype(q.dtype)
-
-        return jax.jit(lambda q: lax.fori_loop(0, INNER, body, q))
-
-    want = jax.jit(xla)(q)
-    seconds = {"xla": timer("xla", lambda f=looped(xla): f(q)) / INNER}
+    lengths = np.random.default_rng(0).integers(1, max_len + 1, size=rows).astype(np.int32)  # half the cache live
+    try:
+        with jax.default_device(device):
+            keys = jax.random.split(jax.random.key(0), 4)
+            inputs = (jax.random.normal(keys[0], (rows, heads, dh), dtype),
+                      jax.random.normal(keys[1], (rows, max_len, kv, dh), dtype),
+                      jax.random.normal(keys[2], (rows, max_len, kv, dv), dtype), jnp.asarray(lengths),
+                      jax.random.normal(keys[3], (heads,), jnp.float32) if sinks else None)
+        want = jax.jit(_xla(softcap))(*inputs)
+        seconds = {"xla": timer("xla", functools.partial(_looped(_xla(softcap)), *inputs)) / INNER}
+    except Exception as err:  # noqa: BLE001 - out of memory, say: the engine still runs XLA's path
+        return DecodeChoice("xla", reason=f"timing XLA's path failed ({_first_line(err)})")
     failures = []
     tol = 2e-2 if dtype.itemsize < 4 else 5e-3  # bf16 outputs; float32 products in TF32 on GPUs
     for tiling in candidate_tilings(rows, heads, kv, max_len, max(dh, dv)):
         name = f"kernel {tiling[0]}x{tiling[1]}"
+        attend = _kernel(softcap, tiling, interpret)
         try:
-            got = jax.jit(kernel(tiling))(q)
+            got = jax.jit(attend)(*inputs)
             gap = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             if not gap <= tol * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32))))):
                 failures.append(f"{name} differs from XLA's output by {gap:.3g}")
                 continue
-            seconds[name] = timer(name, lambda f=looped(kernel(tiling)): f(q)) / INNER
+            seconds[name] = timer(name, functools.partial(_looped(attend), *inputs)) / INNER
         except Exception as err:  # noqa: BLE001 - a kernel Triton cannot compile or run leaves XLA's path
-            failures.append(f"{name} failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+            failures.append(f"{name} failed ({_first_line(err)})")
     note = f"; {'; '.join(failures)}" if failures else ""
     timed = {n: s for n, s in seconds.items() if n != "xla"}
     if not timed:
@@ -189,6 +177,40 @@ def _timed(rows: int, max_len: int, heads: int, kv: int, dh: int, dv: int, dtype
         return DecodeChoice("kernel", (splits, block), seconds, f"{ratio:.2f}x XLA's time{note}")
     return DecodeChoice("xla", seconds=seconds, reason=f"the best kernel tiling ({best.split()[1]}) was only "
                                                        f"{ratio:.2f}x XLA's speed{note}")
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _xla(softcap: float | None) -> Callable[..., jax.Array]:
+    """XLA's decode attention of q [B, H, Dh] over k, v [B, S, K, D], rows up to lengths [B], as a GPU engine's
+    decode step runs it (every chunk of the cache read)."""
+    def attend(q, k, v, lengths, sinks):
+        with counted_decode_loops(True):
+            return cached_attention(q[:, None], k, v, (lengths - 1)[:, None], softcap=softcap, sinks=sinks)[:, 0]
+
+    return attend
+
+
+def _kernel(softcap: float | None, tiling: tuple[int, int], interpret: bool | None) -> Callable[..., jax.Array]:
+    def attend(q, k, v, lengths, sinks):
+        return rd.ragged_decode_attention(q, k, v, lengths, softcap=softcap, sinks=sinks, splits=tiling[0],
+                                          block=tiling[1], interpret=interpret)
+
+    return attend
+
+
+def _looped(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """INNER calls of attend in one program, each query nudged by the last output (so none is hoisted or dropped);
+    the caches are arguments, not constants of the program."""
+    def run(q, *rest):
+        def body(_, q):
+            return q + (1e-3 * attend(q, *rest).astype(jnp.float32).mean(-1, keepdims=True)).astype(q.dtype)
+
+        return lax.fori_loop(0, INNER, body, q)
+
+    return jax.jit(run)
 
 
 def resolve(choice: str, config: Any, rows: int, max_len: int, mesh: jax.sharding.Mesh | None = None) -> DecodeChoice:
