@@ -66,6 +66,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts"),
                                           ("minimax_m2", "attn,experts"), ("ernie4_5", "all"), ("glm4", "all"),
                                           ("ernie4_5_moe", "attn,experts"), ("exaone4", "all"),
+                                          ("exaone_moe", "attn,experts"),
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
                                           ("arcee", "all"), ("qwen3_5_text", "all"), ("ministral3", "all"),
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
@@ -125,8 +126,8 @@ def test_gated_deltanet_targets_adapt_only_its_layers_and_refuse_elsewhere(tmp_p
 def test_peft_refuses_dense_mlp_adapters_where_peft_reads_them_as_experts(tmp_path):
     """PEFT maps every target ending in gate_proj / up_proj / down_proj of a DeepSeek-V3 (or Qwen3-MoE, OLMoE) model
     onto the stacked experts, so adapters of a dense layer's MLP would load as something else: refused by name."""
-    for arch in ("glm4_moe", "ernie4_5_moe", "deepseek_v3"):  # measured: such adapters moved peft's logits by 2.9
-        # (GLM-4.5) and 1.9 (ERNIE 4.5)
+    for arch in ("glm4_moe", "ernie4_5_moe", "exaone_moe", "deepseek_v3"):  # measured: such adapters moved peft's
+        # logits by 2.9 (GLM-4.5) and 1.9 (ERNIE 4.5); DeepSeek-V3 last, its directory read below
         base_dir, model, lcfg = adapted_checkpoint(tmp_path / arch, arch=arch, targets="all")
         with pytest.raises(ValueError, match="layers.0.mlp.down_proj, layers.0.mlp.gate_proj, layers.0.mlp.up_proj"):
             save_peft_adapter(model, lcfg, tmp_path / arch / "adapter")

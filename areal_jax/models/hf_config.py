@@ -266,7 +266,7 @@ def config_to_hf(cfg: Any) -> dict:
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
     if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next",
-                                                                       *deepseek.HF_CLASSES):
+                                                                       "exaone_moe", *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
@@ -277,8 +277,8 @@ def config_to_hf(cfg: Any) -> dict:
     if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
                          f"3's; HF {cfg.architecture} has one base for every layer.")
-    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4"):
-        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE 4's; HF {cfg.architecture} "
+    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe"):
+        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE's; HF {cfg.architecture} "
                          "rotates in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "

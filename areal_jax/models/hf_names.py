@@ -202,8 +202,8 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                 for j in range(cfg.num_experts)]
     if cfg.architecture == "ernie4_5_moe":  # ERNIE 4.5's picking bias, [1, E] in its moe_statics
         out.append(_Entry(path + ("router_score_bias",), f"{base}.moe_statics.e_score_correction_bias", "row"))
-    elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's beside its gate)
-        holder = base if cfg.architecture == "minimax_m2" else f"{base}.gate"
+    elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's and EXAONE MoE's beside their gates)
+        holder = base if cfg.architecture in ("minimax_m2", "exaone_moe") else f"{base}.gate"
         out.append(_Entry(path + ("router_score_bias",), f"{holder}.e_score_correction_bias", "same"))
     return out + _shared_entries(cfg, path, base)
 

@@ -57,7 +57,7 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
 
 # mixtures of experts whose dense layers' MLP names PEFT maps onto the experts (transformers' qwen2_moe conversion)
 _EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe",
-                     "qwen3_next")
+                     "qwen3_next", "exaone_moe")
 
 
 _HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)

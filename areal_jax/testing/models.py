@@ -25,8 +25,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
-    window of 8 over every other layer; exaone4 slides a window of 8 over every layer but the second, which skips
-    RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
+    window of 8 over every other layer; exaone4 (and exaone_moe, whose experts are written at its branch) slides a
+    window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
     gate (ReLU squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next as written at their branches below.
@@ -83,9 +83,17 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "olmo3":
         fields.update(sliding_window=8, rope_local_theta=500000.0, rope_theta=500000.0,
                       layer_types=tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)))
-    if architecture == "exaone4":  # EXAONE-4.0-32B's form: the global layers (the second here) without RoPE
+    if architecture in ("exaone4", "exaone_moe"):  # EXAONE-4.0-32B's form: the global layers (the second here)
+        # without RoPE; EXAONE MoE's: that attention, a dense first layer, then DeepSeek-V3's router over 2 of 8
+        # experts in the best 2 of 4 groups, times 2.5, and one shared expert
         types = tuple("full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers))
-        fields.update(sliding_window=8, layer_types=types, rope_layers=tuple(int(t != "full_attention") for t in types))
+        fields.update(sliding_window=8, layer_types=types, rope_layers=tuple(int(t != "full_attention") for t in types),
+                      qk_norm=True)
+    if architecture == "exaone_moe":
+        fields.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_size=16,
+                      shared_expert_gated=False, norm_topk_prob=True, router_scoring="sigmoid", router_groups=(4, 2),
+                      router_score_bias=True, routed_scaling_factor=2.5,
+                      moe_layers=tuple(int(i > 0) for i in range(layers)))
     if architecture == "deepseek_v3":  # latent attention (query rank 24, latent 16, 12 + 8 rotary dims, values of
         # 10), YaRN with mscale_all_dim; a dense first layer, then 2 of 8 experts in the best 2 of 4 groups, sigmoid
         # scores with a picking bias, times 2.5; two ungated shared experts
