@@ -66,7 +66,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts"),
                                           ("minimax_m2", "attn,experts"), ("ernie4_5", "all"), ("glm4", "all"),
                                           ("ernie4_5_moe", "attn,experts"), ("exaone4", "all"),
-                                          ("exaone_moe", "attn,experts"),
+                                          ("exaone_moe", "attn,experts"), ("hunyuan_v1_moe", "attn,experts"),
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
                                           ("arcee", "all"), ("qwen3_5_text", "all"), ("ministral3", "all"),
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),

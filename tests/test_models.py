@@ -15,7 +15,7 @@ from areal_jax.testing.models import random_model, tiny_config
 # olmoe, qwen2_moe (with a shared expert): 2 of 4 experts per token; ministral3: queries scaled past each 8 positions
 ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
          "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4", "exaone_moe",
-         "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text",
+         "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next"]
 
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from areal_jax.models import config_checks as checks
 
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-                     "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  *MOE_ARCHITECTURES)
@@ -60,8 +60,8 @@ class ModelConfig:
       (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
       (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
       interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
-      "exaone_moe" (EXAONE 4's attention in Llama's layer; V3's experts), "hunyuan_v1_dense" (Llama's, per-head q/k
-      norm after RoPE), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate), "qwen3_5_text" (Qwen3.5: Gated DeltaNet
+      "exaone_moe" (EXAONE 4's attention in Llama's layer; V3's experts), "hunyuan_v1_dense" / "hunyuan_v1_moe"
+      (Llama's, per-head q/k norm after RoPE; softmax experts, a shared MLP), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate), "qwen3_5_text" (Qwen3.5: Gated DeltaNet
       layers, `linear`, between gated attention; norms 1 + w), "qwen3_5_moe_text" / "qwen3_next" (its layers with
       Qwen2-MoE's experts and gated shared expert; Qwen3-Next's fused on disk), "ministral3" (queries scaled by position).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,

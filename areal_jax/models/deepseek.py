@@ -151,7 +151,8 @@ def check_hf(cfg: Any) -> None:
     if arch not in HF_CLASSES:  # MiniMax-M2's and ERNIE's routers have picking biases (their modules check them)
         theirs = {"minimax_m2": ("router_scoring", "router_score_bias"),
                   "ernie4_5_moe": ("router_score_bias", "shared_expert_gated"),
-                  "exaone_moe": tuple(own)}.get(arch, ())  # EXAONE MoE: V3's router (models/exaone.py checks it)
+                  "exaone_moe": tuple(own),  # EXAONE MoE: V3's router (models/exaone.py checks it)
+                  "hunyuan_v1_moe": ("shared_expert_gated",)}.get(arch, ())
         used = [k for k, v in own.items() if v and k not in theirs]
         if used:
             raise ValueError(f"{', '.join(used)} are DeepSeek's; HF {arch} has none. Leave them at "

@@ -195,7 +195,8 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
         base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    out = [_Entry(path + ("router",), f"{base}.gate.weight", "in_first")]
+    gate = "gate.wg" if cfg.architecture == "hunyuan_v1_moe" else "gate"  # Hunyuan MoE's router: mlp.gate.wg
+    out = [_Entry(path + ("router",), f"{base}.{gate}.weight", "in_first")]
     for part in ("gate", "up", "down"):
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
@@ -209,10 +210,13 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
 
 
 def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) -> list[_Entry]:
-    """Qwen2-MoE's shared expert and its sigmoid gate (Qwen3.5-MoE's too); DeepSeek's shared_experts, ungated."""
+    """Qwen2-MoE's shared expert and its sigmoid gate (Qwen3.5-MoE's too); DeepSeek's shared_experts, ungated (Hunyuan
+    MoE's shared_mlp)."""
     if not cfg.shared_expert_size:
         return []
     shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
+    if cfg.architecture == "hunyuan_v1_moe":  # Hunyuan MoE's shared MLP
+        name = "shared_mlp"
     out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
            _Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
            _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]

@@ -143,7 +143,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
-        self.norm_after_rope = cfg.architecture == "hunyuan_v1_dense"  # its q/k norms take the rotated q, k
+        self.norm_after_rope = cfg.architecture.startswith("hunyuan")  # its q/k norms take the rotated q, k
         self.query_factor = cfg.attention_scale_factor
         self.rope_interleave = cfg.rope_interleave
 

@@ -26,8 +26,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
     and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 (and exaone_moe, whose experts are written at its branch) slides a
-    window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no
-    gate (ReLU squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
+    window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense (and hunyuan_v1_moe, experts at
+    its branch) normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no gate (ReLU
+    squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next as written at their branches below.
     Any ModelConfig field can be overridden.
@@ -48,7 +49,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         eos_token_id=2,
         attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss", "seed_oss"),
         attention_out_bias=architecture == "seed_oss",
-        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1_dense"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1_dense",
+                                 "hunyuan_v1_moe"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -121,6 +123,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       moe_intermediate_size=16, shared_expert_size=16, shared_expert_gated=False, norm_topk_prob=True,
                       router_scoring="sigmoid", router_groups=(4, 2), router_score_bias=True, routed_scaling_factor=2.5,
                       moe_layers=tuple(int(i > 0) for i in range(layers)), rope_theta=1e6)
+    if architecture == "hunyuan_v1_moe":  # Hunyuan-A13B's form: 2 of 8 experts of intermediate_size in every layer,
+        # softmax weights renormalised, and an ungated shared MLP of that width
+        fields.update(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, shared_expert_size=96,
+                      shared_expert_gated=False)
     if architecture == "minimax_m2":  # q/k norm over all heads, half of each head rotating; 2 of 8 experts of
         # intermediate_size in every layer by sigmoid scores with a picking bias, renormalised
         fields.update(qk_norm=True, rotary_dim=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
