@@ -76,7 +76,7 @@ def test_the_kernel_is_taken_at_its_fastest_tiling_when_it_beats_xla():
     assert got.path == "kernel" and got.tiling == fastest
     assert seen == ["xla"] + [f"kernel {s}x{b}" for s, b in tilings]  # every candidate timed once
     assert got.seconds == pytest.approx(seconds)
-    assert "2.50x" in got.reason and "kernel" in got.describe()
+    assert "2.50x" in got.reason and "kernel" in got.describe() and got.spent > 0 and "chosen in" in got.describe()
     assert got.as_dict()["tiling"] == f"{fastest[0]}x{fastest[1]}"
 
 

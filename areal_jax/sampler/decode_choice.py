@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,21 +43,24 @@ Timer = Callable[[str, Callable[[], Any]], float]  # (candidate, run) -> seconds
 class DecodeChoice:
     """The decode attention an Engine runs: path "xla" or "kernel"; tiling (splits, block) of the kernel (None:
     its default); seconds: each timed candidate's time for one layer's attention ("xla", "kernel SxB");
-    reason: why this path."""
+    reason: why this path; spent: the wall time the choice took (its compiles and timings), seconds."""
 
     path: str
     tiling: tuple[int, int] | None = None
     seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     reason: str = ""
+    spent: float = 0.0
 
     def describe(self) -> str:
         timed = ", ".join(f"{name} {s * 1e6:.1f} us" for name, s in self.seconds.items())
         tiling = f" at {self.tiling[0]}x{self.tiling[1]} (splits x block)" if self.tiling else ""
-        return f"{self.path}{tiling}: {self.reason}" + (f" (one layer: {timed})" if timed else "")
+        spent = f"; chosen in {self.spent:.1f} s" if self.spent else ""
+        return f"{self.path}{tiling}: {self.reason}" + (f" (one layer: {timed}{spent})" if timed else "")
 
     def as_dict(self) -> dict:
         return {"path": self.path, "tiling": None if self.tiling is None else f"{self.tiling[0]}x{self.tiling[1]}",
-                "reason": self.reason, "us": {k: round(v * 1e6, 2) for k, v in self.seconds.items()}}
+                "reason": self.reason, "us": {k: round(v * 1e6, 2) for k, v in self.seconds.items()},
+                "spent_s": round(self.spent, 2)}
 
 
 def candidate_tilings(rows: int, heads: int, kv_heads: int, max_len: int, width: int) -> list[tuple[int, int]]:
@@ -131,8 +135,10 @@ def choose_shape(rows: int, max_len: int, heads: int, kv_heads: int, head_dim: i
     if free is not None and nbytes > TIMING_BYTES * free:
         return DecodeChoice("xla", reason=f"no room to time the kernel: one layer's cache ({nbytes / 2**20:.0f} MiB) "
                                           f"is over {TIMING_BYTES:.0%} of the {free / 2**20:.0f} MiB free")
+    start = time.perf_counter()
     choice = _timed(rows, max_len, heads, kv_heads, head_dim, value_dim, dtype, softcap, sinks, device,
                     timer or _measure, interpret)
+    choice = dataclasses.replace(choice, spent=time.perf_counter() - start)
     if timer is None:
         _CHOICES[key] = choice
     return choice
