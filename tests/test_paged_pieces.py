@@ -78,6 +78,8 @@ def test_kernel_attention_pads_the_table_for_the_pieced_kernel_too():
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
+@pytest.mark.long  # (excluded from the default run: `-m long`; 29-34 s. The kernel against the gather path at the
+# op level runs in CI: the tests above)
 def test_latent_attention_decodes_through_the_kernel():
     """A DeepSeek-V3 layer stack (cache width 32 + 16 = 48) prefilled into pages, then one decode step per row on the
     kernel path (GPU kernel, interpreted) and on the gather path: equal logits, equal to the full forward's."""
