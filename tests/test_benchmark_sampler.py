@@ -22,6 +22,9 @@ def test_sampler_benchmark_reports_steady_state_and_roofline():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["preset"] == "tiny" and out["dtype"] == "float32" and out["decode_steps"] == 3
     assert out["standby_rows"] == 2  # the job's default: num_slots / 2 with the dense cache and k > 1
+    # decode_attention=auto, the default: XLA's attention on the CPU, untimed, with its reason in the JSON
+    assert out["decode_attention"] == "xla" and out["decode_choice"]["path"] == "xla"
+    assert "cpu" in out["decode_choice"]["reason"] and out["decode_choice"]["us"] == {}
     assert out["tokens_per_s"]["continuous"] > 0 and out["tokens_per_s"]["static"] > 0
     assert out["tokens_per_s"]["hf"] is None and out["ratio_a_b"] > 0
     steady = out["steady"]
