@@ -313,12 +313,8 @@ def test_the_stop_flag_takes_sigterm_then_aborts_on_a_second_signal_and_restores
     """The handler the job installs (`runner.StopFlag`): SIGTERM, as schedulers send it, asks for a checkpoint and
     a stop; a second signal aborts at once; restore() puts the previous handlers back. (The whole stop-and-resume
     run is the long test above.)"""
-    import threading
-
     from areal_jax.system.runner import StopFlag
 
-    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
-        pytest.skip("signal handlers are installed from the main thread only")
     before = signal.getsignal(signal.SIGTERM)
     flag = StopFlag()
     flag.install()

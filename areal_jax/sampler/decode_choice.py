@@ -99,7 +99,7 @@ def choose(config: Any, rows: int, max_len: int, mesh: jax.sharding.Mesh | None 
     if backend != "gpu":
         return DecodeChoice("xla", reason=f"the ragged kernel is a GPU kernel and this backend is {backend}")
     kv, dh, dv = cache_layout(config)
-    heads = config.num_heads if config.mla is None else 1
+    heads = config.num_heads
     if config.mla is not None or not supports(dh, dv, max_len) or heads % kv:
         return DecodeChoice("xla", reason=f"the kernel does not take this cache (kv heads {kv}, widths {dh} / {dv}, "
                                           f"{max_len} positions)")
