@@ -33,6 +33,7 @@ from areal_jax.models.layers import MASK_VALUE
 from areal_jax.models.paged_attention import PagedKVCache, paged_hidden
 from areal_jax.models.paged_pieces import power_of_two_divisor
 from areal_jax.models.rope import rope_cos_sin, rope_inv_freq
+from areal_jax.sampler import paged_choice
 from areal_jax.testing import models as testing
 
 
@@ -210,7 +211,7 @@ def main() -> None:
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, {args.dtype}, {args.rows} rows; "
           f"float32 matmul peak {peak:.0f} GFLOP/s")
     rng = np.random.default_rng(args.seed)
-    results, paged_rows = [], []
+    results, paged_rows, paged_auto = [], [], []
     for max_len in args.cache_lens:
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.rows, 1)), jnp.int32)
         positions = jnp.full((args.rows, 1), max_len - 1, jnp.int32)
@@ -236,6 +237,9 @@ def main() -> None:
                                    "max_abs_logit_diff": perr})
                 print(f"cache {max_len:5d}: paged ({p}, pages of {args.page_size}) {pmed:7.2f} ms | dense cache "
                       f"{cmed:7.2f} ms | dense/paged x{cmed / pmed:.2f} | logits differ by {perr:.1e}")
+            auto = paged_choice.choose(cfg, args.rows, max_len // args.page_size, args.page_size)
+            paged_auto.append({"cache_len": max_len, **auto.as_dict()})
+            print(f"cache {max_len:5d}: paged_attention=auto takes {auto.describe()}")
         med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
         best = {name: float(np.min(t)) * 1e3 for name, t in times.items()}
         flops = step_flops(cfg, args.rows, 1, max_len)
@@ -270,7 +274,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "decode_attention", "device": jax.devices()[0].device_kind, "dtype": args.dtype,
                       "rows": args.rows, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
                       "matmul_peak_gflops": round(peak, 1), "decode": results, "prefill": prefill,
-                      "paged": paged_rows or None}))
+                      "paged": paged_rows or None, "paged_auto": paged_auto or None}))
 
 
 if __name__ == "__main__":

@@ -97,8 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-admission", choices=("reserve", "optimistic"), default="reserve",
                    help="paged: admit a sample when the pool holds its longest length (reserve) or its prompt and the "
                         "next dispatch (optimistic: samples are preempted and resumed when pages run short)")
-    p.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
-                   help="paged attention path (default: the Pallas kernel on GPUs, gather elsewhere)")
+    p.add_argument("--paged-attention", choices=("auto", "gather", "kernel"), default="auto",
+                   help="paged cache: the faster of the two, timed on GPUs (auto, the job's default; gather on CPUs), "
+                        "each row's pages gathered, or read in place by a Pallas kernel")
     p.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="auto",
                    help="dense cache: the faster of the two, timed on GPUs (auto, the job's default; XLA elsewhere), "
                         "XLA's attention (every position on GPUs) or models/ragged_decode.py's kernel")
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
             standby_len = args.standby_len or prompt_bucket(max_len, args.prompt_len[1])
             engine = Engine(model, num_slots=args.num_slots, max_len=max_len, standby_rows=args.standby_rows,
                             standby_len=standby_len, decode_attention=args.decode_attention)
-            print(f"decode attention: {engine.decode_choice.describe()}")
+        print(f"decode attention: {engine.decode_choice.describe()}")
         _, params = nnx.split(model)
         del model
         compiled = warm_up(engine, params, tuple(args.prompt_len), args.decode_steps, args.seed)
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
         "standby_rows": args.standby_rows,
         "kv_cache": args.kv_cache, "kv_pages": getattr(engine, "num_pages", None), "kv_admission": args.kv_admission,
         "paged_attention": getattr(engine, "attention", None), "decode_attention": getattr(engine, "decode_attention", None),
-        "decode_choice": engine.decode_choice.as_dict() if args.kv_cache == "dense" else None,
+        "decode_choice": engine.decode_choice.as_dict(),
         "fetch_behind": not args.no_fetch_behind, "generated_tokens": int(tokens_a),
         "max_new_tokens": args.max_new_tokens, "peak_gflops": round(peak, 1), "copy_bandwidth_gbs": float(f"{bandwidth:.4g}"),
         "tokens_per_s": {k: v["tokens_per_s"] for k, v in res.items()},

@@ -21,19 +21,9 @@ from areal_jax.sampler import decode_choice as dc
 from areal_jax.sampler.config import RolloutConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.testing.models import tiny_config
-from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward, mesh_across_processes, set_clock
 
 ROWS, MAX_LEN = 3, 64
-
-
-def clock(seconds: dict[str, float], seen: list[str] | None = None) -> dc.Timer:
-    """A timer that reports `seconds[name]` for INNER calls of each candidate (not running it)."""
-    def timer(name, run):
-        if seen is not None:
-            seen.append(name)
-        return seconds[name] * dc.INNER
-
-    return timer
 
 
 def qwen2(**kw):
@@ -58,7 +48,7 @@ def test_candidate_tilings_start_at_the_default_and_keep_a_block_per_split():
 
 def test_off_gpus_auto_is_xla_and_times_nothing():
     seen = []
-    got = dc.choose(qwen2(), ROWS, MAX_LEN, backend="cpu", timer=clock({}, seen))
+    got = dc.choose(qwen2(), ROWS, MAX_LEN, backend="cpu", timer=set_clock({}, seen))
     assert got.path == "xla" and "cpu" in got.reason and not seen
     engine = Engine(Transformer(qwen2(), rngs=nnx.Rngs(0)), num_slots=2, max_len=32)  # the default: auto
     assert engine.decode_attention == "xla" and engine.decode_choice.path == "xla"
@@ -72,7 +62,7 @@ def test_the_kernel_is_taken_at_its_fastest_tiling_when_it_beats_xla():
     fastest = tilings[-1]
     seconds[f"kernel {fastest[0]}x{fastest[1]}"] = 40e-6
     seen = []
-    got = choose(timer=clock(seconds, seen))
+    got = choose(timer=set_clock(seconds, seen))
     assert got.path == "kernel" and got.tiling == fastest
     assert seen == ["xla"] + [f"kernel {s}x{b}" for s, b in tilings]  # every candidate timed once
     assert got.seconds == pytest.approx(seconds)
@@ -83,7 +73,7 @@ def test_the_kernel_is_taken_at_its_fastest_tiling_when_it_beats_xla():
 def test_a_kernel_within_the_margin_leaves_xla():
     tilings = dc.candidate_tilings(ROWS, 4, 2, MAX_LEN, 16)
     slower = {"xla": 100e-6} | {f"kernel {s}x{b}": 100e-6 * (1 - dc.MARGIN / 2) for s, b in tilings}
-    got = choose(timer=clock(slower))
+    got = choose(timer=set_clock(slower))
     assert got.path == "xla" and got.tiling is None and "only" in got.reason
 
 
@@ -96,13 +86,13 @@ def test_a_kernel_that_fails_or_differs_is_never_taken(monkeypatch):
         raise RuntimeError("Triton could not compile it\nmore detail")
 
     monkeypatch.setattr(rd, "ragged_decode_attention", broken)
-    got = choose(timer=clock(fast))
+    got = choose(timer=set_clock(fast))
     assert got.path == "xla" and "no kernel tiling ran" in got.reason and "Triton could not compile it" in got.reason
     assert "more detail" not in got.reason  # one line per failure
 
     monkeypatch.setattr(rd, "ragged_decode_attention", lambda *a, **kw: right(*a, **kw) + 0.5)
     seen = []
-    got = choose(timer=clock(fast, seen))
+    got = choose(timer=set_clock(fast, seen))
     assert got.path == "xla" and "differs from XLA's output" in got.reason
     assert seen == ["xla"]  # a wrong kernel is not even timed
 
@@ -112,13 +102,13 @@ def test_a_kernel_that_fails_or_differs_is_never_taken(monkeypatch):
         return right(*a, splits=splits, block=block, **kw)
 
     monkeypatch.setattr(rd, "ragged_decode_attention", first_fails)
-    got = choose(timer=clock(fast))
+    got = choose(timer=set_clock(fast))
     assert got.path == "kernel" and got.tiling != tilings[0] and "out of shared memory" in got.reason
 
 
 def test_caches_the_kernel_does_not_take_keep_xla_untimed():
     seen = []
-    timer = clock({}, seen)
+    timer = set_clock({}, seen)
     assert choose(qwen2(head_dim=24), timer).path == "xla"  # not a power of two
     assert choose(tiny_config("deepseek_v3"), timer).path == "xla"  # latent attention's one wide head
     windowed = qwen2(sliding_window=16)
@@ -157,7 +147,7 @@ def test_the_real_clock_picks_the_fastest_it_measured(monkeypatch):
 
 def test_no_room_to_time_keeps_xla(monkeypatch):
     monkeypatch.setattr(dc, "_free_bytes", lambda device: 1 << 20)
-    got = dc.choose_shape(8, 4096, 4, 2, 64, 64, jnp.bfloat16, timer=clock({}))
+    got = dc.choose_shape(8, 4096, 4, 2, 64, 64, jnp.bfloat16, timer=set_clock({}))
     assert got.path == "xla" and "no room" in got.reason
 
 
@@ -186,15 +176,8 @@ def test_the_config_takes_auto_with_either_cache():
 
 
 def test_a_mesh_across_processes_keeps_xla_untimed():
-    class Remote:  # a device of another process, as a multi-host mesh holds
-        process_index, device_kind = 1, "remote"
-
-    class TwoHosts:
-        shape = {"fsdp": 1, "tensor": 2}
-        devices = np.array([jax.devices()[0], Remote()], dtype=object).reshape(1, 2)
-
     seen = []
-    got = choose(timer=clock({}, seen), mesh=TwoHosts())
+    got = choose(timer=set_clock({}, seen), mesh=mesh_across_processes())
     assert got.path == "xla" and "spans processes" in got.reason and not seen
 
 

@@ -162,7 +162,8 @@ def gather_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
 
 def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: jax.Array, positions: jax.Array,
                      *, interpret: bool = False, platform: str | None = None,
-                     softcap: float | None = None, mesh: Any = None, sinks: jax.Array | None = None) -> jax.Array:
+                     softcap: float | None = None, mesh: Any = None, sinks: jax.Array | None = None,
+                     tiling: tuple[int, int] | None = None) -> jax.Array:
     """``gather_attention`` for one query per row through a Pallas paged-attention kernel.
 
     q: [B, 1, H, Dh]; positions [B, 1]. Pages are read in place (no gathered copy). platform (default: JAX's
@@ -172,7 +173,9 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
     softcap: both kernels' attn_logits_soft_cap (Gemma 2). mesh: the rollout mesh; when its "tensor" axis divides
     the kv heads (the pages split over it), the kernel runs in a shard_map on each device's heads (a Pallas kernel
     is a custom call XLA cannot partition: it would gather every head's pages to every device). sinks: [H] sink
-    logits (`attention_sinks`), which neither kernel takes: with them the call is ``gather_attention``'s."""
+    logits (`attention_sinks`), which neither kernel takes: with them the call is ``gather_attention``'s.
+    tiling: the GPU kernels' (splits, pages per block), default ``gpu_tiling``'s (``sampler.paged_choice`` times
+    others); the table is padded to a multiple of their product."""
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"kernel_attention takes one query per row (decode), got {t}; use gather_attention.")
@@ -194,6 +197,9 @@ def kernel_attention(q: jax.Array, cache: PagedKVCache, layer: int, page_table: 
         if pieced:
             reach = max(1, min(reach, TILE_ELEMENTS // max(dh, v_pages.shape[-1])))
         width, splits, block = gpu_tiling(table.shape[0], k_pages.shape[0], per_row, cache.page_size, reach)
+        if tiling is not None:
+            splits, block = tiling
+            width = -(-per_row // (splits * block)) * splits * block
         if width > per_row:  # padding columns: page 0, past every row's length, so the kernel never reads them
             table = jnp.pad(table, ((0, 0), (0, width - per_row)))
         if pieced:
@@ -271,7 +277,8 @@ def default_path(head_dim: int | None = None, platform: str | None = None) -> Pa
 
 def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache, page_table: jax.Array,
                  path: PagedPath | None = None, interpret: bool = False, platform: str | None = None,
-                 rings: KVCache | None = None, mesh: Any = None, record_routes: bool = False) -> tuple:
+                 rings: KVCache | None = None, mesh: Any = None, record_routes: bool = False,
+                 tiling: tuple[int, int] | None = None) -> tuple:
     """The cache branch of ``Transformer.hidden`` over a paged cache.
 
     model: a Transformer; tokens, positions: [B, T] int32; page_table: [B, P] int32 (-1 = no page). Each
@@ -284,7 +291,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
     batch; T must be 1): the layers with ring rows there write and read them (`cache_attention.ring_attention`)
     instead of pages, and the new rings are returned third; a Gated DeltaNet layer keeps its window and state there. mesh: the rollout mesh the kernel path splits heads
     over (`kernel_attention`). record_routes: a mixture-of-experts model's experts of each token, [B, T, L_moe, k]
-    int32, come last (`Transformer.hidden`)."""
+    int32, come last (`Transformer.hidden`). tiling: the GPU kernel's (splits, pages per block) (`kernel_attention`)."""
     cfg = model.cfg
     b, t = tokens.shape
     if positions.shape != (b, t) or page_table.shape[0] != b:
@@ -328,7 +335,7 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
             current = PagedKVCache(k=tuple(k_all), v=tuple(cached_values(k, v) for k, v in zip(k_all, v_all)))
             if path == "kernel" and window is None:
                 return kernel_attention(q, current, i, page_table, positions, interpret=interpret, platform=platform,
-                                        softcap=cfg.attn_logit_softcap, mesh=mesh, sinks=sinks)
+                                        softcap=cfg.attn_logit_softcap, mesh=mesh, sinks=sinks, tiling=tiling)
             return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap, sinks)
 
         x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)

@@ -70,6 +70,10 @@ class RolloutConfig(Section):
                                  "position of the cache, every step) | kernel (models/ragged_decode.py, a Pallas kernel "
                                  "that reads each row up to its own length; GPUs, and the slow Pallas interpreter on "
                                  "the CPU)", choices=("auto", "xla", "kernel"))
+    paged_attention: str = knob("auto", "paged cache: auto (the faster of the two below, timed once at the sampler's "
+                                "shapes on GPUs, sampler/paged_choice.py; gather on CPUs, the Mosaic kernel on TPUs) | "
+                                "gather (each row's pages copied into a dense view) | kernel (a Pallas kernel reads "
+                                "pages in place, each row up to its length)", choices=("auto", "gather", "kernel"))
     page_size: int = knob(16, "positions per KV page (paged)")
     kv_pages: int | None = knob(None, "pages in the pool; None = num_slots x max_len; -1 = as many as the memory "
                                 "the job's plan leaves free on the device holds (system.memory; None's pool where the "
@@ -132,7 +136,7 @@ class RolloutConfig(Section):
 
             pages = None if self.kv_pages == -1 else self.kv_pages  # -1 unresolved (no plan): the default pool
             return PagedEngine(model, page_size=self.page_size, num_pages=pages, admission=self.kv_admission,
-                               **common)
+                               attention=self.paged_attention, **common)
         from areal_jax.sampler.engine import Engine
 
         return Engine(model, standby_len=self.standby_length(), decode_attention=self.decode_attention, **common)
@@ -163,6 +167,9 @@ class RolloutConfig(Section):
         require(self.decode_attention != "kernel" or self.kv_cache == "dense",
                 f"{k('decode_attention')}={self.decode_attention} is the dense cache's kernel; the paged cache reads "
                 f"each row up to its length already (its own kernel). Drop it or set {k('kv_cache')}=dense.")
+        require(self.paged_attention == "auto" or self.kv_cache == "paged",
+                f"{k('paged_attention')}={self.paged_attention} chooses the paged cache's attention; set "
+                f"{k('kv_cache')}=paged, or {k('decode_attention')} for the dense cache.")
         if self.kv_cache == "paged":
             require(self.page_size >= 1, f"{k('page_size')}={self.page_size} must be at least 1.")
             per_seq = -(-self.max_len // self.page_size)

@@ -41,24 +41,27 @@ Timer = Callable[[str, Callable[[], Any]], float]  # (candidate, run) -> seconds
 
 @dataclasses.dataclass(frozen=True)
 class DecodeChoice:
-    """The decode attention an Engine runs: path "xla" or "kernel"; tiling (splits, block) of the kernel (None:
-    its default); seconds: each timed candidate's time for one layer's attention ("xla", "kernel SxB");
-    reason: why this path; spent: the wall time the choice took (its compiles and timings), seconds."""
+    """The decode attention an engine runs: path "xla" or "kernel" over the dense cache, "gather" or "kernel" over
+    pages (cache "paged", `sampler.paged_choice`); tiling (splits, block) of the kernel (None: its default; over
+    pages a block counts pages); seconds: each timed candidate's time for one layer's attention ("xla" / "gather",
+    "kernel SxB"); reason: why this path; spent: the wall time the choice took (its compiles and timings), seconds."""
 
     path: str
     tiling: tuple[int, int] | None = None
     seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     reason: str = ""
     spent: float = 0.0
+    cache: str = "dense"
 
     def describe(self) -> str:
         timed = ", ".join(f"{name} {s * 1e6:.1f} us" for name, s in self.seconds.items())
-        tiling = f" at {self.tiling[0]}x{self.tiling[1]} (splits x block)" if self.tiling else ""
+        unit = "pages a block" if self.cache == "paged" else "block"
+        tiling = f" at {self.tiling[0]}x{self.tiling[1]} (splits x {unit})" if self.tiling else ""
         spent = f"; chosen in {self.spent:.1f} s" if self.spent else ""
         return f"{self.path}{tiling}: {self.reason}" + (f" (one layer: {timed}{spent})" if timed else "")
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "tiling": None if self.tiling is None else f"{self.tiling[0]}x{self.tiling[1]}",
+        return {"cache": self.cache, "path": self.path, "tiling": None if self.tiling is None else f"{self.tiling[0]}x{self.tiling[1]}",
                 "reason": self.reason, "us": {k: round(v * 1e6, 2) for k, v in self.seconds.items()},
                 "spent_s": round(self.spent, 2)}
 
@@ -128,16 +131,25 @@ def choose_shape(rows: int, max_len: int, heads: int, kv_heads: int, head_dim: i
     device = jax.devices()[0] if device is None else device
     dtype = jnp.dtype(dtype)
     key = (device.device_kind, rows, max_len, heads, kv_heads, head_dim, value_dim, dtype.name, softcap, sinks)
+    nbytes = rows * max_len * kv_heads * (head_dim + value_dim) * dtype.itemsize
+    return settle(key, nbytes, device, timer, "xla", lambda clock: _timed(
+        rows, max_len, heads, kv_heads, head_dim, value_dim, dtype, softcap, sinks, device, clock, interpret))
+
+
+def settle(key: tuple, nbytes: int, device: Any, timer: Timer | None, fallback: str,
+           time_it: Callable[[Timer], DecodeChoice], cache: str = "dense") -> DecodeChoice:
+    """time_it(timer) where `nbytes` of timing buffers fit TIMING_BYTES of the device's free memory (else
+    `fallback`, untimed), with the wall time it took; choices made with the real clock (timer None) are kept for
+    the process under `key`."""
     if timer is None and key in _CHOICES:
         return _CHOICES[key]
-    nbytes = rows * max_len * kv_heads * (head_dim + value_dim) * dtype.itemsize
     free = _free_bytes(device)
     if free is not None and nbytes > TIMING_BYTES * free:
-        return DecodeChoice("xla", reason=f"no room to time the kernel: one layer's cache ({nbytes / 2**20:.0f} MiB) "
-                                          f"is over {TIMING_BYTES:.0%} of the {free / 2**20:.0f} MiB free")
+        return DecodeChoice(fallback, cache=cache, reason=f"no room to time the kernel: one layer's buffers "
+                                                          f"({nbytes / 2**20:.0f} MiB) are over {TIMING_BYTES:.0%} of "
+                                                          f"the {free / 2**20:.0f} MiB free")
     start = time.perf_counter()
-    choice = _timed(rows, max_len, heads, kv_heads, head_dim, value_dim, dtype, softcap, sinks, device,
-                    timer or _measure, interpret)
+    choice = time_it(timer or _measure)
     choice = dataclasses.replace(choice, spent=time.perf_counter() - start)
     if timer is None:
         _CHOICES[key] = choice
@@ -154,38 +166,52 @@ def _timed(rows: int, max_len: int, heads: int, kv: int, dh: int, dv: int, dtype
                       jax.random.normal(keys[1], (rows, max_len, kv, dh), dtype),
                       jax.random.normal(keys[2], (rows, max_len, kv, dv), dtype), jnp.asarray(lengths),
                       jax.random.normal(keys[3], (heads,), jnp.float32) if sinks else None)
-        want = jax.jit(_xla(softcap))(*inputs)
-        seconds = {"xla": timer("xla", functools.partial(_looped(_xla(softcap)), *inputs)) / INNER}
     except Exception as err:  # noqa: BLE001 - out of memory, say: the engine still runs XLA's path
-        return DecodeChoice("xla", reason=f"timing XLA's path failed ({_first_line(err)})")
+        return DecodeChoice("xla", reason=f"timing XLA's path failed ({first_line(err)})")
+    kernels = {tiling: _kernel(softcap, tiling, interpret)
+               for tiling in candidate_tilings(rows, heads, kv, max_len, max(dh, dv))}
+    return race(inputs, ("xla", "XLA", _xla(softcap)), kernels, dtype, timer)
+
+
+def race(inputs: tuple, baseline: tuple[str, str, Callable[..., jax.Array]],
+         kernels: Mapping[tuple[int, int], Callable[..., jax.Array]], dtype: Any, timer: Timer,
+         cache: str = "dense") -> DecodeChoice:
+    """Times the baseline (path, its name in reasons, attend) and each kernel tiling's attend on `inputs`
+    (attend(q [B, H, Dh], *rest) -> [B, H, Dv]), and returns the kernel at its fastest tiling where it ran,
+    matched the baseline's output and beat its time by MARGIN; else the baseline, with the reason."""
+    path, label, reference = baseline
+    try:
+        want = jax.jit(reference)(*inputs)
+        seconds = {path: timer(path, functools.partial(_looped(reference), *inputs)) / INNER}
+    except Exception as err:  # noqa: BLE001 - out of memory, say: the engine still runs the baseline
+        return DecodeChoice(path, reason=f"timing {label} failed ({first_line(err)})", cache=cache)
     failures = []
-    tol = 2e-2 if dtype.itemsize < 4 else 5e-3  # bf16 outputs; float32 products in TF32 on GPUs
-    for tiling in candidate_tilings(rows, heads, kv, max_len, max(dh, dv)):
+    tol = 2e-2 if jnp.dtype(dtype).itemsize < 4 else 5e-3  # bf16 outputs; float32 products in TF32 on GPUs
+    for tiling, attend in kernels.items():
         name = f"kernel {tiling[0]}x{tiling[1]}"
-        attend = _kernel(softcap, tiling, interpret)
         try:
             got = jax.jit(attend)(*inputs)
             gap = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             if not gap <= tol * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32))))):
-                failures.append(f"{name} differs from XLA's output by {gap:.3g}")
+                failures.append(f"{name} differs from {label}'s output by {gap:.3g}")
                 continue
             seconds[name] = timer(name, functools.partial(_looped(attend), *inputs)) / INNER
-        except Exception as err:  # noqa: BLE001 - a kernel Triton cannot compile or run leaves XLA's path
-            failures.append(f"{name} failed ({_first_line(err)})")
+        except Exception as err:  # noqa: BLE001 - a kernel Triton cannot compile or run leaves the baseline
+            failures.append(f"{name} failed ({first_line(err)})")
     note = f"; {'; '.join(failures)}" if failures else ""
-    timed = {n: s for n, s in seconds.items() if n != "xla"}
+    timed = {n: s for n, s in seconds.items() if n != path}
     if not timed:
-        return DecodeChoice("xla", seconds=seconds, reason=f"no kernel tiling ran{note}")
+        return DecodeChoice(path, seconds=seconds, reason=f"no kernel tiling ran{note}", cache=cache)
     best = min(timed, key=timed.get)
     splits, block = (int(x) for x in best.split()[1].split("x"))
-    ratio = seconds["xla"] / timed[best]
-    if timed[best] <= (1 - MARGIN) * seconds["xla"]:
-        return DecodeChoice("kernel", (splits, block), seconds, f"{ratio:.2f}x XLA's time{note}")
-    return DecodeChoice("xla", seconds=seconds, reason=f"the best kernel tiling ({best.split()[1]}) was only "
-                                                       f"{ratio:.2f}x XLA's speed{note}")
+    ratio = seconds[path] / timed[best]
+    if timed[best] <= (1 - MARGIN) * seconds[path]:
+        return DecodeChoice("kernel", (splits, block), seconds, f"{ratio:.2f}x {label}'s time{note}", cache=cache)
+    return DecodeChoice(path, seconds=seconds, reason=f"the best kernel tiling ({best.split()[1]}) was only "
+                                                      f"{ratio:.2f}x {label}'s speed{note}", cache=cache)
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 

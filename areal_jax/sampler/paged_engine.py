@@ -40,11 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache
 from areal_jax.models.config import model_config_of
-from areal_jax.models.mla import cache_layout
 from areal_jax.models.paged_attention import (
     PagedKVCache,
-    PagedPath,
-    default_path,
     init_paged_cache,
     init_rings,
     page_coordinates,
@@ -52,6 +49,7 @@ from areal_jax.models.paged_attention import (
     write_pages,
 )
 from areal_jax.models.transformer import ring_layers
+from areal_jax.sampler import paged_choice
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.page_budget import PageBudget
 from areal_jax.sampler.pages import PageAllocator
@@ -97,13 +95,14 @@ class PagedEngine(PageBudget, Engine):
     Args (besides Engine's):
       page_size: positions per page.
       num_pages: pages in the pool; default the dense cache's memory (num_slots x max_len positions).
-      attention: "gather" or "kernel" (the backend's Pallas paged-attention kernel); default ``default_path``.
+      attention: "gather", "kernel" (the backend's Pallas paged-attention kernel) or "auto" (the default: the faster,
+        timed on GPUs, else ``default_path``; ``decode_choice`` says what it took, ``sampler.paged_choice``).
     Sliding-window layers keep rings of their window per slot and standby row instead of pages (``ring_cache``,
     as in Engine), so a page holds only the other layers.
     """
 
     def __init__(self, model_graphdef_or_model: nnx.Module | nnx.GraphDef, *, num_slots: int, max_len: int,
-                 page_size: int = 16, num_pages: int | None = None, attention: PagedPath | None = None,
+                 page_size: int = 16, num_pages: int | None = None, attention: str | None = "auto",
                  admission: str = "reserve", **kwargs: Any) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
@@ -113,8 +112,9 @@ class PagedEngine(PageBudget, Engine):
         self._k = 1  # steps of the last dispatch: the growth an optimistic admission leaves room for
         self.page_size = int(page_size)
         cfg = kwargs.get("config") or model_config_of(model_graphdef_or_model, required=False)
-        self.attention = attention or default_path(cache_layout(cfg)[1] if cfg is not None else None)
         per_sequence = -(-int(max_len) // self.page_size)
+        choice = paged_choice.resolve(attention, cfg, int(num_slots), per_sequence, self.page_size, kwargs.get("mesh"))
+        self.attention, self.attention_tiling = choice.path, choice.tiling
         self.pages_per_slot = per_sequence  # the page table's width
         if self.attention == "kernel":  # the TPU kernel's blocks divide the width (the GPU's pad it themselves)
             self.pages_per_slot = -(-per_sequence // 16) * 16
@@ -138,6 +138,7 @@ class PagedEngine(PageBudget, Engine):
         self._table_programs: dict[int, Any] = {}
         kwargs.setdefault("decode_attention", "xla")  # the dense cache's choice; the pages have their own kernel
         super().__init__(model_graphdef_or_model, num_slots=num_slots, max_len=max_len, **kwargs)
+        self.decode_choice = choice  # the pages' choice, not the dense cache's
 
     def _state_program(self, fn: Any, at: int, static: tuple[str, ...] = (), result: bool = False) -> Any:
         """The base engine's state program of `fn`, taking the host's page table too (keyword arguments ``table``
@@ -244,6 +245,7 @@ class PagedEngine(PageBudget, Engine):
     def _decode_forward(self, model: nnx.Module, tokens: jax.Array, positions: jax.Array, cache: PagedCacheState,
                         routes: bool = False) -> tuple:
         h, pages, *rest = paged_hidden(model, tokens, positions, cache.pages, cache.table, path=self.attention,
+                                       tiling=self.attention_tiling,
                                        interpret=jax.default_backend() not in ("gpu", "tpu"),  # interpreted elsewhere
                                        rings=cache.rings, mesh=self.mesh, record_routes=routes)
         rings = rest[:1] if cache.rings is not None else ()

@@ -181,7 +181,8 @@ class RLJob:
             record_routes=c.train.router_replay != "off")  # the experts of each finished sample (sampler.routes)
         self.engine = getattr(self.sampler, "engines", [getattr(self.sampler, "engine", None)])[0]  # replica 0's
         if getattr(self.engine, "decode_choice", None) is not None and self.engine.decode_choice.seconds:
-            self.log(f"Decode attention (rollout.decode_attention={c.rollout.decode_attention}): "
+            knob = "paged_attention" if c.rollout.kv_cache == "paged" else "decode_attention"
+            self.log(f"Decode attention (rollout.{knob}={getattr(c.rollout, knob)}): "
                      f"{self.engine.decode_choice.describe()}")
         close_later.callback(self.sampler.stop, graceful=False)
         self.reward_pool = c.reward.make_pool()

@@ -200,3 +200,29 @@ class HookAfterDispatch(Engine):
             self.hook()
         self.calls += 1
         return out
+
+
+def set_clock(seconds: dict[str, float], seen: list[str] | None = None) -> Callable[[str, Callable[[], Any]], float]:
+    """A `sampler.decode_choice` timer that reports `seconds[name]` for INNER calls of each candidate without running
+    it, appending each name it is asked for to `seen`."""
+    from areal_jax.sampler import decode_choice  # noqa: PLC0415 (only here)
+
+    def timer(name: str, run: Callable[[], Any]) -> float:
+        if seen is not None:
+            seen.append(name)
+        return seconds[name] * decode_choice.INNER
+
+    return timer
+
+
+def mesh_across_processes() -> Any:
+    """A stand-in for a 1 x 2 ("fsdp", "tensor") mesh whose second device belongs to another process, as a
+    multi-host mesh holds (only what the decode-attention choices read of a mesh)."""
+    class Remote:
+        process_index, device_kind = 1, "remote"
+
+    class TwoHosts:
+        shape = {"fsdp": 1, "tensor": 2}
+        devices = np.array([jax.devices()[0], Remote()], dtype=object).reshape(1, 2)
+
+    return TwoHosts()
