@@ -218,10 +218,20 @@ class Checkpointer:
                 "from an earlier one."
             )
         meta = json.loads(path.read_text())
-        with tensorstore_leak_workarounds():
-            restored = self._mngr.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
-            )
+        try:
+            with tensorstore_leak_workarounds():
+                restored = self._mngr.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like_state)))
+                )
+        except ValueError as err:
+            if "structures do not match" not in str(err):
+                raise
+            detail = " ".join(str(err).split("\n")[1:4]).strip()
+            raise ValueError(
+                f"Checkpoint step {step} in {self.directory} holds a train state shaped otherwise than this run's "
+                f"({detail}). The optimizer's state changes with train.moment_dtype, train.max_grad_norm (None "
+                "drops the clipping state), train.critic and lora.*: resume with the settings the run was saved "
+                "with, or start a new run directory.") from err
         return restored["state"], meta
 
     def close(self) -> None:

@@ -21,7 +21,8 @@
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
-#              update (~7 min).
+#              update, the optimizer step with bfloat16 moments against float32 ones (benchmarks/adam_moments.py) and
+#              Qwen2.5-7B's memory plan with them, working memory measured (~9 min).
 #   ragged     the dense cache's ragged decode kernel (models/ragged_decode.py): its tests compiled by Triton, then
 #              against XLA's attention on the same caches (0.5B's sampler shape: 256 rows x 1,152; 1.5B's heads at 64 rows x 16,512), then the 0.5B
 #              sampler's steady state at 256 slots with XLA's attention and with the kernel; each attention run
@@ -206,7 +207,8 @@ EOF
     # what changed after the H100 lease of 2026-12-05 or stayed unmeasured, most wanted first: the paged sampler
     # against the dense one in the same steady state (the kernel's tiling and the host's page budget changed since),
     # decode attention under both tilings, the page budget's host time, the sampling head's two draws, the hand-off
-    # the update writes (the loop: followup_loop)
+    # the update writes, the optimizer step with bfloat16 moments and Qwen2.5-7B's plan with them (the loop:
+    # followup_loop)
     common=(--preset qwen2.5-0.5b --dtype bfloat16 --num-slots 256 --num-prompts 256 --skip-static --skip-hf --steady
             --warmup-seconds 5 --steady-seconds 10 --decode-steps 16)
     step followup_paged 100 $PY benchmarks/sampler.py "${common[@]}" --kv-cache paged
@@ -216,6 +218,9 @@ EOF
     step followup_page_budget 40 $PY benchmarks/page_budget.py
     step followup_sampling_head 60 $PY benchmarks/sampling_head.py
     step followup_handoff 120 $PY benchmarks/handoff.py --preset qwen2.5-0.5b
+    step followup_adam_moments 60 $PY benchmarks/adam_moments.py
+    step followup_plan7b 90 $PY benchmarks/loop.py --preset qwen2.5-7b --plan-only --slots 16 --cap 4096 \
+      --moment_dtype bfloat16 --out "$WORK/plan7b"
     ;;
   ragged)
     # the decode attention of the dense cache read up to each row's length (the H100 trace had XLA's two products

@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro_batch_tokens", type=int, help="trainer micro-batch tokens (default: the longest sequence)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--sampler_dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--moment_dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="train.moment_dtype: AdamW's moments in float32, or bfloat16 (stochastic rounding)")
     p.add_argument("--standby_rows", type=int, default=None,
                    help="the sampler's standby rows (default: the job's, num_slots / 2; 0 turns them off)")
     p.add_argument("--decode_attention", choices=("auto", "xla", "kernel"), default="auto",
@@ -165,7 +167,7 @@ def job_config(args: argparse.Namespace, eta: int | None, steps: int, paths: tup
     c.rollout.max_concurrent = args.max_concurrent if eta is None else None
     c.rollout.param_dtype = args.sampler_dtype
     c.rollout.standby_rows, c.rollout.decode_attention = args.standby_rows, args.decode_attention
-    c.train.batch_groups, c.train.lr = args.batch_groups, args.lr
+    c.train.batch_groups, c.train.lr, c.train.moment_dtype = args.batch_groups, args.lr, args.moment_dtype
     c.mesh.train_devices, c.mesh.rollout_devices = args.train_devices, args.rollout_devices
     c.mesh.rollout_tensor = args.rollout_tensor
     c.train.micro_batch_tokens = args.micro_batch_tokens

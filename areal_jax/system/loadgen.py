@@ -140,6 +140,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
     "qwen2.5-1.5b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=4),
     "gemma3-1b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=6),
+    "qwen2.5-7b": dict(dtype="bfloat16", median=1024, cap=8192, slots=64, group_size=8, batch_groups=8, steps=2),
 }
 
 

@@ -46,8 +46,9 @@ EXCLUSIVE = ("update_activations", "evaluation")
 HINTS = {
     "params": "shard the trainer over more devices (--config.mesh.fsdp / mesh.train_devices) or use LoRA "
               "(--config.lora.enabled=True)",
-    "optimizer": "shard the trainer over more devices (--config.mesh.fsdp) or use LoRA (--config.lora.enabled=True): "
-                 "AdamW keeps two moments of every trained parameter",
+    "optimizer": "store AdamW's moments in bfloat16 (--config.train.moment_dtype=bfloat16: half the bytes), shard "
+                 "the trainer over more devices (--config.mesh.fsdp) or use LoRA (--config.lora.enabled=True): AdamW "
+                 "keeps two moments of every trained parameter",
     "gradients": "shard the trainer over more devices (--config.mesh.fsdp) or use LoRA (--config.lora.enabled=True)",
     "frozen_weights": "store the frozen base in bfloat16 (--config.lora.base_dtype=bfloat16)",
     "reference": "set --config.train.kl_coef=0 (the KL penalty keeps a second copy of the weights)",

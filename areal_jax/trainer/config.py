@@ -86,6 +86,9 @@ class TrainerConfig(Section):
     b1: float = knob(0.9, "Adam first-moment decay")
     b2: float = knob(0.999, "Adam second-moment decay")
     eps: float = knob(1e-8, "Adam epsilon")
+    moment_dtype: str = knob("float32", "storage of AdamW's two moments: float32 (8 bytes a trained parameter) | "
+                             "bfloat16 (4 bytes, stochastic rounding; the step computes in float32: "
+                             "trainer/low_precision.py)", choices=("float32", "bfloat16"))
     critic: str = knob("none", "none (group advantages from rollout.advantage_mode) | value_head (critic PPO: a "
                        "float32 Linear hidden->1 on the policy trunk, GAE token advantages replace the group ones)",
                        choices=("none", "value_head"))

@@ -5,6 +5,7 @@ import jax
 import optax
 
 from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.low_precision import scale_by_adam_stochastic
 
 
 def make_schedule(cfg: TrainerConfig, total_steps: int = 1000) -> optax.Schedule:
@@ -39,10 +40,15 @@ def decay_mask(params):
 
 
 def make_optimizer(cfg: TrainerConfig, total_steps: int = 1000) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, eps, weight_decay on matrices)."""
+    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, eps, weight_decay on matrices), its moments
+    stored in cfg.moment_dtype (bfloat16: `low_precision.scale_by_adam_stochastic`)."""
     parts = []
     if cfg.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    if cfg.moment_dtype != "float32":  # AdamW as optax composes it, with the moments stored in bfloat16
+        return optax.chain(*parts, scale_by_adam_stochastic(cfg.b1, cfg.b2, cfg.eps, cfg.moment_dtype),
+                           optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+                           optax.scale_by_learning_rate(make_schedule(cfg, total_steps)))
     parts.append(
         optax.adamw(
             learning_rate=make_schedule(cfg, total_steps),
