@@ -64,7 +64,8 @@ def test_the_kernel_is_taken_at_its_fastest_tiling_when_it_beats_xla():
     seen = []
     got = choose(timer=set_clock(seconds, seen))
     assert got.path == "kernel" and got.tiling == fastest
-    assert seen == ["xla"] + [f"kernel {s}x{b}" for s, b in tilings]  # every candidate timed once
+    # every candidate timed once a round, in rounds
+    assert seen == (["xla"] + [f"kernel {s}x{b}" for s, b in tilings]) * dc.REPEATS
     assert got.seconds == pytest.approx(seconds)
     assert "2.50x" in got.reason and "kernel" in got.describe() and got.spent > 0 and "chosen in" in got.describe()
     assert got.as_dict()["tiling"] == f"{fastest[0]}x{fastest[1]}"
@@ -94,7 +95,7 @@ def test_a_kernel_that_fails_or_differs_is_never_taken(monkeypatch):
     seen = []
     got = choose(timer=set_clock(fast, seen))
     assert got.path == "xla" and "differs from XLA's output" in got.reason
-    assert seen == ["xla"]  # a wrong kernel is not even timed
+    assert seen == ["xla"] * dc.REPEATS  # a wrong kernel is not even timed
 
     def first_fails(*a, splits, block, **kw):  # one tiling fails: the others still compete
         if (splits, block) == tilings[0]:
@@ -187,3 +188,24 @@ def test_when_timing_xla_fails_xla_is_kept_with_the_reason():
 
     got = choose(timer=timer)
     assert got.path == "xla" and "RESOURCE_EXHAUSTED" in got.reason and "detail" not in got.reason
+
+
+def test_rounds_give_each_candidate_its_best_and_a_kernel_failing_later_drops_out():
+    """The timed runs go in rounds (one of each candidate a round): a slow spell in one round costs no candidate its
+    best round, and a kernel whose timed run fails is dropped with its error while the others compete."""
+    tilings = dc.candidate_tilings(ROWS, 4, 2, MAX_LEN, 16)
+    names = ["xla"] + [f"kernel {s}x{b}" for s, b in tilings]
+    calls = {n: 0 for n in names}
+
+    def timer(name, run):
+        calls[name] += 1
+        if name == names[1] and calls[name] == 3:
+            raise RuntimeError("an illegal memory access\ndetail")
+        slow = 10.0 if calls[name] == 2 else 1.0  # the second round is slow for everyone
+        return slow * {"xla": 100e-6, names[-1]: 60e-6}.get(name, 90e-6) * dc.INNER
+
+    got = choose(timer=timer)
+    assert got.path == "kernel" and got.tiling == tilings[-1]
+    assert got.seconds["xla"] == pytest.approx(100e-6) and got.seconds[names[-1]] == pytest.approx(60e-6)
+    assert names[1] not in got.seconds and "illegal memory access" in got.reason and "detail" not in got.reason
+    assert calls[names[1]] == 3 and all(calls[n] == dc.REPEATS for n in names if n != names[1])
