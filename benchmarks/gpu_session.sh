@@ -17,7 +17,8 @@
 #              without it, then its hand-over), and the host's share (--host-only: the same 290 leaves, tiny) (~90 s).
 #   goals      the figures the open issues' goals name, in one call (~9 min, an H200): the 0.5B sampler's steady state
 #              at 256 slots beside HF generate on the same GPU, 128 x 16k new tokens at the 1.5B shape (30 s of it), the
-#              loop at the 0.5B preset (eta 0 vs 4, 5 updates each) and the job's memory plan with its working memory.
+#              loop at the 0.5B preset (eta 0 vs 4, 5 updates each) and the job's memory plan with its working memory;
+#              then each goal's figure against its threshold, PASS / FAIL / UNMEASURED (benchmarks/goals_report.py).
 #   followup   what changed after the H100 lease of 2026-12-05: the paged sampler (the kernel's tiling, the host's page
 #              budget, the two-level draw) against the dense one in the same steady state, decode attention under both
 #              tilings, the page budget's host time, the sampling head's two draws, the hand-off written by the
@@ -202,6 +203,7 @@ EOF
     step goal_loop05 250 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 5 --warmup_steps 1 \
       --median 512 --cap 4096 --out "$WORK/loop05_goal"
     step goal_plan05 50 $PY benchmarks/loop.py --preset qwen2.5-0.5b --plan-only --out "$WORK/plan"
+    step goals_report 20 $PY benchmarks/goals_report.py "$OUT/results.jsonl"
     ;;
   followup)
     # what changed after the H100 lease of 2026-12-05 or stayed unmeasured, most wanted first: the paged sampler

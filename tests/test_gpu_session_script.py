@@ -64,7 +64,7 @@ def test_every_phase_runs_and_every_benchmark_command_parses(tmp_path, monkeypat
             "benchmarks/staleness_ablation.py", "benchmarks/trainer_memory.py", "benchmarks/sampler_memory.py",
             "benchmarks/checkpoint.py", "benchmarks/moe.py", "benchmarks/router_replay.py", "benchmarks/paged_pieces.py",
             "benchmarks/mla_prefill.py", "benchmarks/page_budget.py", "benchmarks/sampling_head.py", "benchmarks/delta_rule.py",
-            "benchmarks/ragged_decode.py", "benchmarks/adam_moments.py", "pytest"}
+            "benchmarks/ragged_decode.py", "benchmarks/adam_moments.py", "benchmarks/goals_report.py", "pytest"}
     assert set(parsed) == want and len(parsed) >= 20
 
 
