@@ -265,8 +265,9 @@ def _tpu_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: j
 def default_path(head_dim: int | None = None, platform: str | None = None) -> PagedPath:
     """"kernel" where a Pallas kernel reads pages in place: GPUs when head_dim (if given) is a power of two (JAX's
     kernel), TPUs when it is a multiple of 128; "gather" elsewhere (CPU). Other widths that are multiples of 16
-    (latent attention's 576) take `paged_pieces`' kernel when "kernel" is asked for; it is not the default until it
-    has run on a GPU (`benchmarks/paged_pieces.py`)."""
+    (latent attention's 576) take `paged_pieces`' kernel when "kernel" is asked for, or where "auto"
+    (`sampler.paged_choice`) timed it faster on the GPU; untimed, it is not the default until it has run on a GPU
+    (`benchmarks/paged_pieces.py`)."""
     platform = jax.default_backend() if platform is None else platform
     if platform == "gpu" and (head_dim is None or head_dim & (head_dim - 1) == 0):
         return "kernel"
