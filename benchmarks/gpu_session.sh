@@ -201,7 +201,7 @@ EOF
     step goal_sampler15_long 80 $PY benchmarks/sampler.py --preset qwen2.5-1.5b --num-slots 128 --num-prompts 128 \
       --max-new-tokens 16384 --median-new-tokens 16384 --sigma 0 --decode-steps 32 --max-seconds 30 --skip-hf
     step goal_loop05 250 $PY benchmarks/loop.py --preset qwen2.5-0.5b --etas 0,4 --steps 5 --warmup_steps 1 \
-      --median 512 --cap 4096 --out "$WORK/loop05_goal"
+      --median 512 --cap 4096 --temper_rows 0 --out "$WORK/loop05_goal"
     step goal_plan05 50 $PY benchmarks/loop.py --preset qwen2.5-0.5b --plan-only --out "$WORK/plan"
     step goals_report 20 $PY benchmarks/goals_report.py "$OUT/results.jsonl"
     ;;
