@@ -5,7 +5,7 @@ import pytest
 from areal_jax.testing.scripts import load_script
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 31-39 s in CI; tests/test_checkpoint_async.py checks the background save itself
 def test_checkpoint_benchmark_runs_both_modes_and_keeps_every_save(tmp_path):
     bench = load_script("benchmarks/checkpoint.py")
     out = bench.main(["--updates", "4", "--every", "2", "--dir", str(tmp_path), "--rounds", "1"])

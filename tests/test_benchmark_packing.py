@@ -47,7 +47,7 @@ def test_previous_rule_is_restored_and_reproduces_the_power_of_two_rows():
     assert layout.row_counts(68_000, 3072, 4, 16384) == [1, 2, 4, 5]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 26-30 s in CI; the layout figures above and tests/test_rl_packing.py check the rule itself
 def test_timed_update_at_toy_size():
     line, _ = run_benchmark("packing.py", "--updates", "1", "--time-budget", "256", "--repeats", "1", devices=4)
     timed = line["timed"]

@@ -209,9 +209,9 @@ def temper_logits(model: Transformer, entropy: float, *, seed: int = 0, num_toke
     nats; returns the factor. `randomize_params` leaves the logits so peaked (a tied embedding's logits have a spread
     of ~sqrt(hidden_size)) that samples at temperature 1 repeat each other: the n samples of a group come out the
     same, and a reward of their text cannot tell them apart. Scaling the final norm scales every logit before any
-    soft cap, so the entropy falls as the factor grows; the factor is found by bisection, first over `num_tokens`
-    random tokens (rows of 128), then `rounds` times (none when `sampled_rows` is 0) over what the model draws at the
-    factor found so far: `sampled_rows` rows of 112 tokens at temperature 1 after random prompts of 16 (one sampled
+    soft cap, so the entropy falls as the factor grows; the factor is found first by bisection over `num_tokens`
+    random tokens (rows of 128), then `rounds` times by regula falsi (none when `sampled_rows` is 0) over what the
+    model draws at the factor found so far: `sampled_rows` rows of 112 tokens at temperature 1 after random prompts of 16 (one sampled
     row's entropy ranges over 0.7-2.3 nats at the tiny configs, hence many rows). What a sampler of the model meets
     differs from random text: tempered on random tokens alone, the tiny configs' own samples carried 0.74 / 0.85
     nats where 1.5 was asked (the loop benchmark's 0.7 where 1.0 was); after three rounds, 1.48 / 1.40.
