@@ -226,7 +226,7 @@ def temper_logits(model: Transformer, entropy: float, *, seed: int = 0, num_toke
     prompt = min(16, length - 1)
     graphdef, state = nnx.split(model)
 
-    def entropies(m: Transformer, h: jax.Array, log_c: jax.Array) -> jax.Array:
+    def entropies(m: Transformer, h: jax.Array, log_c: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = m.unembed(h * jnp.exp(log_c).astype(h.dtype)).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return logp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
