@@ -36,6 +36,10 @@ from areal_jax.knobs import Section, knob, require
 from areal_jax.orbax_compat import tensorstore_leak_workarounds
 
 
+class StateMismatch(ValueError):
+    """A checkpoint holds a train state of another structure than the one it is restored into."""
+
+
 def _abstract(tree: Any) -> Any:
     def leaf(x):
         if isinstance(x, jax.Array):
@@ -227,11 +231,11 @@ class Checkpointer:
             if "structures do not match" not in str(err):
                 raise
             detail = " ".join(str(err).split("\n")[1:4]).strip()
-            raise ValueError(
+            raise StateMismatch(
                 f"Checkpoint step {step} in {self.directory} holds a train state shaped otherwise than this run's "
-                f"({detail}). The optimizer's state changes with train.moment_dtype, train.max_grad_norm (None "
-                "drops the clipping state), train.critic and lora.*: resume with the settings the run was saved "
-                "with, or start a new run directory.") from err
+                f"({detail}). The optimizer's state changes with train.max_grad_norm (None drops the clipping "
+                "state), train.critic and lora.* (a run resumed by the job converts train.moment_dtype): resume "
+                "with the settings the run was saved with, or start a new run directory.") from err
         return restored["state"], meta
 
     def close(self) -> None:

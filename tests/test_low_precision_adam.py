@@ -172,7 +172,8 @@ def test_the_plan_counts_half_the_moments_and_a_sharded_trainer_holds_them(tmp_p
                 for a, b in zip(jax.tree.leaves(jax.device_get(trainer.state.params)), jax.tree.leaves(before)))
     assert moved > 0
 
-    saved = Checkpointer(str(tmp_path))  # the bfloat16 moments round-trip; a float32 run refuses them by name
+    saved = Checkpointer(str(tmp_path))  # bfloat16 moments round-trip; restored as float32 ones they are refused
+    # here (trainer.resume converts them: tests/test_moment_resume.py)
     saved.save(1, trainer.state, {})
     state, _ = saved.restore(1, trainer.state)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state)):

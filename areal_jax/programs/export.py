@@ -40,6 +40,7 @@ def restore_policy(run_dir: str, step: int | None = None) -> tuple[Any, JobConfi
     from areal_jax.checkpoint import Checkpointer
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.trainer import Trainer
+    from areal_jax.trainer.resume import restore_train_state
 
     config = load_run_config(run_dir)
     lora_cfg = config.lora if config.lora.enabled else None
@@ -60,7 +61,7 @@ def restore_policy(run_dir: str, step: int | None = None) -> tuple[Any, JobConfi
             apply_lora(model, lora_cfg, rngs=nnx.Rngs(config.seed))
         trainer = Trainer(model, config.train, mesh, schedule_steps=config.optimizer_steps,
                           wrt=nnx.Param if lora_cfg is None else nnx.LoRAParam)
-        state, _ = ckpt.restore(chosen, trainer.state)
+        state, _, _ = restore_train_state(ckpt, chosen, trainer.state, trainer.cfg)
         trainer.state = state
         nnx.update(model, trainer.params)
     finally:

@@ -34,6 +34,7 @@ from areal_jax.system.controller import RolloutController
 from areal_jax.system.hf_export import HFExporter
 from areal_jax.system.interfaces import ManagedSampler
 from areal_jax.system.parts import load_policy, rollout_channel, rollout_source
+from areal_jax.trainer.resume import restore_train_state
 
 # The per-step values the end-of-run summary reads; only these are kept for every step.
 SUMMARY_KEYS = ("reward", "staleness", "staleness_max", "sampler/occupancy", "tokens_per_s",
@@ -223,13 +224,15 @@ class RLJob:
             return None
         c = self.config
         try:
-            state, meta = self.checkpointer.restore(step, self.trainer.state)
+            state, meta, converted = restore_train_state(self.checkpointer, step, self.trainer.state,
+                                                         self.trainer.cfg)
         except (ValueError, TypeError, KeyError) as e:  # shapes or structure of another model
             raise user_errors.restore_failed(e, c.run_dir, c.model.path) from e
         user_errors.check_same_model(meta.get("model"), user_errors.model_signature(self.model_config), c.run_dir,
                                      c.model.path)
         self.trainer.restore(state, meta)  # its state, and the micro-step shapes of the run this one continues
-        self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version}).")
+        self.log(f"Resumed from checkpoint step {step} (policy version {self.trainer.version})"
+                 + (f"; {converted}." if converted else "."))
         self.sample_log.truncate_from(self.trainer.version)
         return meta
 
