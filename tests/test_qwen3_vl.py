@@ -1,9 +1,10 @@
-"""Qwen3-VL's text decoder (models/qwen3_vl.py): an image-and-text Qwen3VLForConditionalGeneration checkpoint loads as
-Qwen3's decoder.
+"""Qwen3-VL's text decoder (models/qwen3_vl.py, models/stacked_experts.py): an image-and-text
+Qwen3VLForConditionalGeneration checkpoint loads as Qwen3's decoder, a Qwen3VLMoeForConditionalGeneration one as
+Qwen3-MoE's.
 
-References: transformers' Qwen3VLForConditionalGeneration on text tokens (its multimodal RoPE, interleaved sections,
-with a vision tower and deepstack layers on disk), transformers' Qwen3VLTextConfig defaults, and transformers'
-Qwen3ForCausalLM reading what we save.
+References: transformers' classes on text tokens (their multimodal RoPE, interleaved sections, with a vision tower and
+deepstack layers on disk; the MoE's stacked experts as transformers' own loader reads them), transformers' text config
+defaults, and transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM reading what we save.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_
 
 
 def _vl_checkpoint(path, cfg: ModelConfig, tied: bool):
-    """transformers' Qwen3-VL with `cfg` as its text decoder (multimodal RoPE sections over the head's frequencies),
-    random weights, saved to `path`; returns the torch model."""
+    """transformers' Qwen3-VL (Qwen3-VL-MoE for a qwen3_moe `cfg`) with `cfg` as its text decoder (multimodal RoPE
+    sections over the head's frequencies), random weights, saved to `path`; returns the torch model."""
+    import torch
     import transformers
 
     from areal_jax.testing.hf import randomize_torch
@@ -35,22 +37,46 @@ def _vl_checkpoint(path, cfg: ModelConfig, tied: bool):
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
                                "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
                                "mrope_interleaved": True}
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config={**VISION, "out_hidden_size": cfg.hidden_size},
-                                        tie_word_embeddings=tied)
-    hf = randomize_torch(transformers.Qwen3VLForConditionalGeneration(config).eval(), seed=4)
-    hf.save_pretrained(path)
+    moe = cfg.architecture == "qwen3_moe"
+    config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
+        text_config=text, vision_config={**VISION, "out_hidden_size": cfg.hidden_size}, tie_word_embeddings=tied)
+    model = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    hf = randomize_torch(model(config).eval(), seed=4)
+    if not moe:
+        hf.save_pretrained(path)
+        return hf
+    # transformers 5.25's save_pretrained fails on this class's reverse expert conversion; write its on-disk layout
+    # by hand (experts [E, in, out]: gate_up_proj [E, D, 2F], down_proj [E, F, D]), checked below by its own loader.
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, value in hf.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            value = value.transpose(1, 2)  # in memory [E, out, in]
+        if not (tied and name == "lm_head.weight"):
+            tensors[name] = value.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    back = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.tensor(np.asarray(random_tokens(cfg.vocab_size, (1, 12), seed=9)))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=tokens).logits, hf(input_ids=tokens).logits)  # the layout is transformers'
     return hf
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, tied):
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])
+def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, arch, tied):
     """Text-only logits equal transformers' Qwen3-VL's (its three RoPE indices equal for text tokens), the vision tower
-    and deepstack mergers stay on disk, and the outer file's tie_word_embeddings decides the output matrix."""
+    and deepstack mergers stay on disk, and the outer file's tie_word_embeddings decides the output matrix; the MoE's
+    stacked experts read as Qwen3-MoE's per-expert tensors (experts 24 wide, so that no axis of theirs is square)."""
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
     from areal_jax.models import load_hf_checkpoint
 
-    cfg = dataclasses.replace(testing.tiny_config("qwen3", rope_theta=1000.0), tie_word_embeddings=tied)
+    cfg = dataclasses.replace(testing.tiny_config(arch, rope_theta=1000.0), tie_word_embeddings=tied)
+    if arch == "qwen3_moe":
+        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
     hf = _vl_checkpoint(tmp_path, cfg, tied)
     from safetensors import safe_open
 
@@ -75,24 +101,32 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, tied):
     out = tmp_path / "saved"
     save_hf_checkpoint(ours, out)
     with open(out / "config.json") as fh:
-        assert json.load(fh)["architectures"] == ["Qwen3ForCausalLM"]
+        assert json.load(fh)["architectures"] == ["Qwen3MoeForCausalLM" if arch == "qwen3_moe" else "Qwen3ForCausalLM"]
     text_only = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         again = text_only(torch.tensor(np.asarray(tokens))).logits.numpy()
     np.testing.assert_allclose(again, want, atol=1e-4, rtol=0)
 
 
-def test_the_config_reads_transformers_defaults_and_refuses_the_experts():
-    """A text_config that leaves keys out takes transformers' Qwen3VLTextConfig defaults (the released files list
-    them all, but nothing requires it); the mixture-of-experts wrapper is refused by name."""
+@pytest.mark.parametrize("wrapper", ["qwen3_vl", "qwen3_vl_moe"])
+def test_the_config_reads_transformers_defaults(wrapper):
+    """A text_config that leaves keys out takes transformers' text config defaults (the released files list them
+    all, but nothing requires it); the MoE's router renormalises its top-k weights even where the file says not."""
     transformers = pytest.importorskip("transformers", reason="the defaults are transformers'")
-    full = transformers.Qwen3VLConfig(text_config={"num_hidden_layers": 3}).to_dict()
-    sparse = {"model_type": "qwen3_vl", "text_config": {"num_hidden_layers": 3}}
+    cls = transformers.Qwen3VLMoeConfig if wrapper == "qwen3_vl_moe" else transformers.Qwen3VLConfig
+    full = cls(text_config={"num_hidden_layers": 3}).to_dict()
+    sparse = {"model_type": wrapper, "text_config": {"num_hidden_layers": 3}}
     want, got = ModelConfig.from_hf_dict(full), ModelConfig.from_hf_dict(sparse)
     assert got == want
     text = full["text_config"]
-    assert (got.architecture, got.vocab_size, got.hidden_size, got.num_kv_heads, got.head_dim) == (
-        "qwen3", text["vocab_size"], text["hidden_size"], text["num_key_value_heads"], text["head_dim"])
+    assert (got.vocab_size, got.hidden_size, got.num_kv_heads, got.head_dim) == (
+        text["vocab_size"], text["hidden_size"], text["num_key_value_heads"],
+        text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
     assert got.rope_theta == text["rope_parameters"]["rope_theta"] and not got.tie_word_embeddings
-    with pytest.raises(ValueError, match="qwen3_vl_moe"):
-        ModelConfig.from_hf_dict({"model_type": "qwen3_vl_moe", "text_config": {}})
+    if wrapper == "qwen3_vl":
+        assert got.architecture == "qwen3"
+        return
+    assert (got.architecture, got.num_experts, got.num_experts_per_tok, got.moe_intermediate_size) == (
+        "qwen3_moe", text.get("num_experts", text.get("num_local_experts")), text["num_experts_per_tok"], text["moe_intermediate_size"])
+    said_not = ModelConfig.from_hf_dict({**sparse, "text_config": {"norm_topk_prob": False}})
+    assert got.norm_topk_prob and said_not.norm_topk_prob
