@@ -130,3 +130,48 @@ def test_the_config_reads_transformers_defaults(wrapper):
         "qwen3_moe", text.get("num_experts", text.get("num_local_experts")), text["num_experts_per_tok"], text["moe_intermediate_size"])
     said_not = ModelConfig.from_hf_dict({**sparse, "text_config": {"norm_topk_prob": False}})
     assert got.norm_topk_prob and said_not.norm_topk_prob
+
+
+@pytest.mark.parametrize("arch,targets", [("qwen3", "all"), ("qwen3_moe", "attn,experts")])
+def test_peft_adapters_over_the_image_and_text_model(tmp_path, arch, targets):
+    """Adapters exported over a Qwen3-VL base are named where transformers holds its decoder
+    (model.language_model.layers): peft applies them to the image-and-text model with our logits, and they read back
+    into ours unchanged."""
+    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
+    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
+    import jax
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint, lora
+    from areal_jax.models.peft_io import load_peft_adapter, save_peft_adapter
+
+    cfg = testing.tiny_config(arch, rope_theta=1000.0)
+    if arch == "qwen3_moe":
+        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
+    base = tmp_path / "base"
+    _vl_checkpoint(base, cfg, tied=False)
+    model = load_hf_checkpoint(base)
+    lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=targets)
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
+            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=str(base))
+    with open(tmp_path / "adapter" / "adapter_config.json") as fh:
+        config = json.load(fh)
+    assert all("language_model" in p for p in config.get("target_parameters") or ["model.language_model."])
+    tokens = random_tokens(cfg.vocab_size, (2, 24), seed=5)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(hf, out).eval()
+        got = adapted(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    want = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(want - plain).max() > 1e-2  # the adapters matter, so peft found every one of them
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    fresh = load_hf_checkpoint(base)
+    lora.apply_lora(fresh, lcfg, rngs=nnx.Rngs(7))
+    load_peft_adapter(fresh, out)
+    for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

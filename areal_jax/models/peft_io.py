@@ -13,6 +13,10 @@ alpha n * alpha, so its scale stays alpha / r and its update is exactly the part
 
 A mixture of experts' expert adapters (lora.targets "experts") go to transformers' stacked expert parameters through
 PEFT's target_parameters (`peft_experts`).
+
+Over an image-and-text base (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL: `decoder_layers`) transformers holds the
+decoder's layers at model.language_model.layers, so the adapters are named there; a PEFT directory named either way
+loads.
 """
 from __future__ import annotations
 
@@ -136,12 +140,42 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     return tensors
 
 
+# Image-and-text checkpoints (their config.json's model_type) whose decoder transformers holds at
+# model.language_model; "gemma3" is Gemma3ForConditionalGeneration's (the text-only model's is "gemma3_text").
+_WRAPPED = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+_LAYERS, _WRAPPED_LAYERS = "model.layers.", "model.language_model.layers."
+
+
+def decoder_layers(base: str) -> str:
+    """Where transformers holds the decoder's layers in the base model at directory `base`: "model.layers.", or
+    "model.language_model.layers." for an image-and-text checkpoint (and where `base` has no readable config.json,
+    the former)."""
+    try:
+        with open(os.path.join(base, "config.json")) as fh:
+            model_type = json.load(fh).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return _LAYERS
+    return _WRAPPED_LAYERS if model_type in _WRAPPED else _LAYERS
+
+
+def _relocate(obj: Any, old: str, new: str) -> Any:
+    """`obj` (a name, a regex of PEFT's patterns, or a list / dict of them) with the decoder's layers at `new`."""
+    if isinstance(obj, str):
+        return obj.replace(old, new).replace(re.escape(old), re.escape(new))
+    if isinstance(obj, list):
+        return [_relocate(x, old, new) for x in obj]
+    if isinstance(obj, dict):
+        return {_relocate(k, old, new): v for k, v in obj.items()}
+    return obj
+
+
 def save_peft_adapter(model: nnx.Module, cfg: LoRAConfig, path: str | os.PathLike, *,
                       base_model_name_or_path: str = "") -> str:
     """Write the model's adapters as a PEFT LoRA directory at `path`; returns the path.
 
     target_modules lists the short projection names when every layer adapts the same ones, else the full
-    module paths (PEFT matches a list entry against the end of each module name)."""
+    module paths (PEFT matches a list entry against the end of each module name). Over an image-and-text base
+    (`decoder_layers` of base_model_name_or_path) every name is under model.language_model."""
     path = os.fspath(path)
     groups = _groups(model)
     by_layer: dict[int, set[str]] = {}
@@ -164,10 +198,14 @@ def save_peft_adapter(model: nnx.Module, cfg: LoRAConfig, path: str | os.PathLik
     }
     if experts["target_parameters"]:
         config["target_parameters"] = experts["target_parameters"]
+    tensors, layers = peft_tensors(model), decoder_layers(base_model_name_or_path)
+    if layers != _LAYERS:
+        config = {k: _relocate(v, _LAYERS, layers) if k != "base_model_name_or_path" else v for k, v in config.items()}
+        tensors = _relocate(tensors, _LAYERS, layers)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
-    save_file(peft_tensors(model), os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
     return path
 
 
@@ -176,7 +214,7 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
     path = os.fspath(path)
     with open(os.path.join(path, CONFIG_FILE)) as fh:
         config: dict[str, Any] = json.load(fh)
-    tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    tensors = _relocate(load_file(os.path.join(path, WEIGHTS_FILE)), _WRAPPED_LAYERS, _LAYERS)
     saved = peft_tensors(model)  # where each part's rows and rank columns sit in this model's layout
     for _, _, parts in expert_groups(model):
         _check_rank(config, path, parts[0][1].lora_a.shape[-1], parts[0][1].scale)
