@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 from areal_jax.models import Transformer, load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import read_safetensors_dir
+from areal_jax.models.wrapped_export import rewrap
 from areal_jax.testing.hf import hf_logits as _hf_logits
 from areal_jax.testing.hf import random_tokens as _tokens
 from areal_jax.testing.hf import randomize_torch
@@ -163,6 +164,11 @@ def test_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
     text_only = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
     assert type(text_only).__name__ == "Gemma3ForCausalLM"
     np.testing.assert_allclose(_hf_logits(text_only, tokens), ref, atol=1e-4, rtol=0)
+    # and written back into the image-and-text checkpoint (the export program's default), vision tower and all
+    copied = rewrap(tmp_path / "text", tmp_path / "hub", tmp_path / "whole")
+    assert copied and not any("language_model" in n for n in copied)
+    whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "whole", dtype=torch.float32)
+    np.testing.assert_allclose(_hf_logits(whole.eval(), tokens), ref, atol=1e-4, rtol=0)
 
 
 def test_gemma3_bfloat16_compute_stays_close_to_float32(tmp_path):

@@ -175,3 +175,48 @@ def test_peft_adapters_over_the_image_and_text_model(tmp_path, arch, targets):
     load_peft_adapter(fresh, out)
     for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_path, arch):
+    """models.wrapped_export.rewrap: a changed decoder, saved text-only, written back under the source's names (the
+    MoE's experts stacked again): transformers' image-and-text class loads it with our logits, the vision tower's
+    tensors are the source's byte for byte, and the config and processor files are the source's."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    import jax
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
+    from areal_jax.models.wrapped_export import rewrap
+
+    cfg = testing.tiny_config(arch, rope_theta=1000.0)
+    if arch == "qwen3_moe":
+        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
+    base = tmp_path / "base"
+    _vl_checkpoint(base, cfg, tied=False)
+    (base / "preprocessor_config.json").write_text('{"size": 4}')
+    model = load_hf_checkpoint(base)
+    params = nnx.state(model, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(params))))
+    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params))
+    save_hf_checkpoint(model, tmp_path / "decoder")
+    copied = rewrap(tmp_path / "decoder", base, tmp_path / "out")
+
+    source, out = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(out) == sorted(source)  # every source tensor, under its own name
+    assert copied and all(n.startswith("model.visual.") for n in copied)
+    assert sorted(copied) == sorted(n for n in source if n.startswith("model.visual."))
+    for n in copied:
+        np.testing.assert_array_equal(out[n], source[n])
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    assert (tmp_path / "out" / "preprocessor_config.json").read_text() == '{"size": 4}'
+    tokens = random_tokens(cfg.vocab_size, (2, 24), seed=6)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    want = np.asarray(model(jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="not an image-and-text checkpoint"):
+        rewrap(tmp_path / "decoder", tmp_path / "decoder", tmp_path / "again")

@@ -34,6 +34,7 @@ from safetensors.numpy import load_file, save_file
 from areal_jax.models.hf_names import weight_entries
 from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
+from areal_jax.models.wrapped_export import wrapper_type
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -140,22 +141,14 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     return tensors
 
 
-# Image-and-text checkpoints (their config.json's model_type) whose decoder transformers holds at
-# model.language_model; "gemma3" is Gemma3ForConditionalGeneration's (the text-only model's is "gemma3_text").
-_WRAPPED = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 _LAYERS, _WRAPPED_LAYERS = "model.layers.", "model.language_model.layers."
 
 
 def decoder_layers(base: str) -> str:
     """Where transformers holds the decoder's layers in the base model at directory `base`: "model.layers.", or
-    "model.language_model.layers." for an image-and-text checkpoint (and where `base` has no readable config.json,
-    the former)."""
-    try:
-        with open(os.path.join(base, "config.json")) as fh:
-            model_type = json.load(fh).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return _LAYERS
-    return _WRAPPED_LAYERS if model_type in _WRAPPED else _LAYERS
+    "model.language_model.layers." for an image-and-text checkpoint (`wrapped_export.wrapper_type`; and where `base`
+    has no readable config.json, the former)."""
+    return _WRAPPED_LAYERS if base and wrapper_type(base) else _LAYERS
 
 
 def _relocate(obj: Any, old: str, new: str) -> Any:

@@ -5,7 +5,7 @@ Qwen3-MoE's files hold `mlp.experts.{j}.gate_proj.weight` [F, D], `up_proj` [F, 
 expert j. Qwen3-VL-MoE's hold `mlp.experts.gate_up_proj` [E, D, 2F] (each expert's gate in its first F columns, its
 up projection in the last F) and `mlp.experts.down_proj` [E, F, D]. The checkpoint reader answers the per-expert
 names from the stacked tensors (`source`, `shape`, `take`), so the model's weight names stay Qwen3-MoE's and saving
-writes those.
+writes those; `stack` builds a stacked tensor again from them (models.wrapped_export).
 """
 from __future__ import annotations
 
@@ -43,3 +43,16 @@ def take(part: str, expert: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(expert.T)
     half = expert.shape[1] // 2
     return np.ascontiguousarray((expert[:, :half] if part == "gate" else expert[:, half:]).T)
+
+
+def stack(parts: dict[tuple[int, str], np.ndarray]) -> np.ndarray:
+    """The stacked tensor from every expert's per-expert tensors, {(expert, part): tensor}: gate_up_proj
+    [E, D, 2F] from the gate and up ones ([F, D] each), or down_proj [E, F, D] from the down ones ([D, F])."""
+    experts = sorted({j for j, _ in parts})
+    if experts != list(range(len(experts))):
+        raise ValueError(f"The per-expert tensors cover experts {experts}, not 0..{len(experts) - 1}.")
+    if all(part == "down" for _, part in parts):
+        out = np.stack([parts[(j, "down")].T for j in experts])
+    else:
+        out = np.stack([np.concatenate([parts[(j, "gate")].T, parts[(j, "up")].T], axis=1) for j in experts])
+    return np.ascontiguousarray(out)  # np.stack keeps the transposes' strides; safetensors writes the raw buffer

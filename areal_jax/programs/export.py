@@ -69,11 +69,15 @@ def restore_policy(run_dir: str, step: int | None = None) -> tuple[Any, JobConfi
     return model, config, chosen
 
 
-def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged") -> str:
+def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str = "merged",
+                  text_only: bool = False) -> str:
     """Restore checkpoint `step` (default: latest) of `run_dir` and save it as an HF directory.
 
     fmt "merged": the full model (a LoRA run's adapters folded into the base); "peft": a LoRA run's
-    adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+    adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors). A run that started from an
+    image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL) exports, merged, that checkpoint
+    with its trained text decoder (`models.wrapped_export.rewrap`: the vision tower copied from it), or with
+    `text_only` the decoder alone as a text model."""
     from areal_jax.models import save_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 
@@ -94,7 +98,17 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
             from areal_jax.models.lora import merged_model
 
             model = merged_model(model, lora_cfg.scale, config.model.storage_dtype)
-        save_hf_checkpoint(model, out_dir)
+        from areal_jax.models.wrapped_export import rewrap, wrapper_type
+
+        if text_only or not wrapper_type(config.model.path):
+            save_hf_checkpoint(model, out_dir)
+        else:
+            import tempfile
+
+            os.makedirs(os.path.abspath(out_dir), exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_dir))) as decoder:
+                save_hf_checkpoint(model, decoder)
+                rewrap(decoder, config.model.path, out_dir)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
     return out_dir
 
@@ -108,8 +122,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--format", choices=("merged", "peft"), default="merged",
                         help="merged: full HF model (LoRA adapters folded in); peft: a LoRA run's adapters only")
+    parser.add_argument("--text_only", action="store_true",
+                        help="from an image-and-text checkpoint: the trained text decoder alone, as a text model "
+                             "(default: the image-and-text checkpoint with its vision tower)")
     args = parser.parse_args(argv)
-    print(export_policy(args.run_dir, args.out, args.step, args.format))
+    print(export_policy(args.run_dir, args.out, args.step, args.format, args.text_only))
 
 
 if __name__ == "__main__":
