@@ -224,15 +224,10 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
-    # saved text-only (channels regrouped back), then written back into the image-and-text checkpoint
-    from areal_jax.models import save_hf_checkpoint
-    from areal_jax.models.wrapped_export import rewrap
+    # saved text-only, then written back into the image-and-text checkpoint (the export program's default)
+    from areal_jax.testing.hf import rewrapped_logits
 
-    save_hf_checkpoint(ours, tmp_path / "text")
-    assert rewrap(tmp_path / "text", tmp_path, tmp_path / "whole")  # the vision tower's tensors copied
-    whole = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "whole", dtype=torch.float32)
-    with torch.no_grad():
-        again = whole.eval()(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    again = rewrapped_logits(ours, tmp_path, tmp_path / "export", transformers.Qwen3_5ForConditionalGeneration, tokens)
     np.testing.assert_allclose(again, want, atol=1e-4, rtol=0)
 
 

@@ -24,6 +24,12 @@ VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_
               temporal_patch_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
 
 
+def _tiny(arch: str, tied: bool = False) -> ModelConfig:
+    """The tiny qwen3 / qwen3_moe config these tests wrap (experts 24 wide, so that no axis of theirs is square)."""
+    cfg = dataclasses.replace(testing.tiny_config(arch, rope_theta=1000.0), tie_word_embeddings=tied)
+    return dataclasses.replace(cfg, moe_intermediate_size=24) if arch == "qwen3_moe" else cfg
+
+
 def _vl_checkpoint(path, cfg: ModelConfig, tied: bool):
     """transformers' Qwen3-VL (Qwen3-VL-MoE for a qwen3_moe `cfg`) with `cfg` as its text decoder (multimodal RoPE
     sections over the head's frequencies), random weights, saved to `path`; returns the torch model."""
@@ -69,14 +75,12 @@ def _vl_checkpoint(path, cfg: ModelConfig, tied: bool):
 def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, arch, tied):
     """Text-only logits equal transformers' Qwen3-VL's (its three RoPE indices equal for text tokens), the vision tower
     and deepstack mergers stay on disk, and the outer file's tie_word_embeddings decides the output matrix; the MoE's
-    stacked experts read as Qwen3-MoE's per-expert tensors (experts 24 wide, so that no axis of theirs is square)."""
+    stacked experts read as Qwen3-MoE's per-expert tensors."""
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
     from areal_jax.models import load_hf_checkpoint
 
-    cfg = dataclasses.replace(testing.tiny_config(arch, rope_theta=1000.0), tie_word_embeddings=tied)
-    if arch == "qwen3_moe":
-        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
+    cfg = _tiny(arch, tied)
     hf = _vl_checkpoint(tmp_path, cfg, tied)
     from safetensors import safe_open
 
@@ -146,10 +150,7 @@ def test_peft_adapters_over_the_image_and_text_model(tmp_path, arch, targets):
     from areal_jax.models import load_hf_checkpoint, lora
     from areal_jax.models.peft_io import load_peft_adapter, save_peft_adapter
 
-    cfg = testing.tiny_config(arch, rope_theta=1000.0)
-    if arch == "qwen3_moe":
-        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
-    base = tmp_path / "base"
+    cfg, base = _tiny(arch), tmp_path / "base"
     _vl_checkpoint(base, cfg, tied=False)
     model = load_hf_checkpoint(base)
     lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=targets)
@@ -191,10 +192,7 @@ def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_pa
     from areal_jax.models import load_hf_checkpoint, save_hf_checkpoint
     from areal_jax.models.wrapped_export import rewrap
 
-    cfg = testing.tiny_config(arch, rope_theta=1000.0)
-    if arch == "qwen3_moe":
-        cfg = dataclasses.replace(cfg, moe_intermediate_size=24)
-    base = tmp_path / "base"
+    cfg, base = _tiny(arch), tmp_path / "base"
     _vl_checkpoint(base, cfg, tied=False)
     (base / "preprocessor_config.json").write_text('{"size": 4}')
     model = load_hf_checkpoint(base)

@@ -1,6 +1,8 @@
 """Helpers of the HF transformers parity tests (PyTorch is imported on use): random O(1) weights, logits, tokens."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 
@@ -80,3 +82,19 @@ def assert_parity_and_round_trips(tmp_path, cfg, hf, tokens, attentions=("dense"
     assert type(again) is type(hf)
     np.testing.assert_array_equal(hf_logits(again, tokens), ref)
     return ours
+
+
+def rewrapped_logits(model, source_dir, work_dir, hf_class, tokens) -> np.ndarray:
+    """`model` (the text decoder of the image-and-text checkpoint at `source_dir`) saved text-only and written back
+    into that checkpoint under `work_dir` (models.wrapped_export.rewrap, as the export program does); the logits of
+    transformers' `hf_class` loaded from the result, on `tokens`."""
+    import torch
+
+    from areal_jax.models import save_hf_checkpoint
+    from areal_jax.models.wrapped_export import rewrap
+
+    save_hf_checkpoint(model, os.path.join(work_dir, "text"))
+    copied = rewrap(os.path.join(work_dir, "text"), source_dir, os.path.join(work_dir, "whole"))
+    assert copied, "the image-and-text checkpoint had no tensors outside its text decoder"
+    whole = hf_class.from_pretrained(os.path.join(work_dir, "whole"), dtype=torch.float32).eval()
+    return hf_logits(whole, tokens)
