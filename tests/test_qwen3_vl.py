@@ -218,3 +218,37 @@ def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_pa
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="not an image-and-text checkpoint"):
         rewrap(tmp_path / "decoder", tmp_path / "decoder", tmp_path / "again")
+
+
+def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path):
+    """HFExporter with the run's source (as the job passes model.path): RUN/hf/step_N is the image-and-text checkpoint
+    with the decoder of that step, loaded by transformers' class with our logits, the tokenizer beside it."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    import jax
+    from flax import nnx
+
+    from areal_jax.checkpoint import CheckpointConfig
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.system.hf_export import HFExporter
+
+    class Tok:
+        def save_pretrained(self, directory):
+            (tmp_path / directory / "tokenizer.json").write_text("{}")
+
+    cfg, base = _tiny("qwen3"), tmp_path / "base"
+    _vl_checkpoint(base, cfg, tied=False)
+    model = load_hf_checkpoint(base)
+    nnx.update(model, jax.tree.map(lambda x: 1.1 * x, nnx.state(model, nnx.Param)))
+    exporter = HFExporter(tmp_path / "run", Tok(), CheckpointConfig(hf_every_steps=1), log=lambda *a: None,
+                          source=str(base))
+    exporter.export(model, 1)
+    exporter.close()
+    step = tmp_path / "run" / "hf" / "step_1"
+    assert exporter.written == [1] and (step / "tokenizer.json").exists()
+    tokens = random_tokens(cfg.vocab_size, (2, 16), seed=8)
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(step, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(tokens))), atol=1e-4, rtol=0)
+    assert not any(p.name.endswith(".decoder") for p in (tmp_path / "run" / "hf").iterdir())  # the text-only stage

@@ -1,7 +1,8 @@
 """The policy as HF directories during a run (`checkpoint.hf_every_steps`).
 
 RUN_DIR/hf/step_N holds config.json, the safetensors file(s) and the tokenizer files: transformers (and the
-tools built on it: vLLM, lm-eval) load it while training goes on. A LoRA run's adapters are merged into the base.
+tools built on it: vLLM, lm-eval) load it while training goes on. A LoRA run's adapters are merged into the base. A
+run from an image-and-text checkpoint exports that checkpoint with its trained text decoder (`wrapped_export`).
 
 The trainer's thread only copies the weights to the host (`models.hf_io.host_checkpoint`; every process takes
 part in gathering sharded arrays, process 0 writes). A background thread writes the files into a hidden
@@ -28,6 +29,7 @@ from flax import nnx
 from areal_jax import paths
 from areal_jax.checkpoint import CheckpointConfig, available_host_bytes
 from areal_jax.models.hf_io import host_checkpoint, save_hf_checkpoint
+from areal_jax.models.wrapped_export import rewrap, wrapper_type
 
 MAX_SHARD_BYTES = 5 * 2**30  # safetensors files of at most 5 GiB, as the hub's checkpoints
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -37,13 +39,17 @@ class HFExporter:
     """Writes RUN_DIR/hf/step_N directories; `due(step)` says when, `export(model, step)` writes one."""
 
     def __init__(self, run_dir: paths.PathLike, tokenizer: Any, config: CheckpointConfig, *,
-                 lora_scale: float | None = None, log: Callable[[str], None] = print, memory_margin: float = 1.5):
+                 lora_scale: float | None = None, log: Callable[[str], None] = print, memory_margin: float = 1.5,
+                 source: str | None = None):
         """config: the job's `checkpoint` section (hf_every_steps, hf_keep, hf_dtype); tokenizer: what is saved
         beside the weights (`save_pretrained`); lora_scale: a LoRA run's alpha / rank (its adapters are merged);
-        memory_margin: host memory needed for a background export, in copies of the weights."""
+        memory_margin: host memory needed for a background export, in copies of the weights; source: the checkpoint
+        the run started from: an image-and-text one is exported whole, its trained decoder written back into it
+        (`models.wrapped_export.rewrap`)."""
         self.every, self.keep, self.log = config.hf_every_steps, config.hf_keep, log
         self.dtype = None if config.hf_dtype == "auto" else jnp.dtype(config.hf_dtype)
         self.tokenizer, self.lora_scale, self.memory_margin = tokenizer, lora_scale, memory_margin
+        self.source = source if source and wrapper_type(source) else None
         self.primary = jax.process_index() == 0
         self.root = paths.join(run_dir, "hf")
         self._dir = paths.MirroredDir(self.root) if self.primary and self.every else None
@@ -104,7 +110,16 @@ class HFExporter:
         final = os.path.join(self._dir.local, f"step_{step}")
         try:
             shutil.rmtree(partial, ignore_errors=True)
-            write_weights(partial)
+            if self.source is None:
+                write_weights(partial)
+            else:  # the decoder text-only, then written back into the image-and-text checkpoint
+                decoder = partial + ".decoder"
+                shutil.rmtree(decoder, ignore_errors=True)
+                try:
+                    write_weights(decoder)
+                    rewrap(decoder, self.source, partial, MAX_SHARD_BYTES)
+                finally:
+                    shutil.rmtree(decoder, ignore_errors=True)
             self.tokenizer.save_pretrained(partial)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)

@@ -155,7 +155,7 @@ class RLJob:
         self.checkpointer = Checkpointer(c.run_dir, keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
                                          on_written=self._checkpoint_written, log=log_fn)  # every host's own
         close_later.callback(self.checkpointer.close)
-        self.hf_export = HFExporter(c.run_dir, self.tokenizer, c.checkpoint, log=log_fn,
+        self.hf_export = HFExporter(c.run_dir, self.tokenizer, c.checkpoint, log=log_fn, source=c.model.path,
                                     lora_scale=None if lora_cfg is None else lora_cfg.scale)
         close_later.callback(self.hf_export.close)
         self.sample_log = runner.SampleLog(c.run_dir)  # one file per process when there are several
