@@ -37,6 +37,9 @@ def test_kv_cache_decode_matches_full_forward(arch):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, total)), jnp.int32)
     ones = jnp.ones((2, total), jnp.int32)
     ref = full(state, tokens, jnp.broadcast_to(jnp.arange(total), (2, total)), ones)
+    # float32 against float32 in another order: within a few units of rounding of the largest logit (the Gated DeltaNet
+    # models' logits reach 7-9, their chunked rule against its token recurrence 5e-6 to 1.4e-5 apart)
+    atol = max(1e-5, 3e-6 * float(jnp.abs(ref).max()))
 
     # Prefill a padded bucket: row 0 has a 3-token prompt, row 1 a 6-token prompt; the tail is junk.
     lengths = np.array([3, 6])
@@ -49,7 +52,7 @@ def test_kv_cache_decode_matches_full_forward(arch):
         positions = np.where(positions < lengths[:, None], positions, -1)
     logits, cache = cached(state, jnp.asarray(prompt), jnp.asarray(positions, jnp.int32), cache)
     for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits[b, :n], ref[b, :n], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(logits[b, :n], ref[b, :n], atol=atol, rtol=0)
 
     # Token-by-token decode, each row at its own position.
     pos = lengths.copy()
@@ -59,7 +62,7 @@ def test_kv_cache_decode_matches_full_forward(arch):
         logits, cache = cached(state, jnp.asarray(step_tok), jnp.asarray(step_pos[:, None], jnp.int32), cache)
         for b in range(2):
             if pos[b] < total:
-                np.testing.assert_allclose(logits[b, 0], ref[b, pos[b]], atol=1e-5, rtol=0)
+                np.testing.assert_allclose(logits[b, 0], ref[b, pos[b]], atol=atol, rtol=0)
         pos += 1
     assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.num_layers
     heads, k_dim, v_dim = cache_layout(cfg)  # latent attention caches its latent: keys only
