@@ -218,11 +218,20 @@ def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_pa
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="not an image-and-text checkpoint"):
         rewrap(tmp_path / "decoder", tmp_path / "decoder", tmp_path / "again")
+    # the same from the tensors in memory (a HostCheckpoint's), without the text-only directory
+    from areal_jax.models.hf_io import read_safetensors_dir
+
+    assert rewrap(read_safetensors_dir(tmp_path / "decoder"), base, tmp_path / "held") == copied
+    held = load_file(str(tmp_path / "held" / "model.safetensors"))
+    assert sorted(held) == sorted(out) and all(np.array_equal(held[n], out[n]) for n in out)
 
 
-def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path):
+@pytest.mark.parametrize("short_of_memory", [False, True])
+def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path, monkeypatch, short_of_memory):
     """HFExporter with the run's source (as the job passes model.path): RUN/hf/step_N is the image-and-text checkpoint
-    with the decoder of that step, loaded by transformers' class with our logits, the tokenizer beside it."""
+    with the decoder of that step, loaded by transformers' class with our logits, the tokenizer beside it; written
+    from the host snapshot in the background, or (the host short of memory) through a text-only directory by the
+    trainer's thread."""
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
     import jax
@@ -230,6 +239,7 @@ def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path):
 
     from areal_jax.checkpoint import CheckpointConfig
     from areal_jax.models import load_hf_checkpoint
+    from areal_jax.system import hf_export
     from areal_jax.system.hf_export import HFExporter
 
     class Tok:
@@ -240,12 +250,15 @@ def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path):
     _vl_checkpoint(base, cfg, tied=False)
     model = load_hf_checkpoint(base)
     nnx.update(model, jax.tree.map(lambda x: 1.1 * x, nnx.state(model, nnx.Param)))
+    if short_of_memory:
+        monkeypatch.setattr(hf_export, "available_host_bytes", lambda: 1024)
     exporter = HFExporter(tmp_path / "run", Tok(), CheckpointConfig(hf_every_steps=1), log=lambda *a: None,
                           source=str(base))
     exporter.export(model, 1)
     exporter.close()
     step = tmp_path / "run" / "hf" / "step_1"
-    assert exporter.written == [1] and (step / "tokenizer.json").exists()
+    assert exporter.written == [1] and (step / "tokenizer.json").exists() and exporter.failures == 0
+    assert exporter.blocking == int(short_of_memory)
     tokens = random_tokens(cfg.vocab_size, (2, 16), seed=8)
     hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(step, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -38,14 +38,29 @@ def wrapper_type(source_dir: str | os.PathLike) -> str | None:
     return model_type if model_type in WRAPPED else None
 
 
-def rewrap(text_dir: str | os.PathLike, source_dir: str | os.PathLike, out_dir: str | os.PathLike,
-           max_shard_size: int | None = None) -> list[str]:
+class _Held:
+    """Text-only tensors held in memory ({HF name: array}, a HostCheckpoint's), read as `_Reader` reads a directory."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]):
+        self.tensors = tensors
+        self.weight_map = dict.fromkeys(tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def nbytes(self, name: str) -> int:
+        return int(self.tensors[name].nbytes)
+
+
+def rewrap(text: str | os.PathLike | Mapping[str, np.ndarray], source_dir: str | os.PathLike,
+           out_dir: str | os.PathLike, max_shard_size: int | None = None) -> list[str]:
     """Write at `out_dir` the image-and-text checkpoint at `source_dir` with its text decoder's tensors taken from
-    the text-only checkpoint at `text_dir` (as save_hf_checkpoint writes it). Returns the names of the source tensors
+    `text`: the text-only checkpoint directory save_hf_checkpoint writes, or its tensors in memory ({HF name: array},
+    a HostCheckpoint's, which spares writing and reading them once more). Returns the names of the source tensors
     copied unchanged (the vision tower's and the projector's)."""
     from areal_jax.models.hf_io import _Reader, _write_files
 
-    source_dir, text_dir, out_dir = os.fspath(source_dir), os.fspath(text_dir), os.fspath(out_dir)
+    source_dir, out_dir = os.fspath(source_dir), os.fspath(out_dir)
     with open(os.path.join(source_dir, "config.json")) as fh:
         config = json.load(fh)
     if wrapper_type(source_dir) is None:
@@ -54,7 +69,12 @@ def rewrap(text_dir: str | os.PathLike, source_dir: str | os.PathLike, out_dir: 
     if config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"):
         raise ValueError(f"{source_dir!r} is quantized (quantization_config); its trained decoder is exported "
                          "unquantized, which its config does not describe. Export the text-only model instead.")
-    src, text = _Reader(source_dir), _Reader(text_dir)
+    src = _Reader(source_dir)
+    if isinstance(text, Mapping):
+        text = _Held(text)
+    else:
+        text = _Reader(os.fspath(text))
+        text.nbytes = lambda n: _nbytes(text._handle(n).get_slice(text.names[n]))
     taken: dict[str, Any] = {}  # source name -> the text tensor(s) that replace it
     for name in text.weight_map:
         if name in src.names:
@@ -80,8 +100,7 @@ def rewrap(text_dir: str | os.PathLike, source_dir: str | os.PathLike, out_dir: 
         got = taken.get(names[i])
         if got is None:
             return _nbytes(src._handle(names[i]).get_slice(names[i]))
-        return sum(_nbytes(text._handle(n).get_slice(text.names[n])) for n in ([got] if isinstance(got, str) else
-                                                                                 got.values()))
+        return sum(text.nbytes(n) for n in ([got] if isinstance(got, str) else got.values()))
 
     _write_files(out_dir, config, names, [size(i) for i in range(len(names))], tensor, True, max_shard_size)
     for f in sorted(os.listdir(source_dir)):  # the processor's files (preprocessor, chat template, generation)

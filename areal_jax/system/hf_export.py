@@ -97,11 +97,19 @@ class HFExporter:
         self.held_s += time.perf_counter() - start
         if not self.primary:
             return
+        def write(path: str) -> None:  # the whole directory: an image-and-text one straight from the snapshot
+            if self.source is None:
+                snapshot.write(path, MAX_SHARD_BYTES)
+            else:
+                rewrap(dict(zip(snapshot.names, snapshot.tensors)), self.source, path, MAX_SHARD_BYTES)
+
         self._thread = threading.Thread(target=self._write, name=f"hf-export-{step}", daemon=True,
-                                        args=(step, lambda path: snapshot.write(path, MAX_SHARD_BYTES)))
+                                        args=(step, write, True))
         self._thread.start()
 
-    def _write(self, step: int, write_weights: Callable[[str], None]) -> None:
+    def _write(self, step: int, write_weights: Callable[[str], None], whole: bool = False) -> None:
+        """Writes hf/step_`step` with `write_weights(directory)`: the model's own checkpoint, which is written back
+        into the source's image-and-text one when there is a source, or with `whole` the directory as it is."""
         start = time.perf_counter()
         if not self.primary:
             write_weights(os.devnull)  # the gathers need every process; only process 0 writes files
@@ -110,7 +118,7 @@ class HFExporter:
         final = os.path.join(self._dir.local, f"step_{step}")
         try:
             shutil.rmtree(partial, ignore_errors=True)
-            if self.source is None:
+            if self.source is None or whole:
                 write_weights(partial)
             else:  # the decoder text-only, then written back into the image-and-text checkpoint
                 decoder = partial + ".decoder"
