@@ -17,11 +17,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from areal_jax.models import stacked_experts
+from areal_jax.models import ministral3, qwen3_5, qwen3_vl, stacked_experts
 
-# Image-and-text checkpoints (their config.json's model_type) whose text decoder a job trains; "gemma3" is
-# Gemma3ForConditionalGeneration's (the text-only model's is "gemma3_text").
-WRAPPED = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# Image-and-text checkpoints (their config.json's model_type) whose text decoder a job trains, as the family modules
+# name them; "gemma3" is Gemma3ForConditionalGeneration's (the text-only model's is "gemma3_text").
+WRAPPED = ("gemma3", ministral3.WRAPPER, *qwen3_5.WRAPPERS, qwen3_vl.WRAPPER, qwen3_vl.MOE_WRAPPER)
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
           "F8_E4M3": 1, "F8_E5M2": 1}
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
