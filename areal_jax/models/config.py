@@ -15,7 +15,8 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe")
+                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
+                     "phimoe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  *MOE_ARCHITECTURES)
@@ -23,16 +24,6 @@ MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"),
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention",
                                                                                    "linear_attention")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _to_dtype(value: Any, field: str) -> np.dtype:
-    try:
-        dt = jnp.dtype(value)
-    except TypeError as err:
-        raise ValueError(f"ModelConfig.{field}={value!r} is not a dtype; use jnp.float32 or jnp.bfloat16.") from err
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"ModelConfig.{field}={dt} is not supported; use float32, bfloat16 or float16.")
-    return dt
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -61,7 +52,8 @@ class ModelConfig:
       (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
       interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
       "exaone_moe" (EXAONE 4's attention in Llama's layer; V3's experts), "hunyuan_v1_dense" / "hunyuan_v1_moe"
-      (Llama's, per-head q/k norm after RoPE; softmax experts, a shared MLP), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate), "qwen3_5_text" (Qwen3.5: Gated DeltaNet
+      (Llama's, per-head q/k norm after RoPE; softmax experts, a shared MLP), "phimoe" (LayerNorms, biases; Mixtral's
+      experts under the sparsemixer router), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate), "qwen3_5_text" (Qwen3.5: Gated DeltaNet
       layers, `linear`, between gated attention; norms 1 + w), "qwen3_5_moe_text" / "qwen3_next" (its layers with
       Qwen2-MoE's experts and gated shared expert; Qwen3-Next's fused on disk), "ministral3" (queries scaled by position).
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
@@ -103,10 +95,11 @@ class ModelConfig:
       (router_groups=(n_group, topk_group), a group ranked by the sum of its two best scores with sigmoid scores, by
       its best with softmax ones: `routing.Scoring`); a per-expert bias
       `router_score_bias` [E] added to the scores for picking only (never trained: no gradient reaches it); the
-      weights (the picked scores, renormalised with norm_topk_prob) times routed_scaling_factor.
+      weights (the picked scores, renormalised with norm_topk_prob) times routed_scaling_factor. "sparsemixer":
+      PhiMoE's picks and weights (`routing.sparsemixer`), router_jitter its relative margin. lm_head_bias: a bias on
+      the output logits (PhiMoE).
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
-    mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope).
-    linear: None, or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet.
+    mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope). linear: None, or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet.
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
@@ -167,6 +160,8 @@ class ModelConfig:
     router_groups: tuple[int, int] | None = None
     router_score_bias: bool = False
     routed_scaling_factor: float = 1.0
+    router_jitter: float = 0.01
+    lm_head_bias: bool = False
     shared_expert_gated: bool = True
     mla: checks.MLA | None = None
     linear: checks.LinearAttention | None = None
@@ -192,8 +187,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float, np.floating)) and value > 0):
                 raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}.")
-        object.__setattr__(self, "dtype", _to_dtype(self.dtype, "dtype"))
-        object.__setattr__(self, "param_dtype", _to_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "dtype", checks.to_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", checks.to_dtype(self.param_dtype, "param_dtype"))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
@@ -289,6 +284,11 @@ class ModelConfig:
     def norm_offset(self) -> bool:
         """Whether RMSNorms scale by 1 + w (weights stored as the offset from one): Gemma's and Qwen3.5's."""
         return self.gemma or self.gated_attention
+
+    @property
+    def layer_norm(self) -> bool:
+        """Whether the norms are LayerNorms (mean removed; a scale and a bias) rather than RMSNorms (PhiMoE)."""
+        return self.architecture == "phimoe"
 
     @property
     def gated_attention(self) -> bool:

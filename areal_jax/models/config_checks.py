@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -92,7 +93,18 @@ def check_rotary(cfg) -> None:
         raise ValueError(f"ModelConfig.rope_interleave must be True or False, got {cfg.rope_interleave!r}.")
 
 
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+
+
+def to_dtype(value, field: str) -> np.dtype:
+    """ModelConfig's `field` as a numpy dtype: float32, bfloat16 or float16, else a ValueError naming it."""
+    try:
+        dt = jnp.dtype(value)
+    except TypeError as err:
+        raise ValueError(f"ModelConfig.{field}={value!r} is not a dtype; use jnp.float32 or jnp.bfloat16.") from err
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"ModelConfig.{field}={dt} is not supported; use float32, bfloat16 or float16.")
+    return dt
 
 
 def check_routing(cfg) -> None:
@@ -112,6 +124,14 @@ def check_routing(cfg) -> None:
             raise ValueError(f"ModelConfig.router_groups=(n_group, topk_group) must split num_experts={e} into "
                              f"n_group groups of at least 2 and keep topk_group <= n_group groups holding at least "
                              f"num_experts_per_tok={cfg.num_experts_per_tok} experts; got {cfg.router_groups!r}.")
+    jitter = cfg.router_jitter
+    if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or not 0 <= jitter < 0.5:
+        raise ValueError(f"ModelConfig.router_jitter (sparsemixer's relative margin) must lie in [0, 0.5), got {jitter!r}.")
+    if cfg.router_scoring == "sparsemixer" and (cfg.router_groups is not None or cfg.router_score_bias or cfg.norm_topk_prob):
+        raise ValueError("router_scoring='sparsemixer' picks and weighs on its own: set router_groups=None, "
+                         "router_score_bias=False and norm_topk_prob=False.")
+    if cfg.lm_head_bias and cfg.tie_word_embeddings:
+        raise ValueError("lm_head_bias needs an output matrix of its own; set tie_word_embeddings=False.")
     own = (cfg.router_scoring != "softmax" or cfg.router_groups is not None or cfg.router_score_bias
            or factor != 1.0)
     if own and not cfg.num_experts:

@@ -144,7 +144,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 def check_hf(cfg: Any) -> None:
     """Refuses a config that transformers' class of its model type (or, for DeepSeek's own fields, any other family)
     would not load as it is; the error names the fields to change."""
-    own = dict(mla=cfg.mla is not None, router_scoring=cfg.router_scoring != "softmax",
+    own = dict(mla=cfg.mla is not None, router_scoring=cfg.router_scoring == "sigmoid",  # (PhiMoE's: models/phimoe.py)
                router_groups=cfg.router_groups is not None, router_score_bias=cfg.router_score_bias,
                routed_scaling_factor=cfg.routed_scaling_factor != 1.0, shared_expert_gated=not cfg.shared_expert_gated)
     arch = cfg.architecture

@@ -125,7 +125,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
         if not cfg.olmo:
-            entries.append(_Entry(p + ("input_norm", "scale"), f"{hf}.input_layernorm.weight", "same"))
+            entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
         if linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
@@ -146,7 +146,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
                 entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
         post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
             if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-        entries.append(_Entry(p + ("post_attn_norm", "scale"), f"{hf}.{post_attn}.weight", "same"))
+        entries.extend(_norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}"))
         if cfg.sandwich_norms:
             entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
         if cfg.sandwich_norms or cfg.olmo:
@@ -166,10 +166,18 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("attn", "o_bias"), f"{hf}.self_attn.o_proj.bias", "same"))
         if cfg.attention_sinks:
             entries.append(_Entry(p + ("attn", "sinks"), f"{hf}.self_attn.sinks", "same"))
-    entries.append(_Entry(("final_norm", "scale"), "model.norm.weight", "same"))
+    entries.extend(_norm_entries(cfg, ("final_norm",), "model.norm"))
     if not cfg.tie_word_embeddings:
         entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
+    if cfg.lm_head_bias:
+        entries.append(_Entry(("lm_head_bias",), "lm_head.bias", "same"))
     return entries
+
+
+def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A decoder-wide norm's scale (HF's weight), and its bias where the norms are LayerNorms (PhiMoE)."""
+    out = [_Entry(path + ("scale",), f"{hf}.weight", "same")]
+    return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.layer_norm else out
 
 
 def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
@@ -191,7 +199,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                 _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
                 _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
                 _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last")]
-    if cfg.architecture in ("mixtral", "minimax_m2"):
+    if cfg.architecture in ("mixtral", "minimax_m2", "phimoe"):
         base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
         base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

@@ -58,6 +58,29 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
+class LayerNorm(nnx.Module):
+    """Layer norm over the last axis (mean removed, then divided by the standard deviation), a learned scale and
+    bias (ones and zeros at first): PhiMoE's. Normalises in float32 and returns x's dtype."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype):
+        self.eps = eps
+        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
+    """A norm over the hidden size of the model's kind: `LayerNorm` where `ModelConfig.layer_norm`, else `RMSNorm`."""
+    if cfg.layer_norm:
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset)
+
+
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     """Gemma 2's soft-capping, cap * tanh(x / cap), of float32 scores or logits; x itself when cap is None."""
     return x if cap is None else jnp.tanh(x / np.float32(cap)) * np.float32(cap)
@@ -233,8 +256,8 @@ class DecoderLayer(nnx.Module):
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
 
-        def norm() -> RMSNorm:
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset)
+        def norm() -> RMSNorm | LayerNorm:
+            return make_norm(cfg)
 
         self.input_norm = None if cfg.olmo else norm()
         self.linear_attn = GatedDeltaNet(cfg, rngs=rngs) if linear else None

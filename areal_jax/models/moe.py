@@ -79,7 +79,8 @@ class MoE(nnx.Module):
         self.renormalize = cfg.norm_topk_prob
         self.impl = cfg.moe_impl
         self.expert_parallel, self.ring = cfg.expert_parallel, cfg.expert_dispatch == "ring"
-        self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor))
+        self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor),
+                                       float(cfg.router_jitter))
         self.router = make_param(rngs, (d, e), ("embed", None), pdt)
         # float32 whatever param_dtype: its small differences between experts decide picks
         self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") if cfg.router_score_bias else None
@@ -160,7 +161,7 @@ class MoE(nnx.Module):
                 weights, chosen = route(logits, k, renormalize, scoring, score_bias)
             else:
                 chosen = given
-                weights = routing.weights_of(routing.scores_of(logits, scoring), chosen, renormalize, scoring)
+                weights = routing.replay_weights(logits, chosen, renormalize, scoring)
             run = functools.partial(ring_dispatch if self.ring else dispatch, path, shards=ep) if ep > 1 else path
             out = run(h, gate, up, down, weights, chosen, glu(*self.swiglu), (gate_bias, up_bias))
             out = jax.lax.psum(out, TENSOR_AXIS) if by_width else out  # each width shard's share of down

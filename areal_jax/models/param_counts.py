@@ -47,7 +47,8 @@ def num_params(cfg: Any) -> int:
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
     if cfg.gated_attention:  # q_proj's output gate
         attn += d * h * hd
-    layer = attn + (4 if cfg.sandwich_norms else 2) * d
+    norm = d * (2 if cfg.layer_norm else 1)  # a LayerNorm's bias besides its scale
+    layer = attn + (4 if cfg.sandwich_norms else 2) * norm
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
     mixers = (cfg.num_layers - linear) * attn + (linear * sum(linear_attention_weights(cfg)) if linear else 0)
     shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
@@ -56,7 +57,7 @@ def num_params(cfg: Any) -> int:
     ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else mlp_matrices(cfg) * d * f for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
-    return mixers + cfg.num_layers * (layer - attn) + ffn + emb + d
+    return mixers + cfg.num_layers * (layer - attn) + ffn + emb + norm + (cfg.vocab_size if cfg.lm_head_bias else 0)
 
 
 def matmul_params_per_token(cfg: Any) -> int:

@@ -97,11 +97,14 @@ def _yarn_inv_freq(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
 def rope_attention_scale(cfg: ModelConfig, table: str = "global") -> float:
     """The factor cos and sin are multiplied by: 1, or with YaRN its attention_factor (by default
     0.1 ln(factor) + 1, or the ratio of the mscale / mscale_all_dim forms when both are given), with LongRoPE
-    its attention_factor (by default sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
+    its attention_factor (by default sqrt(1 + ln(factor) / ln(original_max_position_embeddings))), or PhiMoE's
+    short_mscale / long_mscale (the one of the factors in use) where the scaling has them."""
     s = cfg.rope_scaling
     if s is None or s.get("rope_type") not in ("yarn", "longrope") or (table == "local" and
                                                                        cfg.rope_local_theta is not None):
         return 1.0
+    if s["rope_type"] == "longrope" and "short_mscale" in s:
+        return float(s["long_mscale" if s.get("use_long_factor") else "short_mscale"])
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     factor = float(s["factor"])

@@ -11,14 +11,17 @@ import jax.numpy as jnp
 class Scoring(NamedTuple):
     """How a router turns logits into picks and weights beyond top-k (`ModelConfig`'s router fields): "softmax" or
     "sigmoid" scores; groups (n_group, topk_group) or None, a group ranked by the sum of its two best scores with
-    sigmoid scores (DeepSeek-V3) and by its best score with softmax ones (DeepSeek-V2); the weights' factor."""
+    sigmoid scores (DeepSeek-V3) and by its best score with softmax ones (DeepSeek-V2); the weights' factor;
+    "sparsemixer" (PhiMoE: `sparsemixer`) and its relative margin `jitter`."""
     scoring: str = "softmax"
     groups: tuple[int, int] | None = None
     scale: float = 1.0
+    jitter: float = 0.01
 
 
 def scores_of(logits: jax.Array, scoring: Scoring) -> jax.Array:
-    """float32 [N, E] per-expert scores of router logits: the softmax over the experts, or each one's sigmoid."""
+    """float32 [N, E] per-expert scores of router logits: the softmax over the experts, or each one's sigmoid (the
+    softmax for sparsemixer, whose weights `sparsemixer` gives: these feed the routing statistics)."""
     logits = logits.astype(jnp.float32)
     return jax.nn.sigmoid(logits) if scoring.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
 
@@ -33,12 +36,43 @@ def weights_of(scores: jax.Array, experts: jax.Array, renormalize: bool, scoring
     return weights * jnp.float32(scoring.scale) if scoring.scale != 1.0 else weights
 
 
+def sparsemixer(logits: jax.Array, experts: jax.Array, jitter: float) -> jax.Array:
+    """PhiMoE's routing weights [N, k] float32 of picks `experts` [N, k] (transformers' `sparsemixer` in eval mode,
+    which picks each expert as the largest logit the earlier picks left): the j-th pick's weight is its probability
+    under a softmax over the logits l that neither an earlier pick holds nor lie beyond a relative margin of the
+    pick's own logit t, (t - l) / max(|l|, t) > 2 jitter (that test without gradient, as transformers'). Not
+    renormalised. Given picks (router replay) are weighed the same way."""
+    logits = logits.astype(jnp.float32)
+    fixed = jax.lax.stop_gradient(logits)
+    index = jnp.arange(logits.shape[-1])
+    taken = jnp.zeros(logits.shape, bool)
+    weights = []
+    for j in range(experts.shape[-1]):
+        pick = experts[..., j:j + 1]
+        top = jnp.take_along_axis(fixed, pick, axis=-1)
+        far = (top - fixed) / jnp.maximum(jnp.abs(fixed), top) > 2 * jitter
+        probs = jax.nn.softmax(jnp.where(far | taken, -jnp.inf, logits), axis=-1)
+        weights.append(jnp.take_along_axis(probs, pick, axis=-1))
+        taken = taken | (index == pick)
+    return jnp.concatenate(weights, axis=-1)
+
+
+def replay_weights(logits: jax.Array, experts: jax.Array, renormalize: bool, scoring: Scoring) -> jax.Array:
+    """The weights [N, k] this router gives picks `experts` [N, k] another forward chose (rollout routing replay)."""
+    if scoring.scoring == "sparsemixer":
+        return sparsemixer(logits, experts, scoring.jitter) * jnp.float32(scoring.scale)
+    return weights_of(scores_of(logits, scoring), experts, renormalize, scoring)
+
+
 def route(logits: jax.Array, k: int, renormalize: bool, scoring: Scoring = Scoring(),
           score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] float32, experts [N, k] int32) of router logits [N, E]: the top k scores (`scores_of`; plus
     score_bias [E] for picking only, never in the weights), within the best topk_group of n_group groups when the
     scoring has groups (ranked as `Scoring` says); weights by `weights_of`. Ties go to the lower expert index (as
     torch.topk on CPU)."""
+    if scoring.scoring == "sparsemixer":  # the largest logits, one after another
+        experts = jax.lax.top_k(logits.astype(jnp.float32), k)[1].astype(jnp.int32)
+        return replay_weights(logits, experts, renormalize, scoring), experts
     scores = scores_of(logits, scoring)
     choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias.astype(jnp.float32))
     if scoring.groups is not None:

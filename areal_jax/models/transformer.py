@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.gated_deltanet import StateCache, state_buffers
-from areal_jax.models.layers import DecoderLayer, RMSNorm, make_param, soft_cap
+from areal_jax.models.layers import DecoderLayer, make_norm, make_param, soft_cap
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
@@ -153,7 +153,7 @@ class Transformer(nnx.Module):
 
     Parameters (logical axes in brackets): embedder.embedding [vocab, embed]; per layer (in `layers`, an
     nnx.List) attention q/k/v/o projections, optional q/k/v bias and q/k norm, SwiGLU MLP (or a mixture of
-    experts: models.moe) and two RMSNorms;
+    experts: models.moe) and two RMSNorms (LayerNorms: `ModelConfig.layer_norm`); lm_head_bias [vocab] where set;
     final_norm [norm]; lm_head [embed, vocab] unless the embeddings are tied.
     """
 
@@ -162,11 +162,13 @@ class Transformer(nnx.Module):
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i), linear=cfg.layer_is_linear(i))
                                 for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, offset=cfg.norm_offset)
+        self.final_norm = make_norm(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+        self.lm_head_bias = make_param(rngs, (cfg.vocab_size,), ("vocab",), cfg.param_dtype, init="zeros") \
+            if cfg.lm_head_bias else None
 
     # ------------------------------------------------------------------ public API
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -315,11 +317,17 @@ class Transformer(nnx.Module):
             return self.embedding[...].T
         return self.lm_head[...]
 
+    def unembed_bias(self) -> jax.Array | None:
+        """[vocab] in the param dtype: the output logits' bias (`ModelConfig.lm_head_bias`), or None."""
+        return None if self.lm_head_bias is None else self.lm_head_bias[...]
+
     def unembed(self, h: jax.Array) -> jax.Array:
-        """h: [..., hidden_size] -> logits [..., vocab] float32 (Granite: divided by logits_scaling; Gemma 2:
-        soft-capped, `layers.soft_cap`)."""
+        """h: [..., hidden_size] -> logits [..., vocab] float32 (plus lm_head's bias where the model has one; Granite:
+        divided by logits_scaling; Gemma 2: soft-capped, `layers.soft_cap`)."""
         w = self.unembed_matrix().astype(self.cfg.dtype)
         logits = jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[...].astype(jnp.float32)
         if self.cfg.logits_scaling is not None:
             logits = logits / np.float32(self.cfg.logits_scaling)
         return soft_cap(logits, self.cfg.final_logit_softcap)

@@ -30,7 +30,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     its branch) normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no gate (ReLU
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
-    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next as written at their branches below.
+    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -150,6 +150,13 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "qwen3_next":  # Qwen3.5-MoE's layer with a dense MLP (width 96) in the first layer
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       shared_expert_size=40, moe_layers=tuple(int(i > 0) for i in range(layers)))
+    if architecture == "phimoe":  # Phi-3.5-MoE's form: LayerNorms, q/k/v/o and output biases, LongRoPE with its
+        # mscales, 2 of 4 experts of intermediate_size by sparsemixer, its margin wide enough to keep several experts
+        fields.update(attention_bias=True, attention_out_bias=True, lm_head_bias=True, num_experts=4,
+                      num_experts_per_tok=2, router_scoring="sparsemixer", router_jitter=0.3, rope_scaling={
+                          "rope_type": "longrope", "original_max_position_embeddings": 32, "short_mscale": 1.2,
+                          "long_mscale": 1.3, "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0, 3.5, 4.0],
+                          "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0, 20.0, 24.0]})
     if architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):  # Qwen3.5's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps)
         # but in the second layer of each four: gated attention there, q/k norm, a quarter of each head rotating
         fields.update(qk_norm=True, rotary_dim=4, linear=(2, 4, 8, 12, 4), layer_types=tuple(
@@ -183,7 +190,7 @@ def randomize_params(model: Transformer, seed: int = 0) -> Transformer:
         noise = jax.random.normal(key, leaf.shape, jnp.float32)
         if name == "scale":
             value = 1.0 + 0.1 * noise
-        elif name.endswith("_bias"):
+        elif name.endswith("_bias") or name == "bias":
             value = 0.1 * noise
         elif name == "embedding":
             value = noise

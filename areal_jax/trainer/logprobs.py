@@ -16,17 +16,20 @@ from flax import nnx
 from areal_jax.models.layers import soft_cap
 
 
-def _logits(h: jax.Array, w: jax.Array, softcap: float | None, scaling: float | None = None) -> jax.Array:
-    """Rows h [N, D] against w [D, V]: float32 logits, divided by `scaling` (Granite's logits_scaling) and then
-    soft-capped (Gemma 2) where those are set."""
+def _logits(h: jax.Array, w: jax.Array, softcap: float | None, scaling: float | None = None,
+            bias: jax.Array | None = None) -> jax.Array:
+    """Rows h [N, D] against w [D, V]: float32 logits, plus `bias` [V] (PhiMoE's lm_head bias), divided by `scaling`
+    (Granite's logits_scaling) and then soft-capped (Gemma 2) where those are set."""
     logits = jnp.matmul(h, w, preferred_element_type=jnp.float32)
+    logits = logits if bias is None else logits + bias.astype(jnp.float32)
     return soft_cap(logits if scaling is None else logits / np.float32(scaling), softcap)
 
 
 def _chunk_forward(h: jax.Array, w: jax.Array, targets: jax.Array, with_entropy: bool,
-                   softcap: float | None = None, scaling: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   softcap: float | None = None, scaling: float | None = None,
+                   bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logp, entropy, lse) of rows h [N, D] against w [D, V] (float32 logits, never returned)."""
-    logits = _logits(h, w, softcap, scaling)
+    logits = _logits(h, w, softcap, scaling, bias)
     lse = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
     if not with_entropy:
@@ -42,18 +45,19 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape((-1,) + x.shape[2:])
 
 
-def _forward_chunks(h, w, targets, with_entropy, softcap=None, scaling=None):
+def _forward_chunks(h, w, targets, with_entropy, softcap=None, scaling=None, bias=None):
     def one(args):
         h_c, t_c = args
         return tuple(x.reshape(t_c.shape)
-                     for x in _chunk_forward(_rows(h_c), w, _rows(t_c), with_entropy, softcap, scaling))
+                     for x in _chunk_forward(_rows(h_c), w, _rows(t_c), with_entropy, softcap, scaling, bias))
 
     return jax.lax.map(one, (h, targets))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, with_entropy: bool = True,
-                        softcap: float | None = None, scaling: float | None = None) -> tuple[jax.Array, jax.Array]:
+                        softcap: float | None = None, scaling: float | None = None,
+                        bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """log softmax(h @ w)[targets] and the entropy of softmax(h @ w) over chunks, without keeping any logits.
 
     h: [n, B, c, D] (n chunks of B rows x c positions) and w: [D, V] in the compute dtype; targets: [n, B, c]
@@ -70,24 +74,26 @@ def logits_logp_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, with_ent
     an update's kernel time). The entropy's gradient assumes finite logits (true of a matrix product).
     softcap: the logits are Gemma 2's softcap * tanh((h @ w) / softcap); the backward then multiplies
     d(loss)/d(logits) by 1 - tanh^2 before the products. scaling: the logits are (h @ w) / scaling (Granite's
-    logits_scaling, before any cap); the backward divides by it too.
+    logits_scaling, before any cap); the backward divides by it too. bias: [V] added to h @ w first (PhiMoE's
+    lm_head bias; None: none); its gradient is d(loss)/d(logits) summed over the rows, in float32.
     """
-    logp, ent, _ = _forward_chunks(h, w, targets, with_entropy, softcap, scaling)
+    logp, ent, _ = _forward_chunks(h, w, targets, with_entropy, softcap, scaling, bias)
     return logp, ent
 
 
-def _lpe_fwd(h, w, targets, with_entropy, softcap, scaling):
-    logp, ent, lse = _forward_chunks(h, w, targets, with_entropy, softcap, scaling)
-    return (logp, ent), (h, w, targets, lse, ent)
+def _lpe_fwd(h, w, targets, with_entropy, softcap, scaling, bias):
+    logp, ent, lse = _forward_chunks(h, w, targets, with_entropy, softcap, scaling, bias)
+    return (logp, ent), (h, w, targets, lse, ent, bias)
 
 
 def _lpe_bwd(with_entropy, softcap, scaling, res, g):
-    h, w, targets, lse, ent = res
+    h, w, targets, lse, ent, bias = res
     g_logp, g_ent = g
 
-    def one(dw, xs):
+    def one(carry, xs):
+        dw, db = carry
         h_c, t_c, lse_c, ent_c, gl_c, ge_c = (_rows(x) for x in xs)
-        logits = _logits(h_c, w, softcap, scaling)
+        logits = _logits(h_c, w, softcap, scaling, bias)
         centred = logits - lse_c[:, None]
         p = jnp.exp(centred)
         onehot = jnp.arange(logits.shape[-1], dtype=t_c.dtype)[None, :] == t_c[:, None]
@@ -98,13 +104,15 @@ def _lpe_bwd(with_entropy, softcap, scaling, res, g):
             dlogits = dlogits * (1.0 - jnp.square(logits / np.float32(softcap)))
         if scaling is not None:
             dlogits = dlogits / np.float32(scaling)
+        db = None if bias is None else db + jnp.sum(dlogits, axis=0)
         dlogits = dlogits.astype(h.dtype)
         dh_c = jnp.matmul(dlogits, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
         dw = dw + jnp.matmul(h_c.T, dlogits, preferred_element_type=jnp.float32)
-        return dw, dh_c.reshape(xs[0].shape)
+        return (dw, db), dh_c.reshape(xs[0].shape)
 
-    dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), (h, targets, lse, ent, g_logp, g_ent))
-    return dh, dw.astype(w.dtype), None
+    db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    (dw, db), dh = jax.lax.scan(one, (jnp.zeros(w.shape, jnp.float32), db0), (h, targets, lse, ent, g_logp, g_ent))
+    return dh, dw.astype(w.dtype), None, None if bias is None else db.astype(bias.dtype)
 
 
 logits_logp_entropy.defvjp(_lpe_fwd, _lpe_bwd)
@@ -112,7 +120,7 @@ logits_logp_entropy.defvjp(_lpe_fwd, _lpe_bwd)
 
 def chunked_logprobs(
     h: jax.Array, unembed: jax.Array, targets: jax.Array, chunk: int, *, with_entropy: bool = True,
-    softcap: float | None = None, scaling: float | None = None
+    softcap: float | None = None, scaling: float | None = None, bias: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each target token and the entropy of each next-token distribution.
 
@@ -124,6 +132,7 @@ def chunked_logprobs(
       with_entropy: False skips the entropy (returns zeros), saving one pass over the chunk's logits.
       softcap: Gemma 2's final-logit soft-capping (ModelConfig.final_logit_softcap).
       scaling: Granite's logits divisor (ModelConfig.logits_scaling).
+      bias: [V] the logits' bias (PhiMoE's lm_head bias), or None.
     Returns:
       logp: [B, T] float32, log softmax(h @ unembed)[targets].
       entropy: [B, T] float32.
@@ -138,7 +147,7 @@ def chunked_logprobs(
     # Chunk axis first, batch axis kept whole so its data-parallel sharding is untouched.
     h_chunks = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
     t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2).astype(jnp.int32)
-    logp, ent = logits_logp_entropy(h_chunks, unembed.astype(h.dtype), t_chunks, with_entropy, softcap, scaling)
+    logp, ent = logits_logp_entropy(h_chunks, unembed.astype(h.dtype), t_chunks, with_entropy, softcap, scaling, bias)
     logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
     return logp, ent
@@ -188,7 +197,8 @@ def model_outputs(
                      router_stats=router_stats, routes=routes, replay=replay)
     h, stats = h if router_stats else (h, None)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy,
-                                 softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling)
+                                 softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling,
+                                 bias=model.unembed_bias())
     values = None if value_head is None else apply_value_head(value_head, h)
     return (logp, ent, values, stats) if router_stats else (logp, ent, values)
 
