@@ -224,14 +224,23 @@ def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_pa
     assert rewrap(read_safetensors_dir(tmp_path / "decoder"), base, tmp_path / "held") == copied
     held = load_file(str(tmp_path / "held" / "model.safetensors"))
     assert sorted(held) == sorted(out) and all(np.array_equal(held[n], out[n]) for n in out)
+    # and from the model itself, each tensor fetched as it is written, in shards of ~20 kB (the MoE's experts stacked
+    # from slices of three parameters in turn)
+    assert rewrap(model, base, tmp_path / "live", 20_000) == copied
+    assert len(list((tmp_path / "live").glob("model-*.safetensors"))) > 2
+    live = read_safetensors_dir(tmp_path / "live")
+    assert sorted(live) == sorted(out) and all(np.array_equal(live[n], out[n]) for n in out)
+    assert (tmp_path / "live" / "preprocessor_config.json").exists()
+    rewrap(model, base, tmp_path / "other", writer=False)  # another process of a multi-process run: gathers only
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize("short_of_memory", [False, True])
 def test_the_runs_periodic_exports_are_the_image_and_text_checkpoint(tmp_path, monkeypatch, short_of_memory):
     """HFExporter with the run's source (as the job passes model.path): RUN/hf/step_N is the image-and-text checkpoint
     with the decoder of that step, loaded by transformers' class with our logits, the tokenizer beside it; written
-    from the host snapshot in the background, or (the host short of memory) through a text-only directory by the
-    trainer's thread."""
+    from the host snapshot in the background, or (the host short of memory) by the trainer's thread, each decoder
+    tensor fetched from the devices as it is written (no text-only directory on the way)."""
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
     import jax

@@ -281,16 +281,19 @@ def _hf_layout(model: Transformer, dtype: Any) -> tuple[dict, list[list[_Entry]]
     return hf_config, list(groups.values()), flat, save_dtype, sizes
 
 
-def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | None = None) -> np.ndarray:
+def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | None = None,
+               keep: int = 1) -> np.ndarray:
     """One HF tensor on the host: its entry's parameter in HF's layout, or a fused tensor's parts stacked, or one
-    expert's slice. held: the last parameter fetched to the host, kept for the next experts' slices of it."""
+    expert's slice. held: the last `keep` parameters fetched to the host, kept for the next experts' slices of them
+    (a reader that takes expert j's gate, up and down before expert j + 1's keeps three)."""
     held = {} if held is None else held
 
     def host(e: _Entry) -> np.ndarray:
         if e.expert is None:
             return _to_host(flat[e.path])
         if e.path not in held:
-            held.clear()
+            while len(held) >= keep:
+                held.pop(next(iter(held)))
             held[e.path] = _to_host(flat[e.path])
         return held[e.path][e.expert]
 

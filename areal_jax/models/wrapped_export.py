@@ -52,13 +52,39 @@ class _Held:
         return int(self.tensors[name].nbytes)
 
 
-def rewrap(text: str | os.PathLike | Mapping[str, np.ndarray], source_dir: str | os.PathLike,
-           out_dir: str | os.PathLike, max_shard_size: int | None = None) -> list[str]:
+class _Model:
+    """A model's text-only tensors, each fetched to the host when read (`hf_io`'s layout, gathered one at a time: every
+    process must read them in the same order), read as `_Reader` reads a directory."""
+
+    def __init__(self, model: Any, dtype: Any):
+        from areal_jax.models.hf_io import _hf_layout
+
+        _, groups, self.flat, self.dtype, sizes = _hf_layout(model, dtype)
+        self.groups = {g[0].hf_name: g for g in groups}
+        self.sizes = {g[0].hf_name: size for g, size in zip(groups, sizes)}
+        self.weight_map = dict.fromkeys(self.groups)
+        self.held: dict = {}  # the stacked experts' parameters being sliced (Qwen3-VL-MoE reads gate, up, down by turns)
+
+    def read(self, name: str) -> np.ndarray:
+        from areal_jax.models.hf_io import _hf_tensor
+
+        return _hf_tensor(self.groups[name], self.flat, self.dtype, self.held, keep=3)
+
+    def nbytes(self, name: str) -> int:
+        return self.sizes[name]
+
+
+def rewrap(text: Any, source_dir: str | os.PathLike, out_dir: str | os.PathLike,
+           max_shard_size: int | None = None, *, dtype: Any = None, writer: bool = True) -> list[str]:
     """Write at `out_dir` the image-and-text checkpoint at `source_dir` with its text decoder's tensors taken from
-    `text`: the text-only checkpoint directory save_hf_checkpoint writes, or its tensors in memory ({HF name: array},
-    a HostCheckpoint's, which spares writing and reading them once more). Returns the names of the source tensors
-    copied unchanged (the vision tower's and the projector's)."""
+    `text`: the text-only checkpoint directory save_hf_checkpoint writes, its tensors in memory ({HF name: array}, a
+    HostCheckpoint's), or the model itself (a Transformer: each tensor fetched from the devices as it is written, in
+    `dtype`, default the param dtype; sharded arrays are gathered, so every process calls this with `writer` True on
+    process 0 only). The last two spare writing the decoder and reading it back. One shard of at most
+    `max_shard_size` bytes is in memory at a time. Returns the names of the source tensors copied unchanged (the
+    vision tower's and the projector's)."""
     from areal_jax.models.hf_io import _Reader, _write_files
+    from areal_jax.models.transformer import Transformer
 
     source_dir, out_dir = os.fspath(source_dir), os.fspath(out_dir)
     with open(os.path.join(source_dir, "config.json")) as fh:
@@ -70,7 +96,9 @@ def rewrap(text: str | os.PathLike | Mapping[str, np.ndarray], source_dir: str |
         raise ValueError(f"{source_dir!r} is quantized (quantization_config); its trained decoder is exported "
                          "unquantized, which its config does not describe. Export the text-only model instead.")
     src = _Reader(source_dir)
-    if isinstance(text, Mapping):
+    if isinstance(text, Transformer):
+        text = _Model(text, dtype)
+    elif isinstance(text, Mapping):
         text = _Held(text)
     else:
         text = _Reader(os.fspath(text))
@@ -102,8 +130,8 @@ def rewrap(text: str | os.PathLike | Mapping[str, np.ndarray], source_dir: str |
             return _nbytes(src._handle(names[i]).get_slice(names[i]))
         return sum(text.nbytes(n) for n in ([got] if isinstance(got, str) else got.values()))
 
-    _write_files(out_dir, config, names, [size(i) for i in range(len(names))], tensor, True, max_shard_size)
-    for f in sorted(os.listdir(source_dir)):  # the processor's files (preprocessor, chat template, generation)
+    _write_files(out_dir, config, names, [size(i) for i in range(len(names))], tensor, writer, max_shard_size)
+    for f in sorted(os.listdir(source_dir)) if writer else ():  # the processor's files (preprocessor, chat template)
         full = os.path.join(source_dir, f)
         if os.path.isfile(full) and f != "config.json" and not f.endswith(_WEIGHT_FILES):
             shutil.copyfile(full, os.path.join(out_dir, f))

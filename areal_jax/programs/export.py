@@ -99,16 +99,14 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
 
             model = merged_model(model, lora_cfg.scale, config.model.storage_dtype)
         from areal_jax.models.wrapped_export import rewrap, wrapper_type
+        from areal_jax.system.hf_export import MAX_SHARD_BYTES
 
         if text_only or not wrapper_type(config.model.path):
-            save_hf_checkpoint(model, out_dir)
-        else:
-            import tempfile
+            save_hf_checkpoint(model, out_dir, max_shard_size=MAX_SHARD_BYTES)
+        else:  # each decoder tensor fetched from the devices as it is written into the source's checkpoint
+            import jax
 
-            os.makedirs(os.path.abspath(out_dir), exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_dir))) as decoder:
-                save_hf_checkpoint(model, decoder)
-                rewrap(decoder, config.model.path, out_dir)
+            rewrap(model, config.model.path, out_dir, MAX_SHARD_BYTES, writer=jax.process_index() == 0)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
     return out_dir
 

@@ -89,8 +89,12 @@ class HFExporter:
             if self.primary:
                 self.log(f"HF export of step {step}: the host has {free / 2**30:.1f} GiB available, a background "
                          f"copy of the weights needs {need / 2**30:.1f} GiB; writing while the trainer waits.")
-            self._write(step, lambda path: save_hf_checkpoint(model, path, max_shard_size=MAX_SHARD_BYTES,
-                                                              dtype=self.dtype))
+            if self.source is None:
+                self._write(step, lambda path: save_hf_checkpoint(model, path, max_shard_size=MAX_SHARD_BYTES,
+                                                                  dtype=self.dtype))
+            else:  # the image-and-text checkpoint, each decoder tensor fetched as it is written
+                self._write(step, lambda path: rewrap(model, self.source, path, MAX_SHARD_BYTES, dtype=self.dtype,
+                                                      writer=self.primary))
             self.held_s += time.perf_counter() - start
             return
         snapshot = host_checkpoint(model, self.dtype)  # what later updates do not change
@@ -104,12 +108,11 @@ class HFExporter:
                 rewrap(dict(zip(snapshot.names, snapshot.tensors)), self.source, path, MAX_SHARD_BYTES)
 
         self._thread = threading.Thread(target=self._write, name=f"hf-export-{step}", daemon=True,
-                                        args=(step, write, True))
+                                        args=(step, write))
         self._thread.start()
 
-    def _write(self, step: int, write_weights: Callable[[str], None], whole: bool = False) -> None:
-        """Writes hf/step_`step` with `write_weights(directory)`: the model's own checkpoint, which is written back
-        into the source's image-and-text one when there is a source, or with `whole` the directory as it is."""
+    def _write(self, step: int, write_weights: Callable[[str], None]) -> None:
+        """Writes hf/step_`step` with `write_weights(directory)` (its weights and config.json), then the tokenizer."""
         start = time.perf_counter()
         if not self.primary:
             write_weights(os.devnull)  # the gathers need every process; only process 0 writes files
@@ -118,16 +121,7 @@ class HFExporter:
         final = os.path.join(self._dir.local, f"step_{step}")
         try:
             shutil.rmtree(partial, ignore_errors=True)
-            if self.source is None or whole:
-                write_weights(partial)
-            else:  # the decoder text-only, then written back into the image-and-text checkpoint
-                decoder = partial + ".decoder"
-                shutil.rmtree(decoder, ignore_errors=True)
-                try:
-                    write_weights(decoder)
-                    rewrap(decoder, self.source, partial, MAX_SHARD_BYTES)
-                finally:
-                    shutil.rmtree(decoder, ignore_errors=True)
+            write_weights(partial)
             self.tokenizer.save_pretrained(partial)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
