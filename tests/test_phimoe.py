@@ -73,7 +73,8 @@ def test_sparsemixer_weights_picks_and_gradients_match_transformers(jitter):
                                atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}])
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7},  # and without LongRoPE (cos and sin unscaled)
+                                   {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}])
 def test_logits_match_transformers_on_every_expert_path(tmp_path, extra):
     hf = _hf_model(tmp_path, seed=1, **extra)
     ours = load_hf_checkpoint(tmp_path)
@@ -82,6 +83,7 @@ def test_logits_match_transformers_on_every_expert_path(tmp_path, extra):
         "phimoe", 4, 2, "sparsemixer", 0.3)
     assert cfg.layer_norm and cfg.lm_head_bias and cfg.attention_bias and cfg.attention_out_bias
     assert not cfg.norm_topk_prob and cfg.sliding_window == extra.get("sliding_window")
+    assert (cfg.rope_scaling is None) == ("rope_parameters" in extra)
     assert ours.layers[0].input_norm.bias is not None and ours.lm_head_bias is not None
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=2)  # within original_max_position_embeddings (32)
     ref = hf_logits(hf, tokens)
