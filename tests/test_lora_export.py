@@ -70,10 +70,12 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("hunyuan_v1_dense", "all"), ("seed_oss", "all"),
                                           ("arcee", "all"), ("qwen3_5_text", "all"), ("ministral3", "all"),
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
-                                          ("qwen3_5_moe_text", "attn,experts"), ("qwen3_next", "q,k,v,o,out,experts")])
+                                          ("qwen3_5_moe_text", "attn,experts"), ("qwen3_next", "attn,experts"),
+                                          ("qwen3_next", "in_z,in_b,out")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
-    adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer), as do
+    adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer; Qwen3-Next's
+    in_proj_qkvz / in_proj_ba with the parts' rows interleaved key head by key head, all or one of each), as do
     the experts' stacked gate_up_proj / down_proj through target_parameters (all, up and down of one layer, gate
     alone); reading the directory back gives the same adapters."""
     torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")

@@ -73,10 +73,36 @@ def test_fused_rows_land_in_our_projections(tmp_path):
                                       ba[2 * g * r + r:2 * (g + 1) * r])
 
 
-def test_peft_export_refuses_the_fused_projections(tmp_path):
-    from areal_jax.models.peft_io import save_peft_adapter
+def test_peft_adapters_of_the_fused_projections_are_the_merged_update(tmp_path):
+    """A PEFT adapter of in_proj_qkvz / in_proj_ba (rank n x r, B's rows where the fused weight interleaves each
+    part's): scale * B @ A equals what the merged export adds to that fused weight (hf_names' layout, not peft_io's),
+    whether both parts are adapted (q/k/v and z) or one (a of b, a). tests/test_lora_export.py: peft applies it."""
+    import jax
+
+    from areal_jax.models import save_hf_checkpoint
+    from areal_jax.models.hf_io import read_safetensors_dir
+    from areal_jax.models.peft_io import peft_tensors
 
     model = testing.random_model(testing.tiny_config("qwen3_next", num_layers=4), seed=0)
-    adapted = lora.apply_lora(model, lora.LoRAConfig(targets="in_qkv,out"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="in_qkv: this model's HF form fuses it"):
-        save_peft_adapter(adapted, lora.LoRAConfig(targets="in_qkv,out"), tmp_path / "peft")
+    save_hf_checkpoint(model, tmp_path / "base")
+    cfg = lora.LoRAConfig(rank=3, alpha=6.0, targets="in_qkv,in_z,in_a")
+    lora.apply_lora(model, cfg, rngs=nnx.Rngs(0))
+    for n, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, lora.LoRAProjection):
+            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(n), node.lora_b.shape))
+    save_hf_checkpoint(lora.merged_model(model, cfg.scale), tmp_path / "merged")
+    base, merged, tensors = read_safetensors_dir(tmp_path / "base"), read_safetensors_dir(tmp_path / "merged"), \
+        peft_tensors(model)
+    checked = 0
+    for i in range(4):
+        for module, parts in (("in_proj_qkvz", 2), ("in_proj_ba", 1)):
+            name = f"model.layers.{i}.linear_attn.{module}"
+            if f"{name}.weight" not in base:  # an attention layer
+                continue
+            a, b = tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"]
+            assert a.shape[0] == b.shape[1] == 3 * parts and b.shape[0] == base[f"{name}.weight"].shape[0]
+            update = merged[f"{name}.weight"] - base[f"{name}.weight"]
+            assert np.abs(update).max() > 0.1
+            np.testing.assert_allclose(cfg.scale * b @ a, update, atol=1e-5, rtol=0)
+            checked += 1
+    assert checked == 6

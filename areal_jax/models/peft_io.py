@@ -6,10 +6,12 @@ Layout: PEFT keeps nn.Linear's [out, in] convention, lora_A.weight [r, in] and l
 (q_proj A [D, r], B [r, H, Dh]; o_proj A [H, Dh, r], B [r, D]), so each tensor is a reshape and a transpose.
 PEFT's scale is lora_alpha / r, the same as ours.
 
-Phi (phi3) fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj. The adapters of a fused module's n
-adapted parts are written as one adapter of rank n * r: A stacks the parts' A, B places each part's B in its own
-rows and rank columns (zeros elsewhere), and rank_pattern / lora_alpha_pattern give that module rank n * r and
-alpha n * alpha, so its scale stays alpha / r and its update is exactly the parts' updates side by side.
+Phi (phi3) fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj (GLM-4 the latter); Qwen3-Next fuses its
+Gated DeltaNet's in_qkv and in_z into one in_proj_qkvz and in_b, in_a into one in_proj_ba, their rows interleaved key
+head by key head. The adapters of a fused module's n adapted parts are written as one adapter of rank n * r: A stacks
+the parts' A, B places each part's B in its own rows (where the HF weight holds that part's rows) and rank columns
+(zeros elsewhere), and rank_pattern / lora_alpha_pattern give that module rank n * r and alpha n * alpha, so its
+scale stays alpha / r and its update is exactly the parts' updates side by side.
 
 A mixture of experts' expert adapters (lora.targets "experts") go to transformers' stacked expert parameters through
 PEFT's target_parameters (`peft_experts`).
@@ -66,14 +68,19 @@ _EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_m
 
 
 _HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
-_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # phi3's fused modules, parts in row order
+# the fused HF modules, their parts in row order (phi3's, GLM-4's gate_up_proj) or interleaved (Qwen3-Next's)
+_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"), "in_proj_qkvz": ("in_qkv", "in_z"),
+          "in_proj_ba": ("in_b", "in_a")}
+_INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
 
 
 def _fused_module(model_or_cfg: Any, short: str) -> str | None:
-    """The fused HF module holding projection `short` in this model's family (phi3), else None."""
+    """The fused HF module holding projection `short` in this model's family (phi3, glm4, qwen3_next), else None."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
     if getattr(cfg, "architecture", None) == "glm4":  # GLM-4 fuses gate and up only
         return "gate_up_proj" if short in _FUSED["gate_up_proj"] else None
+    if getattr(cfg, "architecture", None) == "qwen3_next":  # its Gated DeltaNet's input projections
+        return next((m for m in _INTERLEAVED if short in _FUSED[m]), None)
     if getattr(cfg, "architecture", None) != "phi3":
         return None
     return next((m for m, parts in _FUSED.items() if short in parts), None)
@@ -89,27 +96,25 @@ def module_name(layer: int, short: str, fused: str | None = None) -> str:
 def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
     """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
     out: dict[str, list[tuple[str, LoRAProjection]]] = {}
-    gathered = _hf_layout(model.cfg)[0]
     for i, short, node in _adapted(model):
-        if PROJECTIONS[short][1] in gathered:
-            raise ValueError(f"{short}: this model's HF form fuses it with other projections key head by key head "
-                             f"({model.cfg.architecture}'s in_proj_qkvz / in_proj_ba), which a PEFT adapter cannot "
-                             "express; export the merged checkpoint (export --format=hf), or leave it out of "
-                             "lora.targets (its out projection, attention and experts can be adapted).")
         out.setdefault(module_name(i, short, _fused_module(model, short)), []).append((short, node))
     return list(out.items())
 
 
-def _fused_rows(model: nnx.Module, module: str, fused: str) -> dict[str, tuple[int, int]]:
-    """{part: (first row, rows)} of each part of fused HF module `module` (adapted or not) in its weight."""
+def _fused_rows(model: nnx.Module, module: str, fused: str) -> tuple[dict[str, np.ndarray], int]:
+    """({part: the rows of fused HF module `module`'s weight that hold its rows, in our order}, that weight's rows)
+    for each part (adapted or not): side by side, or Qwen3-Next's interleaved key head by key head."""
+    if fused in _INTERLEAVED:
+        gathered = _hf_layout(model.cfg)[0]
+        return {short: gathered[short][0] for short in _FUSED[fused]}, gathered[_FUSED[fused][0]][1]
     layer = model.layers[int(module.split(".")[2])]
     out, offset = {}, 0
     for short in _FUSED[fused]:
         part, attr, _ = PROJECTIONS[short]
         node = getattr(getattr(layer, part), attr)
         rows = int(np.prod((node.lora_b if isinstance(node, LoRAProjection) else node).shape[1:]))
-        out[short], offset = (offset, rows), offset + rows
-    return out
+        out[short], offset = np.arange(offset, offset + rows), offset + rows
+    return out, offset
 
 
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -133,10 +138,10 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
                 b_cols[0] = b_cols[0][np.argsort(order)]
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_cols[0])
             continue
-        rows, r = _fused_rows(model, module, fused), a_rows[0].shape[0]
-        b = np.zeros((sum(n for _, n in rows.values()), r * len(parts)), np.float32)
+        (rows, total), r = _fused_rows(model, module, fused), a_rows[0].shape[0]
+        b = np.zeros((total, r * len(parts)), np.float32)
         for j, ((short, _), col) in enumerate(zip(parts, b_cols)):
-            b[rows[short][0]:rows[short][0] + col.shape[0], j * r:(j + 1) * r] = col
+            b[rows[short], j * r:(j + 1) * r] = col
         tensors[f"{name}.lora_B.weight"] = b
     return tensors
 
@@ -221,12 +226,11 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
                            f"other targets ({config.get('target_modules')}) or another rank.")
         a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
         fused = _fused_module(model, parts[0][0])
-        rows = _fused_rows(model, module, fused) if fused is not None else None
+        rows = _fused_rows(model, module, fused)[0] if fused is not None else None
         for j, (short, node) in enumerate(parts):
             r = node.lora_a.shape[-1]
             _check_rank(config, path, r, node.scale)
-            first, count = rows[short] if rows is not None else (0, b.shape[0])
-            part = b[first:first + count, j * r:(j + 1) * r]
+            part = b[rows[short] if rows is not None else slice(None), j * r:(j + 1) * r]
             order = orders.get(short)
             node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
             node.lora_b.set_value((part if order is None else part[order]).T.reshape(node.lora_b.shape))
@@ -241,14 +245,15 @@ def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_layout(cfg: Any) -> tuple[frozenset[str], dict[str, np.ndarray]]:
-    """(our projections that HF fuses with others key head by key head, `_hf_orders`), read off the HF weight
-    table once per config (a save or a load asks several times)."""
+def _hf_layout(cfg: Any) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, np.ndarray]]:
+    """({projection HF fuses with others key head by key head: (the fused weight's rows holding its rows, in our
+    order; that weight's rows)}, `_hf_orders`), read off the HF weight table once per config (a save or a load asks
+    several times; every layer's the same)."""
     short_of = {attr: short for short, (_, attr, _) in PROJECTIONS.items()}
-    entries = weight_entries(cfg)
-    gathered = frozenset(e.path[-1] for e in entries if e.gather is not None)
+    entries = [e for e in weight_entries(cfg) if e.path[-1] in short_of]
+    gathered = {short_of[e.path[-1]]: (np.asarray(e.channels), int(e.gather)) for e in entries if e.gather is not None}
     return gathered, {short_of[e.path[-1]]: np.asarray(e.channels) for e in entries
-                      if e.channels is not None and e.gather is None and e.path[-1] in short_of}
+                      if e.channels is not None and e.gather is None}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
