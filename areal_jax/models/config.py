@@ -1,6 +1,4 @@
-"""ModelConfig: the hyper-parameters of the decoder family (Qwen2, Qwen3, Llama, Mistral, Gemma 2 / 3, OLMo 2 / 3, SmolLM3,
-Phi-3 / Phi-4-mini, Granite 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite 3 MoE,
-gpt-oss, DeepSeek-V2 / V3, GLM-4.5, GLM-4.7-Flash, MiniMax-M2, ERNIE 4.5) and HF config.json I/O."""
+"""ModelConfig: the hyper-parameters of the decoder (every family of docs/models.md) and HF config.json I/O."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,28 +32,10 @@ def _dtype_name(dt: np.dtype) -> str:
 class ModelConfig:
     """Hyper-parameters of one decoder-only transformer.
 
-    architecture: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), "llama" (optionally llama3 RoPE scaling),
-      "mistral", "gemma2" (Gemma 2: Gemma 3's layer without q/k norm, every other layer sliding, tanh
-      soft-capping of attention scores and logits), or "gemma3" (Gemma 3 text: RMSNorms scaling by 1 + w, a norm after attention and around the
-      MLP as well, GELU-tanh MLP, embeddings times sqrt(hidden_size), q/k norm), or "olmo2" / "olmo3" (norms on
-      the attention's and the MLP's outputs only, none before them; q/k norm over all heads together; OLMo 3
-      also slides a window over three layers of every four), "smollm3" (Llama's layer, some layers without RoPE) or
-      "phi3" (Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up tensors fused on disk, partial rotary
-      embeddings, LongRoPE), "granite" (Llama's layer with Granite's four multipliers), or the mixtures of experts
-      "qwen3_moe" (Qwen3's attention), "mixtral" (Mistral's), "granitemoe" (Granite's), "olmoe" (Llama's layer,
-      OLMo's q/k norm over all heads), "qwen2_moe" (Qwen2's attention; a shared expert beside the routed ones) and
-      "gpt_oss" (biases on q/k/v/o, attention sinks, every other layer sliding; experts and router with biases and
-      the clamped GLU), "deepseek_v3" (latent attention, `mla`; sigmoid routing within groups, an ungated shared
-      expert, dense layers first), "deepseek_v2" (the same with softmax routing), "glm4_moe" (GLM-4.5: V3's experts
-      after grouped-query attention with partial RoPE), "glm4_moe_lite" (GLM-4.7-Flash: V3's layer), "minimax_m2"
-      (OLMo's q/k norm, partial RoPE; Mixtral's experts under V3's sigmoid router, no groups), "ernie4_5" / "ernie4_5_moe"
-      (Llama's layer, interleaved RoPE; softmax experts picked with a bias, shared experts), "glm4" (q/k/v bias, partial
-      interleaved RoPE, Gemma's four norms), "exaone4" (OLMo 2's layer, per-head q/k norm; with windows, global layers skip RoPE),
-      "exaone_moe" (EXAONE 4's attention in Llama's layer; V3's experts), "hunyuan_v1_dense" / "hunyuan_v1_moe"
-      (Llama's, per-head q/k norm after RoPE; softmax experts, a shared MLP), "phimoe" (LayerNorms, biases; Mixtral's
-      experts under the sparsemixer router), "seed_oss" (Qwen2's, o_proj bias), "arcee" (no gate), "qwen3_5_text" (Qwen3.5: Gated DeltaNet
-      layers, `linear`, between gated attention; norms 1 + w), "qwen3_5_moe_text" / "qwen3_next" (its layers with
-      Qwen2-MoE's experts and gated shared expert; Qwen3-Next's fused on disk), "ministral3" (queries scaled by position).
+    architecture: the HF model type whose layer this is (one of `ARCHITECTURES`; docs/models.md says what each
+      one's layer does otherwise than Llama's). What the code asks of it goes through the properties below (`gemma`,
+      `norm_offset`, `olmo`, `sandwich_norms`, `flat_qk_norm`, `gated_attention`, `layer_norm`) and the fields; a
+      family with a module of its own (`families.OWN_MODULES`) reads and writes its config.json there.
     rope_scaling: None, or an HF-style dict such as {"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, YaRN's
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long

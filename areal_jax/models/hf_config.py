@@ -6,9 +6,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import deepseek, glm4, gpt_oss, minimax, ministral3, qwen3_5, qwen3_vl
+from areal_jax.models import glm4, gpt_oss, minimax, ministral3, qwen3_5, qwen3_vl
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 from areal_jax.models.families import OWN_MODULES
+from areal_jax.models.hf_checks import GRANITE_SCALARS, check_loadable
 from areal_jax.models.hf_family import text_decoder
 
 _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral":
@@ -19,7 +20,6 @@ _HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": 
              "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "glm4": "Glm4ForCausalLM"}
 _OWN_MODULE = {arch: m for m in OWN_MODULES for arch in m.HF_CLASSES}
 _HF_CLASS.update({arch: m.HF_CLASSES[arch] for arch, m in _OWN_MODULE.items()})  # families whose modules read and write
-_GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # architecture -> HF model_type where the two differ
 # transformers' Gemma3TextConfig defaults: the image-and-text checkpoints' text_config lists only the keys that differ
 _GEMMA3_TEXT_DEFAULTS = {
@@ -227,7 +227,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
         **({"gpt_oss": gpt_oss.hf_fields, "minimax_m2": minimax.hf_fields}.get(
             model_type, lambda d: _hf_experts(d, model_type, num_layers))(d)),
-        **({k: float(d.get(k, 1.0)) for k in _GRANITE_SCALARS} if model_type.startswith("granite") else {}),
+        **({k: float(d.get(k, 1.0)) for k in GRANITE_SCALARS} if model_type.startswith("granite") else {}),
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -235,63 +235,9 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
 
 def config_to_hf(cfg: Any) -> dict:
     """A config.json dictionary that transformers loads as the matching *ForCausalLM model."""
-    if cfg.architecture in ("qwen2", "qwen2_moe") and (not cfg.attention_bias or cfg.qk_norm):
-        raise ValueError("HF Qwen2 always has q/k/v bias and no q/k norm; set attention_bias=True, qk_norm=False "
-                         "or choose another architecture.")
-    if cfg.architecture in ("qwen3", "qwen3_moe") and (cfg.attention_bias or not cfg.qk_norm):
-        raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
-    for family in (gpt_oss, minimax, glm4, *OWN_MODULES):
-        family.check_hf(cfg)
-    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
-            cfg.attention_bias or cfg.qk_norm):
-        raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
-                         "attention_bias=False, qk_norm=False.")
-    if (cfg.architecture in ("gemma3", "olmoe") or cfg.olmo) and (cfg.attention_bias or not cfg.qk_norm):
-        raise ValueError(f"HF {cfg.architecture} has q/k norm and no q/k/v bias; set qk_norm=True, "
-                         "attention_bias=False.")
-    if cfg.architecture == "gemma2" and (cfg.attention_bias or cfg.qk_norm):
-        raise ValueError("HF Gemma2 has no q/k norm and no q/k/v bias; set qk_norm=False, attention_bias=False.")
-    if (cfg.attn_logit_softcap is not None or cfg.final_logit_softcap is not None) and cfg.architecture != "gemma2":
-        raise ValueError(f"logit soft-capping is Gemma 2's; HF {cfg.architecture} has none.")
-    if cfg.architecture == "gemma2" and cfg.rope_local_theta is not None:
-        raise ValueError("HF Gemma2 has one RoPE base for every layer; set rope_local_theta=None.")
+    check_loadable(cfg)
     sliding = any(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
-    if sliding and cfg.architecture in ("llama", "olmo2"):
-        raise ValueError(f"HF {cfg.architecture.title()} has no sliding-window attention; set "
-                         "sliding_window=None or choose mistral, qwen2, qwen3, gemma3 or olmo3.")
-    if sliding and cfg.architecture in ("mistral", "mixtral", "qwen3_moe") and cfg.layer_types is not None \
-            and "full_attention" in cfg.layer_types:
-        raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
     granite = cfg.architecture in ("granite", "granitemoe")
-    if not granite and any(getattr(cfg, k) is not None for k in _GRANITE_SCALARS):
-        raise ValueError(f"{', '.join(_GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
-    if sliding and granite:
-        raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
-    if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next",
-                                                                       "exaone_moe", "hunyuan_v1_moe", *deepseek.HF_CLASSES):
-        raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
-    if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
-        raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")
-    if cfg.architecture in ("mixtral", "granitemoe") and (cfg.moe_layers is not None or not cfg.norm_topk_prob
-                                          or cfg.expert_size != cfg.intermediate_size):
-        raise ValueError(f"HF {cfg.architecture} has experts of intermediate_size in every layer and renormalises their "
-                         "weights; set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
-    if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
-        raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
-                         f"3's; HF {cfg.architecture} has one base for every layer.")
-    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe"):
-        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE's; HF {cfg.architecture} "
-                         "rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", *qwen3_5.HF_CLASSES):
-        raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
-                         "dimension of a head.")
-    if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):
-        raise ValueError("HF Phi3 has no q/k/v bias and no q/k norm; set attention_bias=False, qk_norm=False.")
-    if sliding and cfg.architecture == "phi3" and cfg.layer_types is not None and "full_attention" in cfg.layer_types:
-        raise ValueError("HF Phi3 slides every layer or none; set layer_types=None.")
-    if cfg.query_pre_attn_scalar is not None and not cfg.gemma:
-        raise ValueError(f"query_pre_attn_scalar is Gemma 3's; HF {cfg.architecture} scales attention by "
-                         "head_dim ** -0.5.")
     rope_parameters = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
         rope_parameters.update(cfg.rope_scaling)
