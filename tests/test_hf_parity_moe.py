@@ -1,6 +1,6 @@
 """Mixtures of experts against HF transformers (PyTorch, float32): Qwen3-MoE (Qwen3MoeForCausalLM, with dense layers
 between expert ones), Mixtral (MixtralForCausalLM, with a sliding window), OLMoE (OlmoeForCausalLM) and Qwen2-MoE
-(Qwen2MoeForCausalLM, with its shared expert); every expert path; checkpoint round
+(Qwen2MoeForCausalLM, with its shared expert), FlexOlmo (FlexOlmoForCausalLM: OLMo 2's layer); every expert path; checkpoint round
 trips through the per-expert tensors; what the real checkpoints' config.json says."""
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +31,9 @@ def _hf_model(path, arch, seed=0, **kw):
     elif arch == "olmoe":
         config = transformers.OlmoeConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 2, **kw})
         model = transformers.OlmoeForCausalLM(config)
+    elif arch == "flex_olmo":
+        config = transformers.FlexOlmoConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 3, **kw})
+        model = transformers.FlexOlmoForCausalLM(config)
     elif arch == "qwen2_moe":
         config = transformers.Qwen2MoeConfig(**{**SHAPE, "num_experts": 8, "num_experts_per_tok": 2,
                                                 "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
@@ -50,6 +53,7 @@ def _hf_model(path, arch, seed=0, **kw):
     ("mixtral", {"sliding_window": 7}),
     ("olmoe", {"norm_topk_prob": False}),
     ("qwen2_moe", {"mlp_only_layers": [1]}),  # the shared expert beside the routed ones, a dense layer between
+    ("flex_olmo", {"norm_topk_prob": True}),  # OLMo 2's layer (norms after attention and experts only), OLMoE's experts
 ])
 def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     hf = _hf_model(tmp_path, arch, seed=1, **extra)
@@ -58,6 +62,7 @@ def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     assert cfg.architecture == arch and cfg.num_experts == (4 if arch == "mixtral" else 8)
     flags = [int(cfg.layer_is_moe(i)) for i in range(3)]
     assert flags == {"mlp_only_layers": [1, 0, 1], "decoder_sparse_step": [0, 1, 0]}.get(next(iter(extra)), [1, 1, 1])
+    assert cfg.olmo == (arch == "flex_olmo") and cfg.flat_qk_norm == (arch in ("olmoe", "flex_olmo"))
     assert cfg.shared_expert_size == (40 if arch == "qwen2_moe" else None)
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=2)
     ref = hf_logits(hf, tokens)
@@ -72,7 +77,7 @@ def test_logits_match_transformers_on_every_expert_path(tmp_path, arch, extra):
     assert np.abs(np.asarray(ours(jnp.asarray(tokens))) - ref).max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "flex_olmo"])
 def test_hf_to_ours_to_hf_is_byte_identical_and_loads_back(tmp_path, arch):
     """Each expert's tensors are stacked on loading and split again on saving: every tensor comes back byte for
     byte (sharded files too), and transformers loads our directory with the same logits."""
@@ -91,13 +96,14 @@ def test_hf_to_ours_to_hf_is_byte_identical_and_loads_back(tmp_path, arch):
     np.testing.assert_array_equal(hf_logits(again, tokens), hf_logits(original, tokens))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "flex_olmo"])
 def test_a_config_of_ours_loads_in_transformers(tmp_path, arch):
     cfg = tiny_config(arch, num_layers=3, **({"moe_layers": (0, 1, 1)} if arch.endswith("_moe") else {}))
     ours = write_random_hf_checkpoint(tmp_path, cfg, seed=5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]
+                                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                 "flex_olmo": "FlexOlmoForCausalLM"}[arch]
     tokens = random_tokens(cfg.vocab_size, (2, 30), seed=6)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
@@ -155,4 +161,14 @@ def test_moe_config_layouts():
         "hidden_act": "silu"}
     cfg = ModelConfig.from_hf_dict(qwen2)
     assert cfg.attention_bias and cfg.shared_expert_size == 5632 and cfg.expert_size == 1408
+    # FlexOlmo: a config.json that leaves its keys out reads transformers' FlexOlmoConfig defaults
+    flex, theirs = ModelConfig.from_hf_dict({"architectures": ["FlexOlmoForCausalLM"], "model_type": "flex_olmo"}), \
+        transformers.FlexOlmoConfig()
+    assert (flex.vocab_size, flex.hidden_size, flex.intermediate_size, flex.num_layers, flex.num_heads,
+            flex.num_kv_heads, flex.num_experts, flex.num_experts_per_tok, flex.norm_topk_prob, flex.rope_theta,
+            flex.rms_norm_eps, flex.eos_token_id) == (
+        theirs.vocab_size, theirs.hidden_size, theirs.intermediate_size, theirs.num_hidden_layers,
+        theirs.num_attention_heads, theirs.num_key_value_heads, theirs.num_experts, theirs.num_experts_per_tok,
+        theirs.norm_topk_prob, theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps, theirs.eos_token_id)
+    assert flex.olmo and flex.flat_qk_norm and flex.expert_size == flex.intermediate_size
     assert round(cfg.num_params / 1e9, 1) == 14.3  # "14.3B parameters in total and 2.7B activated"

@@ -58,7 +58,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj"),
                                           ("qwen3_moe", "all"), ("granitemoe", "all"),
                                           ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"),
-                                          ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"), ("phimoe", "attn,experts"),
+                                          ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"), ("phimoe", "attn,experts"), ("flex_olmo", "attn,experts"),
                                           ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
                                           ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
                                           ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),

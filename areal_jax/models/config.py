@@ -14,7 +14,7 @@ from areal_jax.models import config_checks as checks
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
-                     "phimoe")
+                     "phimoe", "flex_olmo")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  *MOE_ARCHITECTURES)
@@ -286,13 +286,14 @@ class ModelConfig:
 
     @property
     def olmo(self) -> bool:
-        """OLMo 2 / 3's layer form (EXAONE 4's too): x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either)."""
-        return self.architecture in ("olmo2", "olmo3", "exaone4")
+        """OLMo 2 / 3's layer form (EXAONE 4's, FlexOlmo's too): x + norm(attn(x)), then x + norm(mlp(x)) (no norm
+        before either)."""
+        return self.architecture in ("olmo2", "olmo3", "exaone4", "flex_olmo")
 
     @property
     def flat_qk_norm(self) -> bool:
         """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE, MiniMax-M2), not per head."""
-        return self.architecture in ("olmo2", "olmo3", "olmoe", "minimax_m2")
+        return self.architecture in ("olmo2", "olmo3", "olmoe", "minimax_m2", "flex_olmo")
 
     @property
     def attention_scale_factor(self) -> float:

@@ -30,7 +30,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     its branch) normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no gate (ReLU
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
-    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below.
+    and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
+    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised).
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -50,7 +51,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss", "seed_oss"),
         attention_out_bias=architecture == "seed_oss",
         qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1_dense",
-                                 "hunyuan_v1_moe"),
+                                 "hunyuan_v1_moe", "flex_olmo"),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
@@ -71,7 +72,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rotary_dim=12, rope_scaling={
             "rope_type": "longrope", "original_max_position_embeddings": 32,
             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0]})
-    if architecture in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe"):
+    if architecture in ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "flex_olmo"):
         fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=architecture != "qwen2_moe",
                       moe_intermediate_size=32 if architecture in ("qwen3_moe", "qwen2_moe") else None,
                       shared_expert_size=40 if architecture == "qwen2_moe" else None)
