@@ -17,7 +17,7 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 13)), jnp.int3
 
 
 @pytest.mark.parametrize("arch,sibling", [("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe"), ("llama", "mixtral"),
-                                          ("granite", "granitemoe")])
+                                          ("granite", "granitemoe"), ("olmo2", "flex_olmo")])
 def test_the_upcycled_model_computes_the_dense_function(arch, sibling):
     dense = random_model(tiny_config(arch), seed=1)
     moe = upcycle(dense, experts=4, top_k=2, seed=2)
@@ -33,7 +33,7 @@ def test_the_upcycled_model_computes_the_dense_function(arch, sibling):
     np.testing.assert_allclose(np.asarray(moe(TOKENS)), np.asarray(dense(TOKENS)), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "olmo2"])
 def test_the_command_writes_a_directory_transformers_loads_with_the_dense_logits(tmp_path, arch, capsys):
     dense_dir, out = str(tmp_path / "dense"), str(tmp_path / "moe")
     dense = write_random_hf_checkpoint(dense_dir, tiny_config(arch), seed=3)
@@ -49,8 +49,8 @@ def test_the_command_writes_a_directory_transformers_loads_with_the_dense_logits
         assert open(os.path.join(out, name)).read() == open(os.path.join(dense_dir, name)).read()
     assert not os.path.exists(os.path.join(out, "pytorch_model.bin")) and not os.path.exists(
         os.path.join(out, "model-q4.gguf"))
-    assert json.load(open(os.path.join(out, "config.json")))["num_experts" if arch == "qwen2" else
-                                                              "num_local_experts"] == 3  # ours, not the dense one
+    assert json.load(open(os.path.join(out, "config.json")))["num_local_experts" if arch == "llama" else
+                                                              "num_experts"] == 3  # ours, not the dense one
     np.testing.assert_allclose(np.asarray(load_hf_checkpoint(out)(TOKENS)), np.asarray(dense(TOKENS)), atol=2e-5)
     torch = pytest.importorskip("torch", reason="the transformers check needs PyTorch")
     transformers = pytest.importorskip("transformers", reason="the transformers check needs transformers")

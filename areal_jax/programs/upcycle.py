@@ -8,7 +8,7 @@ is the dense MLP's: the upcycled model's logits equal the dense model's (up to f
 LoRA on the experts, `lora.targets=...,experts`) lets the experts and the router move apart from there. The family
 maps to its mixture-of-experts sibling with the same attention: qwen2 -> qwen2_moe (Qwen2-MoE's shared expert is kept
 with a zero output projection, so it adds nothing), qwen3 -> qwen3_moe, llama and mistral -> mixtral, granite ->
-granitemoe. Embeddings, attention, norms and the output head are copied; so is every file of the dense directory
+granitemoe, olmo2 -> flex_olmo (FlexOlmo: OLMo 2's layer with experts). Embeddings, attention, norms and the output head are copied; so is every file of the dense directory
 but its weights and config.json (tokenizer files of any kind, chat template, generation config, license).
 Ends with one JSON line: the parameter counts and the largest logit difference to the dense model on random tokens.
 """
@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 SIBLINGS = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "llama": "mixtral", "mistral": "mixtral",
-            "granite": "granitemoe"}
+            "granite": "granitemoe", "olmo2": "flex_olmo"}
 SHARED_EXPERT_SIZE = 16  # Qwen2-MoE always has a shared expert: kept narrow, its output projection zero
 # what the upcycled directory writes itself (weights in any format, their index, the model's config); every other file
 # of the dense directory (tokenizer files of any kind, chat templates, generation config, README, LICENSE) is copied
