@@ -118,8 +118,8 @@ def rewrap(text: Any, source_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     def tensor(i: int) -> np.ndarray:
         got = taken.get(names[i])
-        if got is None:  # a source name answers to itself in the reader
-            return src._handle(names[i]).get_tensor(names[i])
+        if got is None:  # a source name answers to itself in the reader (read by the writing process only)
+            return src._handle(names[i]).get_tensor(names[i]) if writer else np.empty(0, np.uint8)
         if isinstance(got, str):
             return text.read(got)
         return stacked_experts.stack({key: text.read(n) for key, n in got.items()})
