@@ -121,10 +121,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         attention = dict(num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=head_dim,
                          attention_bias=bool(get("attention_bias")), qk_norm=bool(get("use_qk_norm")),
                          rotary_dim=int(head_dim * partial) if partial != 1.0 else None)
-    width, shared = int(get("moe_intermediate_size")), int(get("n_shared_experts") or 0)
     sigmoid = model_type in SIGMOID
-    grouped = sigmoid or get("topk_method") == "group_limited_greedy"
-    groups = (int(get("n_group") or 1), int(get("topk_group") or 1)) if grouped else None
+    experts = router_fields(get, "n_routed_experts", "n_shared_experts", sigmoid,
+                            grouped=sigmoid or get("topk_method") == "group_limited_greedy")
     eos = get("eos_token_id")
     return cls(
         architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
@@ -132,13 +131,22 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         rope_theta=theta, rope_scaling=None if rope_type == "default" else rope,
         rms_norm_eps=float(get("rms_norm_eps")), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos, num_experts=int(get("n_routed_experts")),
-        num_experts_per_tok=int(get("num_experts_per_tok") or 0), moe_intermediate_size=width,
-        norm_topk_prob=bool(get("norm_topk_prob")), shared_expert_size=width * shared or None,
-        shared_expert_gated=False, moe_layers=_dense_flags(d, model_type, layers, get),
-        router_scoring="sigmoid" if sigmoid else "softmax", router_groups=groups if groups and groups[0] > 1 else None,
-        router_score_bias=sigmoid, routed_scaling_factor=float(get("routed_scaling_factor")), dtype=dtype,
-        param_dtype=param_dtype)
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos, **experts,
+        moe_layers=_dense_flags(d, model_type, layers, get), dtype=dtype, param_dtype=param_dtype)
+
+
+def router_fields(get: Any, experts: str, shared: str, sigmoid: bool, grouped: bool) -> dict:
+    """The ModelConfig fields of DeepSeek-V3's experts and router from a config.json (`get(key)`: its value, or the
+    family's default), whose routed and shared expert counts are under the keys `experts` and `shared` (EXAONE MoE
+    names them otherwise): experts of moe_intermediate_size, shared ones of that width each, ungated; sigmoid scores
+    with a picking bias (else softmax); with `grouped`, the best topk_group of n_group groups (none for one group)."""
+    width, groups = int(get("moe_intermediate_size")), (int(get("n_group") or 1), int(get("topk_group") or 1))
+    return dict(num_experts=int(get(experts)), num_experts_per_tok=int(get("num_experts_per_tok") or 0),
+                moe_intermediate_size=width, norm_topk_prob=bool(get("norm_topk_prob")),
+                shared_expert_size=width * int(get(shared) or 0) or None, shared_expert_gated=False,
+                router_scoring="sigmoid" if sigmoid else "softmax",
+                router_groups=groups if grouped and groups[0] > 1 else None, router_score_bias=sigmoid,
+                routed_scaling_factor=float(get("routed_scaling_factor")))
 
 
 def check_hf(cfg: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models.deepseek import router_fields
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM"}
@@ -66,14 +67,9 @@ def _moe_fields(get: Any, layers: int) -> dict:
         raise ValueError("EXAONE MoE routes by sigmoid scores with a picking bias (transformers' ExaoneMoeTopkRouter, "
                          f"whatever scoring_func / topk_method say); this config names {get('scoring_func')!r} / "
                          f"{get('topk_method')!r}: it is another model.")
-    width, flags = int(get("moe_intermediate_size")), tuple(int(t == "sparse") for t in types)
-    groups = (int(get("n_group") or 1), int(get("topk_group") or 1))
-    return dict(num_experts=int(get("num_experts")), num_experts_per_tok=int(get("num_experts_per_tok")),
-                moe_intermediate_size=width, norm_topk_prob=bool(get("norm_topk_prob")),
-                shared_expert_size=width * int(get("num_shared_experts") or 0) or None, shared_expert_gated=False,
-                moe_layers=None if all(flags) else flags, router_scoring="sigmoid", router_score_bias=True,
-                router_groups=groups if groups[0] > 1 else None,
-                routed_scaling_factor=float(get("routed_scaling_factor")))
+    flags = tuple(int(t == "sparse") for t in types)
+    return dict(router_fields(get, "num_experts", "num_shared_experts", sigmoid=True, grouped=True),
+                moe_layers=None if all(flags) else flags)
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
