@@ -60,7 +60,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"),
                                           ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"), ("phimoe", "attn,experts"), ("flex_olmo", "attn,experts"),
                                           ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
-                                          ("qwen2_moe", "experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
+                                          ("qwen2_moe", "experts"), ("qwen2_moe", "attn,shared"),
+                                          ("qwen3_5_moe_text", "shared,experts"), ("deepseek_v3", "attn,experts"), ("gpt_oss", "attn,experts"),
                                           ("gpt_oss", "re:layers\\.1\\.mlp\\.experts_(gate|down)"),
                                           ("deepseek_v3", "q_b,kv_a,re:layers\\.1\\.mlp\\.experts_down"),
                                           ("glm4_moe", "attn,experts"), ("glm4_moe_lite", "attn,experts"),
@@ -236,3 +237,24 @@ def test_export_command_writes_merged_and_peft_directories_of_a_lora_run(tmp_pat
     np.testing.assert_allclose(np.asarray(fresh(jnp.asarray(TOKENS % 40))), want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="--format"):
         export_policy(c.run_dir, str(tmp_path / "x"), fmt="onnx")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "hunyuan_v1_moe"])
+def test_shared_expert_adapters_train_merge_and_refuse_a_peft_export_peft_would_misread(tmp_path, arch):
+    """A shared expert's gate / up / down take adapters (lora.targets "shared"): the adapted model's logits equal its
+    merged weights' and differ from the base's; their bytes are counted. Where PEFT reads a dense MLP's gate_proj as
+    the experts' (DeepSeek's, Hunyuan MoE's: peft's logits were 1.6 / 2.5 off with them written), the PEFT export
+    refuses them by name (the merged export takes them); Qwen2-MoE's and Qwen3.5-MoE's load (the parity test above)."""
+    base_dir, model, lcfg = adapted_checkpoint(tmp_path, arch=arch, targets="attn,shared")
+    shared = [(i, s) for i, s in lora.model_targets(model.cfg, lcfg) if s in lora.SHARED]
+    assert shared and {i for i, _ in shared} == set(lora.expert_layers(model.cfg))
+    assert isinstance(model.layers[shared[0][0]].mlp.shared_expert.gate_proj, lora.LoRAProjection)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert lora.adapter_bytes(model.cfg, lcfg) == 4 * n
+    merged = lora.merged_model(model, lcfg.scale)
+    np.testing.assert_allclose(np.asarray(merged(jnp.asarray(TOKENS))), np.asarray(model(jnp.asarray(TOKENS))),
+                               atol=2e-5, rtol=0)
+    assert np.abs(np.asarray(model(jnp.asarray(TOKENS))) - np.asarray(load_hf_checkpoint(base_dir)(
+        jnp.asarray(TOKENS)))).max() > 1e-2
+    with pytest.raises(ValueError, match=r"mlp\.shared_expert\.gate_proj.*export the merged checkpoint"):
+        save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base_dir)

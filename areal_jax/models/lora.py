@@ -22,134 +22,32 @@ graph has dropout off (`sampler_graphdef`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
-from typing import Any, ClassVar, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.knobs import ConfigError, Section, knob, require
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora_targets import (  # noqa: F401 (re-exported: what LoRA adapts, and its config section)
+    BASE_DTYPES,
+    EXPERTS,
+    GROUPS,
+    LINEAR,
+    PROJECTIONS,
+    SHARED,
+    LoRAConfig,
+    adapter_bytes,
+    attention_projections,
+    expert_layers,
+    linear_layers,
+    mlp_projections,
+    model_targets,
+    module_at,
+    shared_layers,
+)
 from areal_jax.models.sharding import logical_names
-
-PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
-    "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
-    "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
-    # latent attention's (models.mla)
-    "q_a": ("attn", "q_a_proj", 1), "q_b": ("attn", "q_b_proj", 1), "kv_a": ("attn", "kv_a_proj", 1),
-    "kv_b": ("attn", "kv_b_proj", 1),
-    # a Gated DeltaNet layer's (models.gated_deltanet: Qwen3.5's linear attention), named also as HF does
-    "in_qkv": ("linear_attn", "in_proj_qkv", 1), "in_z": ("linear_attn", "in_proj_z", 1),
-    "in_b": ("linear_attn", "in_proj_b", 1), "in_a": ("linear_attn", "in_proj_a", 1),
-    "out": ("linear_attn", "out_proj", 1),
-}
-LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
-_BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
-# a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
-EXPERTS = ("experts_gate", "experts_up", "experts_down")
-GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b") + LINEAR, "linear": LINEAR,
-          "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS), "experts": EXPERTS}
-BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig(Section):
-    """Adapter settings (the config's `lora` section); `apply_lora` reads rank, alpha, dropout, targets and
-    base_dtype, the job reads `enabled` and `sampler`."""
-
-    section: ClassVar[str] = "lora"
-
-    enabled: bool = knob(False, "train LoRA adapters on a frozen base; off: full fine-tuning")
-    rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
-    alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
-    dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
-    targets: str = knob("all", "q,k,v,o,gate,up,down | attn (Gated DeltaNet's too) | linear (Gated DeltaNet's: "
-                        "in_qkv,in_z,in_b,in_a,out) | mlp | all | experts (a mixture of experts' expert weights, not "
-                        "in all) | re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
-    base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
-                           choices=("", *BASE_DTYPES))
-    sampler: str = knob("merged", "merged (adapters folded into the sampler's copy at hand-off) | unmerged",
-                        choices=("merged", "unmerged"))
-
-    def check(self) -> None:
-        require(self.rank >= 1, f"{self.key('rank')}={self.rank!r} must be a positive integer.")
-        require(self.alpha > 0, f"{self.key('alpha')}={self.alpha!r} must be positive.")
-        require(0.0 <= self.dropout < 1.0, f"{self.key('dropout')}={self.dropout!r} must lie in [0, 1).")
-        try:
-            names, _ = self.target_rules()
-        except ValueError as err:  # each message starts with the key: "lora.targets entry ..."
-            raise ConfigError(f"--config.{err}") from None
-        require(not (self.dropout > 0 and names & set(EXPERTS)),
-                f"{self.key('dropout')}={self.dropout} applies to projections only: the experts' adapters are folded "
-                f"into their weights in each forward (no per-token input to drop); set {self.key('dropout')}=0 or "
-                f"leave 'experts' out of {self.key('targets')}.")
-
-    @property
-    def scale(self) -> float:
-        return float(self.alpha) / self.rank
-
-    def target_rules(self) -> tuple[set[str], list[re.Pattern]]:
-        """(short projection names, compiled path patterns) named by `targets`."""
-        names, patterns = set(), []
-        entries = [e.strip() for e in str(self.targets).split(",") if e.strip()]
-        if not entries:
-            raise ValueError("lora.targets is empty; name projections, e.g. 'q,v', 'attn', 'all' or 're:layers\\.0\\..*'.")
-        for entry in entries:
-            if entry.startswith("re:"):
-                try:
-                    patterns.append(re.compile(entry[3:]))
-                except re.error as err:
-                    raise ValueError(f"lora.targets entry {entry!r} is not a valid regular expression: {err}.") from err
-            elif entry in GROUPS:
-                names.update(GROUPS[entry])
-            elif entry.removesuffix("_proj") in PROJECTIONS:
-                names.add(entry.removesuffix("_proj"))
-            elif entry in _BY_ATTR:  # in_proj_qkv, out_proj, ...: HF's names
-                names.add(_BY_ATTR[entry])
-            elif entry in EXPERTS:
-                names.add(entry)
-            else:
-                raise ValueError(f"lora.targets entry {entry!r} is unknown; use {', '.join(PROJECTIONS)}, "
-                                 f"{', '.join(GROUPS)} or 're:<regex>' over paths like 'layers.0.attn.q_proj'.")
-        return names, patterns
-
-    def target_paths(self, num_layers: int, experts: Sequence[int] = (), attention: Sequence[str] = ("q", "k", "v", "o"),
-                     mlp: Sequence[str] = ("gate", "up", "down"), linear: Sequence[int] = ()) -> list[tuple[int, str]]:
-        """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
-        layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
-        the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
-        "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
-        (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
-        Arcee's: `mlp_projections`), the others skipped. linear: the Gated DeltaNet layers (Qwen3.5's): their token
-        mixer's projections are in_qkv, in_z, in_b, in_a and out (`LINEAR`, under 'layers.0.linear_attn')."""
-        names, patterns = self.target_rules()
-        named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
-        named |= {_BY_ATTR[e.strip()] for e in str(self.targets).split(",") if e.strip() in _BY_ATTR}
-        foreign = sorted(s for s in named & set(PROJECTIONS) if PROJECTIONS[s][0] == "attn" and s not in attention)
-        if foreign:
-            raise ValueError(f"lora.targets names {', '.join(foreign)}, which this model's attention does not have; "
-                             f"its projections are {', '.join(attention)} (or use 'attn').")
-        if not linear and named & set(LINEAR):
-            raise ValueError(f"lora.targets names {', '.join(sorted(named & set(LINEAR)))}, the projections of Gated "
-                             f"DeltaNet layers, which this model does not have; its attention's are "
-                             f"{', '.join(attention)} (or use 'attn').")
-        out = []
-        for i in range(num_layers):
-            moe = i in experts
-            for short, (part, attr, _) in PROJECTIONS.items():
-                if (part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or i in linear)
-                        or part == "linear_attn" and i not in linear):
-                    continue
-                path = f"layers.{i}.{part}.{attr}"
-                if short in names or any(p.fullmatch(path) for p in patterns):
-                    out.append((i, short))
-            for short in EXPERTS if moe else ():
-                if short in names or any(p.fullmatch(f"layers.{i}.mlp.{short}") for p in patterns):
-                    out.append((i, short))
-        return out
 
 
 # ------------------------------------------------------------------------------------------ pure math
@@ -263,8 +161,7 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     """
     if has_lora(model):
         raise ValueError("The model already has LoRA adapters; apply_lora once per model.")
-    targets = cfg.target_paths(model.cfg.num_layers, expert_layers(model.cfg), attention_projections(model.cfg),
-                               mlp_projections(model.cfg), linear_layers(model.cfg))
+    targets = model_targets(model.cfg, cfg)
     if not targets:
         raise ValueError(f"lora.targets={cfg.targets!r} selects no projection of this {model.cfg.num_layers}-layer "
                          "model; paths look like 'layers.0.attn.q_proj' (a mixture-of-experts layer's experts take no "
@@ -275,7 +172,7 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
             setattr(moe, short, LoRAExperts(getattr(moe, short), cfg, rngs=rngs))
             continue
         part, attr, n_in = PROJECTIONS[short]
-        owner = getattr(model.layers[i], part)
+        owner = module_at(model.layers[i], part)
         setattr(owner, attr, LoRAProjection(getattr(owner, attr), n_in, cfg, salt=salt, rngs=rngs))
     if cfg.base_dtype:
         dtype = BASE_DTYPES[cfg.base_dtype]
@@ -346,50 +243,3 @@ def merged_model(model: nnx.Module, scale: float, dtype: Any = None) -> nnx.Modu
     return nnx.merge(plain_graphdef(cfg), merge_state(nnx.state(model), scale, dtype))
 
 
-def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) -> int:
-    """Bytes of every A and B of a decoder of shape `model_cfg` (float32 adapters: itemsize 4)."""
-    d, f, h, k, hd = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
-                      model_cfg.num_kv_heads, model_cfg.head_dim)
-    e, fe = model_cfg.num_experts or 0, model_cfg.expert_size if model_cfg.num_experts else 0
-    gated = 2 if model_cfg.gated_attention else 1  # Qwen3.5's q_proj gives each head's gate too
-    dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
-            "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
-            "experts_down": (e * fe, e * d)}
-    if model_cfg.linear is not None:
-        from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
-
-        lin = model_cfg.linear
-        dims.update(in_qkv=(d, channels(model_cfg)), in_z=(d, lin.value_heads * lin.value_dim),
-                    in_b=(d, lin.value_heads), in_a=(d, lin.value_heads), out=(lin.value_heads * lin.value_dim, d))
-    if model_cfg.mla is not None:
-        m = model_cfg.mla
-        dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
-                    kv_b=(m.kv_lora_rank, h * (m.nope + m.v)), o=(h * m.v, d))
-    paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
-                             mlp_projections(model_cfg), linear_layers(model_cfg))
-    return sum(cfg.rank * sum(dims[s]) * itemsize for _, s in paths)
-
-
-def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
-    """The short names of a layer's attention projections: q, k, v, o; latent attention's q (or q_a and q_b with a
-    query rank), kv_a, kv_b, o."""
-    if model_cfg.mla is None:
-        return ("q", "k", "v", "o")
-    return (("q",) if model_cfg.mla.q_lora_rank is None else ("q_a", "q_b")) + ("kv_a", "kv_b", "o")
-
-
-def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
-    """The short names of a dense MLP's projections: gate, up, down; up and down where it has no gate (Arcee)."""
-    from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
-
-    return ("up", "down") if model_cfg.architecture in UNGATED else ("gate", "up", "down")
-
-
-def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
-    """The Gated DeltaNet layers of `model_cfg` (their projections are `LINEAR`'s, not attention's)."""
-    return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_linear(i))
-
-
-def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
-    """The layers of `model_cfg` whose feed-forward is a mixture of experts (their MLP's adapters are per expert)."""
-    return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_moe(i))

@@ -34,7 +34,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from areal_jax.models.hf_names import weight_entries
-from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection
+from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection, module_at
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 from areal_jax.models.wrapped_export import wrapper_type
 
@@ -47,24 +47,26 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
         for short, (part, attr, _) in PROJECTIONS.items():
-            node = getattr(getattr(layer, part), attr, None)  # None: a mixture of experts' MLP
+            node = getattr(module_at(layer, part, None), attr, None)  # None: a mixture of experts' MLP, no shared one
             if isinstance(node, LoRAProjection):
                 out.append((i, short, node))
     if not out and not expert_groups(model):
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
-    dense_mlp = sorted({f"layers.{i}.mlp.{short}_proj" for i, short, _ in out if PROJECTIONS[short][0] == "mlp"})
+    dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
+                        if PROJECTIONS[short][0].startswith("mlp")})
     if dense_mlp and getattr(model.cfg, "architecture", None) in _EXPERT_NAMED_MLP:
         raise ValueError(f"PEFT (on transformers 5) reads a target ending in gate_proj / up_proj / down_proj of a "
                          f"{model.cfg.architecture} model as its experts' parameters, so the adapters of its dense "
-                         f"layers' MLP ({', '.join(dense_mlp)}) cannot be written as PEFT loads them; export the "
+                         f"MLPs ({', '.join(dense_mlp)}) cannot be written as PEFT loads them; export the "
                          "merged checkpoint (export --format=hf), or adapt attention and experts only "
                          "(lora.targets=attn,experts).")
     return out
 
 
-# mixtures of experts whose dense layers' MLP names PEFT maps onto the experts (transformers' qwen2_moe conversion)
+# mixtures of experts whose dense MLPs' names (their dense layers', their shared experts') PEFT maps onto the experts
+# (transformers' qwen2_moe conversion); Qwen2-MoE's and Qwen3.5-MoE's shared experts load as named
 _EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe",
-                     "qwen3_next", "exaone_moe")
+                     "qwen3_next", "exaone_moe", "hunyuan_v1_moe")
 
 
 _HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
@@ -86,18 +88,28 @@ def _fused_module(model_or_cfg: Any, short: str) -> str | None:
     return next((m for m, parts in _FUSED.items() if short in parts), None)
 
 
-def module_name(layer: int, short: str, fused: str | None = None) -> str:
+def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = None) -> str:
     """HF module path of a projection, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj" (with `fused`, the
-    fused module's: "model.layers.0.self_attn.qkv_proj")."""
+    fused module's: "model.layers.0.self_attn.qkv_proj"; a shared expert's as `cfg`'s family names it:
+    "model.layers.0.mlp.shared_expert.gate_proj", DeepSeek's shared_experts, Hunyuan's shared_mlp)."""
     part, attr, _ = PROJECTIONS[short]
+    if part == "mlp.shared_expert":
+        return _shared_modules(cfg)[(layer, attr)]
     return f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_modules(cfg: Any) -> dict[tuple[int, str], str]:
+    """{(layer, projection): HF module path} of the shared experts' projections, off the HF weight table."""
+    return {(e.path[1], e.path[-1]): e.hf_name.removesuffix(".weight") for e in weight_entries(cfg)
+            if e.path[2:4] == ("mlp", "shared_expert")}
 
 
 def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
     """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
     out: dict[str, list[tuple[str, LoRAProjection]]] = {}
     for i, short, node in _adapted(model):
-        out.setdefault(module_name(i, short, _fused_module(model, short)), []).append((short, node))
+        out.setdefault(module_name(i, short, _fused_module(model, short), model.cfg), []).append((short, node))
     return list(out.items())
 
 
@@ -249,7 +261,7 @@ def _hf_layout(cfg: Any) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, n
     """({projection HF fuses with others key head by key head: (the fused weight's rows holding its rows, in our
     order; that weight's rows)}, `_hf_orders`), read off the HF weight table once per config (a save or a load asks
     several times; every layer's the same)."""
-    short_of = {attr: short for short, (_, attr, _) in PROJECTIONS.items()}
+    short_of = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
     entries = [e for e in weight_entries(cfg) if e.path[-1] in short_of]
     gathered = {short_of[e.path[-1]]: (np.asarray(e.channels), int(e.gather)) for e in entries if e.gather is not None}
     return gathered, {short_of[e.path[-1]]: np.asarray(e.channels) for e in entries
