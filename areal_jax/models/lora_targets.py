@@ -169,16 +169,10 @@ def model_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> list[tuple[int, st
                             mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg))
 
 
-_MISSING = object()
-
-
-def module_at(layer: Any, part: str, default: Any = _MISSING) -> Any:
-    """The sub-module of a decoder layer that holds a projection of `PROJECTIONS` ("attn", "mlp.shared_expert", ...);
-    `default` where the layer has none (else an AttributeError)."""
-    if default is _MISSING:
-        return functools.reduce(getattr, part.split("."), layer)
-    node = functools.reduce(lambda node, name: getattr(node, name, None), part.split("."), layer)
-    return default if node is None else node
+def module_at(layer: Any, part: str) -> Any:
+    """The sub-module of a decoder layer that holds a projection of `PROJECTIONS` ("attn", "mlp.shared_expert", ...),
+    or None where the layer has none (a dense layer's shared expert)."""
+    return functools.reduce(lambda node, name: getattr(node, name, None), part.split("."), layer)
 
 
 def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:

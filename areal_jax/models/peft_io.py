@@ -47,7 +47,7 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
         for short, (part, attr, _) in PROJECTIONS.items():
-            node = getattr(module_at(layer, part, None), attr, None)  # None: a mixture of experts' MLP, no shared one
+            node = getattr(module_at(layer, part), attr, None)  # None: a mixture of experts' MLP, no shared one
             if isinstance(node, LoRAProjection):
                 out.append((i, short, node))
     if not out and not expert_groups(model):

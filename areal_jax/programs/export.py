@@ -78,6 +78,8 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
     image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL) exports, merged, that checkpoint
     with its trained text decoder (`models.wrapped_export.rewrap`: the vision tower copied from it), or with
     `text_only` the decoder alone as a text model."""
+    import jax
+
     from areal_jax.models import save_hf_checkpoint
     from areal_jax.tokenizer import Tokenizer
 
@@ -104,8 +106,6 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
         if text_only or not wrapper_type(config.model.path):
             save_hf_checkpoint(model, out_dir, max_shard_size=MAX_SHARD_BYTES)
         else:  # each decoder tensor fetched from the devices as it is written into the source's checkpoint
-            import jax
-
             rewrap(model, config.model.path, out_dir, MAX_SHARD_BYTES, writer=jax.process_index() == 0)
     Tokenizer.from_pretrained(config.model.tokenizer_path or config.model.path).save_pretrained(out_dir)
     return out_dir
