@@ -14,13 +14,13 @@ from areal_jax.models import config_checks as checks
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
-                     "phimoe", "flex_olmo")
+                     "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 *MOE_ARCHITECTURES)
+                 "lfm2", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention",
-                                                                                   "linear_attention")
+                                                                                   "linear_attention", "conv")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -45,7 +45,8 @@ class ModelConfig:
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
     layer_types: per layer "full_attention", "sliding_attention" (None: all sliding when sliding_window is set) or
-      "linear_attention" (a Gated DeltaNet layer of `linear`'s shapes: models.gated_deltanet).
+      "linear_attention" (a Gated DeltaNet layer of `linear`'s shapes: models.gated_deltanet) or "conv" (LFM2's gated
+      short convolution of `short_conv` taps: models.short_conv).
     rope_local_theta: the RoPE base of sliding layers, which then take no rope_scaling (Gemma 3's
       rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
     query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim).
@@ -145,6 +146,7 @@ class ModelConfig:
     shared_expert_gated: bool = True
     mla: checks.MLA | None = None
     linear: checks.LinearAttention | None = None
+    short_conv: int | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -276,8 +278,14 @@ class ModelConfig:
         return self.architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
     def layer_is_linear(self, i: int) -> bool:
-        """Whether layer i is a Gated DeltaNet layer (`linear`) rather than attention."""
-        return self.layer_types is not None and self.layer_types[i] == "linear_attention"
+        """Whether layer i keeps a fixed state per row in place of keys and values: Gated DeltaNet (`linear`) or a
+        short convolution (`short_conv`), rather than attention."""
+        return self.layer_types is not None and self.layer_types[i] in ("linear_attention", "conv")
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a state per row (`layer_is_linear`) that a padding token must not advance."""
+        return self.linear is not None or self.short_conv is not None
 
     @property
     def sandwich_norms(self) -> bool:
@@ -310,10 +318,13 @@ class ModelConfig:
 
     def with_layers(self, n: int, linear: bool = False) -> ModelConfig:
         """This model with `n` decoder layers of full attention (a window needs no more memory) or, with linear, of
-        Gated DeltaNet: what memory probes compile and extrapolate from (a hybrid's kinds apart). Experts: probed."""
+        its stateful kind (Gated DeltaNet, short convolutions): what memory probes compile and extrapolate from (a
+        hybrid's kinds apart). Experts: probed."""
         moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
-        return self.replace(num_layers=n, layer_types=("linear_attention",) * n if linear else None,
-                            sliding_window=None, moe_layers=moe, linear=self.linear if linear else None)
+        kind = "conv" if self.short_conv is not None else "linear_attention"
+        return self.replace(num_layers=n, layer_types=(kind,) * n if linear else None, sliding_window=None,
+                            moe_layers=moe, linear=self.linear if linear else None,
+                            short_conv=self.short_conv if linear else None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""

@@ -226,7 +226,8 @@ class LinearAttention(NamedTuple):
 
 def check_linear(cfg) -> None:
     """`ModelConfig.linear` made a `LinearAttention` (from a tuple or dict) and checked against layer_types: the
-    "linear_attention" layers need it, and it needs at least one of them."""
+    "linear_attention" layers need it, and it needs at least one of them (`short_conv` likewise with "conv" layers)."""
+    _check_short_conv(cfg)
     m, types = cfg.linear, cfg.layer_types or ()
     if m is None:
         if "linear_attention" in types:
@@ -242,3 +243,21 @@ def check_linear(cfg) -> None:
         raise ValueError("ModelConfig.linear is set but no layer is linear_attention: list them in layer_types, or "
                          "leave linear None.")
     object.__setattr__(cfg, "linear", m)
+
+
+def _check_short_conv(cfg) -> None:
+    """`ModelConfig.short_conv` (taps >= 2) set exactly where layer_types has "conv" layers."""
+    taps, types = cfg.short_conv, cfg.layer_types or ()
+    if taps is None:
+        if "conv" in types:
+            raise ValueError("ModelConfig.layer_types has conv layers but short_conv is None; set short_conv to their "
+                             "convolution's taps (LFM2's conv_L_cache, 3).")
+        return
+    if not isinstance(taps, (int, np.integer)) or isinstance(taps, bool) or taps < 2:
+        raise ValueError(f"ModelConfig.short_conv must be an integer >= 2 (the convolution's taps), got {taps!r}.")
+    if cfg.linear is not None:
+        raise ValueError("ModelConfig.short_conv and linear are both set: a model's stateful layers are of one kind "
+                         "here (LFM2's short convolutions or Gated DeltaNet); leave one None.")
+    if "conv" not in types:
+        raise ValueError("ModelConfig.short_conv is set but no layer is conv: list them in layer_types, or leave "
+                         "short_conv None.")

@@ -2,6 +2,18 @@
 `check_hf`), which `hf_config` dispatches a config.json's model type to."""
 from __future__ import annotations
 
-from areal_jax.models import arcee, deepseek, ernie, exaone, flex_olmo, hunyuan, ministral3, phimoe, qwen3_5, seed_oss
+from areal_jax.models import (
+    arcee,
+    deepseek,
+    ernie,
+    exaone,
+    flex_olmo,
+    hunyuan,
+    lfm2,
+    ministral3,
+    phimoe,
+    qwen3_5,
+    seed_oss,
+)
 
-OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo)
+OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import arcee, hunyuan
+from areal_jax.models import arcee, hunyuan, lfm2
 from areal_jax.models.config import ModelConfig
 
 
@@ -127,7 +127,9 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         if not cfg.olmo:
             entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
-        if linear:
+        if linear and cfg.short_conv is not None:
+            entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
+        elif linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
         for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
             if fused:
@@ -171,6 +173,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
     if cfg.lm_head_bias:
         entries.append(_Entry(("lm_head_bias",), "lm_head.bias", "same"))
+    if cfg.architecture in lfm2.HF_CLASSES:  # the same tensors under LFM2's names
+        entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name)) for e in entries]
     return entries
 
 
@@ -279,4 +283,15 @@ def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
             _Entry(path + ("dt_bias",), f"{hf}.dt_bias", "same"),
             _Entry(path + ("A_log",), f"{hf}.A_log", "same"),
             _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),
+            _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]
+
+
+def _conv_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """An LFM2 conv layer's parameters (models.short_conv): in_proj (its B, C and x regrouped channel by channel:
+    `short_conv.interleaved_channels`), the convolution's taps and out_proj."""
+    from areal_jax.models.short_conv import interleaved_channels  # noqa: PLC0415 (it imports the layers)
+
+    grouped = tuple(int(i) for i in interleaved_channels(cfg.hidden_size))
+    return [_Entry(path + ("in_proj",), f"{hf}.in_proj.weight", "in_first", channels=grouped),
+            _Entry(path + ("conv",), f"{hf}.conv.weight", "conv"),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]

@@ -249,15 +249,17 @@ class DecoderLayer(nnx.Module):
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
     pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
     (`models.moe.MoE`) rather than one MLP. linear: the token mixer is Gated DeltaNet (`linear_attn`:
-    models.gated_deltanet), not attention (`attn` None)."""
+    models.gated_deltanet) or LFM2's short convolution (models.short_conv), not attention (`attn` None)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False):
         from areal_jax.models.gated_deltanet import GatedDeltaNet  # noqa: PLC0415 (they build on this module)
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
+        from areal_jax.models.short_conv import ShortConv  # noqa: PLC0415
 
         self.input_norm = None if cfg.olmo else make_norm(cfg)
-        self.linear_attn = GatedDeltaNet(cfg, rngs=rngs) if linear else None
+        mixer = ShortConv if cfg.short_conv is not None else GatedDeltaNet
+        self.linear_attn = mixer(cfg, rngs=rngs) if linear else None
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = make_norm(cfg)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
@@ -289,7 +291,7 @@ class DecoderLayer(nnx.Module):
             return out
 
         h = x if self.input_norm is None else self.input_norm(x)
-        if self.linear_attn is not None:  # Gated DeltaNet: attend is its context (gated_deltanet.Segments / StateCache)
+        if self.linear_attn is not None:  # a stateful mixer: attend is its context (gated_deltanet.Segments / StateCache)
             a = self.linear_attn(h, attend)
         elif getattr(self.attn, "output_gate", False):
             q, k, v, gate = self.attn.gated_qkv(h, cos, sin)

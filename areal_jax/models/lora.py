@@ -32,6 +32,7 @@ from flax import nnx
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora_targets import (  # noqa: F401 (re-exported: what LoRA adapts, and its config section)
     BASE_DTYPES,
+    CONV,
     EXPERTS,
     GROUPS,
     LINEAR,
@@ -42,6 +43,7 @@ from areal_jax.models.lora_targets import (  # noqa: F401 (re-exported: what LoR
     attention_projections,
     expert_layers,
     linear_layers,
+    linear_projections,
     mlp_projections,
     model_targets,
     module_at,

@@ -23,17 +23,21 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "in_qkv": ("linear_attn", "in_proj_qkv", 1), "in_z": ("linear_attn", "in_proj_z", 1),
     "in_b": ("linear_attn", "in_proj_b", 1), "in_a": ("linear_attn", "in_proj_a", 1),
     "out": ("linear_attn", "out_proj", 1),
+    # an LFM2 conv layer's (models.short_conv; out_proj is "out" too)
+    "in": ("linear_attn", "in_proj", 1),
     # a mixture of experts' shared expert (models.moe.MoE.shared_expert, a dense MLP every token goes through:
     # Qwen2-MoE's, Qwen3.5-MoE's, DeepSeek's, Hunyuan MoE's)
     "shared_gate": ("mlp.shared_expert", "gate_proj", 1), "shared_up": ("mlp.shared_expert", "up_proj", 1),
     "shared_down": ("mlp.shared_expert", "down_proj", 1),
 }
 LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
+CONV = ("in", "out")
+_MIXERS = LINEAR + ("in",)  # the stateful layers' projections, of either kind
 _BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
 SHARED = ("shared_gate", "shared_up", "shared_down")
-GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b") + LINEAR, "linear": LINEAR,
+GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b") + _MIXERS, "linear": _MIXERS,
           "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS), "experts": EXPERTS, "shared": SHARED}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -49,8 +53,8 @@ class LoRAConfig(Section):
     rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
     alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
-    targets: str = knob("all", "q,k,v,o,gate,up,down | attn (Gated DeltaNet's too) | linear (Gated DeltaNet's: "
-                        "in_qkv,in_z,in_b,in_a,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
+    targets: str = knob("all", "q,k,v,o,gate,up,down | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
+                        "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out; LFM2 conv layers': in,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
                         "shared_up,shared_down) | all | experts (a mixture of experts' expert weights, not in all) | "
                         "re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
@@ -102,14 +106,15 @@ class LoRAConfig(Section):
 
     def target_paths(self, num_layers: int, experts: Sequence[int] = (), attention: Sequence[str] = ("q", "k", "v", "o"),
                      mlp: Sequence[str] = ("gate", "up", "down"), linear: Sequence[int] = (),
-                     shared: Sequence[int] = ()) -> list[tuple[int, str]]:
+                     shared: Sequence[int] = (), mixer: Sequence[str] = LINEAR) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
         layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
         "experts", or a pattern over 'layers.1.mlp.experts_gate'). attention: the model's attention projections
         (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
-        Arcee's: `mlp_projections`), the others skipped. linear: the Gated DeltaNet layers (Qwen3.5's): their token
-        mixer's projections are in_qkv, in_z, in_b, in_a and out (`LINEAR`, under 'layers.0.linear_attn'). shared: the
+        Arcee's: `mlp_projections`), the others skipped. linear: the stateful layers, whose token mixer's projections
+        are `mixer` (under 'layers.0.linear_attn'): Gated DeltaNet's in_qkv, in_z, in_b, in_a and out (`LINEAR`:
+        Qwen3.5's), or an LFM2 conv layer's in and out (`CONV`: `linear_projections`). shared: the
         mixture-of-experts layers with a shared expert, whose gate / up / down are shared_gate / shared_up / shared_down
         (`SHARED`, in "all"; paths like 'layers.1.mlp.shared_expert.gate_proj')."""
         names, patterns = self.target_rules()
@@ -119,16 +124,20 @@ class LoRAConfig(Section):
         if foreign:
             raise ValueError(f"lora.targets names {', '.join(foreign)}, which this model's attention does not have; "
                              f"its projections are {', '.join(attention)} (or use 'attn').")
-        if not linear and named & set(LINEAR):
-            raise ValueError(f"lora.targets names {', '.join(sorted(named & set(LINEAR)))}, the projections of Gated "
-                             f"DeltaNet layers, which this model does not have; its attention's are "
+        if not linear and named & set(_MIXERS):
+            raise ValueError(f"lora.targets names {', '.join(sorted(named & set(_MIXERS)))}, the projections of Gated "
+                             f"DeltaNet or LFM2 conv layers, which this model does not have; its attention's are "
                              f"{', '.join(attention)} (or use 'attn').")
+        if linear and named & (set(_MIXERS) - set(mixer)):
+            raise ValueError(f"lora.targets names {', '.join(sorted(named & (set(_MIXERS) - set(mixer))))}, which this "
+                             f"model's stateful layers do not have; theirs are {', '.join(mixer)} (or use 'linear').")
         out = []
         for i in range(num_layers):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
                 if (part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or i in linear)
-                        or part == "linear_attn" and i not in linear or short in SHARED and i not in shared):
+                        or part == "linear_attn" and (i not in linear or short not in mixer)
+                        or short in SHARED and i not in shared):
                     continue
                 path = f"layers.{i}.{part}.{attr}"
                 if short in names or any(p.fullmatch(path) for p in patterns):
@@ -148,6 +157,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
+    if model_cfg.short_conv is not None:
+        dims.update({"in": (d, 3 * d), "out": (d, d)})
     if model_cfg.linear is not None:
         from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
 
@@ -166,7 +177,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
 def model_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> list[tuple[int, str]]:
     """`LoRAConfig.target_paths` of a decoder of shape `model_cfg` (its layers' kinds and projections)."""
     return cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
-                            mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg))
+                            mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg),
+                            linear_projections(model_cfg))
 
 
 def module_at(layer: Any, part: str) -> Any:
@@ -191,8 +203,14 @@ def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
-    """The Gated DeltaNet layers of `model_cfg` (their projections are `LINEAR`'s, not attention's)."""
+    """The stateful layers of `model_cfg` (Gated DeltaNet, LFM2's conv: their projections are `linear_projections`',
+    not attention's)."""
     return tuple(i for i in range(model_cfg.num_layers) if model_cfg.layer_is_linear(i))
+
+
+def linear_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The short names of a stateful layer's projections: an LFM2 conv layer's (`CONV`), else Gated DeltaNet's."""
+    return CONV if model_cfg.short_conv is not None else LINEAR
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

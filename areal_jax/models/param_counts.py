@@ -13,8 +13,11 @@ def latent_attention_weights(cfg: Any) -> int:
 
 
 def linear_attention_weights(cfg: Any) -> tuple[int, int]:
-    """(matrices, the rest) of one Gated DeltaNet layer (models.gated_deltanet): its projections, and its
-    convolution, decay parameters and norm."""
+    """(matrices, the rest) of one stateful layer: Gated DeltaNet's (models.gated_deltanet) projections, and its
+    convolution, decay parameters and norm; a short convolution's (models.short_conv) in_proj and out_proj, and its
+    taps."""
+    if cfg.short_conv is not None:
+        return 4 * cfg.hidden_size ** 2, cfg.short_conv * cfg.hidden_size
     m, d = cfg.linear, cfg.hidden_size
     c, hv = 2 * m.key_heads * m.key_dim + m.value_heads * m.value_dim, m.value_heads
     return d * (c + hv * m.value_dim + 2 * hv) + hv * m.value_dim * d, m.conv_kernel * c + 2 * hv + m.value_dim

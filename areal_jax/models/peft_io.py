@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from areal_jax.models import lfm2
 from areal_jax.models.hf_names import weight_entries
 from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection, module_at
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
@@ -95,7 +96,10 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
     part, attr, _ = PROJECTIONS[short]
     if part == "mlp.shared_expert":
         return _shared_modules(cfg)[(layer, attr)]
-    return f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+    name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+    if getattr(cfg, "architecture", None) in lfm2.HF_CLASSES:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
+        return lfm2.hf_name(f"{name}.weight").removesuffix(".weight")
+    return name
 
 
 @functools.lru_cache(maxsize=8)

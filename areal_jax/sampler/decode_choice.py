@@ -117,7 +117,7 @@ def choose(config: Any, rows: int, max_len: int, mesh: jax.sharding.Mesh | None 
     if config.mla is not None or not supports(dh, dv, max_len) or heads % kv:
         return DecodeChoice("xla", reason=f"the kernel does not take this cache (kv heads {kv}, widths {dh} / {dv}, "
                                           f"{max_len} positions)")
-    linear = (lambda i: False) if config.linear is None else config.layer_is_linear
+    linear = config.layer_is_linear if getattr(config, "recurrent", False) else (lambda i: False)
     if all(linear(i) or config.layer_window(i) is not None for i in range(config.num_layers)):
         return DecodeChoice("xla", reason="no attention layer reads the whole cache (sliding windows and linear "
                                           "attention take their own paths)")

@@ -87,7 +87,7 @@ def choose(config: Any, rows: int, per_row: int, page_size: int, mesh: jax.shard
         return untimed("gather", "the paged kernels take no attention sinks")
     if not kernel_takes(width):
         return untimed("gather", f"no paged kernel takes heads {width} wide")
-    linear = (lambda i: False) if config.linear is None else config.layer_is_linear
+    linear = config.layer_is_linear if getattr(config, "recurrent", False) else (lambda i: False)
     if all(linear(i) or config.layer_window(i) is not None for i in range(config.num_layers)):
         return untimed("gather", "no attention layer reads its pages whole (sliding layers gather their window's "
                                  "pages, linear attention keeps a state)")

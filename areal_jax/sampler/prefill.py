@@ -35,7 +35,7 @@ def held_positions(config, positions: jax.Array, real: jax.Array) -> jax.Array:
     """positions with -1 where ``real`` is False (a prefill's padding, a finished row's decode step), for a model with
     Gated DeltaNet layers, whose states such a token must not advance; other models' positions as they are (their
     writes there are overwritten or never read, and their programs lower as before)."""
-    return positions if config.linear is None else jnp.where(real, positions, -1)
+    return jnp.where(real, positions, -1) if config.recurrent else positions
 
 
 def last_tokens(tokens: jax.Array, lengths: jax.Array) -> jax.Array:

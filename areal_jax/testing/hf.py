@@ -44,7 +44,7 @@ def random_tokens(vocab: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarr
 def hf_model_of(cfg, seed: int):
     """transformers' model of a ModelConfig, built from the config.json it writes (`ModelConfig.to_hf_dict`), its
     weights drawn by `randomize_torch` and any picking-bias buffer (e_score_correction_bias: DeepSeek-V3, GLM,
-    MiniMax-M2; a buffer, not a parameter) drawn too, large enough to change picks. Returns the model in eval mode."""
+    MiniMax-M2; LFM2-MoE's expert_bias; a buffer, not a parameter) drawn too, large enough to change picks. Returns the model in eval mode."""
     import torch
     import transformers
 
@@ -55,7 +55,7 @@ def hf_model_of(cfg, seed: int):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # (LFM2-MoE's: expert_bias)
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
     return model
 

@@ -31,7 +31,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
-    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised).
+    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2 and lfm2_moe as at their branch.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -162,6 +162,14 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # but in the second layer of each four: gated attention there, q/k norm, a quarter of each head rotating
         fields.update(qk_norm=True, rotary_dim=4, linear=(2, 4, 8, 12, 4), layer_types=tuple(
             "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
+    if architecture in ("lfm2", "lfm2_moe"):  # LFM2's form: short convolutions of 3 taps but in the second layer of each
+        # four, attention there with q/k norm; tied embeddings. The MoE's: a dense first layer, then 2 of 4 experts of
+        # width 32 by sigmoid scores with a picking bias, renormalised
+        fields.update(qk_norm=True, rope_theta=1e6, tie_word_embeddings=True, short_conv=3, layer_types=tuple(
+            "full_attention" if i % 4 == 1 else "conv" for i in range(layers)))
+    if architecture == "lfm2_moe":
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))
     fields.update(overrides)
     return ModelConfig(**fields)
 

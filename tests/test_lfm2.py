@@ -1,0 +1,202 @@
+"""LFM2 and LFM2-MoE (Lfm2ForCausalLM, Lfm2MoeForCausalLM) against HF transformers (PyTorch, float32): logits and
+checkpoint round trips, a config.json in the released form read as transformers reads it (its parameter counts),
+the gated short convolution's layout and segments, the sampler's decode (dense cache, pages, a tensor axis) against
+full forwards, LoRA's targets and the refusals (the memory plan: tests/test_qwen3_5.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models import short_conv
+from areal_jax.models.config import ModelConfig
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
+from areal_jax.testing.models import random_model, tiny_config
+
+PROMPTS = [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]]
+# LFM2-1.2B's config.json as released (its keys of the original training code: block_ff_dim, full_attn_idxs, ...)
+RELEASED_1_2B = {"architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_dim": 2048,
+                 "block_ff_dim": 12288, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+                 "block_norm_eps": 1e-05, "bos_token_id": 1, "conv_L_cache": 3, "conv_bias": False, "conv_dim": 2048,
+                 "eos_token_id": 7, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "hidden_size": 2048,
+                 "max_position_embeddings": 128000, "model_type": "lfm2", "norm_eps": 1e-05, "num_attention_heads": 32,
+                 "num_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pad_token_id": 0,
+                 "rope_theta": 1000000.0, "vocab_size": 65536}
+_ATTN_8B = (2, 6, 10, 14, 18, 21)
+RELEASED_8B = {"model_type": "lfm2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_experts": 32,
+               "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "intermediate_size": 7168,
+               "num_dense_layers": 2, "vocab_size": 65536,
+               "layer_types": ["full_attention" if i in _ATTN_8B else "conv" for i in range(24)]}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2_moe"])
+def test_logits_match_transformers_and_round_trip(tmp_path, arch):
+    """transformers' class built from the config.json we write, its weights (and LFM2-MoE's expert_bias) random: our
+    logits on each attention path, its checkpoint loads as our config, ours loads back in transformers bit-equal."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = tiny_config(arch, num_layers=4)
+    hf = hf_model_of(cfg, seed=1)
+    ours = assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 40), seed=2))
+    # in_proj's B, C and x side by side channel by channel here; all B, then all C, then all x in transformers
+    want = hf.model.layers[0].conv.in_proj.weight.detach().numpy()  # [3 D, D]
+    got = np.asarray(ours.layers[0].linear_attn.in_proj[...])  # [D, 3 D]
+    d = cfg.hidden_size
+    for j in range(3):
+        np.testing.assert_array_equal(got[:, j::3], want[j * d:(j + 1) * d].T)
+    taps = hf.model.layers[0].conv.conv.weight.detach().numpy()  # [D, 1, K]
+    np.testing.assert_array_equal(np.asarray(ours.layers[0].linear_attn.conv[...]), taps[:, 0].T)
+    biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("expert_bias"))  # (a buffer there)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters()) + biases
+    if arch == "lfm2_moe":
+        assert biases and float(torch.abs(hf.model.layers[1].feed_forward.expert_bias).max()) > 0.1  # picks move
+
+
+@pytest.mark.parity
+def test_transformers_own_config_class_and_the_released_keys(tmp_path):
+    """A checkpoint from transformers' Lfm2Config (block_ff_dim adjusted to 2/3 and rounded, attention layers by
+    full_attn_idxs, tie_embedding, RoPE base by default) loads with equal logits; the released LFM2-1.2B and
+    LFM2-8B-A1B config.json read as transformers reads them, with its parameter counts (1,170,340,608: the model
+    card's; 8.34B with 1.56B active, embedding included: the 8B-A1B card's "8.3B, 1.5B active")."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.hf import hf_logits, randomize_torch
+
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(vocab_size=101, hidden_size=64, block_ff_dim=120, block_multiple_of=16,
+                                     block_ffn_dim_multiplier=1.5, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, full_attn_idxs=[1], max_position_embeddings=256,
+                                     tie_embedding=False)
+    hf = randomize_torch(transformers.Lfm2ForCausalLM(config).float().eval(), 0)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    cfg = ours.cfg
+    assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.weight.shape[0] == 128  # 80 x 1.5, up to 16s
+    assert cfg.layer_types == ("conv", "full_attention", "conv", "conv") and cfg.short_conv == 3
+    assert not cfg.tie_word_embeddings and cfg.rope_theta == 1e6 and cfg.rms_norm_eps == 1e-5
+    tokens = random_tokens(101, (2, 24), seed=1)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+    for d, cls in ((RELEASED_1_2B, transformers.Lfm2ForCausalLM), (RELEASED_8B, transformers.Lfm2MoeForCausalLM)):
+        cfg, theirs = ModelConfig.from_hf_dict(d), cls.config_class.from_dict(d)
+        with torch.device("meta"):
+            model = cls(theirs)
+        assert list(cfg.layer_types) == list(theirs.layer_types) and cfg.tie_word_embeddings == theirs.tie_word_embeddings
+        biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("expert_bias"))
+        assert cfg.num_params == sum(p.numel() for p in model.parameters()) + biases
+    assert ModelConfig.from_hf_dict(RELEASED_1_2B).num_params == 1_170_340_608
+    moe = ModelConfig.from_hf_dict(RELEASED_8B)
+    assert moe.moe_layers[:3] == (0, 0, 1) and moe.router_scoring == "sigmoid" and moe.router_score_bias
+    assert 8.3e9 < moe.num_params < 8.4e9
+    assert 1.5e9 < moe.matmul_params_per_token + moe.vocab_size * moe.hidden_size < 1.6e9
+
+
+def test_short_convolution_against_its_formula():
+    """The conv layer by hand (numpy): y = out(C * conv(B * x)), each tap reading its own segment only; then the
+    cache path continuing from a window, token by token, gives the same outputs."""
+    from flax import nnx
+
+    from areal_jax.models.gated_deltanet import Segments, StateCache
+
+    cfg = tiny_config("lfm2", short_conv=4)
+    layer = short_conv.ShortConv(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1, 9, cfg.hidden_size)).astype(np.float32)
+    seg = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 0]])
+    w_in, taps, w_out = (np.asarray(p[...]) for p in (layer.in_proj, layer.conv, layer.out_proj))
+    parts = (x @ w_in).reshape(1, 9, cfg.hidden_size, 3)
+    bx, c = parts[..., 0] * parts[..., 2], parts[..., 1]
+    conv = np.zeros_like(bx)
+    for t in range(9):
+        for back in range(4):
+            if t - back >= 0 and seg[0, t - back] == seg[0, t]:
+                conv[:, t] += bx[:, t - back] * taps[3 - back]
+    want = (c * conv) @ w_out
+    got = np.asarray(layer(jnp.asarray(x), Segments(jnp.asarray(seg))))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+    held = {}
+    window, state = short_conv.state_buffers(cfg, 1)
+    assert state.size == 0 and short_conv.state_bytes(cfg) == window.nbytes
+    outs = []
+    for t in range(5):  # the first segment, one token at a time from an empty window
+        ctx = StateCache(window, state, jnp.ones((1, 1), bool), lambda w, s: held.update(w=w, s=s))
+        outs.append(np.asarray(layer(jnp.asarray(x[:, t:t + 1]), ctx))[:, 0])
+        window = held["w"]
+    np.testing.assert_allclose(np.stack(outs, 1), want[:, :5], atol=1e-5, rtol=1e-5)
+    # a padding token (not valid) leaves the window as it was
+    ctx = StateCache(window, state, jnp.zeros((1, 1), bool), lambda w, s: held.update(w=w, s=s))
+    layer(jnp.asarray(x[:, 5:6]), ctx)
+    np.testing.assert_array_equal(np.asarray(held["w"]), np.asarray(window))
+
+
+@pytest.mark.parametrize("arch,page_size", [("lfm2", None), ("lfm2", 8), ("lfm2_moe", 8)])
+def test_sampler_decodes_as_its_full_forward(arch, page_size):
+    """The dense cache, and pages with the conv windows as ring rows beside them: three prompts through two slots."""
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    model = random_model(tiny_config(arch, num_layers=4), seed=3)
+    assert_greedy_decode_is_full_forward(model, PROMPTS, page_size=page_size)
+
+
+def test_sampler_on_a_tensor_axis_splits_the_convolution_by_channels():
+    """Rollout tensor parallelism: in_proj (its parts side by side per channel), the taps and out_proj split by
+    channels, the windows over the same axis; greedy decoding over pages as by full forwards."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    from areal_jax.models import shard_params
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    model = random_model(tiny_config("lfm2", num_layers=4), seed=3)
+    placed = shard_params(random_model(model.cfg, seed=3), mesh).layers[0].linear_attn
+    assert placed.in_proj[...].sharding.spec == PartitionSpec(None, "tensor")
+    assert placed.conv[...].sharding.spec == PartitionSpec(None, "tensor")
+    assert placed.out_proj[...].sharding.spec == PartitionSpec("tensor", None)
+    assert_greedy_decode_is_full_forward(model, PROMPTS, page_size=8, mesh=mesh)
+
+
+def test_lora_targets_the_conv_layers_by_their_own_names():
+    from flax import nnx
+
+    from areal_jax.models import lora
+
+    cfg = tiny_config("lfm2", num_layers=4)
+    lcfg = lora.LoRAConfig(rank=2, targets="all")
+    paths = lora.model_targets(cfg, lcfg)
+    assert {s for i, s in paths if i == 0} == {"in", "out", "gate", "up", "down"}
+    assert {s for i, s in paths if i == 1} == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert lora.model_targets(cfg, lora.LoRAConfig(targets="in_proj")) == [(0, "in"), (2, "in"), (3, "in")]
+    model = random_model(cfg, seed=0)
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    assert isinstance(model.layers[0].linear_attn.in_proj, lora.LoRAProjection)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert lora.adapter_bytes(cfg, lcfg) == 4 * n
+    with pytest.raises(ValueError, match="in_qkv, which this model's stateful layers do not have; theirs are in, out"):
+        lora.model_targets(cfg, lora.LoRAConfig(targets="in_qkv"))
+    with pytest.raises(ValueError, match="Gated DeltaNet or LFM2 conv layers, which this model does not have"):
+        lora.model_targets(tiny_config("qwen3"), lora.LoRAConfig(targets="in"))
+    with pytest.raises(ValueError, match="in, which this model's stateful layers do not have"):
+        lora.model_targets(tiny_config("qwen3_5_text", num_layers=4), lora.LoRAConfig(targets="in"))
+
+
+def test_refusals_name_what_to_change():
+    with pytest.raises(ValueError, match="conv layers but short_conv is None"):
+        tiny_config("lfm2", short_conv=None)
+    with pytest.raises(ValueError, match="short_conv is set but no layer is conv"):
+        tiny_config("lfm2", layer_types=None)
+    with pytest.raises(ValueError, match="short_conv must be an integer >= 2"):
+        tiny_config("lfm2", short_conv=1)
+    with pytest.raises(ValueError, match="short_conv and linear are both set"):
+        tiny_config("lfm2", linear=(2, 4, 8, 12, 4), layer_types=("linear_attention", "conv"))
+    with pytest.raises(ValueError, match="conv_bias=True"):
+        ModelConfig.from_hf_dict({**RELEASED_1_2B, "conv_bias": True})
+    with pytest.raises(ValueError, match="each full_attention or conv"):
+        ModelConfig.from_hf_dict({**RELEASED_1_2B, "layer_types": ["sliding_attention"] * 16})
+    with pytest.raises(ValueError, match="short_conv \\(conv layers\\) is LFM2's"):
+        tiny_config("qwen3", short_conv=3, layer_types=("conv", "full_attention")).to_hf_dict()
+    with pytest.raises(ValueError, match="HF LFM2-MoE has dense layers first, then experts in every layer"):
+        tiny_config("lfm2_moe", moe_layers=(1, 0)).to_hf_dict()
+    with pytest.raises(ValueError, match="HF LFM2 has attention with a per-head q/k norm"):
+        tiny_config("lfm2", qk_norm=False).to_hf_dict()
