@@ -1,5 +1,6 @@
-"""LFM2 and LFM2-MoE (Lfm2ForCausalLM, Lfm2MoeForCausalLM) against HF transformers (PyTorch, float32): logits and
-checkpoint round trips, a config.json in the released form read as transformers reads it (its parameter counts),
+"""LFM2, LFM2-MoE and LFM3 (Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM) against HF transformers (PyTorch,
+float32): logits and checkpoint round trips, a config.json in the released form read as transformers reads it (its
+parameter counts), LFM3's defaults (per-layer-type RoPE, the proportional one, head gates),
 the gated short convolution's layout and segments, the sampler's decode (dense cache, pages, a tensor axis) against
 full forwards, LoRA's targets and the refusals (the memory plan: tests/test_qwen3_5.py)."""
 import jax
@@ -29,7 +30,7 @@ RELEASED_8B = {"model_type": "lfm2_moe", "hidden_size": 2048, "num_hidden_layers
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["lfm2", "lfm2_moe"])
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2_moe", "lfm3"])
 def test_logits_match_transformers_and_round_trip(tmp_path, arch):
     """transformers' class built from the config.json we write, its weights (and LFM2-MoE's expert_bias) random: our
     logits on each attention path, its checkpoint loads as our config, ours loads back in transformers bit-equal."""
@@ -39,13 +40,14 @@ def test_logits_match_transformers_and_round_trip(tmp_path, arch):
     hf = hf_model_of(cfg, seed=1)
     ours = assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 40), seed=2))
     # in_proj's B, C and x side by side channel by channel here; all B, then all C, then all x in transformers
-    want = hf.model.layers[0].conv.in_proj.weight.detach().numpy()  # [3 D, D]
-    got = np.asarray(ours.layers[0].linear_attn.in_proj[...])  # [D, 3 D]
+    c = cfg.layer_types.index("conv")
+    want = hf.model.layers[c].conv.in_proj.weight.detach().numpy()  # [3 D, D]
+    got = np.asarray(ours.layers[c].linear_attn.in_proj[...])  # [D, 3 D]
     d = cfg.hidden_size
     for j in range(3):
         np.testing.assert_array_equal(got[:, j::3], want[j * d:(j + 1) * d].T)
-    taps = hf.model.layers[0].conv.conv.weight.detach().numpy()  # [D, 1, K]
-    np.testing.assert_array_equal(np.asarray(ours.layers[0].linear_attn.conv[...]), taps[:, 0].T)
+    taps = hf.model.layers[c].conv.conv.weight.detach().numpy()  # [D, 1, K]
+    np.testing.assert_array_equal(np.asarray(ours.layers[c].linear_attn.conv[...]), taps[:, 0].T)
     biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("expert_bias"))  # (a buffer there)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters()) + biases
     if arch == "lfm2_moe":
@@ -92,6 +94,45 @@ def test_transformers_own_config_class_and_the_released_keys(tmp_path):
     assert 1.5e9 < moe.matmul_params_per_token + moe.vocab_size * moe.hidden_size < 1.6e9
 
 
+@pytest.mark.parity
+def test_lfm3_defaults_of_transformers_config_class(tmp_path):
+    """A checkpoint of transformers' Lfm3Config with its defaults but the sizes (its layer pattern, per-layer-type
+    RoPE: the global layers' proportional one turning half of each head's pairs, the sliding layers' base 10,000;
+    head gates; four norms a layer) loads with equal logits past the window; each of those matters."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from flax import nnx
+
+    from areal_jax.models import Transformer, load_hf_checkpoint
+    from areal_jax.testing.hf import hf_logits, randomize_torch
+
+    torch.manual_seed(0)
+    config = transformers.Lfm3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                     max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = randomize_torch(transformers.Lfm3ForCausalLM(config).float().eval(), 0)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    cfg = ours.cfg
+    assert cfg.layer_types == ("conv", "conv", "full_attention", "conv", "sliding_attention", "conv")
+    assert (cfg.short_conv, cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta) == (7, 5, 1e6, 1e4)
+    assert cfg.rope_scaling["rope_type"] == "proportional" and cfg.rope_scaling["partial_rotary_factor"] == 0.5
+    assert cfg.head_gate and cfg.sandwich_norms and cfg.tie_word_embeddings
+    tokens = random_tokens(101, (2, 24), seed=1)
+    want = hf_logits(hf, tokens)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
+    for change in ({"rope_scaling": None}, {"rope_local_theta": 1e6}, {"sliding_window": 50}):
+        other = Transformer(cfg.replace(**change), rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(ours))
+        assert np.abs(np.asarray(other(jnp.asarray(tokens))) - want).max() > 1e-3, change
+    gate = ours.layers[2].attn.g_proj
+    gate.set_value(-gate[...])
+    assert np.abs(np.asarray(ours(jnp.asarray(tokens))) - want).max() > 1e-3
+    with torch.device("meta"):
+        full = transformers.Lfm3ForCausalLM(transformers.Lfm3Config())
+    assert ModelConfig.from_hf_dict({"model_type": "lfm3"}).num_params == sum(p.numel() for p in full.parameters())
+
+
 def test_short_convolution_against_its_formula():
     """The conv layer by hand (numpy): y = out(C * conv(B * x)), each tap reading its own segment only; then the
     cache path continuing from a window, token by token, gives the same outputs."""
@@ -131,9 +172,10 @@ def test_short_convolution_against_its_formula():
     np.testing.assert_array_equal(np.asarray(held["w"]), np.asarray(window))
 
 
-@pytest.mark.parametrize("arch,page_size", [("lfm2", None), ("lfm2", 8), ("lfm2_moe", 8)])
+@pytest.mark.parametrize("arch,page_size", [("lfm2", None), ("lfm2", 8), ("lfm2_moe", 8), ("lfm3", None), ("lfm3", 8)])
 def test_sampler_decodes_as_its_full_forward(arch, page_size):
-    """The dense cache, and pages with the conv windows as ring rows beside them: three prompts through two slots."""
+    """The dense cache, and pages with the conv windows (and LFM3's sliding layers) as ring rows beside them: three
+    prompts through two slots."""
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
     model = random_model(tiny_config(arch, num_layers=4), seed=3)
@@ -190,11 +232,17 @@ def test_refusals_name_what_to_change():
         tiny_config("lfm2", short_conv=1)
     with pytest.raises(ValueError, match="short_conv and linear are both set"):
         tiny_config("lfm2", linear=(2, 4, 8, 12, 4), layer_types=("linear_attention", "conv"))
+    with pytest.raises(ValueError, match="head_gate .* is not supported with latent attention or Qwen3.5"):
+        tiny_config("qwen3_5_text", head_gate=True)
+    with pytest.raises(ValueError, match="head_gate \\(a per-head output gate, g_proj\\) is LFM3's"):
+        tiny_config("qwen3", head_gate=True, qk_norm=True).to_hf_dict()
+    with pytest.raises(ValueError, match="use_sandwich_norm=False is not supported"):
+        ModelConfig.from_hf_dict({"model_type": "lfm3", "use_sandwich_norm": False})
     with pytest.raises(ValueError, match="conv_bias=True"):
         ModelConfig.from_hf_dict({**RELEASED_1_2B, "conv_bias": True})
     with pytest.raises(ValueError, match="each full_attention or conv"):
         ModelConfig.from_hf_dict({**RELEASED_1_2B, "layer_types": ["sliding_attention"] * 16})
-    with pytest.raises(ValueError, match="short_conv \\(conv layers\\) is LFM2's"):
+    with pytest.raises(ValueError, match="short_conv \\(conv layers\\) is LFM2's and LFM3's"):
         tiny_config("qwen3", short_conv=3, layer_types=("conv", "full_attention")).to_hf_dict()
     with pytest.raises(ValueError, match="HF LFM2-MoE has dense layers first, then experts in every layer"):
         tiny_config("lfm2_moe", moe_layers=(1, 0)).to_hf_dict()

@@ -17,10 +17,10 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 "lfm2", *MOE_ARCHITECTURES)
+                 "lfm2", "lfm3", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
-_ROPE_TYPES, LAYER_TYPES = ("default", "linear", "llama3", "yarn", "longrope"), ("full_attention", "sliding_attention",
-                                                                                   "linear_attention", "conv")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -61,7 +61,8 @@ class ModelConfig:
     expert_bias: the router and every expert's gate, up and down products carry biases (gpt-oss).
     swiglu_limit, swiglu_alpha: gpt-oss's expert activation: gate clamped to <= limit, up to [-limit, limit], and
       (up + 1) * gate * sigmoid(alpha * gate) instead of silu(gate) * up; None: SwiGLU.
-    qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3). head_gate: each head's attention output
+      times sigmoid(x . g_proj) of the layer's input (LFM3's g_proj [D, H]).
     embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: Granite's scalars: the
       embeddings are multiplied by the first, each attention and MLP output by the second before it is added to the
       residual stream, attention scores are q.k times the third (instead of head_dim ** -0.5), and the logits are
@@ -147,6 +148,7 @@ class ModelConfig:
     mla: checks.MLA | None = None
     linear: checks.LinearAttention | None = None
     short_conv: int | None = None
+    head_gate: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -175,7 +177,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_attention_layout()
         for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla,
-                      checks.check_linear):
+                      checks.check_linear, checks.check_head_gate):
             check(self)
         checks.check_rope_scaling(self)
 
@@ -289,8 +291,8 @@ class ModelConfig:
 
     @property
     def sandwich_norms(self) -> bool:
-        """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4)."""
-        return self.gemma or self.architecture == "glm4"
+        """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4, LFM3)."""
+        return self.gemma or self.architecture in ("glm4", "lfm3")
 
     @property
     def olmo(self) -> bool:

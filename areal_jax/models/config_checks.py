@@ -207,6 +207,10 @@ def check_rope_scaling(cfg) -> None:
                 raise ValueError(f"rope_scaling of type 'yarn' needs a positive factor; got {scaling}.")
         if rope_type == "longrope":
             check_longrope(scaling, cfg.rope_dim, cfg.max_position_embeddings)
+        if rope_type == "proportional" and not 0 < float(scaling.get("partial_rotary_factor", 1.0)) <= 1:
+            raise ValueError(f"rope_scaling of type 'proportional' needs partial_rotary_factor in (0, 1]; got {scaling}.")
+        if rope_type == "proportional":
+            scaling.setdefault("partial_rotary_factor", 1.0)
         scaling.pop("type", None)
         scaling["rope_type"] = rope_type
         object.__setattr__(cfg, "rope_scaling", None if rope_type == "default" else scaling)
@@ -261,3 +265,11 @@ def _check_short_conv(cfg) -> None:
     if "conv" not in types:
         raise ValueError("ModelConfig.short_conv is set but no layer is conv: list them in layer_types, or leave "
                          "short_conv None.")
+
+
+def check_head_gate(cfg) -> None:
+    """`ModelConfig.head_gate` (LFM3's g_proj) only with plain attention: latent attention and Qwen3.5's gated
+    q_proj have gates of their own form."""
+    if cfg.head_gate and (cfg.mla is not None or cfg.gated_attention):
+        raise ValueError("ModelConfig.head_gate (a per-head output gate, LFM3's) is not supported with latent attention "
+                         "or Qwen3.5's gated q_proj; set head_gate=False.")

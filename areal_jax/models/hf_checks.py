@@ -55,9 +55,9 @@ def check_loadable(cfg: Any) -> None:
                                           or cfg.expert_size != cfg.intermediate_size):
         raise ValueError(f"HF {cfg.architecture} has experts of intermediate_size in every layer and renormalises their "
                          "weights; set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
-    if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3"):
-        raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's and OLMo "
-                         f"3's; HF {cfg.architecture} has one base for every layer.")
+    if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3", "lfm3"):
+        raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
+                         f"LFM3's; HF {cfg.architecture} has one base for every layer.")
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE's; HF {cfg.architecture} "
                          "rotates in every layer.")

@@ -143,6 +143,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_latent_entries(cfg, p + ("attn",), f"{hf}.self_attn"))
         if not linear:
             entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
+        if cfg.head_gate and not linear:  # LFM3's per-head output gate
+            entries.append(_Entry(p + ("attn", "g_proj"), f"{hf}.self_attn.g_proj.weight", "in_first"))
         if cfg.qk_norm and not linear:
             for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
                 entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
@@ -173,8 +175,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
     if cfg.lm_head_bias:
         entries.append(_Entry(("lm_head_bias",), "lm_head.bias", "same"))
-    if cfg.architecture in lfm2.HF_CLASSES:  # the same tensors under LFM2's names
-        entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name)) for e in entries]
+    if cfg.architecture in lfm2.RENAMED:  # the same tensors under LFM2's (LFM3's) names
+        entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
     return entries
 
 

@@ -160,6 +160,7 @@ class Attention(nnx.Module):
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = make_param(rngs, (d,), ("embed",), pdt, init="zeros") if cfg.attention_out_bias else None
         self.sinks = make_param(rngs, (h,), ("heads",), pdt, init="zeros") if cfg.attention_sinks else None
+        self.g_proj = make_param(rngs, (d, h), ("embed", "heads"), pdt) if cfg.head_gate else None  # LFM3
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo, OLMoE)
             self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
             self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
@@ -212,6 +213,10 @@ class Attention(nnx.Module):
             return (self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape),
                     self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape))
         return (q, k) if self.q_norm is None else (self.q_norm(q), self.k_norm(k))
+
+    def head_gated(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """attn [B, T, H, Dh] times each head's sigmoid(x . g_proj) of the layer's input x [B, T, D] (`head_gate`)."""
+        return attn if self.g_proj is None else attn * jax.nn.sigmoid(project(x, self.g_proj, self.dtype))[..., None]
 
     def out(self, attn: jax.Array, cached: bool = False) -> jax.Array:
         """attn: [B, T, H, Dh] -> [B, T, D] (plus o_bias where the model has one)."""
@@ -300,7 +305,9 @@ class DecoderLayer(nnx.Module):
             q, k, v, *write = self.attn.qkv(h, cos, sin, cached) if query_scale is None else \
                 self.attn.qkv(h, cos, sin, cached, query_scale)
             sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
-            a = self.attn.out(attend(q, k, v, sinks, *write), cached)
+            o = attend(q, k, v, sinks, *write)
+            a = self.attn.out(self.attn.head_gated(h, o) if getattr(self.attn, "g_proj", None) is not None else o,
+                              cached)
         if self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

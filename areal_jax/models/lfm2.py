@@ -33,13 +33,21 @@ _NAMES = ((".input_layernorm.", ".operator_norm."), (".post_attention_layernorm.
           (".self_attn.k_norm.", ".self_attn.k_layernorm."), (".mlp.gate.e_score_correction_bias", ".mlp.expert_bias"),
           (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."), (".mlp.", ".feed_forward."),
           (".linear_attn.", ".conv."), ("model.norm.", "model.embedding_norm."))
+# LFM3's: its attention's as Qwen3's, a norm after each of the mixer and the MLP besides the ones before
+_LFM3_NAMES = ((".input_layernorm.", ".operator_norm."), (".post_attention_layernorm.", ".post_operator_norm."),
+               (".pre_feedforward_layernorm.", ".ffn_norm."), (".post_feedforward_layernorm.", ".post_ffn_norm."),
+               (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."), (".mlp.", ".feed_forward."),
+               (".linear_attn.", ".conv."), ("model.norm.", "model.embedding_norm."))
+RENAMED = {"lfm2": _NAMES, "lfm2_moe": _NAMES, "lfm3": _LFM3_NAMES}  # the families whose tensors these names name
 
 
-def hf_name(name: str) -> str:
-    """LFM2's name of a tensor the weight table names as Llama / Qwen3-MoE do (`hf_names.weight_entries`)."""
-    for ours, theirs in _NAMES:
+def hf_name(name: str, architecture: str = "lfm2", disk: bool = True) -> str:
+    """The LFM2 (or LFM3: `architecture`) name of a tensor the weight table names as Llama / Gemma / Qwen3-MoE do
+    (`hf_names.weight_entries`): as a checkpoint holds it, or (not `disk`) as transformers' module holds it (LFM3's
+    head gate is self_attn.gate_proj on disk, self_attn.g_proj in the module)."""
+    for ours, theirs in RENAMED[architecture]:
         name = name.replace(ours, theirs)
-    return name
+    return name.replace(".self_attn.g_proj.", ".self_attn.gate_proj.") if disk else name
 
 
 def mlp_width(get: Any) -> int:
@@ -90,9 +98,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' LFM2 classes would not load as it is (and short convolutions elsewhere)."""
     if cfg.architecture not in HF_CLASSES:
-        if cfg.short_conv is not None:
-            raise ValueError(f"short_conv (conv layers) is LFM2's; HF {cfg.architecture} has none. Use "
-                             "architecture='lfm2' or 'lfm2_moe'.")
+        if cfg.short_conv is not None and cfg.architecture not in RENAMED:
+            raise ValueError(f"short_conv (conv layers) is LFM2's and LFM3's; HF {cfg.architecture} has none. Use "
+                             "architecture='lfm2', 'lfm2_moe' or 'lfm3'.")
         return
     require_fields(cfg, "LFM2", "attention with a per-head q/k norm and no biases, full-width RoPE in every attention "
                    "layer, no windows and no other stateful layers", attention_bias=False, qk_norm=True, rotary_dim=None,

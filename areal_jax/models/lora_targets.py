@@ -15,6 +15,7 @@ from areal_jax.models.config import ModelConfig
 
 PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
+    "g": ("attn", "g_proj", 1),  # LFM3's per-head output gate (`ModelConfig.head_gate`)
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
     # latent attention's (models.mla)
     "q_a": ("attn", "q_a_proj", 1), "q_b": ("attn", "q_b_proj", 1), "kv_a": ("attn", "kv_a_proj", 1),
@@ -37,7 +38,7 @@ _BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if par
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
 SHARED = ("shared_gate", "shared_up", "shared_down")
-GROUPS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b") + _MIXERS, "linear": _MIXERS,
+GROUPS = {"attn": ("q", "k", "v", "o", "g", "q_a", "q_b", "kv_a", "kv_b") + _MIXERS, "linear": _MIXERS,
           "mlp": ("gate", "up", "down"), "all": tuple(PROJECTIONS), "experts": EXPERTS, "shared": SHARED}
 BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -53,7 +54,7 @@ class LoRAConfig(Section):
     rank: int = knob(16, "r, the inner dimension of A and B (>= 1)")
     alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
-    targets: str = knob("all", "q,k,v,o,gate,up,down | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
+    targets: str = knob("all", "q,k,v,o,gate,up,down (g: LFM3's head gate) | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
                         "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out; LFM2 conv layers': in,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
                         "shared_up,shared_down) | all | experts (a mixture of experts' expert weights, not in all) | "
                         "re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
@@ -154,7 +155,7 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
                       model_cfg.num_kv_heads, model_cfg.head_dim)
     e, fe = model_cfg.num_experts or 0, model_cfg.expert_size if model_cfg.num_experts else 0
     gated = 2 if model_cfg.gated_attention else 1  # Qwen3.5's q_proj gives each head's gate too
-    dims = {"q": (d, gated * h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
+    dims = {"q": (d, gated * h * hd), "g": (d, h), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
     if model_cfg.short_conv is not None:
@@ -188,10 +189,10 @@ def module_at(layer: Any, part: str) -> Any:
 
 
 def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
-    """The short names of a layer's attention projections: q, k, v, o; latent attention's q (or q_a and q_b with a
-    query rank), kv_a, kv_b, o."""
+    """The short names of a layer's attention projections: q, k, v, o (and g: LFM3's head gate); latent attention's q
+    (or q_a and q_b with a query rank), kv_a, kv_b, o."""
     if model_cfg.mla is None:
-        return ("q", "k", "v", "o")
+        return ("q", "k", "v", "o", "g") if model_cfg.head_gate else ("q", "k", "v", "o")
     return (("q",) if model_cfg.mla.q_lora_rank is None else ("q_a", "q_b")) + ("kv_a", "kv_b", "o")
 
 

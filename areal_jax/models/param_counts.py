@@ -30,7 +30,7 @@ def attention_matrices(cfg: Any, i: int) -> int:
         return linear_attention_weights(cfg)[0]
     if cfg.mla is not None:
         return latent_attention_weights(cfg)
-    return d * hd * (hq * (2 if cfg.gated_attention else 1) + 2 * kv) + hq * hd * d
+    return d * hd * (hq * (2 if cfg.gated_attention else 1) + 2 * kv) + hq * hd * d + (d * hq if cfg.head_gate else 0)
 
 
 def mlp_matrices(cfg: Any) -> int:
@@ -45,7 +45,7 @@ def num_params(cfg: Any) -> int:
     d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if cfg.attention_bias else 0)
     attn += ((h + k) * hd if cfg.flat_qk_norm else 2 * hd) if cfg.qk_norm else 0
-    attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0)
+    attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0) + (d * h if cfg.head_gate else 0)
     if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
     if cfg.gated_attention:  # q_proj's output gate

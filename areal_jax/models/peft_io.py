@@ -97,8 +97,8 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
     if part == "mlp.shared_expert":
         return _shared_modules(cfg)[(layer, attr)]
     name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
-    if getattr(cfg, "architecture", None) in lfm2.HF_CLASSES:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
-        return lfm2.hf_name(f"{name}.weight").removesuffix(".weight")
+    if getattr(cfg, "architecture", None) in lfm2.RENAMED:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
+        return lfm2.hf_name(f"{name}.weight", cfg.architecture, disk=False).removesuffix(".weight")
     return name
 
 

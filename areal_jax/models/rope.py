@@ -14,7 +14,8 @@ from areal_jax.models.config import ModelConfig
 
 def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
     """Inverse frequencies [d // 2] float32 (d = `ModelConfig.rope_dim`): theta^(-2i/d), with HF "linear", "llama3",
-    "yarn" or "longrope" scaling when configured. table "local": the sliding layers' own table
+    "yarn", "longrope" or "proportional" (LFM3's global layers: the pairs past a fraction of the head not turning)
+    scaling when configured. table "local": the sliding layers' own table
     (`cfg.rope_local_theta`, no scaling) where the model has one (`ModelConfig.layer_rope`)."""
     dim = cfg.rope_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -26,6 +27,11 @@ def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if scaling["rope_type"] == "proportional":  # the first partial_rotary_factor of the pairs turn (exponents over
+        # the whole head), the others not at all; then divided by factor
+        turning = int(float(scaling["partial_rotary_factor"]) * dim // 2)
+        return (np.where(np.arange(dim // 2) < turning, inv_freq, 0) / np.float32(scaling.get("factor", 1.0))
+                ).astype(np.float32)
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg, inv_freq)
     if scaling["rope_type"] == "longrope":  # 1 / (factor_i * theta^(2i/d)), in float32 as transformers computes it

@@ -31,7 +31,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
-    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2 and lfm2_moe as at their branch.
+    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe and lfm3 as at their
+    branches.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -167,6 +168,13 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # width 32 by sigmoid scores with a picking bias, renormalised
         fields.update(qk_norm=True, rope_theta=1e6, tie_word_embeddings=True, short_conv=3, layer_types=tuple(
             "full_attention" if i % 4 == 1 else "conv" for i in range(layers)))
+    if architecture == "lfm3":  # LFM3's form: attention (global, proportional RoPE turning half the pairs, base 1e6),
+        # conv (4 taps), sliding attention (window 6, base 1e4), conv, ...; per-head output gates; four norms a layer
+        types = tuple(("full_attention", "conv", "sliding_attention", "conv")[i % 4] for i in range(layers))
+        sliding = "sliding_attention" in types  # (a window and its base only where a layer slides, as read back)
+        fields.update(qk_norm=True, rope_theta=1e6, tie_word_embeddings=True, short_conv=4, head_gate=True,
+                      sliding_window=6 if sliding else None, rope_local_theta=1e4 if sliding else None,
+                      rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5}, layer_types=types)
     if architecture == "lfm2_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))
