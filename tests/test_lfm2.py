@@ -133,6 +133,60 @@ def test_lfm3_defaults_of_transformers_config_class(tmp_path):
     assert ModelConfig.from_hf_dict({"model_type": "lfm3"}).num_params == sum(p.numel() for p in full.parameters())
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3"])
+def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, arch):
+    """LFM2-VL / LFM3-VL: the text decoder (model.language_model.*, the outer config's tied embeddings) loads as our
+    config with transformers' text-only logits; saved text-only and written back into the image-and-text checkpoint
+    (the export program's default), transformers' class gives the same logits again; PEFT adapters over it too."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.hf import randomize_torch, rewrapped_logits
+
+    cfg = tiny_config(arch, num_layers=4)
+    text = {k: v for k, v in cfg.to_hf_dict().items() if k != "architectures"}
+    if arch == "lfm2":
+        cls, vision = transformers.Lfm2VlForConditionalGeneration, dict(
+            model_type="siglip2_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, patch_size=4, num_patches=16)
+    else:
+        cls, vision = transformers.Lfm3VlForConditionalGeneration, dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            patch_size=4)
+    hf = randomize_torch(cls(cls.config_class(text_config=text, vision_config=vision, projector_hidden_size=32)).eval(),
+                         seed=4)
+    hf.save_pretrained(tmp_path / "source")
+    ours = load_hf_checkpoint(tmp_path / "source")
+    assert ours.cfg == cfg  # the vision tower's tensors are left on disk
+    tokens = random_tokens(97, (2, 30), seed=2)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
+    again = rewrapped_logits(ours, tmp_path / "source", tmp_path / "export", cls, tokens)
+    np.testing.assert_allclose(again, want, atol=1e-4, rtol=0)
+    # LoRA adapters on every projection, exported over the image-and-text base: named where transformers holds its
+    # decoder (model.language_model.layers), peft applies them there with our logits
+    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
+    from flax import nnx
+
+    from areal_jax.models import lora
+    from areal_jax.models.peft_io import save_peft_adapter
+
+    lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets="all")
+    lora.apply_lora(ours, lcfg, rngs=nnx.Rngs(1))
+    for i, (_, node) in enumerate(nnx.iter_graph(ours)):
+        if isinstance(node, lora.LoRAProjection):
+            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    out = save_peft_adapter(ours, lcfg, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "source"))
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(hf, out).eval()
+        got = adapted(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
+    adapted_ours = np.asarray(ours(jnp.asarray(tokens)))
+    assert np.abs(adapted_ours - want).max() > 1e-2  # the adapters matter, so peft found every one of them
+    np.testing.assert_allclose(got, adapted_ours, atol=1e-4, rtol=0)
+
+
 def test_short_convolution_against_its_formula():
     """The conv layer by hand (numpy): y = out(C * conv(B * x)), each tap reading its own segment only; then the
     cache path continuing from a window, token by token, gives the same outputs."""

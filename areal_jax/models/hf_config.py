@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import glm4, gpt_oss, minimax, ministral3, qwen3_5, qwen3_vl
+from areal_jax.models import glm4, gpt_oss, lfm2, minimax, ministral3, qwen3_5, qwen3_vl
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 from areal_jax.models.families import OWN_MODULES
 from areal_jax.models.hf_checks import GRANITE_SCALARS, check_loadable
@@ -136,6 +136,8 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     d, model_type = ministral3.text_config(d) if model_type == ministral3.WRAPPER else (d, model_type)
     if model_type in (qwen3_vl.WRAPPER, qwen3_vl.MOE_WRAPPER):
         d, model_type = qwen3_vl.text_config(d)
+    if model_type in lfm2.WRAPPERS:  # LFM2-VL, LFM3-VL
+        d, model_type = lfm2.text_config(d)
     if model_type == "gemma3":  # the image-and-text model (4B and up): its text decoder, under text_config
         return config_from_hf(cls, text_decoder(d, "Gemma3ForConditionalGeneration", "gemma3_text", tied=True),
                               dtype=dtype, param_dtype=param_dtype)

@@ -1,5 +1,6 @@
 """LFM2 (`Lfm2ForCausalLM`: LFM2-350M / 700M / 1.2B / 2.6B) and LFM2-MoE (`Lfm2MoeForCausalLM`: LFM2-8B-A1B): what
-their config.json means here (`config_from_hf`, `config_to_hf`, `check_hf`) and their tensors' names (`hf_name`).
+their config.json means here (`config_from_hf`, `config_to_hf`, `check_hf`) and their tensors' names (`hf_name`, LFM3's
+too); the text decoder of the image-and-text LFM2-VL and LFM3-VL (`text_config`; the vision tower is not loaded).
 
 A pre-norm hybrid: most layers mix tokens with a gated short convolution (`models.short_conv`: "conv" in
 layer_types), the others with grouped-query attention with a per-head q/k RMSNorm and full-width RoPE; every layer has
@@ -18,9 +19,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, text_decoder
 
 HF_CLASSES = {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"}
+# the image-and-text models' model_type -> (transformers' class, their text decoder's default model_type)
+WRAPPERS = {"lfm2_vl": ("Lfm2VlForConditionalGeneration", "lfm2"), "lfm3_vl": ("Lfm3VlForConditionalGeneration", "lfm3")}
 _DEFAULTS = dict(vocab_size=65536, hidden_size=2560, intermediate_size=12288, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=128_000, rms_norm_eps=1e-5,
                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, conv_L_cache=3, block_multiple_of=256,
@@ -48,6 +51,19 @@ def hf_name(name: str, architecture: str = "lfm2", disk: bool = True) -> str:
     for ours, theirs in RENAMED[architecture]:
         name = name.replace(ours, theirs)
     return name.replace(".self_attn.g_proj.", ".self_attn.gate_proj.") if disk else name
+
+
+def text_config(d: dict) -> tuple[dict, str]:
+    """(the text decoder's config.json keys, its model_type) of an LFM2-VL / LFM3-VL config: its text_config, with the
+    outer file's special tokens where it has none; whether the output matrix is the embedding is the outer file's
+    (tie_embedding, else tie_word_embeddings: transformers ties these models' weights by the outer config)."""
+    cls, default = WRAPPERS[d["model_type"]]
+    inner = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    model_type = inner.get("model_type") or default
+    tied = d.get("tie_embedding", d.get("tie_word_embeddings", True))
+    text = text_decoder({**d, "tie_word_embeddings": tied}, cls, model_type, tied=True)
+    text.pop("tie_embedding", None)
+    return text, model_type
 
 
 def mlp_width(get: Any) -> int:

@@ -16,7 +16,7 @@ scale stays alpha / r and its update is exactly the parts' updates side by side.
 A mixture of experts' expert adapters (lora.targets "experts") go to transformers' stacked expert parameters through
 PEFT's target_parameters (`peft_experts`).
 
-Over an image-and-text base (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL: `decoder_layers`) transformers holds the
+Over an image-and-text base (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL, LFM2-VL, LFM3-VL: `decoder_layers`) transformers holds the
 decoder's layers at model.language_model.layers, so the adapters are named there; a PEFT directory named either way
 loads.
 """

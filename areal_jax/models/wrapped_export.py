@@ -1,7 +1,8 @@
 """An image-and-text checkpoint written back whole (`rewrap`): the trained text decoder under the source checkpoint's
 names and layout, the vision tower and everything else copied from the source.
 
-A job trains only the text decoder of an image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL);
+A job trains only the text decoder of an image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL,
+LFM2-VL, LFM3-VL);
 `save_hf_checkpoint` writes that decoder as a text-only model. `rewrap` turns such a directory into the source's
 form: each source tensor the decoder holds is replaced by the trained one (its name found as the loader finds it:
 `model.language_model.*`, `language_model.model.*`, `language_model.lm_head.*`; Qwen3-VL-MoE's stacked experts stacked
@@ -17,11 +18,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from areal_jax.models import ministral3, qwen3_5, qwen3_vl, stacked_experts
+from areal_jax.models import lfm2, ministral3, qwen3_5, qwen3_vl, stacked_experts
 
 # Image-and-text checkpoints (their config.json's model_type) whose text decoder a job trains, as the family modules
 # name them; "gemma3" is Gemma3ForConditionalGeneration's (the text-only model's is "gemma3_text").
-WRAPPED = ("gemma3", ministral3.WRAPPER, *qwen3_5.WRAPPERS, qwen3_vl.WRAPPER, qwen3_vl.MOE_WRAPPER)
+WRAPPED = ("gemma3", ministral3.WRAPPER, *qwen3_5.WRAPPERS, qwen3_vl.WRAPPER, qwen3_vl.MOE_WRAPPER, *lfm2.WRAPPERS)
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
           "F8_E4M3": 1, "F8_E5M2": 1}
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")

@@ -75,7 +75,7 @@ def export_policy(run_dir: str, out_dir: str, step: int | None = None, fmt: str 
 
     fmt "merged": the full model (a LoRA run's adapters folded into the base); "peft": a LoRA run's
     adapters alone as a PEFT directory (adapter_config.json + adapter_model.safetensors). A run that started from an
-    image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL) exports, merged, that checkpoint
+    image-and-text checkpoint (Gemma 3 4B and up, Mistral 3, Qwen3.5, Qwen3-VL, LFM2-VL, LFM3-VL) exports, merged, that checkpoint
     with its trained text decoder (`models.wrapped_export.rewrap`: the vision tower copied from it), or with
     `text_only` the decoder alone as a text model."""
     import jax
