@@ -28,6 +28,7 @@ from areal_jax.testing.tiny import tiny_config
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3", "qwen3_moe", "gpt_oss", "exaone4", "arcee", "phimoe", "lfm3",
                                   pytest.param("lfm2", marks=pytest.mark.long),  # 25 s (lfm3's run has its conv layers)
                                   pytest.param("lfm2_moe", marks=pytest.mark.long),  # 36 s
+                                  pytest.param("olmo_hybrid", marks=pytest.mark.long),
                                   pytest.param("deepseek_v3", marks=pytest.mark.long),  # 25-31 s; its layers and
                                   # sampler in tests/test_deepseek.py, a whole MoE job in qwen3_moe's run here
                                   pytest.param("qwen3_5_text", marks=pytest.mark.long)])
@@ -35,7 +36,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     tok = build_math_tokenizer()
     model_dir = str(tmp_path / arch)
     window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}, "qwen3_5_text": {},
-              "lfm2": {}, "lfm2_moe": {}, "lfm3": {"sliding_window": 6}}.get(
+              "lfm2": {}, "lfm2_moe": {}, "lfm3": {"sliding_window": 6}, "olmo_hybrid": {}}.get(
         arch, {"sliding_window": 6})
     cfg = tiny_model_config(arch, num_layers=3, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, tie_word_embeddings=arch != "phimoe", **window)
@@ -51,7 +52,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
         c.model.moe_impl = "ragged"
     if arch in ("qwen3_moe", "deepseek_v3"):  # the sampler records each sample's experts; the trainer replays them
         c.train.router_replay = "replay"
-    if arch in ("qwen3_5_text", "lfm2", "lfm2_moe", "lfm3"):  # the stateful layers' rows beside the pages; a group shares its prompt's
+    if arch in ("qwen3_5_text", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid"):  # the stateful layers' rows beside the pages; a group shares its prompt's
         c.rollout.kv_cache, c.rollout.page_size = "paged", 4
     if arch == "deepseek_v3":  # auxiliary-loss-free balancing moves the picking bias after each optimizer step
         c.train.router_bias_rate = 0.01

@@ -73,7 +73,7 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("qwen3_5_text", "in_proj_qkv,out,re:layers\\.3\\.attn\\.q_proj"),
                                           ("qwen3_5_moe_text", "attn,experts"), ("qwen3_next", "attn,experts"),
                                           ("qwen3_next", "in_z,in_b,out"), ("lfm2", "all"), ("lfm2", "in,o"),
-                                          ("lfm2_moe", "all"), ("lfm2_moe", "attn,experts"), ("lfm3", "all")])
+                                          ("lfm2_moe", "all"), ("lfm2_moe", "attn,experts"), ("lfm3", "all"), ("olmo_hybrid", "all"), ("olmo_hybrid", "in_v,in_b,o")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer; Qwen3-Next's
@@ -131,8 +131,8 @@ def test_gated_deltanet_targets_adapt_only_its_layers_and_refuse_elsewhere(tmp_p
     np.testing.assert_allclose(np.asarray(lora.merged_model(model, lcfg.scale)(jnp.asarray(TOKENS))),
                                np.asarray(model(jnp.asarray(TOKENS))), atol=2e-5, rtol=0)
     plain = write_random_hf_checkpoint(str(tmp_path / "qwen2"), tiny_config("qwen2"))
-    with pytest.raises(ValueError, match="names in_qkv, out, the projections of Gated DeltaNet layers, which this "
-                                         "model does not have"):
+    with pytest.raises(ValueError, match="names in_qkv, out, the projections of Gated DeltaNet or LFM2 conv layers, "
+                                         "which this model does not have"):
         lora.apply_lora(plain, lora.LoRAConfig(targets="q,in_proj_qkv,out_proj"), rngs=nnx.Rngs(0))
 
 

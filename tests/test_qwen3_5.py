@@ -45,7 +45,7 @@ def test_config_of_an_image_and_text_checkpoint_and_refusals():
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
         "full_attention",)
     assert cfg.rotary_dim == 8 and cfg.rope_theta == 1e7 and cfg.rope_scaling is None  # mrope: plain RoPE for text
-    assert tuple(cfg.linear) == (2, 4, 16, 16, 4) and cfg.qk_norm and cfg.norm_offset
+    assert tuple(cfg.linear) == (2, 4, 16, 16, 4, 1.0) and cfg.qk_norm and cfg.norm_offset
     again = ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict())))
     assert again == cfg and cfg.to_hf_dict()["architectures"] == ["Qwen3_5ForCausalLM"]
     untied = {k: v for k, v in _IMAGE_AND_TEXT.items() if k != "tie_word_embeddings"}  # text_config's True is not read

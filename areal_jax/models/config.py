@@ -17,7 +17,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 "lfm2", "lfm3", *MOE_ARCHITECTURES)
+                 "lfm2", "lfm3", "olmo_hybrid", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
@@ -296,14 +296,14 @@ class ModelConfig:
 
     @property
     def olmo(self) -> bool:
-        """OLMo 2 / 3's layer form (EXAONE 4's, FlexOlmo's too): x + norm(attn(x)), then x + norm(mlp(x)) (no norm
-        before either)."""
-        return self.architecture in ("olmo2", "olmo3", "exaone4", "flex_olmo")
+        """OLMo 2 / 3's layer form (EXAONE 4's, FlexOlmo's too; OLMo Hybrid's attention layers, its Gated DeltaNet ones
+        pre-norm): x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either)."""
+        return self.architecture in ("olmo2", "olmo3", "exaone4", "flex_olmo", "olmo_hybrid")
 
     @property
     def flat_qk_norm(self) -> bool:
         """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE, MiniMax-M2), not per head."""
-        return self.architecture in ("olmo2", "olmo3", "olmoe", "minimax_m2", "flex_olmo")
+        return self.architecture in ("olmo2", "olmo3", "olmoe", "minimax_m2", "flex_olmo", "olmo_hybrid")
 
     @property
     def attention_scale_factor(self) -> float:

@@ -220,12 +220,14 @@ class LinearAttention(NamedTuple):
     """Gated DeltaNet's shapes (Qwen3.5's linear-attention layers; `models.gated_deltanet`): `key_heads` query / key
     heads of `key_dim`, `value_heads` value heads of `value_dim` (a multiple of key_heads: each query / key head
     serves value_heads / key_heads of them), and a causal depthwise convolution of `conv_kernel` taps over the
-    projected queries, keys and values."""
+    projected queries, keys and values. beta_scale: the write strength is beta_scale * sigmoid(b) (2 where OLMo Hybrid
+    allows negative eigenvalues, linear_allow_neg_eigval)."""
     key_heads: int
     value_heads: int
     key_dim: int
     value_dim: int
     conv_kernel: int = 4
+    beta_scale: float = 1.0
 
 
 def check_linear(cfg) -> None:
@@ -239,8 +241,10 @@ def check_linear(cfg) -> None:
                              "LinearAttention(key_heads, value_heads, key_dim, value_dim, conv_kernel).")
         return
     m = _named(LinearAttention, m, "linear")
-    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m):
-        raise ValueError(f"ModelConfig.linear's fields must be positive integers, got {m}.")
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m[:5]):
+        raise ValueError(f"ModelConfig.linear's shapes must be positive integers, got {m}.")
+    if not isinstance(m.beta_scale, (int, float, np.floating)) or isinstance(m.beta_scale, bool) or m.beta_scale <= 0:
+        raise ValueError(f"ModelConfig.linear.beta_scale must be a positive number, got {m.beta_scale!r}.")
     if m.value_heads % m.key_heads or m.conv_kernel < 2:
         raise ValueError(f"ModelConfig.linear needs value_heads a multiple of key_heads and conv_kernel >= 2, got {m}.")
     if "linear_attention" not in types:

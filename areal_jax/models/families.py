@@ -12,9 +12,11 @@ from areal_jax.models import (
     lfm2,
     lfm3,
     ministral3,
+    olmo_hybrid,
     phimoe,
     qwen3_5,
     seed_oss,
 )
 
-OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2, lfm3)
+OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
+               lfm3, olmo_hybrid)

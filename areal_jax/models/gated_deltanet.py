@@ -233,17 +233,24 @@ class GatedDeltaNet(nnx.Module):
     """A Gated DeltaNet layer as Qwen3.5 lays it out: in_proj_qkv [D, channels], in_proj_z [D, Hv * Dv],
     in_proj_b and in_proj_a [D, Hv], conv [K, channels], dt_bias and A_log [Hv], the gated norm's scale [Dv]
     (plain, not 1 + w) and out_proj [Hv * Dv, D]. On a tensor axis those of Hv split by value heads ("heads"),
-    in_proj_qkv and conv by key heads ("kv_heads": their channels are grouped so, `grouped_channels`)."""
+    in_proj_qkv and conv by key heads ("kv_heads": their channels are grouped so, `grouped_channels`). OLMo Hybrid's
+    projects q, k and v apart (in_proj_q, in_proj_k [D, Hk * Dk], in_proj_v [D, Hv * Dv], split by key heads too)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m, d, pdt = cfg.linear, cfg.hidden_size, cfg.param_dtype
         hv, c = m.value_heads, channels(cfg)
         self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
-        self.in_proj_qkv = make_param(rngs, (d, c), ("embed", "kv_heads"), pdt)
+        if cfg.architecture == "olmo_hybrid":  # q, k, v projected apart; the gated norm's epsilon 1e-5 (FLA's)
+            self.eps, self.in_proj_qkv = 1e-5, None
+            widths = (m.key_heads * m.key_dim, m.key_heads * m.key_dim, hv * m.value_dim)
+            self.in_proj_q, self.in_proj_k, self.in_proj_v = (make_param(rngs, (d, w), ("embed", "kv_heads"), pdt)
+                                                              for w in widths)
+        else:
+            self.in_proj_qkv = make_param(rngs, (d, c), ("embed", "kv_heads"), pdt)
+        self.conv = make_param(rngs, (m.conv_kernel, c), (None, "kv_heads"), pdt, std=0.5)
         self.in_proj_z = make_param(rngs, (d, hv * m.value_dim), ("embed", "heads"), pdt)
         self.in_proj_b = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
         self.in_proj_a = make_param(rngs, (d, hv), ("embed", "heads"), pdt)
-        self.conv = make_param(rngs, (m.conv_kernel, c), (None, "kv_heads"), pdt, std=0.5)
         self.dt_bias = make_param(None, (hv,), ("heads",), pdt, init="ones")
         self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pdt), out_sharding=("heads",),
                                eager_sharding=False)
@@ -255,7 +262,11 @@ class GatedDeltaNet(nnx.Module):
         m, dt = self.shape, self.dtype
         b, t, _ = x.shape
         hk, hv, dk, dv = m.key_heads, m.value_heads, m.key_dim, m.value_dim
-        mixed = project(x, self.in_proj_qkv, dt)  # (each a parameter, or LoRA's base plus adapters)
+        if self.in_proj_qkv is None:  # OLMo Hybrid: its projections side by side key head by key head
+            mixed = jnp.concatenate([project(x, w, dt).reshape(b, t, hk, -1) for w in (
+                self.in_proj_q, self.in_proj_k, self.in_proj_v)], axis=-1).reshape(b, t, -1)
+        else:
+            mixed = project(x, self.in_proj_qkv, dt)  # (each a parameter, or LoRA's base plus adapters)
         z = project(x, self.in_proj_z, dt).reshape(b, t, hv, dv)
         gate_b = project(x, self.in_proj_b, dt).astype(jnp.float32)
         gate_a = project(x, self.in_proj_a, dt).astype(jnp.float32)
@@ -275,7 +286,7 @@ class GatedDeltaNet(nnx.Module):
             q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
         q = l2_normalize(q) * np.float32(1.0 / math.sqrt(dk))
         k = l2_normalize(k)
-        beta = jax.nn.sigmoid(gate_b)
+        beta = jax.nn.sigmoid(gate_b) if m.beta_scale == 1.0 else jax.nn.sigmoid(gate_b) * np.float32(m.beta_scale)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(gate_a + self.dt_bias[...].astype(
             jnp.float32))
         if valid is None:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from areal_jax.knobs import Section, knob
-from areal_jax.models import fp8, stacked_experts
+from areal_jax.models import disk_names, fp8, stacked_experts
 from areal_jax.models.config import EXPERT_DISPATCHES, MOE_IMPLS, ModelConfig
 from areal_jax.models.gpt_oss import MXFP4_SUFFIXES, dequantize_mxfp4
 from areal_jax.models.hf_names import _Entry, weight_entries
@@ -121,6 +121,7 @@ class _Reader:
             for prefix, ours in _TEXT_PREFIXES:
                 if name.startswith(prefix):
                     self.names.setdefault(ours + name[len(prefix):], name)
+        disk_names.add_aliases(self.names)
 
     def _mxfp4(self, name: str) -> bool:
         """Whether `name` is stored as MXFP4 blocks and scales (gpt-oss's experts) instead of itself."""
@@ -131,9 +132,11 @@ class _Reader:
         return self.fp8_block is not None and name in self.names and name + fp8.SCALE_SUFFIX in self.names
 
     def has(self, name: str) -> bool:
-        return name in self.names or self._mxfp4(name) or stacked_experts.source(name, self.names) is not None
+        return name in self.names or self._mxfp4(name) or stacked_experts.source(name, self.names) is not None or \
+            disk_names.parts(name, self.names) is not None
 
     def file_of(self, name: str) -> str:
+        name = (disk_names.parts(name, self.names) or (name,))[0]
         stacked = stacked_experts.source(name, self.names)
         name = stacked[0] if stacked else name + "_blocks" if self._mxfp4(name) else name
         return os.path.join(self.path, self.weight_map[self.names[name]])
@@ -145,12 +148,18 @@ class _Reader:
         stacked = stacked_experts.source(name, self.names)  # one expert's part of Qwen3-VL-MoE's stacked tensors
         if stacked:
             return stacked_experts.shape(stacked[2], self.shape(stacked[0]))
+        if disk_names.parts(name, self.names):  # the concatenation of several (OLMo Hybrid's conv1d)
+            shapes = [self.shape(p) for p in disk_names.parts(name, self.names)]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return tuple(self._handle(name).get_slice(self.names[name]).get_shape())
 
     def read(self, name: str, rows: tuple[int, ...] | None = None, axis: int = 0, keep: bool = False) -> np.ndarray:
         """The tensor, or its rows[0]..rows[1] along `axis` (one part of a fused tensor); an MXFP4 or fp8 one
         dequantised. That one, or with `keep` any, is kept whole for the next part that reads it (Qwen3-Next's
         in_proj_qkvz / in_proj_ba, each of whose parts takes rows of its own from the whole tensor)."""
+        if disk_names.parts(name, self.names):
+            whole = np.concatenate([self.read(p) for p in disk_names.parts(name, self.names)])
+            return whole if rows is None else whole[(slice(None),) * axis + (slice(rows[0], rows[1]),)]
         stacked = stacked_experts.source(name, self.names)
         if stacked:
             whole = stacked_experts.take(stacked[2], self._handle(stacked[0]).get_slice(self.names[stacked[0]])[stacked[1]])

@@ -124,9 +124,10 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     qk_norm_names = hunyuan.QK_NORM_NAMES if cfg.architecture in hunyuan.HF_CLASSES else ("q_norm", "k_norm")
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
-        if not cfg.olmo:
-            entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
+        olmo = cfg.olmo and not linear  # (OLMo Hybrid's Gated DeltaNet layers are pre-norm)
+        if not olmo:
+            entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         if linear and cfg.short_conv is not None:
             entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
         elif linear:
@@ -153,7 +154,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.extend(_norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}"))
         if cfg.sandwich_norms:
             entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
-        if cfg.sandwich_norms or cfg.olmo:
+        if cfg.sandwich_norms or olmo:
             entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
         if cfg.layer_is_moe(i):
             entries.extend(_expert_entries(cfg, p + ("mlp",), hf))
@@ -275,6 +276,13 @@ def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                               gather=2 * m.value_heads),
                        _Entry(path + ("in_proj_a",), f"{hf}.in_proj_ba.weight", "in_first", channels=rows(r, r, 2 * r),
                               gather=2 * m.value_heads)]
+    elif cfg.architecture == "olmo_hybrid":  # q, k, v apart; z, a, b, out named g, a, b, o
+        projections = [_Entry(path + (f"in_proj_{ours}",), f"{hf}.{theirs}_proj.weight", "in_first")
+                       for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("z", "g"), ("b", "b"), ("a", "a"))]
+        return [*projections, _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),
+                _Entry(path + ("dt_bias",), f"{hf}.dt_bias", "same"), _Entry(path + ("A_log",), f"{hf}.A_log", "same"),
+                _Entry(path + ("norm_scale",), f"{hf}.o_norm.weight", "same"),
+                _Entry(path + ("out_proj",), f"{hf}.o_proj.weight", "out_last")]
     else:
         projections = [_Entry(path + ("in_proj_qkv",), f"{hf}.in_proj_qkv.weight", "in_first", channels=grouped),
                        _Entry(path + ("in_proj_z",), f"{hf}.in_proj_z.weight", "in_first"),

@@ -262,14 +262,15 @@ class DecoderLayer(nnx.Module):
         from areal_jax.models.moe import MoE  # noqa: PLC0415
         from areal_jax.models.short_conv import ShortConv  # noqa: PLC0415
 
-        self.input_norm = None if cfg.olmo else make_norm(cfg)
+        olmo = cfg.olmo and not linear  # (OLMo Hybrid's Gated DeltaNet layers are pre-norm)
+        self.input_norm = None if olmo else make_norm(cfg)
         mixer = ShortConv if cfg.short_conv is not None else GatedDeltaNet
         self.linear_attn = mixer(cfg, rngs=rngs) if linear else None
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = make_norm(cfg)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = make_norm(cfg) if cfg.sandwich_norms else None
-        self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or cfg.olmo else None
+        self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,

@@ -38,6 +38,7 @@ from areal_jax.models.lora_targets import (  # noqa: F401 (re-exported: what LoR
     LINEAR,
     PROJECTIONS,
     SHARED,
+    SPLIT_LINEAR,
     LoRAConfig,
     adapter_bytes,
     attention_projections,

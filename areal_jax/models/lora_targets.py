@@ -26,6 +26,9 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "out": ("linear_attn", "out_proj", 1),
     # an LFM2 conv layer's (models.short_conv; out_proj is "out" too)
     "in": ("linear_attn", "in_proj", 1),
+    # OLMo Hybrid's Gated DeltaNet projects q, k, v apart (its z, b, a, out as Qwen3.5's)
+    "in_q": ("linear_attn", "in_proj_q", 1), "in_k": ("linear_attn", "in_proj_k", 1),
+    "in_v": ("linear_attn", "in_proj_v", 1),
     # a mixture of experts' shared expert (models.moe.MoE.shared_expert, a dense MLP every token goes through:
     # Qwen2-MoE's, Qwen3.5-MoE's, DeepSeek's, Hunyuan MoE's)
     "shared_gate": ("mlp.shared_expert", "gate_proj", 1), "shared_up": ("mlp.shared_expert", "up_proj", 1),
@@ -33,7 +36,8 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
 }
 LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
 CONV = ("in", "out")
-_MIXERS = LINEAR + ("in",)  # the stateful layers' projections, of either kind
+SPLIT_LINEAR = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # OLMo Hybrid's Gated DeltaNet
+_MIXERS = LINEAR + ("in", "in_q", "in_k", "in_v")  # the stateful layers' projections, of any kind
 _BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -55,7 +59,8 @@ class LoRAConfig(Section):
     alpha: float = knob(32.0, "the update is (alpha / rank) * x @ A @ B")
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
     targets: str = knob("all", "q,k,v,o,gate,up,down (g: LFM3's head gate) | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
-                        "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out; LFM2 conv layers': in,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
+                        "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out, OLMo Hybrid's in_q,in_k,in_v,in_z,in_b,in_a,out; "
+                        "LFM2 conv layers': in,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
                         "shared_up,shared_down) | all | experts (a mixture of experts' expert weights, not in all) | "
                         "re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
@@ -164,6 +169,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
         from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
 
         lin = model_cfg.linear
+        dims.update(in_q=(d, lin.key_heads * lin.key_dim), in_k=(d, lin.key_heads * lin.key_dim),
+                    in_v=(d, lin.value_heads * lin.value_dim))
         dims.update(in_qkv=(d, channels(model_cfg)), in_z=(d, lin.value_heads * lin.value_dim),
                     in_b=(d, lin.value_heads), in_a=(d, lin.value_heads), out=(lin.value_heads * lin.value_dim, d))
     if model_cfg.mla is not None:
@@ -210,8 +217,11 @@ def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def linear_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
-    """The short names of a stateful layer's projections: an LFM2 conv layer's (`CONV`), else Gated DeltaNet's."""
-    return CONV if model_cfg.short_conv is not None else LINEAR
+    """The short names of a stateful layer's projections: an LFM2 conv layer's (`CONV`), else Gated DeltaNet's
+    (OLMo Hybrid's with q, k, v apart: `SPLIT_LINEAR`)."""
+    if model_cfg.short_conv is not None:
+        return CONV
+    return SPLIT_LINEAR if model_cfg.architecture == "olmo_hybrid" else LINEAR
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

@@ -71,6 +71,8 @@ _EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_m
 
 
 _HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
+_OLMO_HYBRID = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj",
+                "in_proj_b": "b_proj", "in_proj_a": "a_proj", "out_proj": "o_proj"}  # its Gated DeltaNet's
 # the fused HF modules, their parts in row order (phi3's, GLM-4's gate_up_proj) or interleaved (Qwen3-Next's)
 _FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"), "in_proj_qkvz": ("in_qkv", "in_z"),
           "in_proj_ba": ("in_b", "in_a")}
@@ -97,6 +99,8 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
     if part == "mlp.shared_expert":
         return _shared_modules(cfg)[(layer, attr)]
     name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+    if part == "linear_attn" and getattr(cfg, "architecture", None) == "olmo_hybrid":  # its Gated DeltaNet's names
+        return f"model.layers.{layer}.linear_attn.{_OLMO_HYBRID[attr]}"
     if getattr(cfg, "architecture", None) in lfm2.RENAMED:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
         return lfm2.hf_name(f"{name}.weight", cfg.architecture, disk=False).removesuffix(".weight")
     return name

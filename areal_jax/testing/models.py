@@ -175,6 +175,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(qk_norm=True, rope_theta=1e6, tie_word_embeddings=True, short_conv=4, head_gate=True,
                       sliding_window=6 if sliding else None, rope_local_theta=1e4 if sliding else None,
                       rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5}, layer_types=types)
+    if architecture == "olmo_hybrid":  # OLMo Hybrid's form: Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps,
+        # write strength 2 sigmoid(b)) pre-norm but in the second layer of each four: OLMo 3's attention there
+        fields.update(qk_norm=True, linear=(2, 4, 8, 12, 4, 2.0), layer_types=tuple(
+            "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
     if architecture == "lfm2_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))

@@ -1,0 +1,36 @@
+"""Checkpoint tensors stored under names or in pieces other than the weight table's (`hf_names`), as transformers
+renames and joins them on loading (its conversion mapping): OLMo Hybrid's norms (`add_aliases`) and its Gated DeltaNet
+convolution kept as three tensors (`parts`). `hf_io`'s reader answers the table's names from them."""
+from __future__ import annotations
+
+from typing import Container
+
+# (on disk, in the table): OLMo Hybrid's, its Gated DeltaNet layers' norms before the mixer and before the MLP (and,
+# as transformers writes them back, its attention layers' norm after attention too)
+ALIASES = ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm."))
+# a tensor the table names whole and a checkpoint may hold as pieces along the first axis, in this order
+PIECES = {".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
+                                         ".linear_attn.v_conv1d.weight")}
+
+
+def add_aliases(names: dict[str, str]) -> None:
+    """Adds to {table name: name on disk} the table's names of tensors stored under `ALIASES`' names (in place; a name
+    the checkpoint holds itself wins)."""
+    for name in list(names):
+        for theirs, ours in ALIASES:
+            if theirs in name:
+                names.setdefault(name.replace(theirs, ours), names[name])
+
+
+def parts(name: str, names: Container[str]) -> tuple[str, ...] | None:
+    """The tensors whose concatenation along the first axis is `name`, where the checkpoint (its tensor `names`) holds
+    `name` in pieces (`PIECES`: whatever each piece's length, transformers joins them so; it writes them back as equal
+    thirds); None where it holds `name` itself or no pieces of it."""
+    if name in names:
+        return None
+    for whole, pieces in PIECES.items():
+        if name.endswith(whole):
+            found = tuple(name[: -len(whole)] + p for p in pieces)
+            if all(p in names for p in found):
+                return found
+    return None
