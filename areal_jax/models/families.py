@@ -8,6 +8,7 @@ from areal_jax.models import (
     ernie,
     exaone,
     flex_olmo,
+    granite4,
     hunyuan,
     lfm2,
     lfm3,
@@ -19,4 +20,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid)
+               lfm3, olmo_hybrid, granite4)

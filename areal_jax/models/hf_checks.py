@@ -21,7 +21,7 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError("HF Qwen3 has q/k norm and no q/k/v-only bias; set qk_norm=True, attention_bias=False.")
     for family in (gpt_oss, minimax, glm4, *OWN_MODULES):
         family.check_hf(cfg)
-    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe") and (
+    if cfg.architecture in ("llama", "mistral", "smollm3", "mixtral", "granite", "granitemoe", "granitemoehybrid") and (
             cfg.attention_bias or cfg.qk_norm):
         raise ValueError(f"HF {cfg.architecture.title()} has no q/k/v bias and no q/k norm; set "
                          "attention_bias=False, qk_norm=False.")
@@ -41,7 +41,7 @@ def check_loadable(cfg: Any) -> None:
     if sliding and cfg.architecture in ("mistral", "mixtral", "qwen3_moe") and cfg.layer_types is not None \
             and "full_attention" in cfg.layer_types:
         raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
-    granite = cfg.architecture in ("granite", "granitemoe")
+    granite = cfg.architecture in ("granite", "granitemoe", "granitemoehybrid")
     if not granite and any(getattr(cfg, k) is not None for k in GRANITE_SCALARS):
         raise ValueError(f"{', '.join(GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
     if sliding and granite:
@@ -58,9 +58,9 @@ def check_loadable(cfg: Any) -> None:
     if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3", "lfm3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
                          f"LFM3's; HF {cfg.architecture} has one base for every layer.")
-    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe"):
-        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's and EXAONE's; HF {cfg.architecture} "
-                         "rotates in every layer.")
+    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid"):
+        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's and Granite 4.0's; HF "
+                         f"{cfg.architecture} rotates in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")

@@ -158,15 +158,18 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
         if cfg.layer_is_moe(i):
             entries.extend(_expert_entries(cfg, p + ("mlp",), hf))
-        elif fused or glm4:
-            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (0, f, 2 * f)))
-            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.gate_up_proj.weight", "in_first", (f, 2 * f, 2 * f)))
+        elif fused or glm4 or cfg.architecture == "granitemoehybrid":  # gate and up fused (Granite 4.0: input_linear)
+            up = f"{hf}.shared_mlp.input_linear.weight" if cfg.architecture == "granitemoehybrid" else \
+                f"{hf}.mlp.gate_up_proj.weight"
+            entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))
+            entries.append(_Entry(p + ("mlp", "up_proj"), up, "in_first", (f, 2 * f, 2 * f)))
         else:
             if cfg.architecture not in arcee.UNGATED:
                 entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
             entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
         if not cfg.layer_is_moe(i):
-            entries.append(_Entry(p + ("mlp", "down_proj"), f"{hf}.mlp.down_proj.weight", "out_last"))
+            down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
+            entries.append(_Entry(p + ("mlp", "down_proj"), f"{down}.weight", "out_last"))
         if cfg.attention_out_bias:
             entries.append(_Entry(p + ("attn", "o_bias"), f"{hf}.self_attn.o_proj.bias", "same"))
         if cfg.attention_sinks:

@@ -75,17 +75,20 @@ _OLMO_HYBRID = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_pr
                 "in_proj_b": "b_proj", "in_proj_a": "a_proj", "out_proj": "o_proj"}  # its Gated DeltaNet's
 # the fused HF modules, their parts in row order (phi3's, GLM-4's gate_up_proj) or interleaved (Qwen3-Next's)
 _FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"), "in_proj_qkvz": ("in_qkv", "in_z"),
-          "in_proj_ba": ("in_b", "in_a")}
+          "in_proj_ba": ("in_b", "in_a"), "input_linear": ("gate", "up")}
 _INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
 
 
 def _fused_module(model_or_cfg: Any, short: str) -> str | None:
-    """The fused HF module holding projection `short` in this model's family (phi3, glm4, qwen3_next), else None."""
+    """The fused HF module holding projection `short` in this model's family (phi3, glm4, qwen3_next, granitemoehybrid),
+    else None."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
     if getattr(cfg, "architecture", None) == "glm4":  # GLM-4 fuses gate and up only
         return "gate_up_proj" if short in _FUSED["gate_up_proj"] else None
     if getattr(cfg, "architecture", None) == "qwen3_next":  # its Gated DeltaNet's input projections
         return next((m for m in _INTERLEAVED if short in _FUSED[m]), None)
+    if getattr(cfg, "architecture", None) == "granitemoehybrid":  # Granite 4.0's shared MLP: gate and up in one
+        return "input_linear" if short in _FUSED["input_linear"] else None
     if getattr(cfg, "architecture", None) != "phi3":
         return None
     return next((m for m, parts in _FUSED.items() if short in parts), None)
@@ -99,6 +102,8 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
     if part == "mlp.shared_expert":
         return _shared_modules(cfg)[(layer, attr)]
     name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+    if part == "mlp" and getattr(cfg, "architecture", None) == "granitemoehybrid":  # its shared MLP's
+        return f"model.layers.{layer}.shared_mlp.{fused or 'output_linear'}"
     if part == "linear_attn" and getattr(cfg, "architecture", None) == "olmo_hybrid":  # its Gated DeltaNet's names
         return f"model.layers.{layer}.linear_attn.{_OLMO_HYBRID[attr]}"
     if getattr(cfg, "architecture", None) in lfm2.RENAMED:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)

@@ -23,8 +23,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5), qwen3_moe
     (q/k norm), mixtral, granitemoe, olmoe (q/k norm over all heads) and qwen2_moe (q/k/v bias, a shared expert of
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
-    for qwen2_moe), granite and granitemoe take Granite's four scalars; gpt_oss routes to 2 of 4 experts with biases
-    and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
+    for qwen2_moe), granite, granitemoe and granitemoehybrid take Granite's four scalars; gpt_oss routes to 2 of 4
+    experts with biases and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 (and exaone_moe, whose experts are written at its branch) slides a
     window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense (and hunyuan_v1_moe, experts at
     its branch) normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no gate (ReLU

@@ -1,0 +1,83 @@
+"""Granite 4.0 without Mamba layers (`GraniteMoeHybridForCausalLM` whose layers are all attention: granite-4.0-micro
+and the other attention-only checkpoints): what its config.json means here (`config_from_hf`, `config_to_hf`, `check_hf`).
+
+Granite 3's layer (its four scalars: the embeddings times embedding_multiplier, each branch's output times
+residual_multiplier, attention scores times attention_multiplier, logits divided by logits_scaling) whose MLP is the
+"shared MLP": gate and up rows fused in shared_mlp.input_linear [2F, D], shared_mlp.output_linear [D, F], of width
+shared_intermediate_size. RoPE only where position_embedding_type is "rope" (none otherwise, as transformers' class).
+The hybrid checkpoints' Mamba-2 layers and experts (granite-4.0-h-*: "mamba" in layer_types, num_local_experts > 0)
+are refused, naming them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from areal_jax.models.hf_family import hf_dict
+
+HF_CLASSES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
+                 rope_theta=10000.0)  # transformers' GraniteMoeHybridConfig, where a config.json leaves a key out
+SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+_ATTENTION = ("attention", "full_attention")
+
+
+def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
+                   param_dtype: Any = jnp.float32) -> Any:
+    """A ModelConfig of an attention-only Granite 4.0 config.json (transformers' defaults where a key is absent)."""
+    def get(key: str) -> Any:
+        return d[key] if d.get(key) is not None else _DEFAULTS.get(key)
+
+    layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
+    types = list(d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * layers)
+    mamba = [i for i, t in enumerate(types) if t not in _ATTENTION]
+    if mamba:
+        raise ValueError(f"Granite 4.0-H's Mamba-2 layers ({', '.join(map(str, mamba[:8]))}"
+                         f"{' ...' if len(mamba) > 8 else ''} of layer_types) are not supported here; the Granite 4.0 "
+                         "checkpoints whose layers are all attention (granite-4.0-micro) are.")
+    if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias"):
+        raise ValueError("Granite 4.0 here has SiLU MLPs and no attention biases; this config.json says "
+                         f"hidden_act={d.get('hidden_act')!r}, attention_bias={d.get('attention_bias')!r}.")
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"Granite 4.0's rope_parameters {rope}: only the default RoPE is supported here.")
+    if int(get("num_local_experts") or 0):
+        raise ValueError(f"num_local_experts={get('num_local_experts')}: Granite 4.0's experts (its -H checkpoints') are "
+                         "not supported here; the dense Granite 4.0 (num_local_experts 0: granite-4.0-micro) is.")
+    width, eos = int(get("shared_intermediate_size")), get("eos_token_id")
+    return cls(architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+               intermediate_size=width, num_layers=layers, num_heads=heads,
+               num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(get("hidden_size")) // heads,
+               rope_theta=float(rope.get("rope_theta", d.get("rope_theta") or _DEFAULTS["rope_theta"])),
+               rope_layers=None if d.get("position_embedding_type") == "rope" else (0,) * layers,
+               rms_norm_eps=float(get("rms_norm_eps")), tie_word_embeddings=bool(get("tie_word_embeddings")),
+               max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
+               eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+               **{k: float(d.get(k, 1.0)) for k in SCALARS}, dtype=dtype, param_dtype=param_dtype)
+
+
+def check_hf(cfg: Any) -> None:
+    """Refuses a config transformers' GraniteMoeHybridForCausalLM would not load as it is."""
+    if cfg.architecture not in HF_CLASSES:
+        return
+    bad = [k for k, v in dict(attention_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window,
+                              layer_types=cfg.layer_types, rotary_dim=cfg.rotary_dim, rope_scaling=cfg.rope_scaling,
+                              linear=cfg.linear, moe_layers=cfg.moe_layers).items() if v]
+    if cfg.rope_layers is not None and any(cfg.rope_layers):
+        bad.append("rope_layers (every layer rotates or none)")
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+        bad.append("head_dim (hidden_size / num_heads)")
+    if bad:
+        raise ValueError(f"HF Granite 4.0 (attention layers only) has none of / other: {', '.join(bad)}.")
+
+
+def config_to_hf(cfg: Any, common: dict) -> dict:
+    """The config.json of a Granite 4.0 config: `common` (hf_config's keys every family writes) with its own."""
+    check_hf(cfg)
+    common = {k: v for k, v in common.items() if k not in ("head_dim", "intermediate_size")}
+    return hf_dict(common, layer_types=["attention"] * cfg.num_layers, shared_intermediate_size=cfg.intermediate_size,
+                   position_embedding_type="nope" if cfg.rope_layers is not None else "rope", attention_bias=False,
+                   **{k: getattr(cfg, k) or 1.0 for k in SCALARS}, num_local_experts=0, output_router_logits=False)
