@@ -187,6 +187,35 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, arch):
     np.testing.assert_allclose(got, adapted_ours, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parity
+def test_lfm2_moe_router_against_transformers_own():
+    """LFM2-MoE's picks (sigmoid scores plus expert_bias) and weights (renormalised with 1e-6 in the sum, scaled)
+    equal transformers' router module's, given the same logits."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from transformers.models.lfm2_moe import modeling_lfm2_moe
+
+    from areal_jax.models.routing import Scoring, route
+
+    config = transformers.Lfm2MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, routed_scaling_factor=2.5)
+    router = modeling_lfm2_moe.Lfm2MoeTopKRouter(config)
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(rng.normal(size=(8, 16)), dtype=torch.float32))
+    x = rng.normal(size=(64, 16)).astype(np.float32) * 0.1  # small logits: the weights' sum far from 1
+    bias = (0.3 * rng.normal(size=8)).astype(np.float32)
+    with torch.no_grad():
+        logits, want_w, want_e = router(torch.tensor(x), torch.tensor(bias))
+    scoring = Scoring("sigmoid", None, 2.5, eps=1e-6)
+    got_w, got_e = route(jnp.asarray(logits.numpy()), 3, True, scoring, jnp.asarray(bias))
+    np.testing.assert_array_equal(np.sort(np.asarray(got_e), -1), np.sort(want_e.numpy(), -1))
+    order = np.argsort(np.asarray(got_e), -1), np.argsort(want_e.numpy(), -1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(got_w), order[0], -1),
+                               np.take_along_axis(want_w.numpy(), order[1], -1), atol=1e-7, rtol=1e-6)
+    model = random_model(tiny_config("lfm2_moe"), seed=0)
+    assert model.layers[1].mlp.scoring.eps == 1e-6  # the model routes so
+
+
 def test_short_convolution_against_its_formula():
     """The conv layer by hand (numpy): y = out(C * conv(B * x)), each tap reading its own segment only; then the
     cache path continuing from a window, token by token, gives the same outputs."""

@@ -10,8 +10,8 @@ block_auto_adjust_ff_dim is set (2/3 of it, times block_ffn_dim_multiplier, roun
 block_multiple_of); the config.json written here gives the adjusted width with the adjustment off. LFM2-MoE keeps
 num_dense_layers dense layers of intermediate_size first, then experts of moe_intermediate_size in every layer: a
 sigmoid router whose top num_experts_per_tok (picked with a per-expert bias, expert_bias, where use_expert_bias is set)
-are renormalised where norm_topk_prob says and scaled by routed_scaling_factor. (transformers adds 1e-6 to the
-renormalising sum, here 1e-20 as DeepSeek-V3's: a relative 5e-7 apart.)
+are renormalised where norm_topk_prob says (1e-6 added to the sum, as transformers does) and scaled by
+routed_scaling_factor.
 """
 from __future__ import annotations
 

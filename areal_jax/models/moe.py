@@ -80,7 +80,7 @@ class MoE(nnx.Module):
         self.impl = cfg.moe_impl
         self.expert_parallel, self.ring = cfg.expert_parallel, cfg.expert_dispatch == "ring"
         self.scoring = routing.Scoring(cfg.router_scoring, cfg.router_groups, float(cfg.routed_scaling_factor),
-                                       float(cfg.router_jitter))
+                                       float(cfg.router_jitter), 1e-6 if cfg.architecture == "lfm2_moe" else None)
         self.router = make_param(rngs, (d, e), ("embed", None), pdt)
         # float32 whatever param_dtype: its small differences between experts decide picks
         self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") if cfg.router_score_bias else None

@@ -12,11 +12,13 @@ class Scoring(NamedTuple):
     """How a router turns logits into picks and weights beyond top-k (`ModelConfig`'s router fields): "softmax" or
     "sigmoid" scores; groups (n_group, topk_group) or None, a group ranked by the sum of its two best scores with
     sigmoid scores (DeepSeek-V3) and by its best score with softmax ones (DeepSeek-V2); the weights' factor;
-    "sparsemixer" (PhiMoE: `sparsemixer`) and its relative margin `jitter`."""
+    "sparsemixer" (PhiMoE: `sparsemixer`) and its relative margin `jitter`; eps: what the renormalising sum takes
+    besides the weights (None: transformers' 1e-20 with sigmoid scores, 0 with softmax ones; LFM2-MoE's 1e-6)."""
     scoring: str = "softmax"
     groups: tuple[int, int] | None = None
     scale: float = 1.0
     jitter: float = 0.01
+    eps: float | None = None
 
 
 def scores_of(logits: jax.Array, scoring: Scoring) -> jax.Array:
@@ -28,10 +30,10 @@ def scores_of(logits: jax.Array, scoring: Scoring) -> jax.Array:
 
 def weights_of(scores: jax.Array, experts: jax.Array, renormalize: bool, scoring: Scoring) -> jax.Array:
     """The routing weights [N, k] of picked `experts` [N, k]: their scores, renormalised over the k when asked
-    (sigmoid scores with transformers' 1e-20 in the sum), times the scoring's factor."""
+    (the scoring's eps in the sum), times the scoring's factor."""
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:
-        eps = 1e-20 if scoring.scoring == "sigmoid" else 0.0
+        eps = scoring.eps if scoring.eps is not None else 1e-20 if scoring.scoring == "sigmoid" else 0.0
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
     return weights * jnp.float32(scoring.scale) if scoring.scale != 1.0 else weights
 
