@@ -7,7 +7,10 @@ import pytest
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
-from areal_jax.testing.models import tiny_config
+from areal_jax.testing.models import random_model, tiny_config
+
+HYBRID = dict(num_layers=4, mamba=(4, 32, 16, 2, 4),
+              layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"))
 
 # granite-4.0-micro's config.json, as released (its keys of interest)
 MICRO = {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 2560,
@@ -67,12 +70,115 @@ def test_its_config_class_and_the_micro_config(tmp_path):
     assert 3.3e9 < micro.num_params < 3.5e9 and micro.rope_theta == 1e7 and micro.tie_word_embeddings
 
 
-def test_the_hybrid_checkpoints_are_refused_by_name():
-    with pytest.raises(ValueError, match="Mamba-2 layers \\(0, 1, 2, 4 of layer_types\\) are not supported"):
-        ModelConfig.from_hf_dict({**MICRO, "num_hidden_layers": 5,
-                                  "layer_types": ["mamba", "mamba", "mamba", "attention", "mamba"]})
-    with pytest.raises(ValueError, match="Mamba-2 layers"):  # transformers' default: every layer Mamba
-        ModelConfig.from_hf_dict({"model_type": "granitemoehybrid", "num_local_experts": 0})
+@pytest.mark.parity
+def test_mamba2_layers_match_transformers_and_round_trip(tmp_path):
+    """Mamba-2 layers (4 heads of 32, 2 groups of B and C of 16, 4 taps with a bias) between attention ones: logits
+    over 150 tokens (three chunks of the scan), round trips both ways, the parameter count."""
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = tiny_config("granitemoehybrid", **HYBRID)
+    hf = hf_model_of(cfg, seed=1)
+    assert hf.config.layer_types[0] == "linear_attention" and hf.model.layers[0].mamba is not None
+    assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 150), seed=2), atol=1e-5)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parity
+def test_the_hybrid_config_class_and_a_3b_hybrid(tmp_path):
+    """A checkpoint of transformers' GraniteMoeHybridConfig with "mamba" / "attention" layer types (the mixer's head
+    width from mamba_expand) loads with equal logits; a 3B-scale hybrid config (36 Mamba-2 layers, 4 of attention)
+    reads with transformers' parameter count."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.hf import hf_logits, randomize_torch
+
+    torch.manual_seed(0)
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        shared_intermediate_size=48, num_local_experts=0, layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, max_position_embeddings=256)
+    hf = randomize_torch(transformers.GraniteMoeHybridForCausalLM(config).float().eval(), 0)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    assert tuple(ours.cfg.mamba) == (8, 16, 16, 1, 4) and ours.cfg.rope_layers == (0, 0, 0)  # no RoPE by default
+    tokens = random_tokens(101, (2, 40), seed=1)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+    hybrid = {**MICRO, "num_hidden_layers": 40, "hidden_size": 2048, "num_attention_heads": 32,
+               "shared_intermediate_size": 8192, "mamba_n_heads": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+               "mamba_expand": 2, "position_embedding_type": "nope",
+               "layer_types": ["attention" if i in (9, 18, 27, 36) else "mamba" for i in range(40)]}
+    cfg = ModelConfig.from_hf_dict(hybrid)
+    with torch.device("meta"):
+        model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig.from_dict(hybrid))
+    assert cfg.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_scan_against_its_token_recurrence():
+    """`mamba2.ssd` over packed segments (a chunk boundary inside one) and from a carried state equals `ssd_step`
+    token by token."""
+    import jax
+
+    from areal_jax.models.mamba2 import ssd, ssd_step
+
+    rng = np.random.default_rng(0)
+    b, t, h, p, n = 2, 21, 3, 4, 5
+    x, bb, cc = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((b, t, h, p), (b, t, h, n), (b, t, h, n)))
+    dt = jax.nn.softplus(jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32))
+    a = -jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+    seg = jnp.asarray([[1] * 13 + [2] * 8, [3] * 21], jnp.int32)
+    start = jnp.asarray(rng.normal(size=(b, h, p, n)), jnp.float32)
+    got, last = ssd(x, dt, a, bb, cc, seg, chunk=8)
+    with_state, _ = ssd(x, dt, a, bb, cc, state=start, chunk=8)
+    for i in range(b):
+        s, s2, want, want2 = jnp.zeros((1, h, p, n)), start[i:i + 1], [], []
+        for j in range(t):
+            if j and seg[i, j] != seg[i, j - 1]:
+                s = jnp.zeros_like(s)
+            y, s = ssd_step(x[i:i + 1, j], dt[i:i + 1, j], a, bb[i:i + 1, j], cc[i:i + 1, j], s)
+            y2, s2 = ssd_step(x[i:i + 1, j], dt[i:i + 1, j], a, bb[i:i + 1, j], cc[i:i + 1, j], s2)
+            want.append(y[0])
+            want2.append(y2[0])
+        np.testing.assert_allclose(np.asarray(got[i]), np.stack(want), atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(with_state[i]), np.stack(want2), atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(last[i]), np.asarray(s[0]), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_sampler_decodes_as_its_full_forward(page_size):
+    """The dense cache, and pages with the Mamba-2 windows and states as ring rows beside them."""
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    model = random_model(tiny_config("granitemoehybrid", **HYBRID), seed=3)
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=page_size)
+
+
+def test_packed_rows_equal_the_sequences_alone():
+    model = random_model(tiny_config("granitemoehybrid", **HYBRID), seed=2)
+    rng = np.random.default_rng(1)
+    lens = [30, 70, 20]
+    seqs = [rng.integers(0, 97, n) for n in lens]
+    tokens = np.concatenate(seqs + [np.zeros(8, np.int64)])[None]
+    positions = np.concatenate([np.arange(n) for n in lens] + [np.arange(8)])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(8, np.int64)])[None]
+    packed = np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                              jnp.asarray(segments, jnp.int32)))
+    starts = np.cumsum([0] + lens)
+    for i, s in enumerate(seqs):
+        alone = np.asarray(model(jnp.asarray(s[None], jnp.int32)))[0]
+        np.testing.assert_allclose(packed[0, starts[i]:starts[i + 1]], alone, atol=1e-5, rtol=0)
+
+
+def test_the_refusals_name_what_to_change():
+    with pytest.raises(ValueError, match="each attention or mamba"):
+        ModelConfig.from_hf_dict({**MICRO, "num_hidden_layers": 2, "layer_types": ["mamba", "conv"]})
+    with pytest.raises(ValueError, match="a convolution bias and no projection biases"):
+        ModelConfig.from_hf_dict({**MICRO, "layer_types": ["mamba"] * 40, "mamba_conv_bias": False})
+    with pytest.raises(ValueError, match="a clamped time step is not supported"):
+        ModelConfig.from_hf_dict({**MICRO, "layer_types": ["mamba"] * 40, "time_step_limit": [0.0, 0.1]})
+    with pytest.raises(ValueError, match="ModelConfig.mamba makes the linear_attention layers Mamba-2's"):
+        tiny_config("granitemoehybrid", mamba=(4, 32, 16, 2, 4))
     with pytest.raises(ValueError, match="num_local_experts=4: Granite 4.0's experts"):
         ModelConfig.from_hf_dict({**MICRO, "num_local_experts": 4})
     with pytest.raises(ValueError, match="HF Granite 4.0 \\(attention layers only\\) has none of / other: qk_norm"):

@@ -81,7 +81,9 @@ class ModelConfig:
       PhiMoE's picks and weights (`routing.sparsemixer`), router_jitter its relative margin. lm_head_bias: a bias on
       the output logits (PhiMoE).
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
-    mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope). linear: None, or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet.
+    mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope). linear: None,
+      or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet; mamba: or `Mamba2` shapes: theirs
+      are Mamba-2 mixers (models.mamba2).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0.
     moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
@@ -148,6 +150,7 @@ class ModelConfig:
     mla: checks.MLA | None = None
     linear: checks.LinearAttention | None = None
     short_conv: int | None = None
+    mamba: checks.Mamba2 | None = None
     head_gate: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -280,14 +283,14 @@ class ModelConfig:
         return self.architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
     def layer_is_linear(self, i: int) -> bool:
-        """Whether layer i keeps a fixed state per row in place of keys and values: Gated DeltaNet (`linear`) or a
-        short convolution (`short_conv`), rather than attention."""
+        """Whether layer i keeps a fixed state per row in place of keys and values: Gated DeltaNet (`linear`), Mamba-2
+        (`mamba`) or a short convolution (`short_conv`), rather than attention."""
         return self.layer_types is not None and self.layer_types[i] in ("linear_attention", "conv")
 
     @property
     def recurrent(self) -> bool:
         """Whether some layers keep a state per row (`layer_is_linear`) that a padding token must not advance."""
-        return self.linear is not None or self.short_conv is not None
+        return self.linear is not None or self.short_conv is not None or self.mamba is not None
 
     @property
     def sandwich_norms(self) -> bool:
@@ -326,7 +329,7 @@ class ModelConfig:
         kind = "conv" if self.short_conv is not None else "linear_attention"
         return self.replace(num_layers=n, layer_types=(kind,) * n if linear else None, sliding_window=None,
                             moe_layers=moe, linear=self.linear if linear else None,
-                            short_conv=self.short_conv if linear else None)
+                            short_conv=self.short_conv if linear else None, mamba=self.mamba if linear else None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""

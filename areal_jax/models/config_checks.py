@@ -230,13 +230,25 @@ class LinearAttention(NamedTuple):
     beta_scale: float = 1.0
 
 
+class Mamba2(NamedTuple):
+    """A Mamba-2 mixer's shapes (Granite 4.0-H's "linear_attention" layers: `models.mamba2`): `heads` heads of
+    `head_dim`, `groups` groups of B and C of `state` each (heads / groups heads to a group), a convolution of
+    `conv_kernel` taps."""
+    heads: int
+    head_dim: int
+    state: int
+    groups: int = 1
+    conv_kernel: int = 4
+
+
 def check_linear(cfg) -> None:
     """`ModelConfig.linear` made a `LinearAttention` (from a tuple or dict) and checked against layer_types: the
     "linear_attention" layers need it, and it needs at least one of them (`short_conv` likewise with "conv" layers)."""
     _check_short_conv(cfg)
+    _check_mamba(cfg)
     m, types = cfg.linear, cfg.layer_types or ()
     if m is None:
-        if "linear_attention" in types:
+        if "linear_attention" in types and cfg.mamba is None:
             raise ValueError("ModelConfig.layer_types has linear_attention layers but linear is None; set linear="
                              "LinearAttention(key_heads, value_heads, key_dim, value_dim, conv_kernel).")
         return
@@ -277,3 +289,19 @@ def check_head_gate(cfg) -> None:
     if cfg.head_gate and (cfg.mla is not None or cfg.gated_attention):
         raise ValueError("ModelConfig.head_gate (a per-head output gate, LFM3's) is not supported with latent attention "
                          "or Qwen3.5's gated q_proj; set head_gate=False.")
+
+
+def _check_mamba(cfg) -> None:
+    """`ModelConfig.mamba` made a `Mamba2` and checked: its "linear_attention" layers are Mamba-2's (not Gated
+    DeltaNet's), at least one of them."""
+    if cfg.mamba is None:
+        return
+    m = _named(Mamba2, cfg.mamba, "mamba")
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m) or m.heads % m.groups \
+            or m.conv_kernel < 2:
+        raise ValueError(f"ModelConfig.mamba needs positive integers, heads a multiple of groups and conv_kernel >= 2; "
+                         f"got {m}.")
+    if cfg.linear is not None or cfg.short_conv is not None or "linear_attention" not in (cfg.layer_types or ()):
+        raise ValueError("ModelConfig.mamba makes the linear_attention layers Mamba-2's: it needs some, and linear and "
+                         "short_conv None.")
+    object.__setattr__(cfg, "mamba", m)

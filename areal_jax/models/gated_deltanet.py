@@ -154,6 +154,22 @@ def flat_delta_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta
     return jnp.einsum("bhkv,bhk->bhv", state.reshape(b, h, dk, -1), q), state
 
 
+def chunking(t: int, chunk: int) -> tuple[int, int, Callable[..., jax.Array]]:
+    """(chunk size, chunks, chunked) for rows of t tokens in chunks of at most `chunk` (t rounded up to 8 when shorter):
+    chunked(x [B, T, ...], mode) pads the rows (zeros, or "edge": the last value) and returns [N, B, H?, C, ...]
+    (the chunk first; a head axis, where x has one past T, before the chunk's tokens)."""
+    size = min(chunk, max(8, -(-t // 8) * 8))
+    pad = -t % size
+    n = (t + pad) // size
+
+    def chunked(x: jax.Array, mode: str = "constant") -> jax.Array:
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), mode=mode)
+        x = x.reshape(x.shape[0], n, size, *x.shape[2:])
+        return jnp.moveaxis(x, (1, 3), (0, 2)) if x.ndim > 3 else jnp.moveaxis(x, 1, 0)
+
+    return size, n, chunked
+
+
 def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                segment_ids: jax.Array | None = None, state: jax.Array | None = None,
                chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -165,15 +181,8 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     after the last token) in float32."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
-    c = min(chunk, max(8, -(-t // 8) * 8))
-    pad = -t % c
-    n = (t + pad) // c
+    c, n, chunked = chunking(t, chunk)
     seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-
-    def chunked(x: jax.Array, mode: str = "constant") -> jax.Array:  # [B, T, ...] -> [N, B, H?, C, ...]
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), mode=mode)
-        x = x.reshape(b, n, c, *x.shape[2:])
-        return jnp.moveaxis(x, (1, 3), (0, 2)) if x.ndim > 3 else jnp.moveaxis(x, 1, 0)
 
     qs, ks, vs = chunked(q), chunked(k), chunked(v)  # [N, B, H, C, D]
     gs, bs = chunked(g), chunked(beta)  # [N, B, H, C]

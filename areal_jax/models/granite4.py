@@ -1,12 +1,15 @@
-"""Granite 4.0 without Mamba layers (`GraniteMoeHybridForCausalLM` whose layers are all attention: granite-4.0-micro
-and the other attention-only checkpoints): what its config.json means here (`config_from_hf`, `config_to_hf`, `check_hf`).
+"""Granite 4.0 (`GraniteMoeHybridForCausalLM`): its dense checkpoints, attention-only (granite-4.0-micro) or hybrid
+with Mamba-2 layers (`models.mamba2`): what their config.json means here (`config_from_hf`, `config_to_hf`,
+`check_hf`).
 
 Granite 3's layer (its four scalars: the embeddings times embedding_multiplier, each branch's output times
 residual_multiplier, attention scores times attention_multiplier, logits divided by logits_scaling) whose MLP is the
 "shared MLP": gate and up rows fused in shared_mlp.input_linear [2F, D], shared_mlp.output_linear [D, F], of width
-shared_intermediate_size. RoPE only where position_embedding_type is "rope" (none otherwise, as transformers' class).
-The hybrid checkpoints' Mamba-2 layers and experts (granite-4.0-h-*: "mamba" in layer_types, num_local_experts > 0)
-are refused, naming them.
+shared_intermediate_size. layer_types says which layers mix tokens by attention and which by a Mamba-2 mixer
+(mamba_n_heads heads of mamba_d_head, or mamba_expand x hidden_size / heads; mamba_n_groups groups of B and C of
+mamba_d_state; mamba_d_conv taps with a bias; one in_proj giving z, x B C and dt). RoPE only where
+position_embedding_type is "rope" (none otherwise, as transformers' class). Experts (num_local_experts > 0: the
+MoE hybrids granite-4.0-h-tiny / -h-small) are refused, naming them.
 """
 from __future__ import annotations
 
@@ -22,7 +25,30 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_a
                  eos_token_id=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
                  rope_theta=10000.0)  # transformers' GraniteMoeHybridConfig, where a config.json leaves a key out
 SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-_ATTENTION = ("attention", "full_attention")
+_ATTENTION, _MAMBA = ("attention", "full_attention"), ("mamba", "linear_attention")
+_MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+                       mamba_conv_bias=True, mamba_proj_bias=False)
+
+
+def _mamba(d: dict, hidden: int) -> Any:
+    """The Mamba-2 mixers' shapes of a Granite 4.0-H config.json (transformers' defaults where a key is absent)."""
+    from areal_jax.models.config_checks import Mamba2  # noqa: PLC0415
+
+    def get(key: str) -> Any:
+        return d[key] if d.get(key) is not None else _MAMBA_DEFAULTS[key]
+
+    if not get("mamba_conv_bias") or get("mamba_proj_bias"):
+        raise ValueError("Granite 4.0-H's Mamba-2 mixers here have a convolution bias and no projection biases "
+                         "(mamba_conv_bias=true, mamba_proj_bias=false), as its released checkpoints.")
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in d.get("time_step_limit") or ()]
+    if limit and limit != [0.0, float("inf")]:  # (transformers writes infinity as {"__float__": "Infinity"})
+        raise ValueError(f"time_step_limit={limit}: a clamped time step is not supported here (the released "
+                         "checkpoints take (0, inf)).")
+    heads, inner = int(get("mamba_n_heads")), int(get("mamba_expand")) * hidden
+    head_dim = inner // heads if d.get("mamba_d_head") in (None, "auto") else int(d["mamba_d_head"])
+    if head_dim * heads != inner:
+        raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must be mamba_expand x hidden_size={inner}.")
+    return Mamba2(heads, head_dim, int(get("mamba_d_state")), int(get("mamba_n_groups")), int(get("mamba_d_conv")))
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
@@ -33,11 +59,11 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 
     layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
     types = list(d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * layers)
-    mamba = [i for i, t in enumerate(types) if t not in _ATTENTION]
-    if mamba:
-        raise ValueError(f"Granite 4.0-H's Mamba-2 layers ({', '.join(map(str, mamba[:8]))}"
-                         f"{' ...' if len(mamba) > 8 else ''} of layer_types) are not supported here; the Granite 4.0 "
-                         "checkpoints whose layers are all attention (granite-4.0-micro) are.")
+    if len(types) != layers or any(t not in _ATTENTION + _MAMBA for t in types):
+        raise ValueError(f"Granite 4.0's layer_types hold num_hidden_layers={layers} entries, each attention or mamba; "
+                         f"got {types}.")
+    types = ["full_attention" if t in _ATTENTION else "linear_attention" for t in types]
+    mamba = _mamba(d, int(get("hidden_size"))) if "linear_attention" in types else None
     if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias"):
         raise ValueError("Granite 4.0 here has SiLU MLPs and no attention biases; this config.json says "
                          f"hidden_act={d.get('hidden_act')!r}, attention_bias={d.get('attention_bias')!r}.")
@@ -56,6 +82,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                rms_norm_eps=float(get("rms_norm_eps")), tie_word_embeddings=bool(get("tie_word_embeddings")),
                max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+               layer_types=None if mamba is None else tuple(types), mamba=mamba,
                **{k: float(d.get(k, 1.0)) for k in SCALARS}, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -64,12 +91,14 @@ def check_hf(cfg: Any) -> None:
     if cfg.architecture not in HF_CLASSES:
         return
     bad = [k for k, v in dict(attention_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window,
-                              layer_types=cfg.layer_types, rotary_dim=cfg.rotary_dim, rope_scaling=cfg.rope_scaling,
-                              linear=cfg.linear, moe_layers=cfg.moe_layers).items() if v]
+                              rotary_dim=cfg.rotary_dim, rope_scaling=cfg.rope_scaling, linear=cfg.linear,
+                              short_conv=cfg.short_conv, moe_layers=cfg.moe_layers).items() if v]
     if cfg.rope_layers is not None and any(cfg.rope_layers):
         bad.append("rope_layers (every layer rotates or none)")
     if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
         bad.append("head_dim (hidden_size / num_heads)")
+    if cfg.mamba is not None and cfg.mamba.heads * cfg.mamba.head_dim % cfg.hidden_size:
+        bad.append("mamba heads x head_dim other than a multiple of hidden_size (mamba_expand)")
     if bad:
         raise ValueError(f"HF Granite 4.0 (attention layers only) has none of / other: {', '.join(bad)}.")
 
@@ -78,6 +107,12 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Granite 4.0 config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
     common = {k: v for k, v in common.items() if k not in ("head_dim", "intermediate_size")}
-    return hf_dict(common, layer_types=["attention"] * cfg.num_layers, shared_intermediate_size=cfg.intermediate_size,
+    m = cfg.mamba
+    mamba = {} if m is None else dict(mamba_n_heads=m.heads, mamba_d_head=m.head_dim, mamba_d_state=m.state,
+                                      mamba_n_groups=m.groups, mamba_d_conv=m.conv_kernel,
+                                      mamba_expand=m.heads * m.head_dim // cfg.hidden_size, mamba_conv_bias=True,
+                                      mamba_proj_bias=False)
+    types = ["mamba" if cfg.layer_is_linear(i) else "attention" for i in range(cfg.num_layers)]
+    return hf_dict(common, **mamba, layer_types=types, shared_intermediate_size=cfg.intermediate_size,
                    position_embedding_type="nope" if cfg.rope_layers is not None else "rope", attention_bias=False,
                    **{k: getattr(cfg, k) or 1.0 for k in SCALARS}, num_local_experts=0, output_router_logits=False)

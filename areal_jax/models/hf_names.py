@@ -130,6 +130,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         if linear and cfg.short_conv is not None:
             entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
+        elif linear and cfg.mamba is not None:
+            entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))
         elif linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
         for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
@@ -307,4 +309,19 @@ def _conv_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> lis
     grouped = tuple(int(i) for i in interleaved_channels(cfg.hidden_size))
     return [_Entry(path + ("in_proj",), f"{hf}.in_proj.weight", "in_first", channels=grouped),
             _Entry(path + ("conv",), f"{hf}.conv.weight", "conv"),
+            _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]
+
+
+def _mamba_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A Mamba-2 mixer's parameters (models.mamba2): in_proj's rows z, x B C and dt as three of ours."""
+    m = cfg.mamba
+    inner = m.heads * m.head_dim
+    ch = inner + 2 * m.groups * m.state
+    total = inner + ch + m.heads
+    return [_Entry(path + ("in_proj_z",), f"{hf}.in_proj.weight", "in_first", (0, inner, total)),
+            _Entry(path + ("in_proj_xbc",), f"{hf}.in_proj.weight", "in_first", (inner, inner + ch, total)),
+            _Entry(path + ("in_proj_dt",), f"{hf}.in_proj.weight", "in_first", (inner + ch, total, total)),
+            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv"), _Entry(path + ("conv_bias",), f"{hf}.conv1d.bias", "same"),
+            *(_Entry(path + (name,), f"{hf}.{name}", "same") for name in ("dt_bias", "A_log", "D")),
+            _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]

@@ -258,13 +258,14 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False):
         from areal_jax.models.gated_deltanet import GatedDeltaNet  # noqa: PLC0415 (they build on this module)
+        from areal_jax.models.mamba2 import Mamba2Mixer  # noqa: PLC0415
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
         from areal_jax.models.short_conv import ShortConv  # noqa: PLC0415
 
         olmo = cfg.olmo and not linear  # (OLMo Hybrid's Gated DeltaNet layers are pre-norm)
         self.input_norm = None if olmo else make_norm(cfg)
-        mixer = ShortConv if cfg.short_conv is not None else GatedDeltaNet
+        mixer = ShortConv if cfg.short_conv is not None else Mamba2Mixer if cfg.mamba is not None else GatedDeltaNet
         self.linear_attn = mixer(cfg, rngs=rngs) if linear else None
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = make_norm(cfg)

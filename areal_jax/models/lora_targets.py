@@ -221,6 +221,8 @@ def linear_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
     (OLMo Hybrid's with q, k, v apart: `SPLIT_LINEAR`)."""
     if model_cfg.short_conv is not None:
         return CONV
+    if model_cfg.mamba is not None:  # (LoRA does not adapt Mamba-2 mixers here)
+        return ()
     return SPLIT_LINEAR if model_cfg.architecture == "olmo_hybrid" else LINEAR
 
 

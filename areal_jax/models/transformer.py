@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import short_conv
+from areal_jax.models import mamba2, short_conv
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.gated_deltanet import StateCache, state_buffers
@@ -112,7 +112,8 @@ def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> 
     if not cfg.recurrent:  # (its own branch: the buffers keep the order, and programs the lowering, of before)
         return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
                        v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
-    buffers = short_conv.state_buffers if cfg.short_conv is not None else state_buffers
+    buffers = short_conv.state_buffers if cfg.short_conv is not None else mamba2.state_buffers if cfg.mamba is not None \
+        else state_buffers
     pairs = [buffers(cfg, rows) if cfg.layer_is_linear(i) else
              (jnp.zeros((rows, n, heads, k_dim), dtype), jnp.zeros((rows, n, heads, v_dim), dtype))
              for i, n in enumerate(lengths)]

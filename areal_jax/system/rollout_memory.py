@@ -13,6 +13,7 @@ from flax import nnx
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.flat_params import cast_shapes
 from areal_jax.models.gated_deltanet import state_bytes
+from areal_jax.models.mamba2 import state_bytes as mamba_state_bytes
 from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
 from areal_jax.models.short_conv import state_bytes as conv_state_bytes
@@ -79,7 +80,8 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
     layer_position = kv_position_bytes(cfg, tensor, layers=1)
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # a fixed state per row
-    row_states = linear * (conv_state_bytes(cfg) if cfg.short_conv is not None else state_bytes(cfg) if linear else 0)
+    row_states = linear * (conv_state_bytes(cfg) if cfg.short_conv is not None else mamba_state_bytes(cfg)
+                           if cfg.mamba is not None else state_bytes(cfg) if linear else 0)
     full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings) - linear)
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full

@@ -1,0 +1,154 @@
+"""The Mamba-2 mixer (arXiv 2405.21060) of Granite 4.0-H's layers: a state space layer with one scalar decay per head.
+
+A layer projects each token to a gate z, the convolved channels x (heads of `head_dim`), B and C (`groups` groups of
+`state` each, a group serving heads / groups heads) and a time step dt per head; per head it keeps S [head_dim, state]:
+
+    dt = softplus(dt + dt_bias);   S <- exp(dt A) S + dt x B^T;   y = S C + D x
+
+with A = -exp(A_log); x, B and C first pass a causal depthwise convolution (with a bias) and SiLU. The output is
+RMS-normalised in `groups` groups after the gate (y silu(z)), scaled, and projected back.
+
+`ssd` computes it over whole rows in chunks (within a chunk the scores (C_i . B_j) times the decay between j and i;
+between chunks a scan carrying S), packed rows' segments each from a zero state; `ssd_step` is one token's update.
+In a KV-cache forward a layer's cache entries are its convolution window, k [B, conv_kernel - 1, channels, 1], and its
+state, v [B, 1, heads * head_dim, state] float32 (`state_buffers`); a token at a negative position (padding) leaves
+both unchanged (its dt is zero: no decay, no write).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config_checks import Mamba2  # noqa: F401 (its shapes: ModelConfig.mamba)
+from areal_jax.models.gated_deltanet import Segments, StateCache, chunking, segment_conv, window_conv
+from areal_jax.models.layers import make_param, project
+
+CHUNK = 64
+
+
+def channels(cfg) -> int:
+    """The convolved channels: x (heads * head_dim), then B and C (groups * state each)."""
+    m = cfg.mamba
+    return m.heads * m.head_dim + 2 * m.groups * m.state
+
+
+def state_buffers(cfg, rows: int) -> tuple[jax.Array, jax.Array]:
+    """A Mamba-2 layer's zero cache entries for `rows` rows: (window [rows, conv_kernel - 1, channels, 1], state
+    [rows, 1, heads * head_dim, state]), both float32."""
+    m = cfg.mamba
+    return (jnp.zeros((rows, m.conv_kernel - 1, channels(cfg), 1), jnp.float32),
+            jnp.zeros((rows, 1, m.heads * m.head_dim, m.state), jnp.float32))
+
+
+def state_bytes(cfg) -> int:
+    """Bytes of one row's `state_buffers` in one Mamba-2 layer."""
+    m = cfg.mamba
+    return 4 * ((m.conv_kernel - 1) * channels(cfg) + m.heads * m.head_dim * m.state)
+
+
+def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, segment_ids: jax.Array | None = None,
+        state: jax.Array | None = None, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """The scan over whole rows, chunk by chunk. x [B, T, H, P]; dt [B, T, H] (after softplus; 0 leaves the state as
+    it is); a [H] (negative); b, c [B, T, H, N] (each head's group's); segment_ids [B, T] (contiguous segments, each
+    from a zero state; None: one per row); state [B, H, P, N] before the first token (None: zeros). Returns (y
+    [B, T, H, P] without D's skip, the state after the last token), float32."""
+    bsz, t, h, p = x.shape
+    n = b.shape[-1]
+    size, chunks, chunked = chunking(t, chunk)
+    seg = jnp.ones((bsz, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+    v = x * dt[..., None]
+    vs, bs, cs = chunked(v), chunked(b), chunked(c)  # [N, B, H, C, P | N]
+    cum = jnp.cumsum(chunked(dt * a), axis=-1)  # [N, B, H, C]: log decay from the chunk's start
+    segs = chunked(seg, "edge")  # [N, B, C]: padding continues the last segment
+    lower = np.tril(np.ones((size, size), bool))
+    same = ((segs[..., :, None] == segs[..., None, :]) & lower)[:, :, None]  # [N, B, 1, C, C]
+    decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    scores = jnp.einsum("kbhis,kbhjs->kbhij", cs, bs) * decay  # (k: the chunk, s: the state)
+    c_decayed = cs * jnp.exp(cum)[..., None]
+    last = segs[..., -1:]  # [N, B, 1]
+    b_to_end = bs * jnp.where((segs == last)[:, :, None], jnp.exp(cum[..., -1:] - cum), 0)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [N, B, H]
+    firsts = jnp.concatenate([seg[:, :1][None], segs[:-1, :, -1:]], axis=0)  # the segment each chunk continues
+
+    def step(s: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
+        v_n, cd_n, sc_n, bend_n, dec_n, seg_n, before, last_n = xs
+        cont = (seg_n == before)[:, None, :, None].astype(jnp.float32)  # [B, 1, C, 1]: the token reads the state
+        y = cont * jnp.einsum("bhcn,bhpn->bhcp", cd_n, s) + jnp.einsum("bhij,bhjp->bhip", sc_n, v_n)
+        keep = (last_n == before)[:, :, None, None].astype(jnp.float32)  # [B, 1, 1, 1]: one segment throughout
+        s = s * (dec_n[..., None, None] * keep) + jnp.einsum("bhcp,bhcn->bhpn", v_n, bend_n)
+        return s, y
+
+    s0 = jnp.zeros((bsz, h, p, n), jnp.float32) if state is None else state.astype(jnp.float32)
+    s, out = jax.lax.scan(step, s0, (vs, c_decayed, scores, b_to_end, chunk_decay, segs, firsts, last))
+    return jnp.moveaxis(out, (0, 2), (1, 3)).reshape(bsz, chunks * size, h, p)[:, :t], s
+
+
+def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
+             state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row: x [B, H, P], dt [B, H], a [H], b, c [B, H, N], state [B, H, P, N] (float32) -> (y [B, H, P]
+    without D's skip, the new state). The recurrence as written."""
+    state = state * jnp.exp(dt * a)[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None, :]
+    return jnp.einsum("bhpn,bhn->bhp", state, c), state
+
+
+class Mamba2Mixer(nnx.Module):
+    """Granite 4.0-H's Mamba-2 mixer: in_proj_z [D, H * P], in_proj_xbc [D, channels], in_proj_dt [D, H] (one in_proj
+    on disk), conv [K, channels] and conv_bias [channels], dt_bias, A_log and D [H], the gated norm's scale [H * P]
+    and out_proj [H * P, D]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        m, d, pdt = cfg.mamba, cfg.hidden_size, cfg.param_dtype
+        inner, ch = m.heads * m.head_dim, channels(cfg)
+        self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
+        self.in_proj_z = make_param(rngs, (d, inner), ("embed", None), pdt)
+        self.in_proj_xbc = make_param(rngs, (d, ch), ("embed", None), pdt)
+        self.in_proj_dt = make_param(rngs, (d, m.heads), ("embed", None), pdt)
+        self.conv = make_param(rngs, (m.conv_kernel, ch), (None, None), pdt, std=0.5)
+        self.conv_bias = make_param(rngs, (ch,), (None,), pdt, init="zeros")
+        self.dt_bias = make_param(None, (m.heads,), (None,), pdt, init="ones")
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, m.heads + 1, dtype=jnp.float32)).astype(pdt), out_sharding=(None,),
+                               eager_sharding=False)
+        self.D = make_param(None, (m.heads,), (None,), pdt, init="ones")
+        self.norm_scale = make_param(None, (inner,), ("norm",), pdt, init="ones")
+        self.out_proj = make_param(rngs, (inner, d), (None, "embed"), pdt)
+
+    def __call__(self, x: jax.Array, context: Segments | StateCache) -> jax.Array:
+        """x [B, T, D] (the layer's normed input) -> [B, T, D] in the compute dtype."""
+        m, dt_ = self.shape, self.dtype
+        bsz, t, _ = x.shape
+        h, p, g, n = m.heads, m.head_dim, m.groups, m.state
+        z = project(x, self.in_proj_z, dt_)
+        xbc = project(x, self.in_proj_xbc, dt_)
+        dt = project(x, self.in_proj_dt, dt_).astype(jnp.float32)
+        w = self.conv[...].astype(dt_)
+        if isinstance(context, Segments):
+            xbc, valid = segment_conv(xbc, w, context.segment_ids), None
+        else:
+            valid = context.valid
+            xbc, window = window_conv(xbc, w, context.window[..., 0], valid)
+        xbc = jax.nn.silu(xbc + self.conv_bias[...].astype(dt_))
+        xs = xbc[..., :h * p].reshape(bsz, t, h, p).astype(jnp.float32)
+        groups = xbc[..., h * p:].reshape(bsz, t, 2, g, n).astype(jnp.float32)
+        b, c = (jnp.repeat(groups[:, :, j], h // g, axis=2) for j in range(2))  # [B, T, H, N]: each head's group's
+        dt = jax.nn.softplus(dt + self.dt_bias[...].astype(jnp.float32))
+        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        if valid is None:
+            y, _ = ssd(xs, dt, a, b, c, context.segment_ids)
+        else:
+            dt = jnp.where(valid[..., None], dt, 0.0)
+            state = context.state.reshape(bsz, h, p, n)
+            if t == 1:
+                y, state = ssd_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], state)
+                y = y[:, None]
+            else:
+                y, state = ssd(xs, dt, a, b, c, state=state)
+            context.store(window[..., None].astype(context.window.dtype), state.reshape(context.state.shape))
+        y = (y + xs * self.D[...].astype(jnp.float32)[:, None]).reshape(bsz, t, h * p).astype(dt_)
+        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))  # the gate before the norm
+        grouped = gated.reshape(bsz, t, g, -1)
+        normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
+        out = (normed.reshape(bsz, t, h * p) * self.norm_scale[...].astype(jnp.float32)).astype(dt_)
+        return project(out, self.out_proj, dt_)
