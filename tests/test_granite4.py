@@ -1,6 +1,8 @@
-"""Granite 4.0 with attention layers only (GraniteMoeHybridForCausalLM: granite-4.0-micro) against HF transformers (PyTorch, float32): logits with RoPE and without, round trips, a checkpoint of transformers' own config
-class, the granite-4.0-micro config's parameter count, and the refusal of the hybrid checkpoints' Mamba-2 layers and
-experts."""
+"""Granite 4.0 (GraniteMoeHybridForCausalLM: granite-4.0-micro, the hybrids with Mamba-2 layers, dense or with experts)
+against HF transformers (PyTorch, float32): logits with RoPE and without, with Mamba-2 layers over several chunks,
+round trips, checkpoints of transformers' own config class, parameter counts (granite-4.0-micro's config, a 3B
+hybrid's), the Mamba-2 scan against its token recurrence (segments, a carried state), the sampler's decode against
+full forwards, packed rows, PEFT adapters over the experts, and the refusals."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from areal_jax.testing.models import random_model, tiny_config
 
 HYBRID = dict(num_layers=4, mamba=(4, 32, 16, 2, 4),
               layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"))
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, shared_expert_size=96,
+           shared_expert_gated=False)  # Granite 3 MoE's experts beside the shared MLP (of intermediate_size)
 
 # granite-4.0-micro's config.json, as released (its keys of interest)
 MICRO = {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 2560,
@@ -71,12 +75,14 @@ def test_its_config_class_and_the_micro_config(tmp_path):
 
 
 @pytest.mark.parity
-def test_mamba2_layers_match_transformers_and_round_trip(tmp_path):
-    """Mamba-2 layers (4 heads of 32, 2 groups of B and C of 16, 4 taps with a bias) between attention ones: logits
-    over 150 tokens (three chunks of the scan), round trips both ways, the parameter count."""
+@pytest.mark.parametrize("experts", [False, True])
+def test_mamba2_layers_match_transformers_and_round_trip(tmp_path, experts):
+    """Mamba-2 layers (4 heads of 32, 2 groups of B and C of 16, 4 taps with a bias) between attention ones, with a
+    dense MLP or with experts beside the shared MLP (granite-4.0-h-tiny's form): logits over 150 tokens (three chunks
+    of the scan), round trips both ways, the parameter count."""
     pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
-    cfg = tiny_config("granitemoehybrid", **HYBRID)
+    cfg = tiny_config("granitemoehybrid", **HYBRID, **(MOE if experts else {}))
     hf = hf_model_of(cfg, seed=1)
     assert hf.config.layer_types[0] == "linear_attention" and hf.model.layers[0].mamba is not None
     assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 150), seed=2), atol=1e-5)
@@ -144,12 +150,12 @@ def test_the_scan_against_its_token_recurrence():
         np.testing.assert_allclose(np.asarray(last[i]), np.asarray(s[0]), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("page_size", [None, 8])
-def test_sampler_decodes_as_its_full_forward(page_size):
-    """The dense cache, and pages with the Mamba-2 windows and states as ring rows beside them."""
+@pytest.mark.parametrize("page_size,experts", [(None, False), (8, False), (8, True)])
+def test_sampler_decodes_as_its_full_forward(page_size, experts):
+    """The dense cache, and pages with the Mamba-2 windows and states as ring rows beside them (with experts too)."""
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
-    model = random_model(tiny_config("granitemoehybrid", **HYBRID), seed=3)
+    model = random_model(tiny_config("granitemoehybrid", **HYBRID, **(MOE if experts else {})), seed=3)
     assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
                                          page_size=page_size)
 
@@ -170,6 +176,43 @@ def test_packed_rows_equal_the_sequences_alone():
         np.testing.assert_allclose(packed[0, starts[i]:starts[i + 1]], alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parity
+def test_peft_adapters_of_a_hybrid_with_experts(tmp_path):
+    """Adapters on attention and the experts of a Mamba-2 hybrid with experts: peft applies them with our logits; the
+    shared MLP's (gate and up fused in input_linear beside the experts) are refused by name."""
+    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
+    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
+    import jax
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint, lora
+    from areal_jax.models.peft_io import save_peft_adapter
+    from areal_jax.testing.models import write_random_hf_checkpoint
+
+    base = str(tmp_path / "base")
+    write_random_hf_checkpoint(base, tiny_config("granitemoehybrid", **HYBRID, **MOE), seed=0)
+    model = load_hf_checkpoint(base)
+    lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets="attn,experts")
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
+            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    tokens = random_tokens(97, (2, 24), seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+        got = peft.PeftModel.from_pretrained(hf, out).eval()(torch.tensor(np.asarray(tokens))).logits.numpy()
+    want = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(want - plain).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    shared = load_hf_checkpoint(base)
+    lora.apply_lora(shared, lora.LoRAConfig(rank=4, targets="shared"), rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="Granite 4.0's shared MLP beside its experts"):
+        save_peft_adapter(shared, lora.LoRAConfig(rank=4, targets="shared"), tmp_path / "refused")
+
+
 def test_the_refusals_name_what_to_change():
     with pytest.raises(ValueError, match="each attention or mamba"):
         ModelConfig.from_hf_dict({**MICRO, "num_hidden_layers": 2, "layer_types": ["mamba", "conv"]})
@@ -179,7 +222,7 @@ def test_the_refusals_name_what_to_change():
         ModelConfig.from_hf_dict({**MICRO, "layer_types": ["mamba"] * 40, "time_step_limit": [0.0, 0.1]})
     with pytest.raises(ValueError, match="ModelConfig.mamba makes the linear_attention layers Mamba-2's"):
         tiny_config("granitemoehybrid", mamba=(4, 32, 16, 2, 4))
-    with pytest.raises(ValueError, match="num_local_experts=4: Granite 4.0's experts"):
-        ModelConfig.from_hf_dict({**MICRO, "num_local_experts": 4})
+    with pytest.raises(ValueError, match="experts other than Granite's"):
+        tiny_config("granitemoehybrid", **HYBRID, **{**MOE, "shared_expert_size": 40}).to_hf_dict()
     with pytest.raises(ValueError, match="HF Granite 4.0 \\(attention layers only\\) has none of / other: qk_norm"):
         tiny_config("granitemoehybrid", qk_norm=True).to_hf_dict()

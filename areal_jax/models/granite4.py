@@ -1,6 +1,6 @@
-"""Granite 4.0 (`GraniteMoeHybridForCausalLM`): its dense checkpoints, attention-only (granite-4.0-micro) or hybrid
-with Mamba-2 layers (`models.mamba2`): what their config.json means here (`config_from_hf`, `config_to_hf`,
-`check_hf`).
+"""Granite 4.0 (`GraniteMoeHybridForCausalLM`): attention-only (granite-4.0-micro) or hybrid with Mamba-2 layers
+(`models.mamba2`), dense or with experts (granite-4.0-h-tiny / -h-small): what their config.json means here
+(`config_from_hf`, `config_to_hf`, `check_hf`).
 
 Granite 3's layer (its four scalars: the embeddings times embedding_multiplier, each branch's output times
 residual_multiplier, attention scores times attention_multiplier, logits divided by logits_scaling) whose MLP is the
@@ -8,8 +8,9 @@ residual_multiplier, attention scores times attention_multiplier, logits divided
 shared_intermediate_size. layer_types says which layers mix tokens by attention and which by a Mamba-2 mixer
 (mamba_n_heads heads of mamba_d_head, or mamba_expand x hidden_size / heads; mamba_n_groups groups of B and C of
 mamba_d_state; mamba_d_conv taps with a bias; one in_proj giving z, x B C and dt). RoPE only where
-position_embedding_type is "rope" (none otherwise, as transformers' class). Experts (num_local_experts > 0: the
-MoE hybrids granite-4.0-h-tiny / -h-small) are refused, naming them.
+position_embedding_type is "rope" (none otherwise, as transformers' class). With experts (num_local_experts > 0:
+granite-4.0-h-tiny / -h-small) the feed-forward is Granite 3 MoE's experts (block_sparse_moe: the top-k router
+logits' softmax, experts of intermediate_size) plus the shared MLP, ungated.
 """
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     rope = d.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"Granite 4.0's rope_parameters {rope}: only the default RoPE is supported here.")
-    if int(get("num_local_experts") or 0):
-        raise ValueError(f"num_local_experts={get('num_local_experts')}: Granite 4.0's experts (its -H checkpoints') are "
-                         "not supported here; the dense Granite 4.0 (num_local_experts 0: granite-4.0-micro) is.")
-    width, eos = int(get("shared_intermediate_size")), get("eos_token_id")
+    width, eos, experts = int(get("shared_intermediate_size")), get("eos_token_id"), int(get("num_local_experts") or 0)
+    moe = dict(num_experts=experts, num_experts_per_tok=int(get("num_experts_per_tok")), norm_topk_prob=True,
+               moe_intermediate_size=int(d.get("intermediate_size") or 11008), shared_expert_size=width,
+               shared_expert_gated=False) if experts else {}
     return cls(architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
                intermediate_size=width, num_layers=layers, num_heads=heads,
                num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(get("hidden_size")) // heads,
@@ -83,7 +84,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
                layer_types=None if mamba is None else tuple(types), mamba=mamba,
-               **{k: float(d.get(k, 1.0)) for k in SCALARS}, dtype=dtype, param_dtype=param_dtype)
+               **{k: float(d.get(k, 1.0)) for k in SCALARS}, **moe, dtype=dtype, param_dtype=param_dtype)
 
 
 def check_hf(cfg: Any) -> None:
@@ -97,6 +98,9 @@ def check_hf(cfg: Any) -> None:
         bad.append("rope_layers (every layer rotates or none)")
     if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
         bad.append("head_dim (hidden_size / num_heads)")
+    if cfg.num_experts and (cfg.shared_expert_gated or cfg.shared_expert_size != cfg.intermediate_size
+                            or not cfg.norm_topk_prob):
+        bad.append("experts other than Granite's (renormalised top-k) beside an ungated shared MLP of intermediate_size")
     if cfg.mamba is not None and cfg.mamba.heads * cfg.mamba.head_dim % cfg.hidden_size:
         bad.append("mamba heads x head_dim other than a multiple of hidden_size (mamba_expand)")
     if bad:
@@ -113,6 +117,8 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
                                       mamba_expand=m.heads * m.head_dim // cfg.hidden_size, mamba_conv_bias=True,
                                       mamba_proj_bias=False)
     types = ["mamba" if cfg.layer_is_linear(i) else "attention" for i in range(cfg.num_layers)]
+    experts = dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.expert_size) if cfg.num_experts else dict(num_local_experts=0)
     return hf_dict(common, **mamba, layer_types=types, shared_intermediate_size=cfg.intermediate_size,
                    position_embedding_type="nope" if cfg.rope_layers is not None else "rope", attention_bias=False,
-                   **{k: getattr(cfg, k) or 1.0 for k in SCALARS}, num_local_experts=0, output_router_logits=False)
+                   **{k: getattr(cfg, k) or 1.0 for k in SCALARS}, **experts, output_router_logits=False)

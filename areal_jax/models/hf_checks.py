@@ -47,7 +47,8 @@ def check_loadable(cfg: Any) -> None:
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
     if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next",
-                                                                       "exaone_moe", "hunyuan_v1_moe", *deepseek.HF_CLASSES):
+                                                                       "exaone_moe", "hunyuan_v1_moe", "granitemoehybrid",
+                                                                       *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:
         raise ValueError(f"HF {cfg.architecture} has experts in every layer; set moe_layers=None.")

@@ -205,12 +205,13 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                          interleave=(j, 2)) for suffix in ("", "_bias") for j, part in enumerate(("gate", "up"))),
                 _Entry(path + ("experts_down",), f"{base}.experts.down_proj", "same"),
                 _Entry(path + ("experts_down_bias",), f"{base}.experts.down_proj_bias", "same")]
-    if cfg.architecture == "granitemoe":
+    if cfg.architecture in ("granitemoe", "granitemoehybrid"):
         base, f = f"{hf}.block_sparse_moe", cfg.expert_size
         return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
                 _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
                 _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
-                _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last")]
+                _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last"),
+                *_shared_entries(cfg, path, base)]
     if cfg.architecture in ("mixtral", "minimax_m2", "phimoe"):
         base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
@@ -235,6 +236,11 @@ def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) ->
     if not cfg.shared_expert_size:
         return []
     shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
+    if cfg.architecture == "granitemoehybrid":  # Granite 4.0's shared MLP beside the experts: gate and up fused
+        w, mlp = cfg.shared_expert_size, base.removesuffix("block_sparse_moe") + "shared_mlp"
+        return [_Entry(shared + ("gate_proj",), f"{mlp}.input_linear.weight", "in_first", (0, w, 2 * w)),
+                _Entry(shared + ("up_proj",), f"{mlp}.input_linear.weight", "in_first", (w, 2 * w, 2 * w)),
+                _Entry(shared + ("down_proj",), f"{mlp}.output_linear.weight", "out_last")]
     if cfg.architecture == "hunyuan_v1_moe":  # Hunyuan MoE's shared MLP
         name = "shared_mlp"
     out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),

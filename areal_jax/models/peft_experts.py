@@ -33,7 +33,8 @@ PARAMS = {"gate_up_proj": ("experts_gate", "experts_up"), "down_proj": ("experts
 def experts_module(model_or_cfg: Any, layer: int) -> str:
     """transformers' module path of layer `layer`'s experts."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
-    block = {"granitemoe": "block_sparse_moe", "lfm2_moe": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
+    block = {"granitemoe": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
+             "lfm2_moe": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
     return f"model.layers.{layer}.{block}.experts"
 
 

@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save_file
 
 from areal_jax.models import lfm2
 from areal_jax.models.hf_names import weight_entries
-from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection, module_at
+from areal_jax.models.lora import PROJECTIONS, SHARED, LoRAConfig, LoRAProjection, module_at
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 from areal_jax.models.wrapped_export import wrapper_type
 
@@ -55,6 +55,12 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
     dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
                         if PROJECTIONS[short][0].startswith("mlp")})
+    shared = sorted({f"layers.{i}.mlp.shared_expert" for i, short, _ in out if short in SHARED})
+    if shared and getattr(model.cfg, "architecture", None) == "granitemoehybrid":
+        raise ValueError(f"Granite 4.0's shared MLP beside its experts ({', '.join(shared[:4])}"
+                         f"{' ...' if len(shared) > 4 else ''}) fuses gate and up in one input_linear, which this PEFT "
+                         "export does not write for it; export the merged checkpoint (export --format=hf), or adapt "
+                         "attention and experts only (lora.targets=attn,experts).")
     if dense_mlp and getattr(model.cfg, "architecture", None) in _EXPERT_NAMED_MLP:
         raise ValueError(f"PEFT (on transformers 5) reads a target ending in gate_proj / up_proj / down_proj of a "
                          f"{model.cfg.architecture} model as its experts' parameters, so the adapters of its dense "
