@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from areal_jax.models import (
     arcee,
+    bamba,
     deepseek,
     ernie,
     exaone,
@@ -20,4 +21,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4)
+               lfm3, olmo_hybrid, granite4, bamba)

@@ -19,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.hf_family import hf_dict
+from areal_jax.models.mamba2 import hf_keys, shapes_from_hf
 
 HF_CLASSES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -27,31 +28,6 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_a
                  rope_theta=10000.0)  # transformers' GraniteMoeHybridConfig, where a config.json leaves a key out
 SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _ATTENTION, _MAMBA = ("attention", "full_attention"), ("mamba", "linear_attention")
-_MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
-                       mamba_conv_bias=True, mamba_proj_bias=False)
-
-
-def _mamba(d: dict, hidden: int) -> Any:
-    """The Mamba-2 mixers' shapes of a Granite 4.0-H config.json (transformers' defaults where a key is absent)."""
-    from areal_jax.models.config_checks import Mamba2  # noqa: PLC0415
-
-    def get(key: str) -> Any:
-        return d[key] if d.get(key) is not None else _MAMBA_DEFAULTS[key]
-
-    if not get("mamba_conv_bias") or get("mamba_proj_bias"):
-        raise ValueError("Granite 4.0-H's Mamba-2 mixers here have a convolution bias and no projection biases "
-                         "(mamba_conv_bias=true, mamba_proj_bias=false), as its released checkpoints.")
-    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in d.get("time_step_limit") or ()]
-    if limit and limit != [0.0, float("inf")]:  # (transformers writes infinity as {"__float__": "Infinity"})
-        raise ValueError(f"time_step_limit={limit}: a clamped time step is not supported here (the released "
-                         "checkpoints take (0, inf)).")
-    heads, inner = int(get("mamba_n_heads")), int(get("mamba_expand")) * hidden
-    head_dim = inner // heads if d.get("mamba_d_head") in (None, "auto") else int(d["mamba_d_head"])
-    if head_dim * heads != inner:
-        raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must be mamba_expand x hidden_size={inner}.")
-    return Mamba2(heads, head_dim, int(get("mamba_d_state")), int(get("mamba_n_groups")), int(get("mamba_d_conv")))
-
-
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an attention-only Granite 4.0 config.json (transformers' defaults where a key is absent)."""
@@ -64,7 +40,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         raise ValueError(f"Granite 4.0's layer_types hold num_hidden_layers={layers} entries, each attention or mamba; "
                          f"got {types}.")
     types = ["full_attention" if t in _ATTENTION else "linear_attention" for t in types]
-    mamba = _mamba(d, int(get("hidden_size"))) if "linear_attention" in types else None
+    mamba = shapes_from_hf(d, int(get("hidden_size"))) if "linear_attention" in types else None
     if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias"):
         raise ValueError("Granite 4.0 here has SiLU MLPs and no attention biases; this config.json says "
                          f"hidden_act={d.get('hidden_act')!r}, attention_bias={d.get('attention_bias')!r}.")
@@ -111,11 +87,7 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Granite 4.0 config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
     common = {k: v for k, v in common.items() if k not in ("head_dim", "intermediate_size")}
-    m = cfg.mamba
-    mamba = {} if m is None else dict(mamba_n_heads=m.heads, mamba_d_head=m.head_dim, mamba_d_state=m.state,
-                                      mamba_n_groups=m.groups, mamba_d_conv=m.conv_kernel,
-                                      mamba_expand=m.heads * m.head_dim // cfg.hidden_size, mamba_conv_bias=True,
-                                      mamba_proj_bias=False)
+    mamba = {} if cfg.mamba is None else hf_keys(cfg)
     types = ["mamba" if cfg.layer_is_linear(i) else "attention" for i in range(cfg.num_layers)]
     experts = dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    intermediate_size=cfg.expert_size) if cfg.num_experts else dict(num_local_experts=0)

@@ -62,7 +62,8 @@ def check_loadable(cfg: Any) -> None:
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's and Granite 4.0's; HF "
                          f"{cfg.architecture} rotates in every layer.")
-    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", *qwen3_5.HF_CLASSES):
+    if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "bamba",
+                                                               *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):

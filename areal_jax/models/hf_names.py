@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import arcee, hunyuan, lfm2
+from areal_jax.models import arcee, bamba, hunyuan, lfm2
 from areal_jax.models.config import ModelConfig
 
 
@@ -131,7 +131,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         if linear and cfg.short_conv is not None:
             entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
         elif linear and cfg.mamba is not None:
-            entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))
+            entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Bamba's renamed below)
         elif linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
         for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
@@ -183,6 +183,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(("lm_head_bias",), "lm_head.bias", "same"))
     if cfg.architecture in lfm2.RENAMED:  # the same tensors under LFM2's (LFM3's) names
         entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
+    elif cfg.architecture == "bamba":  # and Bamba's
+        entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
     return entries
 
 

@@ -16,16 +16,52 @@ both unchanged (its dt is zero: no decay, no write).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.config_checks import Mamba2  # noqa: F401 (its shapes: ModelConfig.mamba)
+from areal_jax.models.config_checks import Mamba2
 from areal_jax.models.gated_deltanet import Segments, StateCache, chunking, segment_conv, window_conv
 from areal_jax.models.layers import make_param, project
 
 CHUNK = 64
+
+
+_MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+                       mamba_conv_bias=True, mamba_proj_bias=False)
+
+
+def shapes_from_hf(d: dict, hidden: int) -> Mamba2:
+    """The Mamba-2 mixers' shapes of a config.json's mamba_* keys (Granite 4.0-H's, Bamba's; transformers' defaults
+    where a key is absent); a mixer this module does not compute (no convolution bias, projection biases, a clamped
+    time step) is refused."""
+
+    def get(key: str) -> Any:
+        return d[key] if d.get(key) is not None else _MAMBA_DEFAULTS[key]
+
+    if not get("mamba_conv_bias") or get("mamba_proj_bias"):
+        raise ValueError("The Mamba-2 mixers here have a convolution bias and no projection biases "
+                         "(mamba_conv_bias=true, mamba_proj_bias=false), as the released checkpoints have.")
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in d.get("time_step_limit") or ()]
+    if limit and limit != [0.0, float("inf")]:  # (transformers writes infinity as {"__float__": "Infinity"})
+        raise ValueError(f"time_step_limit={limit}: a clamped time step is not supported here (the released "
+                         "checkpoints take (0, inf)).")
+    heads, inner = int(get("mamba_n_heads")), int(get("mamba_expand")) * hidden
+    head_dim = inner // heads if d.get("mamba_d_head") in (None, "auto") else int(d["mamba_d_head"])
+    if head_dim * heads != inner:
+        raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must be mamba_expand x hidden_size={inner}.")
+    return Mamba2(heads, head_dim, int(get("mamba_d_state")), int(get("mamba_n_groups")), int(get("mamba_d_conv")))
+
+
+def hf_keys(cfg) -> dict:
+    """The config.json's mamba_* keys of `cfg.mamba`."""
+    m = cfg.mamba
+    return dict(mamba_n_heads=m.heads, mamba_d_head=m.head_dim, mamba_d_state=m.state, mamba_n_groups=m.groups,
+                mamba_d_conv=m.conv_kernel, mamba_expand=m.heads * m.head_dim // cfg.hidden_size, mamba_conv_bias=True,
+                mamba_proj_bias=False)
 
 
 def channels(cfg) -> int:

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models import lfm2
+from areal_jax.models import bamba, lfm2
 from areal_jax.models.hf_names import weight_entries
 from areal_jax.models.lora import PROJECTIONS, SHARED, LoRAConfig, LoRAProjection, module_at
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
@@ -112,6 +112,8 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
         return f"model.layers.{layer}.shared_mlp.{fused or 'output_linear'}"
     if part == "linear_attn" and getattr(cfg, "architecture", None) == "olmo_hybrid":  # its Gated DeltaNet's names
         return f"model.layers.{layer}.linear_attn.{_OLMO_HYBRID[attr]}"
+    if getattr(cfg, "architecture", None) == "bamba":  # its MLP is feed_forward
+        return bamba.hf_name(f"{name}.weight").removesuffix(".weight")
     if getattr(cfg, "architecture", None) in lfm2.RENAMED:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
         return lfm2.hf_name(f"{name}.weight", cfg.architecture, disk=False).removesuffix(".weight")
     return name
