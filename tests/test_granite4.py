@@ -163,11 +163,11 @@ def test_sampler_decodes_as_its_full_forward(page_size, experts):
 def test_packed_rows_equal_the_sequences_alone():
     model = random_model(tiny_config("granitemoehybrid", **HYBRID), seed=2)
     rng = np.random.default_rng(1)
-    lens = [30, 70, 20]
+    lens = [21, 70]  # the second segment starts inside the first chunk of 64 and runs past it
     seqs = [rng.integers(0, 97, n) for n in lens]
-    tokens = np.concatenate(seqs + [np.zeros(8, np.int64)])[None]
-    positions = np.concatenate([np.arange(n) for n in lens] + [np.arange(8)])[None]
-    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(8, np.int64)])[None]
+    tokens = np.concatenate(seqs + [np.zeros(5, np.int64)])[None]
+    positions = np.concatenate([np.arange(n) for n in lens] + [np.arange(5)])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(5, np.int64)])[None]
     packed = np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
                               jnp.asarray(segments, jnp.int32)))
     starts = np.cumsum([0] + lens)
