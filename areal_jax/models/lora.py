@@ -36,6 +36,7 @@ from areal_jax.models.lora_targets import (  # noqa: F401 (re-exported: what LoR
     EXPERTS,
     GROUPS,
     LINEAR,
+    MAMBA,
     PROJECTIONS,
     SHARED,
     SPLIT_LINEAR,

@@ -29,6 +29,8 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     # OLMo Hybrid's Gated DeltaNet projects q, k, v apart (its z, b, a, out as Qwen3.5's)
     "in_q": ("linear_attn", "in_proj_q", 1), "in_k": ("linear_attn", "in_proj_k", 1),
     "in_v": ("linear_attn", "in_proj_v", 1),
+    # a Mamba-2 mixer's in_proj parts (z is "in_z", out_proj "out")
+    "in_xbc": ("linear_attn", "in_proj_xbc", 1), "in_dt": ("linear_attn", "in_proj_dt", 1),
     # a mixture of experts' shared expert (models.moe.MoE.shared_expert, a dense MLP every token goes through:
     # Qwen2-MoE's, Qwen3.5-MoE's, DeepSeek's, Hunyuan MoE's)
     "shared_gate": ("mlp.shared_expert", "gate_proj", 1), "shared_up": ("mlp.shared_expert", "up_proj", 1),
@@ -37,7 +39,8 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
 LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
 CONV = ("in", "out")
 SPLIT_LINEAR = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # OLMo Hybrid's Gated DeltaNet
-_MIXERS = LINEAR + ("in", "in_q", "in_k", "in_v")  # the stateful layers' projections, of any kind
+MAMBA = ("in_z", "in_xbc", "in_dt", "out")  # Granite 4.0-H's, Bamba's Mamba-2 mixers
+_MIXERS = LINEAR + ("in", "in_q", "in_k", "in_v", "in_xbc", "in_dt")  # the stateful layers' projections, of any kind
 _BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -60,7 +63,7 @@ class LoRAConfig(Section):
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
     targets: str = knob("all", "q,k,v,o,gate,up,down (g: LFM3's head gate) | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
                         "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out, OLMo Hybrid's in_q,in_k,in_v,in_z,in_b,in_a,out; "
-                        "LFM2 conv layers': in,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
+                        "LFM2 conv layers': in,out; Mamba-2's: in_z,in_xbc,in_dt,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
                         "shared_up,shared_down) | all | experts (a mixture of experts' expert weights, not in all) | "
                         "re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",
@@ -120,7 +123,8 @@ class LoRAConfig(Section):
         (`attention_projections`); naming another one is an error. mlp: a dense MLP's projections (no gate in
         Arcee's: `mlp_projections`), the others skipped. linear: the stateful layers, whose token mixer's projections
         are `mixer` (under 'layers.0.linear_attn'): Gated DeltaNet's in_qkv, in_z, in_b, in_a and out (`LINEAR`:
-        Qwen3.5's), or an LFM2 conv layer's in and out (`CONV`: `linear_projections`). shared: the
+        Qwen3.5's), an LFM2 conv layer's in and out (`CONV`), a Mamba-2 mixer's (`MAMBA`): `linear_projections`.
+        shared: the
         mixture-of-experts layers with a shared expert, whose gate / up / down are shared_gate / shared_up / shared_down
         (`SHARED`, in "all"; paths like 'layers.1.mlp.shared_expert.gate_proj')."""
         names, patterns = self.target_rules()
@@ -165,6 +169,10 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
             "experts_down": (e * fe, e * d)}
     if model_cfg.short_conv is not None:
         dims.update({"in": (d, 3 * d), "out": (d, d)})
+    if model_cfg.mamba is not None:
+        mb = model_cfg.mamba
+        inner = mb.heads * mb.head_dim
+        dims.update(in_z=(d, inner), in_xbc=(d, inner + 2 * mb.groups * mb.state), in_dt=(d, mb.heads), out=(inner, d))
     if model_cfg.linear is not None:
         from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
 
@@ -221,8 +229,8 @@ def linear_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
     (OLMo Hybrid's with q, k, v apart: `SPLIT_LINEAR`)."""
     if model_cfg.short_conv is not None:
         return CONV
-    if model_cfg.mamba is not None:  # (LoRA does not adapt Mamba-2 mixers here)
-        return ()
+    if model_cfg.mamba is not None:
+        return MAMBA
     return SPLIT_LINEAR if model_cfg.architecture == "olmo_hybrid" else LINEAR
 
 

@@ -81,7 +81,7 @@ _OLMO_HYBRID = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_pr
                 "in_proj_b": "b_proj", "in_proj_a": "a_proj", "out_proj": "o_proj"}  # its Gated DeltaNet's
 # the fused HF modules, their parts in row order (phi3's, GLM-4's gate_up_proj) or interleaved (Qwen3-Next's)
 _FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"), "in_proj_qkvz": ("in_qkv", "in_z"),
-          "in_proj_ba": ("in_b", "in_a"), "input_linear": ("gate", "up")}
+          "in_proj_ba": ("in_b", "in_a"), "input_linear": ("gate", "up"), "in_proj": ("in_z", "in_xbc", "in_dt")}
 _INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
 
 
@@ -93,6 +93,8 @@ def _fused_module(model_or_cfg: Any, short: str) -> str | None:
         return "gate_up_proj" if short in _FUSED["gate_up_proj"] else None
     if getattr(cfg, "architecture", None) == "qwen3_next":  # its Gated DeltaNet's input projections
         return next((m for m in _INTERLEAVED if short in _FUSED[m]), None)
+    if getattr(cfg, "mamba", None) is not None and short in _FUSED["in_proj"]:  # a Mamba-2 mixer's in_proj parts
+        return "in_proj"
     if getattr(cfg, "architecture", None) == "granitemoehybrid":  # Granite 4.0's shared MLP: gate and up in one
         return "input_linear" if short in _FUSED["input_linear"] else None
     if getattr(cfg, "architecture", None) != "phi3":
@@ -108,6 +110,8 @@ def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = Non
     if part == "mlp.shared_expert":
         return _shared_modules(cfg)[(layer, attr)]
     name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
+    if part == "linear_attn" and getattr(cfg, "mamba", None) is not None:  # a Mamba-2 mixer's (in_proj fused)
+        return f"model.layers.{layer}.mamba.{fused or attr}"
     if part == "mlp" and getattr(cfg, "architecture", None) == "granitemoehybrid":  # its shared MLP's
         return f"model.layers.{layer}.shared_mlp.{fused or 'output_linear'}"
     if part == "linear_attn" and getattr(cfg, "architecture", None) == "olmo_hybrid":  # its Gated DeltaNet's names
