@@ -8,6 +8,9 @@ from typing import Container
 # (on disk, in the table): OLMo Hybrid's, its Gated DeltaNet layers' norms before the mixer and before the MLP (and,
 # as transformers writes them back, its attention layers' norm after attention too)
 ALIASES = ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm."))
+# (on disk and in the table, in transformers' module) where a family's module is named otherwise than its tensor:
+# LFM3's head gate (gate_proj on disk, g_proj in the module)
+MODULE_NAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),)}
 # a tensor the table names whole and a checkpoint may hold as pieces along the first axis, in this order
 PIECES = {".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                          ".linear_attn.v_conv1d.weight")}
@@ -20,6 +23,13 @@ def add_aliases(names: dict[str, str]) -> None:
         for theirs, ours in ALIASES:
             if theirs in name:
                 names.setdefault(name.replace(theirs, ours), names[name])
+
+
+def in_memory(name: str, architecture: str) -> str:
+    """The name transformers' module gives a tensor the table names `name` (as a checkpoint holds it)."""
+    for disk, module in MODULE_NAMES.get(architecture, ()):
+        name = name.replace(disk, module)
+    return name
 
 
 def parts(name: str, names: Container[str]) -> tuple[str, ...] | None:

@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -116,5 +117,5 @@ def load_expert_tensors(model: nnx.Module, tensors: dict[str, np.ndarray], path:
         b = tensors[names[1]].reshape(tensors[names[1]].shape[0], -1, e).transpose(2, 1, 0)  # [E, R, out]
         r = a.shape[1] // len(parts)
         for p, (name, node) in enumerate(parts):
-            node.lora_a.set_value(np.ascontiguousarray(a[:, p * r:(p + 1) * r].transpose(0, 2, 1)))
-            node.lora_b.set_value(np.ascontiguousarray(b[:, p * r:(p + 1) * r][..., rows[name]]))
+            node.lora_a.set_value(jnp.asarray(a[:, p * r:(p + 1) * r].transpose(0, 2, 1), node.lora_a.dtype))
+            node.lora_b.set_value(jnp.asarray(b[:, p * r:(p + 1) * r][..., rows[name]], node.lora_b.dtype))

@@ -29,19 +29,19 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models import bamba, lfm2
+from areal_jax.models.disk_names import in_memory
 from areal_jax.models.hf_names import weight_entries
-from areal_jax.models.lora import PROJECTIONS, SHARED, LoRAConfig, LoRAProjection, module_at
+from areal_jax.models.lora import PROJECTIONS, LoRAConfig, LoRAProjection, module_at
 from areal_jax.models.peft_experts import expert_config, expert_groups, expert_tensors, load_expert_tensors
 from areal_jax.models.wrapped_export import wrapper_type
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_HF_PART = {"attn": "self_attn", "mlp": "mlp", "linear_attn": "linear_attn"}
 
 
 def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
@@ -55,12 +55,6 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
     dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
                         if PROJECTIONS[short][0].startswith("mlp")})
-    shared = sorted({f"layers.{i}.mlp.shared_expert" for i, short, _ in out if short in SHARED})
-    if shared and getattr(model.cfg, "architecture", None) == "granitemoehybrid":
-        raise ValueError(f"Granite 4.0's shared MLP beside its experts ({', '.join(shared[:4])}"
-                         f"{' ...' if len(shared) > 4 else ''}) fuses gate and up in one input_linear, which this PEFT "
-                         "export does not write for it; export the merged checkpoint (export --format=hf), or adapt "
-                         "attention and experts only (lora.targets=attn,experts).")
     if dense_mlp and getattr(model.cfg, "architecture", None) in _EXPERT_NAMED_MLP:
         raise ValueError(f"PEFT (on transformers 5) reads a target ending in gate_proj / up_proj / down_proj of a "
                          f"{model.cfg.architecture} model as its experts' parameters, so the adapters of its dense "
@@ -76,89 +70,43 @@ _EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_m
                      "qwen3_next", "exaone_moe", "hunyuan_v1_moe")
 
 
-_HF_ATTR = {"kv_a_proj": "kv_a_proj_with_mqa"}  # our projection names that HF spells otherwise (DeepSeek-V3's)
-_OLMO_HYBRID = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj",
-                "in_proj_b": "b_proj", "in_proj_a": "a_proj", "out_proj": "o_proj"}  # its Gated DeltaNet's
-# the fused HF modules, their parts in row order (phi3's, GLM-4's gate_up_proj) or interleaved (Qwen3-Next's)
-_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"), "in_proj_qkvz": ("in_qkv", "in_z"),
-          "in_proj_ba": ("in_b", "in_a"), "input_linear": ("gate", "up"), "in_proj": ("in_z", "in_xbc", "in_dt")}
-_INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
-
-
-def _fused_module(model_or_cfg: Any, short: str) -> str | None:
-    """The fused HF module holding projection `short` in this model's family (phi3, glm4, qwen3_next, granitemoehybrid),
-    else None."""
-    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
-    if getattr(cfg, "architecture", None) == "glm4":  # GLM-4 fuses gate and up only
-        return "gate_up_proj" if short in _FUSED["gate_up_proj"] else None
-    if getattr(cfg, "architecture", None) == "qwen3_next":  # its Gated DeltaNet's input projections
-        return next((m for m in _INTERLEAVED if short in _FUSED[m]), None)
-    if getattr(cfg, "mamba", None) is not None and short in _FUSED["in_proj"]:  # a Mamba-2 mixer's in_proj parts
-        return "in_proj"
-    if getattr(cfg, "architecture", None) == "granitemoehybrid":  # Granite 4.0's shared MLP: gate and up in one
-        return "input_linear" if short in _FUSED["input_linear"] else None
-    if getattr(cfg, "architecture", None) != "phi3":
-        return None
-    return next((m for m, parts in _FUSED.items() if short in parts), None)
-
-
-def module_name(layer: int, short: str, fused: str | None = None, cfg: Any = None) -> str:
-    """HF module path of a projection, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj" (with `fused`, the
-    fused module's: "model.layers.0.self_attn.qkv_proj"; a shared expert's as `cfg`'s family names it:
-    "model.layers.0.mlp.shared_expert.gate_proj", DeepSeek's shared_experts, Hunyuan's shared_mlp)."""
-    part, attr, _ = PROJECTIONS[short]
-    if part == "mlp.shared_expert":
-        return _shared_modules(cfg)[(layer, attr)]
-    name = f"model.layers.{layer}.{_HF_PART[part]}.{fused or _HF_ATTR.get(attr, attr)}"
-    if part == "linear_attn" and getattr(cfg, "mamba", None) is not None:  # a Mamba-2 mixer's (in_proj fused)
-        return f"model.layers.{layer}.mamba.{fused or attr}"
-    if part == "mlp" and getattr(cfg, "architecture", None) == "granitemoehybrid":  # its shared MLP's
-        return f"model.layers.{layer}.shared_mlp.{fused or 'output_linear'}"
-    if part == "linear_attn" and getattr(cfg, "architecture", None) == "olmo_hybrid":  # its Gated DeltaNet's names
-        return f"model.layers.{layer}.linear_attn.{_OLMO_HYBRID[attr]}"
-    if getattr(cfg, "architecture", None) == "bamba":  # its MLP is feed_forward
-        return bamba.hf_name(f"{name}.weight").removesuffix(".weight")
-    if getattr(cfg, "architecture", None) in lfm2.RENAMED:  # LFM2's names (conv, out_proj, feed_forward.w1, ...)
-        return lfm2.hf_name(f"{name}.weight", cfg.architecture, disk=False).removesuffix(".weight")
-    return name
+def module_name(cfg: Any, layer: int, short: str) -> str:
+    """HF module path of a projection as transformers' module holds it, e.g. (0, "q") -> "model.layers.0.self_attn.q_proj",
+    off the HF weight table: Phi's "model.layers.0.self_attn.qkv_proj" (fused), a shared expert's as its family names
+    it, LFM2's "model.layers.0.conv.in_proj"."""
+    return _modules(cfg)[(layer, short)][0]
 
 
 @functools.lru_cache(maxsize=8)
-def _shared_modules(cfg: Any) -> dict[tuple[int, str], str]:
-    """{(layer, projection): HF module path} of the shared experts' projections, off the HF weight table."""
-    return {(e.path[1], e.path[-1]): e.hf_name.removesuffix(".weight") for e in weight_entries(cfg)
-            if e.path[2:4] == ("mlp", "shared_expert")}
+def _modules(cfg: Any) -> dict[tuple[int, str], tuple[str, tuple[np.ndarray, int] | None]]:
+    """{(layer, projection): (its HF module path, and where that module fuses several of ours (Phi's qkv_proj, GLM-4's
+    gate_up_proj, Qwen3-Next's in_proj_qkvz, Granite 4.0's input_linear, a Mamba-2 in_proj): the rows of the fused
+    weight that hold its rows, in our order, and that weight's rows)}, read off the HF weight table once per config."""
+    short_of = {(part, attr): short for short, (part, attr, _) in PROJECTIONS.items()}
+    out = {}
+    for e in weight_entries(cfg):
+        short = short_of.get((".".join(map(str, e.path[2:-1])), e.path[-1])) if e.path[0] == "layers" else None
+        if short is None or e.expert is not None:
+            continue
+        rows = (np.asarray(e.channels), e.gather) if e.gather is not None else \
+            (np.arange(e.rows[0], e.rows[1]), e.rows[2]) if e.rows is not None else None
+        out[(e.path[1], short)] = (in_memory(e.hf_name, cfg.architecture).removesuffix(".weight"), rows)
+    return out
 
 
-def _groups(model: nnx.Module) -> list[tuple[str, list[tuple[str, LoRAProjection]]]]:
-    """(HF module path, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
-    out: dict[str, list[tuple[str, LoRAProjection]]] = {}
+def _groups(model: nnx.Module) -> list[tuple[str, int, list[tuple[str, LoRAProjection]]]]:
+    """(HF module path, its layer, its adapted parts [(short, adapter)] in row order) for every adapted HF module."""
+    out: dict[tuple[str, int], list[tuple[str, LoRAProjection]]] = {}
     for i, short, node in _adapted(model):
-        out.setdefault(module_name(i, short, _fused_module(model, short), model.cfg), []).append((short, node))
-    return list(out.items())
-
-
-def _fused_rows(model: nnx.Module, module: str, fused: str) -> tuple[dict[str, np.ndarray], int]:
-    """({part: the rows of fused HF module `module`'s weight that hold its rows, in our order}, that weight's rows)
-    for each part (adapted or not): side by side, or Qwen3-Next's interleaved key head by key head."""
-    if fused in _INTERLEAVED:
-        gathered = _hf_layout(model.cfg)[0]
-        return {short: gathered[short][0] for short in _FUSED[fused]}, gathered[_FUSED[fused][0]][1]
-    layer = model.layers[int(module.split(".")[2])]
-    out, offset = {}, 0
-    for short in _FUSED[fused]:
-        part, attr, _ = PROJECTIONS[short]
-        node = getattr(getattr(layer, part), attr)
-        rows = int(np.prod((node.lora_b if isinstance(node, LoRAProjection) else node).shape[1:]))
-        out[short], offset = np.arange(offset, offset + rows), offset + rows
-    return out, offset
+        out.setdefault((module_name(model.cfg, i, short), i), []).append((short, node))
+    return [(module, i, parts) for (module, i), parts in out.items()]
 
 
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every adapter as PEFT names it: {...q_proj.lora_A.weight: [r, in], ...lora_B.weight: [out, r]} float32
     (a fused module's: rank n * r, see the module docstring; the experts': `peft_experts.expert_tensors`)."""
     tensors, orders = expert_tensors(model), _hf_orders(model.cfg)
-    for module, parts in _groups(model):
+    for module, layer, parts in _groups(model):
         a_rows, b_cols = [], []
         for _, node in parts:
             a = np.asarray(jax.device_get(node.lora_a[...]), np.float32)
@@ -168,17 +116,17 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
             b_cols.append(b.reshape(r, -1).T)
         name = f"base_model.model.{module}"
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
-        fused = _fused_module(model, parts[0][0])
+        fused = _modules(model.cfg)[(layer, parts[0][0])][1]
         if fused is None:
             order = orders.get(parts[0][0])
             if order is not None:  # B's rows in HF's order of the base's outputs
                 b_cols[0] = b_cols[0][np.argsort(order)]
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_cols[0])
             continue
-        (rows, total), r = _fused_rows(model, module, fused), a_rows[0].shape[0]
+        total, r = fused[1], a_rows[0].shape[0]
         b = np.zeros((total, r * len(parts)), np.float32)
         for j, ((short, _), col) in enumerate(zip(parts, b_cols)):
-            b[rows[short], j * r:(j + 1) * r] = col
+            b[_modules(model.cfg)[(layer, short)][1][0], j * r:(j + 1) * r] = col
         tensors[f"{name}.lora_B.weight"] = b
     return tensors
 
@@ -208,20 +156,25 @@ def save_peft_adapter(model: nnx.Module, cfg: LoRAConfig, path: str | os.PathLik
                       base_model_name_or_path: str = "") -> str:
     """Write the model's adapters as a PEFT LoRA directory at `path`; returns the path.
 
-    target_modules lists the short projection names when every layer adapts the same ones, else the full
-    module paths (PEFT matches a list entry against the end of each module name). Over an image-and-text base
+    target_modules lists the short projection names when every layer adapts the same ones and no other module of the
+    decoder ends in those names (Granite 4.0's experts are block_sparse_moe.input_linear beside its shared MLP's
+    shared_mlp.input_linear), else the full module paths (PEFT matches a list entry against the end of each module
+    name). Over an image-and-text base
     (`decoder_layers` of base_model_name_or_path) every name is under model.language_model."""
     path = os.fspath(path)
     groups = _groups(model)
     by_layer: dict[int, set[str]] = {}
-    for module, parts in groups:
-        by_layer.setdefault(int(module.split(".")[2]), set()).add(module.rsplit(".", 1)[1])
+    for module, layer, _ in groups:
+        by_layer.setdefault(layer, set()).add(module.rsplit(".", 1)[1])
     sets = {frozenset(v) for v in by_layer.values()}
-    if len(by_layer) == model.cfg.num_layers and len(sets) == 1:
+    others = {in_memory(e.hf_name, model.cfg.architecture).rsplit(".", 1)[0] for e in weight_entries(model.cfg)} - \
+        {module for module, _, _ in groups}
+    if len(by_layer) == model.cfg.num_layers and len(sets) == 1 and \
+            not any(m.rsplit(".", 1)[-1] in next(iter(sets)) for m in others):
         targets = sorted(next(iter(sets)))
     else:
-        targets = [module for module, _ in groups]
-    wide = {re.escape(module): len(parts) for module, parts in groups if len(parts) > 1}  # fused: rank n * r
+        targets = [module for module, _, _ in groups]
+    wide = {re.escape(module): len(parts) for module, _, parts in groups if len(parts) > 1}  # fused: rank n * r
     experts = expert_config(model, cfg.rank, cfg.alpha)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
@@ -255,42 +208,32 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
         _check_rank(config, path, parts[0][1].lora_a.shape[-1], parts[0][1].scale)
     load_expert_tensors(model, tensors, path)
     orders = _hf_orders(model.cfg)
-    for module, parts in _groups(model):
+    for module, layer, parts in _groups(model):
         name = f"base_model.model.{module}"
         if f"{name}.lora_A.weight" not in tensors or tensors[f"{name}.lora_A.weight"].shape != \
                 saved[f"{name}.lora_A.weight"].shape:
             raise KeyError(f"{path} has no adapter for {module} of this model's rank and parts; it was saved for "
                            f"other targets ({config.get('target_modules')}) or another rank.")
         a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
-        fused = _fused_module(model, parts[0][0])
-        rows = _fused_rows(model, module, fused)[0] if fused is not None else None
         for j, (short, node) in enumerate(parts):
-            r = node.lora_a.shape[-1]
+            r, rows = node.lora_a.shape[-1], _modules(model.cfg)[(layer, short)][1]
             _check_rank(config, path, r, node.scale)
-            part = b[rows[short] if rows is not None else slice(None), j * r:(j + 1) * r]
+            part = b[rows[0] if rows is not None else slice(None), j * r:(j + 1) * r]
             order = orders.get(short)
-            node.lora_a.set_value(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape))
-            node.lora_b.set_value((part if order is None else part[order]).T.reshape(node.lora_b.shape))
+            node.lora_a.set_value(jnp.asarray(a[j * r:(j + 1) * r].T.reshape(node.lora_a.shape), node.lora_a.dtype))
+            node.lora_b.set_value(jnp.asarray((part if order is None else part[order]).T.reshape(node.lora_b.shape),
+                                              node.lora_b.dtype))
     return model
 
 
+@functools.lru_cache(maxsize=8)
 def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
     """{projection: where each of our output rows lies in HF's weight} for the projections whose rows the HF weight
-    table regroups (`hf_names._Entry.channels`: the Gated DeltaNet's in_proj_qkv, held key head by key head here);
-    the others' rows are HF's own order."""
-    return _hf_layout(cfg)[1]
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_layout(cfg: Any) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, np.ndarray]]:
-    """({projection HF fuses with others key head by key head: (the fused weight's rows holding its rows, in our
-    order; that weight's rows)}, `_hf_orders`), read off the HF weight table once per config (a save or a load asks
-    several times; every layer's the same)."""
+    table regroups but does not fuse with others (`hf_names._Entry.channels`: the Gated DeltaNet's in_proj_qkv, held key
+    head by key head here; every layer's the same); the others' rows are HF's own order."""
     short_of = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
-    entries = [e for e in weight_entries(cfg) if e.path[-1] in short_of]
-    gathered = {short_of[e.path[-1]]: (np.asarray(e.channels), int(e.gather)) for e in entries if e.gather is not None}
-    return gathered, {short_of[e.path[-1]]: np.asarray(e.channels) for e in entries
-                      if e.channels is not None and e.gather is None}
+    return {short_of[e.path[-1]]: np.asarray(e.channels) for e in weight_entries(cfg)
+            if e.path[-1] in short_of and e.channels is not None and e.gather is None}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
