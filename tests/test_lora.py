@@ -240,3 +240,32 @@ def test_merged_and_unmerged_decoding_give_the_same_greedy_tokens(arch):
     c = [list(c.tokens) for c in generate_batch(base, prompts, **kw)]
     assert a == b
     assert a != c  # the adapters change what is generated
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "lfm2", "granitemoehybrid"])
+def test_each_stateful_kind_describes_the_layer_it_builds(arch):
+    """`models.mixers.kind`'s names against the layer and cache it builds: adapter_dims are the projections' (inputs,
+    outputs) in lora.targets' order, weights() counts the layer's parameters, state_bytes its cache entries' bytes."""
+    from areal_jax.models.mixers import kind
+    from areal_jax.models.transformer import zero_cache
+
+    overrides = {"num_layers": 3, "mamba": (4, 32, 16, 2, 4),
+                 "layer_types": ("linear_attention", "full_attention", "linear_attention")} \
+        if arch == "granitemoehybrid" else {}
+    cfg = tiny_config(arch, **overrides)
+    model = random_model(cfg, seed=0)
+    i = next(i for i in range(cfg.num_layers) if cfg.layer_is_linear(i))
+    mixer, module = model.layers[i].linear_attn, kind(cfg)
+    assert isinstance(mixer, module.Mixer)
+    dims = module.adapter_dims(cfg)
+    assert tuple(dims) == lora.linear_projections(cfg) == {
+        "qwen3_5_text": lora.LINEAR, "qwen3_next": lora.LINEAR, "olmo_hybrid": lora.SPLIT_LINEAR, "lfm2": lora.CONV,
+        "granitemoehybrid": lora.MAMBA}[arch]
+    for short, (n_in, n_out) in dims.items():
+        weight = getattr(mixer, lora.PROJECTIONS[short][1])
+        assert (weight.shape[0], int(np.prod(weight.shape[1:]))) == (n_in, n_out), short
+    held = sum(x.size for x in jax.tree.leaves(nnx.state(mixer, nnx.Param)))
+    matrices, rest = module.weights(cfg)
+    assert matrices == sum(a * b for a, b in dims.values()) and matrices + rest == held
+    window, state = zero_cache(cfg, 3, [8] * cfg.num_layers).k[i], zero_cache(cfg, 3, [8] * cfg.num_layers).v[i]
+    assert module.state_bytes(cfg) == (window.nbytes + state.nbytes) // 3

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from areal_jax.models.config_checks import MLA
 from areal_jax.models.glm4 import partial_rotary_keys
+from areal_jax.models.hf_family import reader
 
 HF_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
               "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
@@ -103,8 +104,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     _check_keys(d, model_type)
     defaults, latent = _DEFAULTS[model_type], model_type in LATENT
 
-    def get(key: str) -> Any:
-        return d.get(key, defaults.get(key))
+    get = reader(d, defaults)
 
     layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
     rope, _ = _hf_rope(d, model_type)

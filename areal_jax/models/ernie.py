@@ -16,6 +16,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models.hf_family import reader
+
 HF_CLASSES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 _DEFAULTS = {  # transformers' config defaults, where a config.json leaves a key out
     "ernie4_5": dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
@@ -43,8 +45,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 
     defaults = _DEFAULTS[model_type]
 
-    def get(key: str) -> Any:
-        return d.get(key, defaults.get(key))
+    get = reader(d, defaults)
 
     if d.get("use_bias"):
         raise ValueError("use_bias=True (biases on every projection) is not supported for ERNIE 4.5; its released "

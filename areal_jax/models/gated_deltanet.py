@@ -65,6 +65,23 @@ def state_bytes(cfg: ModelConfig) -> int:
     return 4 * ((m.conv_kernel - 1) * channels(cfg) + m.value_heads * m.key_dim * m.value_dim)
 
 
+def weights(cfg: ModelConfig) -> tuple[int, int]:
+    """(matrices, the rest) of one Gated DeltaNet layer: its projections; its convolution, decay parameters and norm."""
+    m, d = cfg.linear, cfg.hidden_size
+    hv = m.value_heads
+    return d * (channels(cfg) + hv * m.value_dim + 2 * hv) + hv * m.value_dim * d, \
+        m.conv_kernel * channels(cfg) + 2 * hv + m.value_dim
+
+
+def adapter_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{LoRA short name: (inputs, outputs)} of a Gated DeltaNet layer's projections (OLMo Hybrid's q, k, v apart)."""
+    m, d = cfg.linear, cfg.hidden_size
+    values = m.value_heads * m.value_dim
+    qkv = {"in_q": (d, m.key_heads * m.key_dim), "in_k": (d, m.key_heads * m.key_dim), "in_v": (d, values)} \
+        if cfg.architecture == "olmo_hybrid" else {"in_qkv": (d, channels(cfg))}
+    return {**qkv, "in_z": (d, values), "in_b": (d, m.value_heads), "in_a": (d, m.value_heads), "out": (values, d)}
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis (float32)."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
@@ -313,3 +330,6 @@ class GatedDeltaNet(nnx.Module):
         normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)).astype(dt)
         y = (normed * self.norm_scale[...].astype(dt)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         return project(y.astype(dt).reshape(b, t, hv * dv), self.out_proj, dt)
+
+
+Mixer = GatedDeltaNet

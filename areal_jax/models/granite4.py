@@ -18,7 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import hf_dict
+from areal_jax.models.hf_family import hf_dict, reader
 from areal_jax.models.mamba2 import hf_keys, shapes_from_hf
 
 HF_CLASSES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}
@@ -31,8 +31,7 @@ _ATTENTION, _MAMBA = ("attention", "full_attention"), ("mamba", "linear_attentio
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an attention-only Granite 4.0 config.json (transformers' defaults where a key is absent)."""
-    def get(key: str) -> Any:
-        return d[key] if d.get(key) is not None else _DEFAULTS.get(key)
+    get = reader(d, _DEFAULTS, none_is_default=True)
 
     layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
     types = list(d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * layers)

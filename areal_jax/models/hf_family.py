@@ -7,6 +7,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def reader(d: dict, defaults: dict, *, none_is_default: bool = False) -> Callable[[str], Any]:
+    """`get(key)`: config.json `d`'s value of key, else transformers' default from `defaults` (None where it has none);
+    with none_is_default, a key the file sets to null reads as the default too (as those families' classes do)."""
+    if none_is_default:
+        return lambda key: d[key] if d.get(key) is not None else defaults.get(key)
+    return lambda key: d.get(key, defaults.get(key))
+
+
 def common_fields(d: dict, model_type: str, defaults: dict, family: str,
                   act: str = "silu") -> tuple[dict, Callable[[str], Any]]:
     """(ModelConfig fields, get): `get(key)` reads a key of `d` with transformers' default from `defaults` where the
@@ -16,8 +24,7 @@ def common_fields(d: dict, model_type: str, defaults: dict, family: str,
     naming the family."""
     from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches to the families)
 
-    def get(key: str) -> Any:
-        return d.get(key, defaults.get(key))
+    get = reader(d, defaults)
 
     if d.get("hidden_act", act) != act:
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not {family}'s ({act!r}).")

@@ -253,20 +253,17 @@ class DecoderLayer(nnx.Module):
     MLP's outputs before adding them (`post_attn_norm`, `post_ffn_norm`; its pre-MLP norm is `pre_ffn_norm`), and
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
     pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
-    (`models.moe.MoE`) rather than one MLP. linear: the token mixer is Gated DeltaNet (`linear_attn`:
-    models.gated_deltanet) or LFM2's short convolution (models.short_conv), not attention (`attn` None)."""
+    (`models.moe.MoE`) rather than one MLP. linear: the token mixer is a stateful one (`linear_attn`: Gated
+    DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False):
-        from areal_jax.models.gated_deltanet import GatedDeltaNet  # noqa: PLC0415 (they build on this module)
-        from areal_jax.models.mamba2 import Mamba2Mixer  # noqa: PLC0415
+        from areal_jax.models.mixers import kind  # noqa: PLC0415 (they build on this module)
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
-        from areal_jax.models.short_conv import ShortConv  # noqa: PLC0415
 
         olmo = cfg.olmo and not linear  # (OLMo Hybrid's Gated DeltaNet layers are pre-norm)
         self.input_norm = None if olmo else make_norm(cfg)
-        mixer = ShortConv if cfg.short_conv is not None else Mamba2Mixer if cfg.mamba is not None else GatedDeltaNet
-        self.linear_attn = mixer(cfg, rngs=rngs) if linear else None
+        self.linear_attn = kind(cfg).Mixer(cfg, rngs=rngs) if linear else None
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = make_norm(cfg)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)

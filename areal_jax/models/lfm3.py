@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import hf_dict, require_fields
+from areal_jax.models.hf_family import hf_dict, reader, require_fields
 
 HF_CLASSES = {"lfm3": "Lfm3ForCausalLM"}
 _DEFAULTS = dict(vocab_size=128_000, hidden_size=2048, intermediate_size=7680, num_hidden_layers=24,
@@ -56,8 +56,7 @@ def _rope(d: dict) -> tuple[float, dict | None, float]:
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an LFM3 config.json (transformers' defaults where a key is absent)."""
-    def get(key: str) -> Any:
-        return d.get(key, _DEFAULTS.get(key))
+    get = reader(d, _DEFAULTS)
 
     for key, what in (("conv_bias", "biases in the conv layers"), ("attention_bias", "q/k/v/o biases")):
         if d.get(key):

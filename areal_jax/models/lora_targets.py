@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from areal_jax.knobs import ConfigError, Section, knob, require
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.mixers import kind
 
 PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
@@ -167,20 +168,8 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
     dims = {"q": (d, gated * h * hd), "g": (d, h), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
             "down": (f, d), "experts_gate": (e * d, e * fe), "experts_up": (e * d, e * fe),
             "experts_down": (e * fe, e * d)}
-    if model_cfg.short_conv is not None:
-        dims.update({"in": (d, 3 * d), "out": (d, d)})
-    if model_cfg.mamba is not None:
-        mb = model_cfg.mamba
-        inner = mb.heads * mb.head_dim
-        dims.update(in_z=(d, inner), in_xbc=(d, inner + 2 * mb.groups * mb.state), in_dt=(d, mb.heads), out=(inner, d))
-    if model_cfg.linear is not None:
-        from areal_jax.models.gated_deltanet import channels  # noqa: PLC0415 (it imports layers, which imports here)
-
-        lin = model_cfg.linear
-        dims.update(in_q=(d, lin.key_heads * lin.key_dim), in_k=(d, lin.key_heads * lin.key_dim),
-                    in_v=(d, lin.value_heads * lin.value_dim))
-        dims.update(in_qkv=(d, channels(model_cfg)), in_z=(d, lin.value_heads * lin.value_dim),
-                    in_b=(d, lin.value_heads), in_a=(d, lin.value_heads), out=(lin.value_heads * lin.value_dim, d))
+    if model_cfg.recurrent:
+        dims.update(kind(model_cfg).adapter_dims(model_cfg))
     if model_cfg.mla is not None:
         m = model_cfg.mla
         dims.update(q_a=(d, m.q_lora_rank or 0), q_b=(m.q_lora_rank or 0, h * hd), kv_a=(d, m.kv_lora_rank + m.rope),
@@ -225,13 +214,9 @@ def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def linear_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
-    """The short names of a stateful layer's projections: an LFM2 conv layer's (`CONV`), else Gated DeltaNet's
-    (OLMo Hybrid's with q, k, v apart: `SPLIT_LINEAR`)."""
-    if model_cfg.short_conv is not None:
-        return CONV
-    if model_cfg.mamba is not None:
-        return MAMBA
-    return SPLIT_LINEAR if model_cfg.architecture == "olmo_hybrid" else LINEAR
+    """The short names of a stateful layer's projections (`mixers`' adapter_dims): Gated DeltaNet's (`LINEAR`; OLMo
+    Hybrid's with q, k, v apart: `SPLIT_LINEAR`), an LFM2 conv layer's (`CONV`), a Mamba-2 mixer's (`MAMBA`)."""
+    return tuple(kind(model_cfg).adapter_dims(model_cfg)) if model_cfg.recurrent else LINEAR
 
 
 def expert_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

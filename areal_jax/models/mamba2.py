@@ -16,8 +16,6 @@ both unchanged (its dt is zero: no decay, no write).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +23,7 @@ from flax import nnx
 
 from areal_jax.models.config_checks import Mamba2
 from areal_jax.models.gated_deltanet import Segments, StateCache, chunking, segment_conv, window_conv
+from areal_jax.models.hf_family import reader
 from areal_jax.models.layers import make_param, project
 
 CHUNK = 64
@@ -39,8 +38,7 @@ def shapes_from_hf(d: dict, hidden: int) -> Mamba2:
     where a key is absent); a mixer this module does not compute (no convolution bias, projection biases, a clamped
     time step) is refused."""
 
-    def get(key: str) -> Any:
-        return d[key] if d.get(key) is not None else _MAMBA_DEFAULTS[key]
+    get = reader(d, _MAMBA_DEFAULTS, none_is_default=True)
 
     if not get("mamba_conv_bias") or get("mamba_proj_bias"):
         raise ValueError("The Mamba-2 mixers here have a convolution bias and no projection biases "
@@ -82,6 +80,21 @@ def state_bytes(cfg) -> int:
     """Bytes of one row's `state_buffers` in one Mamba-2 layer."""
     m = cfg.mamba
     return 4 * ((m.conv_kernel - 1) * channels(cfg) + m.heads * m.head_dim * m.state)
+
+
+def weights(cfg) -> tuple[int, int]:
+    """(matrices, the rest) of one Mamba-2 layer: in_proj (z, x B C, dt) and out_proj; the taps and their bias,
+    dt_bias, A_log, D and the norm."""
+    m, d = cfg.mamba, cfg.hidden_size
+    inner, ch = m.heads * m.head_dim, channels(cfg)
+    return d * (inner + ch + m.heads) + inner * d, (m.conv_kernel + 1) * ch + 3 * m.heads + inner
+
+
+def adapter_dims(cfg) -> dict[str, tuple[int, int]]:
+    """{LoRA short name: (inputs, outputs)} of a Mamba-2 layer's projections (in_proj's parts z, x B C, dt; out)."""
+    m, d = cfg.mamba, cfg.hidden_size
+    inner = m.heads * m.head_dim
+    return {"in_z": (d, inner), "in_xbc": (d, channels(cfg)), "in_dt": (d, m.heads), "out": (inner, d)}
 
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, segment_ids: jax.Array | None = None,
@@ -188,3 +201,6 @@ class Mamba2Mixer(nnx.Module):
         normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
         out = (normed.reshape(bsz, t, h * p) * self.norm_scale[...].astype(jnp.float32)).astype(dt_)
         return project(out, self.out_proj, dt_)
+
+
+Mixer = Mamba2Mixer

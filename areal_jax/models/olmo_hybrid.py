@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.config_checks import LinearAttention
-from areal_jax.models.hf_family import hf_dict, require_fields
+from areal_jax.models.hf_family import hf_dict, reader, require_fields
 
 HF_CLASSES = {"olmo_hybrid": "OlmoHybridForCausalLM"}
 _DEFAULTS = dict(vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32,
@@ -40,8 +40,7 @@ def _types(d: dict, layers: int) -> tuple[str, ...]:
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an OLMo Hybrid config.json (transformers' defaults where a key is absent)."""
-    def get(key: str) -> Any:
-        return d[key] if d.get(key) is not None else _DEFAULTS.get(key)
+    get = reader(d, _DEFAULTS, none_is_default=True)
 
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not OLMo Hybrid's ('silu').")

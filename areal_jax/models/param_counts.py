@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_jax.models.mixers import kind
+
 
 def latent_attention_weights(cfg: Any) -> int:
     """The projections' weights of one latent-attention layer (models.mla), norms aside."""
@@ -13,18 +15,9 @@ def latent_attention_weights(cfg: Any) -> int:
 
 
 def linear_attention_weights(cfg: Any) -> tuple[int, int]:
-    """(matrices, the rest) of one stateful layer: Gated DeltaNet's (models.gated_deltanet) projections, and its
-    convolution, decay parameters and norm; a short convolution's (models.short_conv) in_proj and out_proj, and its
-    taps."""
-    if cfg.short_conv is not None:
-        return 4 * cfg.hidden_size ** 2, cfg.short_conv * cfg.hidden_size
-    if cfg.mamba is not None:  # in_proj (z, x B C, dt) and out_proj; the taps and their bias, dt_bias, A_log, D, norm
-        m, d = cfg.mamba, cfg.hidden_size
-        inner, ch = m.heads * m.head_dim, m.heads * m.head_dim + 2 * m.groups * m.state
-        return d * (inner + ch + m.heads) + inner * d, (m.conv_kernel + 1) * ch + 3 * m.heads + inner
-    m, d = cfg.linear, cfg.hidden_size
-    c, hv = 2 * m.key_heads * m.key_dim + m.value_heads * m.value_dim, m.value_heads
-    return d * (c + hv * m.value_dim + 2 * hv) + hv * m.value_dim * d, m.conv_kernel * c + 2 * hv + m.value_dim
+    """(matrices, the rest) of one stateful layer (`mixers`' weights: Gated DeltaNet's, a short convolution's,
+    Mamba-2's)."""
+    return kind(cfg).weights(cfg)
 
 
 def attention_matrices(cfg: Any, i: int) -> int:

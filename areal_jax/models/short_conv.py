@@ -43,6 +43,16 @@ def state_bytes(cfg: ModelConfig) -> int:
     return 4 * (cfg.short_conv - 1) * cfg.hidden_size
 
 
+def weights(cfg: ModelConfig) -> tuple[int, int]:
+    """(matrices, the rest) of one conv layer: in_proj and out_proj; the taps."""
+    return 4 * cfg.hidden_size ** 2, cfg.short_conv * cfg.hidden_size
+
+
+def adapter_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{LoRA short name: (inputs, outputs)} of a conv layer's projections."""
+    return {"in": (cfg.hidden_size, 3 * cfg.hidden_size), "out": (cfg.hidden_size, cfg.hidden_size)}
+
+
 class ShortConv(nnx.Module):
     """LFM2's gated short convolution: in_proj [D, 3 * D] (B, C, x channel by channel: `interleaved_channels`),
     conv [taps, D] and out_proj [D, D]; on a tensor axis all split by channels ("mlp")."""
@@ -68,3 +78,6 @@ class ShortConv(nnx.Module):
             conv, window = window_conv(mixed, w, context.window[..., 0], context.valid)
             context.store(window[..., None].astype(context.window.dtype), context.state)
         return project(gate_c * conv.astype(dt), self.out_proj, dt)
+
+
+Mixer = ShortConv

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import mamba2, short_conv
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.gated_deltanet import StateCache, state_buffers
+from areal_jax.models.gated_deltanet import StateCache
 from areal_jax.models.layers import DecoderLayer, make_norm, make_param, soft_cap
+from areal_jax.models.mixers import kind
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
 from areal_jax.models.packed_attention import (  # noqa: F401 (re-export)
@@ -105,15 +105,13 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
 
 def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> KVCache:
     """A zero KVCache of `rows` rows, layer i holding lengths[i] positions in `mla.cache_layout`'s heads and widths
-    (a Gated DeltaNet layer: its window and state, `gated_deltanet.state_buffers`; a short convolution's:
-    `short_conv.state_buffers`); dtype defaults to `cache_dtype(cfg)`."""
+    (a stateful layer: its window and state, `mixers`' state_buffers); dtype defaults to `cache_dtype(cfg)`."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
     if not cfg.recurrent:  # (its own branch: the buffers keep the order, and programs the lowering, of before)
         return KVCache(k=tuple(jnp.zeros((rows, n, heads, k_dim), dtype) for n in lengths),
                        v=tuple(jnp.zeros((rows, n, heads, v_dim), dtype) for n in lengths))
-    buffers = short_conv.state_buffers if cfg.short_conv is not None else mamba2.state_buffers if cfg.mamba is not None \
-        else state_buffers
+    buffers = kind(cfg).state_buffers
     pairs = [buffers(cfg, rows) if cfg.layer_is_linear(i) else
              (jnp.zeros((rows, n, heads, k_dim), dtype), jnp.zeros((rows, n, heads, v_dim), dtype))
              for i, n in enumerate(lengths)]

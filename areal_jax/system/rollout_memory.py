@@ -12,11 +12,9 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.flat_params import cast_shapes
-from areal_jax.models.gated_deltanet import state_bytes
-from areal_jax.models.mamba2 import state_bytes as mamba_state_bytes
+from areal_jax.models.mixers import kind
 from areal_jax.models.mla import cache_layout
 from areal_jax.models.sharding import logical_to_mesh_sharding
-from areal_jax.models.short_conv import state_bytes as conv_state_bytes
 from areal_jax.models.transformer import cache_dtype, cache_lengths, ring_layers
 from areal_jax.trainer.memory import per_device_bytes
 
@@ -72,16 +70,15 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     """The sampler's KV cache on one rollout device (keys and values of every layer; a dense cache and a page pool
     split their kv heads over the rollout mesh's tensor axis when they divide), with the standby
     rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
-    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket); a Gated DeltaNet layer
-    keeps each row's window and state (`gated_deltanet.state_bytes`), a short convolution its window."""
+    (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket); a stateful layer
+    keeps each row's window and state (`mixers`' state_bytes)."""
     rows = rollout.num_slots + rollout.standby
     rings = ring_layers(cfg, rollout.max_len)
     lengths = cache_lengths(cfg, rollout.max_len, ring=True)
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
     layer_position = kv_position_bytes(cfg, tensor, layers=1)
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # a fixed state per row
-    row_states = linear * (conv_state_bytes(cfg) if cfg.short_conv is not None else mamba_state_bytes(cfg)
-                           if cfg.mamba is not None else state_bytes(cfg) if linear else 0)
+    row_states = linear * kind(cfg).state_bytes(cfg) if linear else 0
     full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings) - linear)
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full

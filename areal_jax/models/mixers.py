@@ -1,0 +1,24 @@
+"""The stateful token mixer of a model's linear layers (`ModelConfig.layer_is_linear`): Gated DeltaNet (Qwen3.5,
+Qwen3-Next, OLMo Hybrid: `models.gated_deltanet`), the gated short convolution (LFM2: `models.short_conv`) or Mamba-2
+(Granite 4.0-H, Bamba: `models.mamba2`). Each kind's module gives the same names, which the decoder, the sampler's
+cache, the memory plans, the parameter counts and LoRA read through `kind`:
+
+- `Mixer`: the nnx module of one layer, `Mixer(cfg, rngs=...)(x, context)`;
+- `state_buffers(cfg, rows)`: a layer's zero cache entries for `rows` rows (its window, its state), and
+  `state_bytes(cfg)`: one row's bytes of them;
+- `weights(cfg)`: (the matrices a token multiplies through, the other parameters) of one layer;
+- `adapter_dims(cfg)`: {LoRA short name: (inputs, outputs)} of its projections, in the order `lora.targets` lists them.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+
+def kind(cfg: Any) -> ModuleType:
+    """The module of `cfg`'s stateful mixer (whichever of ModelConfig.short_conv / .mamba / .linear it sets)."""
+    from areal_jax.models import gated_deltanet, mamba2, short_conv  # noqa: PLC0415 (they build on models.layers)
+
+    if cfg.short_conv is not None:
+        return short_conv
+    return mamba2 if cfg.mamba is not None else gated_deltanet
