@@ -76,7 +76,8 @@ def test_peft_directory_round_trip(tmp_path):
                                           ("lfm2_moe", "all"), ("lfm2_moe", "attn,experts"), ("lfm3", "all"),
                                           ("olmo_hybrid", "all"), ("olmo_hybrid", "in_v,in_b,o"), ("granitemoehybrid", "all"),
                                           ("granitemoehybrid", "q,up"), ("bamba", "all"),
-                                          ("bamba", "in_xbc,in_dt,re:layers\\.1\\.attn\\.q_proj")])
+                                          ("bamba", "in_xbc,in_dt,re:layers\\.1\\.attn\\.q_proj"),
+                                          ("nemotron_h", "q,k,v,o,in_z,in_xbc,in_dt,up,down"), ("nemotron_h", "in_xbc,up")])
 def test_peft_loads_our_adapters_with_equal_logits(tmp_path, arch, targets):
     """peft applies our adapters to the HF model with our logits; Phi's fused qkv_proj / gate_up_proj take the
     adapted parts' adapters side by side (all of them, or some: q and v of qkv, up of gate_up in one layer; Qwen3-Next's

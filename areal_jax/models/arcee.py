@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"arcee": "ArceeForCausalLM"}
-UNGATED = tuple(HF_CLASSES)  # architectures whose MLP has no gate_proj
+UNGATED = (*HF_CLASSES, "nemotron_h")  # architectures whose MLP has no gate_proj: down(relu(x @ up) ** 2)
 _DEFAULTS = dict(vocab_size=32000, hidden_size=2560, intermediate_size=18432, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                  bos_token_id=128000, eos_token_id=128001)  # transformers' ArceeConfig, where a config.json leaves a key out

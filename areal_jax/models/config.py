@@ -17,7 +17,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", *MOE_ARCHITECTURES)
+                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
@@ -85,7 +85,8 @@ class ModelConfig:
       or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet; mamba: or `Mamba2` shapes: theirs
       are Mamba-2 mixers (models.mamba2).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
-      None: every layer has experts when num_experts > 0.
+      None: every layer has experts when num_experts > 0. mlp_layers: per layer 1 (a feed-forward) or 0 (none: the
+      layer is its token mixer alone, Nemotron-H's mixer followed by another); None: every layer has one.
     moe_impl: how the experts compute (not a property of the checkpoint): "blocked", "ragged", "pallas" or "dense"
       (models.moe); "auto": ragged on TPU, dense on GPUs for a decode step's few hundred tokens
       (`expert_paths.resolve_moe_impl`), blocked elsewhere. All are dropless: a token's output does not depend on the batch.
@@ -132,6 +133,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_size: int | None = None
     moe_layers: tuple[int, ...] | None = None
+    mlp_layers: tuple[int, ...] | None = None
     moe_impl: str = "auto"
     expert_parallel: bool = True
     expert_dispatch: str = "auto"
@@ -178,7 +180,7 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", checks.to_dtype(self.param_dtype, "param_dtype"))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        self._check_attention_layout()
+        checks.check_attention_layout(self, LAYER_TYPES)
         for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla,
                       checks.check_linear, checks.check_head_gate):
             check(self)
@@ -207,26 +209,6 @@ class ModelConfig:
             values.append(tuple(sorted(v.items())) if isinstance(v, dict) else v)
         return hash(tuple(values))
 
-    def _check_attention_layout(self) -> None:
-        window, types = self.sliding_window, self.layer_types
-        if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
-                                   or window < 1):
-            raise ValueError(f"ModelConfig.sliding_window must be a positive integer or None, got {window!r}.")
-        if types is not None:
-            types = tuple(types)
-            object.__setattr__(self, "layer_types", types)
-            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
-                raise ValueError(f"ModelConfig.layer_types must hold num_layers={self.num_layers} entries, each one of "
-                                 f"{', '.join(LAYER_TYPES)}; got {list(types)}.")
-            if "sliding_attention" in types and window is None:
-                raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
-                                 "set the window (positions each query looks back over).")
-        self._layer_flags("rope_layers", "(rotary embeddings) or 0 (none)")
-        if self.query_pre_attn_scalar is not None and not float(self.query_pre_attn_scalar) > 0:
-            raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}.")
-        if self.rope_local_theta is not None and not float(self.rope_local_theta) > 0:
-            raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {self.rope_local_theta}.")
-
     def _layer_flags(self, name: str, meaning: str) -> tuple[int, ...] | None:
         """Field `name`, a per-layer tuple of 0 / 1 flags (or None), made a tuple of ints and checked."""
         if getattr(self, name) is None:
@@ -239,8 +221,12 @@ class ModelConfig:
         return flags
 
     def layer_is_moe(self, i: int) -> bool:
-        """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size)."""
-        return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[i]))
+        """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size, or none)."""
+        return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[i])) and self.layer_has_mlp(i)
+
+    def layer_has_mlp(self, i: int) -> bool:
+        """Whether layer i has a feed-forward (and the norm before it) after its token mixer (`mlp_layers`)."""
+        return self.mlp_layers is None or bool(self.mlp_layers[i])
 
     @property
     def expert_size(self) -> int:
@@ -328,7 +314,7 @@ class ModelConfig:
         moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
         kind = "conv" if self.short_conv is not None else "linear_attention"
         return self.replace(num_layers=n, layer_types=(kind,) * n if linear else None, sliding_window=None,
-                            moe_layers=moe, linear=self.linear if linear else None,
+                            moe_layers=moe, mlp_layers=None, linear=self.linear if linear else None,
                             short_conv=self.short_conv if linear else None, mamba=self.mamba if linear else None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:

@@ -8,6 +8,30 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def check_attention_layout(cfg, layer_types: tuple[str, ...]) -> None:
+    """ModelConfig's sliding window, layer types (each one of `layer_types`), per-layer flags (rope_layers,
+    mlp_layers), query scalar and local RoPE base; the layer types are made a tuple."""
+    window, types = cfg.sliding_window, cfg.layer_types
+    if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
+                               or window < 1):
+        raise ValueError(f"ModelConfig.sliding_window must be a positive integer or None, got {window!r}.")
+    if types is not None:
+        types = tuple(types)
+        object.__setattr__(cfg, "layer_types", types)
+        if len(types) != cfg.num_layers or any(t not in layer_types for t in types):
+            raise ValueError(f"ModelConfig.layer_types must hold num_layers={cfg.num_layers} entries, each one of "
+                             f"{', '.join(layer_types)}; got {list(types)}.")
+        if "sliding_attention" in types and window is None:
+            raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
+                             "set the window (positions each query looks back over).")
+    cfg._layer_flags("rope_layers", "(rotary embeddings) or 0 (none)")
+    cfg._layer_flags("mlp_layers", "(a feed-forward after the token mixer) or 0 (none)")
+    if cfg.query_pre_attn_scalar is not None and not float(cfg.query_pre_attn_scalar) > 0:
+        raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {cfg.query_pre_attn_scalar}.")
+    if cfg.rope_local_theta is not None and not float(cfg.rope_local_theta) > 0:
+        raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {cfg.rope_local_theta}.")
+
+
 def check_longrope(scaling: dict, rope_dim: int, max_position_embeddings: int) -> None:
     """LongRoPE's keys in `scaling` (changed in place), completed as transformers completes them (factor from the
     context lengths); its factor lists become tuples of floats (the config stays hashable)."""

@@ -9,8 +9,8 @@ from typing import Container
 # as transformers writes them back, its attention layers' norm after attention too)
 ALIASES = ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm."))
 # (on disk and in the table, in transformers' module) where a family's module is named otherwise than its tensor:
-# LFM3's head gate (gate_proj on disk, g_proj in the module)
-MODULE_NAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),)}
+# LFM3's head gate (gate_proj on disk, g_proj in the module); Nemotron-H's backbone (model in the module)
+MODULE_NAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),), "nemotron_h": (("backbone.", "model."),)}
 # a tensor the table names whole and a checkpoint may hold as pieces along the first axis, in this order
 PIECES = {".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                          ".linear_attn.v_conv1d.weight")}

@@ -14,6 +14,7 @@ from areal_jax.models import (
     lfm2,
     lfm3,
     ministral3,
+    nemotron_h,
     olmo_hybrid,
     phimoe,
     qwen3_5,
@@ -21,4 +22,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h)

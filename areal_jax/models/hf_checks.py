@@ -59,9 +59,13 @@ def check_loadable(cfg: Any) -> None:
     if cfg.rope_local_theta is not None and cfg.architecture not in ("gemma2", "gemma3", "olmo3", "lfm3"):
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
                          f"LFM3's; HF {cfg.architecture} has one base for every layer.")
-    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid"):
-        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's and Granite 4.0's; HF "
-                         f"{cfg.architecture} rotates in every layer.")
+    if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid",
+                                                                "nemotron_h"):
+        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
+                         f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
+    if cfg.mlp_layers is not None and cfg.architecture != "nemotron_h":
+        raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
+                         "in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "bamba",
                                                                *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "

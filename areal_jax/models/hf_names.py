@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import arcee, bamba, hunyuan, lfm2
+from areal_jax.models import arcee, bamba, hunyuan, lfm2, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -118,9 +118,8 @@ class _Entry:
 def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
-    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj, gate and up in one gate_up_proj (GLM-4: the latter)
-    glm4 = cfg.architecture == "glm4"  # its four norms' names
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj (and gate and up in one gate_up_proj: `_ffn_entries`)
     qk_norm_names = hunyuan.QK_NORM_NAMES if cfg.architecture in hunyuan.HF_CLASSES else ("q_norm", "k_norm")
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
@@ -151,27 +150,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         if cfg.qk_norm and not linear:
             for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
                 entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
-        post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
-            if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-        entries.extend(_norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}"))
-        if cfg.sandwich_norms:
-            entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
-        if cfg.sandwich_norms or olmo:
-            entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
-        if cfg.layer_is_moe(i):
-            entries.extend(_expert_entries(cfg, p + ("mlp",), hf))
-        elif fused or glm4 or cfg.architecture == "granitemoehybrid":  # gate and up fused (Granite 4.0: input_linear)
-            up = f"{hf}.shared_mlp.input_linear.weight" if cfg.architecture == "granitemoehybrid" else \
-                f"{hf}.mlp.gate_up_proj.weight"
-            entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))
-            entries.append(_Entry(p + ("mlp", "up_proj"), up, "in_first", (f, 2 * f, 2 * f)))
-        else:
-            if cfg.architecture not in arcee.UNGATED:
-                entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
-            entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
-        if not cfg.layer_is_moe(i):
-            down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
-            entries.append(_Entry(p + ("mlp", "down_proj"), f"{down}.weight", "out_last"))
+        if cfg.layer_has_mlp(i):  # (else the token mixer alone: Nemotron-H)
+            entries.extend(_ffn_entries(cfg, p, hf, olmo))
         if cfg.attention_out_bias:
             entries.append(_Entry(p + ("attn", "o_bias"), f"{hf}.self_attn.o_proj.bias", "same"))
         if cfg.attention_sinks:
@@ -185,7 +165,35 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
     elif cfg.architecture == "bamba":  # and Bamba's
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture == "nemotron_h":  # and Nemotron-H's blocks
+        entries = [replace(e, hf_name=nemotron_h.hf_name(e.hf_name, cfg)) for e in entries]
     return entries
+
+
+def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool) -> list[_Entry]:
+    """Layer p's feed-forward and the norms about it: a dense MLP (gate and up fused in Phi's, GLM-4's gate_up_proj and
+    Granite 4.0's shared_mlp.input_linear; no gate in Arcee's), or experts (`_expert_entries`)."""
+    i, f, glm4 = p[1], cfg.intermediate_size, cfg.architecture == "glm4"
+    post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
+        if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    entries = _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
+    if cfg.sandwich_norms:
+        entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
+    if cfg.sandwich_norms or olmo:
+        entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
+    if cfg.layer_is_moe(i):
+        return entries + _expert_entries(cfg, p + ("mlp",), hf)
+    if cfg.architecture in ("phi3", "glm4", "granitemoehybrid"):  # gate and up fused (Granite 4.0: input_linear)
+        up = f"{hf}.shared_mlp.input_linear.weight" if cfg.architecture == "granitemoehybrid" else \
+            f"{hf}.mlp.gate_up_proj.weight"
+        entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))
+        entries.append(_Entry(p + ("mlp", "up_proj"), up, "in_first", (f, 2 * f, 2 * f)))
+    else:
+        if cfg.architecture not in arcee.UNGATED:
+            entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
+        entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
+    down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
+    return entries + [_Entry(p + ("mlp", "down_proj"), f"{down}.weight", "out_last")]
 
 
 def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:

@@ -254,9 +254,11 @@ class DecoderLayer(nnx.Module):
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
     pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
     (`models.moe.MoE`) rather than one MLP. linear: the token mixer is a stateful one (`linear_attn`: Gated
-    DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None)."""
+    DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None). mlp False: no
+    feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False,
+                 mlp: bool = True):
         from areal_jax.models.mixers import kind  # noqa: PLC0415 (they build on this module)
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
@@ -265,8 +267,8 @@ class DecoderLayer(nnx.Module):
         self.input_norm = None if olmo else make_norm(cfg)
         self.linear_attn = kind(cfg).Mixer(cfg, rngs=rngs) if linear else None
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
-        self.post_attn_norm = make_norm(cfg)
-        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
+        self.post_attn_norm = make_norm(cfg) if mlp else None
+        self.mlp = None if not mlp else MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = make_norm(cfg) if cfg.sandwich_norms else None
         self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
@@ -307,7 +309,9 @@ class DecoderLayer(nnx.Module):
             o = attend(q, k, v, sinks, *write)
             a = self.attn.out(self.attn.head_gated(h, o) if getattr(self.attn, "g_proj", None) is not None else o,
                               cached)
-        if self.residual_multiplier is not None:
+        if self.mlp is None:  # the token mixer alone (Nemotron-H's mixer followed by another)
+            x = x + a
+        elif self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m
             x = x + ffn(self.post_attn_norm(x)) * m

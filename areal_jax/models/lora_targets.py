@@ -181,9 +181,10 @@ def adapter_bytes(model_cfg: ModelConfig, cfg: LoRAConfig, itemsize: int = 4) ->
 
 def model_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> list[tuple[int, str]]:
     """`LoRAConfig.target_paths` of a decoder of shape `model_cfg` (its layers' kinds and projections)."""
-    return cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
-                            mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg),
-                            linear_projections(model_cfg))
+    paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
+                             mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg),
+                             linear_projections(model_cfg))
+    return [(i, s) for i, s in paths if model_cfg.layer_has_mlp(i) or not PROJECTIONS[s][0].startswith("mlp")]
 
 
 def module_at(layer: Any, part: str) -> Any:

@@ -55,7 +55,8 @@ def num_params(cfg: Any) -> int:
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
     ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
-              else mlp_matrices(cfg) * d * f for i in range(cfg.num_layers))
+              else mlp_matrices(cfg) * d * f if cfg.layer_has_mlp(i) else -norm  # (no MLP: nor the norm before it)
+              for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return mixers + cfg.num_layers * (layer - attn) + ffn + emb + norm + (cfg.vocab_size if cfg.lm_head_bias else 0)
 
@@ -68,4 +69,5 @@ def matmul_params_per_token(cfg: Any) -> int:
     moe = cfg.num_experts_per_tok * 3 * d * cfg.expert_size + d * cfg.num_experts
     moe += 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     dense = mlp_matrices(cfg) * d * cfg.intermediate_size
-    return sum(attention_matrices(cfg, i) + (moe if cfg.layer_is_moe(i) else dense) for i in range(cfg.num_layers))
+    return sum(attention_matrices(cfg, i) + (moe if cfg.layer_is_moe(i) else dense if cfg.layer_has_mlp(i) else 0)
+               for i in range(cfg.num_layers))

@@ -55,6 +55,11 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
     dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
                         if PROJECTIONS[short][0].startswith("mlp")})
+    out_proj = sorted(f"layers.{i}.linear_attn.out_proj" for i, short, _ in out if short == "out")
+    if out_proj and getattr(model.cfg, "architecture", None) == "nemotron_h":
+        raise ValueError(f"PEFT refuses adapters on a Mamba-2 mixer's out_proj in {model.cfg.architecture} models "
+                         f"({', '.join(out_proj[:4])}{' ...' if len(out_proj) > 4 else ''}); export the merged checkpoint "
+                         "(export --format=hf), or leave 'out' out of lora.targets (e.g. q,k,v,o,in_z,in_xbc,in_dt,up,down).")
     if dense_mlp and getattr(model.cfg, "architecture", None) in _EXPERT_NAMED_MLP:
         raise ValueError(f"PEFT (on transformers 5) reads a target ending in gate_proj / up_proj / down_proj of a "
                          f"{model.cfg.architecture} model as its experts' parameters, so the adapters of its dense "

@@ -161,8 +161,8 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i), linear=cfg.layer_is_linear(i))
-                                for i in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i), linear=cfg.layer_is_linear(i),
+                                             mlp=cfg.layer_has_mlp(i)) for i in range(cfg.num_layers)])
         self.final_norm = make_norm(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head = None

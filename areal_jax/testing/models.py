@@ -31,8 +31,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
-    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid and
-    bamba as at their branches.
+    flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
+    bamba and nemotron_h as at their branches.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -183,6 +183,11 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # second layer of each four, attention there rotating half of each head
         fields.update(rotary_dim=8, mamba=(4, 32, 16, 2, 4), layer_types=tuple(
             "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
+    if architecture == "nemotron_h":  # Nemotron-H's form: Mamba-2 mixers (as bamba's) but in the second layer of each
+        # four, attention there with no position embeddings; every third layer from the first without an MLP
+        fields.update(mamba=(4, 32, 16, 2, 4), rope_layers=(0,) * layers, rms_norm_eps=1e-5,
+                      layer_types=tuple("full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)),
+                      mlp_layers=tuple(int(i % 3 != 0) for i in range(layers)))
     if architecture == "lfm2_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))

@@ -1,0 +1,143 @@
+"""Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 4B / 8B, NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2): what its config.json
+means here (`config_from_hf`, `config_to_hf`, `check_hf`) and its tensors' names (`hf_name`).
+
+Its blocks each hold one pre-normed mixer with a residual: a Mamba-2 mixer ("M", `models.mamba2`: mamba_num_heads of
+mamba_head_dim, n_groups groups of B and C of ssm_state_size, conv_kernel taps with a bias), attention without any
+position embedding ("*"), or an ungated MLP down(relu(up x)^2) ("-"); the order is the config's layers_block_type (or
+its older hybrid_override_pattern string). Here a mixer and the MLP block after it are one decoder layer (its input
+norm the mixer block's norm, its norm before the MLP the MLP block's), and a mixer followed by another mixer is a
+layer without a feed-forward (`ModelConfig.mlp_layers`). Blocks of experts ("E": Nemotron 3), an MLP block that follows
+no mixer, biases and a sliding window are refused. residual_in_fp32 is not modelled: the residual stream is in the
+compute dtype (the same in float32).
+
+Checkpoints name their tensors backbone.embeddings, backbone.layers.{b}.norm / .mixer.*, backbone.norm_f and lm_head
+(the released ones, and transformers writes them so); transformers' modules are model.* (`disk_names.in_memory`).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax.numpy as jnp
+
+from areal_jax.models.config_checks import Mamba2
+from areal_jax.models.hf_family import hf_dict, reader, require_fields
+
+HF_CLASSES = {"nemotron_h": "NemotronHForCausalLM"}
+_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, layer_norm_epsilon=1e-5,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, mamba_num_heads=128, mamba_head_dim=64,
+                 ssm_state_size=128, n_groups=8, conv_kernel=4)  # transformers' NemotronHConfig, where a key is absent
+_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+           "mamba_dt_limit": "time_step_limit"}  # older config.json keys transformers still reads
+_KINDS = {"M": "linear_attention", "mamba": "linear_attention", "linear_attention": "linear_attention",
+          "*": "full_attention", "attention": "full_attention", "full_attention": "full_attention",
+          "-": "mlp", "mlp": "mlp", "E": "moe", "moe": "moe"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.([a-z_]+)\.(.*)$")
+
+
+def blocks(d: dict) -> list[str]:
+    """The config.json's blocks in order, each "linear_attention" (Mamba-2), "full_attention" or "mlp"."""
+    raw = d.get("layers_block_type") or d.get("layer_types") or d.get("hybrid_override_pattern")
+    if not raw:
+        raise ValueError("A Nemotron-H config.json names its blocks in layers_block_type (or hybrid_override_pattern, "
+                         "e.g. 'M-M*-'); this one has neither.")
+    kinds = [_KINDS.get(k) for k in (list(raw) if isinstance(raw, str) else raw)]
+    if None in kinds:
+        raise ValueError(f"Nemotron-H's blocks are mamba (M), attention (*) or mlp (-); got {raw!r}.")
+    if "moe" in kinds:
+        raise ValueError("Nemotron-H blocks of experts (moe, 'E': Nemotron 3) are not supported here; only Mamba-2, "
+                         "attention and MLP blocks.")
+    return kinds
+
+
+def layers_of(kinds: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(our layers' types, their MLP flags): each mixer block with the MLP block after it, if any, as one layer."""
+    types, mlps = [], []
+    for b, kind in enumerate(kinds):
+        if kind != "mlp":
+            types.append(kind)
+            mlps.append(int(b + 1 < len(kinds) and kinds[b + 1] == "mlp"))
+        elif b == 0 or kinds[b - 1] == "mlp":
+            raise ValueError(f"Nemotron-H block {b} is an MLP that follows no mixer; each MLP block here follows a "
+                             "Mamba-2 or attention block (as in the released models).")
+    return tuple(types), tuple(mlps)
+
+
+def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
+                   param_dtype: Any = jnp.float32) -> Any:
+    """A ModelConfig of a Nemotron-H config.json (transformers' defaults where a key is absent)."""
+    d = {**{new: d[old] for old, new in _LEGACY.items() if old in d and new not in d}, **d}
+    get = reader(d, _DEFAULTS, none_is_default=True)
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if d.get(key, want) != want:
+            raise ValueError(f"{key}={d[key]!r}: Nemotron-H here has {want!r} there (as the released models).")
+    biases = [k for k in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias") if d.get(k)]
+    if biases or not d.get("use_conv_bias", True) or d.get("sliding_window"):
+        raise ValueError(f"{', '.join(biases) or 'use_conv_bias=false / sliding_window'}: Nemotron-H here has no "
+                         "projection biases, a convolution bias and full attention (as the released models).")
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in d.get("time_step_limit") or ()]
+    if limit and limit != [0.0, float("inf")]:
+        raise ValueError(f"time_step_limit={limit}: a clamped time step is not supported here.")
+    types, mlps = layers_of(blocks(d))
+    heads, eos = int(get("num_attention_heads")), get("eos_token_id")
+    mamba = Mamba2(int(get("mamba_num_heads")), int(get("mamba_head_dim")), int(get("ssm_state_size")),
+                   int(get("n_groups")), int(get("conv_kernel")))
+    return cls(architecture=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+               intermediate_size=int(get("intermediate_size")), num_layers=len(types), num_heads=heads,
+               num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim")),
+               rope_layers=(0,) * len(types), rms_norm_eps=float(get("layer_norm_epsilon")),
+               tie_word_embeddings=bool(get("tie_word_embeddings")),
+               max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
+               eos_token_id=tuple(eos) if isinstance(eos, list) else eos, layer_types=types,
+               mamba=mamba if "linear_attention" in types else None, mlp_layers=None if all(mlps) else mlps,
+               dtype=dtype, param_dtype=param_dtype)
+
+
+def check_hf(cfg: Any) -> None:
+    """Refuses a config transformers' NemotronHForCausalLM would not load as it is."""
+    if cfg.architecture not in HF_CLASSES:
+        return
+    require_fields(cfg, "Nemotron-H", "attention without position embeddings (no biases, q/k norm or windows), "
+                   "Mamba-2 mixers and ungated MLPs, no experts", attention_bias=False, qk_norm=False,
+                   sliding_window=None, rope_layers=(0,) * cfg.num_layers, rotary_dim=None, linear=None, short_conv=None,
+                   num_experts=0, mla=None)
+
+
+def config_to_hf(cfg: Any, common: dict) -> dict:
+    """The config.json of a Nemotron-H config: `common` (hf_config's keys every family writes) with its own."""
+    check_hf(cfg)
+    kinds = []
+    for i in range(cfg.num_layers):
+        kinds += ["linear_attention" if cfg.layer_is_linear(i) else "full_attention"] + ["mlp"] * cfg.layer_has_mlp(i)
+    m = cfg.mamba
+    mamba = {} if m is None else dict(mamba_num_heads=m.heads, mamba_head_dim=m.head_dim, ssm_state_size=m.state,
+                                      n_groups=m.groups, conv_kernel=m.conv_kernel, use_conv_bias=True)
+    skip = ("hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters", "num_hidden_layers")
+    return hf_dict({k: v for k, v in common.items() if k not in skip}, **mamba, layers_block_type=kinds,
+                   hybrid_override_pattern="".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k]
+                                                   for k in kinds),
+                   num_hidden_layers=len(kinds), layer_norm_epsilon=cfg.rms_norm_eps, mlp_hidden_act="relu2",
+                   mamba_hidden_act="silu", attention_bias=False, mlp_bias=False, use_bias=False,
+                   residual_in_fp32=False, pad_token_id=None)
+
+
+def hf_name(name: str, cfg: Any) -> str:
+    """Nemotron-H's name (as a checkpoint holds it: backbone.*) of a tensor the weight table names as Llama does
+    (`hf_names.weight_entries`): layer i's norms, mixer and MLP are blocks b and b + 1 (`layers_of`)."""
+    starts, b = [], 0
+    for i in range(cfg.num_layers):
+        starts.append(b)
+        b += 1 + cfg.layer_has_mlp(i)
+    if name == "model.embed_tokens.weight":
+        return "backbone.embeddings.weight"
+    if name.startswith("model.norm."):
+        return "backbone.norm_f." + name.removeprefix("model.norm.")
+    found = _LAYER.match(name)
+    if found is None:
+        return name
+    layer, part, rest = int(found.group(1)), found.group(2), found.group(3)
+    block = starts[layer] + (part in ("post_attention_layernorm", "mlp"))
+    if part in ("input_layernorm", "post_attention_layernorm"):
+        return f"backbone.layers.{block}.norm.{rest}"
+    return f"backbone.layers.{block}.mixer.{rest}"
