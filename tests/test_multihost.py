@@ -162,6 +162,7 @@ def test_killing_one_process_makes_the_other_exit(assets, tmp_path, victim, file
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 31 s in CI: the two-process update is this file's other runs', LoRA's hand-off tests/test_lora.py's
 def test_two_processes_train_a_value_head_beside_lora_adapters(assets, tmp_path):
     """train.critic=value_head with LoRA across two processes: both finish, agree on the trained weights after
     every publish (digests), and report a finite value loss at every step. They save by process 0's clock
