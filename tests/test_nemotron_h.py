@@ -109,3 +109,57 @@ def test_peft_export_refuses_what_peft_refuses(tmp_path):
     with pytest.raises(ValueError, match="leave 'out' out of lora.targets"):
         save_peft_adapter(model, lcfg, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_mamba_mixers_split_over_a_tensor_axis(groups):
+    """On a (fsdp 1, tensor 2) mesh the Mamba-2 mixers split by heads (z, dt, out_proj, the norm) and, with several
+    groups, x B C by whole groups (one group: held whole); the sampler's greedy decode over pages equals full forwards."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from areal_jax.models import shard_params
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    model = random_model(tiny_config("nemotron_h", num_layers=4, mamba=(4, 32, 16, groups, 4)), seed=3)
+    placed = shard_params(random_model(model.cfg, seed=3), mesh).layers[0].linear_attn
+    split = PartitionSpec(None, "tensor")
+    assert placed.in_proj_z[...].sharding.spec == split and placed.out_proj[...].sharding.spec == PartitionSpec("tensor", None)
+    assert placed.norm_scale[...].sharding.spec == PartitionSpec("tensor")
+    assert placed.in_proj_xbc[...].sharding.spec == (split if groups > 1 else PartitionSpec(None, None))
+    assert placed.conv[...].sharding.spec == (split if groups > 1 else PartitionSpec(None, None))
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=8, mesh=mesh)
+
+
+@pytest.mark.long  # 37 s; in CI the sampler's tensor-axis test above covers the split mixers' decoding
+def test_sharded_forward_and_gradients_match_one_device():
+    """On a 2 x 2 (fsdp, tensor) mesh, Mamba-2 mixers of two groups split by heads and groups: the cache-free forward
+    over packed rows, its gradients and the cache path as on one device."""
+    import jax
+    from flax import nnx
+
+    from areal_jax.models import init_cache, shard_params
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"))
+    cfg = tiny_config("nemotron_h", num_layers=4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 20)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], 4, axis=0), jnp.int32)
+    pos = jnp.asarray(np.repeat([list(range(12)) + list(range(8))], 4, axis=0), jnp.int32)
+
+    def loss(model):
+        return jnp.sum(jnp.tanh(model(tokens, pos, seg)))
+
+    reference = random_model(cfg, seed=5)
+    want, want_grads = loss(reference), nnx.grad(loss)(reference)
+    model = shard_params(random_model(cfg, seed=5), mesh)
+    assert len(model.layers[0].linear_attn.in_proj_xbc[...].sharding.device_set) == 4
+    graphdef, state = nnx.split(model)
+    got, grads = jax.jit(jax.value_and_grad(lambda st: loss(nnx.merge(graphdef, st))))(state)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(want_grads)), jax.tree.leaves(grads)):  # sums split over devices
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-4 * float(jnp.abs(a).max()))
+    decode = jax.jit(lambda st, t, p, c: nnx.merge(graphdef, st)(t, p, cache=c))
+    logits, _ = decode(state, tokens[:, :12], pos[:, :12], init_cache(cfg, 4, 16))
+    np.testing.assert_allclose(logits, reference(tokens[:, :12]), atol=1e-4, rtol=1e-5)

@@ -329,15 +329,20 @@ def _conv_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> lis
 
 
 def _mamba_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
-    """A Mamba-2 mixer's parameters (models.mamba2): in_proj's rows z, x B C and dt as three of ours."""
-    m = cfg.mamba
+    """A Mamba-2 mixer's parameters (models.mamba2): in_proj's rows z, x B C and dt as three of ours, the channels of x
+    B C (and of the convolution) regrouped group by group (`mamba2.grouped_channels`)."""
+    from areal_jax.models.mamba2 import grouped_channels  # noqa: PLC0415 (it imports the layers)
+
+    m, grouped = cfg.mamba, tuple(int(i) for i in grouped_channels(cfg))
     inner = m.heads * m.head_dim
     ch = inner + 2 * m.groups * m.state
     total = inner + ch + m.heads
     return [_Entry(path + ("in_proj_z",), f"{hf}.in_proj.weight", "in_first", (0, inner, total)),
-            _Entry(path + ("in_proj_xbc",), f"{hf}.in_proj.weight", "in_first", (inner, inner + ch, total)),
+            _Entry(path + ("in_proj_xbc",), f"{hf}.in_proj.weight", "in_first", (inner, inner + ch, total),
+                   channels=grouped),
             _Entry(path + ("in_proj_dt",), f"{hf}.in_proj.weight", "in_first", (inner + ch, total, total)),
-            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv"), _Entry(path + ("conv_bias",), f"{hf}.conv1d.bias", "same"),
+            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),
+            _Entry(path + ("conv_bias",), f"{hf}.conv1d.bias", "same", channels=grouped),
             *(_Entry(path + (name,), f"{hf}.{name}", "same") for name in ("dt_bias", "A_log", "D")),
             _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]

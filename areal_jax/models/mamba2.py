@@ -13,6 +13,11 @@ between chunks a scan carrying S), packed rows' segments each from a zero state;
 In a KV-cache forward a layer's cache entries are its convolution window, k [B, conv_kernel - 1, channels, 1], and its
 state, v [B, 1, heads * head_dim, state] float32 (`state_buffers`); a token at a negative position (padding) leaves
 both unchanged (its dt is zero: no decay, no write).
+
+On a tensor axis the mixer splits by heads: z, dt and their parameters, the norm's scale and out_proj by heads; x, B
+and C (their projection, convolution and window) by whole groups, held group by group (`grouped_channels`), where
+there are several groups; a single group's B and C are held whole on every device (x then too: its projection is one
+matrix with B's and C's). The state splits by heads as the cache's third axis does.
 """
 from __future__ import annotations
 
@@ -66,6 +71,18 @@ def channels(cfg) -> int:
     """The convolved channels: x (heads * head_dim), then B and C (groups * state each)."""
     m = cfg.mamba
     return m.heads * m.head_dim + 2 * m.groups * m.state
+
+
+def grouped_channels(cfg) -> np.ndarray:
+    """Where our convolved channels come from in HF's: in_proj_xbc, the convolution and its bias hold group by group
+    its heads' x, its B and its C side by side ([groups, heads / groups * head_dim + 2 state]), so a tensor axis that
+    divides the groups splits them by whole groups (and so by heads); transformers keeps all of x, then all of B, then
+    all of C. Ours[j] = HF's[perm[j]] (with one group the two orders are the same)."""
+    m = cfg.mamba
+    x, n = m.heads // m.groups * m.head_dim, m.state
+    inner, g = m.heads * m.head_dim, np.arange(m.groups)[:, None]
+    return np.concatenate([g * x + np.arange(x), inner + g * n + np.arange(n),
+                           inner + m.groups * n + g * n + np.arange(n)], axis=1).reshape(-1)
 
 
 def state_buffers(cfg, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -152,17 +169,18 @@ class Mamba2Mixer(nnx.Module):
         m, d, pdt = cfg.mamba, cfg.hidden_size, cfg.param_dtype
         inner, ch = m.heads * m.head_dim, channels(cfg)
         self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
-        self.in_proj_z = make_param(rngs, (d, inner), ("embed", None), pdt)
-        self.in_proj_xbc = make_param(rngs, (d, ch), ("embed", None), pdt)
-        self.in_proj_dt = make_param(rngs, (d, m.heads), ("embed", None), pdt)
-        self.conv = make_param(rngs, (m.conv_kernel, ch), (None, None), pdt, std=0.5)
-        self.conv_bias = make_param(rngs, (ch,), (None,), pdt, init="zeros")
-        self.dt_bias = make_param(None, (m.heads,), (None,), pdt, init="ones")
-        self.A_log = nnx.Param(jnp.log(jnp.arange(1, m.heads + 1, dtype=jnp.float32)).astype(pdt), out_sharding=(None,),
-                               eager_sharding=False)
-        self.D = make_param(None, (m.heads,), (None,), pdt, init="ones")
-        self.norm_scale = make_param(None, (inner,), ("norm",), pdt, init="ones")
-        self.out_proj = make_param(rngs, (inner, d), (None, "embed"), pdt)
+        groups = "kv_heads" if m.groups > 1 else None  # x B C split by whole groups; one group: held whole
+        self.in_proj_z = make_param(rngs, (d, inner), ("embed", "heads"), pdt)
+        self.in_proj_xbc = make_param(rngs, (d, ch), ("embed", groups), pdt)
+        self.in_proj_dt = make_param(rngs, (d, m.heads), ("embed", "heads"), pdt)
+        self.conv = make_param(rngs, (m.conv_kernel, ch), (None, groups), pdt, std=0.5)
+        self.conv_bias = make_param(rngs, (ch,), (groups,), pdt, init="zeros")
+        self.dt_bias = make_param(None, (m.heads,), ("heads",), pdt, init="ones")
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, m.heads + 1, dtype=jnp.float32)).astype(pdt),
+                               out_sharding=("heads",), eager_sharding=False)
+        self.D = make_param(None, (m.heads,), ("heads",), pdt, init="ones")
+        self.norm_scale = make_param(None, (inner,), ("heads",), pdt, init="ones")
+        self.out_proj = make_param(rngs, (inner, d), ("heads", "embed"), pdt)
 
     def __call__(self, x: jax.Array, context: Segments | StateCache) -> jax.Array:
         """x [B, T, D] (the layer's normed input) -> [B, T, D] in the compute dtype."""
@@ -179,9 +197,10 @@ class Mamba2Mixer(nnx.Module):
             valid = context.valid
             xbc, window = window_conv(xbc, w, context.window[..., 0], valid)
         xbc = jax.nn.silu(xbc + self.conv_bias[...].astype(dt_))
-        xs = xbc[..., :h * p].reshape(bsz, t, h, p).astype(jnp.float32)
-        groups = xbc[..., h * p:].reshape(bsz, t, 2, g, n).astype(jnp.float32)
-        b, c = (jnp.repeat(groups[:, :, j], h // g, axis=2) for j in range(2))  # [B, T, H, N]: each head's group's
+        per_group = xbc.reshape(bsz, t, g, -1).astype(jnp.float32)  # group by group: x, B, C (`grouped_channels`)
+        xs = per_group[..., :h // g * p].reshape(bsz, t, h, p)
+        b, c = (jnp.repeat(per_group[..., h // g * p + j * n:h // g * p + (j + 1) * n], h // g, axis=2)
+                for j in range(2))  # [B, T, H, N]: each head's group's
         dt = jax.nn.softplus(dt + self.dt_bias[...].astype(jnp.float32))
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         if valid is None:

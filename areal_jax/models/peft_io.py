@@ -85,16 +85,17 @@ def module_name(cfg: Any, layer: int, short: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _modules(cfg: Any) -> dict[tuple[int, str], tuple[str, tuple[np.ndarray, int] | None]]:
     """{(layer, projection): (its HF module path, and where that module fuses several of ours (Phi's qkv_proj, GLM-4's
-    gate_up_proj, Qwen3-Next's in_proj_qkvz, Granite 4.0's input_linear, a Mamba-2 in_proj): the rows of the fused
-    weight that hold its rows, in our order, and that weight's rows)}, read off the HF weight table once per config."""
+    gate_up_proj, Qwen3-Next's in_proj_qkvz, Granite 4.0's input_linear, a Mamba-2 in_proj, whose x B C rows are
+    regrouped too): the rows of the fused weight that hold its rows, in our order, and that weight's rows)}, read off
+    the HF weight table once per config."""
     short_of = {(part, attr): short for short, (part, attr, _) in PROJECTIONS.items()}
     out = {}
     for e in weight_entries(cfg):
         short = short_of.get((".".join(map(str, e.path[2:-1])), e.path[-1])) if e.path[0] == "layers" else None
         if short is None or e.expert is not None:
             continue
-        rows = (np.asarray(e.channels), e.gather) if e.gather is not None else \
-            (np.arange(e.rows[0], e.rows[1]), e.rows[2]) if e.rows is not None else None
+        rows = (np.asarray(e.channels), e.gather) if e.gather is not None else None if e.rows is None else \
+            (e.rows[0] + (np.arange(e.rows[1] - e.rows[0]) if e.channels is None else np.asarray(e.channels)), e.rows[2])
         out[(e.path[1], short)] = (in_memory(e.hf_name, cfg.architecture).removesuffix(".weight"), rows)
     return out
 
@@ -238,7 +239,7 @@ def _hf_orders(cfg: Any) -> dict[str, np.ndarray]:
     head by key head here; every layer's the same); the others' rows are HF's own order."""
     short_of = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
     return {short_of[e.path[-1]]: np.asarray(e.channels) for e in weight_entries(cfg)
-            if e.path[-1] in short_of and e.channels is not None and e.gather is None}
+            if e.path[-1] in short_of and e.channels is not None and e.gather is None and e.rows is None}
 
 
 def _check_rank(config: dict[str, Any], path: str, r: int, scale: float) -> None:
