@@ -271,7 +271,8 @@ def test_sampler_on_a_tensor_axis_splits_the_gated_deltanet_by_value_heads(page_
 def test_memory_plan_counts_the_states_as_allocated(kv_cache, arch, stateless):
     """`kv_cache_bytes` equals what the engine allocates (attention layers' keys and values, or their pages; each
     stateful layer's window and state per slot and standby row: a Gated DeltaNet's or Mamba-2's float32 state, an LFM2
-    conv layer's window alone; logits), and is below that of the model in attention."""
+    conv layer's window alone; logits), on one device and per device of a 2-device tensor axis (the windows and states
+    split as the cache), and is below that of the model in attention."""
     from areal_jax.sampler.config import RolloutConfig
     from areal_jax.system.memory import kv_cache_bytes
 
@@ -287,6 +288,16 @@ def test_memory_plan_counts_the_states_as_allocated(kv_cache, arch, stateless):
 
     allocated = nbytes(state.cache) + nbytes(state.logits) + nbytes(state.standby.cache) + nbytes(state.standby.logits)
     assert kv_cache_bytes(model.cfg, rollout, 1) == allocated
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))  # per device, split by the tensor axis
+    engine = rollout.make_engine(model, mesh=mesh, config=model.cfg)
+    shapes, layout = jax.eval_shape(engine._init_fn), engine._state_sharding
+    split = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+                for part in ("cache", "logits") for tree, held in ((shapes, layout), (shapes.standby, layout.standby))
+                for x, s in zip(jax.tree.leaves(getattr(tree, part)), jax.tree.leaves(getattr(held, part)))
+                if x.ndim >= 2 and x.dtype != jnp.int32)
+    assert kv_cache_bytes(model.cfg, rollout, 2) == split < allocated
     attention = testing.tiny_config(arch, num_layers=4, layer_types=None, **stateless)
     if "mamba" not in stateless:  # (a Mamba-2 state, 128 x 16 floats a row and layer here, outweighs 64 positions)
         assert kv_cache_bytes(model.cfg, rollout, 1) < kv_cache_bytes(attention, rollout, 1)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
@@ -26,6 +27,15 @@ def kv_position_bytes(cfg: ModelConfig, tensor: int, split: bool = True, layers:
     heads, k_dim, v_dim = cache_layout(cfg)
     per_position = layers * heads * (k_dim + v_dim) * cache_dtype(cfg).itemsize
     return per_position // tensor if split and tensor > 1 and heads % tensor == 0 else per_position
+
+
+def row_state_bytes(cfg: ModelConfig, tensor: int) -> int:
+    """One row's window and state in one stateful layer on one device (`mixers`' state_buffers): split over `tensor`
+    on their third axis (channels, heads) where the sampler splits its cache (the kv heads divide), as it lays them
+    out (an axis that does not divide takes its ceiling share)."""
+    buffers = jax.eval_shape(lambda: kind(cfg).state_buffers(cfg, 1))
+    split = tensor if tensor > 1 and cache_layout(cfg)[0] % tensor == 0 else 1
+    return sum(b.dtype.itemsize * int(np.prod(b.shape[:2] + (-(-b.shape[2] // split),) + b.shape[3:])) for b in buffers)
 
 
 def eval_rollout(job: Any, backend: str) -> Any:
@@ -71,14 +81,14 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     split their kv heads over the rollout mesh's tensor axis when they divide), with the standby
     rows' and the decode logits [rows, vocab]. Sliding-window layers keep their slots' window only, as rings
     (`transformer.ring_layers`; a standby row of the dense cache holds its full bucket); a stateful layer
-    keeps each row's window and state (`mixers`' state_bytes)."""
+    keeps each row's window and state (`row_state_bytes`)."""
     rows = rollout.num_slots + rollout.standby
     rings = ring_layers(cfg, rollout.max_len)
     lengths = cache_lengths(cfg, rollout.max_len, ring=True)
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
     layer_position = kv_position_bytes(cfg, tensor, layers=1)
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # a fixed state per row
-    row_states = linear * kind(cfg).state_bytes(cfg) if linear else 0
+    row_states = linear * row_state_bytes(cfg, tensor) if linear else 0
     full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings) - linear)
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full
