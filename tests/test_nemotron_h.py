@@ -1,7 +1,7 @@
 """Nemotron-H (NemotronHForCausalLM) against HF transformers (PyTorch, float32): logits and round trips with Mamba-2,
-attention and MLP blocks (a mixer followed by another: a layer without a feed-forward), transformers' own config class
-from a block pattern string and the older key names, a released-size config's parameter count, the sampler's decode
-against full forwards, LoRA's targets, the refusals."""
+attention, MLP and experts blocks (a mixer followed by another: a layer without a feed-forward), transformers' own
+config class from a block pattern string and the older key names, released-size configs' parameter counts, the
+sampler's decode against full forwards, LoRA's targets, the Mamba-2 mixers over a tensor axis, the refusals."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +19,19 @@ NANO = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "
         "n_groups": 8, "conv_kernel": 4, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2", "use_conv_bias": True,
         "use_bias": False, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 131072,
         "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"}
+# NVIDIA-Nemotron-3-Nano-30B-A3B's shape: 52 blocks (23 Mamba-2, 6 attention, 23 of 128 experts, 6 a token, and a
+# shared expert); its card: 31.6B parameters, 3.2B active (3.6B with the embeddings)
+NANO3 = {"model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688, "intermediate_size": 1856,
+         "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64, "mamba_head_dim": 64,
+         "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "n_routed_experts": 128, "num_experts_per_tok": 6,
+         "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1,
+         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "tie_word_embeddings": False,
+         "max_position_embeddings": 262144, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"}
+# experts in two layers of five (one of them attention's), a dense MLP in another, two layers with no feed-forward:
+# blocks M * E M - M M E; 2 of 4 ungated experts by sigmoid scores with a picking bias in 2 groups (1 kept), x 2.5
+EXPERTS = dict(num_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_size=40,
+               shared_expert_gated=False, router_scoring="sigmoid", router_score_bias=True, norm_topk_prob=True,
+               routed_scaling_factor=2.5, router_groups=(2, 1), moe_layers=(0, 1, 0, 0, 1))
 
 
 @pytest.mark.parity
@@ -32,6 +45,20 @@ def test_logits_match_transformers_and_round_trip(tmp_path):
                                            "linear_attention"]
     assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 80), seed=2))
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parity
+def test_experts_blocks_match_transformers_and_round_trip(tmp_path):
+    """Nemotron 3's experts blocks (ungated relu^2 experts, DeepSeek-V3's router, an ungated shared expert) beside
+    dense MLP blocks; transformers holds the picking bias as a buffer, not a parameter."""
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = tiny_config("nemotron_h", **EXPERTS)
+    hf = hf_model_of(cfg, seed=1)
+    assert hf.config.hybrid_override_pattern == "M*EM-MME"
+    assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 40), seed=2))
+    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert biases == 8 and cfg.num_params == sum(p.numel() for p in hf.parameters()) + biases
 
 
 @pytest.mark.parity
@@ -63,14 +90,23 @@ def test_its_config_class_and_a_released_shape(tmp_path):
     with torch.device("meta"):
         big = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**{
             k: v for k, v in NANO.items() if k not in ("model_type", "architectures")}))
-    assert nano.num_params == sum(p.numel() for p in big.parameters())
+    assert nano.num_params == sum(p.numel() for p in big.parameters())  # 8.89B
+    nano3 = ModelConfig.from_hf_dict(NANO3)
+    assert nano3.num_layers == 29 and sum(nano3.layer_is_moe(i) for i in range(29)) == 23
+    with torch.device("meta"):
+        big = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**{
+            k: v for k, v in NANO3.items() if k != "model_type"}))
+    assert nano3.num_params == sum(p.numel() for p in big.parameters()) + sum(
+        b.numel() for name, b in big.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert round(nano3.num_params / 1e9, 1) == 31.6  # its card's; active: the card's 3.2B, unembedding included
+    assert round((nano3.matmul_params_per_token + nano3.hidden_size * nano3.vocab_size) / 1e9, 1) == 3.2
 
 
-@pytest.mark.parametrize("page_size", [None, 8])
-def test_sampler_decodes_as_its_full_forward(page_size):
+@pytest.mark.parametrize("page_size,experts", [(None, False), (8, False), (8, True)])
+def test_sampler_decodes_as_its_full_forward(page_size, experts):
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
-    model = random_model(tiny_config("nemotron_h", num_layers=4), seed=3)
+    model = random_model(tiny_config("nemotron_h", **(EXPERTS if experts else {"num_layers": 4})), seed=3)
     assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
                                          page_size=page_size)
 
@@ -82,10 +118,34 @@ def test_lora_skips_the_layers_without_a_feed_forward():
     assert "gate" not in {s for _, s in lora.model_targets(cfg, lora.LoRAConfig(targets="all"))}
 
 
+def test_lora_on_the_ungated_experts_and_the_merged_weights():
+    """Adapters on the experts (up, down: no gate) and the shared expert: the merged model's logits equal the adapted
+    model's, and the adapters' bytes are counted as held."""
+    import jax
+    from flax import nnx
+
+    cfg = tiny_config("nemotron_h", **EXPERTS)
+    lcfg = lora.LoRAConfig(rank=2, targets="experts,shared,q")
+    assert {s for _, s in lora.model_targets(cfg, lcfg)} == {"experts_up", "experts_down", "shared_up", "shared_down",
+                                                               "q"}
+    model = random_model(cfg, seed=0)
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
+            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(i), node.lora_b.shape))
+    tokens = jnp.asarray(random_tokens(97, (2, 12), seed=4))
+    adapted = np.asarray(model(tokens))
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert lora.adapter_bytes(cfg, lcfg) == held
+    merged = lora.merged_model(model, lcfg.scale)
+    assert np.abs(adapted - np.asarray(random_model(cfg, seed=0)(tokens))).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(merged(tokens)), adapted, atol=1e-5, rtol=0)
+
+
 def test_the_refusals_name_what_to_change():
-    with pytest.raises(ValueError, match="blocks of experts"):
-        ModelConfig.from_hf_dict({**NANO, "hybrid_override_pattern": "M-E*-"})
-    with pytest.raises(ValueError, match="an MLP that follows no mixer"):
+    with pytest.raises(ValueError, match="latent projection"):
+        ModelConfig.from_hf_dict({**NANO3, "moe_latent_size": 1024})
+    with pytest.raises(ValueError, match="block 2 \\(mlp\\) follows no mixer"):
         ModelConfig.from_hf_dict({**NANO, "hybrid_override_pattern": "M--*-"})
     with pytest.raises(ValueError, match="clamped time step"):
         ModelConfig.from_hf_dict({**NANO, "time_step_limit": [0.0, 0.1]})
@@ -109,6 +169,11 @@ def test_peft_export_refuses_what_peft_refuses(tmp_path):
     with pytest.raises(ValueError, match="leave 'out' out of lora.targets"):
         save_peft_adapter(model, lcfg, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+    model = random_model(tiny_config("nemotron_h", **EXPERTS), seed=0)
+    lcfg = lora.LoRAConfig(rank=2, targets="q,experts")
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="does not write adapters of Nemotron-H's experts"):
+        save_peft_adapter(model, lcfg, tmp_path / "adapter")
 
 
 @pytest.mark.parametrize("groups", [2, 1])

@@ -179,8 +179,8 @@ def check_experts(cfg) -> None:
     if cfg.expert_dispatch not in EXPERT_DISPATCHES:
         raise ValueError(f"ModelConfig.expert_dispatch={cfg.expert_dispatch!r} is unknown; use one of "
                          f"{', '.join(EXPERT_DISPATCHES)}.")
-    if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0) and cfg.architecture != "granitemoehybrid":  # (Granite
-        # 4.0: dense or not)
+    if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0) and cfg.architecture not in ("granitemoehybrid", "nemotron_h"):
+        # (Granite 4.0, Nemotron-H: dense or not)
         raise ValueError(f"architecture {cfg.architecture!r} with num_experts={e}: the mixture-of-experts "
                          f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")
     if e and not 1 <= k <= e:

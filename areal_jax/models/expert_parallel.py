@@ -57,7 +57,7 @@ def dispatch(path, h: jax.Array, gate, up, down, weights: jax.Array, chosen: jax
     every shard's tokens for this device's experts (gate, up, down: [E / shards, ...]), then each token's partial
     outputs summed onto its own shard: [n, D] for this shard's rows h [n, D] and their weights, picks [n, k]."""
     h_all, w_all, c_all = gather_pairs(h, weights, chosen)
-    local, w_local = local_pairs(c_all, w_all, gate.shape[0])
+    local, w_local = local_pairs(c_all, w_all, up.shape[0])
     return scatter_outputs(path(h_all, gate, up, down, w_local, local, act, bias, shards=shards))
 
 
@@ -98,7 +98,7 @@ def _rotate(tree: Any, shards: int) -> Any:
 def _local(path, act, shards: int, x: jax.Array, w: jax.Array, c: jax.Array, params: tuple) -> jax.Array:
     """This device's experts' weighted outputs [n, D] for one shard's rows x [n, D], weights w and picks c [n, k]."""
     gate, up, down, bias = params
-    local, w_local = local_pairs(c, w, gate.shape[0])
+    local, w_local = local_pairs(c, w, up.shape[0])
     return path(x, gate, up, down, w_local, local, act, bias, shards=shards)
 
 

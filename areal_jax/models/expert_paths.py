@@ -68,9 +68,12 @@ def expert_block(pairs: int, experts: int) -> int:
     return int(min(MAX_EXPERT_BLOCK, max(8, 2 ** round(math.log2(mean)))))
 
 
-def glu(limit: float | None = None, alpha: float = 1.702):
+def glu(limit: float | None = None, alpha: float = 1.702, gated: bool = True):
     """An expert's activation of its gate and up products: silu(g) * u (SwiGLU), or with a limit gpt-oss's
-    (min(u, limit) clipped to +-limit + 1) * g' * sigmoid(alpha * g') with g' = min(g, limit)."""
+    (min(u, limit) clipped to +-limit + 1) * g' * sigmoid(alpha * g') with g' = min(g, limit); an ungated expert's
+    (not `gated`: Nemotron-H's) relu(u)^2 of its up product alone (g None)."""
+    if not gated:
+        return lambda g, u: jnp.square(jax.nn.relu(u))
     if limit is None:
         return lambda g, u: jax.nn.silu(g) * u
 
@@ -86,12 +89,19 @@ def biased(z: jax.Array, bias: jax.Array | None, index: Any) -> jax.Array:
     return z if bias is None else z + bias[index].astype(z.dtype)
 
 
+def activated(z: jax.Array, gate: Any, up: Any, product, bias: tuple, index: Any, act) -> jax.Array:
+    """act of rows z's gate and up products by their experts' weights (`grouped` through `product`), each plus its bias
+    rows at `index`; an ungated expert (gate None) skips the gate's."""
+    g = None if gate is None else biased(grouped(z, gate, product), bias[0], index)
+    return act(g, biased(grouped(z, up, product), bias[1], index))
+
+
 def dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Array, experts: jax.Array,
                    act=glu(), bias: tuple = (None, None), *, shards: int = 1) -> jax.Array:
     """Every expert on every token. x [N, D]; gate, up [E, D, F]; down [E, F, D] (arrays or `Factored`);
     weights, experts [N, k]; act: `glu`; bias: the gate and up biases [E, F] (or None each). Ids of E (expert
     parallelism's other devices' experts, weight 0) add nothing."""
-    n, e = x.shape[0], gate.shape[0]
+    n, e = x.shape[0], up.shape[0]
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
 
     def spread(z, w, out_dtype):  # [N, in] or [N, E, in] by [E, in, out] -> [N, E, out]
@@ -102,7 +112,7 @@ def dense_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arra
         return jnp.einsum("nef,efd->nd", z, w, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
     every = slice(None)
-    h = act(biased(grouped(x, gate, spread), bias[0], every), biased(grouped(x, up, spread), bias[1], every))
+    h = activated(x, gate, up, spread, bias, every, act)
     h = h * combine[:, :, None].astype(x.dtype)
     if isinstance(down, Factored):  # h's rank-r projection per expert, then the experts' sum through b
         delta = gather(spread(h, down.a, None), down.b, jnp.float32)
@@ -115,7 +125,7 @@ def ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
     """The (token, expert) pairs grouped by expert through `jax.lax.ragged_dot`; same arguments as the dense path
     (ids of E sort last, past every group: ragged_dot gives their rows zeros)."""
     n, k = experts.shape
-    e = gate.shape[0]
+    e = up.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
@@ -126,7 +136,7 @@ def ragged_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
         return jax.lax.ragged_dot(z, w, sizes, preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
     owner = flat[order]
-    h = act(biased(grouped(xs, gate, mm), bias[0], owner), biased(grouped(xs, up, mm), bias[1], owner))
+    h = activated(xs, gate, up, mm, bias, owner, act)
     y = grouped(h, down, mm, jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype)
@@ -165,7 +175,7 @@ def blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
     tokens of `shards` devices and an expert id of E marks another device's expert (`expert_parallel.local_pairs`):
     those pairs' blocks are skipped and their outputs are zeros."""
     n, k = experts.shape
-    e = gate.shape[0]
+    e = up.shape[0]
     block = expert_block(n * k // shards, e)
     if kernel:
         block = max(block, 16)
@@ -177,7 +187,7 @@ def blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
             return grouped_matmul(z, w, owner, block=block, out_dtype=out_dtype)
 
         per_row = jnp.repeat(owner, block, total_repeat_length=rows)
-        h = act(biased(grouped(xs, gate, mm), bias[0], per_row), biased(grouped(xs, up, mm), bias[1], per_row))
+        h = activated(xs, gate, up, mm, bias, per_row, act)
         ys = grouped(h, down, mm, jnp.float32)
     else:
         def body(_, inp):
@@ -186,7 +196,7 @@ def blocked_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Ar
             def mm(z, w, out_dtype):
                 return jnp.dot(z, w[j], preferred_element_type=out_dtype).astype(out_dtype or z.dtype)
 
-            hb = act(biased(grouped(xb, gate, mm), bias[0], j), biased(grouped(xb, up, mm), bias[1], j))
+            hb = activated(xb, gate, up, mm, bias, j, act)
             return None, grouped(hb, down, mm, jnp.float32)
 
         if shards > 1:  # most blocks hold other devices' pairs: compute only this device's experts'
@@ -207,10 +217,10 @@ def pallas_experts(x: jax.Array, gate: Any, up: Any, down: Any, weights: jax.Arr
                     act=glu(), bias: tuple = (None, None), *, shards: int = 1) -> jax.Array:
     """The blocked layout through the grouped-matmul kernel (`grouped_matmul`), where its tiles fit the widths
     (multiples of 16; with `Factored` weights, the rank too), else the scan."""
-    d, f = gate.shape[1], gate.shape[2]
+    d, f = up.shape[1], up.shape[2]
     fits = supports(16, d, f) and supports(16, f, d)
-    if isinstance(gate, Factored):
-        r = gate.a.shape[2]
+    if isinstance(up, Factored):
+        r = up.a.shape[2]
         fits = fits and all(supports(16, *dims) for dims in ((d, r), (r, f), (f, r), (r, d)))
     return blocked_experts(x, gate, up, down, weights, experts, act, bias, kernel=fits, shards=shards)
 

@@ -47,7 +47,7 @@ def check_loadable(cfg: Any) -> None:
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
     if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next",
-                                                                       "exaone_moe", "hunyuan_v1_moe", "granitemoehybrid",
+                                                                       "exaone_moe", "hunyuan_v1_moe", "granitemoehybrid", "nemotron_h",
                                                                        *deepseek.HF_CLASSES):
         raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {cfg.architecture} has none.")
     if cfg.architecture in ("mixtral", "granitemoe", "olmoe") and cfg.moe_layers is not None:

@@ -228,7 +228,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     gate = "gate.wg" if cfg.architecture == "hunyuan_v1_moe" else "gate"  # Hunyuan MoE's router: mlp.gate.wg
     out = [_Entry(path + ("router",), f"{base}.{gate}.weight", "in_first")]
-    for part in ("gate", "up", "down"):
+    for part in ("gate", "up", "down") if cfg.architecture not in arcee.UNGATED else ("up", "down"):
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
@@ -253,9 +253,10 @@ def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) ->
                 _Entry(shared + ("down_proj",), f"{mlp}.output_linear.weight", "out_last")]
     if cfg.architecture == "hunyuan_v1_moe":  # Hunyuan MoE's shared MLP
         name = "shared_mlp"
-    out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first"),
-           _Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
-           _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
+    out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first")] \
+        if cfg.architecture not in arcee.UNGATED else []  # (Nemotron-H's: up and down)
+    out += [_Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
+            _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
     if cfg.shared_expert_gated:
         out.append(_Entry(path + ("shared_expert_gate",), f"{base}.shared_expert_gate.weight", "in_first"))
     return out

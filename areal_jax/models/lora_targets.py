@@ -184,7 +184,9 @@ def model_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> list[tuple[int, st
     paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
                              mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg),
                              linear_projections(model_cfg))
-    return [(i, s) for i, s in paths if model_cfg.layer_has_mlp(i) or not PROJECTIONS[s][0].startswith("mlp")]
+    ungated = "gate" not in mlp_projections(model_cfg)  # nor do its experts and shared experts have gates
+    return [(i, s) for i, s in paths if (model_cfg.layer_has_mlp(i) or not PROJECTIONS[s][0].startswith("mlp"))
+            and not (ungated and s in ("experts_gate", "shared_gate"))]
 
 
 def module_at(layer: Any, part: str) -> Any:

@@ -65,7 +65,8 @@ def _weight(p: Any, dtype: Any) -> Any:
 
 
 class MoE(nnx.Module):
-    """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate, experts_up [E, D, F];
+    """The experts' feed-forward of one layer. Parameters: router [D, E]; experts_gate (None for ungated experts:
+    Nemotron-H's relu(x @ up)^2), experts_up [E, D, F];
     experts_down [E, F, D] (logical axes "experts" (over fsdp: `models.expert_parallel`; None without
     expert_parallel), "embed", "mlp": else an expert's weights shard like a dense MLP's); with
     `ModelConfig.shared_expert_size`, shared_expert (an MLP) and its gate [D, 1] (none unless shared_expert_gated); with router_score_bias, router_score_bias [E] float32 (picks only:
@@ -85,10 +86,13 @@ class MoE(nnx.Module):
         # float32 whatever param_dtype: its small differences between experts decide picks
         self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") if cfg.router_score_bias else None
         ex = "experts" if cfg.expert_parallel else None  # the experts' axis shards over fsdp (models.expert_parallel)
-        self.experts_gate = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt)
+        from areal_jax.models.arcee import UNGATED  # noqa: PLC0415 (it reads configs built here)
+
+        gated = cfg.architecture not in UNGATED  # (Nemotron-H's experts: down(relu(x @ up) ** 2), no gate)
+        self.experts_gate = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt) if gated else None
         self.experts_up = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), (ex, "mlp", "embed"), pdt)
-        self.swiglu = (cfg.swiglu_limit, cfg.swiglu_alpha)  # `glu`'s arguments (a function would make layers differ)
+        self.swiglu = (cfg.swiglu_limit, cfg.swiglu_alpha, gated)  # `glu`'s arguments (a function would make layers differ)
         if cfg.expert_bias:
             self.router_bias = make_param(rngs, (e,), (None,), pdt, init="zeros")
             self.experts_gate_bias = make_param(rngs, (e, f), (ex, "mlp"), pdt, init="zeros")
@@ -131,14 +135,15 @@ class MoE(nnx.Module):
         given = (jnp.zeros((h.shape[0], k), jnp.int32) if routes is None
                  else jnp.asarray(routes, jnp.int32).reshape(h.shape[0], k))
 
-        params = [_weight(p, self.dtype) for p in (self.router, self.experts_gate, self.experts_up, self.experts_down)]
+        params = [None if p is None else _weight(p, self.dtype)
+                  for p in (self.router, self.experts_gate, self.experts_up, self.experts_down)]
         biases = [None if b is None else b[...].astype(self.dtype) for b in (
             self.router_bias, self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias)]
         score_bias = None if self.router_score_bias is None else self.router_score_bias[...]
         shards, tensor = batch_shards(), context_axis_size(TENSOR_AXIS)
         by_rows = shards > 1 and h.shape[0] % shards == 0
-        by_width = tensor > 1 and self.experts_gate.shape[2] % tensor == 0
-        ep = expert_shards(self.experts_gate.shape[0], shards if by_rows else 1, self.expert_parallel)
+        by_width = tensor > 1 and self.experts_up.shape[2] % tensor == 0
+        ep = expert_shards(self.experts_up.shape[0], shards if by_rows else 1, self.expert_parallel)
         path = PATHS[resolve_moe_impl(self.impl, tokens=h.shape[0] // shards if by_rows else h.shape[0],
                                        expert_parallel=ep > 1)]
 

@@ -31,7 +31,8 @@ def attention_matrices(cfg: Any, i: int) -> int:
 
 
 def mlp_matrices(cfg: Any) -> int:
-    """A dense MLP's weight matrices: gate, up and down, or up and down where it has no gate (Arcee)."""
+    """A dense MLP's (an expert's) weight matrices: gate, up and down, or up and down where it has no gate (Arcee,
+    Nemotron-H)."""
     from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
 
     return 2 if cfg.architecture in UNGATED else 3
@@ -51,10 +52,11 @@ def num_params(cfg: Any) -> int:
     layer = attn + (4 if cfg.sandwich_norms else 2) * norm
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
     mixers = (cfg.num_layers - linear) * attn + (linear * sum(linear_attention_weights(cfg)) if linear else 0)
-    shared = 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
+    m = mlp_matrices(cfg)  # an expert's and a shared expert's matrices too
+    shared = m * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
-    ffn = sum(cfg.num_experts * 3 * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
+    ffn = sum(cfg.num_experts * m * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else mlp_matrices(cfg) * d * f if cfg.layer_has_mlp(i) else -norm  # (no MLP: nor the norm before it)
               for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
@@ -66,8 +68,9 @@ def matmul_params_per_token(cfg: Any) -> int:
     projection, and its layer's MLP, or its top-k experts, the router and any shared expert. 2x this is a token's
     forward matmul FLOPs there (the active parameters of a mixture of experts)."""
     d = cfg.hidden_size
-    moe = cfg.num_experts_per_tok * 3 * d * cfg.expert_size + d * cfg.num_experts
-    moe += 3 * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
-    dense = mlp_matrices(cfg) * d * cfg.intermediate_size
+    m = mlp_matrices(cfg)
+    moe = cfg.num_experts_per_tok * m * d * cfg.expert_size + d * cfg.num_experts
+    moe += m * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
+    dense = m * d * cfg.intermediate_size
     return sum(attention_matrices(cfg, i) + (moe if cfg.layer_is_moe(i) else dense if cfg.layer_has_mlp(i) else 0)
                for i in range(cfg.num_layers))
