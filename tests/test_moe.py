@@ -185,3 +185,35 @@ def test_expert_config_checks():
     model = Transformer(tiny_config("qwen3_moe", moe_layers=(0, 1)), rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert params == tiny_config("qwen3_moe", moe_layers=(0, 1)).num_params
+
+
+def test_ungated_experts_on_every_path_equal_a_per_token_loop():
+    """Nemotron-H's experts have no gate (`MoE.experts_gate` None): each path's output is relu(h @ up)^2 @ down of the
+    token's top-k experts, weighted, and their gradients agree between the paths."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 9, 64)), jnp.float32)
+    outs, grads = {}, {}
+    for impl in ("blocked", "dense", "ragged", "pallas"):
+        cfg = tiny_config("nemotron_h", num_layers=1, moe_impl=impl, num_experts=5, num_experts_per_tok=2,
+                          norm_topk_prob=True, moe_intermediate_size=32, mlp_layers=None)
+        layer = MoE(cfg, rngs=nnx.Rngs(0))
+        assert layer.experts_gate is None
+        params = np.random.default_rng(8)
+        for name in ("router", "experts_up", "experts_down"):
+            p = getattr(layer, name)
+            p.set_value(jnp.asarray(params.normal(size=p.shape) / np.sqrt(p.shape[0 if name == "router" else 1]),
+                                    jnp.float32))
+        router, up, down = (np.asarray(getattr(layer, n)[...], np.float64) for n in ("router", "experts_up", "experts_down"))
+        flat = np.asarray(x, np.float64).reshape(-1, 64)
+        weights, experts = _np_route(flat @ router, 2, True)
+        want = np.zeros_like(flat)
+        for n, h in enumerate(flat):
+            for w, e in zip(weights[n], experts[n]):
+                want[n] += w * (np.maximum(h @ up[e], 0) ** 2 @ down[e])
+        outs[impl] = np.asarray(layer(x))
+        np.testing.assert_allclose(outs[impl], want.reshape(x.shape), atol=2e-5, rtol=1e-5)
+        graphdef, state = nnx.split(layer)
+        grads[impl] = jax.grad(lambda st: jnp.sum(jnp.tanh(nnx.merge(graphdef, st)(x))))(state)
+    for impl in ("ragged", "blocked", "pallas"):
+        for d, r in zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads[impl])):
+            np.testing.assert_allclose(np.asarray(r), np.asarray(d), atol=2e-5 * float(jnp.abs(d).max()), rtol=1e-4)

@@ -199,16 +199,18 @@ def test_mamba_mixers_split_over_a_tensor_axis(groups):
 
 
 @pytest.mark.long  # 37 s; in CI the sampler's tensor-axis test above covers the split mixers' decoding
-def test_sharded_forward_and_gradients_match_one_device():
-    """On a 2 x 2 (fsdp, tensor) mesh, Mamba-2 mixers of two groups split by heads and groups: the cache-free forward
-    over packed rows, its gradients and the cache path as on one device."""
+@pytest.mark.parametrize("experts", [False, True])
+def test_sharded_forward_and_gradients_match_one_device(experts):
+    """On a 2 x 2 (fsdp, tensor) mesh, Mamba-2 mixers of two groups split by heads and groups (and with experts, the
+    ungated experts over fsdp by expert parallelism): the cache-free forward over packed rows, its gradients and the
+    cache path as on one device."""
     import jax
     from flax import nnx
 
     from areal_jax.models import init_cache, shard_params
 
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"))
-    cfg = tiny_config("nemotron_h", num_layers=4)
+    cfg = tiny_config("nemotron_h", **(EXPERTS if experts else {"num_layers": 4}))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 20)), jnp.int32)
     seg = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], 4, axis=0), jnp.int32)
     pos = jnp.asarray(np.repeat([list(range(12)) + list(range(8))], 4, axis=0), jnp.int32)
