@@ -2,7 +2,8 @@
 `config_to_hf`, `check_hf`).
 
 The layer is Llama's but for the MLP, which has no gate: down(relu(x @ up) ** 2) (hidden_act "relu2"; `layers.MLP`
-without gate_proj, so LoRA's "gate" target and the MLP's parameter count leave it out). Biases are refused.
+without gate_proj: `ModelConfig.gated_mlp`, so LoRA's "gate" target and the MLP's parameter count leave it out). Biases are
+refused.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import jax.numpy as jnp
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
 
 HF_CLASSES = {"arcee": "ArceeForCausalLM"}
-UNGATED = (*HF_CLASSES, "nemotron_h")  # architectures whose MLP has no gate_proj: down(relu(x @ up) ** 2)
 _DEFAULTS = dict(vocab_size=32000, hidden_size=2560, intermediate_size=18432, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                  bos_token_id=128000, eos_token_id=128001)  # transformers' ArceeConfig, where a config.json leaves a key out

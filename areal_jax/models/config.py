@@ -264,6 +264,12 @@ class ModelConfig:
         return self.architecture == "phimoe"
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(relu(x @ up) ** 2)
+        (Arcee, Nemotron-H: hidden_act relu2)."""
+        return self.architecture not in ("arcee", "nemotron_h")
+
+    @property
     def gated_attention(self) -> bool:
         """Whether q_proj also gives each head's output gate, the attention's output times sigmoid(gate) (Qwen3.5)."""
         return self.architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")

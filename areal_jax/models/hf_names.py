@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import arcee, bamba, hunyuan, lfm2, nemotron_h
+from areal_jax.models import bamba, hunyuan, lfm2, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -189,7 +189,7 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
         entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))
         entries.append(_Entry(p + ("mlp", "up_proj"), up, "in_first", (f, 2 * f, 2 * f)))
     else:
-        if cfg.architecture not in arcee.UNGATED:
+        if cfg.gated_mlp:
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
     down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
@@ -228,7 +228,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
         base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     gate = "gate.wg" if cfg.architecture == "hunyuan_v1_moe" else "gate"  # Hunyuan MoE's router: mlp.gate.wg
     out = [_Entry(path + ("router",), f"{base}.{gate}.weight", "in_first")]
-    for part in ("gate", "up", "down") if cfg.architecture not in arcee.UNGATED else ("up", "down"):
+    for part in ("gate", "up", "down") if cfg.gated_mlp else ("up", "down"):
         kind = "out_last" if part == "down" else "in_first"
         out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
@@ -254,7 +254,7 @@ def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) ->
     if cfg.architecture == "hunyuan_v1_moe":  # Hunyuan MoE's shared MLP
         name = "shared_mlp"
     out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first")] \
-        if cfg.architecture not in arcee.UNGATED else []  # (Nemotron-H's: up and down)
+        if cfg.gated_mlp else []  # (Nemotron-H's: up and down)
     out += [_Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
             _Entry(shared + ("down_proj",), f"{base}.{name}.down_proj.weight", "out_last")]
     if cfg.shared_expert_gated:

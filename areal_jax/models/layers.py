@@ -229,12 +229,10 @@ class MLP(nnx.Module):
     approximation; Arcee's has no gate (`gate_proj` None): down(relu(x @ up) ** 2)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        from areal_jax.models.arcee import UNGATED  # noqa: PLC0415 (it reads configs built here)
-
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.dtype = cfg.dtype
         self.gelu = cfg.gemma
-        self.gate_proj = None if cfg.architecture in UNGATED else make_param(rngs, (d, f), ("embed", "mlp"), pdt)
+        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt) if cfg.gated_mlp else None
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
 

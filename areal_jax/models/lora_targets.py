@@ -205,9 +205,7 @@ def attention_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
 
 def mlp_projections(model_cfg: ModelConfig) -> tuple[str, ...]:
     """The short names of a dense MLP's projections: gate, up, down; up and down where it has no gate (Arcee)."""
-    from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
-
-    return ("up", "down") if model_cfg.architecture in UNGATED else ("gate", "up", "down")
+    return ("gate", "up", "down") if model_cfg.gated_mlp else ("up", "down")
 
 
 def linear_layers(model_cfg: ModelConfig) -> tuple[int, ...]:

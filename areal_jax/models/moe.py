@@ -86,9 +86,7 @@ class MoE(nnx.Module):
         # float32 whatever param_dtype: its small differences between experts decide picks
         self.router_score_bias = make_param(rngs, (e,), (None,), jnp.float32, init="zeros") if cfg.router_score_bias else None
         ex = "experts" if cfg.expert_parallel else None  # the experts' axis shards over fsdp (models.expert_parallel)
-        from areal_jax.models.arcee import UNGATED  # noqa: PLC0415 (it reads configs built here)
-
-        gated = cfg.architecture not in UNGATED  # (Nemotron-H's experts: down(relu(x @ up) ** 2), no gate)
+        gated = cfg.gated_mlp  # (Nemotron-H's experts: down(relu(x @ up) ** 2), no gate)
         self.experts_gate = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt) if gated else None
         self.experts_up = make_param(rngs, (e, d, f), (ex, "embed", "mlp"), pdt)
         self.experts_down = make_param(rngs, (e, f, d), (ex, "mlp", "embed"), pdt)

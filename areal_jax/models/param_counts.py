@@ -33,9 +33,7 @@ def attention_matrices(cfg: Any, i: int) -> int:
 def mlp_matrices(cfg: Any) -> int:
     """A dense MLP's (an expert's) weight matrices: gate, up and down, or up and down where it has no gate (Arcee,
     Nemotron-H)."""
-    from areal_jax.models.arcee import UNGATED  # noqa: PLC0415
-
-    return 2 if cfg.architecture in UNGATED else 3
+    return 3 if cfg.gated_mlp else 2
 
 
 def num_params(cfg: Any) -> int:
