@@ -50,6 +50,11 @@ def toy_fields(shape: dict, layers: int) -> dict:
     fields = dict(vocab_size=512, num_layers=layers, head_dim=16, hidden_size=heads * 16, intermediate_size=heads * 40)
     if shape.get("num_experts"):
         fields.update(num_experts=4, num_experts_per_tok=2)
+    if shape.get("architecture") == "nemotron_h":  # Mamba-2 mixers of 8 heads of 16 in 4 groups of 16, the second
+        from areal_jax.models.config_checks import Mamba2  # layer attention's
+
+        fields["mamba"] = Mamba2(heads=8, head_dim=16, state=16, groups=4, conv_kernel=4)
+        fields["layer_types"] = tuple("full_attention" if i == 1 else "linear_attention" for i in range(layers))
     if shape.get("architecture") == "qwen3_5_text":
         from areal_jax.models.config_checks import LinearAttention
 

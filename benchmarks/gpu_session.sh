@@ -57,8 +57,9 @@
 #              PyTorch on the same GPU, and the sampler's steady state against HF generate (~6 min).
 #   hybrid     Qwen3.5's chunked delta rule against the token scan at the 9B's 32 value heads (8 rows x 8,192 tokens,
 #              forward + backward, float32); the sampler's steady state at the Qwen3.5-9B shape (Gated DeltaNet states
-#              per slot, bf16, 128 slots) and at the Ministral-3-8B shape, each against HF generate on the same GPU
-#              (~10 min; HF's delta rule is its PyTorch reference without flash-linear-attention installed); then
+#              per slot, bf16, 128 slots), at the Ministral-3-8B shape and at NVIDIA-Nemotron-Nano-9B-v2's (Mamba-2
+#              mixers), each against HF generate on the same GPU (~13 min; HF's delta rule and Mamba-2 scan are its
+#              PyTorch references without flash-linear-attention / mamba-ssm installed); then
 #              the Qwen3.5-9B sampler's working memory, probe and full depth (on the CPU the decode dispatch takes
 #              0.64 GiB at 128 slots, 6.7 GiB before its step kept the states in their buffer's layout).
 #   moe        the grouped-matmul kernel's tests compiled by Triton (values, gradients, the blocks it skips under
@@ -300,6 +301,8 @@ EOF
     step qwen35_sampler 240 $PY benchmarks/sampler.py --preset qwen3.5-9b --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     step ministral_sampler 200 $PY benchmarks/sampler.py --preset ministral3-8b --dtype bfloat16 --num-slots 128 \
+      --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    step nemotron_sampler 200 $PY benchmarks/sampler.py --preset nemotron-nano-9b-v2 --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     step hybrid_memory 150 $PY benchmarks/sampler_memory.py --preset qwen3.5-9b --full
     ;;

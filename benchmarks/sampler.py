@@ -65,6 +65,8 @@ PRESETS = {
                        prompt_len=(64, 128)),
     "ministral3-8b": dict(model="ministral3-8b", dtype="bfloat16", slots=128, prompts=512, median=256, cap=1024,
                           prompt_len=(64, 128)),
+    "nemotron-nano-9b-v2": dict(model="nemotron-nano-9b-v2", dtype="bfloat16", slots=128, prompts=512, median=256,
+                                cap=1024, prompt_len=(64, 128)),
 }
 TOY_LAYERS = 4  # --toy (common.toy_fields): a Qwen3.5's three Gated DeltaNet layers and one of attention
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -110,3 +110,7 @@ def test_new_shapes_are_the_checkpoints_defaults():
         got, hf = shape_config(name, max_len=2048), ModelConfig.from_hf_dict({"model_type": model_type})
         assert got.num_params == hf.num_params and got.layer_types == hf.layer_types and got.linear == hf.linear
         assert got.rope_scaling == hf.rope_scaling and got.eos_token_id is None
+    nano = shape_config("nemotron-nano-9b-v2", max_len=2048)  # transformers' count (tests/test_nemotron_h.py)
+    assert nano.num_params == 8_888_227_328 and nano.mamba.groups == 8 and sum(nano.mlp_layers) == 25
+    toy = shape_config("nemotron-nano-9b-v2", max_len=64, num_layers=3)
+    assert toy.layer_types == ("linear_attention",) * 3 and toy.mlp_layers == (1, 1, 1)

@@ -71,7 +71,15 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                        num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, tie_word_embeddings=False),
     "ministral3-8b": dict(architecture="ministral3", vocab_size=131072, hidden_size=4096, intermediate_size=14336,
                           num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2 (8.89B): 27 Mamba-2 mixers (128 heads of 80, 8 groups of 128), 4 attention
+    # layers without position embeddings and 25 squared-ReLU MLPs, in 31 of our layers (`NEMOTRON_NANO_9B`'s blocks)
+    "nemotron-nano-9b-v2": dict(architecture="nemotron_h", vocab_size=131072, hidden_size=4480,
+                                intermediate_size=15680, num_layers=31, num_heads=40, num_kv_heads=8, head_dim=128,
+                                tie_word_embeddings=False),
 }
+NEMOTRON_NANO_9B = {"model_type": "nemotron_h", "mamba_num_heads": 128, "mamba_head_dim": 80, "ssm_state_size": 128,
+                    "n_groups": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5,
+                    "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"}
 
 
 def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtype: str = "float32",
@@ -87,8 +95,8 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
         raise ValueError(f"Unknown model shape {name!r}; choose one of {', '.join(MODEL_SHAPES)}.")
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     architecture = MODEL_SHAPES[name]["architecture"]
-    if architecture in ("qwen3_5_text", "ministral3"):  # the rest of the layer as transformers' defaults have it
-        base = ModelConfig.from_hf_dict({"model_type": architecture})
+    if architecture in ("qwen3_5_text", "ministral3", "nemotron_h"):  # the rest as transformers' defaults have it
+        base = ModelConfig.from_hf_dict(NEMOTRON_NANO_9B if architecture == "nemotron_h" else {"model_type": architecture})
         fields = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **MODEL_SHAPES[name],
                   "bos_token_id": None, "eos_token_id": None, "dtype": dtypes[dtype], "param_dtype": dtypes[param_dtype],
                   "max_position_embeddings": max(base.max_position_embeddings, max_len), **overrides}
@@ -96,6 +104,10 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
             fields["layer_types"] = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"  # whatever
                                           for i in range(fields["num_layers"]))  # the layer count and head_dim
             fields["rotary_dim"] = fields["head_dim"] // 8 * 2
+        if architecture == "nemotron_h":  # the first num_layers of its layers' kinds (unless the overrides say)
+            n = fields["num_layers"]
+            fields.update({"layer_types": base.layer_types[:n], "mlp_layers": base.mlp_layers[:n], "rope_layers": (0,) * n,
+                           **{k: v for k, v in overrides.items() if k in ("layer_types", "mlp_layers")}})
         return ModelConfig(**fields)
     fields = dict(MODEL_SHAPES[name], rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                   max_position_embeddings=max(32768, max_len), dtype=dtypes[dtype], param_dtype=dtypes[param_dtype])
