@@ -19,7 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, text_decoder
+from areal_jax.models.hf_family import common_fields, hf_dict, reader, require_fields, text_decoder
 
 HF_CLASSES = {"lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"}
 # the image-and-text models' model_type -> (transformers' class, their text decoder's default model_type)
@@ -82,7 +82,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     """A ModelConfig of an LFM2 or LFM2-MoE config.json (transformers' defaults where a key is absent)."""
     moe = model_type == "lfm2_moe"
     defaults = _MOE_DEFAULTS if moe else _DEFAULTS
-    get = lambda key: d.get(key, defaults.get(key))  # noqa: E731
+    get = reader(d, defaults)
     tied = d.get("tie_embedding", d.get("tie_word_embeddings", defaults["tie_word_embeddings"]))
     own = {**d, "rms_norm_eps": get("norm_eps") or defaults["rms_norm_eps"], "tie_word_embeddings": tied,
            "intermediate_size": get("intermediate_size") if moe else mlp_width(get)}
