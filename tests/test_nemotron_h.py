@@ -205,28 +205,9 @@ def test_sharded_forward_and_gradients_match_one_device(experts):
     ungated experts over fsdp by expert parallelism): the cache-free forward over packed rows, its gradients and the
     cache path as on one device."""
     import jax
-    from flax import nnx
 
-    from areal_jax.models import init_cache, shard_params
+    from areal_jax.testing.models import assert_sharded_forward_matches_one_device
 
-    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"))
-    cfg = tiny_config("nemotron_h", **(EXPERTS if experts else {"num_layers": 4}))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 20)), jnp.int32)
-    seg = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], 4, axis=0), jnp.int32)
-    pos = jnp.asarray(np.repeat([list(range(12)) + list(range(8))], 4, axis=0), jnp.int32)
-
-    def loss(model):
-        return jnp.sum(jnp.tanh(model(tokens, pos, seg)))
-
-    reference = random_model(cfg, seed=5)
-    want, want_grads = loss(reference), nnx.grad(loss)(reference)
-    model = shard_params(random_model(cfg, seed=5), mesh)
-    assert len(model.layers[0].linear_attn.in_proj_xbc[...].sharding.device_set) == 4
-    graphdef, state = nnx.split(model)
-    got, grads = jax.jit(jax.value_and_grad(lambda st: loss(nnx.merge(graphdef, st))))(state)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(nnx.state(want_grads)), jax.tree.leaves(grads)):  # sums split over devices
-        np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-4 * float(jnp.abs(a).max()))
-    decode = jax.jit(lambda st, t, p, c: nnx.merge(graphdef, st)(t, p, cache=c))
-    logits, _ = decode(state, tokens[:, :12], pos[:, :12], init_cache(cfg, 4, 16))
-    np.testing.assert_allclose(logits, reference(tokens[:, :12]), atol=1e-4, rtol=1e-5)
+    assert_sharded_forward_matches_one_device(
+        tiny_config("nemotron_h", **(EXPERTS if experts else {"num_layers": 4})), jax.make_mesh((2, 2), ("fsdp", "tensor")),
+        lambda model: model.layers[0].linear_attn.in_proj_xbc)
