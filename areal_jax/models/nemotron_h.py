@@ -20,10 +20,12 @@ Checkpoints name their tensors backbone.embeddings, backbone.layers.{b}.norm / .
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.models.config_checks import Mamba2
 from areal_jax.models.hf_family import hf_dict, reader, require_fields
@@ -154,13 +156,16 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
                    residual_in_fp32=False, pad_token_id=None)
 
 
+@functools.lru_cache(maxsize=8)
+def _first_blocks(cfg: Any) -> tuple[int, ...]:
+    """Each of our layers' first block (its mixer's; its feed-forward's is the next)."""
+    blocks = [1 + cfg.layer_has_mlp(i) for i in range(cfg.num_layers)]  # a layer's blocks: its mixer, its MLP
+    return tuple(int(b) for b in np.cumsum([0] + blocks[:-1]))
+
+
 def hf_name(name: str, cfg: Any) -> str:
     """Nemotron-H's name (as a checkpoint holds it: backbone.*) of a tensor the weight table names as Llama does
-    (`hf_names.weight_entries`): layer i's norms, mixer and MLP are blocks b and b + 1 (`layers_of`)."""
-    starts, b = [], 0
-    for i in range(cfg.num_layers):
-        starts.append(b)
-        b += 1 + cfg.layer_has_mlp(i)
+    (`hf_names.weight_entries`): layer i's norms, mixer and feed-forward are blocks b and b + 1 (`layers_of`)."""
     if name == "model.embed_tokens.weight":
         return "backbone.embeddings.weight"
     if name.startswith("model.norm."):
@@ -169,7 +174,7 @@ def hf_name(name: str, cfg: Any) -> str:
     if found is None:
         return name
     layer, part, rest = int(found.group(1)), found.group(2), found.group(3)
-    block = starts[layer] + (part in ("post_attention_layernorm", "mlp"))
+    block = _first_blocks(cfg)[layer] + (part in ("post_attention_layernorm", "mlp"))
     if part in ("input_layernorm", "post_attention_layernorm"):
         return f"backbone.layers.{block}.norm.{rest}"
     return f"backbone.layers.{block}.mixer.{rest}"
