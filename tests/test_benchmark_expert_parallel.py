@@ -4,9 +4,12 @@ rows only between neighbours ((5n - 3) / (4n - 4) of the all-gather's bytes) and
 fsdp size, and the three programs run to the same outputs and gradients."""
 from __future__ import annotations
 
+import pytest
+
 from areal_jax.testing.processes import run_benchmark
 
 
+@pytest.mark.long  # 23-33 s in CI; expert parallelism itself is tested in tests/test_expert_parallel.py
 def test_the_expert_parallel_benchmark_compares_both_layouts_on_the_same_work():
     line, _ = run_benchmark("expert_parallel.py", "--preset", "small", "--devices", "4", "--tokens", "512", "--run",
                             "--sweep", "2,4")

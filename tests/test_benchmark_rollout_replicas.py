@@ -2,9 +2,12 @@
 every layout generates the same forced tokens, and only the replicas' decode step moves nothing between devices."""
 from __future__ import annotations
 
+import pytest
+
 from areal_jax.testing.processes import run_benchmark
 
 
+@pytest.mark.long  # 23-35 s in CI; the replicas themselves are tested in tests/test_sampler_replicas.py
 def test_the_replica_benchmark_reports_every_layout_and_no_traffic_for_replicas():
     line, _ = run_benchmark("rollout_replicas.py", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
                             "--intermediate", "128", "--vocab", "256", "--slots", "4", "--requests", "6", "--median",

@@ -160,6 +160,7 @@ def test_sampler_decodes_as_its_full_forward(page_size, experts):
                                          page_size=page_size)
 
 
+@pytest.mark.long  # 20-25 s in CI; Mamba-2 segments in packed rows: tests/test_models.py's bamba and nemotron_h
 def test_packed_rows_equal_the_sequences_alone():
     model = random_model(tiny_config("granitemoehybrid", **HYBRID), seed=2)
     rng = np.random.default_rng(1)

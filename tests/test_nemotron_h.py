@@ -169,11 +169,44 @@ def test_peft_export_refuses_what_peft_refuses(tmp_path):
     with pytest.raises(ValueError, match="leave 'out' out of lora.targets"):
         save_peft_adapter(model, lcfg, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
-    model = random_model(tiny_config("nemotron_h", **EXPERTS), seed=0)
-    lcfg = lora.LoRAConfig(rank=2, targets="q,experts")
-    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="does not write adapters of Nemotron-H's experts"):
-        save_peft_adapter(model, lcfg, tmp_path / "adapter")
+
+
+@pytest.mark.parity
+def test_peft_applies_our_expert_adapters(tmp_path):
+    """Adapters on attention, the Mamba-2 mixers' in_proj parts, the ungated experts (transformers' stacked up_proj /
+    down_proj of the experts block after each layer's mixer block) and the shared expert: peft applies them with our
+    logits, and they read back."""
+    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
+    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
+    import jax
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.models.peft_io import load_peft_adapter, save_peft_adapter
+    from areal_jax.testing.models import write_random_hf_checkpoint
+
+    base = str(tmp_path / "base")
+    write_random_hf_checkpoint(base, tiny_config("nemotron_h", **EXPERTS), seed=0)
+    model = load_hf_checkpoint(base)
+    lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="q,in_z,in_xbc,experts,shared")
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
+            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    tokens = random_tokens(97, (2, 24), seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+        got = peft.PeftModel.from_pretrained(hf, out).eval()(torch.tensor(np.asarray(tokens))).logits.numpy()
+    want = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(want - plain).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    back = load_hf_checkpoint(base)
+    lora.apply_lora(back, lcfg, rngs=nnx.Rngs(7))
+    load_peft_adapter(back, out)
+    np.testing.assert_allclose(np.asarray(back(jnp.asarray(tokens))), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("groups", [2, 1])

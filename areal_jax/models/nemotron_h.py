@@ -157,7 +157,7 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _first_blocks(cfg: Any) -> tuple[int, ...]:
+def first_blocks(cfg: Any) -> tuple[int, ...]:
     """Each of our layers' first block (its mixer's; its feed-forward's is the next)."""
     blocks = [1 + cfg.layer_has_mlp(i) for i in range(cfg.num_layers)]  # a layer's blocks: its mixer, its MLP
     return tuple(int(b) for b in np.cumsum([0] + blocks[:-1]))
@@ -174,7 +174,7 @@ def hf_name(name: str, cfg: Any) -> str:
     if found is None:
         return name
     layer, part, rest = int(found.group(1)), found.group(2), found.group(3)
-    block = _first_blocks(cfg)[layer] + (part in ("post_attention_layernorm", "mlp"))
+    block = first_blocks(cfg)[layer] + (part in ("post_attention_layernorm", "mlp"))
     if part in ("input_layernorm", "post_attention_layernorm"):
         return f"backbone.layers.{block}.norm.{rest}"
     return f"backbone.layers.{block}.mixer.{rest}"

@@ -14,7 +14,8 @@ the module's parameter order, so gate_up_proj's tensors sit under `experts.base_
 rank n * r for the n adapted parts (A stacked, B block-diagonal), with rank_pattern / alpha_pattern keeping the
 scale alpha / r, as for Phi's fused modules (`peft_io`). gpt-oss stores its experts the other way round,
 gate_up_proj [E, D, 2F] with gate and up interleaved along the last axis; PEFT reads its in and out dimensions
-accordingly, so the tensors are the same but B's rows of gate and up alternate.
+accordingly, so the tensors are the same but B's rows of gate and up alternate. Nemotron-H's ungated experts are
+up_proj [E, F, D] and down_proj [E, D, F] of the experts block after each layer's mixer block.
 """
 from __future__ import annotations
 
@@ -29,42 +30,59 @@ from flax import nnx
 from areal_jax.models.lora import LoRAExperts
 
 PARAMS = {"gate_up_proj": ("experts_gate", "experts_up"), "down_proj": ("experts_down",)}  # transformers' order
+UNGATED_PARAMS = {"up_proj": ("experts_up",), "down_proj": ("experts_down",)}  # Nemotron-H's ungated experts'
+
+
+def _params(model_or_cfg: Any) -> dict[str, tuple[str, ...]]:
+    """transformers' stacked expert parameters of this model, each with the parts of ours it holds, in its order."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    return PARAMS if cfg.gated_mlp else UNGATED_PARAMS
 
 
 def experts_module(model_or_cfg: Any, layer: int) -> str:
-    """transformers' module path of layer `layer`'s experts."""
+    """transformers' module path of layer `layer`'s experts (Nemotron-H's: its experts block, after the layer's
+    mixer block)."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    if getattr(cfg, "architecture", None) == "nemotron_h":
+        from areal_jax.models.nemotron_h import first_blocks  # noqa: PLC0415
+
+        return f"model.layers.{first_blocks(cfg)[layer] + 1}.mixer.experts"
     block = {"granitemoe": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
              "lfm2_moe": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
     return f"model.layers.{layer}.{block}.experts"
 
 
-def expert_groups(model: nnx.Module) -> list[tuple[str, str, list[tuple[str, LoRAExperts]]]]:
-    """(parameter key, tensor-name prefix, adapted parts [(ours, adapter)] in row order) for every adapted stacked
-    expert parameter, e.g. ("model.layers.0.mlp.experts.gate_up_proj",
-    "base_model.model.model.layers.0.mlp.experts.base_layer", [("experts_gate", ...), ("experts_up", ...)])."""
+def expert_groups(model: nnx.Module) -> list[tuple[str, str, int, list[tuple[str, LoRAExperts]]]]:
+    """(parameter key, tensor-name prefix, our layer, adapted parts [(ours, adapter)] in row order) for every adapted
+    stacked expert parameter, e.g. ("model.layers.0.mlp.experts.gate_up_proj",
+    "base_model.model.model.layers.0.mlp.experts.base_layer", 0, [("experts_gate", ...), ("experts_up", ...)])."""
     out = []
     for i, layer in enumerate(model.layers):
         moe = layer.mlp
         found = {param: [(name, getattr(moe, name)) for name in parts
-                         if isinstance(getattr(moe, name, None), LoRAExperts)] for param, parts in PARAMS.items()}
+                         if isinstance(getattr(moe, name, None), LoRAExperts)] for param, parts in _params(model).items()}
         found = {param: parts for param, parts in found.items() if parts}
         module = experts_module(model, i)
         for k, (param, parts) in enumerate(found.items()):
             nested = ".base_layer" * (len(found) - 1 - k)  # the first-wrapped parameter lies innermost
-            out.append((f"{module}.{param}", f"base_model.model.{module}{nested}", parts))
+            out.append((f"{module}.{param}", f"base_model.model.{module}{nested}", i, parts))
     return out
 
 
-def _rows(moe: Any, param: str, interleaved: bool) -> tuple[int, dict[str, np.ndarray]]:
-    """(the out dimension's size, {ours: its indices there}) of each part of a stacked parameter: one after another,
-    or `interleaved` (gpt-oss's gate_up_proj: gate at even columns, up at odd ones)."""
-    widths = [getattr(moe, name).shape[2] for name in PARAMS[param]]
+def _rows(moe: Any, parts: tuple[str, ...], interleaved: bool) -> tuple[int, dict[str, np.ndarray]]:
+    """(the out dimension's size, {ours: its indices there}) of each of a stacked parameter's `parts`: one after
+    another, or `interleaved` (gpt-oss's gate_up_proj: gate at even columns, up at odd ones)."""
+    widths = [getattr(moe, name).shape[2] for name in parts]
     total, n = sum(widths), len(widths)
     if interleaved:
-        return total, {name: np.arange(j, total, n) for j, name in enumerate(PARAMS[param])}
+        return total, {name: np.arange(j, total, n) for j, name in enumerate(parts)}
     starts = np.cumsum([0] + widths)
-    return total, {name: np.arange(starts[j], starts[j + 1]) for j, name in enumerate(PARAMS[param])}
+    return total, {name: np.arange(starts[j], starts[j + 1]) for j, name in enumerate(parts)}
+
+
+def _fused_parts(model: nnx.Module, adapted: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Every part (adapted or not) of the stacked parameter that holds the `adapted` parts, in its order."""
+    return [(name, None) for name in next(p for p in _params(model).values() if adapted[0][0] in p)]
 
 
 def _interleaved(model: nnx.Module) -> bool:
@@ -74,9 +92,9 @@ def _interleaved(model: nnx.Module) -> bool:
 def expert_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every expert adapter as PEFT names it (float32); see the module docstring."""
     tensors = {}
-    for key, prefix, parts in expert_groups(model):
-        layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
-        total, rows = _rows(model.layers[layer].mlp, param, _interleaved(model))
+    for _, prefix, layer, parts in expert_groups(model):
+        total, rows = _rows(model.layers[layer].mlp, tuple(name for name, _ in _fused_parts(model, parts)),
+                            _interleaved(model))
         a = np.concatenate([np.asarray(jax.device_get(node.lora_a[...]), np.float32).transpose(0, 2, 1)
                             for _, node in parts], axis=1)  # [E, R, in]
         e, rank = a.shape[:2]
@@ -96,8 +114,8 @@ def expert_config(model: nnx.Module, rank: int, alpha: float) -> dict[str, Any]:
     # PEFT (0.21) looks a wrapped parameter's rank up by "module.parameter", as here, but its check that every pattern
     # matched something looks at targeted modules only, so loading warns that these keys "were ignored": they were
     # not (tests/test_lora_export.py compares peft's logits).
-    wide = {re.escape(key): len(parts) for key, _, parts in groups if len(parts) > 1}
-    return {"target_parameters": [key for key, _, _ in groups],
+    wide = {re.escape(key): len(parts) for key, _, _, parts in groups if len(parts) > 1}
+    return {"target_parameters": [key for key, _, _, _ in groups],
             "rank_pattern": {k: n * rank for k, n in wide.items()},
             "alpha_pattern": {k: n * alpha for k, n in wide.items()}}
 
@@ -105,13 +123,13 @@ def expert_config(model: nnx.Module, rank: int, alpha: float) -> dict[str, Any]:
 def load_expert_tensors(model: nnx.Module, tensors: dict[str, np.ndarray], path: str) -> None:
     """Set the model's expert adapters from PEFT tensors (`expert_tensors`' layout), in place."""
     want = expert_tensors(model)
-    for key, prefix, parts in expert_groups(model):
+    for key, prefix, layer, parts in expert_groups(model):
         names = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
         if any(n not in tensors or tensors[n].shape != want[n].shape for n in names):
             raise KeyError(f"{path} has no adapter for {key} of this model's rank and parts; it was saved for other "
                            "targets or another rank.")
-        layer, param = int(key.split(".")[2]), key.rsplit(".", 1)[1]
-        _, rows = _rows(model.layers[layer].mlp, param, _interleaved(model))
+        _, rows = _rows(model.layers[layer].mlp, tuple(name for name, _ in _fused_parts(model, parts)),
+                        _interleaved(model))
         e = parts[0][1].shape[0]
         a = tensors[names[0]].reshape(e, -1, tensors[names[0]].shape[1])  # [E, R, in]
         b = tensors[names[1]].reshape(tensors[names[1]].shape[0], -1, e).transpose(2, 1, 0)  # [E, R, out]

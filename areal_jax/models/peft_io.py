@@ -55,10 +55,6 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
         raise ValueError("The model has no LoRA adapters to save; apply models.lora.apply_lora first.")
     dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
                         if PROJECTIONS[short][0].startswith("mlp")})
-    if getattr(model.cfg, "architecture", None) == "nemotron_h" and expert_groups(model):
-        raise ValueError("The PEFT export does not write adapters of Nemotron-H's experts (its ungated up_proj / "
-                         "down_proj in blocks numbered otherwise than the layers); export the merged checkpoint "
-                         "(export --format=hf), or adapt the other projections only (e.g. lora.targets=q,k,v,o,in_z,up).")
     out_proj = sorted(f"layers.{i}.linear_attn.out_proj" for i, short, _ in out if short == "out")
     if out_proj and getattr(model.cfg, "architecture", None) == "nemotron_h":
         raise ValueError(f"PEFT refuses adapters on a Mamba-2 mixer's out_proj in {model.cfg.architecture} models "
@@ -214,7 +210,7 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
         config: dict[str, Any] = json.load(fh)
     tensors = _relocate(load_file(os.path.join(path, WEIGHTS_FILE)), _WRAPPED_LAYERS, _LAYERS)
     saved = peft_tensors(model)  # where each part's rows and rank columns sit in this model's layout
-    for _, _, parts in expert_groups(model):
+    for _, _, _, parts in expert_groups(model):
         _check_rank(config, path, parts[0][1].lora_a.shape[-1], parts[0][1].scale)
     load_expert_tensors(model, tensors, path)
     orders = _hf_orders(model.cfg)
