@@ -8,6 +8,7 @@ import pytest
 from areal_jax.testing.processes import run_benchmark
 
 
+@pytest.mark.long  # 20 s in CI; the mesh context itself is tested in tests/test_batch_sharding.py
 def test_the_data_parallel_benchmark_reports_fewer_activation_bytes_with_the_mesh_context():
     line, _ = run_benchmark("data_parallel.py", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
                             "--intermediate", "128", "--vocab", "256", "--trajectories", "8", "--max-len", "64",

@@ -118,6 +118,7 @@ def test_lora_skips_the_layers_without_a_feed_forward():
     assert "gate" not in {s for _, s in lora.model_targets(cfg, lora.LoRAConfig(targets="all"))}
 
 
+@pytest.mark.long  # 18 s in CI; the ungated experts' paths: tests/test_moe.py, their PEFT adapters' logits: below
 def test_lora_on_the_ungated_experts_and_the_merged_weights():
     """Adapters on the experts (up, down: no gate) and the shared expert: the merged model's logits equal the adapted
     model's, and the adapters' bytes are counted as held."""
