@@ -10,7 +10,7 @@ import pytest
 
 from areal_jax.models import short_conv
 from areal_jax.models.config import ModelConfig
-from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens, randomize_lora_b
 from areal_jax.testing.models import random_model, tiny_config
 
 PROMPTS = [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]]
@@ -175,9 +175,7 @@ def test_an_image_and_text_checkpoint_loads_its_text_decoder(tmp_path, arch):
 
     lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets="all")
     lora.apply_lora(ours, lcfg, rngs=nnx.Rngs(1))
-    for i, (_, node) in enumerate(nnx.iter_graph(ours)):
-        if isinstance(node, lora.LoRAProjection):
-            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    randomize_lora_b(ours, 0.2)
     out = save_peft_adapter(ours, lcfg, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "source"))
     with torch.no_grad():
         adapted = peft.PeftModel.from_pretrained(hf, out).eval()

@@ -8,7 +8,7 @@ import pytest
 
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
-from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens, randomize_lora_b
 from areal_jax.testing.models import random_model, tiny_config
 
 # NVIDIA-Nemotron-Nano-9B-v2's shape: 56 blocks (27 Mamba-2, 4 attention, 25 MLP; four Mamba-2 blocks followed by
@@ -131,9 +131,7 @@ def test_lora_on_the_ungated_experts_and_the_merged_weights():
                                                                "q"}
     model = random_model(cfg, seed=0)
     lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    for i, (_, node) in enumerate(nnx.iter_graph(model)):
-        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
-            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(i), node.lora_b.shape))
+    randomize_lora_b(model, 0.3, offset=0)
     tokens = jnp.asarray(random_tokens(97, (2, 12), seed=4))
     adapted = np.asarray(model(tokens))
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -177,14 +175,12 @@ def test_peft_applies_our_expert_adapters(tmp_path):
     """Adapters on attention, the Mamba-2 mixers' in_proj parts, the ungated experts (transformers' stacked up_proj /
     down_proj of the experts block after each layer's mixer block) and the shared expert: peft applies them with our
     logits, and they read back."""
-    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
-    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
-    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
-    import jax
+    pytest.importorskip("peft", reason="the PEFT round trip needs peft")
     from flax import nnx
 
     from areal_jax.models import load_hf_checkpoint
-    from areal_jax.models.peft_io import load_peft_adapter, save_peft_adapter
+    from areal_jax.models.peft_io import save_peft_adapter
+    from areal_jax.testing.hf import assert_peft_round_trip
     from areal_jax.testing.models import write_random_hf_checkpoint
 
     base = str(tmp_path / "base")
@@ -192,22 +188,9 @@ def test_peft_applies_our_expert_adapters(tmp_path):
     model = load_hf_checkpoint(base)
     lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="q,in_z,in_xbc,experts,shared")
     lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    for i, (_, node) in enumerate(nnx.iter_graph(model)):
-        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
-            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    randomize_lora_b(model, 0.3)
     out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
-    tokens = random_tokens(97, (2, 24), seed=5)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    with torch.no_grad():
-        plain = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
-        got = peft.PeftModel.from_pretrained(hf, out).eval()(torch.tensor(np.asarray(tokens))).logits.numpy()
-    want = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(want - plain).max() > 1e-2
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    back = load_hf_checkpoint(base)
-    lora.apply_lora(back, lcfg, rngs=nnx.Rngs(7))
-    load_peft_adapter(back, out)
-    np.testing.assert_allclose(np.asarray(back(jnp.asarray(tokens))), want, atol=1e-5, rtol=0)
+    assert_peft_round_trip(out, base, model, lcfg, random_tokens(97, (2, 24), seed=5))
 
 
 @pytest.mark.parametrize("groups", [2, 1])

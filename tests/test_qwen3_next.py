@@ -9,6 +9,7 @@ from flax import nnx
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.testing import models as testing
+from areal_jax.testing.hf import randomize_lora_b
 
 
 def test_config_of_the_released_shape_and_its_round_trip():
@@ -77,7 +78,6 @@ def test_peft_adapters_of_the_fused_projections_are_the_merged_update(tmp_path):
     """A PEFT adapter of in_proj_qkvz / in_proj_ba (rank n x r, B's rows where the fused weight interleaves each
     part's): scale * B @ A equals what the merged export adds to that fused weight (hf_names' layout, not peft_io's),
     whether both parts are adapted (q/k/v and z) or one (a of b, a). tests/test_lora_export.py: peft applies it."""
-    import jax
 
     from areal_jax.models import save_hf_checkpoint
     from areal_jax.models.hf_io import read_safetensors_dir
@@ -87,9 +87,7 @@ def test_peft_adapters_of_the_fused_projections_are_the_merged_update(tmp_path):
     save_hf_checkpoint(model, tmp_path / "base")
     cfg = lora.LoRAConfig(rank=3, alpha=6.0, targets="in_qkv,in_z,in_a")
     lora.apply_lora(model, cfg, rngs=nnx.Rngs(0))
-    for n, (_, node) in enumerate(nnx.iter_graph(model)):
-        if isinstance(node, lora.LoRAProjection):
-            node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(n), node.lora_b.shape))
+    randomize_lora_b(model, 0.3, offset=0)
     save_hf_checkpoint(lora.merged_model(model, cfg.scale), tmp_path / "merged")
     base, merged, tensors = read_safetensors_dir(tmp_path / "base"), read_safetensors_dir(tmp_path / "merged"), \
         peft_tensors(model)

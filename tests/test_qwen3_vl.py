@@ -141,42 +141,25 @@ def test_peft_adapters_over_the_image_and_text_model(tmp_path, arch, targets):
     """Adapters exported over a Qwen3-VL base are named where transformers holds its decoder
     (model.language_model.layers): peft applies them to the image-and-text model with our logits, and they read back
     into ours unchanged."""
-    torch = pytest.importorskip("torch", reason="the PEFT round trip needs PyTorch")
-    transformers = pytest.importorskip("transformers", reason="the PEFT round trip needs transformers")
-    peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft")
-    import jax
+    pytest.importorskip("peft", reason="the PEFT round trip needs peft")
     from flax import nnx
 
     from areal_jax.models import load_hf_checkpoint, lora
-    from areal_jax.models.peft_io import load_peft_adapter, save_peft_adapter
+    from areal_jax.models.peft_io import save_peft_adapter
+    from areal_jax.testing.hf import assert_peft_round_trip, randomize_lora_b
 
     cfg, base = _tiny(arch), tmp_path / "base"
     _vl_checkpoint(base, cfg, tied=False)
     model = load_hf_checkpoint(base)
     lcfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=targets)
     lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    for i, (_, node) in enumerate(nnx.iter_graph(model)):
-        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
-            node.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(100 + i), node.lora_b.shape))
+    randomize_lora_b(model, 0.2)
     out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=str(base))
     with open(tmp_path / "adapter" / "adapter_config.json") as fh:
         config = json.load(fh)
     assert all("language_model" in p for p in config.get("target_parameters") or ["model.language_model."])
-    tokens = random_tokens(cfg.vocab_size, (2, 24), seed=5)
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32).eval()
-    with torch.no_grad():
-        plain = hf(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
-        adapted = peft.PeftModel.from_pretrained(hf, out).eval()
-        got = adapted(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
-    want = np.asarray(model(jnp.asarray(tokens)))
-    assert np.abs(want - plain).max() > 1e-2  # the adapters matter, so peft found every one of them
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    fresh = load_hf_checkpoint(base)
-    lora.apply_lora(fresh, lcfg, rngs=nnx.Rngs(7))
-    load_peft_adapter(fresh, out)
-    for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
+    assert_peft_round_trip(out, base, model, lcfg, random_tokens(cfg.vocab_size, (2, 24), seed=5),
+                           hf_class="AutoModelForImageTextToText")
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_the_trained_decoder_goes_back_into_the_image_and_text_checkpoint(tmp_path, arch):

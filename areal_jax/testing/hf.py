@@ -98,3 +98,47 @@ def rewrapped_logits(model, source_dir, work_dir, hf_class, tokens) -> np.ndarra
     assert copied, "the image-and-text checkpoint had no tensors outside its text decoder"
     whole = hf_class.from_pretrained(os.path.join(work_dir, "whole"), dtype=torch.float32).eval()
     return hf_logits(whole, tokens)
+
+
+def randomize_lora_b(model, scale: float, offset: int = 100) -> None:
+    """Every adapter's B (`lora.apply_lora` starts it at zero, where the adapters change nothing) drawn from a normal
+    of std `scale`: the node at index i of the model's graph walk takes key offset + i."""
+    import jax
+    from flax import nnx
+
+    from areal_jax.models import lora
+
+    for i, (_, node) in enumerate(nnx.iter_graph(model)):
+        if isinstance(node, (lora.LoRAProjection, lora.LoRAExperts)):
+            node.lora_b.set_value(scale * jax.random.normal(jax.random.key(offset + i), node.lora_b.shape))
+
+
+def assert_peft_round_trip(out, base, model, lcfg, tokens, hf_class: str = "AutoModelForCausalLM",
+                           atol: float = 1e-4) -> None:
+    """`model`'s adapters, exported to the PEFT directory `out` over the checkpoint at `base`: they change the logits
+    (so peft found every one of them), peft applies them to transformers' `hf_class` with our logits, and reading the
+    directory back into fresh adapters gives the same ones, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+    import peft
+    import torch
+    import transformers
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint, lora
+    from areal_jax.models.peft_io import load_peft_adapter
+
+    hf = getattr(transformers, hf_class).from_pretrained(base, dtype=torch.float32).eval()
+    ids = torch.tensor(np.asarray(tokens))
+    with torch.no_grad():
+        plain = hf(input_ids=ids).logits.numpy()
+        got = peft.PeftModel.from_pretrained(hf, out).eval()(input_ids=ids).logits.numpy()
+    want = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(want - plain).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    back = load_hf_checkpoint(base)
+    lora.apply_lora(back, lcfg, rngs=nnx.Rngs(7))
+    load_peft_adapter(back, out)
+    for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(back, nnx.LoRAParam)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
