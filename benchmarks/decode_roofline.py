@@ -18,10 +18,18 @@ def _contexts(prompts: list[list[int]], lengths: list[int]) -> np.ndarray:
                           [np.zeros(0)])
 
 
+def state_size(cfg) -> int:
+    """Elements of one row's state in one stateful layer: Gated DeltaNet's value heads x key_dim x value_dim, Mamba-2's
+    heads x head_dim x state; 0 for a short convolution (its window only)."""
+    if cfg.linear is not None:
+        return cfg.linear.value_heads * cfg.linear.key_dim * cfg.linear.value_dim
+    return 0 if cfg.mamba is None else cfg.mamba.heads * cfg.mamba.head_dim * cfg.mamba.state
+
+
 def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
     """Model FLOPs of prefilling every prompt and generating every token (real context only; a sliding layer's
-    within its window; a Gated DeltaNet layer's state update and read, 4 x value heads x key_dim x value_dim a token,
-    in place of attention)."""
+    within its window; a stateful layer's state update and read, 4 x its state's size a token (`state_size`), in
+    place of attention, or beside it in a hybrid layer)."""
     d, hq, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     dense = 2 * (cfg.matmul_params_per_token + d * cfg.vocab_size)  # per token, incl. the unembedding
     total = 0.0
@@ -29,10 +37,9 @@ def workload_flops(cfg, prompts: list[list[int]], lengths: list[int]) -> float:
         ctx = np.arange(1, len(p) + n + 1, dtype=np.float64)  # context each token attends to
         total += (len(p) + n) * dense
         for i in range(cfg.num_layers):
-            if cfg.linear is not None and cfg.layer_is_linear(i):
-                m = cfg.linear
-                total += (len(p) + n) * 4.0 * m.value_heads * m.key_dim * m.value_dim
-            else:
+            if cfg.layer_is_linear(i) or cfg.layer_is_hybrid(i):  # the state's update and read (a short conv: none)
+                total += (len(p) + n) * 4.0 * state_size(cfg)
+            if not cfg.layer_is_linear(i):
                 window = cfg.layer_window(i)
                 total += 4.0 * hq * hd * (ctx if window is None else np.minimum(ctx, window)).sum()
     return total
@@ -49,8 +56,9 @@ def cache_bytes_per_row(cfg, prompts: list[list[int]], lengths: list[int]) -> fl
     """Cache bytes one decode step must touch for one live row, time-averaged over the workload's generated tokens:
     each attention layer reads its keys and values over the row's context (a sliding layer's over its window at
     most; latent attention's one latent a position: `mla.cache_layout`) in the cache's dtype
-    (`transformer.cache_dtype`), and each Gated DeltaNet layer reads and writes its state and convolution window."""
-    from areal_jax.models.gated_deltanet import state_bytes
+    (`transformer.cache_dtype`), and each stateful layer (Gated DeltaNet, a short convolution, Mamba-2; a hybrid
+    layer's beside its attention) reads and writes its state and convolution window (`mixers`' state_bytes)."""
+    from areal_jax.models.mixers import kind
     from areal_jax.models.mla import cache_layout
     from areal_jax.models.transformer import cache_dtype
 
@@ -59,8 +67,9 @@ def cache_bytes_per_row(cfg, prompts: list[list[int]], lengths: list[int]) -> fl
     per_position = heads * (k_dim + v_dim) * jnp.dtype(cache_dtype(cfg)).itemsize
     total = 0.0
     for i in range(cfg.num_layers):
-        if cfg.linear is not None and cfg.layer_is_linear(i):
-            total += 2 * state_bytes(cfg)
+        if cfg.layer_is_linear(i) or cfg.layer_is_hybrid(i):
+            total += 2 * kind(cfg).state_bytes(cfg)
+        if cfg.layer_is_linear(i):
             continue
         window = cfg.layer_window(i)
         read = ctx if window is None else np.minimum(ctx, window)

@@ -304,6 +304,8 @@ EOF
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     step nemotron_sampler 200 $PY benchmarks/sampler.py --preset nemotron-nano-9b-v2 --dtype bfloat16 --num-slots 128 \
       --num-prompts 256 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
+    step falcon_sampler 200 $PY benchmarks/sampler.py --preset falcon-h1-0.5b --dtype bfloat16 --num-slots 256 \
+      --num-prompts 512 --decode-steps 16 --hf-prompts 128 --skip-static --steady --warmup-seconds 3 --steady-seconds 8
     step hybrid_memory 150 $PY benchmarks/sampler_memory.py --preset qwen3.5-9b --full
     ;;
   moe)

@@ -67,6 +67,8 @@ PRESETS = {
                           prompt_len=(64, 128)),
     "nemotron-nano-9b-v2": dict(model="nemotron-nano-9b-v2", dtype="bfloat16", slots=128, prompts=512, median=256,
                                 cap=1024, prompt_len=(64, 128)),
+    "falcon-h1-0.5b": dict(model="falcon-h1-0.5b", dtype="bfloat16", slots=256, prompts=1024, median=256, cap=1024,
+                           prompt_len=(64, 128)),
 }
 TOY_LAYERS = 4  # --toy (common.toy_fields): a Qwen3.5's three Gated DeltaNet layers and one of attention
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

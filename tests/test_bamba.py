@@ -36,7 +36,7 @@ def test_its_config_class(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_hf_checkpoint(tmp_path)
     assert ours.cfg.layer_types[2] == "full_attention" and ours.cfg.rotary_dim == 8
-    assert tuple(ours.cfg.mamba) == (8, 16, 16, 1, 4)
+    assert tuple(ours.cfg.mamba) == (8, 16, 16, 1, 4, "after_gate")
     tokens = random_tokens(101, (2, 40), seed=1)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 

@@ -77,10 +77,20 @@ def test_roofline_cache_bytes_follow_each_kind_of_layer_worked_by_hand(monkeypat
     hybrid = tiny_config("qwen3_5_text", num_layers=4)
     state = 4 * (3 * 80 + 4 * 8 * 12)
     assert cache_bytes_per_row(hybrid, prompts, lengths) == 3 * 2 * state + 5.25 * per_position
+    # Bamba: three Mamba-2 layers (4 heads of 32, 2 groups of 16: 128 + 64 channels in a window of 3 taps, a state of
+    # 128 x 16) and one of attention; Falcon-H1: both in each of its two layers (4 heads of 24: 96 + 64 channels)
+    mamba = 4 * (3 * 192 + 128 * 16)
+    assert cache_bytes_per_row(tiny_config("bamba", num_layers=4), prompts, lengths) == \
+        3 * 2 * mamba + 5.25 * per_position
+    assert cache_bytes_per_row(tiny_config("falcon_h1"), prompts, lengths) == \
+        2 * (2 * 4 * (3 * 160 + 96 * 16) + 5.25 * per_position)
     dense = 2 * (hybrid.matmul_params_per_token + 64 * 97)
     tokens, contexts = 5 + 1 + 3 + 3, sum(range(1, 7)) + sum(range(1, 7))
     want = tokens * dense + 3 * tokens * 4 * 4 * 8 * 12 + 4 * 4 * 16 * contexts
     assert abs(workload_flops(hybrid, prompts, lengths) - want) < 1e-6 * want
+    falcon = tiny_config("falcon_h1")  # each layer: attention over the context and a 4 x 24 x 16 state
+    want = tokens * 2 * (falcon.matmul_params_per_token + 64 * 97) + 2 * (tokens * 4 * 4 * 24 * 16 + 4 * 4 * 16 * contexts)
+    assert abs(workload_flops(falcon, prompts, lengths) - want) < 1e-6 * want
 
 
 @pytest.mark.long  # 30-40 s; the sampler benchmark's other tests run its path, tests/test_qwen3_5.py the hybrid sampler
@@ -114,3 +124,6 @@ def test_new_shapes_are_the_checkpoints_defaults():
     assert nano.num_params == 8_888_227_328 and nano.mamba.groups == 8 and sum(nano.mlp_layers) == 25
     toy = shape_config("nemotron-nano-9b-v2", max_len=64, num_layers=3)
     assert toy.layer_types == ("linear_attention",) * 3 and toy.mlp_layers == (1, 1, 1)
+    falcon = shape_config("falcon-h1-0.5b", max_len=2048)  # transformers' count (tests/test_falcon_h1.py)
+    assert falcon.num_params == 521_411_104 and falcon.layer_types == ("hybrid",) * 36
+    assert shape_config("falcon-h1-0.5b", max_len=64, num_layers=2).layer_types == ("hybrid",) * 2

@@ -107,7 +107,7 @@ def test_the_hybrid_config_class_and_a_3b_hybrid(tmp_path):
     hf = randomize_torch(transformers.GraniteMoeHybridForCausalLM(config).float().eval(), 0)
     hf.save_pretrained(tmp_path)
     ours = load_hf_checkpoint(tmp_path)
-    assert tuple(ours.cfg.mamba) == (8, 16, 16, 1, 4) and ours.cfg.rope_layers == (0, 0, 0)  # no RoPE by default
+    assert tuple(ours.cfg.mamba) == (8, 16, 16, 1, 4, "after_gate") and ours.cfg.rope_layers == (0, 0, 0)  # no RoPE by default
     tokens = random_tokens(101, (2, 40), seed=1)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
     hybrid = {**MICRO, "num_hidden_layers": 40, "hidden_size": 2048, "num_attention_heads": 32,

@@ -13,12 +13,13 @@ from areal_jax.testing.models import random_model, tiny_config
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; exaone4: a
 # sliding layer and a full one without them; hunyuan_v1_dense: q/k norms after RoPE; qwen3_moe, mixtral, granitemoe,
 # olmoe, qwen2_moe (with a shared expert): 2 of 4 experts per token; ministral3: queries scaled past each 8 positions;
-# phimoe: LayerNorms, output biases, sparsemixer routing; flex_olmo: OLMo 2's layer with experts
+# phimoe: LayerNorms, output biases, sparsemixer routing; flex_olmo: OLMo 2's layer with experts; falcon_h1: attention
+# and Mamba-2 side by side in every layer
 ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
          "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4", "exaone_moe",
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
-         "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h"]
+         "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1"]
 
 
 def _jitted(model):
@@ -66,7 +67,7 @@ def test_kv_cache_decode_matches_full_forward(arch):
             if pos[b] < total:
                 np.testing.assert_allclose(logits[b, 0], ref[b, pos[b]], atol=atol, rtol=0)
         pos += 1
-    assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.num_layers
+    assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.cache_entries  # (hybrid: + states)
     heads, k_dim, v_dim = cache_layout(cfg)  # latent attention caches its latent: keys only
     attention = [i for i in range(cfg.num_layers) if not cfg.layer_is_linear(i)]
     assert {cache.k[i].shape for i in attention} == {(2, 16, heads, k_dim)}

@@ -81,7 +81,7 @@ def test_its_config_class_and_a_released_shape(tmp_path):
     ours = load_hf_checkpoint(tmp_path)
     assert ours.cfg.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention",
                                     "full_attention")
-    assert ours.cfg.mlp_layers == (0, 1, 0, 1, 0) and tuple(ours.cfg.mamba) == (8, 16, 16, 4, 3)
+    assert ours.cfg.mlp_layers == (0, 1, 0, 1, 0) and tuple(ours.cfg.mamba) == (8, 16, 16, 4, 3, "after_gate")
     tokens = random_tokens(101, (2, 40), seed=1)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 

@@ -17,10 +17,10 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", *MOE_ARCHITECTURES)
+                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -83,7 +83,8 @@ class ModelConfig:
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
     mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope). linear: None,
       or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet; mamba: or `Mamba2` shapes: theirs
-      are Mamba-2 mixers (models.mamba2).
+      are Mamba-2 mixers (models.mamba2); a "hybrid" layer has attention and that Mamba-2 mixer side by side
+      (Falcon-H1), with `hybrid_scales` (a `HybridScales`: Falcon-H1's multipliers; None: all 1).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0. mlp_layers: per layer 1 (a feed-forward) or 0 (none: the
       layer is its token mixer alone, Nemotron-H's mixer followed by another); None: every layer has one.
@@ -153,6 +154,7 @@ class ModelConfig:
     linear: checks.LinearAttention | None = None
     short_conv: int | None = None
     mamba: checks.Mamba2 | None = None
+    hybrid_scales: checks.HybridScales | None = None
     head_gate: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -208,17 +210,6 @@ class ModelConfig:
             v = getattr(self, f.name)
             values.append(tuple(sorted(v.items())) if isinstance(v, dict) else v)
         return hash(tuple(values))
-
-    def _layer_flags(self, name: str, meaning: str) -> tuple[int, ...] | None:
-        """Field `name`, a per-layer tuple of 0 / 1 flags (or None), made a tuple of ints and checked."""
-        if getattr(self, name) is None:
-            return None
-        flags = tuple(int(x) for x in getattr(self, name))
-        object.__setattr__(self, name, flags)
-        if len(flags) != self.num_layers or any(x not in (0, 1) for x in flags):
-            raise ValueError(f"ModelConfig.{name} must hold num_layers={self.num_layers} flags, each 1 {meaning}; got "
-                             f"{list(flags)}.")
-        return flags
 
     def layer_is_moe(self, i: int) -> bool:
         """Whether layer i's feed-forward is a mixture of experts (else a dense MLP of intermediate_size, or none)."""
@@ -279,6 +270,21 @@ class ModelConfig:
         (`mamba`) or a short convolution (`short_conv`), rather than attention."""
         return self.layer_types is not None and self.layer_types[i] in ("linear_attention", "conv")
 
+    def layer_is_hybrid(self, i: int) -> bool:
+        """Whether layer i has attention and the stateful mixer side by side (Falcon-H1): its keys and values in cache
+        entry i, its window and state in entry `state_entry(i)`."""
+        return self.layer_types is not None and self.layer_types[i] == "hybrid"
+
+    def state_entry(self, i: int) -> int:
+        """The cache entry of stateful layer i's window and state: i itself (`layer_is_linear`), or past the layers'
+        entries in order for the hybrid layers (`cache_entries`)."""
+        return i if not self.layer_is_hybrid(i) else self.num_layers + self.layer_types[:i].count("hybrid")
+
+    @property
+    def cache_entries(self) -> int:
+        """Entries of a cache: one per layer, then one per hybrid layer (its mixer's window and state)."""
+        return self.num_layers + (self.layer_types or ()).count("hybrid")
+
     @property
     def recurrent(self) -> bool:
         """Whether some layers keep a state per row (`layer_is_linear`) that a padding token must not advance."""
@@ -309,16 +315,19 @@ class ModelConfig:
             return checks.mla_query_factor(self)
         if self.attention_multiplier is not None:
             return float(self.attention_multiplier) * math.sqrt(self.head_dim)
+        if self.hybrid_scales is not None:  # Falcon-H1's key_multiplier (on the keys: the same scores)
+            return float(self.hybrid_scales.key)
         if self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) == float(self.head_dim):
             return 1.0
         return math.sqrt(self.head_dim / float(self.query_pre_attn_scalar))
 
     def with_layers(self, n: int, linear: bool = False) -> ModelConfig:
         """This model with `n` decoder layers of full attention (a window needs no more memory) or, with linear, of
-        its stateful kind (Gated DeltaNet, short convolutions): what memory probes compile and extrapolate from (a
-        hybrid's kinds apart). Experts: probed."""
+        its stateful kind (Gated DeltaNet, short convolutions, Falcon-H1's hybrid layers): what memory probes compile
+        and extrapolate from (a hybrid's kinds apart). Experts: probed."""
         moe = None if self.moe_layers is None else (1,) * n  # expert layers cost the most memory: probe those
-        kind = "conv" if self.short_conv is not None else "linear_attention"
+        kind = "conv" if self.short_conv is not None else "hybrid" if "hybrid" in (self.layer_types or ()) else \
+            "linear_attention"
         return self.replace(num_layers=n, layer_types=(kind,) * n if linear else None, sliding_window=None,
                             moe_layers=moe, mlp_layers=None, linear=self.linear if linear else None,
                             short_conv=self.short_conv if linear else None, mamba=self.mamba if linear else None)

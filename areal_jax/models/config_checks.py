@@ -8,6 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def layer_flags(cfg, name: str, meaning: str) -> tuple[int, ...] | None:
+    """ModelConfig field `name`, a per-layer tuple of 0 / 1 flags (or None), made a tuple of ints and checked."""
+    if getattr(cfg, name) is None:
+        return None
+    flags = tuple(int(x) for x in getattr(cfg, name))
+    object.__setattr__(cfg, name, flags)
+    if len(flags) != cfg.num_layers or any(x not in (0, 1) for x in flags):
+        raise ValueError(f"ModelConfig.{name} must hold num_layers={cfg.num_layers} flags, each 1 {meaning}; got "
+                         f"{list(flags)}.")
+    return flags
+
+
 def check_attention_layout(cfg, layer_types: tuple[str, ...]) -> None:
     """ModelConfig's sliding window, layer types (each one of `layer_types`), per-layer flags (rope_layers,
     mlp_layers), query scalar and local RoPE base; the layer types are made a tuple."""
@@ -24,8 +36,8 @@ def check_attention_layout(cfg, layer_types: tuple[str, ...]) -> None:
         if "sliding_attention" in types and window is None:
             raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None; "
                              "set the window (positions each query looks back over).")
-    cfg._layer_flags("rope_layers", "(rotary embeddings) or 0 (none)")
-    cfg._layer_flags("mlp_layers", "(a feed-forward after the token mixer) or 0 (none)")
+    layer_flags(cfg, "rope_layers", "(rotary embeddings) or 0 (none)")
+    layer_flags(cfg, "mlp_layers", "(a feed-forward after the token mixer) or 0 (none)")
     if cfg.query_pre_attn_scalar is not None and not float(cfg.query_pre_attn_scalar) > 0:
         raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {cfg.query_pre_attn_scalar}.")
     if cfg.rope_local_theta is not None and not float(cfg.rope_local_theta) > 0:
@@ -189,7 +201,7 @@ def check_experts(cfg) -> None:
         value = getattr(cfg, name)
         if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
             raise ValueError(f"ModelConfig.{name} must be a positive integer or None, got {value!r}.")
-    flags = cfg._layer_flags("moe_layers", "(experts) or 0 (a dense MLP)")
+    flags = layer_flags(cfg, "moe_layers", "(experts) or 0 (a dense MLP)")
     if flags is not None and all(flags):
         object.__setattr__(cfg, "moe_layers", None)
 
@@ -258,12 +270,46 @@ class LinearAttention(NamedTuple):
 class Mamba2(NamedTuple):
     """A Mamba-2 mixer's shapes (Granite 4.0-H's "linear_attention" layers: `models.mamba2`): `heads` heads of
     `head_dim`, `groups` groups of B and C of `state` each (heads / groups heads to a group), a convolution of
-    `conv_kernel` taps."""
+    `conv_kernel` taps; `norm`: the output's grouped RMSNorm "after_gate" (of y silu(z)), "before_gate" (of y, then
+    times silu(z)) or None (none: y silu(z), Falcon-H1 without mamba_rms_norm)."""
     heads: int
     head_dim: int
     state: int
     groups: int = 1
     conv_kernel: int = 4
+    norm: str | None = "after_gate"
+
+
+class HybridScales(NamedTuple):
+    """Falcon-H1's multipliers of its "hybrid" layers (attention and Mamba-2 side by side): the attention's input
+    (attention_in) and output (attention_out), its keys (key), the mixer's input (ssm_in) and output (ssm_out),
+    in_proj's parts z, x, B, C, dt (ssm_parts), the MLP's gate before its activation (mlp_gate) and its output
+    (mlp_down), and the logits (lm_head)."""
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    key: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm_parts: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
+    lm_head: float = 1.0
+
+
+def _check_hybrid(cfg) -> None:
+    """"hybrid" layers need Mamba-2 shapes (their mixer's); `hybrid_scales` made a `HybridScales` of finite floats."""
+    if "hybrid" in (cfg.layer_types or ()) and cfg.mamba is None:
+        raise ValueError("ModelConfig.layer_types has hybrid layers (attention and a Mamba-2 mixer side by side) but "
+                         "mamba is None; set mamba=Mamba2(heads, head_dim, state, groups, conv_kernel).")
+    if cfg.hybrid_scales is None:
+        return
+    s = _named(HybridScales, cfg.hybrid_scales, "hybrid_scales")
+    s = s._replace(ssm_parts=tuple(float(x) for x in s.ssm_parts))
+    values = [v for f, v in zip(s._fields, s) if f != "ssm_parts"] + list(s.ssm_parts)
+    if len(s.ssm_parts) != 5 or not all(np.isfinite(float(v)) for v in values):
+        raise ValueError(f"ModelConfig.hybrid_scales needs finite numbers, five of them in ssm_parts; got {s}.")
+    object.__setattr__(cfg, "hybrid_scales", HybridScales(*(float(v) if f != "ssm_parts" else v
+                                                            for f, v in zip(s._fields, s))))
 
 
 def check_linear(cfg) -> None:
@@ -271,6 +317,7 @@ def check_linear(cfg) -> None:
     "linear_attention" layers need it, and it needs at least one of them (`short_conv` likewise with "conv" layers)."""
     _check_short_conv(cfg)
     _check_mamba(cfg)
+    _check_hybrid(cfg)
     m, types = cfg.linear, cfg.layer_types or ()
     if m is None:
         if "linear_attention" in types and cfg.mamba is None:
@@ -322,11 +369,12 @@ def _check_mamba(cfg) -> None:
     if cfg.mamba is None:
         return
     m = _named(Mamba2, cfg.mamba, "mamba")
-    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m) or m.heads % m.groups \
-            or m.conv_kernel < 2:
-        raise ValueError(f"ModelConfig.mamba needs positive integers, heads a multiple of groups and conv_kernel >= 2; "
-                         f"got {m}.")
-    if cfg.linear is not None or cfg.short_conv is not None or "linear_attention" not in (cfg.layer_types or ()):
-        raise ValueError("ModelConfig.mamba makes the linear_attention layers Mamba-2's: it needs some, and linear and "
-                         "short_conv None.")
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m[:5]) or m.heads % m.groups \
+            or m.conv_kernel < 2 or m.norm not in ("after_gate", "before_gate", None):
+        raise ValueError(f"ModelConfig.mamba needs positive integers, heads a multiple of groups, conv_kernel >= 2 and "
+                         f"norm one of 'after_gate', 'before_gate', None; got {m}.")
+    if cfg.linear is not None or cfg.short_conv is not None or \
+            not {"linear_attention", "hybrid"} & set(cfg.layer_types or ()):
+        raise ValueError("ModelConfig.mamba makes the linear_attention layers Mamba-2's (and the hybrid layers' mixers): "
+                         "it needs some, and linear and short_conv None.")
     object.__setattr__(cfg, "mamba", m)

@@ -8,6 +8,7 @@ from areal_jax.models import (
     deepseek,
     ernie,
     exaone,
+    falcon_h1,
     flex_olmo,
     granite4,
     hunyuan,
@@ -22,4 +23,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba, nemotron_h)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1)

@@ -42,8 +42,16 @@ def check_loadable(cfg: Any) -> None:
             and "full_attention" in cfg.layer_types:
         raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
     granite = cfg.architecture in ("granite", "granitemoe", "granitemoehybrid")
-    if not granite and any(getattr(cfg, k) is not None for k in GRANITE_SCALARS):
-        raise ValueError(f"{', '.join(GRANITE_SCALARS)} are Granite's; HF {cfg.architecture} has none.")
+    own = GRANITE_SCALARS[1:] if cfg.architecture == "falcon_h1" else GRANITE_SCALARS  # (Falcon-H1's embeddings')
+    if not granite and any(getattr(cfg, k) is not None for k in own):
+        raise ValueError(f"{', '.join(own)} are Granite's; HF {cfg.architecture} has none.")
+    falcon = cfg.architecture == "falcon_h1"
+    if not falcon and (cfg.hybrid_scales is not None or "hybrid" in (cfg.layer_types or ())):
+        raise ValueError(f"hybrid layers (attention and Mamba-2 side by side) and hybrid_scales (their multipliers) are "
+                         f"Falcon-H1's; HF {cfg.architecture} has neither.")
+    if not falcon and cfg.mamba is not None and cfg.mamba.norm != "after_gate":
+        raise ValueError(f"HF {cfg.architecture}'s Mamba-2 mixers normalise their output after the gate; set "
+                         "mamba's norm='after_gate'.")
     if sliding and granite:
         raise ValueError("HF Granite has no sliding-window attention; set sliding_window=None.")
     if cfg.shared_expert_size is not None and cfg.architecture not in ("qwen2_moe", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next",

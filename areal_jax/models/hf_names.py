@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, hunyuan, lfm2, nemotron_h
+from areal_jax.models import bamba, falcon_h1, hunyuan, lfm2, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -129,7 +129,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         if linear and cfg.short_conv is not None:
             entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
-        elif linear and cfg.mamba is not None:
+        elif (linear or cfg.layer_is_hybrid(i)) and cfg.mamba is not None:
             entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Bamba's renamed below)
         elif linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
@@ -165,6 +165,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
     elif cfg.architecture == "bamba":  # and Bamba's
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture == "falcon_h1":  # and Falcon-H1's
+        entries = [replace(e, hf_name=falcon_h1.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "nemotron_h":  # and Nemotron-H's blocks
         entries = [replace(e, hf_name=nemotron_h.hf_name(e.hf_name, cfg)) for e in entries]
     return entries
@@ -345,5 +347,5 @@ def _mamba_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> li
             _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),
             _Entry(path + ("conv_bias",), f"{hf}.conv1d.bias", "same", channels=grouped),
             *(_Entry(path + (name,), f"{hf}.{name}", "same") for name in ("dt_bias", "A_log", "D")),
-            _Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same"),
+            *([] if m.norm is None else [_Entry(path + ("norm_scale",), f"{hf}.norm.weight", "same")]),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]

@@ -235,6 +235,8 @@ class MLP(nnx.Module):
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt) if cfg.gated_mlp else None
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
+        s = cfg.hybrid_scales  # Falcon-H1's: the gate times mlp_gate before the activation, the output times mlp_down
+        self.scales = None if s is None else (s.mlp_gate, s.mlp_down)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
@@ -242,8 +244,10 @@ class MLP(nnx.Module):
             return project(jnp.square(jax.nn.relu(project(x, self.up_proj, self.dtype))), self.down_proj, self.dtype)
         gate = project(x, self.gate_proj, self.dtype)
         up = project(x, self.up_proj, self.dtype)
+        gate = gate if self.scales is None else gate * jnp.asarray(self.scales[0], gate.dtype)
         act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return project(act * up, self.down_proj, self.dtype)
+        out = project(act * up, self.down_proj, self.dtype)
+        return out if self.scales is None else out * jnp.asarray(self.scales[1], out.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -252,18 +256,22 @@ class DecoderLayer(nnx.Module):
     OLMo normalises only those outputs (no `input_norm`, no `pre_ffn_norm`). Elsewhere `post_attn_norm` is the
     pre-MLP norm (HF's post_attention_layernorm in every case). moe: the feed-forward is a mixture of experts
     (`models.moe.MoE`) rather than one MLP. linear: the token mixer is a stateful one (`linear_attn`: Gated
-    DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None). mlp False: no
-    feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`)."""
+    DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None). hybrid: both, side by
+    side on the same normed input, their outputs summed (Falcon-H1, with `ModelConfig.hybrid_scales`' multipliers).
+    mlp False: no feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False,
-                 mlp: bool = True):
+                 mlp: bool = True, hybrid: bool = False):
         from areal_jax.models.mixers import kind  # noqa: PLC0415 (they build on this module)
         from areal_jax.models.mla import MLAttention  # noqa: PLC0415
         from areal_jax.models.moe import MoE  # noqa: PLC0415
 
         olmo = cfg.olmo and not linear  # (OLMo Hybrid's Gated DeltaNet layers are pre-norm)
         self.input_norm = None if olmo else make_norm(cfg)
-        self.linear_attn = kind(cfg).Mixer(cfg, rngs=rngs) if linear else None
+        self.linear_attn = kind(cfg).Mixer(cfg, rngs=rngs) if linear or hybrid else None
+        s = cfg.hybrid_scales if hybrid else None  # (attention_in, attention_out, ssm_out)
+        self.hybrid = None if not hybrid else (1.0, 1.0, 1.0) if s is None else (s.attention_in, s.attention_out,
+                                                                                   s.ssm_out)
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.post_attn_norm = make_norm(cfg) if mlp else None
         self.mlp = None if not mlp else MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
@@ -282,7 +290,8 @@ class DecoderLayer(nnx.Module):
         router_mask [B, T] or record returns (x, the experts' extras: `MoE.__call__`; None for a dense layer).
         cached: `attend` reads and writes a KV cache (the attention's cache form: `mla.MLAttention`); "fresh": the
         cache is empty and the tokens sit at positions 0..T-1, so latent attention attends in its expanded form and
-        passes attend a fifth argument, the (k, v) rows the cache holds."""
+        passes attend a fifth argument, the (k, v) rows the cache holds. A hybrid layer's attend is a pair: the
+        attention's, then the mixer's context."""
         extras: list[dict] = []
 
         def ffn(h: jax.Array) -> jax.Array:
@@ -295,18 +304,15 @@ class DecoderLayer(nnx.Module):
             return out
 
         h = x if self.input_norm is None else self.input_norm(x)
-        if self.linear_attn is not None:  # a stateful mixer: attend is its context (gated_deltanet.Segments / StateCache)
+        if self.hybrid is not None:  # attention and the mixer side by side (Falcon-H1)
+            attend, context = attend
+            a_in, a_out, s_out = (jnp.asarray(v, h.dtype) for v in self.hybrid)
+            a = self._attention(h * a_in, cos, sin, attend, cached, query_scale) * a_out + \
+                self.linear_attn(h, context) * s_out
+        elif self.linear_attn is not None:  # a stateful mixer: attend is its context (gated_deltanet.Segments / StateCache)
             a = self.linear_attn(h, attend)
-        elif getattr(self.attn, "output_gate", False):
-            q, k, v, gate = self.attn.gated_qkv(h, cos, sin)
-            a = self.attn.out(attend(q, k, v, None) * jax.nn.sigmoid(gate))
         else:
-            q, k, v, *write = self.attn.qkv(h, cos, sin, cached) if query_scale is None else \
-                self.attn.qkv(h, cos, sin, cached, query_scale)
-            sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
-            o = attend(q, k, v, sinks, *write)
-            a = self.attn.out(self.attn.head_gated(h, o) if getattr(self.attn, "g_proj", None) is not None else o,
-                              cached)
+            a = self._attention(h, cos, sin, attend, cached, query_scale)
         if self.mlp is None:  # the token mixer alone (Nemotron-H's mixer followed by another)
             x = x + a
         elif self.residual_multiplier is not None:
@@ -320,3 +326,15 @@ class DecoderLayer(nnx.Module):
             x = x + self.post_attn_norm(a)
             x = x + self.post_ffn_norm(ffn(x if self.pre_ffn_norm is None else self.pre_ffn_norm(x)))
         return x if router_mask is None and not record else (x, extras[0] if extras else None)
+
+    def _attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array, attend, cached: bool | str,
+                   query_scale: jax.Array | None) -> jax.Array:
+        """The attention's output [B, T, D] of normed input h (`__call__`'s arguments)."""
+        if getattr(self.attn, "output_gate", False):
+            q, k, v, gate = self.attn.gated_qkv(h, cos, sin)
+            return self.attn.out(attend(q, k, v, None) * jax.nn.sigmoid(gate))
+        q, k, v, *write = self.attn.qkv(h, cos, sin, cached) if query_scale is None else \
+            self.attn.qkv(h, cos, sin, cached, query_scale)
+        sinks = None if self.attn.sinks is None else self.attn.sinks[...].astype(jnp.float32)
+        o = attend(q, k, v, sinks, *write)
+        return self.attn.out(self.attn.head_gated(h, o) if getattr(self.attn, "g_proj", None) is not None else o, cached)

@@ -116,7 +116,8 @@ class LoRAConfig(Section):
 
     def target_paths(self, num_layers: int, experts: Sequence[int] = (), attention: Sequence[str] = ("q", "k", "v", "o"),
                      mlp: Sequence[str] = ("gate", "up", "down"), linear: Sequence[int] = (),
-                     shared: Sequence[int] = (), mixer: Sequence[str] = LINEAR) -> list[tuple[int, str]]:
+                     shared: Sequence[int] = (), mixer: Sequence[str] = LINEAR,
+                     hybrid: Sequence[int] = ()) -> list[tuple[int, str]]:
         """The (layer, short name) pairs adapted in a model of `num_layers` layers, in model order. experts: the
         layers whose feed-forward is a mixture of experts (`ModelConfig.layer_is_moe`): their gate / up / down are
         the stacked expert weights, adapted only when named as experts_gate / experts_up / experts_down (the group
@@ -127,7 +128,8 @@ class LoRAConfig(Section):
         Qwen3.5's), an LFM2 conv layer's in and out (`CONV`), a Mamba-2 mixer's (`MAMBA`): `linear_projections`.
         shared: the
         mixture-of-experts layers with a shared expert, whose gate / up / down are shared_gate / shared_up / shared_down
-        (`SHARED`, in "all"; paths like 'layers.1.mlp.shared_expert.gate_proj')."""
+        (`SHARED`, in "all"; paths like 'layers.1.mlp.shared_expert.gate_proj'). hybrid: the layers with both
+        attention and the stateful mixer (Falcon-H1's): both kinds of projections."""
         names, patterns = self.target_rules()
         named = {e.strip().removesuffix("_proj") for e in str(self.targets).split(",")}
         named |= {_BY_ATTR[e.strip()] for e in str(self.targets).split(",") if e.strip() in _BY_ATTR}
@@ -135,11 +137,11 @@ class LoRAConfig(Section):
         if foreign:
             raise ValueError(f"lora.targets names {', '.join(foreign)}, which this model's attention does not have; "
                              f"its projections are {', '.join(attention)} (or use 'attn').")
-        if not linear and named & set(_MIXERS):
+        if not linear and not hybrid and named & set(_MIXERS):
             raise ValueError(f"lora.targets names {', '.join(sorted(named & set(_MIXERS)))}, the projections of Gated "
                              f"DeltaNet or LFM2 conv layers, which this model does not have; its attention's are "
                              f"{', '.join(attention)} (or use 'attn').")
-        if linear and named & (set(_MIXERS) - set(mixer)):
+        if (linear or hybrid) and named & (set(_MIXERS) - set(mixer)):
             raise ValueError(f"lora.targets names {', '.join(sorted(named & (set(_MIXERS) - set(mixer))))}, which this "
                              f"model's stateful layers do not have; theirs are {', '.join(mixer)} (or use 'linear').")
         out = []
@@ -147,7 +149,7 @@ class LoRAConfig(Section):
             moe = i in experts
             for short, (part, attr, _) in PROJECTIONS.items():
                 if (part == "mlp" and (moe or short not in mlp) or part == "attn" and (short not in attention or i in linear)
-                        or part == "linear_attn" and (i not in linear or short not in mixer)
+                        or part == "linear_attn" and (i not in linear and i not in hybrid or short not in mixer)
                         or short in SHARED and i not in shared):
                     continue
                 path = f"layers.{i}.{part}.{attr}"
@@ -183,7 +185,8 @@ def model_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> list[tuple[int, st
     """`LoRAConfig.target_paths` of a decoder of shape `model_cfg` (its layers' kinds and projections)."""
     paths = cfg.target_paths(model_cfg.num_layers, expert_layers(model_cfg), attention_projections(model_cfg),
                              mlp_projections(model_cfg), linear_layers(model_cfg), shared_layers(model_cfg),
-                             linear_projections(model_cfg))
+                             linear_projections(model_cfg),
+                             [i for i in range(model_cfg.num_layers) if model_cfg.layer_is_hybrid(i)])
     ungated = "gate" not in mlp_projections(model_cfg)  # nor do its experts and shared experts have gates
     return [(i, s) for i, s in paths if (model_cfg.layer_has_mlp(i) or not PROJECTIONS[s][0].startswith("mlp"))
             and not (ungated and s in ("experts_gate", "shared_gate"))]

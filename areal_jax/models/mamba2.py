@@ -6,7 +6,9 @@ A layer projects each token to a gate z, the convolved channels x (heads of `hea
     dt = softplus(dt + dt_bias);   S <- exp(dt A) S + dt x B^T;   y = S C + D x
 
 with A = -exp(A_log); x, B and C first pass a causal depthwise convolution (with a bias) and SiLU. The output is
-RMS-normalised in `groups` groups after the gate (y silu(z)), scaled, and projected back.
+RMS-normalised in `groups` groups after the gate (y silu(z)), scaled, and projected back (`Mamba2.norm`: Falcon-H1's
+may have no norm, or one before the gate). Falcon-H1 also scales the mixer's input (ssm_in) and in_proj's five parts
+(z, x, B, C, dt: `HybridScales.ssm_parts`) before anything else.
 
 `ssd` computes it over whole rows in chunks (within a chunk the scores (C_i . B_j) times the decay between j and i;
 between chunks a scan carrying S), packed rows' segments each from a zero state; `ssd_step` is one token's update.
@@ -78,7 +80,10 @@ def grouped_channels(cfg) -> np.ndarray:
     its heads' x, its B and its C side by side ([groups, heads / groups * head_dim + 2 state]), so a tensor axis that
     divides the groups splits them by whole groups (and so by heads); transformers keeps all of x, then all of B, then
     all of C. Ours[j] = HF's[perm[j]] (with one group the two orders are the same)."""
-    m = cfg.mamba
+    return _grouped(cfg.mamba)
+
+
+def _grouped(m: Mamba2) -> np.ndarray:
     x, n = m.heads // m.groups * m.head_dim, m.state
     inner, g = m.heads * m.head_dim, np.arange(m.groups)[:, None]
     return np.concatenate([g * x + np.arange(x), inner + g * n + np.arange(n),
@@ -104,7 +109,7 @@ def weights(cfg) -> tuple[int, int]:
     dt_bias, A_log, D and the norm."""
     m, d = cfg.mamba, cfg.hidden_size
     inner, ch = m.heads * m.head_dim, channels(cfg)
-    return d * (inner + ch + m.heads) + inner * d, (m.conv_kernel + 1) * ch + 3 * m.heads + inner
+    return d * (inner + ch + m.heads) + inner * d, (m.conv_kernel + 1) * ch + 3 * m.heads + (inner if m.norm else 0)
 
 
 def adapter_dims(cfg) -> dict[str, tuple[int, int]]:
@@ -179,17 +184,27 @@ class Mamba2Mixer(nnx.Module):
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, m.heads + 1, dtype=jnp.float32)).astype(pdt),
                                out_sharding=("heads",), eager_sharding=False)
         self.D = make_param(None, (m.heads,), ("heads",), pdt, init="ones")
-        self.norm_scale = make_param(None, (inner,), ("heads",), pdt, init="ones")
+        self.norm_scale = None if m.norm is None else make_param(None, (inner,), ("heads",), pdt, init="ones")
         self.out_proj = make_param(rngs, (inner, d), ("heads", "embed"), pdt)
+        s = cfg.hybrid_scales  # Falcon-H1's: the input's multiplier and in_proj's parts' (z, x, B, C, dt)
+        self.scales = None if s is None else (s.ssm_in, s.ssm_parts)
 
     def __call__(self, x: jax.Array, context: Segments | StateCache) -> jax.Array:
         """x [B, T, D] (the layer's normed input) -> [B, T, D] in the compute dtype."""
         m, dt_ = self.shape, self.dtype
         bsz, t, _ = x.shape
         h, p, g, n = m.heads, m.head_dim, m.groups, m.state
+        if self.scales is not None:  # (x times ssm_in; in_proj's parts times theirs: Falcon-H1's)
+            x = x * jnp.asarray(self.scales[0], x.dtype)
         z = project(x, self.in_proj_z, dt_)
         xbc = project(x, self.in_proj_xbc, dt_)
         dt = project(x, self.in_proj_dt, dt_).astype(jnp.float32)
+        if self.scales is not None:
+            parts = np.asarray(self.scales[1], np.float32)
+            per_channel = np.repeat(parts[1:4], [h * p, g * n, g * n])[_grouped(m)]  # in our channel order
+            z = z * jnp.asarray(parts[0], z.dtype)
+            xbc = xbc * jnp.asarray(per_channel, xbc.dtype)
+            dt = dt * parts[4]
         w = self.conv[...].astype(dt_)
         if isinstance(context, Segments):
             xbc, valid = segment_conv(xbc, w, context.segment_ids), None
@@ -215,11 +230,14 @@ class Mamba2Mixer(nnx.Module):
                 y, state = ssd(xs, dt, a, b, c, state=state)
             context.store(window[..., None].astype(context.window.dtype), state.reshape(context.state.shape))
         y = (y + xs * self.D[...].astype(jnp.float32)[:, None]).reshape(bsz, t, h * p).astype(dt_)
-        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))  # the gate before the norm
-        grouped = gated.reshape(bsz, t, g, -1)
-        normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
-        out = (normed.reshape(bsz, t, h * p) * self.norm_scale[...].astype(jnp.float32)).astype(dt_)
-        return project(out, self.out_proj, dt_)
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        out = y.astype(jnp.float32) if m.norm == "before_gate" else y.astype(jnp.float32) * gate
+        if m.norm is not None:  # RMS-normalised group by group
+            grouped = out.reshape(bsz, t, g, -1)
+            normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
+            out = normed.reshape(bsz, t, h * p) * self.norm_scale[...].astype(jnp.float32)
+            out = out * gate if m.norm == "before_gate" else out
+        return project(out.astype(dt_), self.out_proj, dt_)
 
 
 Mixer = Mamba2Mixer

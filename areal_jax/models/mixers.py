@@ -1,7 +1,8 @@
 """The stateful token mixer of a model's linear layers (`ModelConfig.layer_is_linear`): Gated DeltaNet (Qwen3.5,
 Qwen3-Next, OLMo Hybrid: `models.gated_deltanet`), the gated short convolution (LFM2: `models.short_conv`) or Mamba-2
-(Granite 4.0-H, Bamba: `models.mamba2`). Each kind's module gives the same names, which the decoder, the sampler's
-cache, the memory plans, the parameter counts and LoRA read through `kind`:
+(Granite 4.0-H, Bamba, Nemotron-H; Falcon-H1's beside attention in its hybrid layers: `models.mamba2`). Each kind's
+module gives the same names, which the decoder, the sampler's cache, the memory plans, the parameter counts and LoRA
+read through `kind`:
 
 - `Mixer`: the nnx module of one layer, `Mixer(cfg, rngs=...)(x, context)`;
 - `state_buffers(cfg, rows)`: a layer's zero cache entries for `rows` rows (its window, its state), and

@@ -123,10 +123,10 @@ def per_shard(kernel: Callable, segment_ids: jax.Array) -> AttentionFn:
 def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
                     backend: str | None = None) -> list[AttentionFn]:
     """Each decoder layer's `packed_attention` (one function per distinct window, shared by its layers); a Gated
-    DeltaNet layer's is its `gated_deltanet.Segments`."""
+    DeltaNet layer's is its `gated_deltanet.Segments`, a hybrid layer's the pair (`layers.DecoderLayer`)."""
     from areal_jax.models.gated_deltanet import Segments  # noqa: PLC0415 (it builds on the layers this module runs)
 
-    by_window: dict[int | None, AttentionFn] = {}
+    by_window: dict = {}  # window (or ("hybrid", window)) -> its attention
     out: list = []
     linear = Segments(segment_ids)  # a Gated DeltaNet layer's context: its segments (one object: scans see a period)
     for i in range(cfg.num_layers):
@@ -136,7 +136,9 @@ def layer_attention(cfg, segment_ids: jax.Array, choice: str = "auto",
         w = cfg.layer_window(i)
         if w not in by_window:
             by_window[w] = packed_attention(segment_ids, choice, backend, w, cfg.attn_logit_softcap)
-        out.append(by_window[w])
+        if cfg.layer_is_hybrid(i) and ("hybrid", w) not in by_window:
+            by_window["hybrid", w] = (by_window[w], linear)  # (one object per window too)
+        out.append(by_window["hybrid", w] if cfg.layer_is_hybrid(i) else by_window[w])
     return out
 
 

@@ -70,13 +70,13 @@ class PagedKVCache(LayerBuffers):
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None,
                      rings: tuple[int, ...] = ()) -> PagedKVCache:
     """A zero paged cache of ``num_pages`` pages of ``page_size`` positions; dtype defaults to
-    ``transformer.cache_dtype(cfg)`` (float32 on the CPU). The layers in ``rings`` get no pages (their rows are
-    rings: `init_rings`)."""
+    ``transformer.cache_dtype(cfg)`` (float32 on the CPU). The entries in ``rings`` get no pages (their rows are
+    rings: `init_rings`; a hybrid layer's state entry, `ModelConfig.state_entry`, is always one)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
-    pages = [0 if i in rings else num_pages for i in range(cfg.num_layers)]
+    pages = [0 if i in rings else num_pages for i in range(cfg.cache_entries)]  # (hybrid layers' states: in rings)
     return PagedKVCache(k=tuple(jnp.zeros((heads, n, page_size, k_dim), dtype) for n in pages),
                         v=tuple(jnp.zeros((heads, n, page_size, v_dim), dtype) for n in pages))
 
@@ -312,10 +312,11 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
         raise ValueError(f"ring rows take one token per row (decode), got {t}.")
     for i, layer in enumerate(model.layers):
         window = cfg.layer_window(i)
+        stateful = cfg.layer_is_linear(i) or cfg.layer_is_hybrid(i)
+        if stateful and rings is None:
+            raise ValueError(f"layer {i} keeps a state (a stateful mixer): paged_hidden needs rings holding it "
+                             "(init_rings with its state entry, `ModelConfig.state_entry`, among them).")
         if cfg.layer_is_linear(i):  # Gated DeltaNet: its window and state are a row's, beside the pages, in rings
-            if rings is None:
-                raise ValueError(f"layer {i} is a Gated DeltaNet layer: paged_hidden needs rings holding its state "
-                                 "(init_rings with the linear layers among them).")
             x = state_layer(layer, x, tables[cfg.layer_rope(i)], ring_k, ring_v, i, positions, picks)
             continue
         if rings is not None and ring_k[i].shape[1]:
@@ -328,7 +329,9 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
                 return ring_attention(q, ring_k[i], cached_values(ring_k[i], ring_v[i]), positions, window,
                                       cfg.attn_logit_softcap, sinks)
 
-            x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
+            x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks) if not stateful else \
+                state_layer(layer, x, tables[cfg.layer_rope(i)], ring_k, ring_v, cfg.state_entry(i), positions, picks,
+                            attend)
             continue
 
         def attend(q, k, v, sinks=None, i=i, window=window):
@@ -339,7 +342,8 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
                                         softcap=cfg.attn_logit_softcap, mesh=mesh, sinks=sinks, tiling=tiling)
             return gather_attention(q, current, i, page_table, positions, window, cfg.attn_logit_softcap, sinks)
 
-        x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks)
+        x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks) if not stateful else \
+            state_layer(layer, x, tables[cfg.layer_rope(i)], ring_k, ring_v, cfg.state_entry(i), positions, picks, attend)
     out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
     out = out if rings is None else (*out, KVCache(k=tuple(ring_k), v=tuple(ring_v)))
     return (*out, stacked_routes(picks, b, t)) if record_routes else out

@@ -25,6 +25,8 @@ def attention_matrices(cfg: Any, i: int) -> int:
     d, hq, hd, kv = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
     if cfg.layer_is_linear(i):
         return linear_attention_weights(cfg)[0]
+    if cfg.layer_is_hybrid(i):  # attention and the mixer side by side (Falcon-H1)
+        return linear_attention_weights(cfg)[0] + attention_matrices(cfg.replace(layer_types=None, mamba=None), i)
     if cfg.mla is not None:
         return latent_attention_weights(cfg)
     return d * hd * (hq * (2 if cfg.gated_attention else 1) + 2 * kv) + hq * hd * d + (d * hq if cfg.head_gate else 0)
@@ -49,7 +51,8 @@ def num_params(cfg: Any) -> int:
     norm = d * (2 if cfg.layer_norm else 1)  # a LayerNorm's bias besides its scale
     layer = attn + (4 if cfg.sandwich_norms else 2) * norm
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
-    mixers = (cfg.num_layers - linear) * attn + (linear * sum(linear_attention_weights(cfg)) if linear else 0)
+    stateful = linear + sum(cfg.layer_is_hybrid(i) for i in range(cfg.num_layers))  # (hybrid: attention's too)
+    mixers = (cfg.num_layers - linear) * attn + (stateful * sum(linear_attention_weights(cfg)) if stateful else 0)
     m = mlp_matrices(cfg)  # an expert's and a shared expert's matrices too
     shared = m * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router

@@ -44,6 +44,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
+_MAMBA_OUT_REFUSED = ("nemotron_h", "falcon_h1")  # peft's own check refuses out_proj targets in these model types
+
+
 def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     out = []
     for i, layer in enumerate(model.layers):
@@ -56,7 +59,7 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
     dense_mlp = sorted({f"layers.{i}.{PROJECTIONS[short][0]}.{PROJECTIONS[short][1]}" for i, short, _ in out
                         if PROJECTIONS[short][0].startswith("mlp")})
     out_proj = sorted(f"layers.{i}.linear_attn.out_proj" for i, short, _ in out if short == "out")
-    if out_proj and getattr(model.cfg, "architecture", None) == "nemotron_h":
+    if out_proj and getattr(model.cfg, "architecture", None) in _MAMBA_OUT_REFUSED:
         raise ValueError(f"PEFT refuses adapters on a Mamba-2 mixer's out_proj in {model.cfg.architecture} models "
                          f"({', '.join(out_proj[:4])}{' ...' if len(out_proj) > 4 else ''}); export the merged checkpoint "
                          "(export --format=hf), or leave 'out' out of lora.targets (e.g. q,k,v,o,in_z,in_xbc,in_dt,up,down).")

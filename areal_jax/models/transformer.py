@@ -105,7 +105,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = Non
 
 def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> KVCache:
     """A zero KVCache of `rows` rows, layer i holding lengths[i] positions in `mla.cache_layout`'s heads and widths
-    (a stateful layer: its window and state, `mixers`' state_buffers); dtype defaults to `cache_dtype(cfg)`."""
+    (a stateful layer: its window and state, `mixers`' state_buffers; a hybrid layer: its keys and values, its window
+    and state in entry `ModelConfig.state_entry`); dtype defaults to `cache_dtype(cfg)`."""
     dtype = cache_dtype(cfg) if dtype is None else dtype
     heads, k_dim, v_dim = cache_layout(cfg)
     if not cfg.recurrent:  # (its own branch: the buffers keep the order, and programs the lowering, of before)
@@ -114,7 +115,8 @@ def zero_cache(cfg: ModelConfig, rows: int, lengths: Any, dtype: Any = None) -> 
     buffers = kind(cfg).state_buffers
     pairs = [buffers(cfg, rows) if cfg.layer_is_linear(i) else
              (jnp.zeros((rows, n, heads, k_dim), dtype), jnp.zeros((rows, n, heads, v_dim), dtype))
-             for i, n in enumerate(lengths)]
+             for i, n in enumerate(lengths[:cfg.num_layers])]
+    pairs += [buffers(cfg, rows) for i in range(cfg.num_layers) if cfg.layer_is_hybrid(i)]
     return KVCache(k=tuple(k for k, _ in pairs), v=tuple(v for _, v in pairs))
 
 
@@ -132,14 +134,29 @@ def cached_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, attend: Any, pi
 
 
 def state_layer(layer: DecoderLayer, x: jax.Array, rope: tuple, ks: list, vs: list, i: int, positions: jax.Array,
-                picks: list | None) -> jax.Array:
+                picks: list | None, attend: Any = None, cached: bool | str = True) -> jax.Array:
     """Gated DeltaNet layer i of a cache forward (dense cache or pages): its window and state are ks[i] and vs[i]
-    (lists, replaced by the new ones); tokens at negative positions leave them as they are."""
+    (lists, replaced by the new ones); tokens at negative positions leave them as they are. A hybrid layer (its
+    `attend` given; i its `ModelConfig.state_entry`): its attention's beside them."""
+    context = state_context(ks, vs, i, positions)
+    return cached_layer(layer, x, rope, context if attend is None else (attend, context), picks, cached)
+
+
+def state_context(ks: list, vs: list, i: int, positions: jax.Array) -> StateCache:
+    """A stateful mixer's cache context over entry i of the lists ks, vs (its window, its state; replaced by the new
+    ones); tokens at negative positions leave them as they are."""
 
     def store(window: jax.Array, state: jax.Array) -> None:
         ks[i], vs[i] = window, state
 
-    return cached_layer(layer, x, rope, StateCache(ks[i], vs[i], positions >= 0, store), picks)
+    return StateCache(ks[i], vs[i], positions >= 0, store)
+
+
+def logits_divisor(cfg: ModelConfig) -> float | None:
+    """What the logits are divided by: Granite's logits_scaling, 1 / Falcon-H1's lm_head_multiplier, or None."""
+    if cfg.hybrid_scales is not None and cfg.hybrid_scales.lm_head != 1.0:
+        return 1.0 / cfg.hybrid_scales.lm_head
+    return cfg.logits_scaling
 
 
 def stacked_routes(picks: list[jax.Array], b: int, t: int) -> jax.Array:
@@ -162,7 +179,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, moe=cfg.layer_is_moe(i), linear=cfg.layer_is_linear(i),
-                                             mlp=cfg.layer_has_mlp(i)) for i in range(cfg.num_layers)])
+                                             mlp=cfg.layer_has_mlp(i), hybrid=cfg.layer_is_hybrid(i))
+                                for i in range(cfg.num_layers)])
         self.final_norm = make_norm(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -244,9 +262,9 @@ class Transformer(nnx.Module):
             rings = ring and cfg.sliding_window is not None
             lengths = cache_lengths(cfg, s or 0, rings)
             expected = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: zero_cache(cfg, b, lengths)))]
-            if len(cache.k) != cfg.num_layers or len(cache.v) != cfg.num_layers or got != expected:
-                raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} layers of shapes {sorted(set(got))}, "
-                                 f"expected {cfg.num_layers} layers of {sorted(set(expected))}; build it with "
+            if len(cache.k) != cfg.cache_entries or len(cache.v) != cfg.cache_entries or got != expected:
+                raise ValueError(f"KV cache has {len(cache.k)} / {len(cache.v)} entries of shapes {sorted(set(got))}, "
+                                 f"expected {cfg.cache_entries} of {sorted(set(expected))}; build it with "
                                  f"init_cache(cfg, batch_size={b}, max_len=..., ring={rings}).")
             if rings and t != 1:
                 raise ValueError(f"a ring cache takes one token per row (decode), got {t}: prefill into "
@@ -297,7 +315,11 @@ class Transformer(nnx.Module):
                 return cached_attention(q, ks[i], values, positions, window=window, softcap=cfg.attn_logit_softcap,
                                         sinks=sinks)
 
-            x = cached_layer(layer, x, ropes[i], attend, picks if record_routes else None, "fresh" if fresh else True)
+            routes_list, how = picks if record_routes else None, "fresh" if fresh else True
+            if cfg.layer_is_hybrid(i):  # attention and the mixer side by side: the mixer's state in its own entry
+                x = state_layer(layer, x, ropes[i], ks, vs, cfg.state_entry(i), positions, routes_list, attend, how)
+                continue
+            x = cached_layer(layer, x, ropes[i], attend, routes_list, how)
         out = self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
         return (*out, stacked_routes(picks, b, t)) if record_routes else out
 
@@ -324,11 +346,11 @@ class Transformer(nnx.Module):
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """h: [..., hidden_size] -> logits [..., vocab] float32 (plus lm_head's bias where the model has one; Granite:
-        divided by logits_scaling; Gemma 2: soft-capped, `layers.soft_cap`)."""
+        divided by `logits_divisor`; Gemma 2: soft-capped, `layers.soft_cap`)."""
         w = self.unembed_matrix().astype(self.cfg.dtype)
         logits = jnp.einsum("...d,dv->...v", h.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
         if self.lm_head_bias is not None:
             logits = logits + self.lm_head_bias[...].astype(jnp.float32)
-        if self.cfg.logits_scaling is not None:
-            logits = logits / np.float32(self.cfg.logits_scaling)
+        if logits_divisor(self.cfg) is not None:
+            logits = logits / np.float32(logits_divisor(self.cfg))
         return soft_cap(logits, self.cfg.final_logit_softcap)

@@ -124,8 +124,9 @@ class PagedEngine(PageBudget, Engine):
                              f"({per_sequence} pages of {self.page_size}); raise num_pages or lower max_len.")
         self._rows = int(num_slots) + max(0, int(kwargs.get("standby_rows") or 0))  # allocator rows: slots, standby
         self.rings = ring_layers(cfg, int(max_len)) if cfg is not None and kwargs.get("ring_cache", True) else ()
-        if cfg is not None and cfg.recurrent:  # Gated DeltaNet layers keep a state per row beside the pages
-            self.rings = tuple(sorted({*self.rings, *(i for i in range(cfg.num_layers) if cfg.layer_is_linear(i))}))
+        if cfg is not None and cfg.recurrent:  # stateful layers keep a state per row beside the pages (in its entry)
+            self.rings = tuple(sorted({*self.rings, *(cfg.state_entry(i) for i in range(cfg.num_layers)
+                                                      if cfg.layer_is_linear(i) or cfg.layer_is_hybrid(i))}))
         self.allocator = PageAllocator(self.num_pages, self.page_size, self._rows, self.pages_per_slot)
         self._limit: dict[int, int] = {}  # active row -> most positions its request can reach
         self._upper: dict[int, int] = {}  # active row -> upper bound of positions written so far

@@ -76,7 +76,17 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "nemotron-nano-9b-v2": dict(architecture="nemotron_h", vocab_size=131072, hidden_size=4480,
                                 intermediate_size=15680, num_layers=31, num_heads=40, num_kv_heads=8, head_dim=128,
                                 tie_word_embeddings=False),
+    # tiiuae/Falcon-H1-0.5B (0.52B): 36 layers of attention (8 query, 2 kv heads of 64) beside a Mamba-2 mixer (24
+    # heads of 64, one group of 128 states), its muP multipliers (`FALCON_H1_05B`)
+    "falcon-h1-0.5b": dict(architecture="falcon_h1", vocab_size=32784, hidden_size=1024, intermediate_size=2048,
+                           num_layers=36, num_heads=8, num_kv_heads=2, head_dim=64, tie_word_embeddings=False),
 }
+FALCON_H1_05B = {"model_type": "falcon_h1", "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64,
+                 "mamba_d_state": 128, "mamba_n_groups": 1, "rope_theta": 1e11, "embedding_multiplier": 5.656854249492381,
+                 "lm_head_multiplier": 0.0390625, "key_multiplier": 0.390625, "attention_out_multiplier": 0.9375,
+                 "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.23570226039551587,
+                 "mlp_multipliers": [0.8838834764831844, 0.5859375],
+                 "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738]}
 NEMOTRON_NANO_9B = {"model_type": "nemotron_h", "mamba_num_heads": 128, "mamba_head_dim": 80, "ssm_state_size": 128,
                     "n_groups": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5,
                     "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"}
@@ -95,8 +105,9 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
         raise ValueError(f"Unknown model shape {name!r}; choose one of {', '.join(MODEL_SHAPES)}.")
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     architecture = MODEL_SHAPES[name]["architecture"]
-    if architecture in ("qwen3_5_text", "ministral3", "nemotron_h"):  # the rest as transformers' defaults have it
-        base = ModelConfig.from_hf_dict(NEMOTRON_NANO_9B if architecture == "nemotron_h" else {"model_type": architecture})
+    if architecture in ("qwen3_5_text", "ministral3", "nemotron_h", "falcon_h1"):  # the rest as transformers' defaults
+        base = ModelConfig.from_hf_dict({"nemotron_h": NEMOTRON_NANO_9B, "falcon_h1": FALCON_H1_05B}.get(  # have it
+            architecture, {"model_type": architecture}))
         fields = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **MODEL_SHAPES[name],
                   "bos_token_id": None, "eos_token_id": None, "dtype": dtypes[dtype], "param_dtype": dtypes[param_dtype],
                   "max_position_embeddings": max(base.max_position_embeddings, max_len), **overrides}
@@ -108,6 +119,8 @@ def shape_config(name: str, *, max_len: int, dtype: str = "bfloat16", param_dtyp
             n = fields["num_layers"]
             fields.update({"layer_types": base.layer_types[:n], "mlp_layers": base.mlp_layers[:n], "rope_layers": (0,) * n,
                            **{k: v for k, v in overrides.items() if k in ("layer_types", "mlp_layers")}})
+        if architecture == "falcon_h1":
+            fields["layer_types"] = ("hybrid",) * fields["num_layers"]
         return ModelConfig(**fields)
     fields = dict(MODEL_SHAPES[name], rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                   max_position_embeddings=max(32768, max_len), dtype=dtypes[dtype], param_dtype=dtypes[param_dtype])

@@ -87,8 +87,9 @@ def kv_cache_bytes(cfg: ModelConfig, rollout: Any, tensor: int) -> int:
     lengths = cache_lengths(cfg, rollout.max_len, ring=True)
     ring_positions = sum(lengths[i] for i in rings)  # one row's positions over every ring layer
     layer_position = kv_position_bytes(cfg, tensor, layers=1)
-    linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # a fixed state per row
-    row_states = linear * row_state_bytes(cfg, tensor) if linear else 0
+    linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))  # a fixed state per row, no keys
+    stateful = linear + sum(cfg.layer_is_hybrid(i) for i in range(cfg.num_layers))  # (a hybrid layer: keys too)
+    row_states = stateful * row_state_bytes(cfg, tensor) if stateful else 0
     full = kv_position_bytes(cfg, tensor, layers=cfg.num_layers - len(rings) - linear)
     if rollout.kv_cache == "paged":
         pool = pool_pages(rollout) * rollout.page_size * full

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.layers import soft_cap
+from areal_jax.models.transformer import logits_divisor
 
 
 def _logits(h: jax.Array, w: jax.Array, softcap: float | None, scaling: float | None = None,
@@ -197,7 +198,7 @@ def model_outputs(
                      router_stats=router_stats, routes=routes, replay=replay)
     h, stats = h if router_stats else (h, None)
     logp, ent = chunked_logprobs(h, model.unembed_matrix(), targets, chunk, with_entropy=with_entropy,
-                                 softcap=model.cfg.final_logit_softcap, scaling=model.cfg.logits_scaling,
+                                 softcap=model.cfg.final_logit_softcap, scaling=logits_divisor(model.cfg),
                                  bias=model.unembed_bias())
     values = None if value_head is None else apply_value_head(value_head, h)
     return (logp, ent, values, stats) if router_stats else (logp, ent, values)

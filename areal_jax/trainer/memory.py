@@ -140,8 +140,9 @@ def probe_config(model_cfg: ModelConfig, layers: int, kind: str) -> ModelConfig:
 
 
 def layer_counts(model_cfg: ModelConfig) -> dict[str, int]:
-    """{kind: layers} of the kinds `model_cfg` has: "attention" (sliding or full) and "linear" (Gated DeltaNet)."""
-    linear = sum(map(model_cfg.layer_is_linear, range(model_cfg.num_layers)))
+    """{kind: layers} of the kinds `model_cfg` has: "attention" (sliding or full) and "linear" (a stateful mixer:
+    Gated DeltaNet, a short convolution, Mamba-2; with attention beside it in a hybrid layer, Falcon-H1's)."""
+    linear = sum(model_cfg.layer_is_linear(i) or model_cfg.layer_is_hybrid(i) for i in range(model_cfg.num_layers))
     return {k: n for k, n in (("attention", model_cfg.num_layers - linear), ("linear", linear)) if n}
 
 
