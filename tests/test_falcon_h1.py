@@ -41,7 +41,7 @@ def test_logits_match_transformers_and_round_trip(tmp_path, mamba):
 def test_each_multiplier_changes_the_logits():
     """Every multiplier of `tiny_config`'s Falcon-H1 reaches the logits (set back to 1, the logits change), so the
     parity above checks each of them against transformers."""
-    cfg = tiny_config("falcon_h1")
+    cfg = tiny_config("falcon_h1", num_layers=1)
     tokens = jnp.asarray(random_tokens(97, (1, 12), seed=3))
     base = np.asarray(random_model(cfg, seed=0)(tokens))
     scales = cfg.hybrid_scales
@@ -63,7 +63,7 @@ def test_scanned_and_rematerialised_layers_give_the_unrolled_values_and_gradient
 
     from areal_jax.models.packed_attention import scannable
 
-    model = random_model(tiny_config("falcon_h1", num_layers=3), seed=1)
+    model = random_model(tiny_config("falcon_h1", num_layers=2), seed=1)
     graphdef, params = nnx.split(model)
     tokens = jnp.asarray(random_tokens(97, (2, 40), seed=4))
     seg = jnp.asarray(np.repeat([[1, 2, 3, 0]], 10, axis=1).reshape(1, 40).repeat(2, 0), jnp.int32)
@@ -219,3 +219,29 @@ def test_the_refusals_name_what_to_change():
         tiny_config("bamba", mamba=(4, 32, 16, 2, 4, None)).to_hf_dict()
     with pytest.raises(ValueError, match="HF Falcon-H1 has its multipliers"):
         tiny_config("falcon_h1", hybrid_scales=None).to_hf_dict()
+
+
+@pytest.mark.long  # 20-40 s; in CI the sampler's tensor-axis test above covers the split layers' decoding
+def test_sharded_forward_and_gradients_match_one_device():
+    """On a 2 x 2 (fsdp, tensor) mesh, each hybrid layer's attention split by heads and its Mamba-2 mixer (two groups)
+    by heads and groups: the cache-free forward over packed rows, its gradients and the cache path as on one device."""
+    import jax
+
+    from areal_jax.testing.models import assert_sharded_forward_matches_one_device
+
+    assert_sharded_forward_matches_one_device(tiny_config("falcon_h1", num_layers=2),
+                                              jax.make_mesh((2, 2), ("fsdp", "tensor")),
+                                              lambda model: model.layers[0].linear_attn.in_proj_xbc)
+
+
+def test_the_memory_probes_compile_hybrid_layers():
+    """The update's memory probes (`trainer.memory`) count Falcon-H1's layers as one kind, "linear" (a stateful mixer,
+    here with attention beside it), and compile copies of hybrid layers: attention and mixer both."""
+    from areal_jax.trainer.memory import layer_counts, probe_config
+
+    cfg = tiny_config("falcon_h1", num_layers=5)
+    assert layer_counts(cfg) == {"linear": 5}
+    probe = probe_config(cfg, 2, "linear")
+    assert probe.layer_types == ("hybrid", "hybrid") and probe.mamba == cfg.mamba
+    model = random_model(probe, seed=0)
+    assert model.layers[1].attn is not None and model.layers[1].linear_attn is not None
