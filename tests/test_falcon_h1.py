@@ -137,7 +137,7 @@ def test_decode_over_pages_on_a_tensor_axis_and_the_planned_states():
 
     from areal_jax.sampler.config import RolloutConfig
     from areal_jax.system.memory import kv_cache_bytes
-    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward, cache_bytes_laid_out
 
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
     model = random_model(tiny_config("falcon_h1", num_layers=2), seed=3)
@@ -146,17 +146,7 @@ def test_decode_over_pages_on_a_tensor_axis_and_the_planned_states():
     for kv_cache in ("dense", "paged"):
         rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, standby_rows=2, standby_len=16,
                                 kv_cache=kv_cache, page_size=4, kv_pages=40)
-        planned = []
-        for on in (None, mesh):
-            engine = rollout.make_engine(model, mesh=on, config=model.cfg)
-            shapes = jax.eval_shape(engine._init_fn)
-            layout = engine._state_sharding if on is not None else jax.tree.map(lambda _: None, shapes)
-            planned.append(sum(
-                x.dtype.itemsize * int(np.prod(x.shape if s is None else s.shard_shape(x.shape)))
-                for part in ("cache", "logits") for tree, held in ((shapes, layout), (shapes.standby, layout.standby))
-                for x, s in zip(jax.tree.leaves(getattr(tree, part)),
-                                jax.tree.leaves(getattr(held, part), is_leaf=lambda v: v is None))
-                if x.ndim >= 2 and x.dtype != jnp.int32))
+        planned = [cache_bytes_laid_out(rollout, model, on) for on in (None, mesh)]
         assert [kv_cache_bytes(model.cfg, rollout, 1), kv_cache_bytes(model.cfg, rollout, 2)] == planned, kv_cache
         assert planned[1] < planned[0]
 

@@ -281,22 +281,14 @@ def test_memory_plan_counts_the_states_as_allocated(kv_cache, arch, stateless):
                                  seed=0)
     rollout = RolloutConfig(num_slots=4, group_size=2, max_len=64, standby_rows=2, standby_len=16, kv_cache=kv_cache,
                             page_size=4, kv_pages=40)
-    state = jax.eval_shape(rollout.make_engine(model, mesh=None, config=model.cfg)._init_fn)
-
-    def nbytes(tree):
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim >= 2 and x.dtype != jnp.int32)
-
-    allocated = nbytes(state.cache) + nbytes(state.logits) + nbytes(state.standby.cache) + nbytes(state.standby.logits)
-    assert kv_cache_bytes(model.cfg, rollout, 1) == allocated
     from jax.sharding import Mesh
 
+    from areal_jax.testing.sampler import cache_bytes_laid_out
+
+    allocated = cache_bytes_laid_out(rollout, model)
+    assert kv_cache_bytes(model.cfg, rollout, 1) == allocated
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))  # per device, split by the tensor axis
-    engine = rollout.make_engine(model, mesh=mesh, config=model.cfg)
-    shapes, layout = jax.eval_shape(engine._init_fn), engine._state_sharding
-    split = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-                for part in ("cache", "logits") for tree, held in ((shapes, layout), (shapes.standby, layout.standby))
-                for x, s in zip(jax.tree.leaves(getattr(tree, part)), jax.tree.leaves(getattr(held, part)))
-                if x.ndim >= 2 and x.dtype != jnp.int32)
+    split = cache_bytes_laid_out(rollout, model, mesh)
     assert kv_cache_bytes(model.cfg, rollout, 2) == split < allocated
     attention = testing.tiny_config(arch, num_layers=4, layer_types=None, **stateless)
     if "mamba" not in stateless:  # (a Mamba-2 state, 128 x 16 floats a row and layer here, outweighs 64 positions)

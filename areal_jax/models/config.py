@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
@@ -17,7 +16,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
-                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", *MOE_ARCHITECTURES)
+                 "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid")
@@ -83,7 +82,7 @@ class ModelConfig:
     shared_expert_gated: False: the shared expert's output is added as it is (DeepSeek's shared experts).
     mla: None, or `MLA` shapes: multi-head latent attention (models.mla; head_dim is then nope + rope). linear: None,
       or `LinearAttention` shapes: the "linear_attention" layers' Gated DeltaNet; mamba: or `Mamba2` shapes: theirs
-      are Mamba-2 mixers (models.mamba2); a "hybrid" layer has attention and that Mamba-2 mixer side by side
+      are Mamba-2 mixers (models.mamba2); mamba1: or `Mamba1` shapes: Mamba mixers (Jamba's); a "hybrid" layer has attention and that Mamba-2 mixer side by side
       (Falcon-H1), with `hybrid_scales` (a `HybridScales`: Falcon-H1's multipliers; None: all 1).
     moe_layers: per layer 1 (experts) or 0 (a dense MLP of intermediate_size: Qwen3-MoE's mlp_only_layers);
       None: every layer has experts when num_experts > 0. mlp_layers: per layer 1 (a feed-forward) or 0 (none: the
@@ -154,6 +153,7 @@ class ModelConfig:
     linear: checks.LinearAttention | None = None
     short_conv: int | None = None
     mamba: checks.Mamba2 | None = None
+    mamba1: checks.Mamba1 | None = None
     hybrid_scales: checks.HybridScales | None = None
     head_gate: bool = False
     dtype: Any = jnp.float32
@@ -288,7 +288,7 @@ class ModelConfig:
     @property
     def recurrent(self) -> bool:
         """Whether some layers keep a state per row (`layer_is_linear`) that a padding token must not advance."""
-        return self.linear is not None or self.short_conv is not None or self.mamba is not None
+        return any(x is not None for x in (self.linear, self.short_conv, self.mamba, self.mamba1))
 
     @property
     def sandwich_norms(self) -> bool:
@@ -330,7 +330,8 @@ class ModelConfig:
             "linear_attention"
         return self.replace(num_layers=n, layer_types=(kind,) * n if linear else None, sliding_window=None,
                             moe_layers=moe, mlp_layers=None, linear=self.linear if linear else None,
-                            short_conv=self.short_conv if linear else None, mamba=self.mamba if linear else None)
+                            short_conv=self.short_conv if linear else None, mamba=self.mamba if linear else None,
+                            mamba1=self.mamba1 if linear else None)
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         """Returns a copy with the given fields changed (validated again)."""
@@ -362,20 +363,10 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: Any = jnp.float32,
                         param_dtype: Any = jnp.float32) -> ModelConfig:
-        """Reads `<path>/config.json` (an HF checkpoint directory)."""
-        path = os.fspath(path)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist; pass the folder that holds "
-                                    "config.json and the *.safetensors files.")
-        file = os.path.join(path, "config.json")
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"{file!r} is missing; an HF checkpoint directory needs a config.json.")
-        with open(file) as fh:
-            try:
-                d = json.load(fh)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{file!r} is not valid JSON: {err}.") from err
-        return cls.from_hf_dict(d, dtype=dtype, param_dtype=param_dtype)
+        """Reads `<path>/config.json` (an HF checkpoint directory; models.hf_config)."""
+        from areal_jax.models.hf_config import read_config_json
+
+        return cls.from_hf_dict(read_config_json(path), dtype=dtype, param_dtype=param_dtype)
 
     def to_hf_dict(self) -> dict:
         """A config.json dictionary that transformers loads as the matching *ForCausalLM model (models.hf_config)."""

@@ -191,7 +191,8 @@ def check_experts(cfg) -> None:
     if cfg.expert_dispatch not in EXPERT_DISPATCHES:
         raise ValueError(f"ModelConfig.expert_dispatch={cfg.expert_dispatch!r} is unknown; use one of "
                          f"{', '.join(EXPERT_DISPATCHES)}.")
-    if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0) and cfg.architecture not in ("granitemoehybrid", "nemotron_h"):
+    if (cfg.architecture in MOE_ARCHITECTURES) != (e > 0) and cfg.architecture not in ("granitemoehybrid", "nemotron_h",
+                                                                                     "jamba"):
         # (Granite 4.0, Nemotron-H: dense or not)
         raise ValueError(f"architecture {cfg.architecture!r} with num_experts={e}: the mixture-of-experts "
                          f"architectures ({', '.join(MOE_ARCHITECTURES)}) need num_experts >= 1, the others take 0.")
@@ -280,6 +281,31 @@ class Mamba2(NamedTuple):
     norm: str | None = "after_gate"
 
 
+class Mamba1(NamedTuple):
+    """A Mamba mixer's shapes (Jamba's "linear_attention" layers: `models.mamba1`): `inner` channels of `state` states
+    each, a time step of rank `dt_rank`, a convolution of `conv_kernel` taps; `norms`: its time step's input, B and C
+    RMS-normalised (Jamba's)."""
+    inner: int
+    state: int
+    dt_rank: int
+    conv_kernel: int = 4
+    norms: bool = True
+
+
+def _check_mamba1(cfg) -> None:
+    """`ModelConfig.mamba1` made a `Mamba1` and checked: its "linear_attention" layers are Mamba's, at least one."""
+    if cfg.mamba1 is None:
+        return
+    m = _named(Mamba1, cfg.mamba1, "mamba1")
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m[:4]) or m.conv_kernel < 2:
+        raise ValueError(f"ModelConfig.mamba1 needs positive integers and conv_kernel >= 2; got {m}.")
+    if cfg.linear is not None or cfg.short_conv is not None or cfg.mamba is not None or \
+            "linear_attention" not in (cfg.layer_types or ()) or "hybrid" in (cfg.layer_types or ()):
+        raise ValueError("ModelConfig.mamba1 makes the linear_attention layers Mamba's: it needs some, no hybrid "
+                         "layers, and linear, short_conv and mamba None.")
+    object.__setattr__(cfg, "mamba1", m._replace(norms=bool(m.norms)))
+
+
 class HybridScales(NamedTuple):
     """Falcon-H1's multipliers of its "hybrid" layers (attention and Mamba-2 side by side): the attention's input
     (attention_in) and output (attention_out), its keys (key), the mixer's input (ssm_in) and output (ssm_out),
@@ -317,10 +343,11 @@ def check_linear(cfg) -> None:
     "linear_attention" layers need it, and it needs at least one of them (`short_conv` likewise with "conv" layers)."""
     _check_short_conv(cfg)
     _check_mamba(cfg)
+    _check_mamba1(cfg)
     _check_hybrid(cfg)
     m, types = cfg.linear, cfg.layer_types or ()
     if m is None:
-        if "linear_attention" in types and cfg.mamba is None:
+        if "linear_attention" in types and cfg.mamba is None and cfg.mamba1 is None:
             raise ValueError("ModelConfig.layer_types has linear_attention layers but linear is None; set linear="
                              "LinearAttention(key_heads, value_heads, key_dim, value_dim, conv_kernel).")
         return

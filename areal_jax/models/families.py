@@ -12,6 +12,7 @@ from areal_jax.models import (
     flex_olmo,
     granite4,
     hunyuan,
+    jamba,
     lfm2,
     lfm3,
     ministral3,
@@ -23,4 +24,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba)

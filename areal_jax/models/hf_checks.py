@@ -49,6 +49,8 @@ def check_loadable(cfg: Any) -> None:
     if not falcon and (cfg.hybrid_scales is not None or "hybrid" in (cfg.layer_types or ())):
         raise ValueError(f"hybrid layers (attention and Mamba-2 side by side) and hybrid_scales (their multipliers) are "
                          f"Falcon-H1's; HF {cfg.architecture} has neither.")
+    if cfg.mamba1 is not None and cfg.architecture != "jamba":
+        raise ValueError(f"mamba1 (Mamba mixers) is Jamba's; HF {cfg.architecture} has none.")
     if not falcon and cfg.mamba is not None and cfg.mamba.norm != "after_gate":
         raise ValueError(f"HF {cfg.architecture}'s Mamba-2 mixers normalise their output after the gate; set "
                          "mamba's norm='after_gate'.")
@@ -68,7 +70,7 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
                          f"LFM3's; HF {cfg.architecture} has one base for every layer.")
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid",
-                                                                "nemotron_h"):
+                                                                "nemotron_h", "jamba"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
     if cfg.mlp_layers is not None and cfg.architecture != "nemotron_h":

@@ -2,6 +2,8 @@
 keys read as its transformers class reads them, and written so that class loads them again."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -123,6 +125,23 @@ def _hf_experts(d: dict, model_type: str, num_layers: int) -> dict:
     return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "moe_intermediate_size": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
             "moe_layers": None if all(flags) else flags}
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """The contents of `<path>/config.json`, an HF checkpoint directory's; a missing directory, file or bad JSON says
+    which."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist; pass the folder that holds "
+                                "config.json and the *.safetensors files.")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file!r} is missing; an HF checkpoint directory needs a config.json.")
+    with open(file) as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file!r} is not valid JSON: {err}.") from err
 
 
 def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> Any:

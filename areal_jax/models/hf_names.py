@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, falcon_h1, hunyuan, lfm2, nemotron_h
+from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -129,6 +129,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_norm_entries(cfg, p + ("input_norm",), f"{hf}.input_layernorm"))
         if linear and cfg.short_conv is not None:
             entries.extend(_conv_entries(cfg, p + ("linear_attn",), f"{hf}.conv"))
+        elif linear and cfg.mamba1 is not None:
+            entries.extend(_mamba1_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Jamba's renamed below)
         elif (linear or cfg.layer_is_hybrid(i)) and cfg.mamba is not None:
             entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Bamba's renamed below)
         elif linear:
@@ -165,6 +167,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
     elif cfg.architecture == "bamba":  # and Bamba's
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture == "jamba":  # and Jamba's
+        entries = [replace(e, hf_name=jamba.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "falcon_h1":  # and Falcon-H1's
         entries = [replace(e, hf_name=falcon_h1.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "nemotron_h":  # and Nemotron-H's blocks
@@ -328,6 +332,26 @@ def _conv_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> lis
     grouped = tuple(int(i) for i in interleaved_channels(cfg.hidden_size))
     return [_Entry(path + ("in_proj",), f"{hf}.in_proj.weight", "in_first", channels=grouped),
             _Entry(path + ("conv",), f"{hf}.conv.weight", "conv"),
+            _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]
+
+
+def _mamba1_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """A Mamba mixer's parameters (models.mamba1): in_proj's rows x and z, x_proj's rows dt, B and C as ours apart."""
+    m = cfg.mamba1
+    i, r, n = m.inner, m.dt_rank, m.state
+    norms = [_Entry(path + (ours,), f"{hf}.{theirs}.weight", "same")
+             for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"), ("c_norm", "c_layernorm"))]
+    return [_Entry(path + ("in_proj_x",), f"{hf}.in_proj.weight", "in_first", (0, i, 2 * i)),
+            _Entry(path + ("in_proj_z",), f"{hf}.in_proj.weight", "in_first", (i, 2 * i, 2 * i)),
+            _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv"),
+            _Entry(path + ("conv_bias",), f"{hf}.conv1d.bias", "same"),
+            _Entry(path + ("x_proj_dt",), f"{hf}.x_proj.weight", "in_first", (0, r, r + 2 * n)),
+            _Entry(path + ("x_proj_b",), f"{hf}.x_proj.weight", "in_first", (r, r + n, r + 2 * n)),
+            _Entry(path + ("x_proj_c",), f"{hf}.x_proj.weight", "in_first", (r + n, r + 2 * n, r + 2 * n)),
+            _Entry(path + ("dt_proj",), f"{hf}.dt_proj.weight", "in_first"),
+            _Entry(path + ("dt_bias",), f"{hf}.dt_proj.bias", "same"),
+            *(_Entry(path + (name,), f"{hf}.{name}", "same") for name in ("A_log", "D")),
+            *(norms if m.norms else []),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]
 
 

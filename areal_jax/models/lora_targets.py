@@ -32,6 +32,7 @@ PROJECTIONS = {  # short name -> (sub-module, attribute, number of input axes)
     "in_v": ("linear_attn", "in_proj_v", 1),
     # a Mamba-2 mixer's in_proj parts (z is "in_z", out_proj "out")
     "in_xbc": ("linear_attn", "in_proj_xbc", 1), "in_dt": ("linear_attn", "in_proj_dt", 1),
+    "in_x": ("linear_attn", "in_proj_x", 1),  # a Mamba mixer's x part of in_proj (Jamba's; its z is "in_z")
     # a mixture of experts' shared expert (models.moe.MoE.shared_expert, a dense MLP every token goes through:
     # Qwen2-MoE's, Qwen3.5-MoE's, DeepSeek's, Hunyuan MoE's)
     "shared_gate": ("mlp.shared_expert", "gate_proj", 1), "shared_up": ("mlp.shared_expert", "up_proj", 1),
@@ -41,7 +42,7 @@ LINEAR = ("in_qkv", "in_z", "in_b", "in_a", "out")
 CONV = ("in", "out")
 SPLIT_LINEAR = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # OLMo Hybrid's Gated DeltaNet
 MAMBA = ("in_z", "in_xbc", "in_dt", "out")  # Granite 4.0-H's, Bamba's Mamba-2 mixers
-_MIXERS = LINEAR + ("in", "in_q", "in_k", "in_v", "in_xbc", "in_dt")  # the stateful layers' projections, of any kind
+_MIXERS = LINEAR + ("in", "in_q", "in_k", "in_v", "in_xbc", "in_dt", "in_x")  # the stateful layers' projections, of any kind
 _BY_ATTR = {attr: short for short, (part, attr, _) in PROJECTIONS.items() if part == "linear_attn"}
 # a mixture-of-experts layer's stacked expert weights [E, in, out] (models.moe.MoE), adapted per expert
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -64,7 +65,7 @@ class LoRAConfig(Section):
     dropout: float = knob(0.0, "probability of zeroing an input of the adapter path while training, in [0, 1)")
     targets: str = knob("all", "q,k,v,o,gate,up,down (g: LFM3's head gate) | attn (Gated DeltaNet's and LFM2 conv layers' too) | linear "
                         "(Gated DeltaNet's: in_qkv,in_z,in_b,in_a,out, OLMo Hybrid's in_q,in_k,in_v,in_z,in_b,in_a,out; "
-                        "LFM2 conv layers': in,out; Mamba-2's: in_z,in_xbc,in_dt,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
+                        "LFM2 conv layers': in,out; Mamba-2's: in_z,in_xbc,in_dt,out; Mamba's: in_x,in_z,out) | mlp | shared (a mixture of experts' shared expert: shared_gate,"
                         "shared_up,shared_down) | all | experts (a mixture of experts' expert weights, not in all) | "
                         "re:<regex over 'layers.0.attn.q_proj'> (comma-separated)")
     base_dtype: str = knob("", "frozen base storage: '' (model.param_dtype) | float32 | bfloat16",

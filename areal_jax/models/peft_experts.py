@@ -48,7 +48,7 @@ def experts_module(model_or_cfg: Any, layer: int) -> str:
 
         return f"model.layers.{first_blocks(cfg)[layer] + 1}.mixer.experts"
     block = {"granitemoe": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
-             "lfm2_moe": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
+             "lfm2_moe": "feed_forward", "jamba": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
     return f"model.layers.{layer}.{block}.experts"
 
 

@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h and falcon_h1 as at their branches.
+    bamba, nemotron_h, falcon_h1 and jamba as at their branches.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -192,6 +192,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # groups of 16, 4 taps; no norm) side by side in every layer, each multiplier away from 1
         fields.update(mamba=(4, 24, 16, 2, 4, None), layer_types=("hybrid",) * layers, embedding_multiplier=1.5,
                       hybrid_scales=(0.8, 1.3, 0.7, 1.1, 0.6, (0.9, 1.2, 0.8, 1.25, 0.7), 1.4, 0.75, 0.9))
+    if architecture == "jamba":  # Jamba's form: Mamba mixers (128 channels of 8 states, a time step of rank 4, 4 taps)
+        # but in the second layer of each four: attention there, with no position embeddings
+        fields.update(mamba1=(128, 8, 4, 4), rope_layers=(0,) * layers, layer_types=tuple(
+            "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
     if architecture == "lfm2_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))

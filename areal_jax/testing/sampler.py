@@ -226,3 +226,24 @@ def mesh_across_processes() -> Any:
         devices = np.array([jax.devices()[0], Remote()], dtype=object).reshape(1, 2)
 
     return TwoHosts()
+
+
+def cache_bytes_laid_out(rollout: Any, model: Transformer, mesh: Any = None) -> int:
+    """Bytes per device of the decode state that `rollout`'s engine for `model` allocates for its cache (keys and
+    values or pages, ring rows, stateful layers' windows and states, standby rows) and its decode logits: every leaf of
+    at least two axes but the int32 tables, each as the engine lays it out on `mesh` (None: one device). What the
+    memory plan (`system.memory.kv_cache_bytes`) must equal."""
+    engine = rollout.make_engine(model, mesh=mesh, config=model.cfg)
+    shapes = jax.eval_shape(engine._init_fn)
+    parts = [(getattr(tree, part), None if mesh is None else getattr(held, part))
+             for tree, held in ((shapes, getattr(engine, "_state_sharding", None)),
+                                (shapes.standby, getattr(getattr(engine, "_state_sharding", None), "standby", None)))
+             for part in ("cache", "logits")]
+    total = 0
+    for tree, layout in parts:
+        leaves = jax.tree.leaves(tree)
+        shardings = [None] * len(leaves) if layout is None else jax.tree.leaves(layout)
+        for x, s in zip(leaves, shardings, strict=True):
+            if x.ndim >= 2 and x.dtype != np.int32:
+                total += x.dtype.itemsize * int(np.prod(x.shape if s is None else s.shard_shape(x.shape)))
+    return total
