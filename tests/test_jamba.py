@@ -48,7 +48,7 @@ def test_its_config_class(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_hf_checkpoint(tmp_path)
     assert ours.cfg.layer_types == ("full_attention", "linear_attention", "linear_attention")
-    assert tuple(ours.cfg.mamba1) == (128, 8, 4, 4, True) and ours.cfg.num_experts == 0
+    assert tuple(ours.cfg.mamba1) == (128, 8, 4, 4, "scaled", None) and ours.cfg.num_experts == 0
     tokens = random_tokens(101, (2, 40), seed=1)
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
@@ -162,7 +162,7 @@ def test_lora_on_the_mixers_and_experts_merged_and_through_peft(tmp_path):
 def test_the_refusals_name_what_to_change():
     d = {"model_type": "jamba", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
          "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 97, "num_experts": 1}
-    assert ModelConfig.from_hf_dict(d).mamba1 == (128, 16, 4, 4, True)
+    assert ModelConfig.from_hf_dict(d).mamba1 == (128, 16, 4, 4, "scaled", None)
     with pytest.raises(ValueError, match="no projection or attention biases"):
         ModelConfig.from_hf_dict({**d, "mamba_proj_bias": True})
     with pytest.raises(ValueError, match="offsets must be below their periods"):
@@ -173,7 +173,7 @@ def test_the_refusals_name_what_to_change():
     with pytest.raises(ValueError, match="mamba1 .Mamba mixers. is Jamba's"):
         tiny_config("bamba", mamba=None, mamba1=(128, 8, 4, 4)).to_hf_dict()
     with pytest.raises(ValueError, match="normalise their time step's input"):
-        tiny_config("jamba", mamba1=(128, 8, 4, 4, False)).to_hf_dict()
+        tiny_config("jamba", mamba1=(128, 8, 4, 4, "plain")).to_hf_dict()
     with pytest.raises(ValueError, match="linear, short_conv and mamba None"):
         tiny_config("jamba", mamba=(4, 32, 16, 2, 4))
 

@@ -19,7 +19,8 @@ ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smoll
          "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4", "exaone_moe",
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
-         "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba"]
+         "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
+         "falcon_mamba"]
 
 
 def _jitted(model):
@@ -70,8 +71,8 @@ def test_kv_cache_decode_matches_full_forward(arch):
     assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.cache_entries  # (hybrid: + states)
     heads, k_dim, v_dim = cache_layout(cfg)  # latent attention caches its latent: keys only
     attention = [i for i in range(cfg.num_layers) if not cfg.layer_is_linear(i)]
-    assert {cache.k[i].shape for i in attention} == {(2, 16, heads, k_dim)}
-    assert {cache.v[i].shape for i in attention} == {(2, 16, heads, v_dim)}
+    assert {cache.k[i].shape for i in attention} <= {(2, 16, heads, k_dim)}  # (falcon_mamba: no attention layer)
+    assert {cache.v[i].shape for i in attention} <= {(2, 16, heads, v_dim)} and (attention or arch == "falcon_mamba")
 
 
 # nemotron_h's is long (16 s): its Mamba-2 layers' packed rows are bamba's and tests/test_granite4.py's

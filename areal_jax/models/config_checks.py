@@ -282,14 +282,16 @@ class Mamba2(NamedTuple):
 
 
 class Mamba1(NamedTuple):
-    """A Mamba mixer's shapes (Jamba's "linear_attention" layers: `models.mamba1`): `inner` channels of `state` states
-    each, a time step of rank `dt_rank`, a convolution of `conv_kernel` taps; `norms`: its time step's input, B and C
-    RMS-normalised (Jamba's)."""
+    """A Mamba mixer's shapes (Jamba's, Mamba's "linear_attention" layers: `models.mamba1`): `inner` channels of
+    `state` states each, a time step of rank `dt_rank`, a convolution of `conv_kernel` taps; `norms`: its time step's
+    input, B and C RMS-normalised with scales ("scaled": Jamba's), without ("plain": Falcon-Mamba's), or not at all
+    (None: Mamba's), with epsilon `norm_eps` (None: the model's rms_norm_eps)."""
     inner: int
     state: int
     dt_rank: int
     conv_kernel: int = 4
-    norms: bool = True
+    norms: str | None = "scaled"
+    norm_eps: float | None = None
 
 
 def _check_mamba1(cfg) -> None:
@@ -297,13 +299,15 @@ def _check_mamba1(cfg) -> None:
     if cfg.mamba1 is None:
         return
     m = _named(Mamba1, cfg.mamba1, "mamba1")
-    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m[:4]) or m.conv_kernel < 2:
-        raise ValueError(f"ModelConfig.mamba1 needs positive integers and conv_kernel >= 2; got {m}.")
+    if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in m[:4]) or m.conv_kernel < 2 \
+            or m.norms not in ("scaled", "plain", None) or m.norm_eps is not None and not float(m.norm_eps) > 0:
+        raise ValueError(f"ModelConfig.mamba1 needs positive integers, conv_kernel >= 2, norms one of 'scaled', "
+                         f"'plain', None and norm_eps positive or None; got {m}.")
     if cfg.linear is not None or cfg.short_conv is not None or cfg.mamba is not None or \
             "linear_attention" not in (cfg.layer_types or ()) or "hybrid" in (cfg.layer_types or ()):
         raise ValueError("ModelConfig.mamba1 makes the linear_attention layers Mamba's: it needs some, no hybrid "
                          "layers, and linear, short_conv and mamba None.")
-    object.__setattr__(cfg, "mamba1", m._replace(norms=bool(m.norms)))
+    object.__setattr__(cfg, "mamba1", m if m.norm_eps is None else m._replace(norm_eps=float(m.norm_eps)))
 
 
 class HybridScales(NamedTuple):

@@ -15,6 +15,7 @@ from areal_jax.models import (
     jamba,
     lfm2,
     lfm3,
+    mamba_lm,
     ministral3,
     nemotron_h,
     olmo_hybrid,
@@ -24,4 +25,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm)

@@ -49,8 +49,9 @@ def check_loadable(cfg: Any) -> None:
     if not falcon and (cfg.hybrid_scales is not None or "hybrid" in (cfg.layer_types or ())):
         raise ValueError(f"hybrid layers (attention and Mamba-2 side by side) and hybrid_scales (their multipliers) are "
                          f"Falcon-H1's; HF {cfg.architecture} has neither.")
-    if cfg.mamba1 is not None and cfg.architecture != "jamba":
-        raise ValueError(f"mamba1 (Mamba mixers) is Jamba's; HF {cfg.architecture} has none.")
+    if cfg.mamba1 is not None and cfg.architecture not in ("jamba", "mamba", "falcon_mamba"):
+        raise ValueError(f"mamba1 (Mamba mixers) is Jamba's, Mamba's and Falcon-Mamba's; HF {cfg.architecture} has "
+                         "none.")
     if not falcon and cfg.mamba is not None and cfg.mamba.norm != "after_gate":
         raise ValueError(f"HF {cfg.architecture}'s Mamba-2 mixers normalise their output after the gate; set "
                          "mamba's norm='after_gate'.")
@@ -73,7 +74,7 @@ def check_loadable(cfg: Any) -> None:
                                                                 "nemotron_h", "jamba"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
-    if cfg.mlp_layers is not None and cfg.architecture != "nemotron_h":
+    if cfg.mlp_layers is not None and cfg.architecture not in ("nemotron_h", "mamba", "falcon_mamba"):
         raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
                          "in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "bamba",

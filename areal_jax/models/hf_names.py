@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, nemotron_h
+from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -169,6 +169,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "jamba":  # and Jamba's
         entries = [replace(e, hf_name=jamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture in mamba_lm.HF_CLASSES:  # and Mamba's backbone.*
+        entries = [replace(e, hf_name=mamba_lm.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "falcon_h1":  # and Falcon-H1's
         entries = [replace(e, hf_name=falcon_h1.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "nemotron_h":  # and Nemotron-H's blocks
@@ -351,7 +353,7 @@ def _mamba1_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
             _Entry(path + ("dt_proj",), f"{hf}.dt_proj.weight", "in_first"),
             _Entry(path + ("dt_bias",), f"{hf}.dt_proj.bias", "same"),
             *(_Entry(path + (name,), f"{hf}.{name}", "same") for name in ("A_log", "D")),
-            *(norms if m.norms else []),
+            *(norms if m.norms == "scaled" else []),
             _Entry(path + ("out_proj",), f"{hf}.out_proj.weight", "out_last")]
 
 

@@ -85,9 +85,11 @@ def check_hf(cfg: Any) -> None:
     if _periods(attention) is None or cfg.num_experts and _periods(experts) is None:
         raise ValueError("HF Jamba places its attention layers (and its expert layers) every period-th layer from an "
                          f"offset; these cannot be written so: attention {attention}, experts {experts}.")
-    if cfg.mamba1 is not None and (not cfg.mamba1.norms or cfg.mamba1.inner % cfg.hidden_size):
-        raise ValueError("HF Jamba's Mamba mixers normalise their time step's input, B and C and have mamba_expand x "
-                         f"hidden_size channels; mamba1={cfg.mamba1} has not.")
+    if cfg.mamba1 is not None and (cfg.mamba1.norms != "scaled" or cfg.mamba1.norm_eps is not None
+                                   or cfg.mamba1.inner % cfg.hidden_size):
+        raise ValueError("HF Jamba's Mamba mixers normalise their time step's input, B and C with scales (norms="
+                         f"'scaled', norm_eps None) and have mamba_expand x hidden_size channels; mamba1={cfg.mamba1} "
+                         "has not.")
 
 
 def config_to_hf(cfg: Any, common: dict) -> dict:

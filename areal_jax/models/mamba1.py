@@ -1,9 +1,9 @@
-"""The Mamba mixer (selective state spaces, arXiv 2312.00752) of Jamba's layers: a state per channel, decaying per
-channel and state.
+"""The Mamba mixer (selective state spaces, arXiv 2312.00752) of Jamba's, Mamba's and Falcon-Mamba's layers: a state
+per channel, decaying per channel and state.
 
 A layer projects each token to channels x and a gate z (`inner` each); x passes a causal depthwise convolution (with
-a bias) and SiLU, then gives the token's time step (a rank-`dt_rank` input), B and C (`state` each); Jamba
-RMS-normalises those three (`Mamba1.norms`). Per channel i it keeps h_i [state]:
+a bias) and SiLU, then gives the token's time step (a rank-`dt_rank` input), B and C (`state` each); Jamba and
+Falcon-Mamba RMS-normalise those three (`Mamba1.norms`). Per channel i it keeps h_i [state]:
 
     dt = softplus(dt_in @ dt_proj + dt_bias);   h_i <- exp(dt_i A_i) * h_i + dt_i x_i B;   y_i = h_i . C + D_i x_i
 
@@ -48,7 +48,8 @@ def weights(cfg) -> tuple[int, int]:
     their bias, dt_bias, A_log, D and the norms of dt, B and C."""
     m, d = cfg.mamba1, cfg.hidden_size
     matrices = 2 * d * m.inner + m.inner * (m.dt_rank + 2 * m.state) + m.dt_rank * m.inner + m.inner * d
-    return matrices, (m.conv_kernel + 3) * m.inner + m.inner * m.state + (m.dt_rank + 2 * m.state if m.norms else 0)
+    scales = m.dt_rank + 2 * m.state if m.norms == "scaled" else 0
+    return matrices, (m.conv_kernel + 3) * m.inner + m.inner * m.state + scales
 
 
 def adapter_dims(cfg) -> dict[str, tuple[int, int]]:
@@ -101,21 +102,22 @@ def scan_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Ar
     return jnp.einsum("bin,bn->bi", state, c), state
 
 
-def _rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """Llama's RMSNorm of x [..., N] (float32) by scale [N], in x's dtype."""
+def _rms(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """Llama's RMSNorm of x [..., N] (in float32) by scale [N] (None: none, Falcon-Mamba's), in x's dtype."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * normed.astype(x.dtype)).astype(x.dtype)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return normed if scale is None else (scale.astype(jnp.float32) * normed).astype(x.dtype)
 
 
 class Mamba1Mixer(nnx.Module):
     """Jamba's Mamba mixer: in_proj_x and in_proj_z [D, I] (one in_proj on disk), conv [K, I] and conv_bias [I],
     x_proj_dt [I, R], x_proj_b and x_proj_c [I, N] (one x_proj on disk), the norms' scales dt_norm [R], b_norm and
-    c_norm [N] (Jamba's), dt_proj [R, I] and dt_bias [I], A_log [I, N], D [I], out_proj [I, D]."""
+    c_norm [N] (Jamba's; Falcon-Mamba's norms have none, Mamba's no norms), dt_proj [R, I] and dt_bias [I], A_log [I, N], D [I], out_proj [I, D]."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         m, d, pdt = cfg.mamba1, cfg.hidden_size, cfg.param_dtype
-        self.dtype, self.eps, self.shape = cfg.dtype, cfg.rms_norm_eps, m
+        self.dtype, self.shape = cfg.dtype, m
+        self.eps = cfg.rms_norm_eps if m.norm_eps is None else m.norm_eps
         i, n, r = m.inner, m.state, m.dt_rank
         self.in_proj_x = make_param(rngs, (d, i), ("embed", "heads"), pdt)
         self.in_proj_z = make_param(rngs, (d, i), ("embed", "heads"), pdt)
@@ -125,7 +127,7 @@ class Mamba1Mixer(nnx.Module):
         self.x_proj_b = make_param(rngs, (i, n), ("heads", None), pdt)
         self.x_proj_c = make_param(rngs, (i, n), ("heads", None), pdt)
         self.dt_norm, self.b_norm, self.c_norm = ((make_param(None, (k,), (None,), pdt, init="ones") for k in (r, n, n))
-                                                  if m.norms else (None, None, None))
+                                                  if m.norms == "scaled" else (None, None, None))
         self.dt_proj = make_param(rngs, (r, i), (None, "heads"), pdt)
         self.dt_bias = make_param(None, (i,), ("heads",), pdt, init="zeros")
         self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.float32), (i, n))).astype(pdt),
@@ -146,9 +148,9 @@ class Mamba1Mixer(nnx.Module):
             x, window = window_conv(x, w, context.window[..., 0], valid)
         x = jax.nn.silu(x + self.conv_bias[...].astype(dt_))
         dt_in, b, c = (project(x, p, dt_) for p in (self.x_proj_dt, self.x_proj_b, self.x_proj_c))
-        if self.dt_norm is not None:  # Jamba's RMSNorms of the time step's input, B and C
-            dt_in, b, c = (_rms(v, s[...], self.eps) for v, s in ((dt_in, self.dt_norm), (b, self.b_norm),
-                                                                  (c, self.c_norm)))
+        if self.shape.norms is not None:  # RMSNorms of the time step's input, B and C (Jamba's, Falcon-Mamba's)
+            dt_in, b, c = (_rms(v, None if s is None else s[...], self.eps)
+                           for v, s in ((dt_in, self.dt_norm), (b, self.b_norm), (c, self.c_norm)))
         dt = project(dt_in, self.dt_proj, dt_).astype(jnp.float32)
         dt = jax.nn.softplus(dt + self.dt_bias[...].astype(jnp.float32))
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))

@@ -1,0 +1,98 @@
+"""Mamba (MambaForCausalLM) and Falcon-Mamba (FalconMambaForCausalLM) against HF transformers (PyTorch, float32): Mamba
+mixers alone in every layer (Falcon-Mamba's with unscaled norms of the time step's input, B and C); logits and round
+trips both ways, transformers' own config classes, the sampler's decode of a model with no attention layer (dense
+cache, pages) against full forwards, LoRA through PEFT, the refusals."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models import lora
+from areal_jax.models.config import ModelConfig
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens, randomize_lora_b
+from areal_jax.testing.models import random_model, tiny_config
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+def test_logits_match_transformers_and_round_trip(tmp_path, arch):
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    cfg = tiny_config(arch, num_layers=3)
+    hf = hf_model_of(cfg, seed=1)
+    assert_parity_and_round_trips(tmp_path, cfg, hf, random_tokens(97, (2, 90), seed=2))
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+def test_its_config_class(tmp_path, arch):
+    """transformers' MambaConfig / FalconMambaConfig (the time step's rank "auto": ceil(hidden_size / 16); tied
+    embeddings; Falcon-Mamba's mixer_rms_eps): our logits."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.hf import hf_logits, randomize_torch
+
+    torch.manual_seed(0)
+    kind = {"mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
+            "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM)}[arch]
+    config = kind[0](vocab_size=101, hidden_size=64, num_hidden_layers=2, state_size=8)
+    hf = randomize_torch(kind[1](config).float().eval(), 0)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    assert ours.cfg.mamba1[:4] == (128, 8, 4, 4) and ours.cfg.tie_word_embeddings
+    assert ours.cfg.mamba1.norms == ("plain" if arch == "falcon_mamba" else None)
+    tokens = random_tokens(101, (2, 40), seed=1)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch,page_size", [("mamba", None), ("falcon_mamba", 8)])
+def test_sampler_decodes_a_model_without_attention_as_its_full_forward(arch, page_size):
+    """No layer attends: every cache entry is a window and a state per slot (pages hold nothing)."""
+    from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
+
+    model = random_model(tiny_config(arch, num_layers=3), seed=3)
+    assert not any(model.layers[i].attn for i in range(3))
+    assert_greedy_decode_is_full_forward(model, [[5, 9, 13, 2, 40, 41, 7, 8, 9, 10], [7, 30], [11, 12, 13]],
+                                         page_size=page_size)
+
+
+@pytest.mark.parity
+def test_peft_adapters_of_the_mixers(tmp_path):
+    """Adapters on the mixers' in_proj parts x and z: peft applies them (in_proj one module, the two parts' adapters
+    side by side) with our logits, and they read back; out_proj's, which peft refuses in this model type, are refused
+    by name before anything is written."""
+    pytest.importorskip("peft", reason="the PEFT round trip needs peft")
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.models.peft_io import save_peft_adapter
+    from areal_jax.testing.hf import assert_peft_round_trip
+    from areal_jax.testing.models import write_random_hf_checkpoint
+
+    base = str(tmp_path / "base")
+    write_random_hf_checkpoint(base, tiny_config("falcon_mamba", num_layers=2), seed=0)
+    model = load_hf_checkpoint(base)
+    every = lora.LoRAConfig(rank=2, alpha=6.0, targets="all")
+    assert {s for _, s in lora.model_targets(model.cfg, every)} == {"in_x", "in_z", "out"}
+    lora.apply_lora(model, every, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="leave 'out' out of lora.targets"):
+        save_peft_adapter(model, every, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    model = load_hf_checkpoint(base)
+    lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="in_x,in_z")
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    randomize_lora_b(model, 0.3)
+    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    assert_peft_round_trip(out, base, model, lcfg, random_tokens(97, (2, 24), seed=5))
+
+
+def test_the_refusals_name_what_to_change():
+    d = {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 97}
+    assert ModelConfig.from_hf_dict(d).mamba1 == (128, 16, 4, 4, None, None)
+    with pytest.raises(ValueError, match="no projection biases"):
+        ModelConfig.from_hf_dict({**d, "use_bias": True})
+    with pytest.raises(ValueError, match="no norms of the time step's input"):
+        tiny_config("mamba", mamba1=(128, 8, 4, 4, "plain", 1e-5)).to_hf_dict()
+    with pytest.raises(ValueError, match="Mamba mixers alone in every layer"):
+        tiny_config("mamba", num_layers=2, mlp_layers=(1, 0)).to_hf_dict()
