@@ -160,7 +160,7 @@ def test_lora_on_both_mixers_and_the_merged_weights(tmp_path):
 
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.models.peft_io import save_peft_adapter
-    from areal_jax.testing.hf import assert_peft_round_trip
+    from areal_jax.testing.hf import assert_peft_round_trip, peft_exported
     from areal_jax.testing.models import write_random_hf_checkpoint
 
     cfg = tiny_config("falcon_h1", num_layers=2)
@@ -181,11 +181,7 @@ def test_lora_on_both_mixers_and_the_merged_weights(tmp_path):
         save_peft_adapter(model, every, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
 
-    model = load_hf_checkpoint(base)
-    lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="q,k,v,o,in_z,in_xbc,in_dt,gate,up,down")
-    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    randomize_lora_b(model, 0.3)
-    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    model, lcfg, out = peft_exported(base, tmp_path / "adapter", "q,k,v,o,in_z,in_xbc,in_dt,gate,up,down")
     assert_peft_round_trip(out, base, model, lcfg, tokens)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
-from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens, randomize_lora_b
+from areal_jax.testing.hf import assert_parity_and_round_trips, hf_model_of, random_tokens
 from areal_jax.testing.models import random_model, tiny_config
 
 
@@ -67,7 +67,7 @@ def test_peft_adapters_of_the_mixers(tmp_path):
 
     from areal_jax.models import load_hf_checkpoint
     from areal_jax.models.peft_io import save_peft_adapter
-    from areal_jax.testing.hf import assert_peft_round_trip
+    from areal_jax.testing.hf import assert_peft_round_trip, peft_exported
     from areal_jax.testing.models import write_random_hf_checkpoint
 
     base = str(tmp_path / "base")
@@ -79,11 +79,7 @@ def test_peft_adapters_of_the_mixers(tmp_path):
     with pytest.raises(ValueError, match="leave 'out' out of lora.targets"):
         save_peft_adapter(model, every, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
-    model = load_hf_checkpoint(base)
-    lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="in_x,in_z")
-    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    randomize_lora_b(model, 0.3)
-    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    model, lcfg, out = peft_exported(base, tmp_path / "adapter", "in_x,in_z")
     assert_peft_round_trip(out, base, model, lcfg, random_tokens(97, (2, 24), seed=5))
 
 

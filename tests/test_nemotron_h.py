@@ -176,20 +176,13 @@ def test_peft_applies_our_expert_adapters(tmp_path):
     down_proj of the experts block after each layer's mixer block) and the shared expert: peft applies them with our
     logits, and they read back."""
     pytest.importorskip("peft", reason="the PEFT round trip needs peft")
-    from flax import nnx
 
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.models.peft_io import save_peft_adapter
-    from areal_jax.testing.hf import assert_peft_round_trip
+    from areal_jax.testing.hf import assert_peft_round_trip, peft_exported
     from areal_jax.testing.models import write_random_hf_checkpoint
 
     base = str(tmp_path / "base")
     write_random_hf_checkpoint(base, tiny_config("nemotron_h", **EXPERTS), seed=0)
-    model = load_hf_checkpoint(base)
-    lcfg = lora.LoRAConfig(rank=2, alpha=6.0, targets="q,in_z,in_xbc,experts,shared")
-    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
-    randomize_lora_b(model, 0.3)
-    out = save_peft_adapter(model, lcfg, tmp_path / "adapter", base_model_name_or_path=base)
+    model, lcfg, out = peft_exported(base, tmp_path / "adapter", "q,in_z,in_xbc,experts,shared")
     assert_peft_round_trip(out, base, model, lcfg, random_tokens(97, (2, 24), seed=5))
 
 

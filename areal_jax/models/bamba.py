@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
 from areal_jax.models.mamba2 import hf_keys, shapes_from_hf
 
 HF_CLASSES = {"bamba": "BambaForCausalLM"}
@@ -25,9 +25,7 @@ _NAMES = ((".mlp.", ".feed_forward."), (".post_attention_layernorm.", ".pre_ff_l
 
 def hf_name(name: str) -> str:
     """Bamba's name of a tensor the weight table names as Llama does (`hf_names.weight_entries`)."""
-    for ours, theirs in _NAMES:
-        name = name.replace(ours, theirs)
-    return name
+    return rename(name, _NAMES)
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.config_checks import HybridScales, Mamba2
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
 
 HF_CLASSES = {"falcon_h1": "FalconH1ForCausalLM"}
 _DEFAULTS = dict(vocab_size=128000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -33,9 +33,7 @@ _SCALES = dict(attention_in="attention_in_multiplier", attention_out="attention_
 
 def hf_name(name: str) -> str:
     """Falcon-H1's name of a tensor the weight table names as Llama's and Granite 4.0-H's (`hf_names.weight_entries`)."""
-    for ours, theirs in _NAMES:
-        name = name.replace(ours, theirs)
-    return name
+    return rename(name, _NAMES)
 
 
 def _number(x: Any) -> float:

@@ -7,6 +7,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def rename(name: str, pairs) -> str:
+    """`name` with each (ours, theirs) of `pairs` applied in order: a substring replaced, or a compiled pattern
+    substituted (a family's tensor names from the weight table's Llama ones)."""
+    for ours, theirs in pairs:
+        name = name.replace(ours, theirs) if isinstance(ours, str) else ours.sub(theirs, name)
+    return name
+
+
 def reader(d: dict, defaults: dict, *, none_is_default: bool = False) -> Callable[[str], Any]:
     """`get(key)`: config.json `d`'s value of key, else transformers' default from `defaults` (None where it has none);
     with none_is_default, a key the file sets to null reads as the default too (as those families' classes do)."""

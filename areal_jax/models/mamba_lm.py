@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.config_checks import Mamba1
-from areal_jax.models.hf_family import hf_dict, reader, require_fields
+from areal_jax.models.hf_family import hf_dict, reader, rename, require_fields
 
 HF_CLASSES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
 _DEFAULTS = dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32, layer_norm_epsilon=1e-5,
@@ -34,9 +34,7 @@ CONTEXT = 1 << 20  # the positions a run may reach (a Mamba model has no positio
 
 def hf_name(name: str) -> str:
     """Mamba's name of a tensor the weight table names as Llama's (`hf_names.weight_entries`)."""
-    for pattern, theirs in _NAMES:
-        name = pattern.sub(theirs, name)
-    return name
+    return rename(name, _NAMES)
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,

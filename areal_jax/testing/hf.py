@@ -142,3 +142,18 @@ def assert_peft_round_trip(out, base, model, lcfg, tokens, hf_class: str = "Auto
     for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)), jax.tree.leaves(nnx.state(back, nnx.LoRAParam)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def peft_exported(base, out, targets: str, *, rank: int = 2, alpha: float = 6.0, scale: float = 0.3):
+    """The checkpoint at `base` loaded with LoRA adapters on `targets` (their B drawn: `randomize_lora_b`) and the
+    adapters exported to the PEFT directory `out` over it: (model, its LoRAConfig, the directory)."""
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint, lora
+    from areal_jax.models.peft_io import save_peft_adapter
+
+    model = load_hf_checkpoint(base)
+    lcfg = lora.LoRAConfig(rank=rank, alpha=alpha, targets=targets)
+    lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
+    randomize_lora_b(model, scale)
+    return model, lcfg, save_peft_adapter(model, lcfg, out, base_model_name_or_path=str(base))

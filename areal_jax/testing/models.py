@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba and falcon_mamba as at their branches.
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba and cwm as at their branches.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -56,7 +56,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
-    if architecture == "llama":
+    if architecture in ("llama", "cwm"):  # (CWM: Llama's, every fourth layer from the first full, the rest sliding)
         fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         fields["rope_theta"] = 500000.0
@@ -202,6 +202,9 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
                       num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=True,
                       max_position_embeddings=1 << 20, qk_norm=False)
+    if architecture == "cwm":
+        fields.update(sliding_window=8, layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention"
+                                                          for i in range(layers)))
     if architecture == "lfm2_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       router_scoring="sigmoid", router_score_bias=True, moe_layers=tuple(int(i > 0) for i in range(layers)))
