@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba and cwm as at their branches.
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, cwm and youtu as at their branches.
     Any ModelConfig field can be overridden.
     """
     fields: dict[str, Any] = dict(
@@ -107,6 +107,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
                           "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    if architecture == "youtu":  # deepseek_v3's latent attention (with its YaRN) before dense MLPs, tied embeddings
+        fields.update(num_kv_heads=4, head_dim=20, mla=MLA(24, 16, 12, 8, 10), tie_word_embeddings=True, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
     if architecture == "deepseek_v2":  # DeepSeek-V2-Lite's form: queries without a rank; softmax routing within
         # the best 2 of 4 groups (group_limited_greedy), unrenormalised, times 1.5; YaRN with mscale 0.707
         fields.update(num_kv_heads=4, head_dim=20, mla=MLA(None, 16, 12, 8, 10), num_experts=8, num_experts_per_tok=2,
