@@ -30,7 +30,13 @@ def _jitted(model):
     return state, full, cached
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3-yarn"])
+def _marked(archs, long):
+    return [pytest.param(a, marks=pytest.mark.long) if a in long else a for a in archs]
+
+
+# falcon_h1's and jamba's are long (7-12 s): tests/test_falcon_h1.py and tests/test_jamba.py decode them through the
+# sampler, dense and over pages, against full forwards
+@pytest.mark.parametrize("arch", _marked(ARCHS + ["qwen3-yarn"], {"falcon_h1", "jamba"}))
 def test_kv_cache_decode_matches_full_forward(arch):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6}  # the decode runs past 6
     cfg = tiny_config("qwen3", rope_scaling=yarn) if arch == "qwen3-yarn" else tiny_config(arch)
@@ -75,8 +81,9 @@ def test_kv_cache_decode_matches_full_forward(arch):
     assert {cache.v[i].shape for i in attention} <= {(2, 16, heads, v_dim)} and (attention or arch == "falcon_mamba")
 
 
-# nemotron_h's is long (16 s): its Mamba-2 layers' packed rows are bamba's and tests/test_granite4.py's
-@pytest.mark.parametrize("arch", [a if a != "nemotron_h" else pytest.param(a, marks=pytest.mark.long) for a in ARCHS])
+# nemotron_h's and falcon_h1's are long (15-16 s): their Mamba-2 layers' packed rows are bamba's and
+# tests/test_granite4.py's; tests/test_falcon_h1.py checks a segment of a packed row alone
+@pytest.mark.parametrize("arch", _marked(ARCHS, {"nemotron_h", "falcon_h1"}))
 def test_packed_row_equals_sequences_alone(arch):
     cfg = tiny_config(arch)
     model = random_model(cfg, seed=2)
