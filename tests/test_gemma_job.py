@@ -34,6 +34,7 @@ from areal_jax.testing.tiny import tiny_config
                                   pytest.param("falcon_h1", marks=pytest.mark.long),  # attention and Mamba-2 side by side
                                   pytest.param("jamba", marks=pytest.mark.long),  # Mamba mixers, experts
                                   pytest.param("falcon_mamba", marks=pytest.mark.long),  # no attention at all
+                                  pytest.param("nanochat", marks=pytest.mark.long),  # unscaled norms, capped logits
                                   pytest.param("deepseek_v3", marks=pytest.mark.long),  # 25-31 s; its layers and
                                   # sampler in tests/test_deepseek.py, a whole MoE job in qwen3_moe's run here
                                   pytest.param("qwen3_5_text", marks=pytest.mark.long)])
@@ -42,7 +43,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     model_dir = str(tmp_path / arch)
     window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}, "qwen3_5_text": {},
               "lfm2": {}, "lfm2_moe": {}, "lfm3": {"sliding_window": 6}, "olmo_hybrid": {}, "nemotron_h": {}, "falcon_h1": {},
-              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {},
+              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {}, "nanochat": {},
               "granitemoehybrid": {"mamba": (4, 32, 16, 2, 4),
                                    "layer_types": ("linear_attention", "full_attention", "linear_attention")}}.get(
         arch, {"sliding_window": 6})

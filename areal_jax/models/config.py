@@ -17,7 +17,8 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                 "falcon_mamba", "cwm", "youtu", *MOE_ARCHITECTURES)
+                 "falcon_mamba", "cwm", "youtu",
+                 "nanochat", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid")
@@ -251,6 +252,11 @@ class ModelConfig:
         return self.gemma or self.gated_attention
 
     @property
+    def weightless_norms(self) -> bool:
+        """Whether the RMSNorms have no scale (NanoChat's: the embeddings are normalised too)."""
+        return self.architecture == "nanochat"
+
+    @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed; a scale and a bias) rather than RMSNorms (PhiMoE)."""
         return self.architecture == "phimoe"
@@ -259,7 +265,7 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(relu(x @ up) ** 2)
         (Arcee, Nemotron-H: hidden_act relu2)."""
-        return self.architecture not in ("arcee", "nemotron_h")
+        return self.architecture not in ("arcee", "nemotron_h", "nanochat")
 
     @property
     def gated_attention(self) -> bool:

@@ -18,6 +18,7 @@ from areal_jax.models import (
     lfm3,
     mamba_lm,
     ministral3,
+    nanochat,
     nemotron_h,
     olmo_hybrid,
     phimoe,
@@ -27,4 +28,4 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat)

@@ -30,8 +30,10 @@ def check_loadable(cfg: Any) -> None:
                          "attention_bias=False.")
     if cfg.architecture == "gemma2" and (cfg.attention_bias or cfg.qk_norm):
         raise ValueError("HF Gemma2 has no q/k norm and no q/k/v bias; set qk_norm=False, attention_bias=False.")
-    if (cfg.attn_logit_softcap is not None or cfg.final_logit_softcap is not None) and cfg.architecture != "gemma2":
-        raise ValueError(f"logit soft-capping is Gemma 2's; HF {cfg.architecture} has none.")
+    if (cfg.attn_logit_softcap is not None or cfg.final_logit_softcap is not None) and \
+            cfg.architecture not in ("gemma2", "nanochat"):
+        raise ValueError(f"logit soft-capping is Gemma 2's (and NanoChat's, of the logits); HF {cfg.architecture} has "
+                         "none.")
     if cfg.architecture == "gemma2" and cfg.rope_local_theta is not None:
         raise ValueError("HF Gemma2 has one RoPE base for every layer; set rope_local_theta=None.")
     sliding = any(cfg.layer_window(i) is not None for i in range(cfg.num_layers))

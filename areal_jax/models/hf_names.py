@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nemotron_h
+from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nanochat, nemotron_h
 from areal_jax.models.config import ModelConfig
 
 
@@ -149,7 +149,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.append(_Entry(p + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", "out_last"))
         if cfg.head_gate and not linear:  # LFM3's per-head output gate
             entries.append(_Entry(p + ("attn", "g_proj"), f"{hf}.self_attn.g_proj.weight", "in_first"))
-        if cfg.qk_norm and not linear:
+        if cfg.qk_norm and not linear and not cfg.weightless_norms:
             for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
                 entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
         if cfg.layer_has_mlp(i):  # (else the token mixer alone: Nemotron-H)
@@ -169,6 +169,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "jamba":  # and Jamba's
         entries = [replace(e, hf_name=jamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture == "nanochat":  # and NanoChat's MLP (fc1, fc2)
+        entries = [replace(e, hf_name=nanochat.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture in mamba_lm.HF_CLASSES:  # and Mamba's backbone.*
         entries = [replace(e, hf_name=mamba_lm.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "falcon_h1":  # and Falcon-H1's
@@ -205,7 +207,10 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
 
 
 def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
-    """A decoder-wide norm's scale (HF's weight), and its bias where the norms are LayerNorms (PhiMoE)."""
+    """A decoder-wide norm's scale (HF's weight), and its bias where the norms are LayerNorms (PhiMoE); none where
+    the norms have no scale (NanoChat)."""
+    if cfg.weightless_norms:
+        return []
     out = [_Entry(path + ("scale",), f"{hf}.weight", "same")]
     return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.layer_norm else out
 

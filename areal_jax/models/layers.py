@@ -36,26 +36,29 @@ def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str |
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: bool = False) -> jax.Array:
-    """x: [..., D] any float dtype; scale: [D]. Normalises in float32 and returns x's dtype; with offset the
-    factor is 1 + scale (Gemma's form, its weights stored as the offset from one)."""
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float, offset: bool = False) -> jax.Array:
+    """x: [..., D] any float dtype; scale: [D] (None: no scale). Normalises in float32 and returns x's dtype; with
+    offset the factor is 1 + scale (Gemma's form, its weights stored as the offset from one)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if scale is None:
+        return y.astype(x.dtype)
     factor = scale.astype(jnp.float32)
     return (y * (1.0 + factor if offset else factor)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last axis with a learned scale (initialised to the identity: ones, or
-    zeros with `offset`, where the factor is 1 + scale)."""
+    zeros with `offset`, where the factor is 1 + scale); `weightless`: none (NanoChat's norms)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, offset: bool = False):
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, offset: bool = False, weightless: bool = False):
         self.eps = eps
         self.offset = offset
-        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="zeros" if offset else "ones")
+        self.scale = None if weightless else make_param(None, (dim,), ("norm",), param_dtype,
+                                                        init="zeros" if offset else "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps, self.offset)
+        return rms_norm(x, None if self.scale is None else self.scale[...], self.eps, self.offset)
 
 
 class LayerNorm(nnx.Module):
@@ -78,7 +81,7 @@ def make_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
     """A norm over the hidden size of the model's kind: `LayerNorm` where `ModelConfig.layer_norm`, else `RMSNorm`."""
     if cfg.layer_norm:
         return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset, cfg.weightless_norms)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -162,12 +165,13 @@ class Attention(nnx.Module):
         self.sinks = make_param(rngs, (h,), ("heads",), pdt, init="zeros") if cfg.attention_sinks else None
         self.g_proj = make_param(rngs, (d, h), ("embed", "heads"), pdt) if cfg.head_gate else None  # LFM3
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads together (OLMo, OLMoE)
-            self.q_norm = RMSNorm(h * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
-            self.k_norm = RMSNorm(k * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt, offset=cfg.norm_offset)
+            self.q_norm, self.k_norm = (RMSNorm(n * hd if cfg.flat_qk_norm else hd, cfg.rms_norm_eps, pdt,
+                                                offset=cfg.norm_offset, weightless=cfg.weightless_norms) for n in (h, k))
         else:
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
-        self.norm_after_rope = cfg.architecture.startswith("hunyuan")  # its q/k norms take the rotated q, k
+        self.norm_after_rope = cfg.architecture.startswith("hunyuan") or cfg.architecture == "nanochat"  # its q/k
+        # norms take the rotated q, k
         self.query_factor = cfg.attention_scale_factor
         self.rope_interleave = cfg.rope_interleave
 

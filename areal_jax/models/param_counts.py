@@ -42,13 +42,13 @@ def num_params(cfg: Any) -> int:
     """Total number of parameters (embedding counted once when tied)."""
     d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * h * hd * 2 + d * k * hd * 2 + (h * hd + 2 * k * hd if cfg.attention_bias else 0)
-    attn += ((h + k) * hd if cfg.flat_qk_norm else 2 * hd) if cfg.qk_norm else 0
+    attn += ((h + k) * hd if cfg.flat_qk_norm else 2 * hd) if cfg.qk_norm and not cfg.weightless_norms else 0
     attn += (d if cfg.attention_out_bias else 0) + (h if cfg.attention_sinks else 0) + (d * h if cfg.head_gate else 0)
     if cfg.mla is not None:  # its projections and the latent's (and the query's) norm
         attn = latent_attention_weights(cfg) + cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
     if cfg.gated_attention:  # q_proj's output gate
         attn += d * h * hd
-    norm = d * (2 if cfg.layer_norm else 1)  # a LayerNorm's bias besides its scale
+    norm = 0 if cfg.weightless_norms else d * (2 if cfg.layer_norm else 1)  # a LayerNorm's bias besides its scale
     layer = attn + (4 if cfg.sandwich_norms else 2) * norm
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
     stateful = linear + sum(cfg.layer_is_hybrid(i) for i in range(cfg.num_layers))  # (hybrid: attention's too)

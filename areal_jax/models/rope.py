@@ -61,7 +61,8 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.A
             shape = (*positions.shape, cfg.head_dim)
             tables[n] = (jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
         else:
-            tables[n] = rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n))
+            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n))
+            tables[n] = (cos, -sin) if cfg.architecture == "nanochat" else (cos, sin)  # (its pairs turn the other way)
     scale = query_position_scale(cfg, positions)
     return tables if scale is None else {n: (*table, scale) for n, table in tables.items()}
 

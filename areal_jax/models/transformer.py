@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.models.cache_attention import cached_attention, ring_attention, ring_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.gated_deltanet import StateCache
-from areal_jax.models.layers import DecoderLayer, make_norm, make_param, soft_cap
+from areal_jax.models.layers import DecoderLayer, make_norm, make_param, rms_norm, soft_cap
 from areal_jax.models.mixers import kind
 from areal_jax.models.mla import cache_layout, cached_values
 from areal_jax.models.moe import moe_layer_count
@@ -332,6 +332,8 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if cfg.embedding_multiplier is not None:
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+        if cfg.architecture == "nanochat":  # its embeddings normalised (no scale) before the first layer
+            x = rms_norm(x, None, cfg.rms_norm_eps)
         return x.astype(cfg.dtype)
 
     def unembed_matrix(self) -> jax.Array:

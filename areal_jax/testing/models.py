@@ -32,9 +32,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, cwm and youtu as at their branches.
-    Any ModelConfig field can be overridden.
-    """
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, cwm, youtu and nanochat as at their branches. Any
+    ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture,
         vocab_size=97,
@@ -57,9 +56,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         param_dtype=jnp.float32,
     )
     if architecture in ("llama", "cwm"):  # (CWM: Llama's, every fourth layer from the first full, the rest sliding)
-        fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-        fields["rope_theta"] = 500000.0
+        fields.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     layers = int(overrides.get("num_layers", 2))
     if architecture == "gemma2":  # every other layer slides; soft caps small enough to bite at this size
         fields.update(sliding_window=8, query_pre_attn_scalar=24.0, attn_logit_softcap=3.0, final_logit_softcap=5.0,
@@ -107,6 +105,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       moe_layers=tuple(int(i > 0) for i in range(layers)), rope_scaling={
                           "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    if architecture == "nanochat":  # (its own layer form: unscaled norms, q/k normed after RoPE, relu^2, capped logits)
+        fields.update(qk_norm=True, final_logit_softcap=5.0)
     if architecture == "youtu":  # deepseek_v3's latent attention (with its YaRN) before dense MLPs, tied embeddings
         fields.update(num_kv_heads=4, head_dim=20, mla=MLA(24, 16, 12, 8, 10), tie_word_embeddings=True, rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
