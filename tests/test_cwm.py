@@ -2,8 +2,6 @@
 in every fourth layer and a sliding window in the others, Llama 3's RoPE scaling; logits and round trips both ways,
 transformers' own config class (its defaults for the layer kinds and RoPE), the sampler's decode with the sliding
 layers held as rings (dense cache, pages) against full forwards, the refusals."""
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from areal_jax.models.config import ModelConfig
@@ -26,23 +24,17 @@ def test_logits_match_transformers_and_round_trip(tmp_path):
 def test_its_config_class(tmp_path):
     """transformers' CwmConfig with its defaults for the layer kinds (every fourth from the first full), the RoPE
     (Llama 3's scaling, base 1e6, a pretraining length of 8,192) and the end tokens: our logits and fields."""
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.testing.hf import hf_logits, randomize_torch
+    from areal_jax.testing.hf import ours_of_their_class
 
-    torch.manual_seed(0)
     config = transformers.CwmConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
                                     max_position_embeddings=256)
-    hf = randomize_torch(transformers.CwmForCausalLM(config).float().eval(), 0)
-    hf.save_pretrained(tmp_path)
-    ours = load_hf_checkpoint(tmp_path)
+    ours = ours_of_their_class(tmp_path, transformers.CwmForCausalLM, config, random_tokens(101, (2, 40), seed=1))
     assert [ours.cfg.layer_window(i) for i in range(5)] == [None, 6, 6, 6, None]
     assert ours.cfg.rope_scaling["rope_type"] == "llama3" and ours.cfg.rope_theta == 1e6
     assert ours.cfg.eos_token_id == (128001, 128008, 128009)
-    tokens = random_tokens(101, (2, 40), seed=1)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("page_size", [None, 8])

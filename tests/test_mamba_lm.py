@@ -2,8 +2,6 @@
 mixers alone in every layer (Falcon-Mamba's with unscaled norms of the time step's input, B and C); logits and round
 trips both ways, transformers' own config classes, the sampler's decode of a model with no attention layer (dense
 cache, pages) against full forwards, LoRA through PEFT, the refusals."""
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from areal_jax.models import lora
@@ -28,22 +26,16 @@ def test_logits_match_transformers_and_round_trip(tmp_path, arch):
 def test_its_config_class(tmp_path, arch):
     """transformers' MambaConfig / FalconMambaConfig (the time step's rank "auto": ceil(hidden_size / 16); tied
     embeddings; Falcon-Mamba's mixer_rms_eps): our logits."""
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.testing.hf import hf_logits, randomize_torch
+    from areal_jax.testing.hf import ours_of_their_class
 
-    torch.manual_seed(0)
     kind = {"mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
             "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM)}[arch]
     config = kind[0](vocab_size=101, hidden_size=64, num_hidden_layers=2, state_size=8)
-    hf = randomize_torch(kind[1](config).float().eval(), 0)
-    hf.save_pretrained(tmp_path)
-    ours = load_hf_checkpoint(tmp_path)
+    ours = ours_of_their_class(tmp_path, kind[1], config, random_tokens(101, (2, 40), seed=1))
     assert ours.cfg.mamba1[:4] == (128, 8, 4, 4) and ours.cfg.tie_word_embeddings
     assert ours.cfg.mamba1.norms == ("plain" if arch == "falcon_mamba" else None)
-    tokens = random_tokens(101, (2, 40), seed=1)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch,page_size", [("mamba", None), ("falcon_mamba", 8)])

@@ -2,8 +2,6 @@
 too), q/k normalised after RoPE turning its pairs the other way, relu^2 MLPs, soft-capped logits; logits and round trips
 both ways, transformers' own config class, the sampler's decode against full forwards, LoRA through PEFT, the
 refusals."""
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from areal_jax.models.config import ModelConfig
@@ -26,20 +24,14 @@ def test_logits_match_transformers_and_round_trip(tmp_path):
 @pytest.mark.parity
 def test_its_config_class(tmp_path):
     """transformers' NanoChatConfig (relu2, a soft cap of 15, kv heads as many as query heads by default)."""
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.testing.hf import hf_logits, randomize_torch
+    from areal_jax.testing.hf import ours_of_their_class
 
-    torch.manual_seed(0)
     config = transformers.NanoChatConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=256)
-    hf = randomize_torch(transformers.NanoChatForCausalLM(config).float().eval(), 0)
-    hf.save_pretrained(tmp_path)
-    ours = load_hf_checkpoint(tmp_path)
+    ours = ours_of_their_class(tmp_path, transformers.NanoChatForCausalLM, config, random_tokens(101, (2, 40), seed=1))
     assert ours.cfg.final_logit_softcap == 15.0 and ours.cfg.num_kv_heads == 4 and not ours.cfg.gated_mlp
-    tokens = random_tokens(101, (2, 40), seed=1)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("page_size", [None, 8])

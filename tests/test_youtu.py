@@ -1,8 +1,6 @@
 """Youtu-LLM (YoutuForCausalLM) against HF transformers (PyTorch, float32): DeepSeek-V3's latent attention (with its
 YaRN) in Llama's layer with a dense MLP in every layer; logits and round trips both ways, transformers' own config
 class, the sampler's decode over the latent cache (dense, pages) against full forwards, the refusals."""
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from areal_jax.models.config import ModelConfig
@@ -23,22 +21,16 @@ def test_logits_match_transformers_and_round_trip(tmp_path):
 @pytest.mark.parity
 def test_its_config_class(tmp_path):
     """transformers' YoutuConfig (queries without a rank, interleaved rotary pairs, tied embeddings): our logits."""
-    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("torch", reason="parity tests need PyTorch")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
-    from areal_jax.models import load_hf_checkpoint
-    from areal_jax.testing.hf import hf_logits, randomize_torch
+    from areal_jax.testing.hf import ours_of_their_class
 
-    torch.manual_seed(0)
     config = transformers.YoutuConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
                                       qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
                                       max_position_embeddings=256)
-    hf = randomize_torch(transformers.YoutuForCausalLM(config).float().eval(), 0)
-    hf.save_pretrained(tmp_path)
-    ours = load_hf_checkpoint(tmp_path)
+    ours = ours_of_their_class(tmp_path, transformers.YoutuForCausalLM, config, random_tokens(101, (2, 40), seed=1))
     assert tuple(ours.cfg.mla) == (None, 16, 16, 8, 12, True) and ours.cfg.tie_word_embeddings
-    tokens = random_tokens(101, (2, 40), seed=1)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("page_size", [None, 8])

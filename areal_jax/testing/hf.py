@@ -157,3 +157,19 @@ def peft_exported(base, out, targets: str, *, rank: int = 2, alpha: float = 6.0,
     lora.apply_lora(model, lcfg, rngs=nnx.Rngs(1))
     randomize_lora_b(model, scale)
     return model, lcfg, save_peft_adapter(model, lcfg, out, base_model_name_or_path=str(base))
+
+
+def ours_of_their_class(tmp_path, model_class, config, tokens, atol: float = 1e-4):
+    """transformers' `model_class(config)` with random O(1) weights (`randomize_torch`, seed 0), saved and loaded here:
+    returns our model, whose logits on `tokens` are checked equal to transformers' (within atol)."""
+    import jax.numpy as jnp
+    import torch
+
+    from areal_jax.models import load_hf_checkpoint
+
+    torch.manual_seed(0)
+    hf = randomize_torch(model_class(config).float().eval(), 0)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_checkpoint(tmp_path)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=atol, rtol=0)
+    return ours
