@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.long  # 23-37 s; the sampler loop's own tests keep a queue full, the others here run the benchmark's path
 def test_sampler_benchmark_reports_steady_state_and_roofline():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sampler.py"), "--hidden", "32", "--layers", "1",
            "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--vocab", "128", "--num-slots", "4",

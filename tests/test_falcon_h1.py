@@ -38,6 +38,7 @@ def test_logits_match_transformers_and_round_trip(tmp_path, mamba):
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 
+@pytest.mark.long  # 11 s; the parity tests above set every multiplier away from 1 against transformers
 def test_each_multiplier_changes_the_logits():
     """Every multiplier of `tiny_config`'s Falcon-H1 reaches the logits (set back to 1, the logits change), so the
     parity above checks each of them against transformers."""
@@ -55,6 +56,7 @@ def test_each_multiplier_changes_the_logits():
     assert np.abs(got - base).max() > 1e-3
 
 
+@pytest.mark.long  # 15-19 s; every other test here runs the hybrid layers unrolled, tests/test_scan_layers.py the scan
 def test_scanned_and_rematerialised_layers_give_the_unrolled_values_and_gradients():
     """The training forward over packed rows (each hybrid layer's attention and mixer see their own segments) as one
     scan over the layers with full rematerialisation: the unrolled loop's values and gradients."""

@@ -81,9 +81,10 @@ def test_kv_cache_decode_matches_full_forward(arch):
     assert {cache.v[i].shape for i in attention} <= {(2, 16, heads, v_dim)} and (attention or arch == "falcon_mamba")
 
 
-# nemotron_h's and falcon_h1's are long (15-16 s): their Mamba-2 layers' packed rows are bamba's and
-# tests/test_granite4.py's; tests/test_falcon_h1.py checks a segment of a packed row alone
-@pytest.mark.parametrize("arch", _marked(ARCHS, {"nemotron_h", "falcon_h1"}))
+# nemotron_h's, falcon_h1's and youtu's are long (8-16 s): their Mamba-2 layers' packed rows are bamba's and
+# tests/test_granite4.py's (tests/test_falcon_h1.py checks a segment of a packed row alone), youtu's latent attention
+# deepseek_v3's
+@pytest.mark.parametrize("arch", _marked(ARCHS, {"nemotron_h", "falcon_h1", "youtu"}))
 def test_packed_row_equals_sequences_alone(arch):
     cfg = tiny_config(arch)
     model = random_model(cfg, seed=2)

@@ -194,7 +194,7 @@ def _records(text: str) -> list[tuple]:
     return [(r["uid"], r["gid"], r["trained_version"], r["n"]) for r in rows]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 19-24 s; the store's checkpointer, metrics, timeline and append files are tested above
 def test_run_and_resume_on_the_store_match_a_file_url_run(tmp_path, store, monkeypatch):
     from areal_jax.programs.report import make_report, write_task_table
     from areal_jax.system.job import RLJob
