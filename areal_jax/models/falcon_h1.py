@@ -16,8 +16,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.config_checks import HybridScales, Mamba2
+from areal_jax.models.config_checks import Mamba2
 from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
+from areal_jax.models.mixer_checks import HybridScales
 
 HF_CLASSES = {"falcon_h1": "FalconH1ForCausalLM"}
 _DEFAULTS = dict(vocab_size=128000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -17,8 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models import bamba
-from areal_jax.models.config_checks import Mamba1
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.mixer_checks import Mamba1
 
 HF_CLASSES = {"jamba": "JambaForCausalLM"}
 _DEFAULTS = dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -17,8 +17,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.config_checks import Mamba1
 from areal_jax.models.hf_family import hf_dict, reader, rename, require_fields
+from areal_jax.models.mixer_checks import Mamba1
 
 HF_CLASSES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
 _DEFAULTS = dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32, layer_norm_epsilon=1e-5,
