@@ -26,7 +26,10 @@ from areal_jax.testing.tiny import tiny_config
 
 # qwen3_5_text is long (40-55 s in CI): tests/test_qwen3_5.py runs its sampler, dense and over pages, against full forwards
 @pytest.mark.parametrize("arch", ["gemma3", pytest.param("gemma2", marks=pytest.mark.long),  # 14 s: gemma3's windows
-                                  "phi3", "qwen3_moe", "gpt_oss", "exaone4", "arcee", "phimoe", "lfm3",
+                                  "phi3", "qwen3_moe", "exaone4", "arcee", "lfm3",
+                                  # 16 s; its sinks and clamped GLU in tests/test_gpt_oss.py, qwen3_moe's run has experts
+                                  pytest.param("gpt_oss", marks=pytest.mark.long),
+                                  pytest.param("phimoe", marks=pytest.mark.long),  # 18 s; its routing and untied head: tests/test_phimoe.py
                                   pytest.param("lfm2", marks=pytest.mark.long),  # 25 s (lfm3's run has its conv layers)
                                   pytest.param("lfm2_moe", marks=pytest.mark.long),  # 36 s
                                   pytest.param("olmo_hybrid", marks=pytest.mark.long),
@@ -35,6 +38,7 @@ from areal_jax.testing.tiny import tiny_config
                                   pytest.param("falcon_h1", marks=pytest.mark.long),  # attention and Mamba-2 side by side
                                   pytest.param("jamba", marks=pytest.mark.long),  # Mamba mixers, experts
                                   pytest.param("falcon_mamba", marks=pytest.mark.long),  # no attention at all
+                                  pytest.param("mamba2", marks=pytest.mark.long),  # nor here: Mamba-2 mixers alone
                                   pytest.param("nanochat", marks=pytest.mark.long),  # unscaled norms, capped logits
                                   pytest.param("deepseek_v3", marks=pytest.mark.long),  # 25-31 s; its layers and
                                   # sampler in tests/test_deepseek.py, a whole MoE job in qwen3_moe's run here
@@ -44,7 +48,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     model_dir = str(tmp_path / arch)
     window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}, "qwen3_5_text": {},
               "lfm2": {}, "lfm2_moe": {}, "lfm3": {"sliding_window": 6}, "olmo_hybrid": {}, "nemotron_h": {}, "falcon_h1": {},
-              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {}, "nanochat": {},
+              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {}, "mamba2": {}, "nanochat": {},
               "granitemoehybrid": {"mamba": (4, 32, 16, 2, 4),
                                    "layer_types": ("linear_attention", "full_attention", "linear_attention")}}.get(
         arch, {"sliding_window": 6})
@@ -63,7 +67,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     if arch in ("qwen3_moe", "deepseek_v3"):  # the sampler records each sample's experts; the trainer replays them
         c.train.router_replay = "replay"
     if arch in ("qwen3_5_text", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "nemotron_h", "falcon_h1",
-                "jamba", "falcon_mamba"):  # the stateful layers' rows beside the pages; a group shares its prompt's
+                "jamba", "falcon_mamba", "mamba2"):  # the stateful layers' rows beside the pages; a group shares its prompt's
         c.rollout.kv_cache, c.rollout.page_size = "paged", 4
     if arch == "deepseek_v3":  # auxiliary-loss-free balancing moves the picking bias after each optimizer step
         c.train.router_bias_rate = 0.01

@@ -1,6 +1,7 @@
-"""Mamba (MambaForCausalLM) and Falcon-Mamba (FalconMambaForCausalLM) against HF transformers (PyTorch, float32): Mamba
-mixers alone in every layer (Falcon-Mamba's with unscaled norms of the time step's input, B and C); logits and round
-trips both ways, transformers' own config classes, the sampler's decode of a model with no attention layer (dense
+"""Mamba (MambaForCausalLM), Falcon-Mamba (FalconMambaForCausalLM) and Mamba-2 (Mamba2ForCausalLM) against HF
+transformers (PyTorch, float32): Mamba or Mamba-2 mixers alone in every layer (Falcon-Mamba's with unscaled norms of the
+time step's input, B and C); logits and round trips both ways, transformers' own config classes, Mamba-Codestral-7B's
+parameter count, the sampler's decode of a model with no attention layer (dense
 cache, pages) against full forwards, LoRA through PEFT, the refusals."""
 import pytest
 
@@ -11,7 +12,7 @@ from areal_jax.testing.models import random_model, tiny_config
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
 def test_logits_match_transformers_and_round_trip(tmp_path, arch):
     pytest.importorskip("torch", reason="parity tests need PyTorch")
     pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -22,7 +23,7 @@ def test_logits_match_transformers_and_round_trip(tmp_path, arch):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
 def test_its_config_class(tmp_path, arch):
     """transformers' MambaConfig / FalconMambaConfig (the time step's rank "auto": ceil(hidden_size / 16); tied
     embeddings; Falcon-Mamba's mixer_rms_eps): our logits."""
@@ -31,14 +32,19 @@ def test_its_config_class(tmp_path, arch):
     from areal_jax.testing.hf import ours_of_their_class
 
     kind = {"mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
-            "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM)}[arch]
-    config = kind[0](vocab_size=101, hidden_size=64, num_hidden_layers=2, state_size=8)
+            "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
+            "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM)}[arch]
+    heads = dict(num_heads=4, head_dim=32, n_groups=2) if arch == "mamba2" else {}
+    config = kind[0](vocab_size=101, hidden_size=64, num_hidden_layers=2, state_size=8, **heads)
     ours = ours_of_their_class(tmp_path, kind[1], config, random_tokens(101, (2, 40), seed=1))
+    if arch == "mamba2":  # (num_heads x head_dim = expand x hidden_size; untied by default; its norm after the gate)
+        assert ours.cfg.mamba == (4, 32, 8, 2, 4, "after_gate") and not ours.cfg.tie_word_embeddings
+        return
     assert ours.cfg.mamba1[:4] == (128, 8, 4, 4) and ours.cfg.tie_word_embeddings
     assert ours.cfg.mamba1.norms == ("plain" if arch == "falcon_mamba" else None)
 
 
-@pytest.mark.parametrize("arch,page_size", [("mamba", None), ("falcon_mamba", 8)])
+@pytest.mark.parametrize("arch,page_size", [("mamba", None), ("falcon_mamba", 8), ("mamba2", 8)])
 def test_sampler_decodes_a_model_without_attention_as_its_full_forward(arch, page_size):
     """No layer attends: every cache entry is a window and a state per slot (pages hold nothing)."""
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
@@ -84,3 +90,19 @@ def test_the_refusals_name_what_to_change():
         tiny_config("mamba", mamba1=(128, 8, 4, 4, "plain", 1e-5)).to_hf_dict()
     with pytest.raises(ValueError, match="Mamba mixers alone in every layer"):
         tiny_config("mamba", num_layers=2, mlp_layers=(1, 0)).to_hf_dict()
+    d2 = {**d, "model_type": "mamba2", "num_heads": 4, "head_dim": 32, "n_groups": 2}
+    with pytest.raises(ValueError, match=r"num_heads x head_dim \(4 x 16\) must equal expand x hidden_size"):
+        ModelConfig.from_hf_dict({**d2, "head_dim": 16})
+    with pytest.raises(ValueError, match="a clamped time step is not supported"):
+        ModelConfig.from_hf_dict({**d2, "time_step_limit": [0.0, 0.1]})
+    with pytest.raises(ValueError, match="normalised after the gate"):
+        tiny_config("mamba2", mamba=(4, 32, 16, 2, 4, "before_gate")).to_hf_dict()
+
+
+def test_mamba_codestral_7b_parameter_count():
+    """Mamba-Codestral-7B's config.json (128 heads of 64, 8 groups of 128 states, 64 layers, untied): 7,285,403,648
+    parameters, as its model card gives."""
+    cfg = ModelConfig.from_hf_dict({"model_type": "mamba2", "hidden_size": 4096, "num_heads": 128, "head_dim": 64,
+                                    "n_groups": 8, "state_size": 128, "num_hidden_layers": 64, "vocab_size": 32768,
+                                    "expand": 2, "tie_word_embeddings": False, "time_step_limit": [0.0, float("inf")]})
+    assert cfg.num_params == 7_285_403_648 and cfg.mamba.norm == "after_gate" and cfg.rms_norm_eps == 1e-5

@@ -20,7 +20,7 @@ ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smoll
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
          "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
-         "falcon_mamba", "cwm", "youtu", "nanochat"]
+         "falcon_mamba", "mamba2", "cwm", "youtu", "nanochat"]
 
 
 def _jitted(model):
@@ -77,8 +77,8 @@ def test_kv_cache_decode_matches_full_forward(arch):
     assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == cfg.cache_entries  # (hybrid: + states)
     heads, k_dim, v_dim = cache_layout(cfg)  # latent attention caches its latent: keys only
     attention = [i for i in range(cfg.num_layers) if not cfg.layer_is_linear(i)]
-    assert {cache.k[i].shape for i in attention} <= {(2, 16, heads, k_dim)}  # (falcon_mamba: no attention layer)
-    assert {cache.v[i].shape for i in attention} <= {(2, 16, heads, v_dim)} and (attention or arch == "falcon_mamba")
+    assert {cache.k[i].shape for i in attention} <= {(2, 16, heads, k_dim)}  # (falcon_mamba, mamba2: no attention)
+    assert {cache.v[i].shape for i in attention} <= {(2, 16, heads, v_dim)} and (attention or arch in ("falcon_mamba", "mamba2"))
 
 
 # nemotron_h's, falcon_h1's and youtu's are long (8-16 s): their Mamba-2 layers' packed rows are bamba's and

@@ -29,6 +29,7 @@ def own_routes(model, tokens, segments=None, **kw):
     return model.hidden(tokens, segment_ids=segments, record_routes=True, **kw)[1]["routes"]
 
 
+@pytest.mark.long  # 24 s in CI; the sampler's recorded routes against a full forward: tests/test_sampler_routes.py
 def test_recorded_routes_are_each_layers_top_k():
     """The routes of the first expert layer are the top k of its router over its input (the embeddings after the
     first attention block), computed here through the layer's own pieces; replaying a model's own routes changes

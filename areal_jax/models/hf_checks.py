@@ -76,7 +76,7 @@ def check_loadable(cfg: Any) -> None:
                                                                 "nemotron_h", "jamba"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
-    if cfg.mlp_layers is not None and cfg.architecture not in ("nemotron_h", "mamba", "falcon_mamba"):
+    if cfg.mlp_layers is not None and cfg.architecture not in ("nemotron_h", "mamba", "falcon_mamba", "mamba2"):
         raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
                          "in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "bamba",

@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, cwm, youtu and nanochat as at their branches. Any
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cwm, youtu and nanochat as at their branches. Any
     ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture,
@@ -200,11 +200,11 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         # but in the second layer of each four: attention there, with no position embeddings
         fields.update(mamba1=(128, 8, 4, 4), rope_layers=(0,) * layers, layer_types=tuple(
             "full_attention" if i % 4 == 1 else "linear_attention" for i in range(layers)))
-    if architecture in ("mamba", "falcon_mamba"):  # Mamba mixers alone (128 channels of 8 states, rank 4, 4 taps;
-        # Falcon-Mamba's unscaled norms with an epsilon of their own), no attention, no MLP
-        fields.update(mamba1=(128, 8, 4, 4, *(("plain", 1e-5) if architecture == "falcon_mamba" else (None, None))),
-                      layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
-                      num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=True,
+    if architecture in ("mamba", "falcon_mamba", "mamba2"):  # Mamba mixers alone (128 channels of 8 states, rank 4, 4
+        # taps; Falcon-Mamba's unscaled norms with an epsilon of their own), or Mamba-2's (as bamba's; untied), no MLP
+        falcon = ("plain", 1e-5) if architecture == "falcon_mamba" else (None, None)
+        fields.update(**{"mamba2": {"mamba": (4, 32, 16, 2, 4)}}.get(architecture, {"mamba1": (128, 8, 4, 4, *falcon)}), layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
+                      num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=architecture != "mamba2",
                       max_position_embeddings=1 << 20, qk_norm=False)
     if architecture == "cwm":
         fields.update(sliding_window=8, layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention"
