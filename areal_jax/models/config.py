@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models import config_checks as checks
+from areal_jax.models.layer_form import LayerForm
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
@@ -17,7 +18,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                 "falcon_mamba", "mamba2", "cwm", "youtu",
+                 "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2",
                  "nanochat", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
@@ -30,7 +31,7 @@ def _dtype_name(dt: np.dtype) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerForm):
     """Hyper-parameters of one decoder-only transformer.
 
     architecture: the HF model type whose layer this is (one of `ARCHITECTURES`; docs/models.md says what each
@@ -241,37 +242,6 @@ class ModelConfig:
             return "none"
         return "local" if self.rope_local_theta is not None and self.layer_window(i) is not None else "global"
 
-    @property
-    def gemma(self) -> bool:
-        """Gemma's layer form: norms scale by 1 + w (stored as w), `sandwich_norms`, GELU-tanh, embeddings x sqrt(D)."""
-        return self.architecture in ("gemma2", "gemma3")
-
-    @property
-    def norm_offset(self) -> bool:
-        """Whether RMSNorms scale by 1 + w (weights stored as the offset from one): Gemma's and Qwen3.5's."""
-        return self.gemma or self.gated_attention
-
-    @property
-    def weightless_norms(self) -> bool:
-        """Whether the RMSNorms have no scale (NanoChat's: the embeddings are normalised too)."""
-        return self.architecture == "nanochat"
-
-    @property
-    def layer_norm(self) -> bool:
-        """Whether the norms are LayerNorms (mean removed; a scale and a bias) rather than RMSNorms (PhiMoE)."""
-        return self.architecture == "phimoe"
-
-    @property
-    def gated_mlp(self) -> bool:
-        """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(relu(x @ up) ** 2)
-        (Arcee, Nemotron-H: hidden_act relu2)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat")
-
-    @property
-    def gated_attention(self) -> bool:
-        """Whether q_proj also gives each head's output gate, the attention's output times sigmoid(gate) (Qwen3.5)."""
-        return self.architecture in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-
     def layer_is_linear(self, i: int) -> bool:
         """Whether layer i keeps a fixed state per row in place of keys and values: Gated DeltaNet (`linear`), Mamba-2
         (`mamba`) or a short convolution (`short_conv`), rather than attention."""
@@ -296,22 +266,6 @@ class ModelConfig:
     def recurrent(self) -> bool:
         """Whether some layers keep a state per row (`layer_is_linear`) that a padding token must not advance."""
         return any(x is not None for x in (self.linear, self.short_conv, self.mamba, self.mamba1))
-
-    @property
-    def sandwich_norms(self) -> bool:
-        """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4, LFM3)."""
-        return self.gemma or self.architecture in ("glm4", "lfm3")
-
-    @property
-    def olmo(self) -> bool:
-        """OLMo 2 / 3's layer form (EXAONE 4's, FlexOlmo's too; OLMo Hybrid's attention layers, its Gated DeltaNet ones
-        pre-norm): x + norm(attn(x)), then x + norm(mlp(x)) (no norm before either)."""
-        return self.architecture in ("olmo2", "olmo3", "exaone4", "flex_olmo", "olmo_hybrid")
-
-    @property
-    def flat_qk_norm(self) -> bool:
-        """q/k norms over the whole projection (all heads together: OLMo 2 / 3, OLMoE, MiniMax-M2), not per head."""
-        return self.architecture in ("olmo2", "olmo3", "olmoe", "minimax_m2", "flex_olmo", "olmo_hybrid")
 
     @property
     def attention_scale_factor(self) -> float:

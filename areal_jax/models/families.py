@@ -5,6 +5,7 @@ from __future__ import annotations
 from areal_jax.models import (
     arcee,
     bamba,
+    cohere,
     cwm,
     deepseek,
     ernie,
@@ -28,4 +29,5 @@ from areal_jax.models import (
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
-               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat)
+               lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
+               cohere)

@@ -44,7 +44,8 @@ def check_loadable(cfg: Any) -> None:
             and "full_attention" in cfg.layer_types:
         raise ValueError(f"HF {cfg.architecture} slides every layer or none; set layer_types=None.")
     granite = cfg.architecture in ("granite", "granitemoe", "granitemoehybrid")
-    own = GRANITE_SCALARS[1:] if cfg.architecture == "falcon_h1" else GRANITE_SCALARS  # (Falcon-H1's embeddings')
+    own = GRANITE_SCALARS[1:] if cfg.architecture == "falcon_h1" else GRANITE_SCALARS[:3] if cfg.parallel_block \
+        else GRANITE_SCALARS  # (Falcon-H1's embeddings', Cohere's logit_scale)
     if not granite and any(getattr(cfg, k) is not None for k in own):
         raise ValueError(f"{', '.join(own)} are Granite's; HF {cfg.architecture} has none.")
     falcon = cfg.architecture == "falcon_h1"
@@ -73,7 +74,7 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
                          f"LFM3's; HF {cfg.architecture} has one base for every layer.")
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid",
-                                                                "nemotron_h", "jamba"):
+                                                                "nemotron_h", "jamba", "cohere2"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
     if cfg.mlp_layers is not None and cfg.architecture not in ("nemotron_h", "mamba", "falcon_mamba", "mamba2"):

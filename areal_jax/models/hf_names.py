@@ -186,7 +186,7 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
     i, f, glm4 = p[1], cfg.intermediate_size, cfg.architecture == "glm4"
     post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
         if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-    entries = _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
+    entries = [] if cfg.parallel_block else _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
     if cfg.sandwich_norms:
         entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
     if cfg.sandwich_norms or olmo:
@@ -207,12 +207,12 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
 
 
 def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
-    """A decoder-wide norm's scale (HF's weight), and its bias where the norms are LayerNorms (PhiMoE); none where
+    """A decoder-wide norm's scale (HF's weight), and its bias where the LayerNorms have one (PhiMoE); none where
     the norms have no scale (NanoChat)."""
     if cfg.weightless_norms:
         return []
     out = [_Entry(path + ("scale",), f"{hf}.weight", "same")]
-    return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.layer_norm else out
+    return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.norm_bias else out
 
 
 def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:

@@ -62,25 +62,27 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """Layer norm over the last axis (mean removed, then divided by the standard deviation), a learned scale and
-    bias (ones and zeros at first): PhiMoE's. Normalises in float32 and returns x's dtype."""
+    """Layer norm over the last axis (mean removed, then divided by the standard deviation), a learned scale and,
+    with `bias`, a learned bias (ones and zeros at first): PhiMoE's; Cohere's without the bias. Normalises in float32
+    and returns x's dtype."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype):
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, bias: bool = True):
         self.eps = eps
         self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="ones")
-        self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros")
+        self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         y = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        y = y * self.scale[...].astype(jnp.float32)
+        return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
     """A norm over the hidden size of the model's kind: `LayerNorm` where `ModelConfig.layer_norm`, else `RMSNorm`."""
     if cfg.layer_norm:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_bias)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset, cfg.weightless_norms)
 
 
@@ -170,8 +172,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
-        self.norm_after_rope = cfg.architecture.startswith("hunyuan") or cfg.architecture == "nanochat"  # its q/k
-        # norms take the rotated q, k
+        self.norm_after_rope = cfg.norm_after_rope
         self.query_factor = cfg.attention_scale_factor
         self.rope_interleave = cfg.rope_interleave
 
@@ -262,7 +263,8 @@ class DecoderLayer(nnx.Module):
     (`models.moe.MoE`) rather than one MLP. linear: the token mixer is a stateful one (`linear_attn`: Gated
     DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None). hybrid: both, side by
     side on the same normed input, their outputs summed (Falcon-H1, with `ModelConfig.hybrid_scales`' multipliers).
-    mlp False: no feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`)."""
+    mlp False: no feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`).
+    Cohere's parallel form (`ModelConfig.parallel_block`): h + attn(norm(h)) + mlp(norm(h)), one norm for both."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False,
                  mlp: bool = True, hybrid: bool = False):
@@ -277,7 +279,8 @@ class DecoderLayer(nnx.Module):
         self.hybrid = None if not hybrid else (1.0, 1.0, 1.0) if s is None else (s.attention_in, s.attention_out,
                                                                                    s.ssm_out)
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
-        self.post_attn_norm = make_norm(cfg) if mlp else None
+        self.parallel = cfg.parallel_block
+        self.post_attn_norm = make_norm(cfg) if mlp and not self.parallel else None
         self.mlp = None if not mlp else MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = make_norm(cfg) if cfg.sandwich_norms else None
         self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or olmo else None
@@ -319,6 +322,8 @@ class DecoderLayer(nnx.Module):
             a = self._attention(h, cos, sin, attend, cached, query_scale)
         if self.mlp is None:  # the token mixer alone (Nemotron-H's mixer followed by another)
             x = x + a
+        elif self.parallel:  # attention and the MLP on the same normed input (Cohere)
+            x = x + a + ffn(h)
         elif self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

@@ -62,7 +62,7 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.A
             tables[n] = (jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
         else:
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, n), rope_attention_scale(cfg, n))
-            tables[n] = (cos, -sin) if cfg.architecture == "nanochat" else (cos, sin)  # (its pairs turn the other way)
+            tables[n] = (cos, -sin) if cfg.rope_reversed else (cos, sin)
     scale = query_position_scale(cfg, positions)
     return tables if scale is None else {n: (*table, scale) for n, table in tables.items()}
 

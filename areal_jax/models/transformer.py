@@ -332,7 +332,7 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if cfg.embedding_multiplier is not None:
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-        if cfg.architecture == "nanochat":  # its embeddings normalised (no scale) before the first layer
+        if cfg.embedding_norm:  # NanoChat's embeddings normalised (no scale) before the first layer
             x = rms_norm(x, None, cfg.rms_norm_eps)
         return x.astype(cfg.dtype)
 

@@ -32,21 +32,11 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cwm, youtu and nanochat as at their branches. Any
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, cwm, youtu and nanochat as at their branches. Any
     ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
-        architecture=architecture,
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        bos_token_id=1,
+        architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
         eos_token_id=2,
         attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss", "seed_oss"),
         attention_out_bias=architecture == "seed_oss",
@@ -65,6 +55,12 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     if architecture == "gemma3":
         fields.update(sliding_window=8, rope_local_theta=10000.0, rope_theta=1000000.0, query_pre_attn_scalar=16.0,
                       layer_types=tuple("full_attention" if i % 6 == 1 else "sliding_attention" for i in range(layers)))
+    if architecture in ("cohere", "cohere2"):  # interleaved pairs rotate, logits x 1/4; Cohere 2: every fourth layer
+        # from the fourth full attention without RoPE, the others sliding (and rotating)
+        full = tuple((i + 1) % 4 == 0 for i in range(layers)) if architecture == "cohere2" else None
+        fields.update(rope_interleave=True, logits_scaling=4.0, rms_norm_eps=1e-5, **({} if full is None else dict(
+            sliding_window=8, layer_types=tuple("full_attention" if f else "sliding_attention" for f in full),
+            rope_layers=tuple(int(not f) for f in full))))
     if architecture == "smollm3":  # its NoPE layers: the second of every pair here
         fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
     if architecture == "phi3":  # Phi-4-mini's form: 3/4 of each head rotates, LongRoPE (short factors by default)
