@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nanochat, nemotron_h
+from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nanochat, nemotron_h, starcoder2
 from areal_jax.models.config import ModelConfig
 
 
@@ -169,6 +169,8 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "jamba":  # and Jamba's
         entries = [replace(e, hf_name=jamba.hf_name(e.hf_name)) for e in entries]
+    elif cfg.architecture == "starcoder2":  # and StarCoder2's MLP (c_fc, c_proj)
+        entries = [replace(e, hf_name=starcoder2.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture == "nanochat":  # and NanoChat's MLP (fc1, fc2)
         entries = [replace(e, hf_name=nanochat.hf_name(e.hf_name)) for e in entries]
     elif cfg.architecture in mamba_lm.HF_CLASSES:  # and Mamba's backbone.*
@@ -203,6 +205,9 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
     down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
+    if cfg.mlp_bias:  # (StarCoder2's)
+        entries += [_Entry(p + ("mlp", f"{part}_bias"), f"{hf}.mlp.{part}_proj.bias", "same")
+                    for part in ("gate", "up", "down") if part != "gate" or cfg.gated_mlp]
     return entries + [_Entry(p + ("mlp", "down_proj"), f"{down}.weight", "out_last")]
 
 

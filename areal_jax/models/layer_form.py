@@ -42,13 +42,13 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere)."""
-        return self.architecture in ("phimoe", "cohere", "cohere2")
+        (PhiMoE, Cohere, StarCoder2)."""
+        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2")
 
     @property
     def norm_bias(self) -> bool:
-        """Whether the LayerNorms have a bias besides their scale (PhiMoE's; Cohere's have none)."""
-        return self.architecture == "phimoe"
+        """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's; Cohere's have none)."""
+        return self.architecture in ("phimoe", "starcoder2")
 
     @property
     def parallel_block(self) -> bool:
@@ -57,9 +57,17 @@ class LayerForm:
 
     @property
     def gated_mlp(self) -> bool:
-        """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(relu(x @ up) ** 2)
-        (Arcee, Nemotron-H: hidden_act relu2)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat")
+        """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(act(x @ up))
+        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2: GELU)."""
+        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2")
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLPs' activation: "silu", "gelu_tanh" (GELU with the tanh approximation: Gemma's, StarCoder2's) or
+        "relu2" (relu(x) ** 2: the other ungated MLPs')."""
+        if self.gemma or self.architecture == "starcoder2":
+            return "gelu_tanh"
+        return "silu" if self.gated_mlp else "relu2"
 
     @property
     def gated_attention(self) -> bool:

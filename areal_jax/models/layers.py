@@ -231,27 +231,37 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(x @ gate) * (x @ up)), act SiLU (SwiGLU) or, for Gemma, GELU with the tanh
-    approximation; Arcee's has no gate (`gate_proj` None): down(relu(x @ up) ** 2)."""
+    approximation (`ModelConfig.mlp_activation`); ungated (`gate_proj` None: Arcee's, StarCoder2's): down(act(x @ up)),
+    act relu(x) ** 2 or GELU. With `ModelConfig.mlp_bias` each projection adds its bias (`*_bias`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.dtype = cfg.dtype
-        self.gelu = cfg.gemma
+        self.act = cfg.mlp_activation
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt) if cfg.gated_mlp else None
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), pdt)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), pdt)
+        bias = cfg.mlp_bias
+        self.gate_bias = make_param(rngs, (f,), ("mlp",), pdt, "zeros") if bias and cfg.gated_mlp else None
+        self.up_bias = make_param(rngs, (f,), ("mlp",), pdt, "zeros") if bias else None
+        self.down_bias = make_param(rngs, (d,), ("embed",), pdt, "zeros") if bias else None
         s = cfg.hybrid_scales  # Falcon-H1's: the gate times mlp_gate before the activation, the output times mlp_down
         self.scales = None if s is None else (s.mlp_gate, s.mlp_down)
 
+    def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
+        y = project(x, w, self.dtype)
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
+        up = self._project(x, self.up_proj, self.up_bias)
         if self.gate_proj is None:
-            return project(jnp.square(jax.nn.relu(project(x, self.up_proj, self.dtype))), self.down_proj, self.dtype)
-        gate = project(x, self.gate_proj, self.dtype)
-        up = project(x, self.up_proj, self.dtype)
+            act = jnp.square(jax.nn.relu(up)) if self.act == "relu2" else jax.nn.gelu(up, approximate=True)
+            return self._project(act, self.down_proj, self.down_bias)
+        gate = self._project(x, self.gate_proj, self.gate_bias)
         gate = gate if self.scales is None else gate * jnp.asarray(self.scales[0], gate.dtype)
-        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        out = project(act * up, self.down_proj, self.dtype)
+        act = jax.nn.gelu(gate, approximate=True) if self.act == "gelu_tanh" else jax.nn.silu(gate)
+        out = self._project(act * up, self.down_proj, self.down_bias)
         return out if self.scales is None else out * jnp.asarray(self.scales[1], out.dtype)
 
 

@@ -57,8 +57,9 @@ def num_params(cfg: Any) -> int:
     shared = m * d * cfg.shared_expert_size + d * cfg.shared_expert_gated if cfg.shared_expert_size else 0
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
+    mlp_biases = (mlp_matrices(cfg) - 1) * f + d if cfg.mlp_bias else 0  # (StarCoder2's c_fc and c_proj biases)
     ffn = sum(cfg.num_experts * m * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
-              else mlp_matrices(cfg) * d * f if cfg.layer_has_mlp(i) else -norm  # (no MLP: nor the norm before it)
+              else mlp_matrices(cfg) * d * f + mlp_biases if cfg.layer_has_mlp(i) else -norm  # (no MLP: nor its norm)
               for i in range(cfg.num_layers))
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return mixers + cfg.num_layers * (layer - attn) + ffn + emb + norm + (cfg.vocab_size if cfg.lm_head_bias else 0)
