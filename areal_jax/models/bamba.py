@@ -23,7 +23,7 @@ _NAMES = ((".mlp.", ".feed_forward."), (".post_attention_layernorm.", ".pre_ff_l
           (".linear_attn.", ".mamba."), ("model.norm.", "model.final_layernorm."))
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """Bamba's name of a tensor the weight table names as Llama does (`hf_names.weight_entries`)."""
     return rename(name, _NAMES)
 

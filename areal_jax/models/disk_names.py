@@ -7,10 +7,12 @@ from typing import Container
 
 # (on disk, in the table): OLMo Hybrid's, its Gated DeltaNet layers' norms before the mixer and before the MLP (and,
 # as transformers writes them back, its attention layers' norm after attention too)
-ALIASES = ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm."))
+ALIASES = ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm."),
+           ("lm_head.", "embed_out."))  # (and GPT-NeoX's head, transformers' lm_head, released as embed_out)
 # (on disk and in the table, in transformers' module) where a family's module is named otherwise than its tensor:
 # LFM3's head gate (gate_proj on disk, g_proj in the module); Nemotron-H's backbone (model in the module)
-MODULE_NAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),), "nemotron_h": (("backbone.", "model."),)}
+MODULE_NAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),), "nemotron_h": (("backbone.", "model."),),
+                "gpt_neox": (("embed_out.", "lm_head."),)}
 # a tensor the table names whole and a checkpoint may hold as pieces along the first axis, in this order
 PIECES = {".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                          ".linear_attn.v_conv1d.weight")}

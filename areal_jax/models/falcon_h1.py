@@ -32,7 +32,7 @@ _SCALES = dict(attention_in="attention_in_multiplier", attention_out="attention_
                ssm_in="ssm_in_multiplier", ssm_out="ssm_out_multiplier", lm_head="lm_head_multiplier")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """Falcon-H1's name of a tensor the weight table names as Llama's and Granite 4.0-H's (`hf_names.weight_entries`)."""
     return rename(name, _NAMES)
 

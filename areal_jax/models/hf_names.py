@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import bamba, falcon_h1, hunyuan, jamba, lfm2, mamba_lm, nanochat, nemotron_h, starcoder2
+from areal_jax.models import hunyuan
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.families import OWN_MODULES
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,10 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
             entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Bamba's renamed below)
         elif linear:
             entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
-        for name, rows in zip("qkv" if cfg.mla is None and not linear else "", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+        if cfg.architecture == "gpt_neox":  # one query_key_value: per head its q, k and v rows side by side
+            entries.extend(_neox_qkv_entries(cfg, p + ("attn",), f"{hf}.self_attn.query_key_value"))
+        for name, rows in zip("qkv" if cfg.mla is None and not linear and cfg.architecture != "gpt_neox" else "",
+                              ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
             if fused:
                 entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
                                       (*rows, q + 2 * kv)))
@@ -163,23 +167,12 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(("lm_head",), "lm_head.weight", "in_first"))
     if cfg.lm_head_bias:
         entries.append(_Entry(("lm_head_bias",), "lm_head.bias", "same"))
-    if cfg.architecture in lfm2.RENAMED:  # the same tensors under LFM2's (LFM3's) names
-        entries = [replace(e, hf_name=lfm2.hf_name(e.hf_name, cfg.architecture)) for e in entries]
-    elif cfg.architecture == "bamba":  # and Bamba's
-        entries = [replace(e, hf_name=bamba.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture == "jamba":  # and Jamba's
-        entries = [replace(e, hf_name=jamba.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture == "starcoder2":  # and StarCoder2's MLP (c_fc, c_proj)
-        entries = [replace(e, hf_name=starcoder2.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture == "nanochat":  # and NanoChat's MLP (fc1, fc2)
-        entries = [replace(e, hf_name=nanochat.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture in mamba_lm.HF_CLASSES:  # and Mamba's backbone.*
-        entries = [replace(e, hf_name=mamba_lm.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture == "falcon_h1":  # and Falcon-H1's
-        entries = [replace(e, hf_name=falcon_h1.hf_name(e.hf_name)) for e in entries]
-    elif cfg.architecture == "nemotron_h":  # and Nemotron-H's blocks
-        entries = [replace(e, hf_name=nemotron_h.hf_name(e.hf_name, cfg)) for e in entries]
-    return entries
+    rename = _RENAMES.get(cfg.architecture)  # the same tensors under the family's own names (Bamba's, Mamba's, ...)
+    return entries if rename is None else [replace(e, hf_name=rename(e.hf_name, cfg)) for e in entries]
+
+
+# the families whose checkpoints name tensors otherwise than Llama's: their modules' hf_name(name, cfg)
+_RENAMES = {arch: m.hf_name for m in OWN_MODULES if hasattr(m, "hf_name") for arch in m.HF_CLASSES}
 
 
 def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool) -> list[_Entry]:
@@ -188,7 +181,8 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
     i, f, glm4 = p[1], cfg.intermediate_size, cfg.architecture == "glm4"
     post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
         if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-    entries = [] if cfg.parallel_block else _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
+    one = cfg.parallel_block and not cfg.parallel_mlp_norm  # (Cohere's: one norm before attention and the MLP)
+    entries = [] if one else _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
     if cfg.sandwich_norms:
         entries.append(_Entry(p + ("pre_ffn_norm", "scale"), f"{hf}.{pre_ffn}.weight", "same"))
     if cfg.sandwich_norms or olmo:
@@ -209,6 +203,16 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
         entries += [_Entry(p + ("mlp", f"{part}_bias"), f"{hf}.mlp.{part}_proj.bias", "same")
                     for part in ("gate", "up", "down") if part != "gate" or cfg.gated_mlp]
     return entries + [_Entry(p + ("mlp", "down_proj"), f"{down}.weight", "out_last")]
+
+
+def _neox_qkv_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+    """GPT-NeoX's fused query_key_value (weights, then biases): head h's rows are its q, its k, its v, each head_dim."""
+    h, hd = cfg.num_heads, cfg.head_dim
+    rows = [tuple(int(r) for r in (np.arange(h)[:, None] * 3 * hd + j * hd + np.arange(hd)).reshape(-1)) for j in range(3)]
+    out = [_Entry(path + (f"{n}_proj",), f"{hf}.weight", "in_first", channels=r, gather=3 * h * hd)
+           for n, r in zip("qkv", rows)]
+    return out + ([_Entry(path + (f"{n}_bias",), f"{hf}.bias", "flat", channels=r, gather=3 * h * hd)
+                   for n, r in zip("qkv", rows)] if cfg.attention_bias else [])
 
 
 def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:

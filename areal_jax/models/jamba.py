@@ -29,7 +29,7 @@ _DEFAULTS = dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, nu
                  mamba_proj_bias=False)  # transformers' JambaConfig
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """Jamba's name of a tensor the weight table names as Llama's and Qwen3-MoE's (`hf_names.weight_entries`)."""
     return bamba.hf_name(name).replace(".feed_forward.gate.weight", ".feed_forward.router.weight")
 

@@ -232,7 +232,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(x @ gate) * (x @ up)), act SiLU (SwiGLU) or, for Gemma, GELU with the tanh
     approximation (`ModelConfig.mlp_activation`); ungated (`gate_proj` None: Arcee's, StarCoder2's): down(act(x @ up)),
-    act relu(x) ** 2 or GELU. With `ModelConfig.mlp_bias` each projection adds its bias (`*_bias`)."""
+    act relu(x) ** 2 or GELU (tanh-approximated, or exact: GPT-NeoX's). With `ModelConfig.mlp_bias` each projection adds its bias (`*_bias`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
@@ -256,7 +256,7 @@ class MLP(nnx.Module):
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
         up = self._project(x, self.up_proj, self.up_bias)
         if self.gate_proj is None:
-            act = jnp.square(jax.nn.relu(up)) if self.act == "relu2" else jax.nn.gelu(up, approximate=True)
+            act = jnp.square(jax.nn.relu(up)) if self.act == "relu2" else jax.nn.gelu(up, approximate=self.act != "gelu")
             return self._project(act, self.down_proj, self.down_bias)
         gate = self._project(x, self.gate_proj, self.gate_bias)
         gate = gate if self.scales is None else gate * jnp.asarray(self.scales[0], gate.dtype)
@@ -274,7 +274,8 @@ class DecoderLayer(nnx.Module):
     DeltaNet, a short convolution or Mamba-2, `models.mixers`), not attention (`attn` None). hybrid: both, side by
     side on the same normed input, their outputs summed (Falcon-H1, with `ModelConfig.hybrid_scales`' multipliers).
     mlp False: no feed-forward and no norm before it (`mlp`, `post_attn_norm` None: `ModelConfig.mlp_layers`).
-    Cohere's parallel form (`ModelConfig.parallel_block`): h + attn(norm(h)) + mlp(norm(h)), one norm for both."""
+    Cohere's parallel form (`ModelConfig.parallel_block`): h + attn(norm(h)) + mlp(norm(h)), one norm for both;
+    GPT-NeoX's: h + attn(norm(h)) + mlp(norm'(h)), the MLP's norm its own (`post_attn_norm`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, linear: bool = False,
                  mlp: bool = True, hybrid: bool = False):
@@ -290,7 +291,7 @@ class DecoderLayer(nnx.Module):
                                                                                    s.ssm_out)
         self.attn = None if linear else MLAttention(cfg, rngs=rngs) if cfg.mla is not None else Attention(cfg, rngs=rngs)
         self.parallel = cfg.parallel_block
-        self.post_attn_norm = make_norm(cfg) if mlp and not self.parallel else None
+        self.post_attn_norm = make_norm(cfg) if mlp and (not self.parallel or cfg.parallel_mlp_norm) else None
         self.mlp = None if not mlp else MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.pre_ffn_norm = make_norm(cfg) if cfg.sandwich_norms else None
         self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or olmo else None
@@ -332,8 +333,8 @@ class DecoderLayer(nnx.Module):
             a = self._attention(h, cos, sin, attend, cached, query_scale)
         if self.mlp is None:  # the token mixer alone (Nemotron-H's mixer followed by another)
             x = x + a
-        elif self.parallel:  # attention and the MLP on the same normed input (Cohere)
-            x = x + a + ffn(h)
+        elif self.parallel:  # attention and the MLP on the same normed input (Cohere), or the MLP on its own (GPT-NeoX)
+            x = x + a + ffn(h if self.post_attn_norm is None else self.post_attn_norm(x))
         elif self.residual_multiplier is not None:
             m = jnp.asarray(self.residual_multiplier, a.dtype)
             x = x + a * m

@@ -44,11 +44,11 @@ _LFM3_NAMES = ((".input_layernorm.", ".operator_norm."), (".post_attention_layer
 RENAMED = {"lfm2": _NAMES, "lfm2_moe": _NAMES, "lfm3": _LFM3_NAMES}  # the families whose tensors these names name
 
 
-def hf_name(name: str, architecture: str = "lfm2") -> str:
-    """The LFM2 (or LFM3: `architecture`) name of a tensor the weight table names as Llama / Gemma / Qwen3-MoE do
-    (`hf_names.weight_entries`), as a checkpoint holds it (LFM3's head gate is self_attn.gate_proj on disk,
+def hf_name(name: str, cfg: Any = None) -> str:
+    """The LFM2 (or LFM3: `cfg`'s architecture) name of a tensor the weight table names as Llama / Gemma / Qwen3-MoE
+    do (`hf_names.weight_entries`), as a checkpoint holds it (LFM3's head gate is self_attn.gate_proj on disk,
     self_attn.g_proj in transformers' module: `disk_names.in_memory`)."""
-    for ours, theirs in RENAMED[architecture]:
+    for ours, theirs in RENAMED["lfm2" if cfg is None else cfg.architecture]:
         name = name.replace(ours, theirs)
     return name.replace(".self_attn.g_proj.", ".self_attn.gate_proj.")
 

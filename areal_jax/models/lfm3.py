@@ -14,6 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from areal_jax.models import lfm2
 from areal_jax.models.hf_family import hf_dict, reader, require_fields
 
 HF_CLASSES = {"lfm3": "Lfm3ForCausalLM"}
@@ -113,3 +114,8 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
                    conv_bias=False, sliding_window=cfg.sliding_window or _DEFAULTS["sliding_window"],
                    rope_parameters={"full_attention": full, "sliding_attention": local}, use_sandwich_norm=True,
                    use_attention_gate=cfg.head_gate, attention_bias=False, pad_token_id=None)
+
+
+def hf_name(name: str, cfg: Any = None) -> str:
+    """LFM3's name of a tensor the weight table names as Llama's (`lfm2.hf_name`'s LFM3 names)."""
+    return lfm2.hf_name(name, cfg)

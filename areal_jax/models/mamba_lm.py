@@ -37,7 +37,7 @@ _PLACEHOLDERS = dict(num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=
 CONTEXT = 1 << 20  # the positions a run may reach (a Mamba model has no position table)
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """Mamba's name of a tensor the weight table names as Llama's (`hf_names.weight_entries`)."""
     return rename(name, _NAMES)
 

@@ -22,7 +22,7 @@ _DEFAULTS = dict(vocab_size=50304, hidden_size=768, intermediate_size=8192, num_
 _NAMES = ((".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."))
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """NanoChat's name of a tensor the weight table names as Llama's (`hf_names.weight_entries`)."""
     return rename(name, _NAMES)
 

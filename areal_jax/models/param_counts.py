@@ -49,7 +49,8 @@ def num_params(cfg: Any) -> int:
     if cfg.gated_attention:  # q_proj's output gate
         attn += d * h * hd
     norm = 0 if cfg.weightless_norms else d * (2 if cfg.norm_bias else 1)  # a LayerNorm's bias besides its scale
-    layer = attn + (4 if cfg.sandwich_norms else 1 if cfg.parallel_block else 2) * norm  # (parallel: one norm)
+    one = cfg.parallel_block and not cfg.parallel_mlp_norm  # (Cohere's parallel block: one norm)
+    layer = attn + (4 if cfg.sandwich_norms else 1 if one else 2) * norm
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_layers))
     stateful = linear + sum(cfg.layer_is_hybrid(i) for i in range(cfg.num_layers))  # (hybrid: attention's too)
     mixers = (cfg.num_layers - linear) * attn + (stateful * sum(linear_attention_weights(cfg)) if stateful else 0)

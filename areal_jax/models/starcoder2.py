@@ -22,7 +22,7 @@ _DEFAULTS = dict(vocab_size=49152, hidden_size=3072, intermediate_size=12288, nu
 _NAMES = ((".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."))
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg: Any = None) -> str:
     """StarCoder2's name of a tensor the weight table names as Llama's (`hf_names.weight_entries`)."""
     return rename(name, _NAMES)
 
@@ -40,9 +40,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' Starcoder2ForCausalLM would not load as it is (and MLP biases elsewhere)."""
     if cfg.architecture not in HF_CLASSES:
-        if cfg.mlp_bias:
-            raise ValueError(f"mlp_bias (biases on the MLPs' projections) is StarCoder2's; HF {cfg.architecture} has "
-                             "none here.")
+        if cfg.mlp_bias and cfg.architecture != "gpt_neox":
+            raise ValueError(f"mlp_bias (biases on the MLPs' projections) is StarCoder2's and GPT-NeoX's; HF "
+                             f"{cfg.architecture} has none here.")
         return
     require_fields(cfg, "StarCoder2", "one use_bias for q/k/v, o_proj and the MLP, no q/k norm, a window in every layer "
                    "or none, rotary embeddings over every dimension", attention_out_bias=cfg.attention_bias,
