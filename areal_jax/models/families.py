@@ -23,6 +23,7 @@ from areal_jax.models import (
     nanochat,
     nemotron_h,
     olmo_hybrid,
+    phi,
     phimoe,
     qwen3_5,
     seed_oss,
@@ -32,4 +33,4 @@ from areal_jax.models import (
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
-               cohere, starcoder2, gpt_neox)
+               cohere, starcoder2, gpt_neox, phi)

@@ -42,20 +42,20 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere, StarCoder2, GPT-NeoX)."""
-        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox")
+        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi)."""
+        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi")
 
     @property
     def norm_bias(self) -> bool:
-        """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's; Cohere's have
-        none)."""
-        return self.architecture in ("phimoe", "starcoder2", "gpt_neox")
+        """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's, Phi's; Cohere's
+        have none)."""
+        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi")
 
     @property
     def parallel_block(self) -> bool:
-        """Cohere's layer form: x + attn(norm(x)) + mlp(norm(x)), one norm feeding both (no norm before the MLP);
-        GPT-NeoX's with a norm of x of the MLP's own (`parallel_mlp_norm`)."""
-        return self.architecture in ("cohere", "cohere2", "gpt_neox")
+        """Cohere's (and Phi's) layer form: x + attn(norm(x)) + mlp(norm(x)), one norm feeding both (no norm before the
+        MLP); GPT-NeoX's with a norm of x of the MLP's own (`parallel_mlp_norm`)."""
+        return self.architecture in ("cohere", "cohere2", "gpt_neox", "phi")
 
     @property
     def parallel_mlp_norm(self) -> bool:
@@ -65,16 +65,16 @@ class LayerForm:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(act(x @ up))
-        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2, GPT-NeoX: GELU)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox")
+        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU)."""
+        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi")
 
     @property
     def mlp_activation(self) -> str:
-        """The MLPs' activation: "silu", "gelu_tanh" (GELU with the tanh approximation: Gemma's, StarCoder2's), "gelu"
+        """The MLPs' activation: "silu", "gelu_tanh" (GELU with the tanh approximation: Gemma's, StarCoder2's, Phi's), "gelu"
         (the exact one, GPT-NeoX's) or "relu2" (relu(x) ** 2: the other ungated MLPs')."""
         if self.architecture == "gpt_neox":
             return "gelu"
-        if self.gemma or self.architecture == "starcoder2":
+        if self.gemma or self.architecture in ("starcoder2", "phi"):
             return "gelu_tanh"
         return "silu" if self.gated_mlp else "relu2"
 

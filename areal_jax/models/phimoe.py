@@ -63,7 +63,7 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' PhimoeForCausalLM would not load as it is (and PhiMoE's router or output bias
     in another family, which has neither)."""
     if cfg.architecture not in HF_CLASSES:
-        used = [k for k, on in (("lm_head_bias", cfg.lm_head_bias),
+        used = [k for k, on in (("lm_head_bias", cfg.lm_head_bias and cfg.architecture != "phi"),
                                 ("router_scoring='sparsemixer'", cfg.router_scoring == "sparsemixer")) if on]
         if used:
             raise ValueError(f"{', '.join(used)}: PhiMoE's; HF {cfg.architecture} has none. Turn it off or use "

@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, cwm, youtu and nanochat as at their branches. Any
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi, cwm, youtu and nanochat as at their branches. Any
     ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -61,10 +61,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rope_interleave=True, logits_scaling=4.0, rms_norm_eps=1e-5, **({} if full is None else dict(
             sliding_window=8, layer_types=tuple("full_attention" if f else "sliding_attention" for f in full),
             rope_layers=tuple(int(not f) for f in full))))
-    if architecture in ("starcoder2", "gpt_neox"):  # LayerNorms, an ungated GELU MLP, biases everywhere; StarCoder2: a
-        # window in every layer; GPT-NeoX: parallel blocks, a quarter of each head rotating, a key/value head per query's
-        fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True, rms_norm_eps=1e-5, **(
-            dict(sliding_window=8) if architecture == "starcoder2" else dict(num_kv_heads=4, rotary_dim=4)))
+    if architecture in ("starcoder2", "gpt_neox", "phi"):  # LayerNorms, ungated GELU MLPs, biases; a window (StarCoder2)
+        own = {"starcoder2": dict(sliding_window=8), "gpt_neox": dict(num_kv_heads=4, rotary_dim=4)}.get(
+            architecture, dict(num_kv_heads=4, rotary_dim=6, lm_head_bias=True))
+        fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True, rms_norm_eps=1e-5, **own)
     if architecture == "smollm3":  # its NoPE layers: the second of every pair here
         fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
     if architecture == "phi3":  # Phi-4-mini's form: 3/4 of each head rotates, LongRoPE (short factors by default)
