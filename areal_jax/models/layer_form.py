@@ -11,8 +11,9 @@ class LayerForm:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's layer form: norms scale by 1 + w (stored as w), `sandwich_norms`, GELU-tanh, embeddings x sqrt(D)."""
-        return self.architecture in ("gemma2", "gemma3")
+        """Gemma's layer form: norms scale by 1 + w (stored as w), GELU-tanh, embeddings x sqrt(D); Gemma 2 / 3 also
+        `sandwich_norms`."""
+        return self.architecture in ("gemma", "gemma2", "gemma3")
 
     @property
     def norm_offset(self) -> bool:
@@ -86,7 +87,7 @@ class LayerForm:
     @property
     def sandwich_norms(self) -> bool:
         """Norms before and after both attention and the MLP (Gemma 2 / 3, GLM-4, LFM3)."""
-        return self.gemma or self.architecture in ("glm4", "lfm3")
+        return self.architecture in ("gemma2", "gemma3", "glm4", "lfm3")
 
     @property
     def olmo(self) -> bool:
