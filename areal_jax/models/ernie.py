@@ -82,7 +82,7 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' ERNIE 4.5 classes would not load as it is (and rope_interleave elsewhere)."""
     arch = cfg.architecture
     if arch not in HF_CLASSES:
-        if cfg.rope_interleave and arch not in ("glm4", "cohere", "cohere2"):
+        if cfg.rope_interleave and arch not in ("glm4", "glm", "cohere", "cohere2"):
             raise ValueError(f"rope_interleave (RoPE on interleaved pairs) is ERNIE 4.5's, GLM-4's and Cohere's; HF {arch} rotates "
                              "halves.")
         return

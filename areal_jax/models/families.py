@@ -13,6 +13,7 @@ from areal_jax.models import (
     falcon_h1,
     flex_olmo,
     gemma,
+    glm,
     gpt_neox,
     granite4,
     hunyuan,
@@ -34,4 +35,4 @@ from areal_jax.models import (
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
-               cohere, starcoder2, gpt_neox, phi, gemma)
+               cohere, starcoder2, gpt_neox, phi, gemma, glm)

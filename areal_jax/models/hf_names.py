@@ -189,7 +189,7 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
         entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
     if cfg.layer_is_moe(i):
         return entries + _expert_entries(cfg, p + ("mlp",), hf)
-    if cfg.architecture in ("phi3", "glm4", "granitemoehybrid"):  # gate and up fused (Granite 4.0: input_linear)
+    if cfg.architecture in ("phi3", "glm4", "glm", "granitemoehybrid"):  # gate and up fused (Granite: input_linear)
         up = f"{hf}.shared_mlp.input_linear.weight" if cfg.architecture == "granitemoehybrid" else \
             f"{hf}.mlp.gate_up_proj.weight"
         entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))

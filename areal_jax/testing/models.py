@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi, cwm, youtu and nanochat as at their branches. Any
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi, glm, cwm, youtu and nanochat as at their branches. Any
     ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -141,7 +141,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8,
                                                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                                                     "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})
-    if architecture == "glm4":  # GLM-4-0414's form: q/k/v bias, half of each head rotating as interleaved pairs
+    if architecture in ("glm4", "glm"):  # GLM-4's form: q/k/v bias, half of each head rotating as interleaved pairs
         fields.update(attention_bias=True, rotary_dim=8, rope_interleave=True)
     if architecture in ("ernie4_5", "ernie4_5_moe"):  # RoPE on interleaved pairs; the MoE's: a dense first layer,
         # then 2 of 8 experts picked by softmax probabilities plus a bias, renormalised, and two shared experts
