@@ -83,7 +83,7 @@ def check_hf(cfg: Any) -> None:
     arch = cfg.architecture
     if arch not in HF_CLASSES:
         if cfg.rope_interleave and arch not in ("glm4", "glm", "cohere", "cohere2"):
-            raise ValueError(f"rope_interleave (RoPE on interleaved pairs) is ERNIE 4.5's, GLM-4's and Cohere's; HF {arch} rotates "
+            raise ValueError(f"rope_interleave (RoPE on interleaved pairs) is ERNIE 4.5's, GLM's and Cohere's; HF {arch} rotates "
                              "halves.")
         return
     if not cfg.rope_interleave or cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None \
