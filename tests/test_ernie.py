@@ -27,7 +27,7 @@ def test_released_shapes_read_as_transformers_reads_them():
         ModelConfig.from_hf_dict({"model_type": "ernie4_5", "use_bias": True})
     with pytest.raises(ValueError, match="no such pattern"):
         testing.tiny_config("ernie4_5_moe", num_layers=5, moe_layers=(1, 0, 0, 1, 1)).to_hf_dict()
-    with pytest.raises(ValueError, match="rope_interleave .* is ERNIE 4.5's, GLM's and Cohere's; HF qwen3 rotates"):
+    with pytest.raises(ValueError, match="rope_interleave .* is ERNIE 4.5's, GLM's, Cohere's and Helium's; HF qwen3 rotates"):
         testing.tiny_config("qwen3", rope_interleave=True).to_hf_dict()
     with pytest.raises(ValueError, match="set rope_interleave=True"):
         testing.tiny_config("ernie4_5", rope_interleave=False).to_hf_dict()

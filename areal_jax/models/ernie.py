@@ -82,8 +82,8 @@ def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' ERNIE 4.5 classes would not load as it is (and rope_interleave elsewhere)."""
     arch = cfg.architecture
     if arch not in HF_CLASSES:
-        if cfg.rope_interleave and arch not in ("glm4", "glm", "cohere", "cohere2"):
-            raise ValueError(f"rope_interleave (RoPE on interleaved pairs) is ERNIE 4.5's, GLM's and Cohere's; HF {arch} rotates "
+        if cfg.rope_interleave and arch not in ("glm4", "glm", "cohere", "cohere2", "helium"):
+            raise ValueError(f"rope_interleave (RoPE on interleaved pairs) is ERNIE 4.5's, GLM's, Cohere's and Helium's; HF {arch} rotates "
                              "halves.")
         return
     if not cfg.rope_interleave or cfg.attention_bias or cfg.qk_norm or cfg.rotary_dim is not None \

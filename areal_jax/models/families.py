@@ -16,11 +16,13 @@ from areal_jax.models import (
     glm,
     gpt_neox,
     granite4,
+    helium,
     hunyuan,
     jamba,
     lfm2,
     lfm3,
     mamba_lm,
+    ministral,
     ministral3,
     nanochat,
     nemotron_h,
@@ -35,4 +37,4 @@ from areal_jax.models import (
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
-               cohere, starcoder2, gpt_neox, phi, gemma, glm)
+               cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral)

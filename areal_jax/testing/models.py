@@ -32,12 +32,12 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
-    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi, glm, cwm, youtu and nanochat as at their branches. Any
+    bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi, glm, helium, ministral, cwm, youtu and nanochat as at their branches. Any
     ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
-        eos_token_id=2,
+        eos_token_id=2, rope_interleave=architecture == "helium",  # (Helium's pairs: interleaved)
         attention_bias=architecture in ("qwen2", "qwen2_moe", "gpt_oss", "seed_oss"),
         attention_out_bias=architecture == "seed_oss",
         qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1_dense",
@@ -206,7 +206,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(**{"mamba2": {"mamba": (4, 32, 16, 2, 4)}}.get(architecture, {"mamba1": (128, 8, 4, 4, *falcon)}), layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
                       num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=architecture != "mamba2",
                       max_position_embeddings=1 << 20, qk_norm=False)
-    if architecture == "cwm":
+    if architecture in ("cwm", "ministral"):  # every fourth layer from the first full, the rest sliding
         fields.update(sliding_window=8, layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention"
                                                           for i in range(layers)))
     if architecture == "lfm2_moe":
