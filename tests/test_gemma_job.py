@@ -41,6 +41,7 @@ from areal_jax.testing.tiny import tiny_config
                                   pytest.param("mamba2", marks=pytest.mark.long),  # nor here: Mamba-2 mixers alone
                                   pytest.param("nanochat", marks=pytest.mark.long),  # unscaled norms, capped logits
                                   pytest.param("cohere2", marks=pytest.mark.long),  # parallel blocks, NoPE full layers
+                                  pytest.param("apertus", marks=pytest.mark.long),  # xIELU's scalars (0-d ones too)
                                   pytest.param("deepseek_v3", marks=pytest.mark.long),  # 25-31 s; its layers and
                                   # sampler in tests/test_deepseek.py, a whole MoE job in qwen3_moe's run here
                                   pytest.param("qwen3_5_text", marks=pytest.mark.long)])
@@ -49,7 +50,7 @@ def test_a_run_on_a_sliding_window_model(tmp_path, arch):
     model_dir = str(tmp_path / arch)
     window = {"phi3": {}, "qwen3_moe": {"moe_layers": (1, 0, 1)}, "deepseek_v3": {}, "arcee": {}, "qwen3_5_text": {},
               "lfm2": {}, "lfm2_moe": {}, "lfm3": {"sliding_window": 6}, "olmo_hybrid": {}, "nemotron_h": {}, "falcon_h1": {},
-              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {}, "mamba2": {}, "nanochat": {}, "cohere2": {"sliding_window": 6},
+              "jamba": {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0, 1, 0)}, "falcon_mamba": {}, "mamba2": {}, "nanochat": {}, "cohere2": {"sliding_window": 6}, "apertus": {},
               "granitemoehybrid": {"mamba": (4, 32, 16, 2, 4),
                                    "layer_types": ("linear_attention", "full_attention", "linear_attention")}}.get(
         arch, {"sliding_window": 6})

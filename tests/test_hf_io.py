@@ -109,8 +109,8 @@ def test_clear_errors(tmp_path):
             save_file(ts, d / "model.safetensors")
         return d
 
-    with pytest.raises(ValueError, match="Unknown architecture.*gpt_neox"):
-        load_hf_checkpoint(variant("arch", {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError, match="Unknown architecture.*gpt2"):
+        load_hf_checkpoint(variant("arch", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(FileNotFoundError, match="No model.safetensors"):
         load_hf_checkpoint(variant("noweights", write_weights=False))
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):

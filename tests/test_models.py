@@ -20,7 +20,7 @@ ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smoll
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
          "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
-         "falcon_mamba", "mamba2", "cwm", "youtu", "nanochat", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral"]
+         "falcon_mamba", "mamba2", "cwm", "youtu", "nanochat", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus"]
 
 
 def _jitted(model):
@@ -256,7 +256,7 @@ def test_config_validation_and_hf_dict_round_trip():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         tiny_config("qwen2", num_kv_heads=3)
     with pytest.raises(ValueError, match="Unknown architecture"):
-        ModelConfig.from_hf_dict({"model_type": "gemma"})  # Gemma 1 / 2: not supported (Gemma 3 text is)
+        ModelConfig.from_hf_dict({"model_type": "gpt2"})  # (learned position embeddings: not supported)
     mistral = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
                "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None

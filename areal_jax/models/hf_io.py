@@ -241,7 +241,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: Mesh | None = None, par
         if shardings is None:
             return jnp.asarray(host)
         sharding = sharding_leaves[spath]
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.ascontiguousarray(host[idx]))
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.require(host[idx], requirements="C"))
 
     state = jax.tree_util.tree_map_with_path(load, abs_state)
     return nnx.merge(graphdef, state)
@@ -314,7 +314,8 @@ def _hf_tensor(group: list[_Entry], flat: dict, save_dtype: Any, held: dict | No
         return whole
     if group[0].interleave is not None:  # gpt-oss's gate_up_proj: the parts alternate along the last axis
         return np.ascontiguousarray(np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1))
-    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].row_axis))
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].row_axis)
+    return np.require(whole, requirements="C")  # (np.ascontiguousarray would make a 0-d tensor 1-d: Apertus' beta, eps)
 
 
 def _write_files(path: str, hf_config: dict, names: list[str], sizes: list[int], tensor, writer: bool,

@@ -199,6 +199,9 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
     down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
+    if cfg.mlp_activation == "xielu":  # (Apertus' activation scalars)
+        entries += [_Entry(p + ("mlp", f"xielu_{n}"), f"{hf}.mlp.act_fn.{n}", "same")
+                    for n in ("alpha_p", "alpha_n", "beta", "eps")]
     if cfg.mlp_bias:  # (StarCoder2's)
         entries += [_Entry(p + ("mlp", f"{part}_bias"), f"{hf}.mlp.{part}_proj.bias", "same")
                     for part in ("gate", "up", "down") if part != "gate" or cfg.gated_mlp]

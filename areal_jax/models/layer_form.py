@@ -66,15 +66,16 @@ class LayerForm:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(act(x @ up))
-        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi")
+        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU; Apertus: xIELU)."""
+        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi", "apertus")
 
     @property
     def mlp_activation(self) -> str:
         """The MLPs' activation: "silu", "gelu_tanh" (GELU with the tanh approximation: Gemma's, StarCoder2's, Phi's), "gelu"
-        (the exact one, GPT-NeoX's) or "relu2" (relu(x) ** 2: the other ungated MLPs')."""
-        if self.architecture == "gpt_neox":
-            return "gelu"
+        (the exact one, GPT-NeoX's), "xielu" (Apertus': `layers.xielu`) or "relu2" (relu(x) ** 2: the other ungated
+        MLPs')."""
+        if self.architecture in ("gpt_neox", "apertus"):
+            return {"gpt_neox": "gelu", "apertus": "xielu"}[self.architecture]
         if self.gemma or self.architecture in ("starcoder2", "phi"):
             return "gelu_tanh"
         return "silu" if self.gated_mlp else "relu2"

@@ -229,10 +229,20 @@ class Attention(nnx.Module):
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
+def xielu(x: jax.Array, alpha_p: jax.Array, alpha_n: jax.Array, beta: jax.Array, eps: jax.Array) -> jax.Array:
+    """xIELU (arXiv 2411.13010; Apertus' MLP activation), in x's dtype: a_p x^2 + beta x for x > 0, else
+    a_n (expm1(min(x, eps)) - x) + beta x, with a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n). beta and
+    eps are constants of the checkpoint (transformers' buffers): no gradient reaches them."""
+    beta, eps = jax.lax.stop_gradient(beta).astype(x.dtype), jax.lax.stop_gradient(eps).astype(x.dtype)
+    a_p = jax.nn.softplus(alpha_p.astype(jnp.float32)).astype(x.dtype)
+    a_n = (beta.astype(jnp.float32) + jax.nn.softplus(alpha_n.astype(jnp.float32))).astype(x.dtype)
+    return jnp.where(x > 0, a_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * a_n + beta * x)
+
+
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(x @ gate) * (x @ up)), act SiLU (SwiGLU) or, for Gemma, GELU with the tanh
     approximation (`ModelConfig.mlp_activation`); ungated (`gate_proj` None: Arcee's, StarCoder2's): down(act(x @ up)),
-    act relu(x) ** 2 or GELU (tanh-approximated, or exact: GPT-NeoX's). With `ModelConfig.mlp_bias` each projection adds its bias (`*_bias`)."""
+    act relu(x) ** 2, GELU (tanh-approximated, or exact: GPT-NeoX's) or `xielu` (Apertus', with its scalars). With `ModelConfig.mlp_bias` each projection adds its bias (`*_bias`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
@@ -247,6 +257,20 @@ class MLP(nnx.Module):
         self.down_bias = make_param(rngs, (d,), ("embed",), pdt, "zeros") if bias else None
         s = cfg.hybrid_scales  # Falcon-H1's: the gate times mlp_gate before the activation, the output times mlp_down
         self.scales = None if s is None else (s.mlp_gate, s.mlp_down)
+        if self.act == "xielu":  # its per-layer scalars, stored as transformers does (alpha_p, alpha_n pre-softplus)
+            init = dict(xielu_alpha_p=((1,), math.log(math.expm1(0.8))), xielu_alpha_n=((1,), math.log(math.expm1(0.3))),
+                        xielu_beta=((), 0.5), xielu_eps=((), -1e-6))
+            for name, (shape, value) in init.items():
+                setattr(self, name, nnx.Param(jnp.full(shape, value, pdt), out_sharding=(None,) * len(shape),
+                                              eager_sharding=False))
+
+    def _activate(self, up: jax.Array) -> jax.Array:
+        """An ungated MLP's activation of its up projection."""
+        if self.act == "relu2":
+            return jnp.square(jax.nn.relu(up))
+        if self.act == "xielu":
+            return xielu(up, *(getattr(self, f"xielu_{n}")[...] for n in ("alpha_p", "alpha_n", "beta", "eps")))
+        return jax.nn.gelu(up, approximate=self.act != "gelu")
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
         y = project(x, w, self.dtype)
@@ -256,8 +280,7 @@ class MLP(nnx.Module):
         """x: [B, T, D] -> [B, T, D] in the compute dtype."""
         up = self._project(x, self.up_proj, self.up_bias)
         if self.gate_proj is None:
-            act = jnp.square(jax.nn.relu(up)) if self.act == "relu2" else jax.nn.gelu(up, approximate=self.act != "gelu")
-            return self._project(act, self.down_proj, self.down_bias)
+            return self._project(self._activate(up), self.down_proj, self.down_bias)
         gate = self._project(x, self.gate_proj, self.gate_bias)
         gate = gate if self.scales is None else gate * jnp.asarray(self.scales[0], gate.dtype)
         act = jax.nn.gelu(gate, approximate=True) if self.act == "gelu_tanh" else jax.nn.silu(gate)

@@ -59,6 +59,7 @@ def num_params(cfg: Any) -> int:
     biases = cfg.num_experts * (2 * cfg.expert_size + d + 1) if cfg.expert_bias else 0  # gate, up, down; router
     biases += cfg.num_experts if cfg.router_score_bias else 0
     mlp_biases = (mlp_matrices(cfg) - 1) * f + d if cfg.mlp_bias else 0  # (StarCoder2's c_fc and c_proj biases)
+    mlp_biases += 2 if cfg.mlp_activation == "xielu" else 0  # (Apertus' alpha_p, alpha_n; beta, eps: buffers)
     ffn = sum(cfg.num_experts * m * d * cfg.expert_size + d * cfg.num_experts + shared + biases if cfg.layer_is_moe(i)
               else mlp_matrices(cfg) * d * f + mlp_biases if cfg.layer_has_mlp(i) else -norm  # (no MLP: nor its norm)
               for i in range(cfg.num_layers))
