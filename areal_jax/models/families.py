@@ -32,10 +32,12 @@ from areal_jax.models import (
     phimoe,
     qwen3_5,
     seed_oss,
+    stablelm,
     starcoder2,
     youtu,
 )
 
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
-               cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus)
+               cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus,
+               stablelm)

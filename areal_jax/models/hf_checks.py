@@ -81,7 +81,8 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
                          "in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in ("phi3", "glm4_moe", "minimax_m2", "glm4", "bamba",
-                                                               "gpt_neox", "phi", "glm", *qwen3_5.HF_CLASSES):
+                                                               "gpt_neox", "phi", "glm", "stablelm",
+                                                               *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")
     if cfg.architecture == "phi3" and (cfg.attention_bias or cfg.qk_norm):

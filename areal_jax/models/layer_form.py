@@ -43,14 +43,14 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi)."""
-        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi")
+        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM)."""
+        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm")
 
     @property
     def norm_bias(self) -> bool:
-        """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's, Phi's; Cohere's
-        have none)."""
-        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi")
+        """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's, Phi's,
+        StableLM's; Cohere's have none)."""
+        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi", "stablelm")
 
     @property
     def parallel_block(self) -> bool:
