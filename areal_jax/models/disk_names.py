@@ -3,6 +3,7 @@ renames and joins them on loading (its conversion mapping): OLMo Hybrid's norms 
 convolution kept as three tensors (`parts`). `hf_io`'s reader answers the table's names from them."""
 from __future__ import annotations
 
+import re
 from typing import Container
 
 # (on disk, in the table): OLMo Hybrid's, its Gated DeltaNet layers' norms before the mixer and before the MLP (and,
@@ -18,13 +19,28 @@ PIECES = {".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linea
                                          ".linear_attn.v_conv1d.weight")}
 
 
+# whole names transformers' conversion renames on loading, every pattern in turn: EXAONE 3's transformer.* tensors
+CONVERSIONS = ("transformer.", tuple((re.compile(a), b) for a, b in (
+    (r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
+    (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.", ".self_attn."),
+    (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.ln_1\.", ".input_layernorm."),
+    (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+    (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."))))
+
+
 def add_aliases(names: dict[str, str]) -> None:
-    """Adds to {table name: name on disk} the table's names of tensors stored under `ALIASES`' names (in place; a name
-    the checkpoint holds itself wins)."""
+    """Adds to {table name: name on disk} the table's names of tensors stored under `ALIASES`' names, and those of
+    the whole names `CONVERSIONS` renames (in place; a name the checkpoint holds itself wins)."""
+    prefix, patterns = CONVERSIONS
     for name in list(names):
         for theirs, ours in ALIASES:
             if theirs in name:
                 names.setdefault(name.replace(theirs, ours), names[name])
+        if name.startswith(prefix):
+            renamed = name
+            for pattern, new in patterns:
+                renamed = pattern.sub(new, renamed)
+            names.setdefault(renamed, names[name])
 
 
 def in_memory(name: str, architecture: str) -> str:

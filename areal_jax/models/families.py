@@ -11,6 +11,7 @@ from areal_jax.models import (
     deepseek,
     ernie,
     exaone,
+    exaone3,
     falcon_h1,
     flex_olmo,
     gemma,
@@ -40,4 +41,4 @@ from areal_jax.models import (
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
                cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus,
-               stablelm)
+               stablelm, exaone3)

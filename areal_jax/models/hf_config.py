@@ -149,7 +149,9 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
     model_type = d.get("model_type")
     if model_type is None:
         archs = d.get("architectures") or []
-        inverse = {v: k for k, v in _HF_CLASS.items()}
+        inverse: dict[str, str] = {}
+        for arch, name in _HF_CLASS.items():  # (the first family of a class: LlamaForCausalLM is llama's, not EXAONE's)
+            inverse.setdefault(name, arch)
         model_type = next((inverse[a] for a in archs if a in inverse), None)
     d, model_type = (qwen3_5.text_config(d), f"{model_type}_text") if model_type in qwen3_5.WRAPPERS else (d, model_type)
     d, model_type = ministral3.text_config(d) if model_type == ministral3.WRAPPER else (d, model_type)

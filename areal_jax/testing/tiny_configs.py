@@ -28,7 +28,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
     bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi,
-    glm, helium, ministral, apertus, stablelm, cwm, youtu and nanochat as at their branches. Any ModelConfig field can be
+    glm, helium, ministral, apertus, stablelm, exaone (Llama's), cwm, youtu and nanochat as at their branches. Any ModelConfig field can be
     overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -41,7 +41,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     )
-    if architecture in ("llama", "cwm", "apertus"):  # (CWM's windows, Apertus' q/k norms and xIELU: their branches)
+    if architecture in ("llama", "cwm", "apertus", "exaone"):  # (CWM's windows, Apertus' q/k norms and xIELU: their branches)
         fields.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     layers = int(overrides.get("num_layers", 2))
