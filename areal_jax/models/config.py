@@ -18,7 +18,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe",
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                 "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone",
+                 "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo",
                  "nanochat", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
@@ -58,7 +58,8 @@ class ModelConfig(LayerForm):
     attn_logit_softcap, final_logit_softcap: Gemma 2's tanh soft-capping, c * tanh(x / c), of the attention
       scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does); attention_out_bias: o_proj too;
-      mlp_bias: the dense MLPs' projections (StarCoder2's).
+      mlp_bias: the dense MLPs' projections (StarCoder2's). clip_qkv: q, k and v clamped to [-clip_qkv, clip_qkv] right
+      after their projections (OLMo's), or None.
     attention_sinks: each attention head has a learned logit `sinks` [H] that joins every query's softmax as one
       more key whose value is zero (gpt-oss): the weights of the real keys then sum to less than 1.
     expert_bias: the router and every expert's gate, up and down products carry biases (gpt-oss).
@@ -143,6 +144,7 @@ class ModelConfig(LayerForm):
     expert_dispatch: str = "auto"
     attention_out_bias: bool = False
     mlp_bias: bool = False
+    clip_qkv: float | None = None
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_limit: float | None = None

@@ -69,6 +69,9 @@ def check_gated_experts(cfg) -> None:
         raise ValueError(f"ModelConfig.swiglu_limit must be a positive number or None, got {limit!r}.")
     if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
         raise ValueError(f"ModelConfig.swiglu_alpha must be a positive number, got {alpha!r}.")
+    clip = cfg.clip_qkv  # (OLMo's, checked here beside the other clamp)
+    if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0):
+        raise ValueError(f"ModelConfig.clip_qkv must be a positive number or None, got {clip!r}.")
     if (cfg.expert_bias or limit is not None) and not cfg.num_experts:
         raise ValueError("ModelConfig.expert_bias and swiglu_limit apply to a mixture of experts; this config has "
                          "num_experts=0. Leave them at False / None.")

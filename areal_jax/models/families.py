@@ -28,6 +28,7 @@ from areal_jax.models import (
     ministral3,
     nanochat,
     nemotron_h,
+    olmo,
     olmo_hybrid,
     phi,
     phimoe,
@@ -41,4 +42,4 @@ from areal_jax.models import (
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
                cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus,
-               stablelm, exaone3)
+               stablelm, exaone3, olmo)

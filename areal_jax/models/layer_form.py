@@ -22,8 +22,9 @@ class LayerForm:
 
     @property
     def weightless_norms(self) -> bool:
-        """Whether the RMSNorms have no scale (NanoChat's: the embeddings are normalised too, `embedding_norm`)."""
-        return self.architecture == "nanochat"
+        """Whether the norms have no scale (NanoChat's RMSNorms: the embeddings are normalised too, `embedding_norm`;
+        OLMo's LayerNorms, which have no bias either)."""
+        return self.architecture in ("nanochat", "olmo")
 
     @property
     def embedding_norm(self) -> bool:
@@ -43,8 +44,8 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM)."""
-        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm")
+        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM, OLMo)."""
+        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm", "olmo")
 
     @property
     def norm_bias(self) -> bool:

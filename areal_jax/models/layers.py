@@ -63,26 +63,26 @@ class RMSNorm(nnx.Module):
 
 class LayerNorm(nnx.Module):
     """Layer norm over the last axis (mean removed, then divided by the standard deviation), a learned scale and,
-    with `bias`, a learned bias (ones and zeros at first): PhiMoE's; Cohere's without the bias. Normalises in float32
-    and returns x's dtype."""
+    with `bias`, a learned bias (ones and zeros at first): PhiMoE's; Cohere's without the bias; OLMo's with neither
+    (`weightless`). Normalises in float32 and returns x's dtype."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, bias: bool = True):
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, bias: bool = True, weightless: bool = False):
         self.eps = eps
-        self.scale = make_param(None, (dim,), ("norm",), param_dtype, init="ones")
-        self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros") if bias else None
+        self.scale = None if weightless else make_param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros") if bias and not weightless else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         y = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
+        y = y if self.scale is None else y * self.scale[...].astype(jnp.float32)
         return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
     """A norm over the hidden size of the model's kind: `LayerNorm` where `ModelConfig.layer_norm`, else `RMSNorm`."""
     if cfg.layer_norm:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_bias)
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_bias, cfg.weightless_norms)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset, cfg.weightless_norms)
 
 
@@ -173,12 +173,14 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.flat_qk_norm = cfg.flat_qk_norm
         self.norm_after_rope = cfg.norm_after_rope
+        self.clip = None if cfg.clip_qkv is None else float(cfg.clip_qkv)  # q, k and v clamped to [-clip, clip]
         self.query_factor = cfg.attention_scale_factor
         self.rope_interleave = cfg.rope_interleave
 
     def _project(self, x: jax.Array, w: nnx.Param | nnx.Module, bias: nnx.Param | None) -> jax.Array:
         y = project(x, w, self.dtype)
-        return y if bias is None else y + bias[...].astype(self.dtype)
+        y = y if bias is None else y + bias[...].astype(self.dtype)
+        return y if self.clip is None else jnp.clip(y, -self.clip, self.clip)  # (OLMo's clip_qkv)
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cached: bool = False,
             query_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

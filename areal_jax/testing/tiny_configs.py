@@ -28,7 +28,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
     bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi,
-    glm, helium, ministral, apertus, stablelm, exaone (Llama's), cwm, youtu and nanochat as at their branches. Any ModelConfig field can be
+    glm, helium, ministral, apertus, stablelm, exaone (Llama's), olmo, cwm, youtu and nanochat as at their branches. Any ModelConfig field can be
     overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -202,6 +202,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(**{"mamba2": {"mamba": (4, 32, 16, 2, 4)}}.get(architecture, {"mamba1": (128, 8, 4, 4, *falcon)}), layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
                       num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=architecture != "mamba2",
                       max_position_embeddings=1 << 20, qk_norm=False)
+    if architecture == "olmo":  # unscaled LayerNorms; q, k and v clamped to [-0.5, 0.5] (bites at O(1) weights)
+        fields.update(clip_qkv=0.5, rms_norm_eps=1e-5)
     if architecture == "stablelm":  # LayerNorms, a quarter of each head rotating, q/k/v biases (stablelm-2-1_6b's)
         fields.update(num_kv_heads=4, rotary_dim=4, attention_bias=True, rms_norm_eps=1e-5)
     if architecture in ("cwm", "ministral"):  # every fourth layer from the first full, the rest sliding
