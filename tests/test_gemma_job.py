@@ -26,11 +26,13 @@ from areal_jax.testing.tiny import tiny_config
 
 # qwen3_5_text is long (40-55 s in CI): tests/test_qwen3_5.py runs its sampler, dense and over pages, against full forwards
 @pytest.mark.parametrize("arch", ["gemma3", pytest.param("gemma2", marks=pytest.mark.long),  # 14 s: gemma3's windows
-                                  "phi3", "qwen3_moe", "exaone4", "arcee", "lfm3",
+                                  "phi3", "qwen3_moe", "arcee",
+                                  pytest.param("exaone4", marks=pytest.mark.long),  # 22 s; its layers: test_exaone*.py
+                                  pytest.param("lfm3", marks=pytest.mark.long),  # 24 s; its layers: test_lfm2.py
                                   # 16 s; its sinks and clamped GLU in tests/test_gpt_oss.py, qwen3_moe's run has experts
                                   pytest.param("gpt_oss", marks=pytest.mark.long),
                                   pytest.param("phimoe", marks=pytest.mark.long),  # 18 s; its routing and untied head: tests/test_phimoe.py
-                                  pytest.param("lfm2", marks=pytest.mark.long),  # 25 s (lfm3's run has its conv layers)
+                                  pytest.param("lfm2", marks=pytest.mark.long),  # 25 s; the conv layers: tests/test_lfm2.py
                                   pytest.param("lfm2_moe", marks=pytest.mark.long),  # 36 s
                                   pytest.param("olmo_hybrid", marks=pytest.mark.long),
                                   pytest.param("granitemoehybrid", marks=pytest.mark.long),  # Granite 4.0's Mamba-2

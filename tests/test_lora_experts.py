@@ -114,6 +114,7 @@ def test_expert_adapters_shard_like_their_experts_and_cross_alone():
     np.testing.assert_allclose(np.asarray(decoder(TOKENS)), np.asarray(model(TOKENS)), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.long  # 22 s; merged experts' logits equal the adapted ones: the test above
 def test_merged_and_unmerged_decoding_give_the_same_greedy_tokens():
     model, lcfg = adapted(b_std=0.3)
     rng = np.random.default_rng(1)

@@ -38,6 +38,7 @@ def test_two_shallow_programs_predict_the_full_depth_sampler_memory(rollout, ten
         assert probe > 0 and abs(probe - full) <= 0.01 * full, (program, probe, full)
 
 
+@pytest.mark.long  # 14-42 s; the hybrid families' memory plans against the engine's layout: test_falcon_h1 / test_jamba
 def test_a_hybrid_models_sampler_memory_adds_each_kind_of_layers_own_step():
     """Qwen3.5's Gated DeltaNet layers (a float32 state per slot, the chunked rule in a prefill) need far more
     working memory than its attention layers here: each kind is probed apart (attention alone gave 0.08 of the
@@ -98,6 +99,7 @@ def test_the_job_plan_adds_the_sampler_programs_where_the_device_has_a_limit():
     assert "sampler_programs" in tight.plan.describe()
 
 
+@pytest.mark.long  # 20 s; the probes against full depth: the two-shallow-programs test above
 def test_the_benchmark_reports_probe_and_full_depth_at_the_qwen_shape(monkeypatch, capsys):
     import json
     import os

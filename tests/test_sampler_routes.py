@@ -162,7 +162,7 @@ request_spec = st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 
 event = st.tuples(st.integers(0, 8), st.sampled_from(["abort", "update", "submit"]), request_spec, st.integers(0, 9))
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # (CI time)
 @given(kind=st.sampled_from(["dense", "dense+standby", "paged+standby", "paged+optimistic"]),
        initial=st.lists(request_spec, min_size=1, max_size=4), events=st.lists(event, max_size=5),
        k=st.integers(1, 4), fetch_behind=st.booleans(), seed=st.integers(0, 1000))

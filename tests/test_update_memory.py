@@ -225,6 +225,7 @@ def test_the_job_plan_adds_the_measured_update_and_resolves_auto():
     assert "update_activations" not in none.plan.parts
 
 
+@pytest.mark.long  # 23 s; auto's resolution in a job plan: test_the_job_plan_adds_the_measured_update_and_resolves_auto
 def test_a_trainer_resolves_auto_to_a_remat_with_the_same_update(monkeypatch):
     trajs = random_trajectories(6, vocab=CFG.vocab_size, seed=3, max_len=40)
     cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=128, logits_chunk=64, prox_mode="loglinear")
