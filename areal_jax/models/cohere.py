@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, window_kinds, written_kinds
 
 HF_CLASSES = {"cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 _DEFAULTS = dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
@@ -41,11 +41,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     own: dict[str, Any] = dict(rope_interleave=True, logits_scaling=None if scale == 1.0 else 1.0 / scale)
     if model_type == "cohere2":
         layers, window = fields["num_layers"], get("sliding_window")
-        types = tuple(d.get("layer_types") or ("full_attention" if (i + 1) % int(d.get("sliding_window_pattern", 4)) == 0
-                                               else "sliding_attention" for i in range(layers)))
-        if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
-            raise ValueError(f"Cohere 2's layer_types hold num_hidden_layers={layers} entries, each full_attention or "
-                             f"sliding_attention; got {list(types)}.")
+        every = int(d.get("sliding_window_pattern", 4))
+        types = window_kinds(d, layers, ("full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                         for i in range(layers)), "Cohere 2")
         rotating = tuple(int(t == "sliding_attention" and window is not None) for t in types)
         own.update(sliding_window=int(window) if window is not None and any(rotating) else None,
                    layer_types=types if window is not None and any(rotating) else None, rope_layers=rotating)
@@ -73,7 +71,6 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
     own = dict(layer_norm_eps=cfg.rms_norm_eps, logit_scale=1.0 / (cfg.logits_scaling or 1.0), attention_bias=False,
                use_qk_norm=False, pad_token_id=None)
     if cfg.architecture == "cohere2":
-        own.update(sliding_window=cfg.sliding_window, layer_types=[
-            "full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.num_layers)])
+        own.update(sliding_window=cfg.sliding_window, layer_types=written_kinds(cfg))
     skip = ("rms_norm_eps", "head_dim", "logits_scaling")
     return hf_dict({k: v for k, v in common.items() if k not in skip}, **own)

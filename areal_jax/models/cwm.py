@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, window_kinds, written_kinds
 
 HF_CLASSES = {"cwm": "CwmForCausalLM"}
 _DEFAULTS = dict(vocab_size=128256, hidden_size=6144, intermediate_size=21504, num_hidden_layers=64,
@@ -31,11 +31,8 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     d = {**d, "rope_parameters": d.get("rope_parameters") or d.get("rope_scaling") or _ROPE}
     fields, get = common_fields(d, model_type, _DEFAULTS, "CWM")
     layers, window = fields["num_layers"], d.get("sliding_window", _DEFAULTS["sliding_window"])
-    types = tuple(d.get("layer_types") or ("full_attention" if i % 4 == 0 else "sliding_attention"
-                                           for i in range(layers)))
-    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise ValueError(f"CWM's layer_types hold num_hidden_layers={layers} entries, each full_attention or "
-                         f"sliding_attention; got {list(types)}.")
+    types = window_kinds(d, layers, ("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)),
+                         "CWM")
     sliding = "sliding_attention" in types and window
     return cls(**fields, sliding_window=int(window) if sliding else None, layer_types=types if sliding else None,
                dtype=dtype, param_dtype=param_dtype)
@@ -53,5 +50,4 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a CWM config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.num_layers)]
-    return hf_dict(common, layer_types=types, sliding_window=cfg.sliding_window, mlp_bias=False, pad_token_id=None)
+    return hf_dict(common, layer_types=written_kinds(cfg), sliding_window=cfg.sliding_window, mlp_bias=False, pad_token_id=None)

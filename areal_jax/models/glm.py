@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.glm4 import PARTIAL_ROTARY, partial_rotary_keys
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, partial_rope, require_fields, rotary_dim_of
 
 HF_CLASSES = {"glm": "GlmForCausalLM"}
 _DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
@@ -24,17 +24,10 @@ _DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, n
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of a GLM config.json (transformers' defaults where a key is absent)."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    factor = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", PARTIAL_ROTARY)))
-    fields, get = common_fields({**d, "rope_parameters": rope, "partial_rotary_factor": None}, model_type, _DEFAULTS,
-                                "GLM")
-    rotary = int(fields["head_dim"] * factor)
-    if rotary < 2 or rotary % 2:
-        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of each head's {fields['head_dim']} dimensions; "
-                         "an even number of at least 2 is supported here.")
+    d, factor = partial_rope(d, PARTIAL_ROTARY)
+    fields, get = common_fields(d, model_type, _DEFAULTS, "GLM")
     return cls(**fields, attention_bias=bool(get("attention_bias")), rope_interleave=True,
-               rotary_dim=None if rotary == fields["head_dim"] else rotary, dtype=dtype, param_dtype=param_dtype)
+               rotary_dim=rotary_dim_of(fields["head_dim"], factor), dtype=dtype, param_dtype=param_dtype)
 
 
 def check_hf(cfg: Any) -> None:

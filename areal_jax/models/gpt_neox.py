@@ -16,7 +16,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
+from areal_jax.models.hf_family import (
+    common_fields,
+    hf_dict,
+    partial_rope,
+    rename,
+    require_fields,
+    rope_with_partial,
+    rotary_dim_of,
+)
 
 HF_CLASSES = {"gpt_neox": "GPTNeoXForCausalLM"}
 _DEFAULTS = dict(vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
@@ -40,19 +48,13 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     if not d.get("use_parallel_residual", True):
         raise ValueError("use_parallel_residual=false: GPT-NeoX's sequential residual is not supported here (every "
                          "released model uses the parallel one).")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", d.get("rotary_emb_base", 10000.0))
-    factor = float(rope.pop("partial_rotary_factor", d.get("rotary_pct", 0.25)))
+    d, factor = partial_rope({**d, "rope_theta": d.get("rotary_emb_base", d.get("rope_theta", 10000.0))}, 0.25,
+                             key="rotary_pct")
     eps = d.get("layer_norm_eps", _DEFAULTS["layer_norm_eps"])
-    fields, get = common_fields({**d, "rope_parameters": rope, "partial_rotary_factor": None, "rms_norm_eps": eps,
-                                 "num_key_value_heads": None, "head_dim": None}, model_type, _DEFAULTS, "GPT-NeoX",
-                                act="gelu")
-    rotary = int(fields["head_dim"] * factor)
-    if rotary < 2 or rotary % 2:
-        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of each head's {fields['head_dim']} dimensions; "
-                         "an even number of at least 2 is supported here.")
+    fields, get = common_fields({**d, "rms_norm_eps": eps, "num_key_value_heads": None, "head_dim": None}, model_type,
+                                _DEFAULTS, "GPT-NeoX", act="gelu")
     bias = bool(get("attention_bias"))
-    return cls(**fields, rotary_dim=None if rotary == fields["head_dim"] else rotary, attention_bias=bias,
+    return cls(**fields, rotary_dim=rotary_dim_of(fields["head_dim"], factor), attention_bias=bias,
                attention_out_bias=bias, mlp_bias=True, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -69,7 +71,7 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a GPT-NeoX config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    rope = {**common.get("rope_parameters", {}), "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim}
+    rope = rope_with_partial(cfg, common)
     skip = ("rms_norm_eps", "head_dim", "num_key_value_heads", "rope_parameters")
     return hf_dict({k: v for k, v in common.items() if k not in skip}, layer_norm_eps=cfg.rms_norm_eps,
                    rope_parameters=rope, attention_bias=cfg.attention_bias, use_parallel_residual=True,

@@ -1,7 +1,9 @@
 """What the families with modules of their own (`models/exaone.py`, `hunyuan.py`, `seed_oss.py`, `arcee.py`,
-`qwen3_5.py`, `ministral3.py`) share: `common_fields` (the ModelConfig fields their config.json says as Llama's does:
-sizes, RoPE, norms, special tokens), `require_fields` (the refusal of a config their transformers class would not load
-as it is), `hf_dict` (the config.json they write) and `text_decoder` (an image-and-text config's text decoder)."""
+`qwen3_5.py`, `ministral3.py`, ...) share: `common_fields` (the ModelConfig fields their config.json says as Llama's
+does: sizes, RoPE, norms, special tokens), `require_fields` (the refusal of a config their transformers class would not
+load as it is), `hf_dict` (the config.json they write), `text_decoder` (an image-and-text config's text decoder), the
+partial rotary embeddings some read and write (`partial_rope`, `rotary_dim_of`, `rope_with_partial`) and the per-layer
+attention kinds others do (`window_kinds`, `written_kinds`)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -78,3 +80,43 @@ def text_decoder(d: dict, what: str, model_type: str, tied: bool) -> dict:
                          "text decoder; this config.json has none.")
     outer = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
     return {**outer, **text, "model_type": model_type, "tie_word_embeddings": bool(d.get("tie_word_embeddings", tied))}
+
+
+def partial_rope(d: dict, default: float, key: str = "partial_rotary_factor") -> tuple[dict, float]:
+    """(config.json `d` as `common_fields` takes it, the share of each head that rotates): the share from its
+    rope_parameters (or rope_scaling), else its top-level `key` (GPT-NeoX's older rotary_pct), else `default` (the
+    family's); the RoPE base from those parameters, else the top-level rope_theta (10,000 where absent)."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    factor = float(rope.pop("partial_rotary_factor", d.get(key, default)))
+    return {**d, "rope_parameters": rope, "partial_rotary_factor": None}, factor
+
+
+def rotary_dim_of(head_dim: int, factor: float) -> int | None:
+    """ModelConfig.rotary_dim of heads of `head_dim` rotating `factor` of their dimensions (None: all of them); an odd
+    width or one below 2 is refused."""
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of each head's {head_dim} dimensions; an even "
+                         "number of at least 2 is supported here.")
+    return None if rotary == head_dim else rotary
+
+
+def rope_with_partial(cfg: Any, common: dict) -> dict:
+    """The rope_parameters to write: `common`'s with the share of each head that rotates (`rotary_dim`)."""
+    return {**common.get("rope_parameters", {}), "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim}
+
+
+def window_kinds(d: dict, layers: int, default: Any, family: str) -> tuple[str, ...]:
+    """A config.json's layer_types (else `default`, an iterable of kinds), each full_attention or sliding_attention,
+    one per layer; anything else is refused naming the family."""
+    types = tuple(d.get("layer_types") or default)
+    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise ValueError(f"{family}'s layer_types hold num_hidden_layers={layers} entries, each full_attention or "
+                         f"sliding_attention; got {list(types)}.")
+    return types
+
+
+def written_kinds(cfg: Any) -> list[str]:
+    """The layer_types a config.json says for `cfg`'s layers: sliding_attention where a layer has a window."""
+    return ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.num_layers)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, window_kinds, written_kinds
 
 HF_CLASSES = {"ministral": "MinistralForCausalLM"}
 _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -27,10 +27,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         raise ValueError("attention_bias / mlp_bias: Ministral has no biases (as Mistral).")
     fields, _ = common_fields(d, model_type, _DEFAULTS, "Ministral")
     layers, window = fields["num_layers"], d.get("sliding_window", _WINDOW)
-    types = tuple(d.get("layer_types") or ("sliding_attention" if window else "full_attention",) * layers)
-    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise ValueError(f"Ministral's layer_types hold num_hidden_layers={layers} entries, each full_attention or "
-                         f"sliding_attention; got {list(types)}.")
+    types = window_kinds(d, layers, ("sliding_attention" if window else "full_attention",) * layers, "Ministral")
     sliding = bool(window) and "sliding_attention" in types
     return cls(**fields, sliding_window=int(window) if sliding else None,
                layer_types=types if sliding and "full_attention" in types else None, dtype=dtype, param_dtype=param_dtype)
@@ -48,5 +45,4 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Ministral config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.num_layers)]
-    return hf_dict(common, layer_types=types, sliding_window=cfg.sliding_window, pad_token_id=None)
+    return hf_dict(common, layer_types=written_kinds(cfg), sliding_window=cfg.sliding_window, pad_token_id=None)

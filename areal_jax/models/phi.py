@@ -13,7 +13,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
+from areal_jax.models.hf_family import (
+    common_fields,
+    hf_dict,
+    partial_rope,
+    rename,
+    require_fields,
+    rope_with_partial,
+    rotary_dim_of,
+)
 
 HF_CLASSES = {"phi": "PhiForCausalLM"}
 _DEFAULTS = dict(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
@@ -34,17 +42,10 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     if d.get("qk_layernorm"):
         raise ValueError("qk_layernorm: Phi's q/k LayerNorms are not supported here (phi-1, phi-1.5 and phi-2 have "
                          "none).")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    factor = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 0.5)))
+    d, factor = partial_rope(d, 0.5)
     eps = d.get("layer_norm_eps", _DEFAULTS["layer_norm_eps"])
-    fields, _ = common_fields({**d, "rope_parameters": rope, "partial_rotary_factor": None, "rms_norm_eps": eps,
-                               "head_dim": None}, model_type, _DEFAULTS, "Phi", act="gelu_new")
-    rotary = int(fields["head_dim"] * factor)
-    if rotary < 2 or rotary % 2:
-        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of each head's {fields['head_dim']} dimensions; "
-                         "an even number of at least 2 is supported here.")
-    return cls(**fields, rotary_dim=None if rotary == fields["head_dim"] else rotary, attention_bias=True,
+    fields, _ = common_fields({**d, "rms_norm_eps": eps, "head_dim": None}, model_type, _DEFAULTS, "Phi", act="gelu_new")
+    return cls(**fields, rotary_dim=rotary_dim_of(fields["head_dim"], factor), attention_bias=True,
                attention_out_bias=True, mlp_bias=True, lm_head_bias=True, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -61,7 +62,7 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a Phi config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    rope = {**common.get("rope_parameters", {}), "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim}
+    rope = rope_with_partial(cfg, common)
     skip = ("rms_norm_eps", "head_dim", "rope_parameters")
     return hf_dict({k: v for k, v in common.items() if k not in skip}, layer_norm_eps=cfg.rms_norm_eps,
                    rope_parameters=rope, hidden_act="gelu_new", qk_layernorm=False, pad_token_id=None)

@@ -12,7 +12,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import (
+    common_fields,
+    hf_dict,
+    partial_rope,
+    require_fields,
+    rope_with_partial,
+    rotary_dim_of,
+)
 
 HF_CLASSES = {"stablelm": "StableLmForCausalLM"}
 _DEFAULTS = dict(vocab_size=50304, hidden_size=2560, intermediate_size=6912, num_hidden_layers=32,
@@ -26,17 +33,10 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     if d.get("qk_layernorm") or d.get("use_parallel_residual"):
         raise ValueError("qk_layernorm / use_parallel_residual: StableLM 2 12B's per-head q/k LayerNorms and parallel "
                          "residual are not supported here (stablelm-2-1_6b and the 3B models have neither).")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    factor = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    d, factor = partial_rope(d, 0.25)
     eps = d.get("layer_norm_eps", _DEFAULTS["layer_norm_eps"])
-    fields, _ = common_fields({**d, "rope_parameters": rope, "partial_rotary_factor": None, "rms_norm_eps": eps,
-                               "head_dim": None}, model_type, _DEFAULTS, "StableLM")
-    rotary = int(fields["head_dim"] * factor)
-    if rotary < 2 or rotary % 2:
-        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of each head's {fields['head_dim']} dimensions; "
-                         "an even number of at least 2 is supported here.")
-    return cls(**fields, rotary_dim=None if rotary == fields["head_dim"] else rotary,
+    fields, _ = common_fields({**d, "rms_norm_eps": eps, "head_dim": None}, model_type, _DEFAULTS, "StableLM")
+    return cls(**fields, rotary_dim=rotary_dim_of(fields["head_dim"], factor),
                attention_bias=bool(d.get("use_qkv_bias", False)), dtype=dtype, param_dtype=param_dtype)
 
 
@@ -52,7 +52,7 @@ def check_hf(cfg: Any) -> None:
 def config_to_hf(cfg: Any, common: dict) -> dict:
     """The config.json of a StableLM config: `common` (hf_config's keys every family writes) with its own."""
     check_hf(cfg)
-    rope = {**common.get("rope_parameters", {}), "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim}
+    rope = rope_with_partial(cfg, common)
     skip = ("rms_norm_eps", "head_dim", "rope_parameters")
     return hf_dict({k: v for k, v in common.items() if k not in skip}, layer_norm_eps=cfg.rms_norm_eps,
                    rope_parameters=rope, use_qkv_bias=cfg.attention_bias, qk_layernorm=False,
