@@ -175,9 +175,9 @@ def test_expert_config_checks():
         tiny_config("qwen3_moe", moe_layers=(1,))
     with pytest.raises(ValueError, match="moe_impl='fast' is unknown"):
         tiny_config("qwen3_moe", moe_impl="fast")
-    with pytest.raises(ValueError, match="HF mixtral has experts in every layer"):
+    with pytest.raises(ValueError, match="HF MixtralForCausalLM has experts in every layer"):
         tiny_config("mixtral", moe_layers=(1, 0)).to_hf_dict()
-    with pytest.raises(ValueError, match="HF mixtral has experts of intermediate_size"):
+    with pytest.raises(ValueError, match="HF MixtralForCausalLM has experts of intermediate_size"):
         tiny_config("mixtral", moe_intermediate_size=8).to_hf_dict()
     cfg = tiny_config("qwen3_moe", moe_layers=(1, 1))
     assert cfg.moe_layers is None and cfg.layer_is_moe(1) and cfg.expert_size == 32

@@ -213,7 +213,7 @@ def test_per_layer_windows_and_rope_tables():
         ModelConfig(architecture="qwen2", layer_types=("sliding_attention",) * 3, **base)
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         ModelConfig(architecture="mistral", sliding_window=0, **base)
-    with pytest.raises(ValueError, match="HF Llama has no sliding-window"):
+    with pytest.raises(ValueError, match="HF LlamaForCausalLM has no sliding-window"):
         ModelConfig(architecture="llama", sliding_window=4, **base).to_hf_dict()
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from areal_jax.models.config_checks import MLA
 from areal_jax.models.glm4 import partial_rotary_keys
-from areal_jax.models.hf_family import reader
+from areal_jax.models.hf_family import reader, rope_of
 
 HF_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
               "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
@@ -99,15 +99,13 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of a config.json of one of `HF_CLASSES`' model types (transformers' config defaults where a
     key is absent)."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
-
     _check_keys(d, model_type)
     defaults, latent = _DEFAULTS[model_type], model_type in LATENT
 
     get = reader(d, defaults)
 
     layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
-    rope, _ = _hf_rope(d, model_type)
+    rope, _ = rope_of(d)
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
     partial = float(rope.pop("partial_rotary_factor", get("partial_rotary_factor") or 1.0) or 1.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import reader
+from areal_jax.models.hf_family import reader, rope_of
 
 HF_CLASSES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 _DEFAULTS = {  # transformers' config defaults, where a config.json leaves a key out
@@ -41,7 +41,6 @@ def _moe_flags(get: Any, layers: int) -> tuple[int, ...] | None:
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32) -> Any:
     """A ModelConfig of an ERNIE 4.5 config.json (transformers' defaults where a key is absent)."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches here)
 
     defaults = _DEFAULTS[model_type]
 
@@ -52,7 +51,7 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                          "checkpoints have none.")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not ERNIE 4.5's ('silu').")
-    rope, _ = _hf_rope(d, model_type)
+    rope, _ = rope_of(d)
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 500000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     heads, layers = int(get("num_attention_heads")), int(get("num_hidden_layers"))

@@ -17,6 +17,28 @@ def rename(name: str, pairs) -> str:
     return name
 
 
+def rope_of(d: dict, local_base: Callable[[dict, dict], float] | None = None) -> tuple[dict, float | None]:
+    """(the global layers' rope parameters, the sliding layers' own rope base or None) of an HF config: a flat
+    rope_parameters / rope_scaling, or (where the family's sliding layers have a base of their own: `local_base`, Gemma
+    3's and OLMo 3's) a dictionary per layer type, whose sliding layers take the default RoPE of their own base (else
+    `local_base(d, the global layers' parameters)`: Gemma's rope_local_base_freq, OLMo 3's rope_theta without the
+    global layers' scaling)."""
+    params = dict(d.get("rope_parameters") or {})
+    local = None
+    if local_base is not None:
+        if "full_attention" in params or "sliding_attention" in params:
+            local_params = dict(params.get("sliding_attention") or {})
+            params = dict(params.get("full_attention") or {})
+            if local_params.get("rope_type", "default") != "default":
+                raise ValueError(f"The sliding layers have rope {local_params}; only the default RoPE is supported "
+                                 "there.")
+            local = local_params.get("rope_theta")
+        local = float(local if local is not None else local_base(d, params))
+    if d.get("rope_scaling"):
+        params.update(d["rope_scaling"])
+    return params, local
+
+
 def reader(d: dict, defaults: dict, *, none_is_default: bool = False) -> Callable[[str], Any]:
     """`get(key)`: config.json `d`'s value of key, else transformers' default from `defaults` (None where it has none);
     with none_is_default, a key the file sets to null reads as the default too (as those families' classes do)."""
@@ -28,18 +50,16 @@ def reader(d: dict, defaults: dict, *, none_is_default: bool = False) -> Callabl
 def common_fields(d: dict, model_type: str, defaults: dict, family: str,
                   act: str = "silu") -> tuple[dict, Callable[[str], Any]]:
     """(ModelConfig fields, get): `get(key)` reads a key of `d` with transformers' default from `defaults` where the
-    file leaves it out; the fields are the architecture, sizes, head layout, RoPE (base and scaling, as `_hf_rope`
+    file leaves it out; the fields are the architecture, sizes, head layout, RoPE (base and scaling, as `rope_of`
     reads them), norm epsilon, embedding tying, context length and special tokens. A hidden_act other than `act`
     (the family's; transformers' default where the file leaves it out) and partial rotary embeddings are refused,
     naming the family."""
-    from areal_jax.models.hf_config import _hf_rope  # noqa: PLC0415 (hf_config dispatches to the families)
-
     get = reader(d, defaults)
 
     if d.get("hidden_act", act) != act:
         raise ValueError(f"hidden_act={d['hidden_act']!r} is not {family}'s ({act!r}).")
     heads = int(get("num_attention_heads"))
-    rope, _ = _hf_rope(d, model_type)
+    rope, _ = rope_of(d)
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
     if float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor != 1 is not {family}'s (it rotates every dimension of a head).")
