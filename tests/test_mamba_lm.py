@@ -2,7 +2,8 @@
 transformers (PyTorch, float32): Mamba or Mamba-2 mixers alone in every layer (Falcon-Mamba's with unscaled norms of the
 time step's input, B and C); logits and round trips both ways, transformers' own config classes, Mamba-Codestral-7B's
 parameter count, the sampler's decode of a model with no attention layer (dense
-cache, pages) against full forwards, LoRA through PEFT, the refusals."""
+cache, pages) against full forwards, LoRA through PEFT, the refusals; the float32 residual stream (residual_in_fp32)
+in bfloat16 compute against transformers' own."""
 import pytest
 
 from areal_jax.models import lora
@@ -89,7 +90,7 @@ def test_the_refusals_name_what_to_change():
     with pytest.raises(ValueError, match="no norms of the time step's input"):
         tiny_config("mamba", mamba1=(128, 8, 4, 4, "plain", 1e-5)).to_hf_dict()
     with pytest.raises(ValueError, match="Mamba mixers alone in every layer"):
-        tiny_config("mamba", num_layers=2, mlp_layers=(1, 0)).to_hf_dict()
+        tiny_config("mamba", num_layers=2, mlp_layers=(1, 0), residual_in_fp32=False).to_hf_dict()
     d2 = {**d, "model_type": "mamba2", "num_heads": 4, "head_dim": 32, "n_groups": 2}
     with pytest.raises(ValueError, match=r"num_heads x head_dim \(4 x 16\) must equal expand x hidden_size"):
         ModelConfig.from_hf_dict({**d2, "head_dim": 16})
@@ -97,6 +98,55 @@ def test_the_refusals_name_what_to_change():
         ModelConfig.from_hf_dict({**d2, "time_step_limit": [0.0, 0.1]})
     with pytest.raises(ValueError, match="normalised after the gate"):
         tiny_config("mamba2", mamba=(4, 32, 16, 2, 4, "before_gate")).to_hf_dict()
+    assert ModelConfig.from_hf_dict(d).residual_in_fp32  # (transformers' default, the released checkpoints')
+    assert not ModelConfig.from_hf_dict({**d, "residual_in_fp32": False}).residual_in_fp32
+    with pytest.raises(ValueError, match="residual_in_fp32=True is supported for layers without a feed-forward"):
+        tiny_config("llama", residual_in_fp32=True)
+    with pytest.raises(ValueError, match="residual_in_fp32 .* is Mamba's"):
+        tiny_config("nemotron_h", num_layers=1, layer_types=("linear_attention",), mlp_layers=(0,),
+                    residual_in_fp32=True).to_hf_dict()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
+def test_the_float32_residual_stream_in_bfloat16_compute(tmp_path, arch):
+    """bf16 weights and compute, each mixer's output small beside the stream (out_proj times 0.005, so a bf16 stream
+    rounds much of it away): with residual_in_fp32 our logits are nearer transformers' (bf16, residual_in_fp32 on)
+    and the float32 model's than with the stream in bf16, as transformers' are with it on than off; float32 compute is
+    unchanged by it (the parity test)."""
+    torch = pytest.importorskip("torch", reason="parity tests need PyTorch")
+    pytest.importorskip("transformers", reason="parity tests need transformers")
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from areal_jax.models import load_hf_checkpoint
+    from areal_jax.testing.hf import hf_logits
+
+    hf = hf_model_of(tiny_config(arch, num_layers=6), seed=1)
+    with torch.no_grad():
+        for layer in hf.backbone.layers:
+            layer.mixer.out_proj.weight.mul_(0.005)
+    hf.save_pretrained(tmp_path)
+    tokens = random_tokens(97, (2, 64), seed=2)
+    exact = hf_logits(hf, tokens)
+    hf = hf.to(torch.bfloat16)
+    theirs = hf_logits(hf, tokens).astype(np.float32)
+    for layer in hf.backbone.layers:
+        layer.residual_in_fp32 = False
+    theirs_bf16_stream = hf_logits(hf, tokens).astype(np.float32)
+    ours = load_hf_checkpoint(tmp_path, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    assert ours.cfg.residual_in_fp32 and ours.embed(jnp.asarray(tokens)).dtype == jnp.float32
+    bf16_stream = type(ours)(ours.cfg.replace(residual_in_fp32=False), rngs=nnx.Rngs(0))
+    nnx.update(bf16_stream, nnx.state(ours))
+    got, got_bf16_stream = (np.asarray(m(jnp.asarray(tokens)), np.float32) for m in (ours, bf16_stream))
+
+    def gap(a, b):
+        return float(np.abs(a - b).mean())
+
+    assert gap(theirs, exact) < 0.85 * gap(theirs_bf16_stream, exact)  # (the mechanism, in transformers)
+    assert gap(got, theirs) < 0.8 * gap(got_bf16_stream, theirs)
+    assert gap(got, exact) < 0.85 * gap(got_bf16_stream, exact)
 
 
 def test_mamba_codestral_7b_parameter_count():

@@ -58,7 +58,9 @@ class ModelConfig(LayerForm):
     attn_logit_softcap, final_logit_softcap: Gemma 2's tanh soft-capping, c * tanh(x / c), of the attention
       scores (after scaling, before the mask) and of the output logits; None: none.
     attention_bias: whether q/k/v projections carry a bias (Qwen2 always does); attention_out_bias: o_proj too;
-      mlp_bias: the dense MLPs' projections (StarCoder2's). clip_qkv: q, k and v clamped to [-clip_qkv, clip_qkv] right
+      mlp_bias: the dense MLPs' projections (StarCoder2's). residual_in_fp32: the residual stream between layers is
+      float32 whatever the compute dtype (each block's norm takes it rounded to the compute dtype, its output is added
+      in float32: Mamba's, Falcon-Mamba's, Mamba-2's; needs layers without a feed-forward). clip_qkv: q, k and v clamped to [-clip_qkv, clip_qkv] right
       after their projections (OLMo's), or None.
     attention_sinks: each attention head has a learned logit `sinks` [H] that joins every query's softmax as one
       more key whose value is zero (gpt-oss): the weights of the real keys then sum to less than 1.
@@ -144,6 +146,7 @@ class ModelConfig(LayerForm):
     expert_dispatch: str = "auto"
     attention_out_bias: bool = False
     mlp_bias: bool = False
+    residual_in_fp32: bool = False
     clip_qkv: float | None = None
     attention_sinks: bool = False
     expert_bias: bool = False
@@ -191,7 +194,7 @@ class ModelConfig(LayerForm):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         checks.check_attention_layout(self, LAYER_TYPES)
         for check in (checks.check_experts, checks.check_gated_experts, checks.check_routing, checks.check_mla,
-                      checks.check_linear, checks.check_head_gate):
+                      checks.check_linear, checks.check_head_gate, checks.check_residual):
             check(self)
         checks.check_rope_scaling(self)
 

@@ -46,6 +46,14 @@ def check_attention_layout(cfg, layer_types: tuple[str, ...]) -> None:
         raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {cfg.rope_local_theta}.")
 
 
+def check_residual(cfg) -> None:
+    """A float32 residual stream (`residual_in_fp32`) is modelled for blocks x + mixer(norm(x)) alone: every layer
+    without a feed-forward (Mamba's, Falcon-Mamba's, Mamba-2's)."""
+    if cfg.residual_in_fp32 and any(cfg.layer_has_mlp(i) for i in range(cfg.num_layers)):
+        raise ValueError("residual_in_fp32=True is supported for layers without a feed-forward (mlp_layers all 0: the "
+                         "Mamba families' blocks x + mixer(norm(x))); set residual_in_fp32=False.")
+
+
 def check_longrope(scaling: dict, rope_dim: int, max_position_embeddings: int) -> None:
     """LongRoPE's keys in `scaling` (changed in place), completed as transformers completes them (factor from the
     context lengths); its factor lists become tuples of floats (the config stays hashable)."""

@@ -55,6 +55,9 @@ def check_loadable(cfg: Any) -> None:
                                                                 "nemotron_h", "jamba", "cohere2"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
+    if cfg.residual_in_fp32 and cfg.architecture not in ("mamba", "falcon_mamba", "mamba2"):
+        raise ValueError(f"residual_in_fp32 (a float32 residual stream) is Mamba's, Falcon-Mamba's and Mamba-2's; HF "
+                         f"{cfg.architecture} keeps it in the compute dtype.")
     if cfg.mlp_layers is not None and cfg.architecture not in ("nemotron_h", "mamba", "falcon_mamba", "mamba2"):
         raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
                          "in every layer.")

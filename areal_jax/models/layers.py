@@ -321,6 +321,7 @@ class DecoderLayer(nnx.Module):
         self.pre_ffn_norm = make_norm(cfg) if cfg.sandwich_norms else None
         self.post_ffn_norm = make_norm(cfg) if cfg.sandwich_norms or olmo else None
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output times it before the add
+        self.norm_input = cfg.dtype if cfg.residual_in_fp32 else None  # a float32 stream, rounded for the norm
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, router_mask: jax.Array | None = None,
                  routes: jax.Array | None = None, replay: bool = False, record: bool = False,
@@ -346,7 +347,7 @@ class DecoderLayer(nnx.Module):
             extras.append(found)
             return out
 
-        h = x if self.input_norm is None else self.input_norm(x)
+        h = x if self.input_norm is None else self.input_norm(x if self.norm_input is None else x.astype(self.norm_input))
         if self.hybrid is not None:  # attention and the mixer side by side (Falcon-H1)
             attend, context = attend
             a_in, a_out, s_out = (jnp.asarray(v, h.dtype) for v in self.hybrid)

@@ -9,7 +9,8 @@ epsilon mixer_rms_eps) alone (`ModelConfig.mlp_layers` all 0); Mamba-2's is a Ma
 num_heads heads of head_dim = expand x hidden_size channels, n_groups groups of B and C of state_size, its output's
 grouped norm after the gate). Names: backbone.embeddings, backbone.layers.{i}.norm and .mixer.*, backbone.norm_f.
 chunk_size (the scan's chunks) changes how, not what, is computed. The attention fields of the ModelConfig (heads, head_dim, intermediate_size) are unused
-placeholders. Not modelled: residual_in_fp32 (the residual stream is in the compute dtype; the same in float32).
+placeholders. residual_in_fp32 (true by default, as in the released checkpoints): the residual stream stays float32
+whatever the compute dtype, each block's norm taking it rounded to the compute dtype (`ModelConfig.residual_in_fp32`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ HF_CLASSES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausal
 _DEFAULTS = dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32, layer_norm_epsilon=1e-5,
                  bos_token_id=0, eos_token_id=0, expand=2, conv_kernel=4, use_bias=False, use_conv_bias=True,
                  hidden_act="silu", time_step_rank="auto", tie_word_embeddings=True,
-                 mixer_rms_eps=1e-6)  # transformers' MambaConfig, FalconMambaConfig
+                 mixer_rms_eps=1e-6, residual_in_fp32=True)  # transformers' MambaConfig, FalconMambaConfig
 _MAMBA2_DEFAULTS = dict(_DEFAULTS, num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128,
                         num_hidden_layers=64, bos_token_id=0, eos_token_id=2, n_groups=8,
                         tie_word_embeddings=False)  # transformers' Mamba2Config
@@ -69,7 +70,8 @@ def _fields(get: Any, model_type: str, hidden: int, layers: int) -> dict:
                 **_PLACEHOLDERS, rms_norm_eps=float(get("layer_norm_epsilon")),
                 tie_word_embeddings=bool(get("tie_word_embeddings")), max_position_embeddings=CONTEXT,
                 bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-                layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers)
+                layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers,
+                residual_in_fp32=bool(get("residual_in_fp32")))
 
 
 def _mamba2_shapes(d: dict, get: Any, hidden: int) -> Mamba2:
@@ -121,7 +123,7 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
         m = cfg.mamba1
         own = dict(state_size=m.state, expand=m.inner // cfg.hidden_size, conv_kernel=m.conv_kernel,
                    time_step_rank=m.dt_rank, use_bias=False, use_conv_bias=True)
-    own.update(layer_norm_epsilon=cfg.rms_norm_eps, residual_in_fp32=False)
+    own.update(layer_norm_epsilon=cfg.rms_norm_eps, residual_in_fp32=cfg.residual_in_fp32)
     if cfg.architecture == "falcon_mamba":
         own["mixer_rms_eps"] = m.norm_eps
     dropped = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",

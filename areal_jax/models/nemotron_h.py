@@ -12,8 +12,8 @@ string). Here a mixer and the MLP or experts block after it are one decoder laye
 norm, its norm before the feed-forward the next block's), and a mixer followed by another mixer is a layer without a
 feed-forward (`ModelConfig.mlp_layers`). A feed-forward block that follows no mixer, experts through a latent
 projection (moe_latent_size), biases and a sliding window are refused; multi-token prediction layers
-(num_nextn_predict_layers) are not built (transformers' class has none either). residual_in_fp32 is not modelled: the
-residual stream is in the compute dtype (the same in float32).
+(num_nextn_predict_layers) are not built (transformers' class has none either). residual_in_fp32 changes nothing, as in
+transformers' class (its blocks add in the compute dtype).
 
 Checkpoints name their tensors backbone.embeddings, backbone.layers.{b}.norm / .mixer.*, backbone.norm_f and lm_head
 (the released ones, and transformers writes them so); transformers' modules are model.* (`disk_names.in_memory`).

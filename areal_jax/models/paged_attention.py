@@ -344,6 +344,6 @@ def paged_hidden(model: Any, tokens: jax.Array, positions: jax.Array, cache: Pag
 
         x = cached_layer(layer, x, tables[cfg.layer_rope(i)], attend, picks) if not stateful else \
             state_layer(layer, x, tables[cfg.layer_rope(i)], ring_k, ring_v, cfg.state_entry(i), positions, picks, attend)
-    out = model.final_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
+    out = model.last_norm(x), PagedKVCache(k=tuple(k_all), v=tuple(v_all))
     out = out if rings is None else (*out, KVCache(k=tuple(ring_k), v=tuple(ring_v)))
     return (*out, stacked_routes(picks, b, t)) if record_routes else out

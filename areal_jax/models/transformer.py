@@ -287,8 +287,8 @@ class Transformer(nnx.Module):
                                           segment_ids > 0 if router_stats else None, per_layer, replay, record_routes)
                 if extras is not None and "routes" in extras:
                     extras["routes"] = jnp.moveaxis(extras["routes"], 0, 2)
-                return self.final_norm(h), extras
-            return self.final_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers, routes=per_layer,
+                return self.last_norm(h), extras
+            return self.last_norm(decoder_stack(self.layers, x, ropes, attends, remat, scan_layers, routes=per_layer,
                                                  replay=replay))
         s = cache.max_len
         rows = jnp.arange(b)[:, None]
@@ -320,12 +320,13 @@ class Transformer(nnx.Module):
                 x = state_layer(layer, x, ropes[i], ks, vs, cfg.state_entry(i), positions, routes_list, attend, how)
                 continue
             x = cached_layer(layer, x, ropes[i], attend, routes_list, how)
-        out = self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+        out = self.last_norm(x), KVCache(k=tuple(ks), v=tuple(vs))
         return (*out, stacked_routes(picks, b, t)) if record_routes else out
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> the embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(hidden_size); Granite:
-        times embedding_multiplier; rounded to the parameter dtype as HF does)."""
+        times embedding_multiplier; rounded to the parameter dtype as HF does); with residual_in_fp32 in float32, the
+        residual stream's dtype (after that rounding)."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens, axis=0)
         if cfg.gemma:
@@ -334,7 +335,12 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
         if cfg.embedding_norm:  # NanoChat's embeddings normalised (no scale) before the first layer
             x = rms_norm(x, None, cfg.rms_norm_eps)
-        return x.astype(cfg.dtype)
+        return x.astype(cfg.dtype).astype(jnp.float32 if cfg.residual_in_fp32 else cfg.dtype)
+
+    def last_norm(self, x: jax.Array) -> jax.Array:
+        """The final norm of the residual stream x, in the compute dtype (a float32 stream normalised in float32, then
+        rounded, as transformers' Mamba models hand it to their lm_head)."""
+        return self.final_norm(x).astype(self.cfg.dtype)
 
     def unembed_matrix(self) -> jax.Array:
         """[hidden_size, vocab] in the param dtype: the tied embedding transposed, or lm_head."""

@@ -201,7 +201,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         falcon = ("plain", 1e-5) if architecture == "falcon_mamba" else (None, None)
         fields.update(**{"mamba2": {"mamba": (4, 32, 16, 2, 4)}}.get(architecture, {"mamba1": (128, 8, 4, 4, *falcon)}), layer_types=("linear_attention",) * layers, mlp_layers=(0,) * layers, num_heads=1,
                       num_kv_heads=1, head_dim=2, intermediate_size=1, tie_word_embeddings=architecture != "mamba2",
-                      max_position_embeddings=1 << 20, qk_norm=False)
+                      max_position_embeddings=1 << 20, qk_norm=False, residual_in_fp32=True)  # (a float32 stream)
     if architecture == "olmo":  # unscaled LayerNorms; q, k and v clamped to [-0.5, 0.5] (bites at O(1) weights)
         fields.update(clip_qkv=0.5, rms_norm_eps=1e-5)
     if architecture == "stablelm":  # LayerNorms, a quarter of each head rotating, q/k/v biases (stablelm-2-1_6b's)
