@@ -1,4 +1,5 @@
-"""Granite 3.x (GraniteForCausalLM) and Granite 3 MoE (GraniteMoeForCausalLM): the four scalars (embeddings, residual
+"""Granite 3.x (GraniteForCausalLM), Granite 3 MoE (GraniteMoeForCausalLM) and Granite MoE Shared
+(GraniteMoeSharedForCausalLM: Granite 3 MoE's experts plus an ungated shared MLP): the four scalars (embeddings, residual
 branches, attention scale, logits) in the forward, the trainer's chunked log-probs with their gradient, and the
 sampler; against HF transformers (PyTorch, float32) where installed: logits, byte-identical round trips through
 GraniteMoe's stacked expert tensors, and what the real checkpoints' config.json says."""
@@ -69,7 +70,7 @@ def test_chunked_logprobs_divide_the_logits_with_their_gradient():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["granite", "granitemoe"])
+@pytest.mark.parametrize("arch", ["granite", "granitemoe", "granitemoeshared"])
 def test_sampler_decodes_granite_as_its_full_forward(arch):
     from areal_jax.testing.sampler import assert_greedy_decode_is_full_forward
 
@@ -97,6 +98,13 @@ def test_granite_config_layouts():
     cfg = ModelConfig.from_hf_dict(moe)
     assert cfg.num_experts == 32 and cfg.norm_topk_prob and cfg.expert_size == 512
     assert round(cfg.num_params / 1e9, 2) == 1.33  # "1.3B parameters, 400M active"
+    shared = ModelConfig.from_hf_dict({**moe, "architectures": ["GraniteMoeSharedForCausalLM"],
+                                       "model_type": "granitemoeshared", "shared_intermediate_size": 1024})
+    assert shared.shared_expert_size == 1024 and not shared.shared_expert_gated
+    assert shared.num_params - cfg.num_params == 24 * 3 * 1024 * 1024  # (gate, up and down of the shared MLP a layer)
+    assert ModelConfig.from_hf_dict({**moe, "model_type": "granitemoeshared"}).shared_expert_size is None
+    with pytest.raises(ValueError, match="shared expert is added ungated; set shared_expert_gated=False"):
+        testing.tiny_config("granitemoeshared", shared_expert_gated=True).to_hf_dict()
     with pytest.raises(ValueError, match="are Granite's"):
         testing.tiny_config("llama", logits_scaling=2.0).to_hf_dict()
     with pytest.raises(ValueError, match="logits_scaling must be a positive number"):
@@ -104,7 +112,7 @@ def test_granite_config_layouts():
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["granite", "granitemoe"])
+@pytest.mark.parametrize("arch", ["granite", "granitemoe", "granitemoeshared"])
 def test_granite_matches_transformers_and_round_trips(tmp_path, arch):
     torch = pytest.importorskip("torch", reason="parity tests need PyTorch (pip install areal_jax[parity])")
     transformers = pytest.importorskip("transformers", reason="parity tests need transformers (areal_jax[parity])")
@@ -112,13 +120,18 @@ def test_granite_matches_transformers_and_round_trips(tmp_path, arch):
                  num_key_value_heads=2, tie_word_embeddings=arch == "granite", **SCALARS)
     if arch == "granite":
         hf = transformers.GraniteForCausalLM(transformers.GraniteConfig(**shape))
-    else:
+    elif arch == "granitemoe":
         hf = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**shape, num_local_experts=4,
                                                                              num_experts_per_tok=2))
+    else:  # the shared MLP (shared_mlp.input_linear: gate and up rows; output_linear), added to the experts' output
+        hf = transformers.GraniteMoeSharedForCausalLM(transformers.GraniteMoeSharedConfig(
+            **shape, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40))
     hf = randomize_torch(hf.eval(), seed=1)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_hf_checkpoint(tmp_path / "hf")
     assert ours.cfg.architecture == arch and ours.cfg.residual_multiplier == 0.22
+    assert ours.cfg.shared_expert_size == (40 if arch == "granitemoeshared" else None)
+    assert ours.cfg.num_params == sum(p.numel() for p in hf.parameters())
     tokens = random_tokens(101, (2, 30), seed=2)
     ref = hf_logits(hf, tokens)
     assert np.abs(ref).max() > 1.0

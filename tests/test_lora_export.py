@@ -57,7 +57,7 @@ def test_peft_directory_round_trip(tmp_path):
 @pytest.mark.parametrize("arch,targets", [("qwen2", "all"), ("llama", "all"), ("gemma3", "all"), ("olmo3", "all"),
                                           ("phi3", "all"), ("phi3", "q,v,re:layers\\.1\\.mlp\\.up_proj"),
                                           ("qwen3_moe", "all"), ("granitemoe", "all"),
-                                          ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"),
+                                          ("qwen3_moe", "attn,experts"), ("granitemoe", "experts"), ("granitemoeshared", "attn,shared,experts"),
                                           ("mixtral", "q,re:layers\\.1\\.mlp\\.experts_(up|down)"), ("phimoe", "attn,experts"), ("flex_olmo", "attn,experts"),
                                           ("olmoe", "re:layers\\.0\\.mlp\\.experts_gate"),
                                           ("qwen2_moe", "experts"), ("qwen2_moe", "attn,shared"),

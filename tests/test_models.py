@@ -12,11 +12,11 @@ from areal_jax.testing.models import random_model, tiny_config
 
 # gemma3, olmo3: a sliding layer (window 8) and a full one; smollm3: a layer without rotary embeddings; exaone4: a
 # sliding layer and a full one without them; hunyuan_v1_dense: q/k norms after RoPE; qwen3_moe, mixtral, granitemoe,
-# olmoe, qwen2_moe (with a shared expert): 2 of 4 experts per token; ministral3: queries scaled past each 8 positions;
+# olmoe, qwen2_moe and granitemoeshared (with a shared expert): 2 of 4 experts per token; ministral3: queries scaled past each 8 positions;
 # phimoe: LayerNorms, output biases, sparsemixer routing; flex_olmo: OLMo 2's layer with experts; falcon_h1: attention
 # and Mamba-2 side by side in every layer
 ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "qwen3_moe", "mixtral",
-         "granite", "granitemoe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4", "exaone_moe",
+         "granite", "granitemoe", "granitemoeshared", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "exaone4", "exaone_moe",
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
          "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",

@@ -43,6 +43,7 @@ class Family:
     gemma: bool = False
     softcaps: tuple[float, float] | None = None  # Gemma 2's defaults; other Gemmas refuse soft-capping
     experts: str | None = None
+    shared: tuple[str, bool] | None = None  # a shared expert beside them: (the config.json key of its width, gated)
     fields: Callable[[dict], dict] | None = None
     granite: bool = False
     no_rope_layers: bool = False  # SmolLM3's per-layer RoPE flags
@@ -91,6 +92,8 @@ def _granite(cfg: Any, d: dict, shape: Written) -> None:
 def _granite_moe(cfg: Any, d: dict, shape: Written) -> None:
     _granite(cfg, d, shape)
     d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False)
+    if cfg.architecture == "granitemoeshared":
+        d["shared_intermediate_size"] = cfg.shared_expert_size or 0
 
 
 def _gpt_oss(cfg: Any, d: dict, shape: Written) -> None:
@@ -199,8 +202,11 @@ BASE: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", _mixtral, windows="every", experts="every"),
     "granite": Family("GraniteForCausalLM", _granite, granite=True),
     "granitemoe": Family("GraniteMoeForCausalLM", _granite_moe, granite=True, experts="every"),
+    "granitemoeshared": Family("GraniteMoeSharedForCausalLM", _granite_moe, granite=True, experts="every",
+                               shared=("shared_intermediate_size", False)),
     "olmoe": Family("OlmoeForCausalLM", _olmoe, qk_norm=True, experts="olmoe"),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen_moe, windows="from_layer", attention_bias=True, experts="qwen2"),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen_moe, windows="from_layer", attention_bias=True, experts="steps",
+                        shared=("shared_expert_intermediate_size", True)),
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, windows="pattern", period=2, default_window=128,
                       default_theta=1.5e5, attention_bias=None, fields=gpt_oss.hf_fields),
     "minimax_m2": Family("MiniMaxM2ForCausalLM", _partial_family(minimax), default_theta=5e6, qk_norm=True,
@@ -214,7 +220,7 @@ def hf_experts(d: dict, family: Family, model_type: str, num_layers: int) -> dic
     """ModelConfig's mixture-of-experts fields of an HF config (none for the dense families): Qwen-MoE's experts in
     every decoder_sparse_step-th layer outside mlp_only_layers; Mixtral's and Granite MoE's in every layer, of
     intermediate_size, their weights always renormalised (Granite's softmax over the top-k logits); OLMoE's in every
-    layer, of intermediate_size."""
+    layer, of intermediate_size; a shared expert where the row has one and its width is not 0."""
     if family.fields is not None:
         return family.fields(d)
     if family.experts is None:
@@ -224,14 +230,15 @@ def hf_experts(d: dict, family: Family, model_type: str, num_layers: int) -> dic
         raise ValueError(f"HF config for {model_type} needs num_experts (or num_local_experts) and "
                          "num_experts_per_tok.")
     out = dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]))
+    width = int(d.get(family.shared[0]) or 0) if family.shared is not None else 0
+    if width:
+        out.update(shared_expert_size=width, shared_expert_gated=family.shared[1])
     if family.experts == "every":
         return {**out, "norm_topk_prob": True}
     if family.experts == "olmoe":
         return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
     step, dense_only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
     flags = tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers))
-    if family.experts == "qwen2":
-        out["shared_expert_size"] = int(d.get("shared_expert_intermediate_size") or 0) or None
     return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "moe_intermediate_size": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
             "moe_layers": None if all(flags) else flags}
@@ -295,5 +302,9 @@ def check_hf(cfg: Any) -> None:
     if cfg.rotary_dim is not None and not family.partial:
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {arch} rotates every dimension of a "
                          "head.")
-    if cfg.shared_expert_size is not None and family.experts != "qwen2":
-        raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's; HF {arch} has none.")
+    if cfg.shared_expert_size is not None and family.shared is None:
+        raise ValueError(f"shared_expert_size (a shared expert) is Qwen2-MoE's and Granite MoE Shared's; HF {arch} has "
+                         "none.")
+    if cfg.shared_expert_size is not None and cfg.shared_expert_gated != family.shared[1]:
+        raise ValueError(f"HF {arch}'s shared expert is {'gated by a sigmoid' if family.shared[1] else 'added ungated'}; "
+                         f"set shared_expert_gated={family.shared[1]}.")

@@ -27,7 +27,7 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"logit soft-capping is Gemma 2's (and NanoChat's, of the logits); HF {cfg.architecture} has "
                          "none.")
     sliding = any(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
-    granite = cfg.architecture in ("granite", "granitemoe", "granitemoehybrid")
+    granite = cfg.architecture == "granitemoehybrid" or getattr(base_families.BASE.get(cfg.architecture), "granite", False)
     own = GRANITE_SCALARS[1:] if cfg.architecture == "falcon_h1" else GRANITE_SCALARS[:3] if cfg.parallel_block \
         else GRANITE_SCALARS  # (Falcon-H1's embeddings', Cohere's logit_scale)
     if not granite and any(getattr(cfg, k) is not None for k in own):

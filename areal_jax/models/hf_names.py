@@ -227,11 +227,14 @@ def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> lis
     return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.norm_bias else out
 
 
+_GRANITE_EXPERTS = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # stacked experts; a shared MLP (shared_mlp)
+
+
 def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
     """A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and mlp.experts.{j}.{gate,up,down}_proj,
     Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down), Granite's
     block_sparse_moe.router.layer and its experts stacked: input_linear [E, 2F, D] (gate rows, then up) and
-    output_linear [E, D, F]; Qwen2-MoE's and OLMoE's as Qwen3-MoE's (Qwen2-MoE with its shared expert)."""
+    output_linear [E, D, F] (Granite MoE Shared's and Granite 4.0's with their shared_mlp); Qwen2-MoE's and OLMoE's as Qwen3-MoE's (Qwen2-MoE with its shared expert)."""
     if cfg.architecture == "gpt_oss":  # stacked experts, gate and up interleaved in one tensor, biases
         base = f"{hf}.mlp"
         return [_Entry(path + ("router",), f"{base}.router.weight", "in_first"),
@@ -240,7 +243,7 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                          interleave=(j, 2)) for suffix in ("", "_bias") for j, part in enumerate(("gate", "up"))),
                 _Entry(path + ("experts_down",), f"{base}.experts.down_proj", "same"),
                 _Entry(path + ("experts_down_bias",), f"{base}.experts.down_proj_bias", "same")]
-    if cfg.architecture in ("granitemoe", "granitemoehybrid"):
+    if cfg.architecture in _GRANITE_EXPERTS:
         base, f = f"{hf}.block_sparse_moe", cfg.expert_size
         return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
                 _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
@@ -271,7 +274,7 @@ def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) ->
     if not cfg.shared_expert_size:
         return []
     shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
-    if cfg.architecture == "granitemoehybrid":  # Granite 4.0's shared MLP beside the experts: gate and up fused
+    if cfg.architecture in _GRANITE_EXPERTS:  # Granite's shared MLP beside the experts: gate and up fused
         w, mlp = cfg.shared_expert_size, base.removesuffix("block_sparse_moe") + "shared_mlp"
         return [_Entry(shared + ("gate_proj",), f"{mlp}.input_linear.weight", "in_first", (0, w, 2 * w)),
                 _Entry(shared + ("up_proj",), f"{mlp}.input_linear.weight", "in_first", (w, 2 * w, 2 * w)),

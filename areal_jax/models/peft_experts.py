@@ -47,7 +47,7 @@ def experts_module(model_or_cfg: Any, layer: int) -> str:
         from areal_jax.models.nemotron_h import first_blocks  # noqa: PLC0415
 
         return f"model.layers.{first_blocks(cfg)[layer] + 1}.mixer.experts"
-    block = {"granitemoe": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
+    block = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
              "lfm2_moe": "feed_forward", "jamba": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
     return f"model.layers.{layer}.{block}.experts"
 
