@@ -10,7 +10,7 @@ from areal_jax.testing.models import tiny_config
 transformers = pytest.importorskip("transformers")
 
 _CONFIG_CLASS = {arch: family.hf_class.replace("ForCausalLM", "Config") for arch, family in BASE.items()}
-_CONFIG_CLASS["gemma3"] = "Gemma3TextConfig"
+_CONFIG_CLASS.update(gemma3="Gemma3TextConfig", internlm3="InternLM3Config")  # (InternLM3: Llama's model)
 _SLIDING = dict(sliding_window=64, use_sliding_window=True, max_position_embeddings=512, max_window_layers=2,
                 num_hidden_layers=6)
 

@@ -50,6 +50,7 @@ class Family:
     rope_interleave: bool = False
     longrope_aliases: bool = False  # Phi-3's older names of LongRoPE ("su", "yarn")
     defaults: dict | None = None  # keys a config.json may leave out, with transformers' values
+    aliases: dict | None = None  # older key names transformers reads as others (InternLM3's qkv_bias: attention_bias)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ def _window(cfg: Any, shape: Written) -> int | None:
 
 def _llama(cfg: Any, d: dict, shape: Written) -> None:
     d["mlp_bias"] = False
+
+
+def _internlm3(cfg: Any, d: dict, shape: Written) -> None:
+    d.update(mlp_bias=False, pad_token_id=None)  # (its default, 2, is a token id of its own vocabulary only)
 
 
 def _nothing(cfg: Any, d: dict, shape: Written) -> None:
@@ -188,6 +193,10 @@ BASE: dict[str, Family] = {
     "qwen2": Family("Qwen2ForCausalLM", _qwen, windows="from_layer", attention_bias=True),
     "qwen3": Family("Qwen3ForCausalLM", _qwen, windows="from_layer", qk_norm=True),
     "llama": Family("LlamaForCausalLM", _llama),
+    # InternLM3 (internlm3-8b-instruct): transformers runs model type internlm3 as Llama's model and layer
+    "internlm3": Family("LlamaForCausalLM", _internlm3, aliases={"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+                        defaults=dict(head_dim=128, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
     "mistral": Family("MistralForCausalLM", _mistral, windows="every"),
     "gemma2": Family("Gemma2ForCausalLM", _gemma2, windows="pattern", period=2, gemma=True, softcaps=(50.0, 30.0)),
     "gemma3": Family("Gemma3ForCausalLM", _gemma3, model_type="gemma3_text", windows="pattern", period=6,

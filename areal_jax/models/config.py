@@ -15,13 +15,13 @@ from areal_jax.models.layer_form import LayerForm
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "internlm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
                  "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo",
                  "nanochat", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -43,7 +43,9 @@ class ModelConfig(LayerForm):
       {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} (Qwen2.5 / Qwen3 long
       context), {"rope_type": "linear", "factor": 8.0} (positions divided by the factor), or Phi's
       {"rope_type": "longrope", "short_factor": [...], "long_factor": [...], "original_max_position_embeddings":
-      4096} (each frequency divided by its factor; the long factors where "use_long_factor": `for_sequence_length`).
+      4096} (each frequency divided by its factor; the long factors where "use_long_factor": `for_sequence_length`),
+      or dynamic NTK scaling {"rope_type": "dynamic", "factor": 6.0} (InternLM3's: the default frequencies up to
+      max_position_embeddings, the only lengths a run may take here: `for_sequence_length`).
     sliding_window: a sliding layer's query at position p attends keys at positions p - sliding_window + 1 .. p
       (HF's convention: the last `sliding_window` tokens, itself included).
     layer_types: per layer "full_attention", "sliding_attention" (None: all sliding when sliding_window is set) or
@@ -207,8 +209,14 @@ class ModelConfig(LayerForm):
         """This config for sequences of up to `length` tokens: with LongRoPE, its long factors when `length`
         exceeds original_max_position_embeddings, else its short ones (transformers picks per forward call by
         the call's longest position; one choice per run keeps the sampler and the trainer on the same
-        positions). Other configs are returned as they are."""
+        positions). Dynamic NTK scaling changes the frequencies with each call's length past max_position_embeddings (in
+        transformers, even for keys cached before), so longer runs are refused. Other configs are returned as they are."""
         s = self.rope_scaling
+        if s is not None and s.get("rope_type") == "dynamic" and int(length) > self.max_position_embeddings:
+            raise ValueError(f"rope_scaling {s} (dynamic NTK scaling) keeps the default RoPE up to "
+                             f"max_position_embeddings={self.max_position_embeddings} and changes it with each call's "
+                             f"length past that, which is not supported here; keep sequences (rollout.max_len) to "
+                             f"{self.max_position_embeddings} tokens or fewer (asked for {int(length)}).")
         if s is None or s.get("rope_type") != "longrope":
             return self
         use_long = int(length) > int(s["original_max_position_embeddings"])

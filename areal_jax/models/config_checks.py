@@ -234,8 +234,8 @@ def check_rope_scaling(cfg) -> None:
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported types are "
                              f"{', '.join(_ROPE_TYPES)} (or rope_scaling=None).")
-        if rope_type == "linear" and not float(scaling.get("factor") or 0) > 0:
-            raise ValueError(f"rope_scaling of type 'linear' needs a positive factor; got {scaling}.")
+        if rope_type in ("linear", "dynamic") and not float(scaling.get("factor") or 0) > 0:
+            raise ValueError(f"rope_scaling of type {rope_type!r} needs a positive factor; got {scaling}.")
         if rope_type == "llama3":
             missing = [k for k in _LLAMA3_KEYS if k not in scaling]
             if missing:

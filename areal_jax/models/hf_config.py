@@ -68,7 +68,7 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
 def _base_config(cls: type, d: dict, model_type: str, dtype: Any, param_dtype: Any) -> Any:
     """A config of one of `base_families.BASE`'s families, read as its row says its transformers class reads it."""
     family = BASE[model_type]
-    d = {**(family.defaults or {}), **d}
+    d = {**(family.defaults or {}), **{new: d[old] for old, new in (family.aliases or {}).items() if old in d}, **d}
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:

@@ -23,8 +23,8 @@ def rope_inv_freq(cfg: ModelConfig, table: str = "global") -> np.ndarray:
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     scaling = None if local else cfg.rope_scaling
-    if scaling is None or scaling.get("rope_type") == "default":
-        return inv_freq
+    if scaling is None or scaling.get("rope_type") in ("default", "dynamic"):  # (dynamic: the default up to
+        return inv_freq  # max_position_embeddings, the only lengths allowed: ModelConfig.for_sequence_length)
     if scaling["rope_type"] == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if scaling["rope_type"] == "proportional":  # the first partial_rotary_factor of the pairs turn (exponents over
