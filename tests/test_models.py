@@ -20,7 +20,7 @@ ARCHS = ["qwen2", "qwen3", "llama", "gemma2", "gemma3", "olmo2", "olmo3", "smoll
          "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "arcee", "qwen3_5_text",
          "qwen3_5_moe_text", "ministral3", "qwen3_next", "phimoe", "flex_olmo", "lfm2", "lfm2_moe", "lfm3",
          "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
-         "falcon_mamba", "mamba2", "cwm", "youtu", "nanochat", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo"]
+         "falcon_mamba", "mamba2", "cwm", "youtu", "nanochat", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo", "jais2"]
 
 
 def _jitted(model):

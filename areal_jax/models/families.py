@@ -20,6 +20,7 @@ from areal_jax.models import (
     granite4,
     helium,
     hunyuan,
+    jais2,
     jamba,
     lfm2,
     lfm3,
@@ -42,4 +43,4 @@ from areal_jax.models import (
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
                cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus,
-               stablelm, exaone3, olmo)
+               stablelm, exaone3, olmo, jais2)

@@ -44,14 +44,15 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM, OLMo)."""
-        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm", "olmo")
+        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM, OLMo, Jais 2)."""
+        return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm", "olmo",
+                                     "jais2")
 
     @property
     def norm_bias(self) -> bool:
         """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's, Phi's,
-        StableLM's; Cohere's have none)."""
-        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi", "stablelm")
+        StableLM's, Jais 2's; Cohere's have none)."""
+        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi", "stablelm", "jais2")
 
     @property
     def parallel_block(self) -> bool:
@@ -67,8 +68,9 @@ class LayerForm:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(act(x @ up))
-        (Arcee, Nemotron-H, NanoChat: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU; Apertus: xIELU)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi", "apertus")
+        (Arcee, Nemotron-H, NanoChat, Jais 2: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU; Apertus: xIELU)."""
+        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi", "apertus",
+                                         "jais2")
 
     @property
     def mlp_activation(self) -> str:

@@ -29,8 +29,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
     bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi,
-    glm, helium, ministral, apertus, stablelm, exaone (Llama's), olmo, cwm, youtu and nanochat as at their branches. Any ModelConfig field can be
-    overridden."""
+    glm, helium, ministral, apertus, stablelm, exaone (Llama's), olmo, jais2, cwm, youtu and nanochat as at their
+    branches. Any ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
@@ -58,9 +58,10 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rope_interleave=True, logits_scaling=4.0, rms_norm_eps=1e-5, **({} if full is None else dict(
             sliding_window=8, layer_types=tuple("full_attention" if f else "sliding_attention" for f in full),
             rope_layers=tuple(int(not f) for f in full))))
-    if architecture in ("starcoder2", "gpt_neox", "phi"):  # LayerNorms, ungated GELU MLPs, biases; a window (StarCoder2)
-        own = {"starcoder2": dict(sliding_window=8), "gpt_neox": dict(num_kv_heads=4, rotary_dim=4)}.get(
-            architecture, dict(num_kv_heads=4, rotary_dim=6, lm_head_bias=True))
+    if architecture in ("starcoder2", "gpt_neox", "phi", "jais2"):  # LayerNorms, ungated GELU (Jais 2: relu2) MLPs,
+        # biases; a window (StarCoder2)
+        own = {"starcoder2": dict(sliding_window=8), "gpt_neox": dict(num_kv_heads=4, rotary_dim=4),
+               "phi": dict(num_kv_heads=4, rotary_dim=6, lm_head_bias=True)}.get(architecture, {})
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True, rms_norm_eps=1e-5, **own)
     if architecture == "smollm3":  # its NoPE layers: the second of every pair here
         fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
