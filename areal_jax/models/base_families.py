@@ -1,5 +1,6 @@
-"""The families `hf_config` reads and writes through one shared path (Qwen2 / Qwen3 and their MoEs, Llama, Mistral,
-Mixtral, Gemma 2 / 3, OLMo 2 / 3, OLMoE, SmolLM3, Phi-3, Granite and Granite MoE, gpt-oss, MiniMax-M2, GLM-4), each
+"""The families `hf_config` reads and writes through one shared path (Qwen2 / Qwen3 and their MoEs, Llama, InternLM3,
+Mistral, Mixtral, Gemma 2 / 3, OLMo 2 / 3, OLMoE, SmolLM3, Phi-3, Granite, Granite MoE and Granite MoE Shared, gpt-oss,
+MiniMax-M2, GLM-4), each
 described by one `Family` row of `BASE`: what its transformers class does where they differ (which layers slide, the
 default RoPE base, q/k norms, q/k/v biases, a partial rotary share, experts) and the config.json keys it writes of its
 own. The families with modules of their own (`families.OWN_MODULES`) read and write themselves."""
@@ -23,8 +24,10 @@ class Family:
     attention_bias=True, which would add an o_proj bias too, is refused). partial: a partial rotary share is read
     (`partial_default(d, head_dim)` where the file says none). experts: how its experts are read ("every": in every
     layer, of intermediate_size, renormalised; "olmoe": in every layer, of intermediate_size; "steps": Qwen-MoE's
-    decoder_sparse_step / mlp_only_layers; "qwen2": the same with a shared expert), or `fields(d)` reads its own
-    ModelConfig fields. write(cfg, d, shape): adds its own keys to config.json `d` (`shape`: see `Written`)."""
+    decoder_sparse_step / mlp_only_layers), or `fields(d)` reads its own ModelConfig fields; shared: the config.json
+    key of a shared expert's width (none where it is 0) and whether a sigmoid gates it (Qwen2-MoE's) or it is added as
+    it is (Granite MoE Shared's). aliases: older key names read as others. write(cfg, d, shape): adds its own keys to
+    config.json `d` (`shape`: see `Written`)."""
 
     hf_class: str
     write: Callable[[Any, dict, Any], None]
