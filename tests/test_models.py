@@ -262,8 +262,11 @@ def test_config_validation_and_hf_dict_round_trip():
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096}).layer_window(0) == 4096  # Mistral v0.1
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 32768}).sliding_window is None  # as long: full
-    with pytest.raises(ValueError, match="not supported"):
-        tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'ntk_tuned' is not supported"):
+        tiny_config("llama", rope_scaling={"rope_type": "ntk_tuned", "factor": 4.0})
+    dynamic = tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0})  # the default RoPE within
+    with pytest.raises(ValueError, match="dynamic NTK scaling"):  # max_position_embeddings, longer runs refused
+        dynamic.for_sequence_length(dynamic.max_position_embeddings + 1)
     with pytest.raises(ValueError, match="needs original_max_position_embeddings"):
         tiny_config("llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
     legacy = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
