@@ -100,8 +100,11 @@ def _granite(cfg: Any, d: dict, shape: Written) -> None:
 def _granite_moe(cfg: Any, d: dict, shape: Written) -> None:
     _granite(cfg, d, shape)
     d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False)
-    if cfg.architecture == "granitemoeshared":
-        d["shared_intermediate_size"] = cfg.shared_expert_size or 0
+
+
+def _granite_moe_shared(cfg: Any, d: dict, shape: Written) -> None:
+    _granite_moe(cfg, d, shape)
+    d["shared_intermediate_size"] = cfg.shared_expert_size or 0
 
 
 def _gpt_oss(cfg: Any, d: dict, shape: Written) -> None:
@@ -133,9 +136,12 @@ def _qwen_moe(cfg: Any, d: dict, shape: Written) -> None:
              num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.expert_size,
              norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense,
              output_router_logits=False)
-    if cfg.architecture == "qwen2_moe":
-        _qwen_window_keys(cfg, d, shape)
-        d.update(shared_expert_intermediate_size=cfg.shared_expert_size or 0, qkv_bias=True)
+
+
+def _qwen2_moe(cfg: Any, d: dict, shape: Written) -> None:
+    _qwen_moe(cfg, d, shape)
+    _qwen_window_keys(cfg, d, shape)
+    d.update(shared_expert_intermediate_size=cfg.shared_expert_size or 0, qkv_bias=True)
 
 
 def _qwen(cfg: Any, d: dict, shape: Written) -> None:
@@ -214,10 +220,10 @@ BASE: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", _mixtral, windows="every", experts="every"),
     "granite": Family("GraniteForCausalLM", _granite, granite=True),
     "granitemoe": Family("GraniteMoeForCausalLM", _granite_moe, granite=True, experts="every"),
-    "granitemoeshared": Family("GraniteMoeSharedForCausalLM", _granite_moe, granite=True, experts="every",
+    "granitemoeshared": Family("GraniteMoeSharedForCausalLM", _granite_moe_shared, granite=True, experts="every",
                                shared=("shared_intermediate_size", False)),
     "olmoe": Family("OlmoeForCausalLM", _olmoe, qk_norm=True, experts="olmoe"),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen_moe, windows="from_layer", attention_bias=True, experts="steps",
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, windows="from_layer", attention_bias=True, experts="steps",
                         shared=("shared_expert_intermediate_size", True)),
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, windows="pattern", period=2, default_window=128,
                       default_theta=1.5e5, attention_bias=None, fields=gpt_oss.hf_fields),
