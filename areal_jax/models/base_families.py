@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from areal_jax.models import glm4, gpt_oss, minimax
+from areal_jax.models.tensor_layout import LLAMA, Layout, block_sparse_moe
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class Family:
     layer, of intermediate_size, renormalised; "olmoe": in every layer, of intermediate_size; "steps": Qwen-MoE's
     decoder_sparse_step / mlp_only_layers), or `fields(d)` reads its own ModelConfig fields; shared: the config.json
     key of a shared expert's width (none where it is 0) and whether a sigmoid gates it (Qwen2-MoE's) or it is added as
-    it is (Granite MoE Shared's). aliases: older key names read as others. write(cfg, d, shape): adds its own keys to
+    it is (Granite MoE Shared's). aliases: older key names read as others. layout and hf_name: how its checkpoints
+store and name tensors (`hf_names.weight_entries`). write(cfg, d, shape): adds its own keys to
     config.json `d` (`shape`: see `Written`)."""
 
     hf_class: str
@@ -54,6 +56,8 @@ class Family:
     longrope_aliases: bool = False  # Phi-3's older names of LongRoPE ("su", "yarn")
     defaults: dict | None = None  # keys a config.json may leave out, with transformers' values
     aliases: dict | None = None  # older key names transformers reads as others (InternLM3's qkv_bias: attention_bias)
+    layout: Layout = LLAMA  # how its checkpoints store fused, stacked or moved tensors (`tensor_layout.Layout`)
+    hf_name: Callable[[str], str] | None = None  # its tensor names from the weight table's (Llama's, Qwen3-MoE's)
 
 
 @dataclass(frozen=True)
@@ -215,22 +219,27 @@ BASE: dict[str, Family] = {
     "olmo3": Family("Olmo3ForCausalLM", _olmo3, windows="pattern", keep_window=True, default_theta=5e5, qk_norm=True,
                     local_base=lambda d, full: full.get("rope_theta", d.get("rope_theta", 500_000.0))),
     "smollm3": Family("SmolLM3ForCausalLM", _smollm3, windows="from_layer", no_rope_layers=True),
-    "phi3": Family("Phi3ForCausalLM", _phi3, windows="every", partial=True, longrope_aliases=True),
+    "phi3": Family("Phi3ForCausalLM", _phi3, windows="every", partial=True, longrope_aliases=True,
+                   layout=Layout(qkv="fused", gate_up="fused")),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen_moe, windows="flagged", qk_norm=True, experts="steps"),
-    "mixtral": Family("MixtralForCausalLM", _mixtral, windows="every", experts="every"),
+    "mixtral": Family("MixtralForCausalLM", _mixtral, windows="every", experts="every", hf_name=block_sparse_moe),
     "granite": Family("GraniteForCausalLM", _granite, granite=True),
-    "granitemoe": Family("GraniteMoeForCausalLM", _granite_moe, granite=True, experts="every"),
+    "granitemoe": Family("GraniteMoeForCausalLM", _granite_moe, granite=True, experts="every",
+                         layout=Layout(experts="stacked")),
     "granitemoeshared": Family("GraniteMoeSharedForCausalLM", _granite_moe_shared, granite=True, experts="every",
-                               shared=("shared_intermediate_size", False)),
+                               shared=("shared_intermediate_size", False), layout=Layout(experts="stacked")),
     "olmoe": Family("OlmoeForCausalLM", _olmoe, qk_norm=True, experts="olmoe"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, windows="from_layer", attention_bias=True, experts="steps",
                         shared=("shared_expert_intermediate_size", True)),
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, windows="pattern", period=2, default_window=128,
-                      default_theta=1.5e5, attention_bias=None, fields=gpt_oss.hf_fields),
+                      default_theta=1.5e5, attention_bias=None, fields=gpt_oss.hf_fields,
+                      layout=Layout(experts="interleaved")),
     "minimax_m2": Family("MiniMaxM2ForCausalLM", _partial_family(minimax), default_theta=5e6, qk_norm=True,
-                         partial=True, partial_default=minimax.partial_factor, fields=minimax.hf_fields),
+                         partial=True, partial_default=minimax.partial_factor, fields=minimax.hf_fields,
+                         layout=Layout(score_bias="beside"), hf_name=block_sparse_moe),
     "glm4": Family("Glm4ForCausalLM", _partial_family(glm4), attention_bias=None, partial=True,
-                   partial_default=lambda d, head_dim: glm4.PARTIAL_ROTARY, rope_interleave=True),
+                   partial_default=lambda d, head_dim: glm4.PARTIAL_ROTARY, rope_interleave=True,
+                   layout=Layout(gate_up="fused"), hf_name=glm4.hf_name),
 }
 
 

@@ -17,8 +17,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.hf_family import reader, rope_of
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+LAYOUTS = {"ernie4_5_moe": Layout(score_bias="statics")}  # its picking bias in moe_statics
 _DEFAULTS = {  # transformers' config defaults, where a config.json leaves a key out
     "ernie4_5": dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
                      num_attention_heads=16, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,

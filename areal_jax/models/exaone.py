@@ -23,8 +23,10 @@ import jax.numpy as jnp
 
 from areal_jax.models.deepseek import router_fields
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM"}
+LAYOUTS = {"exaone_moe": Layout(score_bias="beside")}  # its picking bias beside the router
 _DEFAULTS = dict(vocab_size=102400, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, sliding_window=4096, sliding_window_pattern=4, bos_token_id=0,

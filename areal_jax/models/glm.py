@@ -14,8 +14,10 @@ import jax.numpy as jnp
 
 from areal_jax.models.glm4 import PARTIAL_ROTARY, partial_rotary_keys
 from areal_jax.models.hf_family import common_fields, hf_dict, partial_rope, require_fields, rotary_dim_of
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"glm": "GlmForCausalLM"}
+LAYOUTS = {"glm": Layout(gate_up="fused")}
 _DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
                  num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
                  rms_norm_eps=1.5625e-07, tie_word_embeddings=False, attention_bias=True)  # transformers' GlmConfig

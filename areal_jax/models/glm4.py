@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_jax.models.hf_family import rename
+
 PARTIAL_ROTARY = 0.5  # transformers' Glm4Config default
+# the four norms' names, from the weight table's Gemma ones (in this order: the attention output's first)
+_NAMES = ((".post_attention_layernorm.", ".post_self_attn_layernorm."),
+          (".pre_feedforward_layernorm.", ".post_attention_layernorm."),
+          (".post_feedforward_layernorm.", ".post_mlp_layernorm."))
+
+
+def hf_name(name: str) -> str:
+    """GLM-4's name of a tensor the weight table names as Gemma's (`hf_names.weight_entries`)."""
+    return rename(name, _NAMES)
 
 
 def check_hf(cfg: Any) -> None:

@@ -25,8 +25,10 @@ from areal_jax.models.hf_family import (
     rope_with_partial,
     rotary_dim_of,
 )
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"gpt_neox": "GPTNeoXForCausalLM"}
+LAYOUTS = {"gpt_neox": Layout(qkv="per_head")}  # one query_key_value, head by head
 _DEFAULTS = dict(vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
                  num_attention_heads=64, max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
                  bos_token_id=0, eos_token_id=2, attention_bias=True)  # transformers' GPTNeoXConfig, where a key is absent

@@ -18,10 +18,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import hf_dict, reader
+from areal_jax.models.hf_family import hf_dict, reader, rename
 from areal_jax.models.mamba2 import hf_keys, shapes_from_hf
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+LAYOUTS = {"granitemoehybrid": Layout(gate_up="fused", experts="stacked")}  # (Granite MoE's experts and shared MLP)
+_NAMES = ((".mlp.gate_up_proj.", ".shared_mlp.input_linear."), (".mlp.down_proj.", ".shared_mlp.output_linear."))
 _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
                  eos_token_id=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
@@ -60,6 +63,12 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
                layer_types=None if mamba is None else tuple(types), mamba=mamba,
                **{k: float(d.get(k, 1.0)) for k in SCALARS}, **moe, dtype=dtype, param_dtype=param_dtype)
+
+
+def hf_name(name: str, cfg: Any = None) -> str:
+    """Granite 4.0's name of a tensor the weight table names as Llama's: a layer without experts has its MLP as the
+    others' shared one (shared_mlp.input_linear, gate and up fused; shared_mlp.output_linear)."""
+    return rename(name, _NAMES)
 
 
 def check_hf(cfg: Any) -> None:

@@ -1,16 +1,19 @@
 """The table between a model's parameters and an HF checkpoint's tensors (`weight_entries`): which tensor each
 parameter is, and the exact transposes and reshapes between the layouts (HF linear weights are [out, in]; ours
 [in, ...out]: q_proj [D, H, Dh], o_proj [H, Dh, D], gate/up [D, F], down [F, D], lm_head [D, V], a layer's experts
-stacked [E, ...]). models.hf_io reads and writes checkpoints with it."""
+stacked [E, ...]). The table is built from the family's `tensor_layout.Layout` (which tensors its checkpoints fuse or
+stack) under Llama's names (Qwen3-MoE's for experts), then renamed by the family's `hf_name`. models.hf_io reads and
+writes checkpoints with it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from areal_jax.models import hunyuan
+from areal_jax.models.base_families import BASE
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.families import OWN_MODULES
+from areal_jax.models.tensor_layout import LLAMA, Layout
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,7 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     """The parameter <-> HF tensor table for `cfg`, in HF order (the parts of a fused tensor in its row order)."""
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", "same")]
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    fused = cfg.architecture == "phi3"  # q/k/v in one qkv_proj (and gate and up in one gate_up_proj: `_ffn_entries`)
-    qk_norm_names = hunyuan.QK_NORM_NAMES if cfg.architecture in hunyuan.HF_CLASSES else ("q_norm", "k_norm")
+    layout = layout_of(cfg.architecture)
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
         linear = cfg.layer_is_linear(i)  # Gated DeltaNet in place of attention (Qwen3.5)
@@ -135,12 +137,12 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         elif (linear or cfg.layer_is_hybrid(i)) and cfg.mamba is not None:
             entries.extend(_mamba_entries(cfg, p + ("linear_attn",), f"{hf}.mamba"))  # (Bamba's renamed below)
         elif linear:
-            entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn"))
-        if cfg.architecture == "gpt_neox":  # one query_key_value: per head its q, k and v rows side by side
+            entries.extend(_linear_entries(cfg, p + ("linear_attn",), f"{hf}.linear_attn", layout.linear))
+        if layout.qkv == "per_head" and not linear:  # one query_key_value: per head its q, k and v rows side by side
             entries.extend(_neox_qkv_entries(cfg, p + ("attn",), f"{hf}.self_attn.query_key_value"))
-        for name, rows in zip("qkv" if cfg.mla is None and not linear and cfg.architecture != "gpt_neox" else "",
+        for name, rows in zip("qkv" if cfg.mla is None and not linear and layout.qkv != "per_head" else "",
                               ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-            if fused:
+            if layout.qkv == "fused":
                 entries.append(_Entry(p + ("attn", f"{name}_proj"), f"{hf}.self_attn.qkv_proj.weight", "in_first",
                                       (*rows, q + 2 * kv)))
                 continue
@@ -154,10 +156,10 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
         if cfg.head_gate and not linear:  # LFM3's per-head output gate
             entries.append(_Entry(p + ("attn", "g_proj"), f"{hf}.self_attn.g_proj.weight", "in_first"))
         if cfg.qk_norm and not linear and not cfg.weightless_norms:
-            for ours, theirs in zip(("q_norm", "k_norm"), qk_norm_names):
-                entries.append(_Entry(p + ("attn", ours, "scale"), f"{hf}.self_attn.{theirs}.weight", "same"))
+            for norm in ("q_norm", "k_norm"):
+                entries.append(_Entry(p + ("attn", norm, "scale"), f"{hf}.self_attn.{norm}.weight", "same"))
         if cfg.layer_has_mlp(i):  # (else the token mixer alone: Nemotron-H)
-            entries.extend(_ffn_entries(cfg, p, hf, olmo))
+            entries.extend(_ffn_entries(cfg, p, hf, olmo, layout))
         if cfg.attention_out_bias:
             entries.append(_Entry(p + ("attn", "o_bias"), f"{hf}.self_attn.o_proj.bias", "same"))
         if cfg.attention_sinks:
@@ -171,16 +173,23 @@ def weight_entries(cfg: ModelConfig) -> list[_Entry]:
     return entries if rename is None else [replace(e, hf_name=rename(e.hf_name, cfg)) for e in entries]
 
 
-# the families whose checkpoints name tensors otherwise than Llama's: their modules' hf_name(name, cfg)
-_RENAMES = {arch: m.hf_name for m in OWN_MODULES if hasattr(m, "hf_name") for arch in m.HF_CLASSES}
+# the families whose checkpoints name tensors otherwise than Llama's: their modules' hf_name(name, cfg), their rows'
+_RENAMES = {**{arch: (lambda name, cfg, f=row.hf_name: f(name)) for arch, row in BASE.items() if row.hf_name},
+            **{arch: m.hf_name for m in OWN_MODULES if hasattr(m, "hf_name") for arch in m.HF_CLASSES}}
+_LAYOUTS = {**{arch: row.layout for arch, row in BASE.items()},
+            **{arch: layout for m in OWN_MODULES for arch, layout in getattr(m, "LAYOUTS", {}).items()}}
 
 
-def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool) -> list[_Entry]:
-    """Layer p's feed-forward and the norms about it: a dense MLP (gate and up fused in Phi's, GLM-4's gate_up_proj and
-    Granite 4.0's shared_mlp.input_linear; no gate in Arcee's), or experts (`_expert_entries`)."""
-    i, f, glm4 = p[1], cfg.intermediate_size, cfg.architecture == "glm4"
-    post_attn, pre_ffn, post_ffn = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm") \
-        if glm4 else ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+def layout_of(architecture: str) -> Layout:
+    """How `architecture`'s checkpoints store fused or stacked tensors (Llama's layout unless its family says)."""
+    return _LAYOUTS.get(architecture, LLAMA)
+
+
+def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool, layout: Layout) -> list[_Entry]:
+    """Layer p's feed-forward and the norms about it: a dense MLP (gate and up apart or fused in one gate_up_proj; no
+    gate in Arcee's), or experts (`_expert_entries`)."""
+    i, f = p[1], cfg.intermediate_size
+    post_attn, pre_ffn, post_ffn = "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
     one = cfg.parallel_block and not cfg.parallel_mlp_norm  # (Cohere's: one norm before attention and the MLP)
     entries = [] if one else _norm_entries(cfg, p + ("post_attn_norm",), f"{hf}.{post_attn}")
     if cfg.sandwich_norms:
@@ -188,17 +197,16 @@ def _ffn_entries(cfg: ModelConfig, p: tuple[str | int, ...], hf: str, olmo: bool
     if cfg.sandwich_norms or olmo:
         entries.append(_Entry(p + ("post_ffn_norm", "scale"), f"{hf}.{post_ffn}.weight", "same"))
     if cfg.layer_is_moe(i):
-        return entries + _expert_entries(cfg, p + ("mlp",), hf)
-    if cfg.architecture in ("phi3", "glm4", "glm", "granitemoehybrid"):  # gate and up fused (Granite: input_linear)
-        up = f"{hf}.shared_mlp.input_linear.weight" if cfg.architecture == "granitemoehybrid" else \
-            f"{hf}.mlp.gate_up_proj.weight"
+        return entries + _expert_entries(cfg, p + ("mlp",), hf, layout)
+    if layout.gate_up == "fused":
+        up = f"{hf}.mlp.gate_up_proj.weight"
         entries.append(_Entry(p + ("mlp", "gate_proj"), up, "in_first", (0, f, 2 * f)))
         entries.append(_Entry(p + ("mlp", "up_proj"), up, "in_first", (f, 2 * f, 2 * f)))
     else:
         if cfg.gated_mlp:
             entries.append(_Entry(p + ("mlp", "gate_proj"), f"{hf}.mlp.gate_proj.weight", "in_first"))
         entries.append(_Entry(p + ("mlp", "up_proj"), f"{hf}.mlp.up_proj.weight", "in_first"))
-    down = f"{hf}.shared_mlp.output_linear" if cfg.architecture == "granitemoehybrid" else f"{hf}.mlp.down_proj"
+    down = f"{hf}.mlp.down_proj"
     if cfg.mlp_activation == "xielu":  # (Apertus' activation scalars)
         entries += [_Entry(p + ("mlp", f"xielu_{n}"), f"{hf}.mlp.act_fn.{n}", "same")
                     for n in ("alpha_p", "alpha_n", "beta", "eps")]
@@ -227,15 +235,14 @@ def _norm_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> lis
     return out + [_Entry(path + ("bias",), f"{hf}.bias", "same")] if cfg.norm_bias else out
 
 
-_GRANITE_EXPERTS = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # stacked experts; a shared MLP (shared_mlp)
-
-
-def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
-    """A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and mlp.experts.{j}.{gate,up,down}_proj,
-    Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down), Granite's
-    block_sparse_moe.router.layer and its experts stacked: input_linear [E, 2F, D] (gate rows, then up) and
-    output_linear [E, D, F] (Granite MoE Shared's and Granite 4.0's with their shared_mlp); Qwen2-MoE's and OLMoE's as Qwen3-MoE's (Qwen2-MoE with its shared expert)."""
-    if cfg.architecture == "gpt_oss":  # stacked experts, gate and up interleaved in one tensor, biases
+def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str, layout: Layout) -> list[_Entry]:
+    """A mixture-of-experts layer's router and experts as `layout.experts` stores them: "apart" as Qwen3-MoE's
+    (mlp.gate, mlp.experts.{j}.{gate,up,down}_proj; a shared expert beside them: `_shared_entries`), "stacked" as
+    Granite MoE's (block_sparse_moe.router.layer, input_linear [E, 2F, D]: gate rows then up rows, output_linear
+    [E, D, F]; a shared MLP as shared_mlp.input_linear, gate and up fused, and output_linear), "interleaved" as
+    gpt-oss' (mlp.router weight and bias, mlp.experts.gate_up_proj: gate at even columns, up at odd ones, down_proj,
+    and their biases)."""
+    if layout.experts == "interleaved":
         base = f"{hf}.mlp"
         return [_Entry(path + ("router",), f"{base}.router.weight", "in_first"),
                 _Entry(path + ("router_bias",), f"{base}.router.bias", "same"),
@@ -243,44 +250,37 @@ def _expert_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                          interleave=(j, 2)) for suffix in ("", "_bias") for j, part in enumerate(("gate", "up"))),
                 _Entry(path + ("experts_down",), f"{base}.experts.down_proj", "same"),
                 _Entry(path + ("experts_down_bias",), f"{base}.experts.down_proj_bias", "same")]
-    if cfg.architecture in _GRANITE_EXPERTS:
+    if layout.experts == "stacked":
         base, f = f"{hf}.block_sparse_moe", cfg.expert_size
-        return [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
-                _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
-                _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
-                _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last"),
-                *_shared_entries(cfg, path, base)]
-    if cfg.architecture in ("mixtral", "minimax_m2", "phimoe"):
-        base, names = f"{hf}.block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
-    else:
-        base, names = f"{hf}.mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    gate = "gate.wg" if cfg.architecture == "hunyuan_v1_moe" else "gate"  # Hunyuan MoE's router: mlp.gate.wg
-    out = [_Entry(path + ("router",), f"{base}.{gate}.weight", "in_first")]
+        out = [_Entry(path + ("router",), f"{base}.router.layer.weight", "in_first"),
+               _Entry(path + ("experts_gate",), f"{base}.input_linear.weight", "swap_last", (0, f, 2 * f)),
+               _Entry(path + ("experts_up",), f"{base}.input_linear.weight", "swap_last", (f, 2 * f, 2 * f)),
+               _Entry(path + ("experts_down",), f"{base}.output_linear.weight", "swap_last")]
+        if cfg.shared_expert_size:
+            shared, w, mlp = path + ("shared_expert",), cfg.shared_expert_size, f"{hf}.shared_mlp"
+            out += [_Entry(shared + ("gate_proj",), f"{mlp}.input_linear.weight", "in_first", (0, w, 2 * w)),
+                    _Entry(shared + ("up_proj",), f"{mlp}.input_linear.weight", "in_first", (w, 2 * w, 2 * w)),
+                    _Entry(shared + ("down_proj",), f"{mlp}.output_linear.weight", "out_last")]
+        return out
+    base = f"{hf}.mlp"
+    out = [_Entry(path + ("router",), f"{base}.gate.weight", "in_first")]
     for part in ("gate", "up", "down") if cfg.gated_mlp else ("up", "down"):
         kind = "out_last" if part == "down" else "in_first"
-        out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{names[part]}.weight", kind, expert=j)
+        out += [_Entry(path + (f"experts_{part}",), f"{base}.experts.{j}.{part}_proj.weight", kind, expert=j)
                 for j in range(cfg.num_experts)]
-    if cfg.architecture == "ernie4_5_moe":  # ERNIE 4.5's picking bias, [1, E] in its moe_statics
+    if cfg.router_score_bias and layout.score_bias == "statics":  # [1, E] in its moe_statics (ERNIE 4.5)
         out.append(_Entry(path + ("router_score_bias",), f"{base}.moe_statics.e_score_correction_bias", "row"))
-    elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (MiniMax-M2's and EXAONE MoE's beside their gates)
-        holder = base if cfg.architecture in ("minimax_m2", "exaone_moe") else f"{base}.gate"
+    elif cfg.router_score_bias:  # DeepSeek-V3's picking bias (beside the gate: MiniMax-M2's, EXAONE MoE's)
+        holder = base if layout.score_bias == "beside" else f"{base}.gate"
         out.append(_Entry(path + ("router_score_bias",), f"{holder}.e_score_correction_bias", "same"))
     return out + _shared_entries(cfg, path, base)
 
 
 def _shared_entries(cfg: ModelConfig, path: tuple[str | int, ...], base: str) -> list[_Entry]:
-    """Qwen2-MoE's shared expert and its sigmoid gate (Qwen3.5-MoE's too); DeepSeek's shared_experts, ungated (Hunyuan
-    MoE's shared_mlp)."""
+    """Qwen2-MoE's shared expert and its sigmoid gate (Qwen3.5-MoE's too); DeepSeek's shared_experts, ungated."""
     if not cfg.shared_expert_size:
         return []
     shared, name = path + ("shared_expert",), "shared_expert" if cfg.shared_expert_gated else "shared_experts"
-    if cfg.architecture in _GRANITE_EXPERTS:  # Granite's shared MLP beside the experts: gate and up fused
-        w, mlp = cfg.shared_expert_size, base.removesuffix("block_sparse_moe") + "shared_mlp"
-        return [_Entry(shared + ("gate_proj",), f"{mlp}.input_linear.weight", "in_first", (0, w, 2 * w)),
-                _Entry(shared + ("up_proj",), f"{mlp}.input_linear.weight", "in_first", (w, 2 * w, 2 * w)),
-                _Entry(shared + ("down_proj",), f"{mlp}.output_linear.weight", "out_last")]
-    if cfg.architecture == "hunyuan_v1_moe":  # Hunyuan MoE's shared MLP
-        name = "shared_mlp"
     out = [_Entry(shared + ("gate_proj",), f"{base}.{name}.gate_proj.weight", "in_first")] \
         if cfg.gated_mlp else []  # (Nemotron-H's: up and down)
     out += [_Entry(shared + ("up_proj",), f"{base}.{name}.up_proj.weight", "in_first"),
@@ -303,14 +303,14 @@ def _latent_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                   _Entry(path + ("kv_b_proj",), f"{hf}.kv_b_proj.weight", "in_first")]
 
 
-def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> list[_Entry]:
+def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str, split: str) -> list[_Entry]:
     """A Gated DeltaNet layer's parameters (models.gated_deltanet), as Qwen3.5 names them under linear_attn (the
-    channels of in_proj_qkv and conv1d regrouped by key head: `gated_deltanet.grouped_channels`), or Qwen3-Next with
-    its fused in_proj_qkvz and in_proj_ba."""
+    channels of in_proj_qkv and conv1d regrouped by key head: `gated_deltanet.grouped_channels`), Qwen3-Next's with
+    its fused in_proj_qkvz and in_proj_ba, or OLMo Hybrid's (`tensor_layout.Layout.linear`: `split`)."""
     from areal_jax.models.gated_deltanet import grouped_channels  # noqa: PLC0415 (it imports the layers)
 
     grouped = tuple(int(i) for i in grouped_channels(cfg))
-    if cfg.architecture == "qwen3_next":  # q, k, v, z and b, a fused, key head by key head
+    if split == "qkvz":  # q, k, v, z and b, a fused, key head by key head
         m = cfg.linear
         r = m.value_heads // m.key_heads
         qkv, z, block = 2 * m.key_dim + r * m.value_dim, r * m.value_dim, 2 * m.key_dim + 2 * r * m.value_dim
@@ -326,7 +326,7 @@ def _linear_entries(cfg: ModelConfig, path: tuple[str | int, ...], hf: str) -> l
                               gather=2 * m.value_heads),
                        _Entry(path + ("in_proj_a",), f"{hf}.in_proj_ba.weight", "in_first", channels=rows(r, r, 2 * r),
                               gather=2 * m.value_heads)]
-    elif cfg.architecture == "olmo_hybrid":  # q, k, v apart; z, a, b, out named g, a, b, o
+    elif split == "named":  # q, k, v apart; z, a, b, out named g, a, b, o
         projections = [_Entry(path + (f"in_proj_{ours}",), f"{hf}.{theirs}_proj.weight", "in_first")
                        for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("z", "g"), ("b", "b"), ("a", "a"))]
         return [*projections, _Entry(path + ("conv",), f"{hf}.conv1d.weight", "conv", channels=grouped),

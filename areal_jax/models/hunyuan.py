@@ -22,13 +22,20 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.hf_family import common_fields, hf_dict, rename, require_fields
 
 HF_CLASSES = {"hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
-QK_NORM_NAMES = ("query_layernorm", "key_layernorm")  # its q_norm / k_norm on disk
+# its q/k norms, its router (mlp.gate.wg) and its shared expert (mlp.shared_mlp) on disk
+_NAMES = ((".self_attn.q_norm.", ".self_attn.query_layernorm."), (".self_attn.k_norm.", ".self_attn.key_layernorm."),
+          (".mlp.gate.weight", ".mlp.gate.wg.weight"), (".mlp.shared_experts.", ".mlp.shared_mlp."))
 _DEFAULTS = dict(vocab_size=290943, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
                  bos_token_id=1, eos_token_id=2)  # transformers' HunYuanDenseV1Config, where a config.json leaves a key out
+
+
+def hf_name(name: str, cfg: Any = None) -> str:
+    """Hunyuan's name of a tensor the weight table names as Qwen3's and Qwen3-MoE's (`hf_names.weight_entries`)."""
+    return rename(name, _NAMES)
 
 
 def _one(d: dict, key: str, layers: int, default: Any) -> Any:

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 
 from areal_jax.models.config_checks import LinearAttention
 from areal_jax.models.hf_family import hf_dict, reader, require_fields
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"olmo_hybrid": "OlmoHybridForCausalLM"}
+LAYOUTS = {"olmo_hybrid": Layout(linear="named")}
 _DEFAULTS = dict(vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=30, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False,
                  bos_token_id=None, eos_token_id=100257, linear_conv_kernel_dim=4,

@@ -18,6 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields
+from areal_jax.models.tensor_layout import block_sparse_moe
 
 HF_CLASSES = {"phimoe": "PhimoeForCausalLM"}
 _DEFAULTS = dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_hidden_layers=32,
@@ -25,6 +26,11 @@ _DEFAULTS = dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num
                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_local_experts=16,
                  num_experts_per_tok=2, router_jitter_noise=0.01)  # transformers' PhimoeConfig, where a key is absent
 _MSCALES = ("short_mscale", "long_mscale")
+
+
+def hf_name(name: str, cfg: Any = None) -> str:
+    """PhiMoE's name of a tensor the weight table names as Qwen3-MoE's: Mixtral's (`tensor_layout.block_sparse_moe`)."""
+    return block_sparse_moe(name)
 
 
 def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.float32,

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 
 from areal_jax.models.config_checks import LinearAttention
 from areal_jax.models.hf_family import common_fields, hf_dict, require_fields, text_decoder
+from areal_jax.models.tensor_layout import Layout
 
 HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
               "qwen3_next": "Qwen3NextForCausalLM"}
+LAYOUTS = {"qwen3_next": Layout(linear="qkvz")}  # (Qwen3.5's own: the default)
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # the image-and-text models' model_type: the text decoder under text_config
 _DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                  num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
