@@ -1,7 +1,6 @@
 """The families `hf_config` reads and writes through one shared path (Qwen2 / Qwen3 and their MoEs, Llama, InternLM3,
-Mistral, Mixtral, Gemma 2 / 3, OLMo 2 / 3, OLMoE, SmolLM3, Phi-3, Granite, Granite MoE and Granite MoE Shared, gpt-oss,
-MiniMax-M2, GLM-4), each
-described by one `Family` row of `BASE`: what its transformers class does where they differ (which layers slide, the
+Mistral, Mixtral, Gemma 2 / 3, OLMo 2 / 3, OLMoE, SmolLM3, Phi-3, Granite, Granite MoE, Granite MoE Shared, Granite SWA
+and Granite MoE SWA, gpt-oss, MiniMax-M2, GLM-4), each described by one `Family` row of `BASE`: what its transformers class does where they differ (which layers slide, the
 default RoPE base, q/k norms, q/k/v biases, a partial rotary share, experts) and the config.json keys it writes of its
 own. The families with modules of their own (`families.OWN_MODULES`) read and write themselves."""
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from areal_jax.models import glm4, gpt_oss, minimax
+from areal_jax.models import glm4, gpt_oss, granite_swa, minimax
 from areal_jax.models.tensor_layout import LLAMA, Layout, block_sparse_moe
 
 
@@ -19,7 +18,8 @@ class Family:
     "none" (no sliding window), "every" (every layer when sliding_window is set), "flagged" (every layer when
     use_sliding_window is set), "from_layer" (with use_sliding_window, the layers layer_types names, by default those
     from max_window_layers on), "pattern" (all but every `period`-th layer; `period_key` overrides the period,
-    `default_window` is the window where the file has none). keep_window: the layer types also pick each layer's RoPE,
+    `default_window` is the window where the file has none; full_first: by default the first layer of each period
+    attends over everything, not the last). keep_window: the layer types also pick each layer's RoPE,
     so they are kept whatever the window (then `local_base(d, full_params)` is the sliding layers' own RoPE base).
     attention_bias: True (q/k/v biases always), None (q/k/v biases as attention_bias says, on by default), False (none;
     attention_bias=True, which would add an o_proj bias too, is refused). partial: a partial rotary share is read
@@ -27,7 +27,8 @@ class Family:
     layer, of intermediate_size, renormalised; "olmoe": in every layer, of intermediate_size; "steps": Qwen-MoE's
     decoder_sparse_step / mlp_only_layers), or `fields(d)` reads its own ModelConfig fields; shared: the config.json
     key of a shared expert's width (none where it is 0) and whether a sigmoid gates it (Qwen2-MoE's) or it is added as
-    it is (Granite MoE Shared's). aliases: older key names read as others. layout and hf_name: how its checkpoints
+    it is (Granite MoE Shared's). sinks: a sink logit per head in every layer (Granite SWA's); layer_thetas: a RoPE base
+per layer (`granite_swa.layer_thetas`). aliases: older key names read as others. layout and hf_name: how its checkpoints
 store and name tensors (`hf_names.weight_entries`). write(cfg, d, shape): adds its own keys to
     config.json `d` (`shape`: see `Written`)."""
 
@@ -38,6 +39,7 @@ store and name tensors (`hf_names.weight_entries`). write(cfg, d, shape): adds i
     period: int = 4
     period_key: str | None = None
     default_window: int = 4096
+    full_first: bool = False
     keep_window: bool = False
     local_base: Callable[[dict, dict], float] | None = None
     default_theta: float = 10000.0
@@ -51,6 +53,8 @@ store and name tensors (`hf_names.weight_entries`). write(cfg, d, shape): adds i
     shared: tuple[str, bool] | None = None  # a shared expert beside them: (the config.json key of its width, gated)
     fields: Callable[[dict], dict] | None = None
     granite: bool = False
+    sinks: bool = False
+    layer_thetas: bool = False
     no_rope_layers: bool = False  # SmolLM3's per-layer RoPE flags
     rope_interleave: bool = False
     longrope_aliases: bool = False  # Phi-3's older names of LongRoPE ("su", "yarn")
@@ -109,6 +113,16 @@ def _granite_moe(cfg: Any, d: dict, shape: Written) -> None:
 def _granite_moe_shared(cfg: Any, d: dict, shape: Written) -> None:
     _granite_moe(cfg, d, shape)
     d["shared_intermediate_size"] = cfg.shared_expert_size or 0
+
+
+def _granite_swa(cfg: Any, d: dict, shape: Written) -> None:
+    _granite(cfg, d, shape)
+    d.update(granite_swa.hf_keys(cfg, shape.types))
+
+
+def _granite_moe_swa(cfg: Any, d: dict, shape: Written) -> None:
+    _granite_moe_shared(cfg, d, shape)
+    d.update(granite_swa.hf_keys(cfg, shape.types))
 
 
 def _gpt_oss(cfg: Any, d: dict, shape: Written) -> None:
@@ -202,6 +216,10 @@ _GEMMA3_TEXT_DEFAULTS = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "bos_token_id": 2, "eos_token_id": 1}
 
+# Granite SWA's and Granite MoE SWA's windows (every layer but each fourth, from the first), sinks and RoPE bases
+_SWA = dict(windows="pattern", full_first=True, default_window=granite_swa.DEFAULT_WINDOW, keep_window=True,
+            sinks=True, layer_thetas=True)
+
 BASE: dict[str, Family] = {
     "qwen2": Family("Qwen2ForCausalLM", _qwen, windows="from_layer", attention_bias=True),
     "qwen3": Family("Qwen3ForCausalLM", _qwen, windows="from_layer", qk_norm=True),
@@ -228,6 +246,10 @@ BASE: dict[str, Family] = {
                          layout=Layout(experts="stacked")),
     "granitemoeshared": Family("GraniteMoeSharedForCausalLM", _granite_moe_shared, granite=True, experts="every",
                                shared=("shared_intermediate_size", False), layout=Layout(experts="stacked")),
+    "granite_swa": Family("GraniteSWAForCausalLM", _granite_swa, granite=True, **_SWA),
+    "granitemoe_swa": Family("GraniteMoeSWAForCausalLM", _granite_moe_swa, granite=True, experts="every",
+                             shared=("shared_intermediate_size", False), layout=Layout(experts="stacked"),
+                             hf_name=granite_swa.moe_hf_name, **_SWA),
     "olmoe": Family("OlmoeForCausalLM", _olmoe, qk_norm=True, experts="olmoe"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, windows="from_layer", attention_bias=True, experts="steps",
                         shared=("shared_expert_intermediate_size", True)),
@@ -289,7 +311,7 @@ def attention_layout(d: dict, family: Family, num_layers: int,
         window = d.get("sliding_window", family.default_window)
         period = int(d.get(family.period_key, family.period)) if family.period_key else family.period
         types = d.get("layer_types") or [
-            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+            "sliding_attention" if (i + (not family.full_first)) % period else "full_attention" for i in range(num_layers)]
     types = tuple(types) if types is not None else None
     if family.keep_window:
         return int(window or max_pos), types
@@ -324,7 +346,9 @@ def check_hf(cfg: Any) -> None:
     if family.experts == "every" and (not cfg.norm_topk_prob or cfg.expert_size != cfg.intermediate_size):
         raise ValueError(f"HF {arch} has experts of intermediate_size in every layer and renormalises their weights; "
                          "set moe_layers=None, norm_topk_prob=True, moe_intermediate_size=None.")
-    if cfg.rope_local_theta is not None and family.local_base is None:
+    if family.sinks:
+        granite_swa.check_hf(cfg, arch)
+    if cfg.rope_local_theta is not None and family.local_base is None and not family.layer_thetas:
         raise ValueError(f"HF {arch} has one RoPE base for every layer; set rope_local_theta=None.")
     if cfg.rotary_dim is not None and not family.partial:
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {arch} rotates every dimension of a "

@@ -12,10 +12,10 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 from areal_jax.models.layer_form import LayerForm
 
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
-ARCHITECTURES = ("qwen2", "qwen3", "llama", "internlm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite",
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "internlm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite", "granite_swa",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
                  "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo", "jais2",

@@ -160,7 +160,7 @@ def check_hf(cfg: Any) -> None:
                   "exaone_moe": tuple(own),  # EXAONE MoE: V3's router (models/exaone.py checks it)
                   "nemotron_h": tuple(own)[1:],  # Nemotron-H's experts blocks: V3's router (models/nemotron_h.py)
                   "hunyuan_v1_moe": ("shared_expert_gated",), "granitemoehybrid": ("shared_expert_gated",),
-                  "granitemoeshared": ("shared_expert_gated",),
+                  "granitemoeshared": ("shared_expert_gated",), "granitemoe_swa": ("shared_expert_gated",),
                   "youtu": ("mla",),  # Youtu-LLM: V3's latent attention (models/youtu.py checks it)
                   "lfm2_moe": ("router_scoring", "router_score_bias", "routed_scaling_factor")}.get(arch, ())
         used = [k for k, v in own.items() if v and k not in theirs]

@@ -16,6 +16,10 @@ def check_loadable(cfg: Any) -> None:
     `cfg` as it is (the families with modules of their own check their own fields: `families.OWN_MODULES`)."""
     for family in (gpt_oss, minimax, glm4, *OWN_MODULES, base_families):
         family.check_hf(cfg)
+    if cfg.attention_sinks and cfg.architecture != "gpt_oss" and not getattr(base_families.BASE.get(cfg.architecture),
+                                                                              "sinks", False):
+        raise ValueError(f"attention_sinks are gpt-oss's and Granite SWA's; HF {cfg.architecture} has none. Turn them "
+                         "off or use architecture='gpt_oss'.")
     if cfg.architecture == "granitemoehybrid" and (cfg.attention_bias or cfg.qk_norm):
         raise ValueError("HF Granitemoehybrid has no q/k/v bias and no q/k norm; set attention_bias=False, "
                          "qk_norm=False.")
@@ -52,7 +56,8 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"rope_local_theta (a RoPE base of its own for sliding layers) is Gemma 3's, OLMo 3's and "
                          f"LFM3's; HF {cfg.architecture} has one base for every layer.")
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid",
-                                                                "nemotron_h", "jamba", "cohere2"):
+                                                                "nemotron_h", "jamba", "cohere2", "granite_swa",
+                                                                "granitemoe_swa"):
         raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
                          f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
     if cfg.residual_in_fp32 and cfg.architecture not in ("mamba", "falcon_mamba", "mamba2"):

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from areal_jax.models import lfm2, ministral3, qwen3_5, qwen3_vl
+from areal_jax.models import granite_swa, lfm2, ministral3, qwen3_5, qwen3_vl
 from areal_jax.models.base_families import BASE, Written, attention_layout, hf_experts
 from areal_jax.models.config import ARCHITECTURES, _dtype_name
 from areal_jax.models.families import OWN_MODULES
@@ -117,6 +117,9 @@ def _base_config(cls: type, d: dict, model_type: str, dtype: Any, param_dtype: A
         rope.pop("type", None)
     if rope_type == "longrope":
         rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings", 4096))
+    rope_layers = _no_rope_layers(d, num_layers) if family.no_rope_layers else None
+    if family.layer_thetas:  # (Granite SWA's RoPE base per layer)
+        theta, local_theta, rope_layers = granite_swa.layer_thetas(d, layer_types, float(theta), rope_type != "default")
     return cls(
         architecture=model_type,
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -138,7 +141,7 @@ def _base_config(cls: type, d: dict, model_type: str, dtype: Any, param_dtype: A
         layer_types=layer_types,
         rope_local_theta=local_theta,
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if gemma else None,
-        rope_layers=_no_rope_layers(d, num_layers) if family.no_rope_layers else None,
+        rope_layers=rope_layers, **({"attention_sinks": True} if family.sinks else {}),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None, rope_interleave=family.rope_interleave,
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),

@@ -47,8 +47,11 @@ def experts_module(model_or_cfg: Any, layer: int) -> str:
         from areal_jax.models.nemotron_h import first_blocks  # noqa: PLC0415
 
         return f"model.layers.{first_blocks(cfg)[layer] + 1}.mixer.experts"
-    block = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe", "granitemoehybrid": "block_sparse_moe",
-             "lfm2_moe": "feed_forward", "jamba": "feed_forward"}.get(getattr(cfg, "architecture", None), "mlp")
+    from areal_jax.models.hf_names import layout_of  # noqa: PLC0415 (it imports every family)
+
+    arch = getattr(cfg, "architecture", None)
+    block = "block_sparse_moe" if arch and layout_of(arch).experts == "stacked" else \
+        {"lfm2_moe": "feed_forward", "jamba": "feed_forward"}.get(arch, "mlp")
     return f"model.layers.{layer}.{block}.experts"
 
 

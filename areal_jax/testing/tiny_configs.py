@@ -16,10 +16,11 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     scaling, gemma3 and olmo3 slide a window of 8 over every layer but the second (Gemma with its own local RoPE
     base there), smollm3 leaves every second layer without rotary embeddings, phi3 rotates 12 of 16 dimensions
     with LongRoPE, gemma2 slides every other layer and soft-caps attention scores (3) and logits (5), qwen3_moe
-    (q/k norm), mixtral, granitemoe, granitemoeshared (an ungated shared MLP of width 24), olmoe (q/k norm over all
+    (q/k norm), mixtral, granitemoe, granitemoeshared and granitemoe_swa (an ungated shared MLP of width 24), olmoe (q/k norm over all
     heads) and qwen2_moe (q/k/v bias, a shared expert of
     width 40) route each token to 2 of 4 experts (of width 32 for qwen3_moe and qwen2_moe; renormalised weights but
-    for qwen2_moe), granite, granitemoe, granitemoeshared and granitemoehybrid take Granite's four scalars; gpt_oss routes to 2 of 4
+    for qwen2_moe), the granite types take Granite's four scalars (granite_swa and granitemoe_swa: windows, sinks and
+    RoPE bases as at their branch); gpt_oss routes to 2 of 4
     experts with biases and the clamped GLU (limit 1, which bites at O(1) weights), biases on q/k/v/o, attention sinks, and slides a
     window of 8 over every other layer; exaone4 (and exaone_moe, whose experts are written at its branch) slides a
     window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense (and hunyuan_v1_moe, experts at
@@ -69,11 +70,17 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         fields.update(rotary_dim=12, rope_scaling={
             "rope_type": "longrope", "original_max_position_embeddings": 32,
             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.7, 5.0, 9.0, 16.0]})
-    if architecture in ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "olmoe", "qwen2_moe", "flex_olmo"):
+    if architecture in ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa", "olmoe", "qwen2_moe",
+                        "flex_olmo"):
+        ungated = architecture in ("granitemoeshared", "granitemoe_swa")
         fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=architecture != "qwen2_moe",
                       moe_intermediate_size=32 if architecture in ("qwen3_moe", "qwen2_moe") else None,
-                      shared_expert_size={"qwen2_moe": 40, "granitemoeshared": 24}.get(architecture),
-                      shared_expert_gated=architecture != "granitemoeshared")
+                      shared_expert_size=24 if ungated else 40 if architecture == "qwen2_moe" else None,
+                      shared_expert_gated=not ungated)
+    if architecture in ("granite_swa", "granitemoe_swa"):  # the first of every four layers full, the others sliding a
+        # window of 8 with a RoPE base of their own; a sink logit per head
+        fields.update(sliding_window=8, rope_local_theta=50000.0, attention_sinks=True,
+                      layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)))
     if architecture == "gpt_oss":
         fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, expert_bias=True, swiglu_limit=1.0,
                       attention_out_bias=True, attention_sinks=True, sliding_window=8,
