@@ -58,8 +58,8 @@ def check_loadable(cfg: Any) -> None:
     if cfg.rope_layers is not None and cfg.architecture not in ("smollm3", "exaone4", "exaone_moe", "granitemoehybrid",
                                                                 "nemotron_h", "jamba", "cohere2", "granite_swa",
                                                                 "granitemoe_swa"):
-        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's and "
-                         f"Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
+        raise ValueError(f"rope_layers (layers without rotary embeddings) is SmolLM3's, EXAONE's, Granite 4.0's, Granite "
+                         f"SWA's and Nemotron-H's; HF {cfg.architecture} rotates in every layer.")
     if cfg.residual_in_fp32 and cfg.architecture not in ("mamba", "falcon_mamba", "mamba2"):
         raise ValueError(f"residual_in_fp32 (a float32 residual stream) is Mamba's, Falcon-Mamba's and Mamba-2's; HF "
                          f"{cfg.architecture} keeps it in the compute dtype.")
