@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,6 +20,10 @@ _OWN_MODULE = {arch: m for m in OWN_MODULES for arch in m.HF_CLASSES}
 _HF_CLASS = {**{arch: family.hf_class for arch, family in BASE.items()},  # every family's transformers class
              **{arch: m.HF_CLASSES[arch] for arch, m in _OWN_MODULE.items()}}
 _HF_MODEL_TYPE = {arch: family.model_type for arch, family in BASE.items() if family.model_type}  # where they differ
+# model types of checkpoints whose own (remote) code runs a transformers family's layers plus parts left out here:
+# (the family read, what is left out). The config reads as that family's, and is saved as it.
+READ_AS = {"mimo": ("qwen2", "MiMo's multi-token-prediction layers (model.mtp_layers, num_nextn_predict_layers) are "
+                             "left out: the model runs, trains and is saved as Qwen2")}
 
 
 def read_config_json(path: str | os.PathLike) -> dict:
@@ -57,9 +62,14 @@ def config_from_hf(cls: type, d: dict, *, dtype: Any = jnp.float32, param_dtype:
         return config_from_hf(cls, text_decoder(d, "Gemma3ForConditionalGeneration", "gemma3_text", tied=True),
                               dtype=dtype, param_dtype=param_dtype)
     model_type = {v: k for k, v in _HF_MODEL_TYPE.items()}.get(model_type, model_type)
+    if model_type in READ_AS:
+        family, left_out = READ_AS[model_type]
+        warnings.warn(f"model_type={model_type!r}: {left_out}.", stacklevel=3)
+        d, model_type = {**d, "model_type": family}, family
     if model_type not in ARCHITECTURES:
         raise ValueError(f"Unknown architecture: model_type={d.get('model_type')!r}, architectures={d.get('architectures')!r}; "
-                         f"supported model types are {', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}.")
+                         f"supported model types are {', '.join(_HF_MODEL_TYPE.get(a, a) for a in ARCHITECTURES)}; read as "
+                         f"others: {', '.join(f'{k} (as {v[0]})' for k, v in READ_AS.items())}.")
     if model_type in _OWN_MODULE:
         return _OWN_MODULE[model_type].config_from_hf(cls, d, model_type, dtype=dtype, param_dtype=param_dtype)
     return _base_config(cls, d, model_type, dtype, param_dtype)
