@@ -12,7 +12,7 @@ import numpy as np
 from areal_jax.models import config_checks as checks
 from areal_jax.models.layer_form import LayerForm
 
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "dots1",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe_text", "qwen3_next", "exaone_moe", "hunyuan_v1_moe",
                      "phimoe", "flex_olmo", "lfm2_moe")
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "internlm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite", "granite_swa",

@@ -1,7 +1,9 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek-V3, DeepSeek-R1, Kimi-K2, Moonlight), DeepSeek-V2
 (`DeepseekV2ForCausalLM`: DeepSeek-V2, V2-Lite, DeepSeek-Coder-V2) and the GLM-4.5 family built on V3's mixture of
-experts (`Glm4MoeForCausalLM`: GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7; `Glm4MoeLiteForCausalLM`: GLM-4.7-Flash): what
-their config.json means here (`config_from_hf` / `config_to_hf`).
+experts (`Glm4MoeForCausalLM`: GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7; `Glm4MoeLiteForCausalLM`: GLM-4.7-Flash), and
+dots.llm1 (`Dots1ForCausalLM`: Qwen3's attention, per-head q/k norms and sliding windows in the layers `layer_types`
+names, by default those from max_window_layers on, before V3's experts): what their config.json means here
+(`config_from_hf` / `config_to_hf`).
 
 The layer: multi-head latent attention (`models.mla`; GLM-4.5's own layer instead has grouped-query attention with
 q/k/v biases, optional q/k norm and RoPE on the first `partial_rotary_factor` of each head); the first
@@ -29,9 +31,9 @@ from areal_jax.models.glm4 import partial_rotary_keys
 from areal_jax.models.hf_family import reader, rope_of
 
 HF_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-              "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
-LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # latent attention; glm4_moe has grouped-query attention
-SIGMOID = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # DeepSeek-V3's router
+              "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "dots1": "Dots1ForCausalLM"}
+LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # latent attention; glm4_moe and dots1: grouped-query
+SIGMOID = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1")  # DeepSeek-V3's router
 # transformers' config defaults, where a config.json leaves a key out
 _DEFAULTS = {
     "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -57,7 +59,11 @@ _DEFAULTS = {
                           routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
                           v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4,
                           norm_topk_prob=True, max_position_embeddings=202752, bos_token_id=0, eos_token_id=1,
-                          rms_norm_eps=1e-5)}
+                          rms_norm_eps=1e-5),
+    "dots1": dict(vocab_size=152064, hidden_size=4608, intermediate_size=10944, moe_intermediate_size=1408,
+                  num_hidden_layers=62, num_attention_heads=32, n_group=1, topk_group=1, first_k_dense_replace=0,
+                  norm_topk_prob=False, max_position_embeddings=2048, rms_norm_eps=1e-6, routed_scaling_factor=1.0,
+                  bos_token_id=None, eos_token_id=None, sliding_window=4096, max_window_layers=62)}
 
 
 def _check_keys(d: dict, model_type: str) -> None:
@@ -76,6 +82,9 @@ def _check_keys(d: dict, model_type: str) -> None:
     if model_type == "deepseek_v2" and d.get("norm_topk_prob"):
         raise ValueError("norm_topk_prob=True: transformers' DeepseekV2 never renormalises the routing weights, so "
                          "this checkpoint would run differently there; set it false.")
+    if model_type == "dots1" and not (d.get("n_routed_experts") and d.get("num_experts_per_tok")):
+        raise ValueError("dots1's config.json needs n_routed_experts and num_experts_per_tok (transformers' "
+                         "Dots1Config has no default for them).")
     if d.get("attention_bias") and model_type in LATENT:
         raise ValueError(f"attention_bias=True is not supported for {model_type} (its released checkpoints have none).")
 
@@ -117,8 +126,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
     else:  # GLM-4.5: grouped-query attention, RoPE on the first partial_rotary_factor of each head
         head_dim = int(d.get("head_dim") or int(get("hidden_size")) // heads)
         attention = dict(num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=head_dim,
-                         attention_bias=bool(get("attention_bias")), qk_norm=bool(get("use_qk_norm")),
-                         rotary_dim=int(head_dim * partial) if partial != 1.0 else None)
+                         attention_bias=bool(get("attention_bias")),
+                         qk_norm=model_type == "dots1" or bool(get("use_qk_norm")),  # (dots1: always)
+                         rotary_dim=int(head_dim * partial) if partial != 1.0 else None, **_windows(d, model_type, layers, get))
     sigmoid = model_type in SIGMOID
     experts = router_fields(get, "n_routed_experts", "n_shared_experts", sigmoid,
                             grouped=sigmoid or get("topk_method") == "group_limited_greedy")
@@ -131,6 +141,21 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
         max_position_embeddings=int(get("max_position_embeddings")), bos_token_id=get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos, **experts,
         moe_layers=_dense_flags(d, model_type, layers, get), dtype=dtype, param_dtype=param_dtype)
+
+
+def _windows(d: dict, model_type: str, layers: int, get: Any) -> dict:
+    """dots1's sliding windows (sliding_window, layer_types): in the layers `layer_types` names, by default those from
+    max_window_layers on where sliding_window is set; none where no layer slides (or for the other families)."""
+    if model_type != "dots1" or get("sliding_window") is None:
+        return {}
+    types = d.get("layer_types") or ["sliding_attention" if i >= int(get("max_window_layers")) else "full_attention"
+                                     for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name 'full_attention' or 'sliding_attention' for each of the {layers} "
+                         f"layers; got {types!r}.")
+    if "sliding_attention" not in types or int(get("sliding_window")) >= int(get("max_position_embeddings")):
+        return {}
+    return dict(sliding_window=int(get("sliding_window")), layer_types=tuple(types))
 
 
 def router_fields(get: Any, experts: str, shared: str, sigmoid: bool, grouped: bool) -> dict:
@@ -183,7 +208,10 @@ def check_hf(cfg: Any) -> None:
     moe = [cfg.layer_is_moe(i) for i in range(cfg.num_layers)]
     first = moe.index(True) if True in moe else cfg.num_layers
     dense_first = arch == "glm4_moe_lite" or all(moe[first:])  # GLM-4.7-Flash lists each layer's kind
-    if not dense_first or cfg.sliding_window is not None or cfg.rope_local_theta is not None:
+    if arch == "dots1" and (not cfg.qk_norm or cfg.rotary_dim is not None):
+        raise ValueError("HF Dots1 has per-head q/k norms and rotates every dimension; set qk_norm=True, "
+                         "rotary_dim=None.")
+    if not dense_first or (cfg.sliding_window is not None and arch != "dots1") or cfg.rope_local_theta is not None:
         raise ValueError(f"HF {arch} has dense layers first, experts in every layer after them, no "
                          "sliding window and one RoPE base; set moe_layers accordingly, sliding_window=None, "
                          "rope_local_theta=None.")
@@ -219,4 +247,9 @@ def config_to_hf(cfg: Any, common: dict) -> dict:
         d.update(first_k_dense_replace=first_dense, use_qk_norm=cfg.qk_norm, **partial_rotary_keys(cfg, d))
     if arch == "glm4_moe_lite":
         d["mlp_layer_types"] = ["sparse" if f else "dense" for f in moe]
+    if arch == "dots1":
+        types = ["sliding_attention" if cfg.layer_window(i) is not None else "full_attention"
+                 for i in range(cfg.num_layers)]
+        d.update(first_k_dense_replace=first_dense, sliding_window=cfg.sliding_window, layer_types=types,
+                 max_window_layers=types.index("sliding_attention") if "sliding_attention" in types else cfg.num_layers)
     return d

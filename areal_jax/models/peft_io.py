@@ -72,7 +72,7 @@ def _adapted(model: nnx.Module) -> list[tuple[int, str, LoRAProjection]]:
 _MAMBA_OUT_REFUSED = ("nemotron_h", "falcon_h1", "mamba", "falcon_mamba", "mamba2")  # peft's own check refuses out_proj targets in these model types
 # mixtures of experts whose dense MLPs' names (their dense layers', their shared experts') PEFT maps onto the experts
 # (transformers' qwen2_moe conversion); Qwen2-MoE's and Qwen3.5-MoE's shared experts load as named
-_EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe",
+_EXPERT_NAMED_MLP = ("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "ernie4_5_moe",
                      "qwen3_next", "exaone_moe", "hunyuan_v1_moe")
 
 

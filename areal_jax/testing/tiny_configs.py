@@ -26,7 +26,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     window of 8 over every layer but the second, which skips RoPE; hunyuan_v1_dense (and hunyuan_v1_moe, experts at
     its branch) normalises q and k after RoPE; seed_oss has q/k/v and o biases; arcee's MLP has no gate (ReLU
     squared); ministral3 takes YaRN with a pretraining length of 8 and scales its queries by
-    1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, minimax_m2, glm4, ernie4_5
+    1 + 0.5 ln(1 + floor(position / 8)); deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, dots1, minimax_m2, glm4, ernie4_5
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
     bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi,
@@ -135,6 +135,12 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
                       moe_intermediate_size=16, shared_expert_size=16, shared_expert_gated=False, norm_topk_prob=True,
                       router_scoring="sigmoid", router_groups=(4, 2), router_score_bias=True, routed_scaling_factor=2.5,
                       moe_layers=tuple(int(i > 0) for i in range(layers)), rope_theta=1e6)
+    if architecture == "dots1":  # dots.llm1's form: q/k norms, a window of 8 in the second layer on, a dense first
+        # layer, then DeepSeek-V3's router over 2 of 8 experts (one group), unrenormalised, and a shared expert
+        fields.update(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_size=16, shared_expert_gated=False, norm_topk_prob=False, router_scoring="sigmoid",
+                      router_score_bias=True, routed_scaling_factor=2.5, moe_layers=tuple(int(i > 0) for i in range(layers)),
+                      sliding_window=8, layer_types=tuple("sliding_attention" if i else "full_attention" for i in range(layers)))
     if architecture == "hunyuan_v1_moe":  # Hunyuan-A13B's form: 2 of 8 experts of intermediate_size in every layer,
         # softmax weights renormalised, and an ungated shared MLP of that width
         fields.update(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, shared_expert_size=96,
