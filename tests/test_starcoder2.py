@@ -72,7 +72,7 @@ def test_the_refusals_name_what_to_change():
         ModelConfig.from_hf_dict({**d, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="one use_bias for q/k/v, o_proj and the MLP"):
         tiny_config("starcoder2", mlp_bias=False).to_hf_dict()
-    with pytest.raises(ValueError, match="mlp_bias .* is StarCoder2's, GPT-NeoX's, Phi's and Jais 2's; HF llama has none"):
+    with pytest.raises(ValueError, match="mlp_bias .* is StarCoder2's, GPT-NeoX's, Phi's, Jais 2's and Nemotron's; HF llama has none"):
         tiny_config("llama", mlp_bias=True).to_hf_dict()
 
 

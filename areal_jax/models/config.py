@@ -18,7 +18,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "granitemoe", "granitemoeshared", "
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "internlm3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "phi3", "granite", "granite_swa",
                  "ernie4_5", "glm4", "exaone4", "hunyuan_v1_dense", "seed_oss", "arcee", "qwen3_5_text", "ministral3",
                  "lfm2", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                 "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo", "jais2",
+                 "falcon_mamba", "mamba2", "cwm", "youtu", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "gemma", "glm", "helium", "ministral", "apertus", "stablelm", "exaone", "olmo", "jais2", "nemotron",
                  "nanochat", *MOE_ARCHITECTURES)
 MOE_IMPLS, EXPERT_DISPATCHES = ("auto", "blocked", "dense", "ragged", "pallas"), ("auto", "gather", "ring")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional", "dynamic")

@@ -28,6 +28,7 @@ from areal_jax.models import (
     ministral,
     ministral3,
     nanochat,
+    nemotron,
     nemotron_h,
     olmo,
     olmo_hybrid,
@@ -43,4 +44,4 @@ from areal_jax.models import (
 OWN_MODULES = (deepseek, ernie, exaone, hunyuan, seed_oss, arcee, qwen3_5, ministral3, phimoe, flex_olmo, lfm2,
                lfm3, olmo_hybrid, granite4, bamba, nemotron_h, falcon_h1, jamba, mamba_lm, cwm, youtu, nanochat,
                cohere, starcoder2, gpt_neox, phi, gemma, glm, helium, ministral, apertus,
-               stablelm, exaone3, olmo, jais2)
+               stablelm, exaone3, olmo, jais2, nemotron)

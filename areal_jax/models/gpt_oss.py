@@ -59,7 +59,7 @@ def check_hf(cfg: Any) -> None:
     own = dict(attention_sinks=cfg.attention_sinks, attention_out_bias=cfg.attention_out_bias,
                expert_bias=cfg.expert_bias, swiglu_limit=cfg.swiglu_limit is not None)
     if cfg.architecture != "gpt_oss":
-        out_bias = ("seed_oss", "phimoe", "starcoder2", "gpt_neox", "phi", "jais2")  # (sinks: `hf_checks` checks them)
+        out_bias = ("seed_oss", "phimoe", "starcoder2", "gpt_neox", "phi", "jais2", "nemotron")  # (sinks: `hf_checks`)
         used = [k for k, v in own.items()
                 if v and k != "attention_sinks" and not (k == "attention_out_bias" and cfg.architecture in out_bias)]
         if used:

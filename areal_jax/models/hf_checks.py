@@ -67,7 +67,7 @@ def check_loadable(cfg: Any) -> None:
         raise ValueError(f"mlp_layers (layers without a feed-forward) is Nemotron-H's; HF {cfg.architecture} has one "
                          "in every layer.")
     if cfg.rotary_dim is not None and cfg.architecture not in (*base_families.BASE, "glm4_moe", "bamba",
-                                                               "gpt_neox", "phi", "glm", "stablelm",
+                                                               "gpt_neox", "phi", "glm", "stablelm", "nemotron",
                                                                *qwen3_5.HF_CLASSES):
         raise ValueError(f"rotary_dim (partial rotary embeddings) is Phi's; HF {cfg.architecture} rotates every "
                          "dimension of a head.")

@@ -17,8 +17,9 @@ class LayerForm:
 
     @property
     def norm_offset(self) -> bool:
-        """Whether RMSNorms scale by 1 + w (weights stored as the offset from one): Gemma's and Qwen3.5's."""
-        return self.gemma or self.gated_attention
+        """Whether the norms scale by 1 + w (weights stored as the offset from one): Gemma's and Qwen3.5's RMSNorms,
+        Nemotron's LayerNorm1P."""
+        return self.gemma or self.gated_attention or self.architecture == "nemotron"
 
     @property
     def weightless_norms(self) -> bool:
@@ -44,15 +45,15 @@ class LayerForm:
     @property
     def layer_norm(self) -> bool:
         """Whether the norms are LayerNorms (mean removed, then a scale; `norm_bias`: and a bias) rather than RMSNorms
-        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM, OLMo, Jais 2)."""
+        (PhiMoE, Cohere, StarCoder2, GPT-NeoX, Phi, StableLM, OLMo, Jais 2, Nemotron)."""
         return self.architecture in ("phimoe", "cohere", "cohere2", "starcoder2", "gpt_neox", "phi", "stablelm", "olmo",
-                                     "jais2")
+                                     "jais2", "nemotron")
 
     @property
     def norm_bias(self) -> bool:
         """Whether the LayerNorms have a bias besides their scale (PhiMoE's, StarCoder2's, GPT-NeoX's, Phi's,
-        StableLM's, Jais 2's; Cohere's have none)."""
-        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi", "stablelm", "jais2")
+        StableLM's, Jais 2's, Nemotron's; Cohere's have none)."""
+        return self.architecture in ("phimoe", "starcoder2", "gpt_neox", "phi", "stablelm", "jais2", "nemotron")
 
     @property
     def parallel_block(self) -> bool:
@@ -68,9 +69,10 @@ class LayerForm:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLPs (and experts) have a gate: down(act(x @ gate) * (x @ up)); else down(act(x @ up))
-        (Arcee, Nemotron-H, NanoChat, Jais 2: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU; Apertus: xIELU)."""
-        return self.architecture not in ("arcee", "nemotron_h", "nanochat", "starcoder2", "gpt_neox", "phi", "apertus",
-                                         "jais2")
+        (Arcee, Nemotron-H, Nemotron, NanoChat, Jais 2: hidden_act relu2; StarCoder2, GPT-NeoX, Phi: GELU; Apertus:
+        xIELU)."""
+        return self.architecture not in ("arcee", "nemotron_h", "nemotron", "nanochat", "starcoder2", "gpt_neox", "phi",
+                                         "apertus", "jais2")
 
     @property
     def mlp_activation(self) -> str:

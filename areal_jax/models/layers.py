@@ -64,25 +64,31 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     """Layer norm over the last axis (mean removed, then divided by the standard deviation), a learned scale and,
     with `bias`, a learned bias (ones and zeros at first): PhiMoE's; Cohere's without the bias; OLMo's with neither
-    (`weightless`). Normalises in float32 and returns x's dtype."""
+    (`weightless`); with `offset` the factor is 1 + scale (zeros at first: Nemotron's LayerNorm1P). Normalises in
+    float32 and returns x's dtype."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, bias: bool = True, weightless: bool = False):
+    def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, bias: bool = True, weightless: bool = False,
+                 offset: bool = False):
         self.eps = eps
-        self.scale = None if weightless else make_param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.offset = offset
+        self.scale = None if weightless else make_param(None, (dim,), ("norm",), param_dtype,
+                                                        init="zeros" if offset else "ones")
         self.bias = make_param(None, (dim,), ("norm",), param_dtype, init="zeros") if bias and not weightless else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         y = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + self.eps)
-        y = y if self.scale is None else y * self.scale[...].astype(jnp.float32)
+        factor = None if self.scale is None else self.scale[...].astype(jnp.float32)
+        y = y if factor is None else y * (1.0 + factor if self.offset else factor)
         return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
     """A norm over the hidden size of the model's kind: `LayerNorm` where `ModelConfig.layer_norm`, else `RMSNorm`."""
     if cfg.layer_norm:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_bias, cfg.weightless_norms)
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_bias, cfg.weightless_norms,
+                         cfg.norm_offset)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_offset, cfg.weightless_norms)
 
 

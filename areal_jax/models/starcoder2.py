@@ -40,8 +40,9 @@ def config_from_hf(cls: type, d: dict, model_type: str, *, dtype: Any = jnp.floa
 def check_hf(cfg: Any) -> None:
     """Refuses a config transformers' Starcoder2ForCausalLM would not load as it is (and MLP biases elsewhere)."""
     if cfg.architecture not in HF_CLASSES:
-        if cfg.mlp_bias and cfg.architecture not in ("gpt_neox", "phi", "jais2"):
-            raise ValueError(f"mlp_bias (biases on the MLPs' projections) is StarCoder2's, GPT-NeoX's, Phi's and Jais 2's; HF "
+        if cfg.mlp_bias and cfg.architecture not in ("gpt_neox", "phi", "jais2", "nemotron"):
+            raise ValueError(f"mlp_bias (biases on the MLPs' projections) is StarCoder2's, GPT-NeoX's, Phi's, Jais 2's "
+                             f"and Nemotron's; HF "
                              f"{cfg.architecture} has none here.")
         return
     require_fields(cfg, "StarCoder2", "one use_bias for q/k/v, o_proj and the MLP, no q/k norm, a window in every layer "

@@ -30,7 +30,7 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
     and ernie4_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, phimoe as written at their branches below;
     flex_olmo: OLMo 2's layer with olmoe's experts (2 of 4, renormalised); lfm2, lfm2_moe, lfm3, olmo_hybrid,
     bamba, nemotron_h, falcon_h1, jamba, mamba, falcon_mamba, mamba2, cohere, cohere2, starcoder2, gpt_neox, phi,
-    glm, helium, ministral, apertus, stablelm, exaone (Llama's), olmo, jais2, cwm, youtu and nanochat as at their
+    glm, helium, ministral, apertus, stablelm, exaone (Llama's), olmo, jais2, nemotron, cwm, youtu and nanochat as at their
     branches. Any ModelConfig field can be overridden."""
     fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -64,6 +64,8 @@ def tiny_config(architecture: str = "qwen2", **overrides: Any) -> ModelConfig:
         own = {"starcoder2": dict(sliding_window=8), "gpt_neox": dict(num_kv_heads=4, rotary_dim=4),
                "phi": dict(num_kv_heads=4, rotary_dim=6, lm_head_bias=True)}.get(architecture, {})
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True, rms_norm_eps=1e-5, **own)
+    if architecture == "nemotron":  # LayerNorm1P (1 + w, and a bias), an ungated relu^2 MLP, half of each head rotating
+        fields.update(rotary_dim=8, rms_norm_eps=1e-5)
     if architecture == "smollm3":  # its NoPE layers: the second of every pair here
         fields.update(rope_layers=tuple(i % 2 == 0 for i in range(layers)))
     if architecture == "phi3":  # Phi-4-mini's form: 3/4 of each head rotates, LongRoPE (short factors by default)
