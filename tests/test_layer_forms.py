@@ -20,7 +20,7 @@ def test_each_architectures_form_is_consistent(arch):
     assert not form.norm_bias or form.layer_norm  # (only LayerNorms have biases)
     assert not form.parallel_mlp_norm or form.parallel_block
     assert not (form.parallel_block and (form.sandwich_norms or form.olmo))  # (one residual add: no norms after)
-    assert not (form.norm_offset and form.layer_norm)  # (1 + w is an RMSNorm form)
+    assert not (form.norm_offset and form.layer_norm) or form.norm_bias  # (1 + w: RMSNorms', LayerNorm1P's with a bias)
     assert not form.sandwich_norms or not form.olmo
 
 
